@@ -1,0 +1,148 @@
+// Communicator: the only way mfsdp ranks talk to each other (DESIGN.md section 3).
+//
+// Every rank of a communicator must issue the same collectives in the same order with matching
+// arguments (sizes, counts, dtypes, roots). Each collective has an asynchronous form returning a
+// Work handle and a synchronous form (the async form followed by wait()). Asynchronous work runs
+// in issue order on the communicator's own thread (CPU) or stream (CUDA), so it overlaps compute.
+//
+// Every collective has a timeout. A peer that died or stopped responding makes the collective
+// fail with CommError naming the operation, this rank and the peer it was waiting on; after a
+// failure the communicator is broken and every later call fails at once with the first error.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace mfsdp {
+
+// Thrown by collectives that could not complete (peer gone, timeout, transport error).
+class CommError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+enum class ReduceOp { kSum, kAvg, kMax };
+const char* to_string(ReduceOp op);
+
+// Handle to an issued collective (c10d's Work, reduced to what we need).
+class Work {
+ public:
+  virtual ~Work() = default;
+  // Blocks until the collective finished; rethrows its error (CommError) if it failed.
+  // CUDA: makes the caller's current stream wait for the collective instead of blocking the host.
+  virtual void wait() = 0;
+  // True once the collective finished (successfully or not); never blocks.
+  virtual bool is_completed() = 0;
+};
+using WorkHandle = std::shared_ptr<Work>;
+
+// Per-call options. A zero timeout means "the communicator's default".
+struct AllGatherOptions {
+  // Elements contributed by each rank (size() == world size). Empty: every rank contributes
+  // input.numel() elements. Counts may differ and may be zero.
+  std::vector<int64_t> counts;
+  std::chrono::milliseconds timeout{0};
+};
+
+struct ReduceScatterOptions {
+  ReduceOp op = ReduceOp::kSum;
+  // Multiplies the input by this factor before reducing (e.g. 1/dp gradient scaling), without
+  // modifying the caller's input.
+  double prescale = 1.0;
+  // Elements of the reduced result each rank receives (size() == world size). Empty: equal
+  // shards of input.numel() / world size. Counts may differ and may be zero.
+  std::vector<int64_t> counts;
+  std::chrono::milliseconds timeout{0};
+};
+
+struct AllReduceOptions {
+  ReduceOp op = ReduceOp::kSum;
+  std::chrono::milliseconds timeout{0};
+};
+
+struct BroadcastOptions {
+  int root = 0;
+  std::chrono::milliseconds timeout{0};
+};
+
+struct BarrierOptions {
+  std::chrono::milliseconds timeout{0};
+};
+
+// Numerics (all backends): bf16/fp16 reductions accumulate in fp32 and round once at the end,
+// so the result is the fp32 sum of the inputs rounded to the tensor's dtype (independent of the
+// world size and reduction order up to fp32 rounding). Integer tensors are reduced exactly;
+// kAvg needs a floating-point dtype.
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "gloo" or "nccl"
+  virtual std::string backend() const = 0;
+  virtual std::chrono::milliseconds default_timeout() const = 0;
+
+  // Concatenates every rank's `input` (1-D view of its elements) into `output` in rank order.
+  // output: contiguous, same dtype/device, numel == sum(counts). `input` may alias the rank's own
+  // slot of `output` (in-place all-gather).
+  virtual WorkHandle all_gather_async(const at::Tensor& output, const at::Tensor& input,
+                                      const AllGatherOptions& options = {}) = 0;
+
+  // Reduces `input` (numel == sum(counts)) over ranks and leaves rank r's slice
+  // [sum(counts[:r]), sum(counts[:r+1])) in `output` (numel == counts[r]). `input` is not modified.
+  virtual WorkHandle reduce_scatter_async(const at::Tensor& output, const at::Tensor& input,
+                                          const ReduceScatterOptions& options = {}) = 0;
+
+  // Reduces `tensor` over ranks in place.
+  virtual WorkHandle all_reduce_async(const at::Tensor& tensor,
+                                      const AllReduceOptions& options = {}) = 0;
+
+  // Copies `tensor` of rank `root` into `tensor` of every rank.
+  virtual WorkHandle broadcast_async(const at::Tensor& tensor,
+                                     const BroadcastOptions& options = {}) = 0;
+
+  // Completes once every rank reached it (and all previously issued work has finished here).
+  virtual WorkHandle barrier_async(const BarrierOptions& options = {}) = 0;
+
+  // A communicator over `ranks` (ranks of this communicator, ascending, including rank()), for
+  // meshes and subgroups. Collective over exactly the listed ranks, which must call it in the
+  // same order with the same `ranks` and `name`. Ranks are renumbered 0..ranks.size()-1.
+  virtual std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
+                                                  const std::string& name) = 0;
+
+  // Synchronous forms: the async form followed by wait(), unless a backend has a faster path.
+  virtual void all_gather(const at::Tensor& output, const at::Tensor& input,
+                          const AllGatherOptions& options = {});
+  virtual void reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                              const ReduceScatterOptions& options = {});
+  virtual void all_reduce(const at::Tensor& tensor, const AllReduceOptions& options = {});
+  virtual void broadcast(const at::Tensor& tensor, const BroadcastOptions& options = {});
+  virtual void barrier(const BarrierOptions& options = {});
+};
+
+struct CommOptions {
+  // "gloo" (CPU tensors) or "nccl" (CUDA tensors; needs a build with MFSDP_CUDA).
+  std::string backend = "gloo";
+  // Default timeout of every collective and of the rendezvous itself.
+  std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // CUDA device index for the NCCL backend; -1: LOCAL_RANK.
+  int device_index = -1;
+};
+
+struct RendezvousInfo;  // mfsdp/rendezvous.h
+
+// Creates the world communicator from the launcher's environment (torchrun, Slurm or Open MPI
+// variables; see rendezvous.h).
+std::shared_ptr<Communicator> init_communicator(const CommOptions& options = {});
+// Same, from an explicit rendezvous description.
+std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
+                                                const CommOptions& options = {});
+
+}  // namespace mfsdp

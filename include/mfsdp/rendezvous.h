@@ -1,0 +1,39 @@
+// Where this process sits in the job and how ranks find each other, read from the environment
+// that a launcher sets: torchrun/mfsdp-run, Slurm's srun, or Open MPI's mpirun.
+#pragma once
+
+#include <functional>
+#include <string>
+
+namespace mfsdp {
+
+struct RendezvousInfo {
+  int rank = 0;              // global rank, 0 <= rank < world_size
+  int world_size = 1;
+  int local_rank = 0;        // rank on this node, 0 <= local_rank < local_world_size
+  int local_world_size = 1;  // ranks on this node
+  std::string master_addr = "127.0.0.1";  // host of rank 0, where the store server listens
+  int master_port = 29500;
+  std::string source;        // "torchrun", "slurm", "openmpi" or "explicit"
+
+  // Every rank of the job runs on this node (then the loopback interface carries the traffic).
+  bool single_node() const { return local_world_size == world_size; }
+};
+
+using EnvLookup = std::function<const char*(const char*)>;
+
+// Reads, in this order of preference:
+//   torchrun / mfsdp-run: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+//   Slurm:   SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE (or
+//            SLURM_TASKS_PER_NODE); MASTER_ADDR (else the first host of SLURM_JOB_NODELIST);
+//            MASTER_PORT (else 20000 + SLURM_JOB_ID % 20000)
+//   Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
+//            OMPI_COMM_WORLD_LOCAL_SIZE; MASTER_ADDR (required on several nodes), MASTER_PORT
+// Throws std::invalid_argument naming the variable when a required one is missing, is not a
+// number, or is inconsistent with the others (e.g. RANK >= WORLD_SIZE).
+RendezvousInfo rendezvous_from_env(const EnvLookup& getenv_fn = nullptr);
+
+// First host name of a Slurm node list: "node[03-05,9],gpu1" -> "node03".
+std::string first_slurm_host(const std::string& nodelist);
+
+}  // namespace mfsdp

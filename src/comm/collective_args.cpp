@@ -1,0 +1,129 @@
+#include "comm/collective_args.h"
+
+#include <algorithm>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+
+namespace mfsdp {
+namespace {
+
+[[noreturn]] void bad_call(const char* op, const std::string& what) {
+  throw std::invalid_argument(std::string(op) + ": " + what);
+}
+
+std::string join(const std::vector<int64_t>& v) {
+  std::ostringstream s;
+  for (size_t i = 0; i < v.size(); ++i) s << (i ? "," : "") << v[i];
+  return s.str();
+}
+
+RankSlices checked_counts(const char* op, const std::vector<int64_t>& counts, int world) {
+  if (static_cast<int>(counts.size()) != world)
+    bad_call(op, "counts has " + std::to_string(counts.size()) + " entries, world size is " +
+                     std::to_string(world));
+  for (int64_t c : counts)
+    if (c < 0) bad_call(op, "negative count in counts [" + join(counts) + "]");
+  return slices_from_counts(counts);
+}
+
+}  // namespace
+
+int64_t RankSlices::max_count() const {
+  return counts.empty() ? 0 : *std::max_element(counts.begin(), counts.end());
+}
+
+RankSlices slices_from_counts(const std::vector<int64_t>& counts) {
+  RankSlices s;
+  s.counts = counts;
+  s.offsets.resize(counts.size());
+  for (size_t i = 0; i < counts.size(); ++i) {
+    s.offsets[i] = s.total;
+    s.total += counts[i];
+  }
+  return s;
+}
+
+RankSlices even_slices(int64_t numel, int world) {
+  std::vector<int64_t> counts(world, numel / world);
+  for (int64_t i = 0; i < numel % world; ++i) counts[i] += 1;
+  return slices_from_counts(counts);
+}
+
+void check_tensor(const char* op, const char* role, const at::Tensor& t, c10::DeviceType device) {
+  if (!t.defined()) bad_call(op, std::string(role) + " tensor is undefined");
+  if (t.device().type() != device) {
+    std::ostringstream s;
+    s << role << " tensor is on " << t.device() << ", this communicator works on "
+      << c10::DeviceTypeName(device) << " tensors";
+    bad_call(op, s.str());
+  }
+  if (!t.is_contiguous()) bad_call(op, std::string(role) + " tensor is not contiguous");
+}
+
+RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
+                             const AllGatherOptions& options, int rank, int world,
+                             c10::DeviceType device) {
+  const char* op = "all_gather";
+  check_tensor(op, "output", output, device);
+  check_tensor(op, "input", input, device);
+  if (output.scalar_type() != input.scalar_type())
+    bad_call(op, std::string("output dtype ") + c10::toString(output.scalar_type()) +
+                     " differs from input dtype " + c10::toString(input.scalar_type()));
+  RankSlices s = options.counts.empty()
+                     ? slices_from_counts(std::vector<int64_t>(world, input.numel()))
+                     : checked_counts(op, options.counts, world);
+  if (s.counts[rank] != input.numel())
+    bad_call(op, "rank " + std::to_string(rank) + " has " + std::to_string(input.numel()) +
+                     " input elements but counts[" + std::to_string(rank) + "] is " +
+                     std::to_string(s.counts[rank]));
+  if (output.numel() != s.total)
+    bad_call(op, "output has " + std::to_string(output.numel()) + " elements, expected " +
+                     std::to_string(s.total) + " (counts [" + join(s.counts) + "])");
+  return s;
+}
+
+RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const ReduceScatterOptions& options, int rank, int world,
+                                 c10::DeviceType device) {
+  const char* op = "reduce_scatter";
+  check_tensor(op, "output", output, device);
+  check_tensor(op, "input", input, device);
+  if (output.scalar_type() != input.scalar_type())
+    bad_call(op, std::string("output dtype ") + c10::toString(output.scalar_type()) +
+                     " differs from input dtype " + c10::toString(input.scalar_type()));
+  check_reduction(op, options.op, input.scalar_type(), options.prescale);
+  RankSlices s;
+  if (options.counts.empty()) {
+    if (input.numel() % world != 0)
+      bad_call(op, "input has " + std::to_string(input.numel()) +
+                       " elements, not divisible by world size " + std::to_string(world) +
+                       "; pass counts for uneven shards");
+    s = slices_from_counts(std::vector<int64_t>(world, input.numel() / world));
+  } else {
+    s = checked_counts(op, options.counts, world);
+  }
+  if (input.numel() != s.total)
+    bad_call(op, "input has " + std::to_string(input.numel()) + " elements, counts [" +
+                     join(s.counts) + "] sum to " + std::to_string(s.total));
+  if (output.numel() != s.counts[rank])
+    bad_call(op, "output has " + std::to_string(output.numel()) + " elements, counts[" +
+                     std::to_string(rank) + "] is " + std::to_string(s.counts[rank]));
+  return s;
+}
+
+void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, double prescale) {
+  if (dtype == at::kBool || c10::isComplexType(dtype))
+    bad_call(op, std::string("cannot reduce dtype ") + c10::toString(dtype));
+  bool floating = c10::isFloatingType(dtype);
+  if (reduce == ReduceOp::kAvg && !floating)
+    bad_call(op, std::string("average needs a floating-point dtype, got ") + c10::toString(dtype));
+  if (prescale != 1.0 && !floating)
+    bad_call(op, std::string("prescale needs a floating-point dtype, got ") + c10::toString(dtype));
+}
+
+at::ScalarType accumulation_dtype(at::ScalarType dtype) {
+  return (dtype == at::kBFloat16 || dtype == at::kHalf) ? at::kFloat : dtype;
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,44 @@
+// Argument checks and element layouts shared by the communicator backends, so every backend
+// rejects the same bad calls with the same messages before any traffic starts.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <string>
+#include <vector>
+
+#include "mfsdp/comm.h"
+
+namespace mfsdp {
+
+// Per-rank element counts and their prefix offsets of one collective.
+struct RankSlices {
+  std::vector<int64_t> counts;   // [world]
+  std::vector<int64_t> offsets;  // [world], offsets[r] = sum(counts[:r])
+  int64_t total = 0;
+  int64_t max_count() const;
+};
+
+RankSlices slices_from_counts(const std::vector<int64_t>& counts);
+// numel split into `world` contiguous slices that differ by at most one element.
+RankSlices even_slices(int64_t numel, int world);
+
+// Throws std::invalid_argument naming `op` and `role` unless `t` is defined, contiguous and on
+// `device`'s type.
+void check_tensor(const char* op, const char* role, const at::Tensor& t, c10::DeviceType device);
+
+// Validates an all-gather call (dtype match, counts, output size) and returns its layout.
+RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
+                             const AllGatherOptions& options, int rank, int world,
+                             c10::DeviceType device);
+// Validates a reduce-scatter call and returns its layout.
+RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const ReduceScatterOptions& options, int rank, int world,
+                                 c10::DeviceType device);
+// Rejects reductions the dtype cannot do (kAvg or a prescale on integers, bool, complex).
+void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, double prescale);
+
+// The dtype reductions accumulate in: fp32 for bf16/fp16, the dtype itself otherwise.
+at::ScalarType accumulation_dtype(at::ScalarType dtype);
+
+}  // namespace mfsdp

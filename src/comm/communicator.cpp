@@ -1,0 +1,62 @@
+#include <stdexcept>
+
+#include "comm/gloo_communicator.h"
+#include "comm/store.h"
+#include "mfsdp/comm.h"
+#include "mfsdp/rendezvous.h"
+
+#ifdef MFSDP_WITH_CUDA
+#include "comm/nccl_communicator.h"
+#endif
+
+namespace mfsdp {
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kAvg: return "avg";
+    case ReduceOp::kMax: return "max";
+  }
+  return "?";
+}
+
+void Communicator::all_gather(const at::Tensor& output, const at::Tensor& input,
+                              const AllGatherOptions& options) {
+  all_gather_async(output, input, options)->wait();
+}
+void Communicator::reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                                  const ReduceScatterOptions& options) {
+  reduce_scatter_async(output, input, options)->wait();
+}
+void Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& options) {
+  all_reduce_async(tensor, options)->wait();
+}
+void Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& options) {
+  broadcast_async(tensor, options)->wait();
+}
+void Communicator::barrier(const BarrierOptions& options) { barrier_async(options)->wait(); }
+
+std::shared_ptr<Communicator> init_communicator(const CommOptions& options) {
+  return init_communicator(rendezvous_from_env(), options);
+}
+
+std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
+                                                const CommOptions& options) {
+  if (options.backend == "gloo")
+    return make_gloo_communicator(connect_store(info, options.timeout), info, options.timeout);
+  if (options.backend == "nccl") {
+#ifdef MFSDP_WITH_CUDA
+    int device = options.device_index >= 0 ? options.device_index : info.local_rank;
+    return make_nccl_communicator(connect_store(info, options.timeout), info, device,
+                                  options.timeout);
+#else
+    throw std::invalid_argument(
+        "communicator backend 'nccl' needs a CUDA build (cmake -DMFSDP_CUDA=ON); this build has "
+        "only 'gloo'");
+#endif
+  }
+  throw std::invalid_argument("unknown communicator backend '" + options.backend +
+                              "' (expected 'gloo' or 'nccl')");
+}
+
+}  // namespace mfsdp

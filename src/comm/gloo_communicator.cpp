@@ -1,0 +1,463 @@
+#include "comm/gloo_communicator.h"
+
+#include <ATen/ATen.h>
+#include <gloo/common/error.h>
+#include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/store.h>
+#include <gloo/transport/tcp/device.h>
+#include <gloo/transport/unbound_buffer.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
+#include <map>
+#include <sstream>
+
+#include "comm/collective_args.h"
+#include "comm/comm_thread.h"
+
+namespace mfsdp {
+namespace {
+
+using Buffer = std::unique_ptr<gloo::transport::UnboundBuffer>;
+
+// gloo's rendezvous reads peer addresses through this view of our c10d store.
+class GlooStoreAdapter : public gloo::rendezvous::Store {
+ public:
+  GlooStoreAdapter(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds timeout)
+      : store_(std::move(store)), timeout_(timeout) {}
+  void set(const std::string& key, const std::vector<char>& data) override {
+    store_->set(key, std::vector<uint8_t>(data.begin(), data.end()));
+  }
+  std::vector<char> get(const std::string& key) override {
+    auto v = store_->get(key);
+    return std::vector<char>(v.begin(), v.end());
+  }
+  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& t) override {
+    store_->wait(keys, t);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::chrono::milliseconds timeout_;
+};
+
+std::shared_ptr<gloo::transport::Device> make_device(const RendezvousInfo& info) {
+  gloo::transport::tcp::attr attr;
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
+    attr.iface = ifname;
+  } else if (info.single_node()) {
+    attr.hostname = "127.0.0.1";  // all ranks here: loopback needs no name resolution
+  } else {
+    char host[256] = {0};
+    gethostname(host, sizeof(host) - 1);
+    attr.hostname = host;
+  }
+  return gloo::transport::tcp::CreateDevice(attr);
+}
+
+// One collective's traffic: a unique slot range and the names used in its errors.
+class Transfer {
+ public:
+  Transfer(const char* op, uint64_t seq, int rank, const std::vector<int>& global_ranks,
+           std::chrono::milliseconds timeout)
+      : op_(op), seq_(seq), rank_(rank), global_ranks_(global_ranks), timeout_(timeout) {}
+
+  // Steps (< 4096) and segments (< 4096) of one collective use distinct slots, so messages of
+  // different steps or segments never match each other.
+  uint64_t slot(int step, int64_t segment = 0) const {
+    return (seq_ << 24) | (static_cast<uint64_t>(step) << 12) | static_cast<uint64_t>(segment);
+  }
+
+  void wait_recv(gloo::transport::UnboundBuffer& b, int peer) const {
+    wait(peer, "receiving from", [&] { return b.waitRecv(timeout_); });
+  }
+  void wait_send(gloo::transport::UnboundBuffer& b, int peer) const {
+    wait(peer, "sending to", [&] { return b.waitSend(timeout_); });
+  }
+
+  [[noreturn]] void fail(int peer, const std::string& doing, const std::string& why) const {
+    std::ostringstream s;
+    s << op_ << " #" << seq_ << " failed on rank " << describe(rank_) << " while " << doing
+      << " rank " << describe(peer) << " (timeout " << timeout_.count() << " ms): " << why;
+    throw CommError(s.str());
+  }
+
+ private:
+  template <class F>
+  void wait(int peer, const char* doing, F&& f) const {
+    bool ok = false;
+    try {
+      ok = f();
+    } catch (const std::exception& e) {
+      fail(peer, doing, e.what());
+    }
+    if (!ok) fail(peer, doing, "aborted");
+  }
+
+  std::string describe(int r) const {
+    int g = global_ranks_[r];
+    return g == r ? std::to_string(r) : std::to_string(r) + " (global " + std::to_string(g) + ")";
+  }
+
+  const char* op_;
+  uint64_t seq_;
+  int rank_;
+  const std::vector<int>& global_ranks_;
+  std::chrono::milliseconds timeout_;
+};
+
+char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
+
+class GlooCommunicator : public Communicator {
+ public:
+  GlooCommunicator(c10::intrusive_ptr<c10d::Store> store,
+                   std::shared_ptr<gloo::transport::Device> device, int rank,
+                   std::vector<int> global_ranks, std::chrono::milliseconds timeout)
+      : store_(std::move(store)),
+        device_(std::move(device)),
+        rank_(rank),
+        global_ranks_(std::move(global_ranks)),
+        timeout_(timeout) {
+    const int size = static_cast<int>(global_ranks_.size());
+    context_ = std::make_shared<gloo::rendezvous::Context>(rank_, size);
+    context_->setTimeout(timeout_);
+    if (size > 1) {
+      GlooStoreAdapter adapter(store_, timeout_);
+      try {
+        context_->connectFullMesh(adapter, device_);
+      } catch (const std::exception& e) {
+        throw CommError("rendezvous: rank " + std::to_string(global_ranks_[rank_]) +
+                        " could not connect to its " + std::to_string(size - 1) +
+                        " peers within " + std::to_string(timeout_.count()) + " ms: " + e.what());
+      }
+    }
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return static_cast<int>(global_ranks_.size()); }
+  std::string backend() const override { return "gloo"; }
+  std::chrono::milliseconds default_timeout() const override { return timeout_; }
+
+  WorkHandle all_gather_async(const at::Tensor& output, const at::Tensor& input,
+                              const AllGatherOptions& options) override {
+    return submit(all_gather_job(output, input, options));
+  }
+  WorkHandle reduce_scatter_async(const at::Tensor& output, const at::Tensor& input,
+                                  const ReduceScatterOptions& options) override {
+    return submit(reduce_scatter_job(output, input, options));
+  }
+  WorkHandle all_reduce_async(const at::Tensor& tensor, const AllReduceOptions& options) override {
+    return submit(all_reduce_job(tensor, options));
+  }
+  WorkHandle broadcast_async(const at::Tensor& tensor, const BroadcastOptions& options) override {
+    return submit(broadcast_job(tensor, options));
+  }
+  WorkHandle barrier_async(const BarrierOptions& options) override {
+    return submit(barrier_job(options));
+  }
+
+  // Synchronous forms run on the caller's thread when no async work is pending.
+  void all_gather(const at::Tensor& output, const at::Tensor& input,
+                  const AllGatherOptions& options) override {
+    run(all_gather_job(output, input, options));
+  }
+  void reduce_scatter(const at::Tensor& output, const at::Tensor& input,
+                      const ReduceScatterOptions& options) override {
+    run(reduce_scatter_job(output, input, options));
+  }
+  void all_reduce(const at::Tensor& tensor, const AllReduceOptions& options) override {
+    run(all_reduce_job(tensor, options));
+  }
+  void broadcast(const at::Tensor& tensor, const BroadcastOptions& options) override {
+    run(broadcast_job(tensor, options));
+  }
+  void barrier(const BarrierOptions& options) override { run(barrier_job(options)); }
+
+  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
+                                          const std::string& name) override {
+    std::vector<int> group_globals;
+    int my_index = -1;
+    std::ostringstream key;
+    key << "group/" << name << "/";
+    for (size_t i = 0; i < ranks.size(); ++i) {
+      int r = ranks[i];
+      if (r < 0 || r >= size() || (i > 0 && r <= ranks[i - 1]))
+        throw std::invalid_argument("new_group '" + name +
+                                    "': ranks must be ascending and within [0, " +
+                                    std::to_string(size()) + ")");
+      if (r == rank_) my_index = static_cast<int>(i);
+      group_globals.push_back(global_ranks_[r]);
+      key << r << ",";
+    }
+    if (my_index < 0)
+      throw std::invalid_argument("new_group '" + name + "': rank " + std::to_string(rank_) +
+                                  " is not among the group's ranks");
+    // Creating the same group twice must not read the first one's addresses from the store.
+    key << "#" << groups_created_[key.str()]++;
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(key.str(), store_);
+    return std::make_shared<GlooCommunicator>(prefixed, device_, my_index,
+                                              std::move(group_globals), timeout_);
+  }
+
+ private:
+  // One collective, validated and ready to run on whichever thread executes it.
+  struct Job {
+    const char* op;
+    std::chrono::milliseconds timeout;
+    std::function<void(const Transfer&)> body;
+  };
+
+  Job all_gather_job(const at::Tensor& output, const at::Tensor& input,
+                              const AllGatherOptions& options) {
+    RankSlices s = all_gather_layout(output, input, options, rank_, size(), c10::kCPU);
+    return Job{"all_gather", options.timeout, [=](const Transfer& t) {
+      at::Tensor own = output.view(-1).narrow(0, s.offsets[rank_], s.counts[rank_]);
+      if (own.data_ptr() != input.data_ptr()) own.copy_(input.view(-1));
+      ring_all_gather(t, output, s);
+    }};
+  }
+
+  Job reduce_scatter_job(const at::Tensor& output, const at::Tensor& input,
+                                  const ReduceScatterOptions& options) {
+    RankSlices s = reduce_scatter_layout(output, input, options, rank_, size(), c10::kCPU);
+    return Job{"reduce_scatter", options.timeout, [=](const Transfer& t) {
+      at::ScalarType acc = accumulation_dtype(output.scalar_type());
+      at::Tensor result = acc == output.scalar_type() ? output.view(-1)
+                                                      : at::empty({s.counts[rank_]},
+                                                                  output.options().dtype(acc));
+      ring_reduce_scatter(t, result, input.view(-1), s, options.op, options.prescale);
+      if (options.op == ReduceOp::kAvg) result.div_(size());
+      if (acc != output.scalar_type()) output.view(-1).copy_(result);
+    }};
+  }
+
+  Job all_reduce_job(const at::Tensor& tensor, const AllReduceOptions& options) {
+    check_tensor("all_reduce", "input", tensor, c10::kCPU);
+    check_reduction("all_reduce", options.op, tensor.scalar_type(), 1.0);
+    return Job{"all_reduce", options.timeout, [=](const Transfer& t) {
+      // Reduce-scatter then all-gather, in place in an accumulation-dtype buffer.
+      at::ScalarType acc = accumulation_dtype(tensor.scalar_type());
+      at::Tensor work = acc == tensor.scalar_type() ? tensor.view(-1) : tensor.view(-1).to(acc);
+      RankSlices s = even_slices(work.numel(), size());
+      at::Tensor own = work.narrow(0, s.offsets[rank_], s.counts[rank_]);
+      ring_reduce_scatter(t, own, work, s, options.op, 1.0);
+      if (options.op == ReduceOp::kAvg) own.div_(size());
+      ring_all_gather(t, work, s, /*first_step=*/size());
+      if (acc != tensor.scalar_type()) tensor.view(-1).copy_(work);
+    }};
+  }
+
+  Job broadcast_job(const at::Tensor& tensor, const BroadcastOptions& options) {
+    check_tensor("broadcast", "input", tensor, c10::kCPU);
+    if (options.root < 0 || options.root >= size())
+      throw std::invalid_argument("broadcast: root " + std::to_string(options.root) +
+                                  " is outside [0, " + std::to_string(size()) + ")");
+    return Job{"broadcast", options.timeout, [=](const Transfer& t) {
+      size_t nbytes = tensor.nbytes();
+      if (size() == 1 || nbytes == 0) return;
+      Buffer buf = context_->createUnboundBuffer(bytes(tensor), nbytes);
+      if (rank_ == options.root) {
+        for (int p = 0; p < size(); ++p)
+          if (p != rank_) buf->send(p, t.slot(0), 0, nbytes);
+        for (int p = 0; p < size(); ++p)
+          if (p != rank_) t.wait_send(*buf, p);
+      } else {
+        buf->recv(options.root, t.slot(0), 0, nbytes);
+        t.wait_recv(*buf, options.root);
+      }
+    }};
+  }
+
+  Job barrier_job(const BarrierOptions& options) {
+    // Every rank contributes one element, so the ring cannot complete before all have arrived.
+    at::Tensor token = at::ones({size()}, at::kInt);
+    return Job{"barrier", options.timeout, [=](const Transfer& t) {
+      RankSlices s = even_slices(size(), size());
+      at::Tensor own = token.narrow(0, rank_, 1);
+      ring_reduce_scatter(t, own, token, s, ReduceOp::kSum, 1.0);
+      ring_all_gather(t, token, s, size());
+    }};
+  }
+
+  WorkHandle submit(Job job) { return thread_.submit(bind(std::move(job))); }
+  void run(Job job) { thread_.run(bind(std::move(job))); }
+
+  // Wraps a job with its sequence number, timeout and the broken-communicator rule.
+  std::function<void()> bind(Job job) {
+    const uint64_t seq = next_seq_++;
+    const auto limit = job.timeout.count() > 0 ? job.timeout : timeout_;
+    // `self` outlives the job: the destructor drains the queue before any member goes away.
+    GlooCommunicator* self = this;
+    return [self, op = job.op, seq, limit, body = std::move(job.body)] {
+      if (self->first_error_) {
+        throw CommError(std::string(op) + " #" + std::to_string(seq) +
+                        ": communicator is broken by an earlier failure: " + self->first_error_msg_);
+      }
+      Transfer t(op, seq, self->rank_, self->global_ranks_, limit);
+      // Any failure midway leaves peers out of step, so it breaks the communicator.
+      try {
+        body(t);
+      } catch (const CommError& e) {
+        self->first_error_ = true;
+        self->first_error_msg_ = e.what();
+        throw;
+      } catch (const std::exception& e) {
+        self->first_error_ = true;
+        self->first_error_msg_ = std::string(op) + " #" + std::to_string(seq) + " failed on rank " +
+                                 std::to_string(self->rank_) + ": " + e.what();
+        throw CommError(self->first_error_msg_);
+      }
+    };
+  }
+
+  // Fills every rank's slice of `buffer` (laid out by `s`) from the ranks around the ring; this
+  // rank's own slice must already be in place. Slots start at `first_step`.
+  void ring_all_gather(const Transfer& t, const at::Tensor& buffer, const RankSlices& s,
+                       int first_step = 0) {
+    const int n = size();
+    if (n == 1 || buffer.nbytes() == 0) return;
+    const int64_t item = buffer.element_size();
+    Buffer buf = context_->createUnboundBuffer(bytes(buffer), buffer.nbytes());
+    const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+    for (int step = 0; step < n - 1; ++step) {
+      int send_idx = (rank_ - step + n) % n, recv_idx = (rank_ - step - 1 + 2 * n) % n;
+      bool receiving = s.counts[recv_idx] > 0, sending = s.counts[send_idx] > 0;
+      if (receiving) buf->recv(left, t.slot(first_step + step), s.offsets[recv_idx] * item,
+                               s.counts[recv_idx] * item);
+      if (sending) buf->send(right, t.slot(first_step + step), s.offsets[send_idx] * item,
+                             s.counts[send_idx] * item);
+      if (receiving) t.wait_recv(*buf, left);
+      if (sending) t.wait_send(*buf, right);
+    }
+  }
+
+  // Ring reduce-scatter of `input` (laid out by `s`): after n-1 steps `result` (counts[rank]
+  // elements of the accumulation dtype; may alias this rank's slice of `input`) holds the
+  // reduction of every rank's slice `rank`. Partial sums travel in the accumulation dtype.
+  void ring_reduce_scatter(const Transfer& t, const at::Tensor& result, const at::Tensor& input,
+                           const RankSlices& s, ReduceOp op, double prescale) {
+    const int n = size();
+    auto slice = [&](int i) { return input.narrow(0, s.offsets[i], s.counts[i]); };
+    // dst = local (scaled) combined with incoming partial result.
+    auto combine = [&](const at::Tensor& dst, const at::Tensor& local, const at::Tensor& incoming) {
+      at::Tensor out = dst;
+      if (op == ReduceOp::kMax) {
+        at::maximum_out(out, prescale == 1.0 ? local : local * prescale, incoming);
+      } else if (prescale == 1.0) {
+        at::add_out(out, incoming, local);
+      } else {
+        at::add_out(out, incoming, local, prescale);  // incoming + prescale * local
+      }
+    };
+    if (n == 1) {
+      at::Tensor out = result;
+      if (prescale != 1.0) {
+        at::mul_out(out, slice(0), prescale);
+      } else if (result.data_ptr() != slice(0).data_ptr()) {
+        out.copy_(slice(0));
+      }
+      return;
+    }
+    const int64_t max_count = s.max_count();
+    if (max_count == 0) return;
+    const at::ScalarType acc = result.scalar_type();
+    const int64_t item = c10::elementSize(acc);
+    // Partial results alternate between two buffers: step k sends partial[k % 2] while its
+    // segments are combined into partial[(k + 1) % 2] as they arrive.
+    at::Tensor partial[2] = {scratch(0, acc, max_count), scratch(2, acc, max_count)};
+    at::Tensor incoming = scratch(1, acc, max_count);
+    Buffer partial_buf[2] = {context_->createUnboundBuffer(bytes(partial[0]), partial[0].nbytes()),
+                             context_->createUnboundBuffer(bytes(partial[1]), partial[1].nbytes())};
+    Buffer in_buf = context_->createUnboundBuffer(bytes(incoming), incoming.nbytes());
+    const int64_t segment = segment_elements(max_count, item);
+    const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
+    for (int step = 0; step < n - 1; ++step) {
+      const int send_idx = (rank_ - step - 1 + 2 * n) % n;
+      const int recv_idx = (rank_ - step - 2 + 2 * n) % n;
+      const int64_t send_count = s.counts[send_idx], recv_count = s.counts[recv_idx];
+      // The first step sends this rank's own contribution (straight from the input when no
+      // conversion is needed); later steps forward the previous step's partial result.
+      Buffer direct;
+      gloo::transport::UnboundBuffer* sender = partial_buf[step % 2].get();
+      if (step == 0 && send_count > 0) {
+        at::Tensor own = slice(send_idx);
+        if (own.scalar_type() == acc && prescale == 1.0) {
+          direct = context_->createUnboundBuffer(bytes(own), own.nbytes());
+          sender = direct.get();
+        } else {
+          at::Tensor staged = partial[0].narrow(0, 0, send_count);
+          at::mul_out(staged, own.to(acc), prescale);
+        }
+      }
+      // Segments let the combine of one segment overlap the transfer of the next.
+      const int64_t recv_segments = (recv_count + segment - 1) / segment;
+      const int64_t send_segments = (send_count + segment - 1) / segment;
+      for (int64_t k = 0; k < recv_segments; ++k) {
+        int64_t len = std::min(segment, recv_count - k * segment);
+        in_buf->recv(left, t.slot(step, k), k * segment * item, len * item);
+      }
+      for (int64_t k = 0; k < send_segments; ++k) {
+        int64_t len = std::min(segment, send_count - k * segment);
+        sender->send(right, t.slot(step, k), k * segment * item, len * item);
+      }
+      const bool last = step == n - 2;  // then recv_idx == rank_
+      at::Tensor dst = last ? result : partial[(step + 1) % 2].narrow(0, 0, recv_count);
+      at::Tensor local = slice(recv_idx);
+      for (int64_t k = 0; k < recv_segments; ++k) {
+        t.wait_recv(*in_buf, left);  // segments complete in posting order (one TCP stream)
+        int64_t off = k * segment, len = std::min(segment, recv_count - off);
+        combine(dst.narrow(0, off, len), local.narrow(0, off, len), incoming.narrow(0, off, len));
+      }
+      for (int64_t k = 0; k < send_segments; ++k) t.wait_send(*sender, right);
+    }
+  }
+
+  // Elements per pipelined segment: at least 1 MiB, at most 16 segments per step.
+  static int64_t segment_elements(int64_t count, int64_t item) {
+    const int64_t min_elements = std::max<int64_t>(1, (int64_t{1} << 20) / item);
+    return std::max(min_elements, (count + 15) / 16);
+  }
+
+  // Reusable staging buffer `which` (0, 1 or 2) of at least `numel` elements of `dtype`. Fresh
+  // large allocations are mmap'ed and page-faulted on every call, which costs more than the
+  // transfer on small machines; these grow once and stay.
+  at::Tensor scratch(int which, at::ScalarType dtype, int64_t numel) {
+    at::Tensor& buf = scratch_[which];
+    if (!buf.defined() || buf.scalar_type() != dtype || buf.numel() < numel)
+      buf = at::empty({numel}, at::TensorOptions().dtype(dtype));
+    return buf.narrow(0, 0, numel);
+  }
+
+  // Constant after construction.
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::shared_ptr<gloo::transport::Device> device_;
+  int rank_;
+  std::vector<int> global_ranks_;  // global rank of each rank of this communicator
+  std::chrono::milliseconds timeout_;
+  std::shared_ptr<gloo::rendezvous::Context> context_;
+
+  // Touched only by the caller's thread.
+  uint64_t next_seq_ = 1;
+  std::map<std::string, int> groups_created_;
+
+  // Touched only by the thread running a job (one at a time, see CommThread).
+  at::Tensor scratch_[3];
+  bool first_error_ = false;
+  std::string first_error_msg_;
+
+  CommThread thread_;  // last: joined first, while everything it uses still exists
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store,
+                                                     const RendezvousInfo& info,
+                                                     std::chrono::milliseconds timeout) {
+  std::vector<int> globals(info.world_size);
+  for (int i = 0; i < info.world_size; ++i) globals[i] = i;
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("mfsdp/gloo/world", store);
+  return std::make_shared<GlooCommunicator>(prefixed, make_device(info), info.rank,
+                                            std::move(globals), timeout);
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,81 @@
+// Runs one child process per rank and supervises them as a group: the engine behind mfsdp-run
+// and the multi-rank test harness (tests/harness).
+//
+// Contract: every child's stdout and stderr are read through pipes line by line and handed to
+// `on_line`; when a child exits non-zero or is killed by a signal, every other child still
+// running gets SIGTERM and, after `kill_grace`, SIGKILL; the result names the first rank that
+// failed and how. A child that exits 0 is a success even while others keep running.
+#pragma once
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mfsdp::launch {
+
+struct RankProcessSpec {
+  int rank = 0;                              // used in tags and reports
+  std::vector<std::string> argv;             // argv[0] is looked up in PATH when it has no '/'
+  std::map<std::string, std::string> env;    // set on top of the parent's environment
+};
+
+enum class OutputStream { kStdout, kStderr };
+
+struct SuperviseOptions {
+  // Called from the supervising thread for every complete line (without '\n') a child writes.
+  // Default: writes "[rankN]: line" to the parent's stdout or stderr.
+  std::function<void(int rank, OutputStream stream, const std::string& line)> on_line;
+  // After the first failure, how long the others get between SIGTERM and SIGKILL.
+  std::chrono::milliseconds kill_grace{5000};
+  // Whole-run limit; when reached every child is stopped and the result says timed_out.
+  std::optional<std::chrono::milliseconds> deadline;
+  // Forward SIGINT/SIGTERM received by the parent to the children (mfsdp-run sets this), then
+  // stop them as after a failure. Handlers are process-wide: one such run at a time.
+  bool forward_signals = false;
+};
+
+struct RankExit {
+  int rank = 0;
+  pid_t pid = 0;
+  int exit_code = 0;       // valid when signal == 0
+  int signal = 0;          // signal that killed it, 0 if it exited
+  bool stopped_by_supervisor = false;  // signalled because another rank failed, the deadline
+                                       // passed or the parent was interrupted
+  bool spawn_failed = false;           // exec failed (exit_code 127)
+  bool failed() const { return signal != 0 || exit_code != 0; }
+  // e.g. "rank 1 (pid 4242) exited with code 3" / "... was killed by signal 11 (Segmentation fault)"
+  std::string describe() const;
+};
+
+struct SuperviseResult {
+  std::vector<RankExit> exits;          // one per spec, in spec order
+  std::optional<int> first_failed_rank; // the rank whose failure stopped the group
+  bool timed_out = false;
+  int interrupt_signal = 0;  // SIGINT/SIGTERM the parent received and forwarded, 0 if none
+  bool ok() const { return !first_failed_rank && !timed_out && interrupt_signal == 0; }
+  // One line for the user: the first failure (or the timeout or interruption), or
+  // "all N ranks succeeded".
+  std::string summary() const;
+};
+
+// Starts every spec and supervises them until all have exited. Throws std::runtime_error only if
+// the supervisor itself cannot work (pipe/fork failure); child failures are reported in the result.
+SuperviseResult run_rank_processes(const std::vector<RankProcessSpec>& specs,
+                                   const SuperviseOptions& options = {});
+
+// A TCP port on which nothing listens right now (bind to port 0 on 127.0.0.1 and read it back).
+int pick_free_port();
+
+// The torchrun-style variables for one rank of a single- or multi-node job: RANK, WORLD_SIZE,
+// LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT, and, like
+// torchrun, OMP_NUM_THREADS=1 when the parent has none and nproc_per_node > 1.
+std::map<std::string, std::string> rank_environment(int node_rank, int nnodes, int nproc_per_node,
+                                                    int local_rank, const std::string& master_addr,
+                                                    int master_port);
+
+}  // namespace mfsdp::launch

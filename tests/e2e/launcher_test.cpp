@@ -1,0 +1,648 @@
+// The launcher, tested as real processes: run_rank_processes directly (RankProcesses.*), and the
+// built mfsdp-run binary, whose path comes from MFSDP_RUN_BIN (set by CMake), end to end
+// (MfsdpRun.*). Children are `sh -c` scripts; where a test needs a child to be at a certain point
+// it waits for a file the child writes, never for a fixed time.
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include <netinet/in.h>
+#include <arpa/inet.h>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <optional>
+#include <fstream>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "launch/rank_processes.h"
+
+namespace mfsdp::launch {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+
+// ---- helpers ------------------------------------------------------------------------------------
+
+// A fresh directory, removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (fs::temp_directory_path() / "mfsdp-launcher-XXXXXX").string();
+    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = pattern;
+  }
+  ~TempDir() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  std::string file(const std::string& name) const { return (path_ / name).string(); }
+
+ private:
+  fs::path path_;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Waits until every file exists and is non-empty (children write "value\n" in one go).
+bool wait_for_files(const std::vector<std::string>& paths, milliseconds timeout = milliseconds(60000)) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  for (;;) {
+    bool all = true;
+    for (const auto& path : paths) all = all && !read_file(path).empty();
+    if (all) return true;
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+}
+
+// True when `pid` no longer runs. A zombie counts as gone: orphans are reparented to PID 1, which
+// in a container may never reap them.
+bool process_gone(pid_t pid) {
+  if (kill(pid, 0) != 0) return errno == ESRCH;
+  std::string stat = read_file("/proc/" + std::to_string(pid) + "/stat");
+  size_t paren = stat.rfind(')');
+  if (paren == std::string::npos || paren + 2 >= stat.size()) return true;  // exited meanwhile
+  return stat[paren + 2] == 'Z' || stat[paren + 2] == 'X';
+}
+
+// SIGKILL after the grace period is asynchronous: give a dying process a moment.
+bool wait_until_gone(pid_t pid, milliseconds timeout = milliseconds(10000)) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (!process_gone(pid)) {
+    if (std::chrono::steady_clock::now() > end) return false;
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return true;
+}
+
+// True when this process has no child left, not even a zombie.
+bool no_children_left() { return waitpid(-1, nullptr, WNOHANG) < 0 && errno == ECHILD; }
+
+pid_t read_pid(const std::string& path) { return static_cast<pid_t>(std::stol(read_file(path))); }
+
+RankProcessSpec sh_rank(int rank, const std::string& script,
+                        std::map<std::string, std::string> env = {}) {
+  RankProcessSpec spec;
+  spec.rank = rank;
+  spec.argv = {"sh", "-c", script};
+  spec.env = std::move(env);
+  return spec;
+}
+
+// Lines captured through on_line, per rank and stream.
+struct Captured {
+  std::map<int, std::vector<std::string>> out;
+  std::map<int, std::vector<std::string>> err;
+};
+
+SuperviseOptions capture_into(Captured& captured) {
+  SuperviseOptions options;
+  options.on_line = [&captured](int rank, OutputStream stream, const std::string& line) {
+    (stream == OutputStream::kStdout ? captured.out : captured.err)[rank].push_back(line);
+  };
+  return options;
+}
+
+const RankExit& exit_of(const SuperviseResult& result, int rank) {
+  for (const auto& exit : result.exits) {
+    if (exit.rank == rank) return exit;
+  }
+  throw std::runtime_error("no exit for rank " + std::to_string(rank));
+}
+
+// ---- running mfsdp-run --------------------------------------------------------------------------
+
+std::string launcher_binary() {
+  const char* path = std::getenv("MFSDP_RUN_BIN");
+  if (path == nullptr || *path == '\0') {
+    throw std::runtime_error(
+        "MFSDP_RUN_BIN is not set: it must name the built mfsdp-run binary (ctest sets it; by "
+        "hand: MFSDP_RUN_BIN=build/mfsdp-run ./build/tests/launcher_test)");
+  }
+  return path;
+}
+
+struct Launched {
+  pid_t pid = -1;
+  std::string out_path;
+  std::string err_path;
+};
+
+struct Finished {
+  int status = 0;
+  std::string out;
+  std::string err;
+  // The exit code, or -signal when mfsdp-run itself was killed.
+  int code() const { return WIFEXITED(status) ? WEXITSTATUS(status) : -WTERMSIG(status); }
+};
+
+// Starts mfsdp-run with `args`, its stdout and stderr going to files in `dir`.
+Launched start_launcher(const std::vector<std::string>& args, const TempDir& dir) {
+  const std::string binary = launcher_binary();
+  std::vector<char*> argv = {const_cast<char*>(binary.c_str())};
+  for (const auto& arg : args) argv.push_back(const_cast<char*>(arg.c_str()));
+  argv.push_back(nullptr);
+  Launched launched;
+  launched.out_path = dir.file("launcher.out");
+  launched.err_path = dir.file("launcher.err");
+  int out = open(launched.out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int err = open(launched.err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (out < 0 || err < 0) throw std::runtime_error("cannot create the launcher output files");
+  launched.pid = fork();
+  if (launched.pid == 0) {
+    dup2(out, STDOUT_FILENO);
+    dup2(err, STDERR_FILENO);
+    execv(argv[0], argv.data());
+    _exit(126);
+  }
+  close(out);
+  close(err);
+  if (launched.pid < 0) throw std::runtime_error("fork failed");
+  return launched;
+}
+
+Finished wait_launcher(const Launched& launched) {
+  Finished finished;
+  while (waitpid(launched.pid, &finished.status, 0) < 0 && errno == EINTR) {
+  }
+  finished.out = read_file(launched.out_path);
+  finished.err = read_file(launched.err_path);
+  return finished;
+}
+
+Finished run_launcher(const std::vector<std::string>& args, const TempDir& dir) {
+  return wait_launcher(start_launcher(args, dir));
+}
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+// The first line of `text` that starts with `prefix` ("" if none).
+std::string line_starting_with(const std::string& text, const std::string& prefix) {
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.compare(0, prefix.size(), prefix) == 0) return line;
+  }
+  return "";
+}
+
+std::string describe(const Finished& finished) {
+  return "exit " + std::to_string(finished.code()) + "\n--- stdout ---\n" + finished.out +
+         "--- stderr ---\n" + finished.err;
+}
+
+// ---- run_rank_processes -------------------------------------------------------------------------
+
+TEST(RankProcesses, CapturesLinesPerStreamIncludingAPartialLastLine) {
+  Captured captured;
+  auto result = run_rank_processes(
+      {sh_rank(0, "echo out-a; echo err-a >&2; printf 'out-b'"),
+       sh_rank(1, "echo out-c; printf 'err-b\\nerr-c' >&2")},
+      capture_into(captured));
+  ASSERT_TRUE(result.ok()) << result.summary();
+  EXPECT_EQ(captured.out[0], (std::vector<std::string>{"out-a", "out-b"}));
+  EXPECT_EQ(captured.err[0], (std::vector<std::string>{"err-a"}));
+  EXPECT_EQ(captured.out[1], (std::vector<std::string>{"out-c"}));
+  EXPECT_EQ(captured.err[1], (std::vector<std::string>{"err-b", "err-c"}));
+  ASSERT_EQ(result.exits.size(), 2u);
+  EXPECT_EQ(result.exits[0].rank, 0);
+  EXPECT_EQ(result.exits[1].rank, 1);
+  for (const auto& exit : result.exits) {
+    EXPECT_FALSE(exit.failed());
+    EXPECT_FALSE(exit.stopped_by_supervisor);
+    EXPECT_GT(exit.pid, 0);
+  }
+  EXPECT_EQ(result.summary(), "all 2 ranks succeeded");
+}
+
+TEST(RankProcesses, SplitsVeryLongLinesAndPassesBinaryBytesThrough) {
+  Captured captured;
+  auto result = run_rank_processes(
+      {sh_rank(0, "head -c 200000 /dev/zero | tr '\\000' x; echo; printf '\\001\\000\\377junk'")},
+      capture_into(captured));
+  ASSERT_TRUE(result.ok()) << result.summary();
+  const auto& lines = captured.out[0];
+  ASSERT_GE(lines.size(), 2u);
+  std::string joined;
+  for (size_t i = 0; i + 1 < lines.size(); ++i) {
+    EXPECT_LE(lines[i].size(), 64u * 1024) << "a long line must be handed over in pieces";
+    joined += lines[i];
+  }
+  EXPECT_EQ(joined, std::string(200000, 'x'));
+  EXPECT_EQ(lines.back(), std::string("\001\000\377junk", 7));
+}
+
+TEST(RankProcesses, ChildEnvironmentIsParentPlusSpec) {
+  setenv("MFSDP_LAUNCHER_TEST_INHERITED", "from-parent", 1);
+  setenv("MFSDP_LAUNCHER_TEST_OVERRIDDEN", "from-parent", 1);
+  Captured captured;
+  auto result = run_rank_processes(
+      {sh_rank(0, "echo \"$MFSDP_LAUNCHER_TEST_INHERITED $MFSDP_LAUNCHER_TEST_OVERRIDDEN $EXTRA\"",
+               {{"MFSDP_LAUNCHER_TEST_OVERRIDDEN", "from-spec"}, {"EXTRA", "x y"}})},
+      capture_into(captured));
+  unsetenv("MFSDP_LAUNCHER_TEST_INHERITED");
+  unsetenv("MFSDP_LAUNCHER_TEST_OVERRIDDEN");
+  ASSERT_TRUE(result.ok()) << result.summary();
+  EXPECT_EQ(captured.out[0], (std::vector<std::string>{"from-parent from-spec x y"}));
+}
+
+TEST(RankProcesses, FirstFailureStopsTheOthers) {
+  TempDir dir;
+  const std::string ready = dir.file("ready");
+  Captured captured;
+  // Rank 2 fails once rank 0 is surely running; ranks 0 and 1 would sleep for a minute.
+  auto result = run_rank_processes(
+      {sh_rank(0, "echo 1 > " + ready + "; exec sleep 60"), sh_rank(1, "exec sleep 60"),
+       sh_rank(2, "while [ ! -s " + ready + " ]; do sleep 0.01; done; echo bye >&2; exit 3")},
+      capture_into(captured));
+  EXPECT_FALSE(result.ok());
+  ASSERT_TRUE(result.first_failed_rank.has_value());
+  EXPECT_EQ(*result.first_failed_rank, 2);
+  EXPECT_FALSE(result.timed_out);
+  EXPECT_EQ(exit_of(result, 2).exit_code, 3);
+  EXPECT_FALSE(exit_of(result, 2).stopped_by_supervisor);
+  for (int rank : {0, 1}) {
+    EXPECT_TRUE(exit_of(result, rank).stopped_by_supervisor) << rank;
+    EXPECT_EQ(exit_of(result, rank).signal, SIGTERM) << rank;
+  }
+  EXPECT_EQ(captured.err[2], (std::vector<std::string>{"bye"}));
+  EXPECT_TRUE(no_children_left());
+  EXPECT_TRUE(contains(result.summary(), "rank 2 (pid ")) << result.summary();
+  EXPECT_TRUE(contains(result.summary(), "exited with code 3; stopped 2 running ranks"))
+      << result.summary();
+}
+
+TEST(RankProcesses, RankIgnoringSigtermIsKilledAfterTheGracePeriod) {
+  TempDir dir;
+  const std::string ready = dir.file("ready");
+  SuperviseOptions options;
+  options.on_line = [](int, OutputStream, const std::string&) {};
+  options.kill_grace = milliseconds(200);
+  // `sleep` inherits the ignored SIGTERM, so only SIGKILL to the group ends rank 0.
+  auto result = run_rank_processes(
+      {sh_rank(0, "trap '' TERM; echo 1 > " + ready + "; sleep 60; exit 0"),
+       sh_rank(1, "while [ ! -s " + ready + " ]; do sleep 0.01; done; exit 1")},
+      options);
+  ASSERT_EQ(result.first_failed_rank, std::optional<int>(1));
+  EXPECT_EQ(exit_of(result, 0).signal, SIGKILL);
+  EXPECT_TRUE(exit_of(result, 0).stopped_by_supervisor);
+  EXPECT_TRUE(contains(exit_of(result, 0).describe(), "was killed by signal 9 (Killed)"))
+      << exit_of(result, 0).describe();
+}
+
+TEST(RankProcesses, StopReachesWhatARankStarted) {
+  TempDir dir;
+  const std::string grandchild = dir.file("grandchild");
+  SuperviseOptions options;
+  options.on_line = [](int, OutputStream, const std::string&) {};
+  auto result = run_rank_processes(
+      {sh_rank(0, "sleep 60 & echo $! > " + grandchild + "; wait"),
+       sh_rank(1, "while [ ! -s " + grandchild + " ]; do sleep 0.01; done; exit 1")},
+      options);
+  ASSERT_EQ(result.first_failed_rank, std::optional<int>(1));
+  EXPECT_TRUE(wait_until_gone(read_pid(grandchild))) << "the background sleep of rank 0 survived";
+}
+
+TEST(RankProcesses, DeadlineStopsEveryRank) {
+  Captured captured;
+  SuperviseOptions options = capture_into(captured);
+  options.deadline = milliseconds(300);
+  auto result = run_rank_processes({sh_rank(0, "exec sleep 60"), sh_rank(1, "exec sleep 60")},
+                                   options);
+  EXPECT_TRUE(result.timed_out);
+  EXPECT_FALSE(result.first_failed_rank.has_value());
+  EXPECT_FALSE(result.ok());
+  for (const auto& exit : result.exits) {
+    EXPECT_TRUE(exit.stopped_by_supervisor);
+    EXPECT_EQ(exit.signal, SIGTERM);
+  }
+  EXPECT_EQ(result.summary(), "the deadline passed; stopped 2 running ranks");
+  EXPECT_TRUE(no_children_left());
+}
+
+TEST(RankProcesses, ExecFailureIsReportedOnTheRanksStderr) {
+  Captured captured;
+  RankProcessSpec missing;
+  missing.rank = 0;
+  missing.argv = {"mfsdp-no-such-program"};
+  auto result = run_rank_processes({missing}, capture_into(captured));
+  ASSERT_EQ(result.first_failed_rank, std::optional<int>(0));
+  EXPECT_TRUE(result.exits[0].spawn_failed);
+  EXPECT_EQ(result.exits[0].exit_code, 127);
+  EXPECT_EQ(captured.err[0], (std::vector<std::string>{
+                                 "mfsdp-run: cannot execute 'mfsdp-no-such-program': No such "
+                                 "file or directory"}));
+  EXPECT_TRUE(contains(result.summary(), "could not execute its program (exit code 127)"))
+      << result.summary();
+}
+
+TEST(RankProcesses, EmptyArgvIsRejectedBeforeAnyRankStarts) {
+  TempDir dir;
+  RankProcessSpec empty;
+  empty.rank = 1;
+  EXPECT_THROW(run_rank_processes({sh_rank(0, "echo 1 > " + dir.file("ran")), empty}),
+               std::invalid_argument);
+  EXPECT_FALSE(fs::exists(dir.file("ran")));
+  EXPECT_TRUE(no_children_left());
+}
+
+TEST(RankProcesses, ChildrenInheritNoStrayDescriptors) {
+  int leak[2];
+  ASSERT_EQ(pipe(leak), 0);  // deliberately without O_CLOEXEC
+  Captured captured;
+  const std::string check = "for fd in " + std::to_string(leak[0]) + " " +
+                            std::to_string(leak[1]) +
+                            "; do if [ -e /proc/$$/fd/$fd ]; then echo leaked $fd; fi; done; "
+                            "echo done";
+  auto result = run_rank_processes({sh_rank(0, check), sh_rank(1, check)}, capture_into(captured));
+  close(leak[0]);
+  close(leak[1]);
+  ASSERT_TRUE(result.ok()) << result.summary();
+  EXPECT_EQ(captured.out[0], (std::vector<std::string>{"done"}));
+  EXPECT_EQ(captured.out[1], (std::vector<std::string>{"done"}));
+}
+
+TEST(RankProcesses, SixtyFourRanks) {
+  Captured captured;
+  std::vector<RankProcessSpec> specs;
+  for (int rank = 0; rank < 64; ++rank) {
+    specs.push_back(sh_rank(rank, "i=0; while [ $i -lt 50 ]; do echo \"$R $i\"; i=$((i+1)); done",
+                            {{"R", std::to_string(rank)}}));
+  }
+  auto result = run_rank_processes(specs, capture_into(captured));
+  ASSERT_TRUE(result.ok()) << result.summary();
+  ASSERT_EQ(result.exits.size(), 64u);
+  for (int rank = 0; rank < 64; ++rank) {
+    ASSERT_EQ(captured.out[rank].size(), 50u) << "rank " << rank;
+    EXPECT_EQ(captured.out[rank][49], std::to_string(rank) + " 49");
+  }
+  EXPECT_TRUE(no_children_left());
+}
+
+TEST(RankProcesses, ForwardedSignalStopsTheRanksAndHandlersAreRestored) {
+  struct sigaction before {};
+  sigaction(SIGTERM, nullptr, &before);
+  SuperviseOptions options;
+  options.forward_signals = true;
+  // The supervisor's own process gets SIGTERM once rank 0 runs; the forwarding handler must turn
+  // it into a stop of the ranks instead of killing this test.
+  options.on_line = [](int, OutputStream, const std::string& line) {
+    if (line == "ready") kill(getpid(), SIGTERM);
+  };
+  auto result = run_rank_processes({sh_rank(0, "echo ready; exec sleep 60")}, options);
+  EXPECT_EQ(result.interrupt_signal, SIGTERM);
+  EXPECT_FALSE(result.ok());
+  EXPECT_TRUE(result.exits[0].stopped_by_supervisor);
+  EXPECT_EQ(result.exits[0].signal, SIGTERM);
+  EXPECT_EQ(result.summary(), "interrupted by signal 15 (Terminated); stopped 1 running rank");
+  struct sigaction after {};
+  sigaction(SIGTERM, nullptr, &after);
+  EXPECT_EQ(after.sa_handler, before.sa_handler);
+}
+
+TEST(RankProcesses, DescribeTexts) {
+  RankExit exit;
+  exit.rank = 1;
+  exit.pid = 4242;
+  exit.exit_code = 3;
+  EXPECT_EQ(exit.describe(), "rank 1 (pid 4242) exited with code 3");
+  exit.exit_code = 0;
+  exit.signal = SIGSEGV;
+  EXPECT_EQ(exit.describe(), "rank 1 (pid 4242) was killed by signal 11 (Segmentation fault)");
+  exit.signal = SIGTERM;
+  exit.stopped_by_supervisor = true;
+  EXPECT_EQ(exit.describe(), "rank 1 (pid 4242) was killed by signal 15 (Terminated) after being stopped");
+  SuperviseResult empty;
+  EXPECT_TRUE(empty.ok());
+  EXPECT_EQ(empty.summary(), "all 0 ranks succeeded");
+}
+
+TEST(RankProcesses, RankEnvironment) {
+  const char* saved = std::getenv("OMP_NUM_THREADS");
+  const std::string saved_value = saved != nullptr ? saved : "";
+  unsetenv("OMP_NUM_THREADS");
+  auto env = rank_environment(1, 2, 4, 3, "node0", 29500);
+  EXPECT_EQ(env["RANK"], "7");
+  EXPECT_EQ(env["WORLD_SIZE"], "8");
+  EXPECT_EQ(env["LOCAL_RANK"], "3");
+  EXPECT_EQ(env["LOCAL_WORLD_SIZE"], "4");
+  EXPECT_EQ(env["GROUP_RANK"], "1");
+  EXPECT_EQ(env["NODE_RANK"], "1");
+  EXPECT_EQ(env["MASTER_ADDR"], "node0");
+  EXPECT_EQ(env["MASTER_PORT"], "29500");
+  EXPECT_EQ(env["OMP_NUM_THREADS"], "1");
+  EXPECT_EQ(rank_environment(0, 1, 1, 0, "127.0.0.1", 1).count("OMP_NUM_THREADS"), 0u)
+      << "one process per node keeps its OpenMP threads, as with torchrun";
+  setenv("OMP_NUM_THREADS", "6", 1);
+  EXPECT_EQ(rank_environment(0, 1, 2, 0, "127.0.0.1", 1).count("OMP_NUM_THREADS"), 0u)
+      << "the user's OMP_NUM_THREADS is inherited, not overridden";
+  if (saved != nullptr) {
+    setenv("OMP_NUM_THREADS", saved_value.c_str(), 1);
+  } else {
+    unsetenv("OMP_NUM_THREADS");
+  }
+  EXPECT_THROW(rank_environment(2, 2, 1, 0, "h", 1), std::invalid_argument);
+  EXPECT_THROW(rank_environment(0, 1, 2, 2, "h", 1), std::invalid_argument);
+}
+
+TEST(RankProcesses, PickFreePortCanBeBound) {
+  const int port = pick_free_port();
+  ASSERT_GE(port, 1);
+  ASSERT_LE(port, 65535);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  EXPECT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof address), 0) << port;
+  close(fd);
+}
+
+// ---- mfsdp-run ----------------------------------------------------------------------------------
+
+// (a) Tags and the torchrun variables.
+TEST(MfsdpRun, TagsOutputAndSetsRankVariables) {
+  TempDir dir;
+  auto finished = run_launcher(
+      {"--nproc-per-node", "3", "sh", "-c",
+       "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $MASTER_PORT $MASTER_ADDR $LOCAL_WORLD_SIZE\"; "
+       "echo \"err $RANK\" >&2"},
+      dir);
+  ASSERT_EQ(finished.code(), 0) << describe(finished);
+  std::set<int> tags;
+  std::set<int> ports;
+  std::istringstream out(finished.out);
+  for (std::string line; std::getline(out, line);) {
+    int tag, rank, world_size, local_rank, port, local_world_size, consumed = 0;
+    char addr[64];
+    const int fields = std::sscanf(line.c_str(), "[rank%d]: %d %d %d %d %63s %d%n", &tag, &rank,
+                                   &world_size, &local_rank, &port, addr, &local_world_size,
+                                   &consumed);
+    ASSERT_TRUE(fields == 7 && consumed == static_cast<int>(line.size()))
+        << "untagged or odd line: " << line;
+    EXPECT_EQ(rank, tag) << line;
+    EXPECT_EQ(world_size, 3) << line;
+    EXPECT_EQ(local_rank, tag) << line;  // single node
+    EXPECT_STREQ(addr, "127.0.0.1") << line;
+    EXPECT_EQ(local_world_size, 3) << line;
+    EXPECT_GE(port, 1);
+    EXPECT_LE(port, 65535);
+    ports.insert(port);
+    EXPECT_TRUE(tags.insert(tag).second) << "rank " << tag << " printed twice";
+  }
+  EXPECT_EQ(tags, (std::set<int>{0, 1, 2})) << describe(finished);
+  EXPECT_EQ(ports.size(), 1u) << "all ranks must share one MASTER_PORT";
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_TRUE(contains(finished.err, "[rank" + std::to_string(rank) + "]: err " +
+                                           std::to_string(rank) + "\n"))
+        << describe(finished);
+  }
+}
+
+// (b) One failing rank stops the sleeping others; mfsdp-run exits with its code.
+TEST(MfsdpRun, FailingRankStopsTheOthers) {
+  TempDir dir;
+  auto finished = run_launcher(
+      {"--nproc-per-node", "3", "sh", "-c", "if [ \"$RANK\" = 1 ]; then exit 3; fi; sleep 60"},
+      dir);
+  EXPECT_EQ(finished.code(), 3) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "mfsdp-run: rank 1 (pid ")) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "exited with code 3")) << describe(finished);
+  // Had the others been waited for rather than stopped, they would have exited 0 after 60 s.
+  for (int rank : {0, 2}) {
+    const std::string line = line_starting_with(finished.err, "mfsdp-run:   rank " + std::to_string(rank) + " (pid ");
+    EXPECT_TRUE(contains(line, "after being stopped")) << describe(finished);
+  }
+}
+
+// (c) A rank killed by a signal.
+TEST(MfsdpRun, ReportsTheSignalThatKilledARank) {
+  TempDir dir;
+  auto finished = run_launcher(
+      {"--nproc-per-node", "2", "sh", "-c", "if [ \"$RANK\" = 0 ]; then kill -SEGV $$; fi; sleep 60"},
+      dir);
+  EXPECT_EQ(finished.code(), 128 + SIGSEGV) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "rank 0 (pid ")) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "killed by signal 11 (Segmentation fault)"))
+      << describe(finished);
+}
+
+// (d) Bad flags: an error naming the flag, usage exit code, and nothing runs.
+TEST(MfsdpRun, RejectsBadFlagsWithoutRunningAnything) {
+  TempDir dir;
+  const std::string ran = dir.file("ran");
+  const std::vector<std::string> program = {"sh", "-c", "echo 1 > " + ran};
+  struct Case {
+    std::vector<std::string> flags;
+    std::string expected;  // in the error message
+    bool with_program = true;
+  };
+  const std::vector<Case> cases = {
+      {{"--nproc-per-node", "0"}, "--nproc-per-node must be >= 1, got 0"},
+      {{"--nproc-per-node", "two"}, "--nproc-per-node expects an integer, got 'two'"},
+      {{"--node-rank", "2", "--nnodes", "2"}, "--node-rank must be in 0..1 for --nnodes 2, got 2"},
+      {{"--nnodes", "0"}, "--nnodes must be >= 1"},
+      {{"--nnodes", "2"}, "--master-addr is required when --nnodes > 1"},
+      {{"--master-port", "70000"}, "--master-port must be in 1..65535, got 70000"},
+      {{"--master_port=0"}, "--master-port must be in 1..65535, got 0"},
+      {{"--no-such-flag", "1"}, "unknown option '--no-such-flag'"},
+      {{"--nproc-per-node", "2"}, "missing PROGRAM", /*with_program=*/false},
+      {{"--nproc-per-node"}, "--nproc-per-node needs a value", /*with_program=*/false},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> args = c.flags;
+    if (c.with_program) args.insert(args.end(), program.begin(), program.end());
+    SCOPED_TRACE(::testing::PrintToString(args));
+    auto finished = run_launcher(args, dir);
+    EXPECT_EQ(finished.code(), 2) << describe(finished);
+    EXPECT_TRUE(contains(finished.err, "mfsdp-run: error: " + c.expected)) << describe(finished);
+    EXPECT_FALSE(fs::exists(ran)) << "a rank ran despite the bad flags";
+  }
+}
+
+// (e) A program that cannot be executed.
+TEST(MfsdpRun, ReportsAProgramThatCannotBeExecuted) {
+  TempDir dir;
+  auto finished = run_launcher({"--nproc-per-node", "2", "mfsdp-no-such-program"}, dir);
+  EXPECT_EQ(finished.code(), 127) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "cannot execute 'mfsdp-no-such-program'")) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "could not execute its program (exit code 127)"))
+      << describe(finished);
+}
+
+// (f) Ranks of the second node of a two-node job (no rendezvous happens: the ranks only print).
+TEST(MfsdpRun, SecondNodeOfTwoGetsRanksTwoAndThree) {
+  TempDir dir;
+  auto finished = run_launcher(
+      {"--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+       "--master-port", "12345", "sh", "-c",
+       "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $NODE_RANK $GROUP_RANK $MASTER_ADDR $MASTER_PORT\""},
+      dir);
+  ASSERT_EQ(finished.code(), 0) << describe(finished);
+  EXPECT_TRUE(contains(finished.out, "[rank2]: 2 4 0 1 1 127.0.0.1 12345\n")) << describe(finished);
+  EXPECT_TRUE(contains(finished.out, "[rank3]: 3 4 1 1 1 127.0.0.1 12345\n")) << describe(finished);
+  EXPECT_FALSE(contains(finished.out, "[rank0]")) << describe(finished);
+}
+
+// Torchrun's spellings, --flag=value, --no-tag, and arguments after PROGRAM passed through.
+TEST(MfsdpRun, AcceptsTorchrunSpellingsAndPassesArgumentsThrough) {
+  TempDir dir;
+  auto finished = run_launcher({"--nproc_per_node=2", "--master_port=23456", "--no-tag", "--",
+                                "sh", "-c", "echo \"$RANK $MASTER_PORT $*\"", "sh",
+                                "--nproc-per-node", "5", "--help"},
+                               dir);
+  ASSERT_EQ(finished.code(), 0) << describe(finished);
+  EXPECT_TRUE(contains(finished.out, "0 23456 --nproc-per-node 5 --help\n")) << describe(finished);
+  EXPECT_TRUE(contains(finished.out, "1 23456 --nproc-per-node 5 --help\n")) << describe(finished);
+  EXPECT_FALSE(contains(finished.out, "[rank")) << describe(finished);
+}
+
+TEST(MfsdpRun, HelpPrintsUsage) {
+  TempDir dir;
+  auto finished = run_launcher({"--help"}, dir);
+  EXPECT_EQ(finished.code(), 0) << describe(finished);
+  EXPECT_TRUE(contains(finished.out, "usage: mfsdp-run")) << describe(finished);
+  EXPECT_TRUE(contains(finished.out, "--nproc-per-node")) << describe(finished);
+}
+
+// (g) SIGTERM to mfsdp-run stops the ranks and what they started: no orphans.
+TEST(MfsdpRun, SigtermStopsRanksAndTheirChildren) {
+  TempDir dir;
+  const std::string script = "echo $$ > " + dir.file("rank") + "$RANK; sleep 60 & echo $! > " +
+                             dir.file("child") + "$RANK; wait";
+  Launched launched = start_launcher({"--nproc-per-node", "2", "sh", "-c", script}, dir);
+  const std::vector<std::string> pid_files = {dir.file("rank0"), dir.file("rank1"),
+                                              dir.file("child0"), dir.file("child1")};
+  const bool started = wait_for_files(pid_files);
+  kill(launched.pid, SIGTERM);
+  auto finished = wait_launcher(launched);
+  ASSERT_TRUE(started) << "the ranks did not write their pids\n" << describe(finished);
+  EXPECT_EQ(finished.code(), 128 + SIGTERM) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "interrupted by signal 15 (Terminated)")) << describe(finished);
+  for (const auto& file : pid_files) {
+    const pid_t pid = read_pid(file);
+    EXPECT_TRUE(wait_until_gone(pid)) << file << ": pid " << pid << " outlived mfsdp-run";
+  }
+}
+
+}  // namespace
+}  // namespace mfsdp::launch

@@ -1,0 +1,92 @@
+#include <gtest/gtest.h>
+
+#include <map>
+
+#include "mfsdp/rendezvous.h"
+
+namespace {
+
+mfsdp::RendezvousInfo read(const std::map<std::string, std::string>& vars) {
+  return mfsdp::rendezvous_from_env([&](const char* name) -> const char* {
+    auto it = vars.find(name);
+    return it == vars.end() ? nullptr : it->second.c_str();
+  });
+}
+
+void expect_error(const std::map<std::string, std::string>& vars, const std::string& part) {
+  try {
+    read(vars);
+    ADD_FAILURE() << "expected an error mentioning '" << part << "'";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(Rendezvous, Torchrun) {
+  auto info = read({{"RANK", "3"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "1"},
+                    {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(info.source, "torchrun");
+  EXPECT_EQ(info.rank, 3);
+  EXPECT_EQ(info.world_size, 4);
+  EXPECT_EQ(info.local_rank, 1);
+  EXPECT_EQ(info.local_world_size, 2);
+  EXPECT_EQ(info.master_addr, "10.0.0.1");
+  EXPECT_EQ(info.master_port, 1234);
+  EXPECT_FALSE(info.single_node());
+}
+
+TEST(Rendezvous, TorchrunSingleProcessNeedsNoAddress) {
+  auto info = read({{"RANK", "0"}, {"WORLD_SIZE", "1"}});
+  EXPECT_TRUE(info.single_node());
+  EXPECT_EQ(info.master_addr, "127.0.0.1");
+}
+
+TEST(Rendezvous, TorchrunErrorsNameTheVariable) {
+  expect_error({{"RANK", "0"}}, "WORLD_SIZE is not set");
+  expect_error({{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, "RANK='x'");
+  expect_error({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1"}}, "rank 2 is outside");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}}, "MASTER_PORT is not set");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}}, "master port 70000");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"},
+                {"MASTER_PORT", "5"}}, "local rank 2");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_PORT", "5"}},
+               "MASTER_ADDR is not set");
+}
+
+TEST(Rendezvous, Slurm) {
+  auto info = read({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                    {"SLURM_TASKS_PER_NODE", "4(x2)"}, {"SLURM_JOB_NODELIST", "gpu[07-08]"},
+                    {"SLURM_JOB_ID", "123456"}});
+  EXPECT_EQ(info.source, "slurm");
+  EXPECT_EQ(info.rank, 5);
+  EXPECT_EQ(info.world_size, 8);
+  EXPECT_EQ(info.local_rank, 1);
+  EXPECT_EQ(info.local_world_size, 4);
+  EXPECT_EQ(info.master_addr, "gpu07");
+  EXPECT_EQ(info.master_port, 20000 + 123456 % 20000);
+  expect_error({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}}, "SLURM_LOCALID is not set");
+}
+
+TEST(Rendezvous, OpenMpi) {
+  auto info = read({{"OMPI_COMM_WORLD_RANK", "1"}, {"OMPI_COMM_WORLD_SIZE", "2"},
+                    {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"},
+                    {"MASTER_PORT", "4000"}});
+  EXPECT_EQ(info.source, "openmpi");
+  EXPECT_EQ(info.rank, 1);
+  EXPECT_EQ(info.master_addr, "127.0.0.1");
+  EXPECT_EQ(info.master_port, 4000);
+  expect_error({{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                {"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}},
+               "needs MASTER_ADDR");
+}
+
+TEST(Rendezvous, NothingSetSaysHowToLaunch) { expect_error({}, "mfsdp-run"); }
+
+TEST(Rendezvous, FirstSlurmHost) {
+  EXPECT_EQ(mfsdp::first_slurm_host("node01"), "node01");
+  EXPECT_EQ(mfsdp::first_slurm_host("node[03-05,9],gpu1"), "node03");
+  EXPECT_EQ(mfsdp::first_slurm_host("a,b[1-2]"), "a");
+  EXPECT_EQ(mfsdp::first_slurm_host("rack1-n[7,9]"), "rack1-n7");
+}
