@@ -1,0 +1,175 @@
+// fully_shard: turns a torch::nn::Module into a sharded unit (DESIGN.md section 4).
+//
+//   auto comm = mfsdp::init_communicator();
+//   mfsdp::FullyShardOptions opt;
+//   opt.comm = comm;
+//   for (auto& block : model->blocks) mfsdp::fully_shard(*block, opt);   // each unit first,
+//   mfsdp::FsdpHandle root = mfsdp::fully_shard(*model, opt);            // then the root
+//   auto optimizer = mfsdp::make_adamw(root.optimizer_shards(), comm, adamw, root.after_step());
+//   loss = model->forward(x); loss.backward();  // the forward routes units through mfsdp::call
+//   optimizer->step(lr); root.zero_grad();
+//
+// How a forward reaches the runtime. C++ modules have no forward hooks, so a unit's forward must
+// be called through the runtime:
+//   - modules you write derive from mfsdp::ShardedModule<Self> and are called as `block->call(x)`;
+//   - modules you cannot change are called as `mfsdp::call(*linear, x)` (any module with forward).
+// Both run: unshard (all-gather) -> forward -> pre-backward hook on the outputs -> reshard.
+// Calling `forward` directly bypasses the runtime: under optim_grads_params the unit's
+// parameters are then empty views and the call fails.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "mfsdp/comm.h"
+#include "mfsdp/optim.h"
+
+namespace mfsdp {
+
+// Which roles are sharded (Megatron-FSDP's --data-parallel-sharding-strategy).
+enum class ShardingStrategy {
+  kNoShard,           // "no_shard": nothing sharded, gradients all-reduced (DDP)
+  kOptim,             // "optim": ZeRO-1, main weights + optimizer state sharded
+  kOptimGrads,        // "optim_grads": ZeRO-2, + main gradients sharded
+  kOptimGradsParams,  // "optim_grads_params": ZeRO-3, + model weights sharded
+};
+ShardingStrategy parse_sharding_strategy(const std::string& name);  // throws naming the value
+const char* to_string(ShardingStrategy s);
+
+struct MixedPrecisionPolicy {
+  // Dtype of the model weights used in forward/backward; unset: each parameter keeps its dtype.
+  std::optional<at::ScalarType> param_dtype;
+  at::ScalarType main_params_dtype = at::kFloat;  // the optimizer's weights
+  at::ScalarType main_grads_dtype = at::kFloat;   // accumulated gradients the optimizer reads
+  // Dtype gradients are reduced in (bf16 with --grad-reduce-in-bf16); unset: main_grads_dtype.
+  std::optional<at::ScalarType> grad_comm_dtype;
+};
+
+enum class GradientScaling {
+  kDivideByWorld,  // gradients are averaged over data-parallel ranks (loss is a per-rank mean)
+  kNone,           // summed: the loss is already normalised globally (per-token loss)
+};
+
+struct FullyShardOptions {
+  std::shared_ptr<Communicator> comm;  // the data-parallel communicator (required)
+  ShardingStrategy strategy = ShardingStrategy::kOptimGradsParams;
+  MixedPrecisionPolicy mixed_precision;
+  bool reshard_after_forward = true;   // optim_grads_params only: free weights after forward
+  GradientScaling gradient_scaling = GradientScaling::kDivideByWorld;
+  bool align_rows = true;              // chunk-size alignment of shards to whole rows
+};
+
+// One parameter's piece on this rank (for checkpoints and diagnostics).
+struct LocalShard {
+  std::string name;                 // FQN relative to the root module
+  std::vector<int64_t> global_shape;
+  int64_t offset = 0;               // first element of the parameter this rank holds
+  at::Tensor local;                 // 1-D view of the main weight slice (numel may be 0)
+  bool requires_grad = true;
+};
+
+// Bytes the runtime holds on this rank, per role (DESIGN.md section 4).
+struct MemoryReport {
+  int64_t model_weights = 0;     // persistent model-weight buffers (sharded under ZeRO-3)
+  int64_t main_weights = 0;      // main weights not aliasing model weights
+  int64_t optimizer_state = 0;   // filled in by the caller from DistributedOptimizer::state()
+  int64_t main_grads = 0;        // persistent main-gradient buffers
+  int64_t transient_now = 0;     // unsharded weights and gradients alive now
+  int64_t transient_peak = 0;    // high-water mark of transient_now since reset_peak()
+};
+
+namespace detail {
+class UnitState;
+UnitState* find_unit(const torch::nn::Module& module);  // null when not a unit
+at::Tensor run_forward(UnitState& unit, const std::function<at::Tensor()>& forward);
+std::vector<at::Tensor> run_forward(UnitState& unit,
+                                    const std::function<std::vector<at::Tensor>()>& forward);
+// Floating-point inputs are cast to the unit's param_dtype (FSDP2's cast_forward_inputs).
+at::Tensor cast_forward_input(const UnitState& unit, const at::Tensor& input);
+template <class T>
+decltype(auto) cast_forward_input(const UnitState& unit, T&& arg) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return cast_forward_input(unit, static_cast<const at::Tensor&>(arg));
+  } else {
+    return std::forward<T>(arg);
+  }
+}
+}  // namespace detail
+
+// Handle to a unit (and, for the root, to the whole sharded model).
+class FsdpHandle {
+ public:
+  FsdpHandle() = default;
+  explicit FsdpHandle(std::shared_ptr<detail::UnitState> unit) : unit_(std::move(unit)) {}
+
+  // Manual all-gather / free of this unit's weights (not recursive).
+  void unshard();
+  void reshard();
+  // Off: backward accumulates gradients locally without communication (micro-batches but the
+  // last); on again: the next backward reduces everything accumulated. Applies to all units.
+  void set_requires_gradient_sync(bool sync);
+  void set_reshard_after_forward(bool reshard);
+  // Gradients are divided by this factor in the reduction (default: world size, or 1 with
+  // GradientScaling::kNone).
+  void set_gradient_divide_factor(double factor);
+
+  // Root only: every flat shard for the distributed optimizer, and the callback that copies the
+  // updated main weights into the model weights (pass it to make_adamw / make_sgd).
+  std::vector<OptimizerShard> optimizer_shards() const;
+  std::function<void()> after_step() const;
+  // Root only: zeroes the main gradients and drops leftover unsharded gradients.
+  void zero_grad();
+
+  std::vector<LocalShard> local_shards() const;
+  // Full parameters by FQN (gathered from all ranks; every rank gets them when all_ranks, else
+  // only rank 0 and the others get an empty map). Collective.
+  std::map<std::string, at::Tensor> full_state_dict(bool all_ranks = false) const;
+  // Loads full parameters (every rank passes the same map) into the shards. Throws naming the
+  // missing, unexpected or mis-shaped parameter before changing anything.
+  void load_full_state_dict(const std::map<std::string, at::Tensor>& state);
+
+  MemoryReport memory() const;
+  void reset_peak();
+
+  detail::UnitState& state() const;
+
+ private:
+  std::shared_ptr<detail::UnitState> unit_;
+};
+
+// Makes `module` a unit: its parameters not already in a unit are grouped by (dtype,
+// requires_grad), packed into flat buffers and sharded per `options.strategy`. Apply bottom-up;
+// the last call on the outermost module makes the root. A parameter shared between two units is
+// rejected (tie the modules into one unit instead).
+FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options);
+
+// Calls module.forward(args...) through the unit's hooks (see the top of this file).
+template <class M, class... Args>
+auto call(M& module, Args&&... args) {
+  detail::UnitState* unit = detail::find_unit(module);
+  using Out = decltype(module.forward(std::forward<Args>(args)...));
+  if (unit == nullptr) return module.forward(std::forward<Args>(args)...);
+  return detail::run_forward(*unit, std::function<Out()>([&]() -> Out {
+                               return module.forward(detail::cast_forward_input(*unit, args)...);
+                             }));
+}
+
+// Base for modules you write: `block->call(x)` runs forward through the unit's hooks.
+template <class Derived>
+class ShardedModule : public torch::nn::Module {
+ public:
+  template <class... Args>
+  auto call(Args&&... args) {
+    return mfsdp::call(static_cast<Derived&>(*this), std::forward<Args>(args)...);
+  }
+};
+
+}  // namespace mfsdp

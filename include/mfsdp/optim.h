@@ -1,0 +1,96 @@
+// Distributed optimizer over flat main-weight shards (DESIGN.md section 5).
+//
+// The optimizer never sees modules: it sees flat shards, each a contiguous 1-D main-weight
+// tensor (fp32 by default) with its main-grad tensor of the same length, cut into segments that
+// carry their hyperparameter class (weight decay on or off). AdamW and SGD run a few large
+// vectorised ops per shard, not a loop over parameters. Gradient clipping uses the global norm:
+// the sum of squares over local shards, all-reduced over the data-parallel communicator unless
+// the shard is replicated on every rank (no_shard), where the local sum already is the global one.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mfsdp/comm.h"
+
+namespace mfsdp {
+
+// A run of elements of a flat shard that share hyperparameters.
+struct ShardSegment {
+  int64_t offset = 0;         // element offset in the shard
+  int64_t length = 0;         // elements
+  bool weight_decay = true;   // false for biases, norm weights and other 1-D parameters
+};
+
+// One flat shard the optimizer updates in place.
+struct OptimizerShard {
+  at::Tensor main_weight;              // [n], updated in place
+  at::Tensor main_grad;                // [n], same dtype and length; read only
+  std::vector<ShardSegment> segments;  // cover the elements that belong to parameters; padding
+                                       // elements outside every segment are never updated
+  bool replicated = false;             // true when every rank holds the same shard (no_shard)
+};
+
+struct AdamWOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;  // decoupled (AdamW), applied to segments with weight_decay=true
+};
+
+struct SGDOptions {
+  double lr = 1e-2;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
+  double weight_decay = 0.0;  // L2 added to the gradient, as torch::optim::SGD
+};
+
+// Megatron's learning-rate schedule: linear warmup from 0 over `warmup_steps`, then `style`
+// ("constant", "linear" or "cosine") from `max_lr` to `min_lr` at `decay_steps`, flat after.
+struct LRSchedule {
+  double max_lr = 1e-3;
+  double min_lr = 0.0;
+  int64_t warmup_steps = 0;
+  int64_t decay_steps = 0;  // 0: no decay
+  std::string style = "constant";
+  // The learning rate of step `step` (1-based: the first optimizer step is step 1).
+  double lr_at(int64_t step) const;
+};
+
+class DistributedOptimizer {
+ public:
+  virtual ~DistributedOptimizer() = default;
+
+  // Clips gradients to `max_norm` by global L2 norm (no-op when max_norm <= 0) and returns the
+  // global norm before clipping. Collective over the communicator.
+  virtual double clip_grad_norm(double max_norm) = 0;
+
+  // One update of every shard with learning rate `lr`; then runs the after-step callback
+  // (the runtime's main-to-model weight copy).
+  virtual void step(double lr) = 0;
+
+  // Steps taken so far.
+  virtual int64_t steps() const = 0;
+
+  // Optimizer state tensors by name ("exp_avg", "exp_avg_sq", "momentum_buffer"), one flat tensor
+  // per shard in shard order, for checkpoints and memory accounting.
+  virtual std::vector<std::pair<std::string, std::vector<at::Tensor>>> state() const = 0;
+};
+
+// `after_step` runs at the end of every step (e.g. copy main weights into model weights).
+std::unique_ptr<DistributedOptimizer> make_adamw(std::vector<OptimizerShard> shards,
+                                                 std::shared_ptr<Communicator> comm,
+                                                 const AdamWOptions& options,
+                                                 std::function<void()> after_step = {});
+std::unique_ptr<DistributedOptimizer> make_sgd(std::vector<OptimizerShard> shards,
+                                               std::shared_ptr<Communicator> comm,
+                                               const SGDOptions& options,
+                                               std::function<void()> after_step = {});
+
+}  // namespace mfsdp

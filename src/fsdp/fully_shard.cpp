@@ -1,0 +1,302 @@
+#include "mfsdp/fully_shard.h"
+
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <mutex>
+#include <set>
+#include <stdexcept>
+
+#include "fsdp/param_group.h"
+#include "fsdp/unit_state.h"
+
+namespace mfsdp {
+namespace detail {
+namespace {
+
+// Which modules are units. Entries are removed when the module is destroyed is not observable
+// from C++, so each entry also holds a weak reference to check the module is the same one.
+struct Registered {
+  std::weak_ptr<torch::nn::Module> module;
+  std::shared_ptr<UnitState> unit;
+};
+std::mutex registry_mutex;
+std::map<const torch::nn::Module*, Registered> registry;
+
+std::shared_ptr<UnitState> lookup(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = registry.find(&module);
+  if (it == registry.end()) return nullptr;
+  auto alive = it->second.module.lock();
+  if (alive.get() != &module) {  // a new module at a dead one's address
+    registry.erase(it);
+    return nullptr;
+  }
+  return it->second.unit;
+}
+
+}  // namespace
+
+// Every unit in `root`'s subtree (excluding root itself) with its module prefix.
+std::vector<std::pair<std::string, std::shared_ptr<UnitState>>> units_under(
+    torch::nn::Module& root) {
+  std::vector<std::pair<std::string, std::shared_ptr<UnitState>>> out;
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) {
+    if (auto unit = lookup(*item.value())) out.emplace_back(item.key(), unit);
+  }
+  return out;
+}
+
+// `name` lies under the module path `prefix` ("a.b" is under "a", not under "ab").
+bool has_prefix(const std::string& name, const std::string& prefix) {
+  return name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
+         name[prefix.size()] == '.';
+}
+
+UnitState* find_unit(const torch::nn::Module& module) { return lookup(module).get(); }
+
+at::Tensor run_forward(UnitState& unit, const std::function<at::Tensor()>& forward) {
+  unit.pre_forward();
+  return unit.post_forward(forward());
+}
+
+std::vector<at::Tensor> run_forward(UnitState& unit,
+                                    const std::function<std::vector<at::Tensor>()>& forward) {
+  unit.pre_forward();
+  return unit.post_forward(forward());
+}
+
+at::Tensor cast_forward_input(const UnitState& unit, const at::Tensor& input) {
+  const auto& dtype = unit.options().mixed_precision.param_dtype;
+  if (!dtype || !input.defined() || !at::isFloatingType(input.scalar_type()) ||
+      input.scalar_type() == *dtype)
+    return input;
+  return input.to(*dtype);
+}
+
+}  // namespace detail
+
+using detail::UnitState;
+
+ShardingStrategy parse_sharding_strategy(const std::string& name) {
+  if (name == "no_shard") return ShardingStrategy::kNoShard;
+  if (name == "optim") return ShardingStrategy::kOptim;
+  if (name == "optim_grads") return ShardingStrategy::kOptimGrads;
+  if (name == "optim_grads_params") return ShardingStrategy::kOptimGradsParams;
+  throw std::invalid_argument("unknown sharding strategy '" + name +
+                              "' (expected no_shard, optim, optim_grads or optim_grads_params)");
+}
+
+const char* to_string(ShardingStrategy s) {
+  switch (s) {
+    case ShardingStrategy::kNoShard: return "no_shard";
+    case ShardingStrategy::kOptim: return "optim";
+    case ShardingStrategy::kOptimGrads: return "optim_grads";
+    case ShardingStrategy::kOptimGradsParams: return "optim_grads_params";
+  }
+  return "?";
+}
+
+FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
+  if (!options.comm) throw std::invalid_argument("fully_shard: options.comm is not set");
+  if (detail::find_unit(module) != nullptr)
+    throw std::invalid_argument("fully_shard: module '" + module.name() + "' is already a unit");
+  std::shared_ptr<torch::nn::Module> self;
+  try {
+    self = module.shared_from_this();
+  } catch (const std::bad_weak_ptr&) {
+    throw std::invalid_argument(
+        "fully_shard: module '" + module.name() +
+        "' must be owned by a std::shared_ptr (create it with std::make_shared or a TORCH_MODULE holder)");
+  }
+
+  // Which unit owns each parameter name: the innermost unit whose prefix the name has, or this
+  // new unit. A tensor owned by two units is a parameter shared across units.
+  auto descendants = detail::units_under(module);
+  std::map<const c10::TensorImpl*, std::pair<std::string, const UnitState*>> owner;
+  std::vector<std::pair<std::string, at::Tensor>> own;  // this unit's parameters, in order
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    const UnitState* unit_of = nullptr;
+    size_t best = 0;
+    for (const auto& [prefix, unit] : descendants)
+      if (detail::has_prefix(name, prefix) && prefix.size() >= best) {
+        unit_of = unit.get();
+        best = prefix.size();
+      }
+    const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
+    auto [it, inserted] = owner.emplace(impl, std::make_pair(name, unit_of));
+    if (!inserted) {
+      if (it->second.second != unit_of)
+        throw std::invalid_argument(
+            "fully_shard: parameter '" + name + "' is the same tensor as '" + it->second.first +
+            "' but they belong to different units; put both modules in one unit (e.g. tie the "
+            "embedding and output layer in the root) or untie them");
+      continue;  // tied within this unit: one storage, first name wins
+    }
+    if (unit_of == nullptr) own.emplace_back(name, item.value());
+  }
+
+  // Parameter groups by (dtype, requires_grad), in order of first appearance.
+  std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<detail::GroupParam>>> buckets;
+  for (auto& [name, p] : own) {
+    auto key = std::make_pair(p.scalar_type(), p.requires_grad());
+    auto it = std::find_if(buckets.begin(), buckets.end(), [&](auto& b) { return b.first == key; });
+    if (it == buckets.end()) {
+      buckets.push_back({key, {}});
+      it = buckets.end() - 1;
+    }
+    it->second.push_back({name, p, p.sizes().vec(), p.scalar_type()});
+  }
+  std::vector<std::unique_ptr<detail::ParamGroup>> groups;
+  {
+    at::NoGradGuard no_grad;
+    for (auto& [key, params] : buckets)
+      groups.push_back(std::make_unique<detail::ParamGroup>(std::move(params), options, nullptr));
+  }
+  auto unit = std::make_shared<UnitState>(module, std::move(groups), options);
+
+  // Adopt the units below that have no parent yet; everything under this one now shares its
+  // context and is named relative to this module.
+  std::map<const c10::TensorImpl*, std::string> names;
+  for (const auto& [impl, entry] : owner) names[impl] = entry.first;
+  std::vector<UnitState*> subtree;
+  for (const auto& [prefix, child] : descendants) {
+    if (child->parent() == nullptr) child->set_parent(unit.get());
+    subtree.push_back(child.get());
+  }
+  auto& ctx = unit->context();
+  ctx->units.clear();
+  for (UnitState* u : subtree) {
+    u->context() = ctx;
+    for (auto& g : u->groups()) g->set_transient_counter(&ctx->transient);
+    u->rename_parameters(names);
+    ctx->units.push_back(u);
+  }
+  ctx->units.push_back(unit.get());
+  unit->rename_parameters(names);
+
+  {
+    std::lock_guard<std::mutex> lock(detail::registry_mutex);
+    detail::registry[&module] = {self, unit};
+  }
+  return FsdpHandle(unit);
+}
+
+// ---- FsdpHandle -------------------------------------------------------------------------------
+
+detail::UnitState& FsdpHandle::state() const {
+  if (!unit_) throw std::logic_error("FsdpHandle: empty handle");
+  return *unit_;
+}
+
+void FsdpHandle::unshard() { state().unshard(); }
+void FsdpHandle::reshard() { state().reshard(); }
+
+void FsdpHandle::set_requires_gradient_sync(bool sync) {
+  state().context()->sync_gradients = sync;
+}
+
+void FsdpHandle::set_reshard_after_forward(bool reshard) {
+  for (UnitState* u : state().context()->units) {
+    for (UnitState* p = u; p != nullptr; p = p->parent())
+      if (p == &state()) {
+        u->set_reshard_after_forward(reshard);
+        break;
+      }
+  }
+}
+
+void FsdpHandle::set_gradient_divide_factor(double factor) {
+  if (!(factor > 0)) throw std::invalid_argument("set_gradient_divide_factor: factor must be > 0");
+  state().context()->divide_factor = factor;
+}
+
+std::vector<OptimizerShard> FsdpHandle::optimizer_shards() const {
+  std::vector<OptimizerShard> shards;
+  for (UnitState* u : state().context()->units)
+    for (auto& g : u->groups())
+      if (g->requires_grad()) shards.push_back(g->optimizer_shard());
+  return shards;
+}
+
+std::function<void()> FsdpHandle::after_step() const {
+  std::shared_ptr<detail::RootContext> ctx = state().context();
+  return [ctx] {
+    at::NoGradGuard no_grad;
+    for (UnitState* u : ctx->units)
+      for (auto& g : u->groups()) g->copy_main_to_model_weights();
+  };
+}
+
+void FsdpHandle::zero_grad() {
+  for (UnitState* u : state().context()->units)
+    for (auto& g : u->groups()) g->zero_main_grads();
+}
+
+std::vector<LocalShard> FsdpHandle::local_shards() const {
+  std::vector<LocalShard> out;
+  for (UnitState* u : state().context()->units)
+    for (auto& g : u->groups())
+      for (auto& s : g->local_shards()) out.push_back(std::move(s));
+  return out;
+}
+
+std::map<std::string, at::Tensor> FsdpHandle::full_state_dict(bool all_ranks) const {
+  at::NoGradGuard no_grad;
+  std::map<std::string, at::Tensor> out;
+  int rank = state().options().comm->rank();
+  for (UnitState* u : state().context()->units)
+    for (auto& g : u->groups()) {
+      auto values = g->gather_full_parameters();  // collective: every rank takes part
+      if (!all_ranks && rank != 0) continue;
+      for (size_t i = 0; i < values.size(); ++i) out[g->params()[i].name] = values[i];
+    }
+  return out;
+}
+
+void FsdpHandle::load_full_state_dict(const std::map<std::string, at::Tensor>& state_dict) {
+  at::NoGradGuard no_grad;
+  std::set<std::string> expected;
+  for (UnitState* u : state().context()->units)
+    for (auto& g : u->groups())
+      for (auto& p : g->params()) {
+        expected.insert(p.name);
+        auto it = state_dict.find(p.name);
+        if (it == state_dict.end())
+          throw std::invalid_argument("load_full_state_dict: missing parameter '" + p.name + "'");
+        if (it->second.sizes().vec() != p.shape)
+          throw std::invalid_argument("load_full_state_dict: parameter '" + p.name + "' has shape " +
+                                      c10::str(it->second.sizes()) + ", the model expects " +
+                                      c10::str(at::IntArrayRef(p.shape)));
+      }
+  for (const auto& [name, t] : state_dict)
+    if (!expected.count(name))
+      throw std::invalid_argument("load_full_state_dict: unexpected parameter '" + name + "'");
+  for (UnitState* u : state().context()->units)
+    for (auto& g : u->groups()) {
+      std::vector<at::Tensor> values;
+      for (auto& p : g->params()) values.push_back(state_dict.at(p.name));
+      g->load_full_parameters(values);
+    }
+}
+
+MemoryReport FsdpHandle::memory() const {
+  MemoryReport r;
+  auto& ctx = state().context();
+  for (UnitState* u : ctx->units)
+    for (auto& g : u->groups()) {
+      r.model_weights += g->model_weight_bytes();
+      r.main_weights += g->main_weight_bytes();
+      r.main_grads += g->main_grad_bytes();
+    }
+  r.transient_now = ctx->transient.now;
+  r.transient_peak = ctx->transient.peak;
+  return r;
+}
+
+void FsdpHandle::reset_peak() {
+  auto& t = state().context()->transient;
+  t.peak = t.now;
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,281 @@
+#include "fsdp/param_group.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <stdexcept>
+
+#include "fsdp/storage.h"
+
+namespace mfsdp::detail {
+
+ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& options,
+                       TransientCounter* transient)
+    : params_(std::move(params)),
+      comm_(options.comm),
+      strategy_(options.strategy),
+      requires_grad_(params_.at(0).param.requires_grad()),
+      rank_(options.comm->rank()),
+      transient_(transient) {
+  const MixedPrecisionPolicy& mp = options.mixed_precision;
+  const at::ScalarType original = params_[0].original_dtype;
+  compute_dtype_ = mp.param_dtype && at::isFloatingType(original) ? *mp.param_dtype : original;
+  main_dtype_ = at::isFloatingType(original) ? mp.main_params_dtype : original;
+  grad_dtype_ = mp.main_grads_dtype;
+  comm_dtype_ = mp.grad_comm_dtype.value_or(grad_dtype_);
+
+  std::vector<std::vector<int64_t>> shapes;
+  for (const auto& p : params_) shapes.push_back(p.shape);
+  layout_ = FlatLayout::build(shapes, comm_->size(), options.align_rows);
+
+  // The original values, packed (padding zero), in their own dtype: main weights start from
+  // them at full precision, model weights from their cast.
+  at::Tensor original_flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(original));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    original_flat.narrow(0, e.offset, e.numel).copy_(params_[i].param.detach().reshape(-1));
+  }
+  unsharded_ = original_flat.to(compute_dtype_).clone();
+  point_params_at_unsharded();
+
+  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
+  if (sharded_model()) {
+    model_shard_ = unsharded_.narrow(0, begin, shard).clone();
+    free_storage(unsharded_);
+  }
+  if (requires_grad_) {
+    at::Tensor model_main_range =
+        sharded_model() ? model_shard_
+                        : (sharded_main() ? unsharded_.narrow(0, begin, shard) : unsharded_);
+    if (model_main_range.scalar_type() == main_dtype_) {
+      main_weight_ = model_main_range;  // one copy serves both roles
+      main_aliases_model_ = true;
+    } else {
+      main_weight_ = sharded_main() ? original_flat.narrow(0, begin, shard).to(main_dtype_).clone()
+                                    : original_flat.to(main_dtype_);
+    }
+    main_grad_ = at::zeros({sharded_grads() ? shard : layout_.total()},
+                           at::TensorOptions().dtype(grad_dtype_));
+  }
+}
+
+void ParamGroup::point_params_at_unsharded() {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    at::Tensor view = unsharded_.narrow(0, e.offset, e.numel).view(params_[i].shape);
+    params_[i].param.set_data(view);
+  }
+}
+
+bool ParamGroup::is_unsharded() const { return has_storage(unsharded_); }
+
+void ParamGroup::unshard() {
+  if (!sharded_model() || is_unsharded()) return;
+  regrow_storage(unsharded_);
+  transient_->add(unsharded_.nbytes());
+  comm_->all_gather(unsharded_, model_shard_);
+}
+
+void ParamGroup::reshard() {
+  if (!sharded_model() || !is_unsharded()) return;
+  free_storage(unsharded_);
+  transient_->sub(unsharded_.nbytes());
+}
+
+void ParamGroup::prepare_gradients() {
+  if (!requires_grad_) return;
+  if (!unsharded_grad_.defined()) {
+    unsharded_grad_ = at::zeros({layout_.total()}, at::TensorOptions().dtype(compute_dtype_));
+    transient_->add(unsharded_grad_.nbytes());
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    at::Tensor& grad = params_[i].param.mutable_grad();
+    at::Tensor view = unsharded_grad_.narrow(0, e.offset, e.numel).view(params_[i].shape);
+    if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
+    if (grad.defined()) view.add_(grad);  // a gradient the user or autograd left elsewhere
+    grad = view;
+  }
+}
+
+void ParamGroup::adopt_gradient(size_t i) {
+  const auto& e = layout_.entries[i];
+  at::Tensor& grad = params_[i].param.mutable_grad();
+  if (!grad.defined() || !unsharded_grad_.defined()) return;
+  at::Tensor view = unsharded_grad_.narrow(0, e.offset, e.numel).view(params_[i].shape);
+  if (grad.data_ptr() == view.data_ptr()) return;
+  view.add_(grad);  // autograd replaced our view (e.g. it stole a fresh gradient)
+  grad = view;
+}
+
+void ParamGroup::drop_unsharded_gradients() {
+  if (!unsharded_grad_.defined()) return;
+  for (auto& p : params_) p.param.mutable_grad().reset();
+  transient_->sub(unsharded_grad_.nbytes());
+  unsharded_grad_.reset();
+}
+
+PendingReduction ParamGroup::reduce_gradients(double divide_factor) {
+  if (!requires_grad_ || !unsharded_grad_.defined()) return {};
+  at::Tensor grads = unsharded_grad_;
+  const double scale = 1.0 / divide_factor;
+  if (strategy_ == ShardingStrategy::kOptim) {
+    // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_optim_sync reduces.
+    main_grad_.add_(grads.to(grad_dtype_), scale);
+    drop_unsharded_gradients();
+    return {};
+  }
+  at::Tensor wire = grads.scalar_type() == comm_dtype_ ? grads : grads.to(comm_dtype_);
+  PendingReduction pending;
+  if (strategy_ == ShardingStrategy::kNoShard) {
+    if (scale != 1.0) wire.mul_(scale);
+    pending.work = comm_->all_reduce_async(wire);
+    pending.finish_fn = [this, wire] {
+      main_grad_.add_(wire.to(grad_dtype_));
+      drop_unsharded_gradients();
+    };
+  } else {
+    at::Tensor shard = at::empty({layout_.shard}, wire.options());
+    ReduceScatterOptions rs;
+    rs.prescale = scale;
+    pending.work = comm_->reduce_scatter_async(shard, wire, rs);
+    pending.finish_fn = [this, wire, shard] {
+      main_grad_.add_(shard.to(grad_dtype_));
+      drop_unsharded_gradients();
+    };
+  }
+  return pending;
+}
+
+void ParamGroup::finish_optim_sync() {
+  if (strategy_ != ShardingStrategy::kOptim || !requires_grad_) return;
+  // In place: this rank's region receives the reduction. Other ranks' regions are zeroed, so
+  // that the next sync adds only new local gradients to the value this rank already reduced.
+  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
+  at::Tensor own = main_grad_.narrow(0, begin, shard);
+  comm_->reduce_scatter(own, main_grad_);
+  if (begin > 0) main_grad_.narrow(0, 0, begin).zero_();
+  const int64_t end = begin + shard;
+  if (end < layout_.total()) main_grad_.narrow(0, end, layout_.total() - end).zero_();
+}
+
+void ParamGroup::zero_main_grads() {
+  if (main_grad_.defined()) main_grad_.zero_();
+  drop_unsharded_gradients();
+}
+
+void ParamGroup::copy_main_to_model_weights() {
+  if (!requires_grad_) return;
+  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
+  switch (strategy_) {
+    case ShardingStrategy::kOptimGradsParams:
+      if (!main_aliases_model_) model_shard_.copy_(main_weight_);
+      break;
+    case ShardingStrategy::kNoShard:
+      if (!main_aliases_model_) unsharded_.copy_(main_weight_);
+      break;
+    default: {
+      // ZeRO-1/2: every rank updated its region; gather the full model weights.
+      at::Tensor own = unsharded_.narrow(0, begin, shard);
+      if (!main_aliases_model_) own.copy_(main_weight_);
+      comm_->all_gather(unsharded_, own);
+    }
+  }
+}
+
+OptimizerShard ParamGroup::optimizer_shard() const {
+  OptimizerShard s;
+  if (!requires_grad_) return s;
+  s.main_weight = main_weight_;
+  const int64_t begin = main_begin();
+  s.main_grad = strategy_ == ShardingStrategy::kOptim
+                    ? main_grad_.narrow(0, begin, layout_.shard)
+                    : main_grad_;
+  s.replicated = strategy_ == ShardingStrategy::kNoShard;
+  const int64_t length = main_weight_.numel();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, begin + length);
+    if (hi <= lo) continue;
+    // Megatron's rule: no weight decay on biases and norm weights (1-D and 0-D parameters).
+    bool decay = params_[i].shape.size() >= 2;
+    s.segments.push_back({lo - begin, hi - lo, decay});
+  }
+  return s;
+}
+
+std::vector<LocalShard> ParamGroup::local_shards() const {
+  std::vector<LocalShard> out;
+  const int64_t begin = main_begin();
+  at::Tensor source = requires_grad_ ? main_weight_
+                                     : (sharded_model() ? model_shard_ : unsharded_);
+  const int64_t length = source.numel();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, begin + length);
+    LocalShard ls;
+    ls.name = params_[i].name;
+    ls.global_shape = params_[i].shape;
+    ls.requires_grad = requires_grad_;
+    ls.offset = hi > lo ? lo - e.offset : 0;
+    ls.local = hi > lo ? source.narrow(0, lo - begin, hi - lo) : source.narrow(0, 0, 0);
+    out.push_back(ls);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> ParamGroup::gather_full_parameters() const {
+  at::Tensor full;
+  if (requires_grad_ && sharded_main()) {
+    full = at::empty({layout_.total()}, main_weight_.options());
+    comm_->all_gather(full, main_weight_);
+  } else if (requires_grad_) {
+    full = main_weight_;
+  } else if (sharded_model()) {
+    full = at::empty({layout_.total()}, model_shard_.options());
+    comm_->all_gather(full, model_shard_);
+  } else {
+    full = unsharded_;
+  }
+  std::vector<at::Tensor> values;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    values.push_back(full.narrow(0, e.offset, e.numel)
+                         .view(params_[i].shape)
+                         .to(params_[i].original_dtype)
+                         .clone());
+  }
+  return values;
+}
+
+void ParamGroup::load_full_parameters(const std::vector<at::Tensor>& values) {
+  at::Tensor flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(at::kDouble));
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const auto& e = layout_.entries[i];
+    flat.narrow(0, e.offset, e.numel).copy_(values[i].reshape(-1));
+  }
+  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
+  if (requires_grad_ && !main_aliases_model_) {
+    main_weight_.copy_(sharded_main() ? flat.narrow(0, begin, shard) : flat);
+  }
+  if (sharded_model()) {
+    model_shard_.copy_(flat.narrow(0, begin, shard));
+    if (is_unsharded()) unsharded_.copy_(flat);
+  } else {
+    unsharded_.copy_(flat);
+  }
+}
+
+int64_t ParamGroup::model_weight_bytes() const {
+  return sharded_model() ? model_shard_.nbytes() : unsharded_.nbytes();
+}
+
+int64_t ParamGroup::main_weight_bytes() const {
+  return main_weight_.defined() && !main_aliases_model_ ? main_weight_.nbytes() : 0;
+}
+
+int64_t ParamGroup::main_grad_bytes() const {
+  return main_grad_.defined() ? main_grad_.nbytes() : 0;
+}
+
+}  // namespace mfsdp::detail

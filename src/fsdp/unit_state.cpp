@@ -1,0 +1,189 @@
+#include "fsdp/unit_state.h"
+
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace mfsdp::detail {
+namespace {
+
+struct UnitPointer : torch::CustomClassHolder {
+  explicit UnitPointer(UnitState* u) : unit(u) {}
+  UnitState* unit;
+};
+
+// Identity on a unit's outputs; its backward runs before any of the unit's gradients are
+// computed, which is where the unit must be unsharded again (research/libtorch_probe.md Q1).
+struct PreBackward : torch::autograd::Function<PreBackward> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList outputs,
+                                                c10::intrusive_ptr<UnitPointer> unit) {
+    ctx->saved_data["unit"] = c10::IValue::make_capsule(std::move(unit));
+    return outputs.vec();
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    c10::static_intrusive_pointer_cast<UnitPointer>(ctx->saved_data["unit"].toCapsule())
+        ->unit->pre_backward();
+    grads.emplace_back();  // no gradient for the unit pointer
+    return grads;
+  }
+};
+
+// Runs after autograd accumulated a parameter's gradient (once per backward).
+struct GradientAccumulated : torch::autograd::FunctionPostHook {
+  GradientAccumulated(UnitState* u, size_t g, size_t i) : unit(u), group(g), index(i) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    unit->on_gradient_accumulated(group, index);
+    return outputs;
+  }
+  UnitState* unit;
+  size_t group, index;
+};
+
+}  // namespace
+
+void RootContext::limit_pending(size_t limit) {
+  while (pending.size() > limit) {
+    pending.front().finish();
+    pending.pop_front();
+  }
+}
+
+void RootContext::finish_backward() {
+  for (UnitState* unit : units) unit->finish_backward();
+  limit_pending(0);
+  if (sync_gradients) {
+    for (UnitState* unit : units)
+      for (auto& group : unit->groups()) group->finish_optim_sync();
+  }
+  for (UnitState* unit : units) unit->reshard();
+  callback_queued = false;
+}
+
+UnitState::UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<ParamGroup>> groups,
+                     const FullyShardOptions& options)
+    : module_(&module),
+      groups_(std::move(groups)),
+      options_(options),
+      context_(std::make_shared<RootContext>()),
+      reshard_after_forward_(options.reshard_after_forward) {
+  context_->units.push_back(this);
+  context_->divide_factor =
+      options.gradient_scaling == GradientScaling::kNone ? 1.0 : options.comm->size();
+  for (auto& g : groups_) g->set_transient_counter(&context_->transient);
+  register_gradient_hooks();
+}
+
+void UnitState::register_gradient_hooks() {
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (!groups_[g]->requires_grad()) continue;
+    auto& params = groups_[g]->params();
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(params[i].param);
+      acc->add_post_hook(std::make_unique<GradientAccumulated>(this, g, i));
+      grad_accumulators_.push_back(std::move(acc));
+      ++hooks_expected_;
+    }
+  }
+}
+
+void UnitState::rename_parameters(const std::map<const c10::TensorImpl*, std::string>& names) {
+  for (auto& g : groups_)
+    for (auto& p : g->params()) {
+      auto it = names.find(p.param.unsafeGetTensorImpl());
+      if (it != names.end()) p.name = it->second;
+    }
+}
+
+void UnitState::unshard() {
+  for (auto& g : groups_) g->unshard();
+}
+
+void UnitState::reshard() {
+  for (auto& g : groups_) g->reshard();
+}
+
+void UnitState::pre_forward() {
+  // A forward inside backward is activation recompute: pre_backward already unsharded us.
+  if (phase_ != Phase::kBackward) phase_ = Phase::kForward;
+  unshard();
+}
+
+std::vector<at::Tensor> UnitState::attach_pre_backward(const std::vector<at::Tensor>& outputs) {
+  if (!at::GradMode::is_enabled()) return outputs;
+  std::vector<at::Tensor> needing;
+  std::vector<size_t> where;
+  for (size_t i = 0; i < outputs.size(); ++i)
+    if (outputs[i].defined() && outputs[i].requires_grad()) {
+      needing.push_back(outputs[i]);
+      where.push_back(i);
+    }
+  if (needing.empty()) return outputs;
+  auto hooked = PreBackward::apply(at::TensorList(needing), c10::make_intrusive<UnitPointer>(this));
+  std::vector<at::Tensor> result = outputs;
+  for (size_t k = 0; k < where.size(); ++k) result[where[k]] = hooked[k];
+  return result;
+}
+
+std::vector<at::Tensor> UnitState::post_forward(const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> result = attach_pre_backward(outputs);
+  if (phase_ == Phase::kForward) {
+    if (reshard_after_forward_) reshard();
+    phase_ = Phase::kIdle;
+  }
+  return result;
+}
+
+at::Tensor UnitState::post_forward(const at::Tensor& output) {
+  return post_forward(std::vector<at::Tensor>{output})[0];
+}
+
+void UnitState::pre_backward() {
+  if (!context_->callback_queued) {
+    std::shared_ptr<RootContext> ctx = context_;
+    torch::autograd::Engine::get_default_engine().queue_callback([ctx] { ctx->finish_backward(); });
+    context_->callback_queued = true;
+  }
+  if (phase_ == Phase::kBackward) return;  // several outputs or several calls: prepared once
+  phase_ = Phase::kBackward;
+  hooks_fired_ = 0;
+  reduced_this_backward_ = false;
+  unshard();
+  for (auto& g : groups_) g->prepare_gradients();
+}
+
+void UnitState::on_gradient_accumulated(size_t group, size_t index) {
+  // A gradient without our pre-backward (the forward bypassed mfsdp::call): adopt it anyway.
+  if (phase_ != Phase::kBackward) pre_backward();
+  groups_[group]->adopt_gradient(index);
+  if (++hooks_fired_ == hooks_expected_) post_backward();
+}
+
+void UnitState::post_backward() {
+  if (reduced_this_backward_) return;
+  reduced_this_backward_ = true;
+  if (context_->sync_gradients) {
+    for (auto& g : groups_) {
+      PendingReduction r = g->reduce_gradients(context_->divide_factor);
+      if (!r.work && !r.finish_fn) continue;
+      // At most two gradient reductions (and their unsharded buffers) alive at once.
+      context_->limit_pending(1);
+      context_->pending.push_back(std::move(r));
+    }
+  }
+  reshard();
+}
+
+void UnitState::finish_backward() {
+  // Units where some trainable parameter received no gradient never reached post_backward.
+  if (phase_ == Phase::kBackward && !reduced_this_backward_) post_backward();
+  phase_ = Phase::kIdle;
+  hooks_fired_ = 0;
+  reduced_this_backward_ = false;
+}
+
+}  // namespace mfsdp::detail

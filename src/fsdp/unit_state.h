@@ -1,0 +1,90 @@
+// UnitState: the per-unit lifecycle (DESIGN.md section 4), and RootContext: what all units under
+// one root share (gradient-sync switch, pending reductions, transient-memory counter, the
+// end-of-backward callback).
+//
+// Lifecycle of a unit in one step:
+//   pre_forward  -> unshard (ZeRO-3 all-gather)
+//   post_forward -> identity autograd node on the outputs (its backward is pre_backward);
+//                   reshard (ZeRO-3, reshard_after_forward, not while recomputing in backward)
+//   pre_backward -> unshard; gradient buffer ready; queue the root's end-of-backward callback
+//   parameter post-accumulate hooks -> when every trainable parameter's hook fired:
+//   post_backward -> reduce gradients (async; at most two in flight), reshard
+//   end of backward (root callback) -> post_backward for units whose hooks did not all fire,
+//                   drain reductions, ZeRO-1 reduce-scatter, everything resharded
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "fsdp/param_group.h"
+#include "mfsdp/fully_shard.h"
+
+namespace mfsdp::detail {
+
+class UnitState;
+
+struct RootContext {
+  std::vector<UnitState*> units;  // every unit under the root, in creation order
+  TransientCounter transient;
+  bool sync_gradients = true;
+  double divide_factor = 1.0;
+  bool callback_queued = false;
+  std::deque<PendingReduction> pending;  // gradient reductions in flight, oldest first
+
+  // Keeps at most `limit` reductions in flight (each holds an unsharded gradient buffer).
+  void limit_pending(size_t limit);
+  void finish_backward();
+};
+
+class UnitState {
+ public:
+  enum class Phase { kIdle, kForward, kBackward };
+
+  UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<ParamGroup>> groups,
+            const FullyShardOptions& options);
+
+  torch::nn::Module& module() const { return *module_; }
+  std::vector<std::unique_ptr<ParamGroup>>& groups() { return groups_; }
+  const FullyShardOptions& options() const { return options_; }
+  std::shared_ptr<RootContext>& context() { return context_; }
+  UnitState* parent() const { return parent_; }
+  void set_parent(UnitState* parent) { parent_ = parent; }
+  void set_reshard_after_forward(bool r) { reshard_after_forward_ = r; }
+
+  void unshard();
+  void reshard();
+
+  void pre_forward();
+  at::Tensor post_forward(const at::Tensor& output);
+  std::vector<at::Tensor> post_forward(const std::vector<at::Tensor>& outputs);
+  void pre_backward();
+  void on_gradient_accumulated(size_t group, size_t index);
+  void post_backward();
+  // Called by the root's end-of-backward callback.
+  void finish_backward();
+
+  // Names the parameters relative to `prefix`-qualified FQNs (called when a root adopts).
+  void rename_parameters(const std::map<const c10::TensorImpl*, std::string>& names);
+
+ private:
+  std::vector<at::Tensor> attach_pre_backward(const std::vector<at::Tensor>& outputs);
+  void register_gradient_hooks();
+
+  torch::nn::Module* module_;
+  std::vector<std::unique_ptr<ParamGroup>> groups_;
+  FullyShardOptions options_;
+  std::shared_ptr<RootContext> context_;
+  UnitState* parent_ = nullptr;
+  bool reshard_after_forward_;
+  Phase phase_ = Phase::kIdle;
+  int hooks_expected_ = 0;  // trainable parameters
+  int hooks_fired_ = 0;     // in the current backward
+  bool reduced_this_backward_ = false;
+  // The AccumulateGrad nodes hold our hooks; a tensor keeps only a weak reference to them.
+  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+};
+
+}  // namespace mfsdp::detail
