@@ -139,6 +139,11 @@ class FsdpHandle {
   MemoryReport memory() const;
   void reset_peak();
 
+  // Records lifecycle events ("block0:pre_forward", "<unit>:post_backward", ":end_of_backward";
+  // the root's path is "") from now on, for tests and debugging; off clears them.
+  void record_events(bool on);
+  std::vector<std::string> events() const;
+
   detail::UnitState& state() const;
 
  private:
@@ -150,6 +155,9 @@ class FsdpHandle {
 // the last call on the outermost module makes the root. A parameter shared between two units is
 // rejected (tie the modules into one unit instead).
 FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options);
+
+// The handle of a module fully_shard was applied to; throws std::invalid_argument otherwise.
+FsdpHandle handle_of(const torch::nn::Module& module);
 
 // Calls module.forward(args...) through the unit's hooks (see the top of this file).
 template <class M, class... Args>

@@ -29,7 +29,8 @@ struct ShardSegment {
 // One flat shard the optimizer updates in place.
 struct OptimizerShard {
   at::Tensor main_weight;              // [n], updated in place
-  at::Tensor main_grad;                // [n], same dtype and length; read only
+  at::Tensor main_grad;                // [n], same dtype and length; read by step(), scaled in
+                                       // place by clip_grad_norm()
   std::vector<ShardSegment> segments;  // cover the elements that belong to parameters; padding
                                        // elements outside every segment are never updated
   bool replicated = false;             // true when every rank holds the same shard (no_shard)

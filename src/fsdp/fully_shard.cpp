@@ -22,6 +22,8 @@ struct Registered {
 std::mutex registry_mutex;
 std::map<const torch::nn::Module*, Registered> registry;
 
+}  // namespace
+
 std::shared_ptr<UnitState> lookup(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry.find(&module);
@@ -33,8 +35,6 @@ std::shared_ptr<UnitState> lookup(const torch::nn::Module& module) {
   }
   return it->second.unit;
 }
-
-}  // namespace
 
 // Every unit in `root`'s subtree (excluding root itself) with its module prefix.
 std::vector<std::pair<std::string, std::shared_ptr<UnitState>>> units_under(
@@ -162,6 +162,7 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
   std::vector<UnitState*> subtree;
   for (const auto& [prefix, child] : descendants) {
     if (child->parent() == nullptr) child->set_parent(unit.get());
+    child->set_path(prefix);
     subtree.push_back(child.get());
   }
   auto& ctx = unit->context();
@@ -179,6 +180,12 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
     std::lock_guard<std::mutex> lock(detail::registry_mutex);
     detail::registry[&module] = {self, unit};
   }
+  return FsdpHandle(unit);
+}
+
+FsdpHandle handle_of(const torch::nn::Module& module) {
+  auto unit = detail::lookup(module);
+  if (!unit) throw std::invalid_argument("handle_of: module '" + module.name() + "' is not a unit");
   return FsdpHandle(unit);
 }
 
@@ -293,6 +300,14 @@ MemoryReport FsdpHandle::memory() const {
   r.transient_peak = ctx->transient.peak;
   return r;
 }
+
+void FsdpHandle::record_events(bool on) {
+  auto& ctx = state().context();
+  ctx->record_events = on;
+  ctx->events.clear();
+}
+
+std::vector<std::string> FsdpHandle::events() const { return state().context()->events; }
 
 void FsdpHandle::reset_peak() {
   auto& t = state().context()->transient;

@@ -54,6 +54,7 @@ void RootContext::limit_pending(size_t limit) {
 }
 
 void RootContext::finish_backward() {
+  note("", "end_of_backward");
   for (UnitState* unit : units) unit->finish_backward();
   limit_pending(0);
   if (sync_gradients) {
@@ -108,6 +109,7 @@ void UnitState::reshard() {
 }
 
 void UnitState::pre_forward() {
+  context_->note(path_, "pre_forward");
   // A forward inside backward is activation recompute: pre_backward already unsharded us.
   if (phase_ != Phase::kBackward) phase_ = Phase::kForward;
   unshard();
@@ -130,6 +132,7 @@ std::vector<at::Tensor> UnitState::attach_pre_backward(const std::vector<at::Ten
 }
 
 std::vector<at::Tensor> UnitState::post_forward(const std::vector<at::Tensor>& outputs) {
+  context_->note(path_, "post_forward");
   std::vector<at::Tensor> result = attach_pre_backward(outputs);
   if (phase_ == Phase::kForward) {
     if (reshard_after_forward_) reshard();
@@ -149,6 +152,7 @@ void UnitState::pre_backward() {
     context_->callback_queued = true;
   }
   if (phase_ == Phase::kBackward) return;  // several outputs or several calls: prepared once
+  context_->note(path_, "pre_backward");
   phase_ = Phase::kBackward;
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
@@ -166,6 +170,7 @@ void UnitState::on_gradient_accumulated(size_t group, size_t index) {
 void UnitState::post_backward() {
   if (reduced_this_backward_) return;
   reduced_this_backward_ = true;
+  context_->note(path_, "post_backward");
   if (context_->sync_gradients) {
     for (auto& g : groups_) {
       PendingReduction r = g->reduce_gradients(context_->divide_factor);

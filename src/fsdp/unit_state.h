@@ -33,6 +33,12 @@ struct RootContext {
   double divide_factor = 1.0;
   bool callback_queued = false;
   std::deque<PendingReduction> pending;  // gradient reductions in flight, oldest first
+  // Lifecycle events ("block0:pre_forward", ...) recorded for tests and debugging when enabled.
+  bool record_events = false;
+  std::vector<std::string> events;
+  void note(const std::string& unit, const char* event) {
+    if (record_events) events.push_back(unit + ":" + event);
+  }
 
   // Keeps at most `limit` reductions in flight (each holds an unsharded gradient buffer).
   void limit_pending(size_t limit);
@@ -53,6 +59,9 @@ class UnitState {
   UnitState* parent() const { return parent_; }
   void set_parent(UnitState* parent) { parent_ = parent; }
   void set_reshard_after_forward(bool r) { reshard_after_forward_ = r; }
+  // Module path relative to the root ("" for the root itself).
+  const std::string& path() const { return path_; }
+  void set_path(std::string p) { path_ = std::move(p); }
 
   void unshard();
   void reshard();
@@ -78,6 +87,7 @@ class UnitState {
   FullyShardOptions options_;
   std::shared_ptr<RootContext> context_;
   UnitState* parent_ = nullptr;
+  std::string path_;
   bool reshard_after_forward_;
   Phase phase_ = Phase::kIdle;
   int hooks_expected_ = 0;  // trainable parameters

@@ -60,7 +60,9 @@ class AdamW final : public ShardOptimizer {
         // Decoupled weight decay first, on the decay segments only (torch skips the op for a
         // group with weight_decay == 0, so do we).
         if (options_.weight_decay != 0) {
-          for (const ElementRange& r : run.decay) weight.narrow(0, r.offset, r.length).mul_(decay_factor);
+          for (const ElementRange& r : run.decay) {
+            weight.narrow(0, r.offset, r.length).mul_(decay_factor);
+          }
         }
         at::Tensor p = weight.narrow(0, run.offset, run.length);
         at::Tensor g = grad.narrow(0, run.offset, run.length);

@@ -41,10 +41,9 @@ std::vector<SegmentRun> plan_segment_runs(const OptimizerShard& shard, size_t in
                                 " differs from main_weight length " + std::to_string(n));
   }
   if (shard.main_grad.scalar_type() != shard.main_weight.scalar_type()) {
-    throw std::invalid_argument(where + ": main_grad dtype " +
-                                c10::toString(shard.main_grad.scalar_type()) +
-                                " differs from main_weight dtype " +
-                                c10::toString(shard.main_weight.scalar_type()));
+    throw std::invalid_argument(
+        where + ": main_grad dtype " + c10::toString(shard.main_grad.scalar_type()) +
+        " differs from main_weight dtype " + c10::toString(shard.main_weight.scalar_type()));
   }
   if (shard.main_grad.device() != shard.main_weight.device()) {
     throw std::invalid_argument(where + ": main_grad is on " + shard.main_grad.device().str() +
@@ -89,8 +88,7 @@ std::vector<SegmentRun> plan_segment_runs(const OptimizerShard& shard, size_t in
 }
 
 ShardOptimizer::ShardOptimizer(std::string name, std::vector<OptimizerShard> shards,
-                               std::shared_ptr<Communicator> comm,
-                               std::function<void()> after_step)
+                               std::shared_ptr<Communicator> comm, std::function<void()> after_step)
     : name_(std::move(name)),
       shards_(std::move(shards)),
       comm_(std::move(comm)),

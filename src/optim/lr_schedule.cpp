@@ -9,6 +9,8 @@
 namespace mfsdp {
 namespace {
 
+constexpr double kPi = 3.14159265358979323846;
+
 template <typename T>
 [[noreturn]] void fail(const char* field, const T& value, const char* expected) {
   std::ostringstream msg;
@@ -53,10 +55,10 @@ double LRSchedule::lr_at(int64_t step) const {
   if (step > decay_steps) return min_lr;
   // warmup_steps < step <= decay_steps here, so the ratio lies in [0, 1] and the divisor is > 0
   // (step 0 without warmup gives ratio 0).
-  const double decay_ratio = static_cast<double>(step - warmup_steps) /
-                             static_cast<double>(decay_steps - warmup_steps);
+  const double decay_ratio =
+      static_cast<double>(step - warmup_steps) / static_cast<double>(decay_steps - warmup_steps);
   const double coeff =
-      style == "linear" ? 1.0 - decay_ratio : 0.5 * (std::cos(M_PI * decay_ratio) + 1.0);
+      style == "linear" ? 1.0 - decay_ratio : 0.5 * (std::cos(kPi * decay_ratio) + 1.0);
   return min_lr + coeff * (max_lr - min_lr);
 }
 

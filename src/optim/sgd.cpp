@@ -18,15 +18,17 @@ void check_options(const SGDOptions& o) {
     throw std::invalid_argument(msg.str());
   };
   if (!(o.lr >= 0) || !std::isfinite(o.lr)) fail("lr", o.lr, "finite and >= 0");
-  if (!(o.momentum >= 0) || !std::isfinite(o.momentum)) fail("momentum", o.momentum, "finite and >= 0");
+  if (!(o.momentum >= 0) || !std::isfinite(o.momentum)) {
+    fail("momentum", o.momentum, "finite and >= 0");
+  }
   if (!std::isfinite(o.dampening)) fail("dampening", o.dampening, "finite");
   if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
     fail("weight_decay", o.weight_decay, "finite and >= 0");
   }
   if (o.nesterov && !(o.momentum > 0 && o.dampening == 0)) {
     std::ostringstream msg;
-    msg << "SGDOptions.nesterov needs momentum > 0 and dampening == 0, got momentum "
-        << o.momentum << " and dampening " << o.dampening;
+    msg << "SGDOptions.nesterov needs momentum > 0 and dampening == 0, got momentum " << o.momentum
+        << " and dampening " << o.dampening;
     throw std::invalid_argument(msg.str());
   }
 }
@@ -85,7 +87,8 @@ class SGD final : public ShardOptimizer {
   }
 
   const SGDOptions options_;
-  std::vector<at::Tensor> momentum_buffer_;  // per shard: [n], like main_weight; empty without momentum
+  // Per shard: [n], like main_weight; empty without momentum.
+  std::vector<at::Tensor> momentum_buffer_;
 };
 
 }  // namespace

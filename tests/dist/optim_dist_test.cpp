@@ -82,7 +82,8 @@ Buffer make_buffer(uint64_t seed, bool replicated, int rank, int world) {
   for (const ParamSpec& spec : kParams) {
     b.params.push_back(at::randn(spec.shape, gen).set_requires_grad(true));
   }
-  auto [offset, count] = replicated ? std::make_pair(int64_t{0}, kFlatNumel) : rank_slice(rank, world);
+  auto [offset, count] =
+      replicated ? std::make_pair(int64_t{0}, kFlatNumel) : rank_slice(rank, world);
   b.offset = offset;
   b.shard.main_weight = pack(b.params).narrow(0, offset, count).clone();
   b.shard.main_grad = at::zeros({count});
@@ -115,7 +116,9 @@ void expect_slice_close(const at::Tensor& got, const std::vector<at::Tensor>& wa
       << what << " on rank " << rank << ": max |diff| " << max_abs;
   // Padding must come out exactly zero (allclose alone would let it drift by kAtol).
   at::Tensor padding_mask = at::ones({kFlatNumel}, at::kBool);
-  for (const ParamSpec& spec : kParams) padding_mask.narrow(0, spec.offset, spec.numel()).fill_(false);
+  for (const ParamSpec& spec : kParams) {
+    padding_mask.narrow(0, spec.offset, spec.numel()).fill_(false);
+  }
   at::Tensor padding = got.masked_select(padding_mask.narrow(0, b.offset, got.numel()));
   EXPECT_TRUE(at::equal(padding, at::zeros_like(padding)))
       << what << " on rank " << rank << ": padding changed: " << padding;
@@ -127,8 +130,8 @@ enum class Kind { kAdamW, kSGD };
 // over all their parameters, and checks norms, weights and optimizer state on this rank.
 void run_against_reference(Communicator& comm, Kind kind, std::vector<bool> replicated) {
   const int rank = comm.rank(), world = comm.size();
-  const std::string label = std::string(kind == Kind::kAdamW ? "AdamW" : "SGD") + ", world " +
-                            std::to_string(world);
+  const std::string label =
+      std::string(kind == Kind::kAdamW ? "AdamW" : "SGD") + ", world " + std::to_string(world);
   std::vector<Buffer> buffers;
   std::vector<OptimizerShard> shards;
   std::vector<at::Tensor> decay, no_decay;
@@ -187,17 +190,20 @@ void run_against_reference(Communicator& comm, Kind kind, std::vector<bool> repl
   }
 
   for (size_t i = 0; i < buffers.size(); ++i) {
-    const std::string what = label + ", buffer " + std::to_string(i) +
-                             (replicated[i] ? " (replicated)" : " (sharded)");
+    const std::string what =
+        label + ", buffer " + std::to_string(i) + (replicated[i] ? " (replicated)" : " (sharded)");
     expect_slice_close(buffers[i].shard.main_weight, buffers[i].params, buffers[i],
                        what + ", main weight", rank);
     for (const auto& [name, tensors] : opt->state()) {
       std::vector<at::Tensor> want;
       for (const at::Tensor& p : buffers[i].params) {
         auto& state = *ref->state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
-        if (name == "exp_avg") want.push_back(static_cast<torch::optim::AdamWParamState&>(state).exp_avg());
-        if (name == "exp_avg_sq") want.push_back(static_cast<torch::optim::AdamWParamState&>(state).exp_avg_sq());
-        if (name == "momentum_buffer") want.push_back(static_cast<torch::optim::SGDParamState&>(state).momentum_buffer());
+        if (name == "exp_avg")
+          want.push_back(static_cast<torch::optim::AdamWParamState&>(state).exp_avg());
+        if (name == "exp_avg_sq")
+          want.push_back(static_cast<torch::optim::AdamWParamState&>(state).exp_avg_sq());
+        if (name == "momentum_buffer")
+          want.push_back(static_cast<torch::optim::SGDParamState&>(state).momentum_buffer());
       }
       ASSERT_EQ(want.size(), kParams.size()) << "unexpected state " << name;
       expect_slice_close(tensors.at(i), want, buffers[i], what + ", " + name, rank);

@@ -3,27 +3,27 @@
 // torch::nn::utils::clip_grad_norm_. Parameters of uneven sizes are packed into a flat main
 // weight with padding between and after them; padding must come out untouched. The LR schedule
 // is checked against values computed by hand.
-#include <torch/torch.h>
+#include "mfsdp/optim.h"
 
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/optim.h"
-
 namespace {
 
 using mfsdp::OptimizerShard;
 using mfsdp::ShardSegment;
 
-// Tolerances against torch (see check_close): our ops are torch's ops, but a parameter's elements
-// sit at other offsets inside a merged run than inside its own tensor, so an element can fall in
-// a SIMD body here and a scalar tail there (FMA contraction differs by one rounding). K steps of
-// AdamW stay within a few ulps of fp32 (1.2e-7) of torch; 1e-6 leaves margin without hiding bugs
-// (one step's update is ~lr = 1e-2, five orders above it).
+// Tolerances against torch: our ops are torch's ops, but a parameter's elements sit at other
+// offsets inside a merged run than inside their own tensor, so an element can fall in a SIMD body
+// here and in a scalar tail there, and the norm is accumulated in fp64 here, fp32 in torch (one
+// fp32 ulp of the clip factor). On the development machine every comparison is bit-exact; 1e-6
+// (about 8 fp32 ulps) absorbs such one-rounding differences on other CPUs over K steps while
+// staying four orders below one step's update (~lr = 1e-2), so a wrong op cannot hide in it.
 constexpr double kRtol = 1e-6;
 constexpr double kAtol = 1e-7;
 
@@ -86,12 +86,12 @@ struct ParamSpec {
 // Uneven sizes; gaps of padding between some parameters and at the end; decay and no-decay
 // neighbours inside one run (offsets 38..76), so runs must split their weight decay.
 const std::vector<ParamSpec> kParams = {
-    {{33, 17}, true, 0},    // 561 elements, [0, 561)
-    {{13}, false, 566},     // bias-like, after a gap of 5
-    {{1}, true, 579},       // scalar-ish, adjacent to the bias
-    {{4, 3, 2}, true, 580}, // adjacent again
-    {{9}, false, 604},      // adjacent, no decay: run [566, 613) decays only [579, 604)
-    {{7, 3}, true, 620},    // after a gap of 7
+    {{33, 17}, true, 0},     // 561 elements, [0, 561)
+    {{13}, false, 566},      // bias-like, after a gap of 5
+    {{1}, true, 579},        // scalar-ish, adjacent to the bias
+    {{4, 3, 2}, true, 580},  // adjacent again
+    {{9}, false, 604},       // adjacent, no decay: run [566, 613) decays only [579, 604)
+    {{7, 3}, true, 620},     // after a gap of 7
 };
 constexpr int64_t kFlatNumel = 650;  // 641 used, 9 elements of padding at the end
 
@@ -100,7 +100,7 @@ constexpr int64_t kFlatNumel = 650;  // 641 used, 9 elements of padding at the e
 struct Packed {
   std::vector<at::Tensor> params;  // reference leaves, requires_grad
   OptimizerShard shard;
-  at::Tensor padding_mask;         // [kFlatNumel] bool, true outside every parameter
+  at::Tensor padding_mask;  // [kFlatNumel] bool, true outside every parameter
 };
 
 Packed pack(uint64_t seed) {
@@ -143,8 +143,8 @@ void check_close(const at::Tensor& got, const at::Tensor& want, const std::strin
 void check_params(const at::Tensor& flat, const std::vector<at::Tensor>& want,
                   const std::string& what) {
   for (size_t i = 0; i < kParams.size(); ++i) {
-    check_close(flat.narrow(0, kParams[i].offset, kParams[i].numel()),
-                want[i].detach().flatten(), what + ", parameter " + std::to_string(i));
+    check_close(flat.narrow(0, kParams[i].offset, kParams[i].numel()), want[i].detach().flatten(),
+                what + ", parameter " + std::to_string(i));
   }
 }
 
@@ -155,9 +155,7 @@ void expect_padding(const at::Tensor& flat, const at::Tensor& mask, float value,
   EXPECT_TRUE(at::equal(padding, at::full_like(padding, value))) << what << ": " << padding;
 }
 
-OptimizerShard empty_shard() {
-  return OptimizerShard{at::zeros({0}), at::zeros({0}), {}, false};
-}
+OptimizerShard empty_shard() { return OptimizerShard{at::zeros({0}), at::zeros({0}), {}, false}; }
 
 std::string invalid_argument_of(const std::function<void()>& f) {
   try {
@@ -168,12 +166,12 @@ std::string invalid_argument_of(const std::function<void()>& f) {
   return "<no std::invalid_argument>";
 }
 
-#define EXPECT_INVALID(statement, ...)                                         \
-  do {                                                                         \
-    const std::string msg_ = invalid_argument_of([&] { statement; });          \
-    for (const char* part_ : {__VA_ARGS__})                                    \
-      EXPECT_NE(msg_.find(part_), std::string::npos)                           \
-          << "message of `" #statement "` lacks '" << part_ << "': " << msg_;  \
+#define EXPECT_INVALID(statement, ...)                                        \
+  do {                                                                        \
+    const std::string msg_ = invalid_argument_of([&] { statement; });         \
+    for (const char* part_ : {__VA_ARGS__})                                   \
+      EXPECT_NE(msg_.find(part_), std::string::npos)                          \
+          << "message of `" #statement "` lacks '" << part_ << "': " << msg_; \
   } while (0)
 
 // Parameter groups for torch::optim: decay parameters first, then the rest.
@@ -203,10 +201,8 @@ TEST(AdamW, MatchesTorchAdamWWithDecayGroupsAndPadding) {
 
   auto [decay, no_decay] = split_by_decay(packed.params);
   auto ref_options = [&](double wd) {
-    return std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(kLrs[0])
-                                                            .betas({0.8, 0.95})
-                                                            .eps(1e-6)
-                                                            .weight_decay(wd));
+    return std::make_unique<torch::optim::AdamWOptions>(
+        torch::optim::AdamWOptions(kLrs[0]).betas({0.8, 0.95}).eps(1e-6).weight_decay(wd));
   };
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(decay, ref_options(0.1));
@@ -269,8 +265,9 @@ TEST(AdamW, AfterStepRunsOnceAfterTheUpdate) {
   mfsdp::DistributedOptimizer* self = nullptr;
   auto opt = mfsdp::make_adamw({packed.shard}, std::make_shared<CountingComm>(), {}, [&] {
     ++calls;
-    EXPECT_EQ(self->steps(), calls);  // the count is already incremented
-    EXPECT_FALSE(at::equal(packed.shard.main_weight, before));  // weights already updated
+    // Runs after the update and after the step count went up.
+    EXPECT_EQ(self->steps(), calls);
+    EXPECT_FALSE(at::equal(packed.shard.main_weight, before));
   });
   self = opt.get();
   opt->step(1e-2);
@@ -314,8 +311,8 @@ TEST(SGD, MatchesTorchSGDWithDecayGroupsAndPadding) {
     options.dampening = c.dampening;
     options.weight_decay = c.weight_decay;
     options.nesterov = c.nesterov;
-    auto opt = mfsdp::make_sgd({packed.shard, empty_shard()}, std::make_shared<CountingComm>(),
-                               options);
+    auto opt =
+        mfsdp::make_sgd({packed.shard, empty_shard()}, std::make_shared<CountingComm>(), options);
 
     auto [decay, no_decay] = split_by_decay(packed.params);
     auto ref_options = [&](double wd) {
@@ -338,8 +335,7 @@ TEST(SGD, MatchesTorchSGDWithDecayGroupsAndPadding) {
     }
     check_params(packed.shard.main_weight, packed.params, "SGD weights");
     expect_padding(packed.shard.main_weight, packed.padding_mask, 0.f, "SGD weight padding");
-    expect_padding(packed.shard.main_grad, packed.padding_mask, kPaddingGrad,
-                   "main_grad padding");
+    expect_padding(packed.shard.main_grad, packed.padding_mask, kPaddingGrad, "main_grad padding");
 
     auto state = opt->state();
     if (c.momentum == 0) {
@@ -378,7 +374,9 @@ TEST(ClipGradNorm, MatchesTorchClipGradNorm) {
 
     // The true norm in fp64, for choosing max_norm independently of both implementations.
     double sq = 0;
-    for (const at::Tensor& p : packed.params) sq += p.grad().to(at::kDouble).square().sum().item<double>();
+    for (const at::Tensor& p : packed.params) {
+      sq += p.grad().to(at::kDouble).square().sum().item<double>();
+    }
     const double max_norm = c.max_norm_over_norm * std::sqrt(sq);
 
     // Our max_norm <= 0 means "do not clip"; torch would zero every grad, so its reference for
@@ -395,8 +393,9 @@ TEST(ClipGradNorm, MatchesTorchClipGradNorm) {
     if (c.max_norm_over_norm != 0.3) {
       // Nothing clipped: torch multiplies by exactly 1, we do not touch the grads.
       for (size_t i = 0; i < kParams.size(); ++i) {
-        EXPECT_TRUE(at::equal(packed.shard.main_grad.narrow(0, kParams[i].offset, kParams[i].numel()),
-                              grads[i].flatten()));
+        EXPECT_TRUE(
+            at::equal(packed.shard.main_grad.narrow(0, kParams[i].offset, kParams[i].numel()),
+                      grads[i].flatten()));
       }
     }
     expect_padding(packed.shard.main_grad, packed.padding_mask, kPaddingGrad, "grad padding");
@@ -404,7 +403,8 @@ TEST(ClipGradNorm, MatchesTorchClipGradNorm) {
 }
 
 TEST(ClipGradNorm, NonFiniteNormIsReturnedAndNothingIsScaled) {
-  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+  for (float bad :
+       {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
     Packed packed = pack(6);
     set_grads(packed, 0);
     packed.shard.main_grad[kParams[1].offset] = bad;
@@ -439,7 +439,8 @@ TEST(DistributedOptimizer, RejectsBadShards) {
 
   OptimizerShard short_grad = shard(10, {{0, 10, true}});
   short_grad.main_grad = at::zeros({9});
-  EXPECT_INVALID(make(short_grad), "OptimizerShard 1", "main_grad length 9", "main_weight length 10");
+  EXPECT_INVALID(make(short_grad), "OptimizerShard 1", "main_grad length 9",
+                 "main_weight length 10");
 
   OptimizerShard double_grad = shard(10, {});
   double_grad.main_grad = at::zeros({10}, at::kDouble);
@@ -458,11 +459,12 @@ TEST(DistributedOptimizer, RejectsBadShards) {
   integer.main_grad = at::zeros({10}, at::kLong);
   EXPECT_INVALID(make(integer), "floating point", "Long");
 
-  EXPECT_INVALID(make(shard(10, {{0, 4, true}, {8, 3, true}})), "segment 1", "offset 8",
-                 "length 3", "out of range of 10");
+  EXPECT_INVALID(make(shard(10, {{0, 4, true}, {8, 3, true}})), "segment 1", "offset 8", "length 3",
+                 "out of range of 10");
   EXPECT_INVALID(make(shard(10, {{-1, 2, true}})), "segment 0", "offset -1");
   EXPECT_INVALID(make(shard(10, {{2, -2, true}})), "segment 0", "length -2");
-  EXPECT_INVALID(make(shard(10, {{4, 3, true}, {0, 5, false}})), "overlaps", "offset 4", "end at 5");
+  EXPECT_INVALID(make(shard(10, {{4, 3, true}, {0, 5, false}})), "overlaps", "offset 4",
+                 "end at 5");
   EXPECT_INVALID(make(shard(10, {{0, 10, true}, {3, 0, true}, {5, 1, true}})), "overlaps");
 
   EXPECT_INVALID(mfsdp::make_sgd({shard(4, {{0, 4, true}})}, nullptr, {}), "communicator is null");
@@ -543,8 +545,8 @@ TEST(LRSchedule, WarmupThenDecayMatchesHandComputedValues) {
   const auto cosine = schedule("cosine", 10, 110);
   // coeff = (cos(pi * ratio) + 1) / 2: ratio 0.25 -> (sqrt(2)/2 + 1) / 2 = 0.85355339059327373
   EXPECT_NEAR(cosine.lr_at(35), 3e-5 + 0.85355339059327373 * 2.7e-4, kTol);  // 2.6045941546e-4
-  EXPECT_NEAR(cosine.lr_at(60), 1.65e-4, kTol);                             // ratio 0.5
-  EXPECT_NEAR(cosine.lr_at(85), 3e-5 + 0.14644660940672624 * 2.7e-4, kTol); // ratio 0.75
+  EXPECT_NEAR(cosine.lr_at(60), 1.65e-4, kTol);                              // ratio 0.5
+  EXPECT_NEAR(cosine.lr_at(85), 3e-5 + 0.14644660940672624 * 2.7e-4, kTol);  // ratio 0.75
   EXPECT_NEAR(cosine.lr_at(110), 3e-5, kTol);
   EXPECT_NEAR(cosine.lr_at(200), 3e-5, kTol);
 }
