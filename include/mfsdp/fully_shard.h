@@ -54,8 +54,9 @@ struct MixedPrecisionPolicy {
 };
 
 enum class GradientScaling {
-  kDivideByWorld,  // gradients are averaged over data-parallel ranks (loss is a per-rank mean)
-  kNone,           // summed: the loss is already normalised globally (per-token loss)
+  kDivideByWorld,         // averaged over data-parallel ranks: scaled by 1/dp before reducing
+  kNone,                  // summed: the loss is already normalised globally (per-token loss)
+  kAverageInCollective,   // averaged by the collective itself (ReduceOp::kAvg) after summing
 };
 
 struct FullyShardOptions {
@@ -118,7 +119,7 @@ class FsdpHandle {
   void set_requires_gradient_sync(bool sync);
   void set_reshard_after_forward(bool reshard);
   // Gradients are divided by this factor in the reduction (default: world size, or 1 with
-  // GradientScaling::kNone).
+  // GradientScaling::kNone; not used with kAverageInCollective).
   void set_gradient_divide_factor(double factor);
 
   // Root only: every flat shard for the distributed optimizer, and the callback that copies the

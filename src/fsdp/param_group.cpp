@@ -115,21 +115,24 @@ void ParamGroup::drop_unsharded_gradients() {
   unsharded_grad_.reset();
 }
 
-PendingReduction ParamGroup::reduce_gradients(double divide_factor) {
+PendingReduction ParamGroup::reduce_gradients(double divide_factor, bool average_in_collective) {
   if (!requires_grad_ || !unsharded_grad_.defined()) return {};
   at::Tensor grads = unsharded_grad_;
-  const double scale = 1.0 / divide_factor;
   if (strategy_ == ShardingStrategy::kOptim) {
-    // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_optim_sync reduces.
+    // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_optim_sync reduces
+    // with a plain sum, so the scale (1/world when averaging) is applied here.
+    const double scale = 1.0 / (average_in_collective ? comm_->size() : divide_factor);
     main_grad_.add_(grads.to(grad_dtype_), scale);
     drop_unsharded_gradients();
     return {};
   }
+  const double scale = average_in_collective ? 1.0 : 1.0 / divide_factor;
+  const ReduceOp op = average_in_collective ? ReduceOp::kAvg : ReduceOp::kSum;
   at::Tensor wire = grads.scalar_type() == comm_dtype_ ? grads : grads.to(comm_dtype_);
   PendingReduction pending;
   if (strategy_ == ShardingStrategy::kNoShard) {
     if (scale != 1.0) wire.mul_(scale);
-    pending.work = comm_->all_reduce_async(wire);
+    pending.work = comm_->all_reduce_async(wire, {op});
     pending.finish_fn = [this, wire] {
       main_grad_.add_(wire.to(grad_dtype_));
       drop_unsharded_gradients();
@@ -137,6 +140,7 @@ PendingReduction ParamGroup::reduce_gradients(double divide_factor) {
   } else {
     at::Tensor shard = at::empty({layout_.shard}, wire.options());
     ReduceScatterOptions rs;
+    rs.op = op;
     rs.prescale = scale;
     pending.work = comm_->reduce_scatter_async(shard, wire, rs);
     pending.finish_fn = [this, wire, shard] {

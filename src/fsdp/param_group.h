@@ -82,7 +82,7 @@ class ParamGroup {
   // Starts reducing the accumulated gradients into the main grads (divided by `divide_factor`)
   // and releases the unsharded gradient buffer once done. ZeRO-1 only accumulates locally here;
   // its reduce-scatter runs in finish_optim_sync().
-  PendingReduction reduce_gradients(double divide_factor);
+  PendingReduction reduce_gradients(double divide_factor, bool average_in_collective);
   // ZeRO-1: reduce-scatter the full main grads into this rank's region (end of a synced backward).
   void finish_optim_sync();
   bool has_unsharded_gradients() const { return unsharded_grad_.defined(); }

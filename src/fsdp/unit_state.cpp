@@ -173,7 +173,9 @@ void UnitState::post_backward() {
   context_->note(path_, "post_backward");
   if (context_->sync_gradients) {
     for (auto& g : groups_) {
-      PendingReduction r = g->reduce_gradients(context_->divide_factor);
+      PendingReduction r = g->reduce_gradients(
+          context_->divide_factor,
+          options_.gradient_scaling == GradientScaling::kAverageInCollective);
       if (!r.work && !r.finish_fn) continue;
       // At most two gradient reductions (and their unsharded buffers) alive at once.
       context_->limit_pending(1);

@@ -107,7 +107,8 @@ void expect_close(const Tensor& got, const Tensor& want, double rtol, const std:
 }
 
 void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strategy, bool adamw,
-                       const mfsdp::MixedPrecisionPolicy& mp = {}, double rtol = 1e-5) {
+                       const mfsdp::MixedPrecisionPolicy& mp = {}, double rtol = 1e-5,
+                       mfsdp::GradientScaling scaling = mfsdp::GradientScaling::kDivideByWorld) {
   const int world = comm.size(), rank = comm.rank();
   auto comm_ptr = std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
   Net net = make_net();
@@ -115,6 +116,9 @@ void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strate
   options.comm = comm_ptr;
   options.strategy = strategy;
   options.mixed_precision = mp;
+  options.gradient_scaling = scaling;
+  // Without scaling the loss itself must be normalised globally (as with per-token loss).
+  const double loss_divisor = scaling == mfsdp::GradientScaling::kNone ? world : 1.0;
   for (auto& b : net->blocks) mfsdp::fully_shard(*b, options);
   mfsdp::FsdpHandle root = mfsdp::fully_shard(*net, options);
 
@@ -142,7 +146,7 @@ void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strate
       root.set_requires_gradient_sync(m == kMicro - 1);  // communicate on the last micro-batch only
       Tensor out = mfsdp::call(*net, x, true);
       Tensor loss = torch::mse_loss(out.to(kFloat), y) / kMicro;
-      loss.backward();
+      (loss / loss_divisor).backward();
       local_loss += loss.item<double>();
     }
     grad_norms.push_back(opt->clip_grad_norm(kClip));
@@ -191,6 +195,15 @@ MFSDP_DIST_TEST(FullyShard, EveryStrategyMatchesSingleProcessSGD, {1, 2, 3, 4}) 
   for (auto s : {mfsdp::ShardingStrategy::kNoShard, mfsdp::ShardingStrategy::kOptim,
                  mfsdp::ShardingStrategy::kOptimGrads, mfsdp::ShardingStrategy::kOptimGradsParams})
     check_equivalence(comm, s, false);
+}
+
+// The three gradient-scaling modes give the same training when the loss is normalised to match.
+MFSDP_DIST_TEST(FullyShard, GradientScalingModesAgree, {2, 3}) {
+  for (auto s : {mfsdp::ShardingStrategy::kOptim, mfsdp::ShardingStrategy::kOptimGradsParams,
+                 mfsdp::ShardingStrategy::kNoShard}) {
+    check_equivalence(comm, s, true, {}, 1e-5, mfsdp::GradientScaling::kNone);
+    check_equivalence(comm, s, true, {}, 1e-5, mfsdp::GradientScaling::kAverageInCollective);
+  }
 }
 
 // bf16 compute with fp32 main weights and grads tracks the fp32 reference within bf16 accuracy
