@@ -122,6 +122,28 @@ void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, doub
     bad_call(op, std::string("prescale needs a floating-point dtype, got ") + c10::toString(dtype));
 }
 
+GroupPlan plan_group(const std::vector<int>& ranks, const std::string& name, int rank, int size,
+                     const std::vector<int>& global_ranks, std::map<std::string, int>& created) {
+  GroupPlan plan;
+  std::ostringstream key;
+  key << "group/" << name << "/";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    int r = ranks[i];
+    if (r < 0 || r >= size || (i > 0 && r <= ranks[i - 1]))
+      throw std::invalid_argument("new_group '" + name + "': ranks must be ascending and within [0, " +
+                                  std::to_string(size) + ")");
+    if (r == rank) plan.my_index = static_cast<int>(i);
+    plan.global_ranks.push_back(global_ranks[r]);
+    key << r << ",";
+  }
+  if (plan.my_index < 0)
+    throw std::invalid_argument("new_group '" + name + "': rank " + std::to_string(rank) +
+                                " is not among the group's ranks");
+  key << "#" << created[key.str()]++;
+  plan.store_prefix = key.str();
+  return plan;
+}
+
 at::ScalarType accumulation_dtype(at::ScalarType dtype) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) ? at::kFloat : dtype;
 }

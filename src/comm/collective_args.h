@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,18 @@ RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& inp
                                  c10::DeviceType device);
 // Rejects reductions the dtype cannot do (kAvg or a prescale on integers, bool, complex).
 void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, double prescale);
+
+// A subgroup of a communicator (Communicator::new_group), validated.
+struct GroupPlan {
+  int my_index = -1;             // this rank's rank in the group
+  std::vector<int> global_ranks; // global rank of each member
+  std::string store_prefix;      // unique per (ranks, name, creation count)
+};
+// Throws std::invalid_argument unless `ranks` is ascending, within [0, size) and contains
+// `rank`. `created` counts earlier creations of the same group, so that creating it again does
+// not read the first one's addresses from the store.
+GroupPlan plan_group(const std::vector<int>& ranks, const std::string& name, int rank, int size,
+                     const std::vector<int>& global_ranks, std::map<std::string, int>& created);
 
 // The dtype reductions accumulate in: fp32 for bf16/fp16, the dtype itself otherwise.
 at::ScalarType accumulation_dtype(at::ScalarType dtype);

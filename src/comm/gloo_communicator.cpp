@@ -175,28 +175,10 @@ class GlooCommunicator : public Communicator {
 
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
                                           const std::string& name) override {
-    std::vector<int> group_globals;
-    int my_index = -1;
-    std::ostringstream key;
-    key << "group/" << name << "/";
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      int r = ranks[i];
-      if (r < 0 || r >= size() || (i > 0 && r <= ranks[i - 1]))
-        throw std::invalid_argument("new_group '" + name +
-                                    "': ranks must be ascending and within [0, " +
-                                    std::to_string(size()) + ")");
-      if (r == rank_) my_index = static_cast<int>(i);
-      group_globals.push_back(global_ranks_[r]);
-      key << r << ",";
-    }
-    if (my_index < 0)
-      throw std::invalid_argument("new_group '" + name + "': rank " + std::to_string(rank_) +
-                                  " is not among the group's ranks");
-    // Creating the same group twice must not read the first one's addresses from the store.
-    key << "#" << groups_created_[key.str()]++;
-    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(key.str(), store_);
-    return std::make_shared<GlooCommunicator>(prefixed, device_, my_index,
-                                              std::move(group_globals), timeout_);
+    GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
+    auto prefixed = c10::make_intrusive<c10d::PrefixStore>(plan.store_prefix, store_);
+    return std::make_shared<GlooCommunicator>(prefixed, device_, plan.my_index,
+                                              std::move(plan.global_ranks), timeout_);
   }
 
  private:

@@ -258,25 +258,10 @@ class NcclCommunicator : public Communicator {
 
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
                                           const std::string& name) override {
-    std::vector<int> globals;
-    int my_index = -1;
-    std::ostringstream key;
-    key << "group/" << name << "/";
-    for (size_t i = 0; i < ranks.size(); ++i) {
-      if (ranks[i] < 0 || ranks[i] >= size() || (i > 0 && ranks[i] <= ranks[i - 1]))
-        throw std::invalid_argument("new_group '" + name + "': ranks must be ascending and within [0, " +
-                                    std::to_string(size()) + ")");
-      if (ranks[i] == rank_) my_index = static_cast<int>(i);
-      globals.push_back(global_ranks_[ranks[i]]);
-      key << ranks[i] << ",";
-    }
-    if (my_index < 0)
-      throw std::invalid_argument("new_group '" + name + "': rank " + std::to_string(rank_) +
-                                  " is not among the group's ranks");
-    key << "#" << groups_created_[key.str()]++;
+    GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
     return std::make_shared<NcclCommunicator>(
-        c10::make_intrusive<c10d::PrefixStore>(key.str(), store_), my_index, std::move(globals),
-        device_, timeout_);
+        c10::make_intrusive<c10d::PrefixStore>(plan.store_prefix, store_), plan.my_index,
+        std::move(plan.global_ranks), device_, timeout_);
   }
 
  private:
