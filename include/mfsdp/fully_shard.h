@@ -59,8 +59,15 @@ enum class GradientScaling {
   kAverageInCollective,   // averaged by the collective itself (ReduceOp::kAvg) after summing
 };
 
+class DeviceMesh;
+
 struct FullyShardOptions {
-  std::shared_ptr<Communicator> comm;  // the data-parallel communicator (required)
+  std::shared_ptr<Communicator> comm;  // the data-parallel communicator (this or `mesh`)
+  // Instead of `comm`: a 1-D mesh (shard over it), or a 2-D mesh (replicate dim, shard dim),
+  // e.g. {"dp_outer", "dp_shard"}, for HSDP: buffers are sharded within a shard group and
+  // replicated across groups; gradients are reduce-scattered in the shard group, then
+  // all-reduced across replicas. Pass optimizer_comm() to the optimizer.
+  std::shared_ptr<DeviceMesh> mesh;
   ShardingStrategy strategy = ShardingStrategy::kOptimGradsParams;
   MixedPrecisionPolicy mixed_precision;
   bool reshard_after_forward = true;   // optim_grads_params only: free weights after forward
@@ -122,6 +129,8 @@ class FsdpHandle {
   // GradientScaling::kNone; not used with kAverageInCollective).
   void set_gradient_divide_factor(double factor);
 
+  // The communicator the optimizer reduces the gradient norm over (the shard group).
+  std::shared_ptr<Communicator> optimizer_comm() const;
   // Root only: every flat shard for the distributed optimizer, and the callback that copies the
   // updated main weights into the model weights (pass it to make_adamw / make_sgd).
   std::vector<OptimizerShard> optimizer_shards() const;

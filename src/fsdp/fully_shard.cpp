@@ -8,6 +8,7 @@
 
 #include "fsdp/param_group.h"
 #include "fsdp/unit_state.h"
+#include "mfsdp/device_mesh.h"
 
 namespace mfsdp {
 namespace detail {
@@ -96,8 +97,28 @@ const char* to_string(ShardingStrategy s) {
   return "?";
 }
 
-FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& options) {
-  if (!options.comm) throw std::invalid_argument("fully_shard: options.comm is not set");
+namespace {
+
+// Resolves a mesh into the shard communicator (options.comm) it stands for.
+FullyShardOptions resolve(const FullyShardOptions& given) {
+  FullyShardOptions o = given;
+  if (o.mesh) {
+    if (o.comm)
+      throw std::invalid_argument("fully_shard: set either options.comm or options.mesh, not both");
+    const auto& dims = o.mesh->dim_names();
+    if (dims.size() > 2)
+      throw std::invalid_argument("fully_shard: the mesh has " + std::to_string(dims.size()) +
+                                  " dimensions; expected 1 (shard) or 2 (replicate, shard)");
+    o.comm = o.mesh->get(dims.back());
+  }
+  if (!o.comm) throw std::invalid_argument("fully_shard: options.comm (or options.mesh) is not set");
+  return o;
+}
+
+}  // namespace
+
+FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& given) {
+  const FullyShardOptions options = resolve(given);
   if (detail::find_unit(module) != nullptr)
     throw std::invalid_argument("fully_shard: module '" + module.name() + "' is already a unit");
   std::shared_ptr<torch::nn::Module> self;
@@ -217,6 +238,8 @@ void FsdpHandle::set_gradient_divide_factor(double factor) {
   if (!(factor > 0)) throw std::invalid_argument("set_gradient_divide_factor: factor must be > 0");
   state().context()->divide_factor = factor;
 }
+
+std::shared_ptr<Communicator> FsdpHandle::optimizer_comm() const { return state().options().comm; }
 
 std::vector<OptimizerShard> FsdpHandle::optimizer_shards() const {
   std::vector<OptimizerShard> shards;

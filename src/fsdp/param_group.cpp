@@ -6,13 +6,27 @@
 #include <stdexcept>
 
 #include "fsdp/storage.h"
+#include "mfsdp/device_mesh.h"
 
 namespace mfsdp::detail {
+namespace {
+std::shared_ptr<Communicator> replicate_group(const FullyShardOptions& options) {
+  if (!options.mesh || options.mesh->dim_names().size() < 2) return nullptr;
+  return options.mesh->get(options.mesh->dim_names().front());
+}
+}  // namespace
+
+int data_parallel_size(const FullyShardOptions& options) {
+  auto replicate = replicate_group(options);
+  return options.comm->size() * (replicate ? replicate->size() : 1);
+}
 
 ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& options,
                        TransientCounter* transient)
     : params_(std::move(params)),
       comm_(options.comm),
+      replicate_(replicate_group(options)),
+      dp_size_(data_parallel_size(options)),
       strategy_(options.strategy),
       requires_grad_(params_.at(0).param.requires_grad()),
       rank_(options.comm->rank()),
@@ -121,7 +135,8 @@ PendingReduction ParamGroup::reduce_gradients(double divide_factor, bool average
   if (strategy_ == ShardingStrategy::kOptim) {
     // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_optim_sync reduces
     // with a plain sum, so the scale (1/world when averaging) is applied here.
-    const double scale = 1.0 / (average_in_collective ? comm_->size() : divide_factor);
+    const double scale =
+        1.0 / (average_in_collective ? dp_size_ : divide_factor);
     main_grad_.add_(grads.to(grad_dtype_), scale);
     drop_unsharded_gradients();
     return {};
@@ -133,7 +148,8 @@ PendingReduction ParamGroup::reduce_gradients(double divide_factor, bool average
   if (strategy_ == ShardingStrategy::kNoShard) {
     if (scale != 1.0) wire.mul_(scale);
     pending.work = comm_->all_reduce_async(wire, {op});
-    pending.finish_fn = [this, wire] {
+    pending.finish_fn = [this, wire, op] {
+      if (replicate_) replicate_->all_reduce(wire, {op});
       main_grad_.add_(wire.to(grad_dtype_));
       drop_unsharded_gradients();
     };
@@ -143,7 +159,8 @@ PendingReduction ParamGroup::reduce_gradients(double divide_factor, bool average
     rs.op = op;
     rs.prescale = scale;
     pending.work = comm_->reduce_scatter_async(shard, wire, rs);
-    pending.finish_fn = [this, wire, shard] {
+    pending.finish_fn = [this, wire, shard, op] {
+      if (replicate_) replicate_->all_reduce(shard, {op});  // HSDP: across replicas
       main_grad_.add_(shard.to(grad_dtype_));
       drop_unsharded_gradients();
     };
@@ -157,7 +174,18 @@ void ParamGroup::finish_optim_sync() {
   // that the next sync adds only new local gradients to the value this rank already reduced.
   const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
   at::Tensor own = main_grad_.narrow(0, begin, shard);
-  comm_->reduce_scatter(own, main_grad_);
+  if (!replicate_) {
+    comm_->reduce_scatter(own, main_grad_);
+  } else {
+    // HSDP: only gradients new since the last sync may cross replicas, so the value this rank
+    // already holds (identical on every replica) is taken out and put back around the exchange.
+    if (!synced_.defined()) synced_ = at::zeros_like(own);
+    own.sub_(synced_);
+    comm_->reduce_scatter(own, main_grad_);
+    replicate_->all_reduce(own);
+    own.add_(synced_);
+    synced_.copy_(own);
+  }
   if (begin > 0) main_grad_.narrow(0, 0, begin).zero_();
   const int64_t end = begin + shard;
   if (end < layout_.total()) main_grad_.narrow(0, end, layout_.total() - end).zero_();
@@ -165,6 +193,7 @@ void ParamGroup::finish_optim_sync() {
 
 void ParamGroup::zero_main_grads() {
   if (main_grad_.defined()) main_grad_.zero_();
+  if (synced_.defined()) synced_.zero_();
   drop_unsharded_gradients();
 }
 
@@ -279,7 +308,7 @@ int64_t ParamGroup::main_weight_bytes() const {
 }
 
 int64_t ParamGroup::main_grad_bytes() const {
-  return main_grad_.defined() ? main_grad_.nbytes() : 0;
+  return (main_grad_.defined() ? main_grad_.nbytes() : 0) + (synced_.defined() ? synced_.nbytes() : 0);
 }
 
 }  // namespace mfsdp::detail

@@ -54,6 +54,9 @@ struct PendingReduction {
   }
 };
 
+// Ranks that hold a share of the gradient: the shard group times the replicas (HSDP).
+int data_parallel_size(const FullyShardOptions& options);
+
 class ParamGroup {
  public:
   ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& options,
@@ -114,7 +117,9 @@ class ParamGroup {
   void point_params_at_unsharded();
 
   std::vector<GroupParam> params_;
-  std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> comm_;       // the shard group
+  std::shared_ptr<Communicator> replicate_;  // HSDP: the same shard on other replicas, or null
+  int dp_size_;                              // shard group size x replicas
   ShardingStrategy strategy_;
   bool requires_grad_;
   int rank_;
@@ -128,6 +133,7 @@ class ParamGroup {
   bool main_aliases_model_ = false;
   at::Tensor main_grad_;       // [S] or [P] grad dtype
   at::Tensor unsharded_grad_;  // [P] compute, transient
+  at::Tensor synced_;          // [S] ZeRO-1 under HSDP: this rank's region as of the last sync
 };
 
 }  // namespace mfsdp::detail

@@ -74,7 +74,7 @@ UnitState::UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<Para
       reshard_after_forward_(options.reshard_after_forward) {
   context_->units.push_back(this);
   context_->divide_factor =
-      options.gradient_scaling == GradientScaling::kNone ? 1.0 : options.comm->size();
+      options.gradient_scaling == GradientScaling::kNone ? 1.0 : data_parallel_size(options);
   for (auto& g : groups_) g->set_transient_counter(&context_->transient);
   register_gradient_hooks();
 }

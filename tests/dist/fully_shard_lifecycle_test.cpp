@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
+#include "mfsdp/device_mesh.h"
 #include "mfsdp/fully_shard.h"
 #include "mfsdp/optim.h"
 
@@ -44,9 +45,14 @@ std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
 }
 
 mfsdp::FsdpHandle shard(LayerStack& net, mfsdp::Communicator& comm, ShardingStrategy s,
-                        std::optional<at::ScalarType> param_dtype = std::nullopt) {
+                        std::optional<at::ScalarType> param_dtype = std::nullopt,
+                        std::shared_ptr<mfsdp::DeviceMesh> mesh = nullptr) {
   mfsdp::FullyShardOptions o;
-  o.comm = borrow(comm);
+  if (mesh) {
+    o.mesh = mesh;
+  } else {
+    o.comm = borrow(comm);
+  }
   o.strategy = s;
   o.mixed_precision.param_dtype = param_dtype;
   for (auto& l : net->layers) mfsdp::fully_shard(*l, o);
@@ -200,16 +206,21 @@ MFSDP_DIST_TEST(FullyShardLifecycle, SecondForwardAndEvalWork, {1, 2, 3}) {
 
 // Gradient sync on every micro-batch (communication per micro-batch) accumulates the same as
 // syncing once.
-MFSDP_DIST_TEST(FullyShardLifecycle, SyncEveryMicroBatchEqualsSyncOnce, {2, 3}) {
+// (Also under HSDP on 4 ranks, 2 replicas x 2 shards.)
+MFSDP_DIST_TEST(FullyShardLifecycle, SyncEveryMicroBatchEqualsSyncOnce, {2, 3, 4}) {
+  std::shared_ptr<mfsdp::DeviceMesh> mesh;
+  if (comm.size() == 4)
+    mesh = std::make_shared<mfsdp::DeviceMesh>(borrow(comm), std::vector<int>{2, 2},
+                                               std::vector<std::string>{"dp_outer", "dp_shard"});
   for (ShardingStrategy s : {ShardingStrategy::kNoShard, ShardingStrategy::kOptim,
                              ShardingStrategy::kOptimGrads, ShardingStrategy::kOptimGradsParams}) {
     std::vector<std::map<std::string, Tensor>> results;
     for (bool every : {true, false}) {
       torch::manual_seed(0);
       LayerStack net;
-      auto root = shard(net, comm, s);
+      auto root = shard(net, comm, s, std::nullopt, mesh);
       mfsdp::SGDOptions sgd;
-      auto opt = mfsdp::make_sgd(root.optimizer_shards(), borrow(comm), sgd, root.after_step());
+      auto opt = mfsdp::make_sgd(root.optimizer_shards(), root.optimizer_comm(), sgd, root.after_step());
       for (int m = 0; m < 3; ++m) {
         root.set_requires_gradient_sync(every || m == 2);
         Tensor x = step_input() * (1 + m + comm.rank());

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
+#include "mfsdp/device_mesh.h"
 #include "mfsdp/fully_shard.h"
 #include "mfsdp/optim.h"
 
@@ -108,12 +109,17 @@ void expect_close(const Tensor& got, const Tensor& want, double rtol, const std:
 
 void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strategy, bool adamw,
                        const mfsdp::MixedPrecisionPolicy& mp = {}, double rtol = 1e-5,
-                       mfsdp::GradientScaling scaling = mfsdp::GradientScaling::kDivideByWorld) {
+                       mfsdp::GradientScaling scaling = mfsdp::GradientScaling::kDivideByWorld,
+                       std::shared_ptr<mfsdp::DeviceMesh> mesh = nullptr) {
   const int world = comm.size(), rank = comm.rank();
   auto comm_ptr = std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
   Net net = make_net();
   mfsdp::FullyShardOptions options;
-  options.comm = comm_ptr;
+  if (mesh) {
+    options.mesh = mesh;  // HSDP
+  } else {
+    options.comm = comm_ptr;
+  }
   options.strategy = strategy;
   options.mixed_precision = mp;
   options.gradient_scaling = scaling;
@@ -127,13 +133,13 @@ void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strate
     mfsdp::AdamWOptions o;
     o.lr = kLr;
     o.weight_decay = kWd;
-    opt = mfsdp::make_adamw(root.optimizer_shards(), comm_ptr, o, root.after_step());
+    opt = mfsdp::make_adamw(root.optimizer_shards(), root.optimizer_comm(), o, root.after_step());
   } else {
     mfsdp::SGDOptions o;
     o.lr = kLr;
     o.momentum = 0.9;
     o.weight_decay = kWd;
-    opt = mfsdp::make_sgd(root.optimizer_shards(), comm_ptr, o, root.after_step());
+    opt = mfsdp::make_sgd(root.optimizer_shards(), root.optimizer_comm(), o, root.after_step());
   }
 
   std::vector<double> losses, grad_norms;
@@ -216,4 +222,19 @@ MFSDP_DIST_TEST(FullyShard, Bf16ComputeTracksFp32Reference, {2, 3}) {
   check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, true, mp, 3e-2);
   mp.grad_comm_dtype = at::kBFloat16;
   check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, true, mp, 3e-2);
+}
+
+// HSDP: 2 replicas x 2 shards (and 1 x 4 as a 2-D mesh) trains exactly like one process.
+MFSDP_DIST_TEST(FullyShard, HybridShardingMatchesSingleProcess, {4}) {
+  auto world = std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
+  for (std::vector<int> shape : {std::vector<int>{2, 2}, std::vector<int>{1, 4}}) {
+    auto mesh = std::make_shared<mfsdp::DeviceMesh>(world, shape,
+                                                    std::vector<std::string>{"dp_outer", "dp_shard"});
+    for (auto s : {mfsdp::ShardingStrategy::kNoShard, mfsdp::ShardingStrategy::kOptim,
+                   mfsdp::ShardingStrategy::kOptimGrads, mfsdp::ShardingStrategy::kOptimGradsParams}) {
+      check_equivalence(comm, s, true, {}, 1e-5, mfsdp::GradientScaling::kDivideByWorld, mesh);
+    }
+    check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, true, {}, 1e-5,
+                      mfsdp::GradientScaling::kAverageInCollective, mesh);
+  }
 }
