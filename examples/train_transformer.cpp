@@ -31,7 +31,8 @@ using at::Tensor;
 
 constexpr const char* kUsage = R"(usage: mfsdp-run --nproc-per-node N train_transformer [FLAGS]
 
-  --strategy S          no_shard, optim, optim_grads or optim_grads_params (default: optim_grads_params)
+  --strategy S          no_shard, optim, optim_grads or optim_grads_params (default:
+                        optim_grads_params)
   --steps N             optimizer steps (default 150)
   --micro-batches M     micro-batches per step, gradients synchronised on the last (default 2)
   --micro-batch-size B  sequences per micro-batch and rank (default 8)
@@ -92,7 +93,8 @@ double parse_double(const std::string& flag, const std::string& value, bool allo
   } catch (const std::exception&) {
     used = 0;
   }
-  if (used != value.size() || value.empty() || !std::isfinite(v) || v < 0 || (!allow_zero && v == 0))
+  const bool bad_value = !std::isfinite(v) || v < 0 || (!allow_zero && v == 0);
+  if (used != value.size() || value.empty() || bad_value)
     throw UsageError(flag + ": expected a " + (allow_zero ? "non-negative" : "positive") +
                      " number, got '" + value + "'");
   return v;
@@ -214,7 +216,7 @@ TORCH_MODULE(Block);
 
 // The root unit: token and positional embeddings, the blocks, the final norm and the head.
 struct TransformerImpl : mfsdp::ShardedModule<TransformerImpl> {
-  TransformerImpl(const Config& c) {
+  explicit TransformerImpl(const Config& c) {
     embed = register_module("embed", torch::nn::Embedding(kVocab, c.d_model));
     pos = register_parameter("pos", torch::randn({c.seq_len, c.d_model}) * 0.02);
     for (int64_t i = 0; i < c.layers; ++i)
@@ -253,8 +255,10 @@ TORCH_MODULE(Transformer);
 class SyntheticData {
  public:
   SyntheticData(int64_t seed, int rank, int64_t seq_len)
-      : seq_len_(seq_len), gen_(at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + 7919 * (rank + 1))) {
-    auto rule = at::make_generator<at::CPUGeneratorImpl>(seed);
+      : seq_len_(seq_len),
+        gen_(at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed) * 1000003u +
+                                                      7919u * static_cast<uint64_t>(rank + 1))) {
+    auto rule = at::make_generator<at::CPUGeneratorImpl>(static_cast<uint64_t>(seed));
     perm_even_ = at::randperm(kVocab, rule, torch::kLong);
     perm_odd_ = at::randperm(kVocab, rule, torch::kLong);
   }
@@ -372,9 +376,10 @@ int run(const Config& cfg) {
       const double seconds = interval_seconds / static_cast<double>(interval_steps);
       const double mean_loss = interval_loss / static_cast<double>(interval_steps);
       if (rank == 0) {
-        std::printf("step %4lld  loss %.4f  lr %.2e  grad norm %7.4f  %7.1f ms/step  %8.0f tokens/s\n",
-                    static_cast<long long>(step), mean_loss, lr, grad_norm, 1e3 * seconds,
-                    static_cast<double>(tokens_per_step) / seconds);
+        std::printf(
+            "step %4lld  loss %.4f  lr %.2e  grad norm %7.4f  %7.1f ms/step  %8.0f tokens/s\n",
+            static_cast<long long>(step), mean_loss, lr, grad_norm, 1e3 * seconds,
+            static_cast<double>(tokens_per_step) / seconds);
         std::fflush(stdout);
       }
       interval_seconds = interval_loss = 0;
@@ -390,7 +395,8 @@ int run(const Config& cfg) {
   if (rank == 0) {
     std::printf("memory on rank 0 (MiB, %s):\n", mfsdp::to_string(cfg.strategy));
     std::printf("  model weights    %8.3f\n", mib(mem.model_weights));
-    std::printf("  main weights     %8.3f  (not counting main weights that alias model weights)\n", mib(mem.main_weights));
+    std::printf("  main weights     %8.3f  (not counting main weights that alias model weights)\n",
+                mib(mem.main_weights));
     std::printf("  optimizer state  %8.3f\n", mib(mem.optimizer_state));
     std::printf("  main grads       %8.3f\n", mib(mem.main_grads));
     std::printf("  transient peak   %8.3f  (unsharded weights and grads; now %.3f)\n",

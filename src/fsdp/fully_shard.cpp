@@ -14,14 +14,20 @@ namespace mfsdp {
 namespace detail {
 namespace {
 
-// Which modules are units. Entries are removed when the module is destroyed is not observable
-// from C++, so each entry also holds a weak reference to check the module is the same one.
+// Which modules are units. A unit's state is owned by its module (through the holder child
+// below), so it is freed with the module; the registry only finds it.
 struct Registered {
   std::weak_ptr<torch::nn::Module> module;
-  std::shared_ptr<UnitState> unit;
+  std::weak_ptr<UnitState> unit;
 };
 std::mutex registry_mutex;
 std::map<const torch::nn::Module*, Registered> registry;
+
+// A parameter-less child module that keeps the unit state alive exactly as long as its module.
+struct UnitStateHolder : torch::nn::Module {
+  explicit UnitStateHolder(std::shared_ptr<UnitState> u) : unit(std::move(u)) {}
+  std::shared_ptr<UnitState> unit;
+};
 
 }  // namespace
 
@@ -30,11 +36,12 @@ std::shared_ptr<UnitState> lookup(const torch::nn::Module& module) {
   auto it = registry.find(&module);
   if (it == registry.end()) return nullptr;
   auto alive = it->second.module.lock();
-  if (alive.get() != &module) {  // a new module at a dead one's address
+  auto unit = it->second.unit.lock();
+  if (alive.get() != &module || !unit) {  // dead, or a new module at a dead one's address
     registry.erase(it);
     return nullptr;
   }
-  return it->second.unit;
+  return unit;
 }
 
 // Every unit in `root`'s subtree (excluding root itself) with its module prefix.
@@ -197,8 +204,11 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& given
   ctx->units.push_back(unit.get());
   unit->rename_parameters(names);
 
+  module.register_module("_fsdp_unit", std::make_shared<detail::UnitStateHolder>(unit));
   {
     std::lock_guard<std::mutex> lock(detail::registry_mutex);
+    for (auto it = detail::registry.begin(); it != detail::registry.end();)  // forget dead units
+      it = it->second.unit.expired() ? detail::registry.erase(it) : std::next(it);
     detail::registry[&module] = {self, unit};
   }
   return FsdpHandle(unit);

@@ -123,15 +123,40 @@ void ParamGroup::adopt_gradient(size_t i) {
 }
 
 void ParamGroup::drop_unsharded_gradients() {
-  if (!unsharded_grad_.defined()) return;
-  for (auto& p : params_) p.param.mutable_grad().reset();
-  transient_->sub(unsharded_grad_.nbytes());
-  unsharded_grad_.reset();
+  if (unsharded_grad_.defined()) {
+    for (auto& p : params_) p.param.mutable_grad().reset();
+    transient_->sub(unsharded_grad_.nbytes());
+    unsharded_grad_.reset();
+  }
+  if (accumulated_.defined()) {
+    transient_->sub(accumulated_.nbytes());
+    accumulated_.reset();
+  }
+}
+
+void ParamGroup::stash_gradients() {
+  if (!requires_grad_ || !unsharded_grad_.defined() || compute_dtype_ == grad_dtype_) return;
+  // Gradient sync is off for this micro-batch. Autograd accumulates in the parameters' dtype;
+  // summing bf16 micro-batches there would lose precision (and saturate), so they are moved
+  // into an accumulator of the main-grad dtype until the synced backward reduces them.
+  if (!accumulated_.defined()) {
+    accumulated_ = at::zeros({layout_.total()}, at::TensorOptions().dtype(grad_dtype_));
+    transient_->add(accumulated_.nbytes());
+  }
+  accumulated_.add_(unsharded_grad_);
+  at::Tensor keep = accumulated_;
+  accumulated_.reset();  // so that the drop below releases only the unsharded gradients
+  drop_unsharded_gradients();
+  accumulated_ = keep;
 }
 
 PendingReduction ParamGroup::reduce_gradients(double divide_factor, bool average_in_collective) {
-  if (!requires_grad_ || !unsharded_grad_.defined()) return {};
+  if (!requires_grad_ || (!unsharded_grad_.defined() && !accumulated_.defined())) return {};
   at::Tensor grads = unsharded_grad_;
+  if (accumulated_.defined()) {  // earlier micro-batches, stashed in the main-grad dtype
+    if (unsharded_grad_.defined()) accumulated_.add_(unsharded_grad_);
+    grads = accumulated_;
+  }
   if (strategy_ == ShardingStrategy::kOptim) {
     // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_optim_sync reduces
     // with a plain sum, so the scale (1/world when averaging) is applied here.

@@ -86,9 +86,14 @@ class ParamGroup {
   // and releases the unsharded gradient buffer once done. ZeRO-1 only accumulates locally here;
   // its reduce-scatter runs in finish_optim_sync().
   PendingReduction reduce_gradients(double divide_factor, bool average_in_collective);
+  // After a backward without gradient sync: keep this micro-batch's gradients for the next
+  // synced backward (moved to the main-grad dtype when the parameters are in lower precision).
+  void stash_gradients();
   // ZeRO-1: reduce-scatter the full main grads into this rank's region (end of a synced backward).
   void finish_optim_sync();
-  bool has_unsharded_gradients() const { return unsharded_grad_.defined(); }
+  bool has_unsharded_gradients() const {
+    return unsharded_grad_.defined() || accumulated_.defined();
+  }
   void drop_unsharded_gradients();
 
   void zero_main_grads();
@@ -133,6 +138,7 @@ class ParamGroup {
   bool main_aliases_model_ = false;
   at::Tensor main_grad_;       // [S] or [P] grad dtype
   at::Tensor unsharded_grad_;  // [P] compute, transient
+  at::Tensor accumulated_;     // [P] grad dtype: stashed micro-batches when compute != grad dtype
   at::Tensor synced_;          // [S] ZeRO-1 under HSDP: this rank's region as of the last sync
 };
 

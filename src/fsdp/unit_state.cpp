@@ -1,5 +1,7 @@
 #include "fsdp/unit_state.h"
 
+#include "mfsdp/recompute.h"
+
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -110,7 +112,12 @@ void UnitState::reshard() {
 
 void UnitState::pre_forward() {
   context_->note(path_, "pre_forward");
-  // A forward inside backward is activation recompute: pre_backward already unsharded us.
+  if (in_recompute()) {
+    // Activation recompute inside backward: this forward's all-gather also serves the unit's
+    // backward, which follows right after; prepare for it now and stay unsharded.
+    pre_backward();
+    return;
+  }
   if (phase_ != Phase::kBackward) phase_ = Phase::kForward;
   unshard();
 }
@@ -171,7 +178,9 @@ void UnitState::post_backward() {
   if (reduced_this_backward_) return;
   reduced_this_backward_ = true;
   context_->note(path_, "post_backward");
-  if (context_->sync_gradients) {
+  if (!context_->sync_gradients) {
+    for (auto& g : groups_) g->stash_gradients();
+  } else {
     for (auto& g : groups_) {
       PendingReduction r = g->reduce_gradients(
           context_->divide_factor,

@@ -359,3 +359,45 @@ MFSDP_DIST_TEST(FullyShardLifecycle, FullStateDictRoundTripAndLocalShards, {1, 2
     }
   }
 }
+
+// A sharded model's state (buffers, communicator reference) goes away with the model.
+MFSDP_DIST_TEST(FullyShardLifecycle, StateIsFreedWithTheModule, {1, 2}) {
+  auto counted = std::make_shared<int>(0);
+  auto comm_ref = std::shared_ptr<mfsdp::Communicator>(counted, &comm);  // counts references
+  for (int i = 0; i < 3; ++i) {
+    auto net = std::make_shared<LayerStackImpl>();
+    mfsdp::FullyShardOptions o;
+    o.comm = comm_ref;
+    for (auto& l : net->layers) mfsdp::fully_shard(*l, o);
+    auto root = mfsdp::fully_shard(*net, o);
+    EXPECT_GT(counted.use_count(), 2);
+  }
+  EXPECT_EQ(counted.use_count(), 2) << "unit states outlived their modules";  // `counted` + comm_ref
+}
+
+// With bf16 parameters, micro-batches accumulated without sync are summed in fp32: 300 gradients
+// of exactly 1 give 300 (bf16 accumulation stops at 256).
+MFSDP_DIST_TEST(FullyShardLifecycle, Bf16AccumulationWithoutSyncIsExact, {1, 2}) {
+  struct ScaleImpl : nn::Module {
+    ScaleImpl() { w = register_parameter("w", torch::ones({2, 1})); }
+    Tensor forward(Tensor x) { return (x * w.t()).sum(); }
+    Tensor w;
+  };
+  auto net = std::make_shared<ScaleImpl>();
+  mfsdp::FullyShardOptions o;
+  o.comm = borrow(comm);
+  o.mixed_precision.param_dtype = at::kBFloat16;
+  o.gradient_scaling = mfsdp::GradientScaling::kNone;
+  auto root = mfsdp::fully_shard(*net, o);
+  const int micro = 300;
+  for (int m = 0; m < micro; ++m) {
+    root.set_requires_gradient_sync(m == micro - 1);
+    mfsdp::call(*net, torch::ones({1, 2})).backward();  // d/dw = 1 per element
+  }
+  double total = 0;
+  for (auto& shard : root.optimizer_shards()) total += shard.main_grad.sum().item<double>();
+  Tensor all = at::full({1}, total, at::kDouble);
+  comm.all_reduce(all);
+  // Each of the 2 elements receives 300 per rank, summed over ranks (no scaling).
+  EXPECT_EQ(all.item<double>(), 2.0 * micro * comm.size());
+}
