@@ -149,8 +149,8 @@ class FsdpHandle {
   MemoryReport memory() const;
   void reset_peak();
 
-  // Records lifecycle events ("block0:pre_forward", "<unit>:post_backward", ":end_of_backward";
-  // the root's path is "") from now on, for tests and debugging; off clears them.
+  // Records lifecycle events ("block0:pre_forward", "block0:all_gather", "<unit>:post_backward",
+  // ":end_of_backward"; the root's path is "") from now on, for tests and debugging; off clears.
   void record_events(bool on);
   std::vector<std::string> events() const;
 

@@ -83,11 +83,12 @@ void ParamGroup::point_params_at_unsharded() {
 
 bool ParamGroup::is_unsharded() const { return has_storage(unsharded_); }
 
-void ParamGroup::unshard() {
-  if (!sharded_model() || is_unsharded()) return;
+bool ParamGroup::unshard() {
+  if (!sharded_model() || is_unsharded()) return false;
   regrow_storage(unsharded_);
   transient_->add(unsharded_.nbytes());
   comm_->all_gather(unsharded_, model_shard_);
+  return true;
 }
 
 void ParamGroup::reshard() {

@@ -71,8 +71,8 @@ class ParamGroup {
   void set_transient_counter(TransientCounter* t) { transient_ = t; }
 
   // ZeRO-3: all-gather the model weights into the unsharded buffer (no-op when already there or
-  // when the model weights are not sharded).
-  void unshard();
+  // when the model weights are not sharded). Returns whether it all-gathered.
+  bool unshard();
   // ZeRO-3: free the unsharded buffer.
   void reshard();
   bool is_unsharded() const;

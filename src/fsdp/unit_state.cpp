@@ -103,7 +103,9 @@ void UnitState::rename_parameters(const std::map<const c10::TensorImpl*, std::st
 }
 
 void UnitState::unshard() {
-  for (auto& g : groups_) g->unshard();
+  bool gathered = false;
+  for (auto& g : groups_) gathered |= g->unshard();
+  if (gathered) context_->note(path_, "all_gather");
 }
 
 void UnitState::reshard() {

@@ -8,6 +8,7 @@
 #include "mfsdp/device_mesh.h"
 #include "mfsdp/fully_shard.h"
 #include "mfsdp/optim.h"
+#include "mfsdp/recompute.h"
 
 namespace {
 
@@ -32,11 +33,19 @@ struct LayerStackImpl : nn::Module {
   }
   Tensor forward(Tensor x) {
     Tensor h = inp(x);
-    for (auto& l : layers) h = l->call(h);
+    for (auto& l : layers) {
+      if (recompute_layers) {
+        auto run = [&](const std::vector<Tensor>& a) { return std::vector<Tensor>{l->call(a[0])}; };
+        h = mfsdp::recompute(run, {h})[0];
+      } else {
+        h = l->call(h);
+      }
+    }
     return h;
   }
   nn::Linear inp{nullptr};
   std::vector<Layer> layers;
+  bool recompute_layers = false;
 };
 TORCH_MODULE(LayerStack);
 
@@ -78,10 +87,12 @@ MFSDP_DIST_TEST(FullyShardLifecycle, HooksFireInOrder, {2}) {
   root.record_events(true);
   mfsdp::call(*net, step_input()).sum().backward();
   std::vector<std::string> want = {
-      ":pre_forward",        "layer0:pre_forward",   "layer0:post_forward",
-      "layer1:pre_forward",  "layer1:post_forward",  ":post_forward",
-      ":pre_backward",       "layer1:pre_backward",  "layer1:post_backward",
-      "layer0:pre_backward", "layer0:post_backward", ":post_backward",
+      ":pre_forward",        ":all_gather",          "layer0:pre_forward",
+      "layer0:all_gather",   "layer0:post_forward",  "layer1:pre_forward",
+      "layer1:all_gather",   "layer1:post_forward",  ":post_forward",
+      ":pre_backward",       ":all_gather",          "layer1:pre_backward",
+      "layer1:all_gather",   "layer1:post_backward", "layer0:pre_backward",
+      "layer0:all_gather",   "layer0:post_backward", ":post_backward",
       ":end_of_backward"};
   EXPECT_EQ(root.events(), want);
 }
@@ -400,4 +411,34 @@ MFSDP_DIST_TEST(FullyShardLifecycle, Bf16AccumulationWithoutSyncIsExact, {1, 2})
   comm.all_reduce(all);
   // Each of the 2 elements receives 300 per rank, summed over ranks (no scaling).
   EXPECT_EQ(all.item<double>(), 2.0 * micro * comm.size());
+}
+
+// Full activation recompute of every layer: same gradients as without, and each layer is
+// all-gathered exactly twice per step either way (forward, then recompute = backward).
+MFSDP_DIST_TEST(FullyShardLifecycle, RecomputeGivesSameGradientsWithoutExtraAllGathers, {1, 2, 3}) {
+  std::vector<std::map<std::string, Tensor>> results;
+  std::vector<std::vector<std::string>> traces;
+  for (bool use_recompute : {false, true}) {
+    torch::manual_seed(0);
+    LayerStack net;
+    auto root = shard(net, comm, ShardingStrategy::kOptimGradsParams);
+    mfsdp::SGDOptions sgd;
+    auto opt = mfsdp::make_sgd(root.optimizer_shards(), borrow(comm), sgd, root.after_step());
+    root.record_events(true);
+    net->recompute_layers = use_recompute;
+    Tensor out = mfsdp::call(*net, step_input() * (1 + comm.rank()));
+    out.pow(2).sum().backward();
+    traces.push_back(root.events());
+    opt->step(0.1);
+    root.zero_grad();
+    results.push_back(root.full_state_dict(true));
+  }
+  for (auto& [name, t] : results[0])
+    EXPECT_TRUE(at::allclose(t, results[1][name], 1e-6, 1e-7)) << name;
+  for (const char* layer : {"layer0:all_gather", "layer1:all_gather"}) {
+    for (size_t r = 0; r < 2; ++r) {
+      auto n = std::count(traces[r].begin(), traces[r].end(), std::string(layer));
+      EXPECT_EQ(n, 2) << layer << (r ? " with" : " without") << " recompute";
+    }
+  }
 }

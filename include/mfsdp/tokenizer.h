@@ -1,0 +1,114 @@
+// Tokenizers: text <-> token ids, for preprocessing (mfsdp-preprocess) and for printing samples.
+//
+// Three kinds, named as Megatron's --tokenizer-type:
+//   ByteLevelTokenizer      ids 0..255 are the bytes of the UTF-8 text, 256 is the end of a
+//                           document (EOD); vocabulary 257. No files.
+//   SentencePieceTokenizer  a SentencePiece .model (--tokenizer-model); EOD is the model's eos
+//                           piece (</s>), as Megatron's GPTSentencePieceTokenizer; no extra special
+//                           tokens are added. "GPTSentencePieceTokenizer" is accepted as a synonym.
+//   GPT2BPETokenizer        GPT-2's byte-level BPE from vocab.json + merges.txt (--vocab-file,
+//                           --merge-file); EOD is "<|endoftext|>".
+// Every tokenizer is immutable after construction and safe to use from several threads.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mfsdp {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  // Token ids of `text` (no EOD appended).
+  virtual std::vector<int64_t> encode(std::string_view text) const = 0;
+  // Text of `ids`; throws std::out_of_range on an id outside [0, vocab_size()). The EOD id
+  // decodes to nothing for the byte-level and SentencePiece tokenizers (SentencePiece drops
+  // control pieces) and to "<|endoftext|>" for GPT-2.
+  virtual std::string decode(const std::vector<int64_t>& ids) const = 0;
+  // Ids are in [0, vocab_size()). This is the tokenizer's own size; the trainer pads the
+  // embedding to a multiple of --make-vocab-size-divisible-by.
+  virtual int64_t vocab_size() const = 0;
+  // The end-of-document id that --append-eod appends.
+  virtual int64_t eod() const = 0;
+  // The --tokenizer-type name.
+  virtual std::string name() const = 0;
+};
+
+// ---- byte level ----------------------------------------------------------------------------------
+
+class ByteLevelTokenizer : public Tokenizer {
+ public:
+  static constexpr int64_t kEod = 256;
+  std::vector<int64_t> encode(std::string_view text) const override;
+  std::string decode(const std::vector<int64_t>& ids) const override;
+  int64_t vocab_size() const override { return 257; }
+  int64_t eod() const override { return kEod; }
+  std::string name() const override { return "ByteLevelTokenizer"; }
+};
+
+// ---- SentencePiece -------------------------------------------------------------------------------
+
+// Loads a SentencePiece model file; throws std::runtime_error naming the file when it cannot be
+// read or parsed, or when the model has no eos piece (no EOD id).
+std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::string& model_file);
+
+struct SentencePieceTrainOptions {
+  int64_t vocab_size = 8000;
+  std::string model_type = "bpe";  // "bpe" or "unigram" (also "char", "word")
+  // Unknown characters fall back to byte pieces <0x00>..<0xFF>, so every text round-trips
+  // (as Llama's tokenizer); needs vocab_size > 256 + the pieces the corpus wants.
+  bool byte_fallback = true;
+  double character_coverage = 1.0;
+  // "identity" keeps the text as is (decode(encode(t)) == t); "nmt_nfkc" is SentencePiece's
+  // default, which normalises Unicode and collapses repeated whitespace.
+  std::string normalization_rule_name = "identity";
+  // Raw extra trainer options, e.g. {"max_sentence_length", "16384"}; they override the above.
+  std::map<std::string, std::string> extra;
+  bool verbose = false;  // SentencePiece's progress log on stderr
+};
+
+// Trains a SentencePiece model on `sentences` (one training sentence each; SentencePiece skips
+// sentences longer than max_sentence_length, 4192 bytes by default) and writes
+// `model_prefix`.model and `model_prefix`.vocab. Pieces: <unk>=0, <s>=1, </s>=2 (EOD).
+// Throws std::runtime_error with SentencePiece's message on failure (e.g. a vocabulary larger
+// than the corpus supports).
+void train_sentencepiece(const std::vector<std::string>& sentences, const std::string& model_prefix,
+                         const SentencePieceTrainOptions& options);
+
+// ---- GPT-2 BPE -----------------------------------------------------------------------------------
+
+// Loads vocab.json (piece -> id) and merges.txt (one "left right" merge per line, by rank, after
+// an optional "#version" line). Throws std::runtime_error naming the file and line on malformed
+// input, and when vocab.json has no "<|endoftext|>".
+std::unique_ptr<Tokenizer> load_gpt2_bpe_tokenizer(const std::string& vocab_file,
+                                                   const std::string& merge_file);
+
+// GPT-2's pre-tokenisation: splits UTF-8 text into the pieces that the regex
+//   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+// matches, implemented by hand. Exact for ASCII and Latin-1 text; see tokenizer_gpt2_bpe.cpp,
+// [Note: Unicode classes] for how other code points are classified. Exposed for tests.
+std::vector<std::string> gpt2_pretokenize(std::string_view text);
+
+// GPT-2's bytes_to_unicode(): the printable code point standing for each byte in vocab.json.
+// Exposed for tests.
+uint32_t gpt2_byte_to_unicode(uint8_t byte);
+
+// ---- factory -------------------------------------------------------------------------------------
+
+// Megatron's tokenizer flags.
+struct TokenizerOptions {
+  std::string type;        // --tokenizer-type
+  std::string model_file;  // --tokenizer-model (SentencePiece)
+  std::string vocab_file;  // --vocab-file (GPT-2 BPE)
+  std::string merge_file;  // --merge-file (GPT-2 BPE)
+};
+
+// Builds the tokenizer `options.type` names. Throws std::invalid_argument naming the flag when
+// the type is unknown or a file the type needs is not given.
+std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerOptions& options);
+
+}  // namespace mfsdp
