@@ -224,7 +224,9 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
 
   // Deferred init: gives every parameter of layer i (resp. the embedding, final norm and
   // lm_head) its storage, growing the existing 0-byte storage in place (the parameter keeps its
-  // TensorImpl), and initialises it. Also valid on an eager model (re-initialises).
+  // TensorImpl), and initialises it. Also valid on an eager model (re-initialises). Call before
+  // fully_shard: on a module that is already a unit they throw std::logic_error (its
+  // parameters are then views of the unit's flat buffer; fill those through init_values).
   void materialize_and_init_layer(int64_t i);
   void init_root();
   // True while some parameter still waits for materialize_and_init_layer / init_root.
@@ -244,7 +246,8 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
 TORCH_MODULE(LlamaForCausalLM);
 
 // Applies fully_shard to every decoder layer, then to the root (embedding, final norm and
-// lm_head form the root unit); returns the root handle.
+// lm_head form the root unit); returns the root handle. Throws std::logic_error while the model
+// has deferred parameters (fully_shard copies every parameter into its flat buffer).
 FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options);
 
 // ---- Loss ---------------------------------------------------------------------------------

@@ -111,4 +111,12 @@ struct TokenizerOptions {
 // the type is unknown or a file the type needs is not given.
 std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerOptions& options);
 
+// make_tokenizer and the SentencePiece tokenizer live in the `mfsdp_sentencepiece` library,
+// which processes linking LibTorch must not load (libsentencepiece's bundled protobuf breaks
+// LibTorch's at start-up). These two work without it (library `mfsdp_data`):
+// the vocabulary size of the tokenizer `options` names (0 for NullTokenizer) ...
+int64_t tokenizer_vocab_size(const TokenizerOptions& options);
+// ... and the number of pieces of a SentencePiece .model file, read from its protobuf bytes.
+int64_t sentencepiece_model_vocab_size(const std::string& model_file);
+
 }  // namespace mfsdp

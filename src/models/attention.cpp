@@ -1,0 +1,53 @@
+// Causal grouped-query self-attention with RoPE and an optional KV cache (HF eager attention).
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <tuple>
+
+#include "mfsdp/llama.h"
+
+namespace mfsdp {
+
+at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
+  if (n_rep == 1) return x;
+  const int64_t b = x.size(0), nkv = x.size(1), s = x.size(2), d = x.size(3);
+  return x.unsqueeze(2).expand({b, nkv, n_rep, s, d}).reshape({b, nkv * n_rep, s, d});
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred)
+    : num_heads_(c.num_attention_heads),
+      num_kv_heads_(c.num_key_value_heads),
+      head_dim_(c.head_dim()),
+      layer_idx_(layer_idx) {
+  const int64_t h = c.hidden_size;
+  q_proj = register_module("q_proj", LlamaLinear(h, num_heads_ * head_dim_, deferred));
+  k_proj = register_module("k_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred));
+  v_proj = register_module("v_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred));
+  o_proj = register_module("o_proj", LlamaLinear(num_heads_ * head_dim_, h, deferred));
+}
+
+at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope,
+                                       LlamaKVCache* cache) {
+  const int64_t b = x.size(0), t = x.size(1);
+  at::Tensor q = q_proj(x).view({b, t, num_heads_, head_dim_}).transpose(1, 2);
+  at::Tensor k = k_proj(x).view({b, t, num_kv_heads_, head_dim_}).transpose(1, 2);
+  at::Tensor v = v_proj(x).view({b, t, num_kv_heads_, head_dim_}).transpose(1, 2);
+  q = apply_rotary(q, rope);
+  k = apply_rotary(k, rope);
+  if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
+  const int64_t s = k.size(2), past = s - t;  // keys: past positions, then the t new ones
+  k = repeat_kv(k, num_heads_ / num_kv_heads_);
+  v = repeat_kv(v, num_heads_ / num_kv_heads_);
+
+  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  // Query i sits at position past + i and may see keys 0 .. past + i.
+  auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
+  at::Tensor future = at::arange(s, pos).unsqueeze(0) > (at::arange(t, pos) + past).unsqueeze(1);
+  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  at::Tensor out = at::matmul(probs, v).transpose(1, 2).reshape({b, t, num_heads_ * head_dim_});
+  return o_proj(out);
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,186 @@
+// Decoder layer, LlamaModel and LlamaForCausalLM: wiring, initialisation, deferred init.
+#include "mfsdp/llama.h"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "mfsdp/recompute.h"
+#include "models/param_init.h"
+
+namespace mfsdp {
+
+// ---- LlamaDecoderLayer --------------------------------------------------------------------
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred) {
+  self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred));
+  mlp = register_module("mlp", LlamaMLP(c, deferred));
+  input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
+}
+
+at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const RotaryTables& rope,
+                                          LlamaKVCache* cache) {
+  at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache);
+  return h + mlp(post_attention_layernorm(h));
+}
+
+// ---- LlamaModel ---------------------------------------------------------------------------
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred) : config_(c) {
+  config_.validate();
+  embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred));
+  norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
+}
+
+LlamaDecoderLayerImpl& LlamaModelImpl::layer(int64_t i) {
+  if (i < 0 || i >= num_layers())
+    throw std::out_of_range("LlamaModel::layer: index " + std::to_string(i) + " outside [0, " +
+                            std::to_string(num_layers()) + ")");
+  return *layers->ptr<LlamaDecoderLayerImpl>(i);
+}
+
+at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* cache, int64_t start_pos) {
+  if (input_ids.dim() != 2)
+    throw std::invalid_argument("LlamaModel::forward: expected input_ids [B, T], found shape " +
+                                c10::str(input_ids.sizes()));
+  const int64_t t = input_ids.size(1);
+  if (cache != nullptr && cache->num_layers() != num_layers())
+    throw std::invalid_argument("LlamaModel::forward: the KV cache has " +
+                                std::to_string(cache->num_layers()) + " layers, the model " +
+                                std::to_string(num_layers()));
+  const int64_t cached = cache != nullptr ? cache->length() : 0;
+  const int64_t start = start_pos < 0 ? cached : start_pos;
+  if (cache != nullptr && start != cached)
+    throw std::invalid_argument("LlamaModel::forward: start_pos " + std::to_string(start) +
+                                " differs from the KV cache's length " + std::to_string(cached));
+  if (start + t > config_.max_position_embeddings)
+    throw std::invalid_argument("LlamaModel::forward: positions up to " + std::to_string(start + t) +
+                                " exceed max_position_embeddings " +
+                                std::to_string(config_.max_position_embeddings));
+
+  at::Tensor hidden = embed_tokens(input_ids);
+  at::Tensor positions = at::arange(start, start + t, input_ids.options().dtype(at::kLong));
+  RotaryTables rope = rotary_tables(positions, config_.head_dim(), config_.rope_theta);
+  const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
+  for (int64_t i = 0; i < num_layers(); ++i) {
+    auto layer = layers->ptr<LlamaDecoderLayerImpl>(i);
+    if (recompute_now) {
+      // Captured by value: backward calls the function again after this frame is gone.
+      hidden = recompute(
+          [layer, rope](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr))};
+          },
+          {hidden})[0];
+    } else {
+      hidden = layer->call(hidden, rope, cache);
+    }
+  }
+  return norm(hidden);
+}
+
+// ---- LlamaForCausalLM ---------------------------------------------------------------------
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOptions& options)
+    : config_(c) {
+  config_.validate();
+  init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
+  model = register_module("model", LlamaModel(c, options.deferred_init));
+  model->recompute_layers = options.recompute_layers;
+  if (!c.tie_word_embeddings)
+    lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, options.deferred_init));
+  layer_deferred_.assign(c.num_layers, options.deferred_init);
+  root_deferred_ = options.deferred_init;
+  if (!options.deferred_init) reset_parameters();
+}
+
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, LlamaKVCache* cache,
+                                         int64_t start_pos) {
+  if (has_deferred())
+    throw std::logic_error(
+        "LlamaForCausalLM::forward: the model was built with deferred_init and some parameters "
+        "are not materialised yet (call materialize_and_init_layer(i) for every layer and "
+        "init_root())");
+  at::Tensor hidden = model->forward(input_ids, cache, start_pos);
+  return at::linear(hidden, lm_head ? lm_head->weight : model->embed_tokens->weight);
+}
+
+void LlamaForCausalLMImpl::init_values(const std::string& name, const at::Tensor& out) const {
+  const at::Tensor* param = named_parameters().find(name);
+  if (param == nullptr)
+    throw std::invalid_argument("LlamaForCausalLM::init_values: no parameter named '" + name + "'");
+  if (!out.sizes().equals(param->sizes()))
+    throw std::invalid_argument("LlamaForCausalLM::init_values: '" + name + "' has shape " +
+                                c10::str(param->sizes()) + ", the output " + c10::str(out.sizes()));
+  // Norm weights (input_layernorm, post_attention_layernorm, norm) start at one; the
+  // projections and the embedding at normal(0, init_std).
+  const auto dot = name.rfind('.');
+  const std::string owner = name.substr(0, dot == std::string::npos ? 0 : dot);
+  const bool is_norm = owner.size() >= 4 && owner.compare(owner.size() - 4, 4, "norm") == 0;
+  at::NoGradGuard no_grad;
+  if (is_norm) {
+    out.fill_(1.0);
+  } else {
+    detail::fill_normal(out, config_.init_std, detail::parameter_seed(init_seed_, name));
+  }
+}
+
+void LlamaForCausalLMImpl::init_named(const std::string& prefix, torch::nn::Module& module) {
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+    detail::materialize(item.value());
+    init_values(prefix + item.key(), item.value());
+  }
+}
+
+namespace {
+// After fully_shard, a parameter is a view of the unit's flat buffer, whose storage is freed
+// (0 bytes) between uses under optim_grads_params: "growing" it would corrupt the unit.
+void require_not_sharded(const torch::nn::Module& module, const std::string& what) {
+  if (detail::find_unit(module) != nullptr)
+    throw std::logic_error("LlamaForCausalLM: " + what +
+                           " is already a fully_shard unit; materialise and initialise before "
+                           "fully_shard (or fill the unit's buffers through init_values)");
+}
+}  // namespace
+
+void LlamaForCausalLMImpl::materialize_and_init_layer(int64_t i) {
+  require_not_sharded(model->layer(i), "layer " + std::to_string(i));
+  init_named("model.layers." + std::to_string(i) + ".", model->layer(i));
+  layer_deferred_[i] = false;
+}
+
+void LlamaForCausalLMImpl::init_root() {
+  require_not_sharded(*this, "the root");
+  init_named("model.embed_tokens.", *model->embed_tokens);
+  init_named("model.norm.", *model->norm);
+  if (lm_head) init_named("lm_head.", *lm_head);
+  root_deferred_ = false;
+}
+
+void LlamaForCausalLMImpl::reset_parameters() {
+  for (int64_t i = 0; i < model->num_layers(); ++i) materialize_and_init_layer(i);
+  init_root();
+}
+
+bool LlamaForCausalLMImpl::has_deferred() const {
+  if (root_deferred_) return true;
+  for (bool d : layer_deferred_)
+    if (d) return true;
+  return false;
+}
+
+FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options) {
+  // fully_shard copies each parameter into its flat buffer: a 0-byte storage would be read.
+  if (model->has_deferred())
+    throw std::logic_error(
+        "shard_llama: the model has deferred parameters; call materialize_and_init_layer(i) for "
+        "every layer and init_root() first");
+  for (int64_t i = 0; i < model->model->num_layers(); ++i) fully_shard(model->model->layer(i), options);
+  return fully_shard(*model, options);
+}
+
+}  // namespace mfsdp

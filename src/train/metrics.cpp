@@ -1,0 +1,100 @@
+#include "train/metrics.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <stdexcept>
+
+namespace mfsdp {
+
+MetricsWriter::MetricsWriter(const std::string& path) {
+  if (path.empty()) return;
+  out_.open(path, std::ios::trunc);
+  if (!out_) throw std::runtime_error("--metrics-file: cannot open '" + path + "' for writing");
+}
+
+void MetricsWriter::write(const IterationRecord& r) {
+  if (!out_.is_open()) return;
+  nlohmann::json j = {{"iteration", r.iteration},         {"consumed_samples", r.consumed_samples},
+                      {"lm_loss", r.lm_loss},             {"lr", r.lr},
+                      {"grad_norm", r.grad_norm},         {"iter_time_s", r.iter_time_s},
+                      {"tokens_per_sec", r.tokens_per_sec}, {"tflops_per_rank", r.tflops_per_rank},
+                      {"mem_bytes", r.mem_bytes}};
+  if (r.eval) j["eval"] = true;
+  out_ << j.dump() << "\n";
+  out_.flush();
+}
+
+double megatron_flops_per_iteration(const PretrainArgs& a, int64_t batch_size) {
+  // megatron/training/training.py num_floating_point_operations: 3 (fwd + 2 bwd) x 2 (mul-add)
+  // x 2 (two GEMMs per block side) = 12.
+  const double expansion = 12.0;
+  const double gated = a.swiglu ? 1.5 : 1.0;
+  const double h = static_cast<double>(a.hidden_size), s = static_cast<double>(a.seq_length);
+  const double layers = static_cast<double>(a.num_layers);
+  const double attention =
+      1.0 + static_cast<double>(a.num_query_groups) / a.num_attention_heads + s / h;
+  const double mlp = static_cast<double>(a.ffn_hidden_size) / h * gated;
+  const double logits = static_cast<double>(a.padded_vocab_size) / (2.0 * layers * h);
+  return expansion * batch_size * s * layers * h * h * (attention + mlp + logits);
+}
+
+int64_t peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records) {
+  std::vector<const IterationRecord*> train, eval;
+  for (const auto& r : records) (r.eval ? eval : train).push_back(&r);
+  if (train.empty() && eval.empty()) return;
+  double x_max = 1, y_min = 1e30, y_max = -1e30;
+  for (const auto& r : records) {
+    x_max = std::max(x_max, static_cast<double>(r.iteration));
+    y_min = std::min(y_min, r.lm_loss);
+    y_max = std::max(y_max, r.lm_loss);
+  }
+  if (y_max - y_min < 1e-9) y_max = y_min + 1;
+  const double w = 640, h = 400, left = 60, right = 20, top = 30, bottom = 40;
+  auto px = [&](double x) { return left + x / x_max * (w - left - right); };
+  auto py = [&](double y) { return top + (y_max - y) / (y_max - y_min) * (h - top - bottom); };
+  std::ostringstream svg;
+  svg << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h << "'>\n"
+      << "<rect width='100%' height='100%' fill='white'/>\n"
+      << "<text x='" << w / 2 << "' y='20' text-anchor='middle' font-family='sans-serif' "
+         "font-size='14'>lm loss</text>\n"
+      << "<line x1='" << left << "' y1='" << h - bottom << "' x2='" << w - right << "' y2='"
+      << h - bottom << "' stroke='black'/>\n"
+      << "<line x1='" << left << "' y1='" << top << "' x2='" << left << "' y2='" << h - bottom
+      << "' stroke='black'/>\n";
+  for (int k = 0; k <= 4; ++k) {
+    double y = y_min + (y_max - y_min) * k / 4.0;
+    svg << "<text x='" << left - 5 << "' y='" << py(y) + 4 << "' text-anchor='end' font-family='sans-serif' "
+        << "font-size='11'>" << std::round(y * 1000) / 1000 << "</text>\n";
+  }
+  svg << "<text x='" << w - right << "' y='" << h - 10 << "' text-anchor='end' font-family='sans-serif' "
+      << "font-size='11'>iteration " << x_max << "</text>\n";
+  auto polyline = [&](const std::vector<const IterationRecord*>& pts, const char* color) {
+    if (pts.empty()) return;
+    svg << "<polyline fill='none' stroke='" << color << "' stroke-width='2' points='";
+    for (const auto* r : pts) svg << px(static_cast<double>(r->iteration)) << "," << py(r->lm_loss) << " ";
+    svg << "'/>\n";
+  };
+  polyline(train, "#1f77b4");
+  polyline(eval, "#d62728");
+  svg << "<text x='" << w - right - 5 << "' y='" << top + 15 << "' text-anchor='end' font-family='sans-serif' "
+      << "font-size='11' fill='#1f77b4'>train</text>\n";
+  if (!eval.empty())
+    svg << "<text x='" << w - right - 5 << "' y='" << top + 30 << "' text-anchor='end' "
+        << "font-family='sans-serif' font-size='11' fill='#d62728'>validation</text>\n";
+  svg << "</svg>\n";
+  std::ofstream out(path, std::ios::trunc);
+  if (!out) throw std::runtime_error("cannot write the loss curve to '" + path + "'");
+  out << svg.str();
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,47 @@
+// Training metrics: the --metrics-file JSON-lines contract (DESIGN.md section 7), Megatron's
+// FLOP count, and the loss-curve picture written at the end of training.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "train/pretrain_args.h"
+
+namespace mfsdp {
+
+struct IterationRecord {
+  int64_t iteration = 0;
+  int64_t consumed_samples = 0;
+  double lm_loss = 0;
+  double lr = 0;
+  double grad_norm = 0;
+  double iter_time_s = 0;
+  double tokens_per_sec = 0;
+  double tflops_per_rank = 0;
+  int64_t mem_bytes = 0;
+  bool eval = false;
+};
+
+// Appends one JSON object per record to `path` (created or truncated); no-op when path is empty.
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path);
+  void write(const IterationRecord& r);
+
+ private:
+  std::ofstream out_;
+};
+
+// Megatron's num_floating_point_operations for one iteration of `batch_size` sequences
+// (forward + backward; GQA, SwiGLU and the logit layer included).
+double megatron_flops_per_iteration(const PretrainArgs& args, int64_t batch_size);
+
+// Peak resident memory of this process (bytes).
+int64_t peak_rss_bytes();
+
+// An SVG line chart of training (and evaluation) loss against iteration.
+void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records);
+
+}  // namespace mfsdp

@@ -1,0 +1,254 @@
+#include "train/pretrain_args.h"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+namespace mfsdp {
+namespace {
+
+[[noreturn]] void bad(const std::string& flag, const std::string& what) {
+  throw std::invalid_argument(flag + ": " + what);
+}
+
+struct Flag {
+  std::string name;
+  std::string help;
+  bool takes_value;
+  std::vector<std::string> choices;  // empty: any value
+  std::function<void(PretrainArgs&, const std::string&)> set;
+  std::function<std::string(const PretrainArgs&)> show;
+};
+
+int64_t to_int(const std::string& flag, const std::string& v) {
+  try {
+    size_t used = 0;
+    long long x = std::stoll(v, &used);
+    if (used == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  bad(flag, "expected an integer, got '" + v + "'");
+}
+
+double to_double(const std::string& flag, const std::string& v) {
+  try {
+    size_t used = 0;
+    double x = std::stod(v, &used);
+    if (used == v.size()) return x;
+  } catch (const std::exception&) {
+  }
+  bad(flag, "expected a number, got '" + v + "'");
+}
+
+#define INT_FLAG(flag, field, help) \
+  {flag, help, true, {}, [](PretrainArgs& a, const std::string& v) { a.field = to_int(flag, v); }, \
+   [](const PretrainArgs& a) { return std::to_string(a.field); }}
+#define DOUBLE_FLAG(flag, field, help) \
+  {flag, help, true, {}, [](PretrainArgs& a, const std::string& v) { a.field = to_double(flag, v); }, \
+   [](const PretrainArgs& a) { std::ostringstream s; s << a.field; return s.str(); }}
+#define STRING_FLAG(flag, field, help, ...) \
+  {flag, help, true, {__VA_ARGS__}, [](PretrainArgs& a, const std::string& v) { a.field = v; }, \
+   [](const PretrainArgs& a) { return a.field.empty() ? std::string("unset") : a.field; }}
+#define BOOL_FLAG(flag, field, help) \
+  {flag, help, false, {}, [](PretrainArgs& a, const std::string&) { a.field = true; }, \
+   [](const PretrainArgs& a) { return std::string(a.field ? "on" : "off"); }}
+
+const std::vector<Flag>& flags() {
+  static const std::vector<Flag> table = {
+      // Model.
+      INT_FLAG("--num-layers", num_layers, "decoder layers"),
+      INT_FLAG("--hidden-size", hidden_size, "model width"),
+      INT_FLAG("--ffn-hidden-size", ffn_hidden_size, "MLP width (0: 4 x hidden)"),
+      INT_FLAG("--num-attention-heads", num_attention_heads, "attention heads"),
+      BOOL_FLAG("--group-query-attention", group_query_attention, "grouped-query attention"),
+      INT_FLAG("--num-query-groups", num_query_groups, "key/value heads with --group-query-attention"),
+      INT_FLAG("--seq-length", seq_length, "tokens per sample"),
+      INT_FLAG("--max-position-embeddings", max_position_embeddings, "longest position (0: --seq-length)"),
+      STRING_FLAG("--normalization", normalization, "normalization layer", "RMSNorm"),
+      BOOL_FLAG("--swiglu", swiglu, "SwiGLU MLP (gate_proj, up_proj, down_proj)"),
+      STRING_FLAG("--position-embedding-type", position_embedding_type, "position embedding", "rope"),
+      DOUBLE_FLAG("--rotary-base", rotary_base, "RoPE base (theta)"),
+      BOOL_FLAG("--untie-embeddings-and-output-weights", untie_embeddings_and_output_weights,
+                "separate output layer (lm_head) instead of the embedding"),
+      DOUBLE_FLAG("--init-method-std", init_method_std, "std of the normal weight init"),
+      DOUBLE_FLAG("--norm-epsilon", norm_epsilon, "RMSNorm epsilon"),
+      INT_FLAG("--vocab-size", vocab_size, "vocabulary with --mock-data and no tokenizer"),
+      INT_FLAG("--make-vocab-size-divisible-by", make_vocab_size_divisible_by,
+               "pad the embedding rows to a multiple of this"),
+      BOOL_FLAG("--recompute-activations", recompute_activations, "full activation recompute per layer"),
+      STRING_FLAG("--recompute-granularity", recompute_granularity, "recompute granularity", "full"),
+      // Training.
+      INT_FLAG("--micro-batch-size", micro_batch_size, "samples per rank and micro-batch"),
+      INT_FLAG("--global-batch-size", global_batch_size,
+               "samples per iteration (0: micro-batch x data-parallel size)"),
+      INT_FLAG("--train-iters", train_iters, "iterations"),
+      DOUBLE_FLAG("--lr", lr, "peak learning rate"),
+      DOUBLE_FLAG("--min-lr", min_lr, "learning rate at the end of decay"),
+      STRING_FLAG("--lr-decay-style", lr_decay_style, "decay after warmup", "constant", "linear", "cosine"),
+      INT_FLAG("--lr-warmup-iters", lr_warmup_iters, "linear warmup iterations"),
+      INT_FLAG("--lr-decay-iters", lr_decay_iters, "iteration where decay ends (0: --train-iters)"),
+      DOUBLE_FLAG("--weight-decay", weight_decay, "decoupled weight decay (not on 1-D params)"),
+      DOUBLE_FLAG("--adam-beta1", adam_beta1, "Adam beta1"),
+      DOUBLE_FLAG("--adam-beta2", adam_beta2, "Adam beta2"),
+      DOUBLE_FLAG("--adam-eps", adam_eps, "Adam epsilon"),
+      DOUBLE_FLAG("--sgd-momentum", sgd_momentum, "SGD momentum"),
+      DOUBLE_FLAG("--clip-grad", clip_grad, "global gradient-norm clip (0: off)"),
+      INT_FLAG("--seed", seed, "random seed (model init and data order)"),
+      BOOL_FLAG("--bf16", bf16, "bf16 compute with fp32 main weights and grads"),
+      STRING_FLAG("--optimizer", optimizer, "optimizer (adam is AdamW)", "adam", "sgd"),
+      BOOL_FLAG("--skip-train", skip_train, "evaluate only"),
+      // Data.
+      STRING_FLAG("--data-path", data_path, "prefix of a Megatron .bin/.idx pair"),
+      STRING_FLAG("--split", split, "train,valid,test weights"),
+      STRING_FLAG("--tokenizer-type", tokenizer_type, "tokenizer", "ByteLevelTokenizer",
+                  "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"),
+      STRING_FLAG("--tokenizer-model", tokenizer_model, "SentencePiece model file"),
+      STRING_FLAG("--vocab-file", vocab_file, "GPT-2 vocab.json"),
+      STRING_FLAG("--merge-file", merge_file, "GPT-2 merges.txt"),
+      BOOL_FLAG("--mock-data", mock_data, "synthetic tokens instead of --data-path"),
+      // Logging.
+      INT_FLAG("--log-interval", log_interval, "iterations between log lines"),
+      INT_FLAG("--eval-interval", eval_interval, "iterations between evaluations"),
+      INT_FLAG("--eval-iters", eval_iters, "batches per evaluation"),
+      STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
+      // Megatron-FSDP.
+      BOOL_FLAG("--use-megatron-fsdp", use_megatron_fsdp, "shard with mfsdp (always on here)"),
+      STRING_FLAG("--data-parallel-sharding-strategy", data_parallel_sharding_strategy,
+                  "what is sharded", "no_shard", "optim", "optim_grads", "optim_grads_params"),
+      BOOL_FLAG("--no-gradient-accumulation-fusion", no_gradient_accumulation_fusion,
+                "no fused weight-gradient accumulation"),
+      BOOL_FLAG("--use-distributed-optimizer", use_distributed_optimizer,
+                "shard the optimizer (always on here)"),
+      STRING_FLAG("--ckpt-format", ckpt_format, "checkpoint format", "fsdp_dtensor"),
+      BOOL_FLAG("--calculate-per-token-loss", calculate_per_token_loss,
+                "loss = sum over tokens / tokens in the global batch (no 1/dp gradient scaling)"),
+      BOOL_FLAG("--init-model-with-meta-device", init_model_with_meta_device,
+                "materialise and shard one layer at a time"),
+      BOOL_FLAG("--grad-reduce-in-bf16", grad_reduce_in_bf16, "reduce gradients in bf16"),
+      BOOL_FLAG("--fsdp-double-buffer", fsdp_double_buffer, "persistent double buffers"),
+      BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU)"),
+  };
+  return table;
+}
+
+}  // namespace
+
+PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv) {
+  std::map<std::string, const Flag*> by_name;
+  for (const Flag& f : flags()) by_name[f.name] = &f;
+  PretrainArgs args;
+  for (size_t i = 1; i < argv.size(); ++i) {
+    std::string token = argv[i], value;
+    bool inline_value = false;
+    if (auto eq = token.find('='); token.rfind("--", 0) == 0 && eq != std::string::npos) {
+      value = token.substr(eq + 1);
+      token = token.substr(0, eq);
+      inline_value = true;
+    }
+    auto it = by_name.find(token);
+    if (it == by_name.end()) bad(token, "unknown flag (mfsdp-pretrain --help lists them)");
+    const Flag& f = *it->second;
+    if (f.takes_value && !inline_value) {
+      if (i + 1 >= argv.size()) bad(f.name, "needs a value");
+      value = argv[++i];
+    } else if (!f.takes_value && inline_value) {
+      bad(f.name, "takes no value");
+    }
+    if (!f.choices.empty() &&
+        std::find(f.choices.begin(), f.choices.end(), value) == f.choices.end()) {
+      std::string list;
+      for (const auto& c : f.choices) list += (list.empty() ? "" : ", ") + c;
+      bad(f.name, "'" + value + "' is not one of: " + list);
+    }
+    f.set(args, value);
+  }
+  return args;
+}
+
+void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
+  auto positive = [](const char* flag, int64_t v) {
+    if (v < 1) bad(flag, "must be >= 1, got " + std::to_string(v));
+  };
+  positive("--num-layers", a.num_layers);
+  positive("--hidden-size", a.hidden_size);
+  positive("--num-attention-heads", a.num_attention_heads);
+  positive("--seq-length", a.seq_length);
+  positive("--micro-batch-size", a.micro_batch_size);
+  if (a.hidden_size % a.num_attention_heads != 0)
+    bad("--hidden-size", std::to_string(a.hidden_size) + " is not divisible by --num-attention-heads " +
+                             std::to_string(a.num_attention_heads));
+  if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
+  positive("--num-query-groups", a.num_query_groups);
+  if (a.num_attention_heads % a.num_query_groups != 0)
+    bad("--num-query-groups", std::to_string(a.num_query_groups) +
+                                  " does not divide --num-attention-heads " +
+                                  std::to_string(a.num_attention_heads));
+  if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
+  if (a.max_position_embeddings < a.seq_length)
+    bad("--max-position-embeddings", "is smaller than --seq-length");
+  if (a.ffn_hidden_size == 0) a.ffn_hidden_size = 4 * a.hidden_size;
+  if (!a.recompute_granularity.empty() && !a.recompute_activations) a.recompute_activations = true;
+  if (a.train_iters < 0) bad("--train-iters", "must be >= 0");
+  if (a.train_iters == 0 && !a.skip_train) bad("--train-iters", "is required (or --skip-train)");
+  const int64_t per_micro = a.micro_batch_size * dp;
+  if (a.global_batch_size == 0) a.global_batch_size = per_micro;
+  if (a.global_batch_size % per_micro != 0)
+    bad("--global-batch-size", std::to_string(a.global_batch_size) +
+                                   " is not a multiple of --micro-batch-size x data-parallel size = " +
+                                   std::to_string(a.micro_batch_size) + " x " + std::to_string(dp));
+  a.num_micro_batches = a.global_batch_size / per_micro;
+  if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
+  if (a.min_lr > a.lr) bad("--min-lr", "is larger than --lr");
+  if (a.lr_warmup_iters < 0) bad("--lr-warmup-iters", "must be >= 0");
+  if (a.lr_decay_iters > 0 && a.lr_warmup_iters > a.lr_decay_iters)
+    bad("--lr-warmup-iters", "exceeds --lr-decay-iters");
+  positive("--log-interval", a.log_interval);
+  positive("--eval-interval", a.eval_interval);
+  if (a.eval_iters < 0) bad("--eval-iters", "must be >= 0");
+  if (a.data_path.empty() && !a.mock_data)
+    bad("--data-path", "is required (or --mock-data for synthetic tokens)");
+  if (!a.data_path.empty() && a.mock_data) bad("--mock-data", "conflicts with --data-path");
+  int64_t vocab = tokenizer_vocab > 0 ? tokenizer_vocab : a.vocab_size;
+  if (vocab < 2)
+    bad(a.tokenizer_type.empty() ? "--tokenizer-type" : "--vocab-size",
+        "no vocabulary: give --tokenizer-type (and its files), or --vocab-size with --mock-data");
+  positive("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by);
+  const int64_t m = a.make_vocab_size_divisible_by;
+  a.padded_vocab_size = (vocab + m - 1) / m * m;
+  if (a.grad_reduce_in_bf16 && !a.bf16) bad("--grad-reduce-in-bf16", "needs --bf16");
+}
+
+std::string pretrain_usage() {
+  std::ostringstream s;
+  s << "usage: mfsdp-run --nproc-per-node N mfsdp-pretrain [flags]\n\nflags (Megatron-LM names):\n";
+  PretrainArgs defaults;
+  for (const Flag& f : flags()) {
+    s << "  " << f.name << (f.takes_value ? " VALUE" : "") << "\n      " << f.help;
+    if (!f.choices.empty()) {
+      s << " {";
+      for (size_t i = 0; i < f.choices.size(); ++i) s << (i ? "," : "") << f.choices[i];
+      s << "}";
+    }
+    s << " (default: " << f.show(defaults) << ")\n";
+  }
+  return s.str();
+}
+
+std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& a, bool cuda_build) {
+  std::vector<std::string> notes;
+  if (a.use_nccl_ub && !cuda_build)
+    notes.push_back("--use-nccl-ub has no effect: this build has no NCCL (CPU, Gloo)");
+  if (a.fsdp_double_buffer)
+    notes.push_back("--fsdp-double-buffer has no effect yet: unsharded buffers are allocated per use");
+  if (a.no_gradient_accumulation_fusion)
+    notes.push_back("--no-gradient-accumulation-fusion has no effect: there is no fused weight-gradient kernel here");
+  if (a.use_megatron_fsdp)
+    notes.push_back("--use-megatron-fsdp is implied: mfsdp always shards with fully_shard");
+  if (a.use_distributed_optimizer)
+    notes.push_back("--use-distributed-optimizer is implied: the optimizer always runs on shards");
+  return notes;
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,102 @@
+// The command line of mfsdp-pretrain: Megatron-LM's flag names (shared/seeds/001_*: the
+// Megatron-FSDP user guide, and Megatron's arguments.py), parsed and validated before any work.
+// Every flag is declared once in pretrain_args.cpp with its default and help text; --help and
+// docs/pretrain.md list them from there.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mfsdp {
+
+struct PretrainArgs {
+  // Model.
+  int64_t num_layers = 2;
+  int64_t hidden_size = 64;
+  int64_t ffn_hidden_size = 0;  // 0: 4 x hidden (Megatron), or Llama's 8/3 rounding with --swiglu
+  int64_t num_attention_heads = 4;
+  bool group_query_attention = false;
+  int64_t num_query_groups = 1;
+  int64_t seq_length = 64;
+  int64_t max_position_embeddings = 0;  // 0: seq_length
+  std::string normalization = "RMSNorm";
+  bool swiglu = false;
+  std::string position_embedding_type = "rope";
+  double rotary_base = 10000;
+  bool untie_embeddings_and_output_weights = false;
+  double init_method_std = 0.02;
+  double norm_epsilon = 1e-5;
+  int64_t vocab_size = 0;  // with --mock-data and no tokenizer
+  int64_t make_vocab_size_divisible_by = 128;
+  bool recompute_activations = false;
+  std::string recompute_granularity;  // "full" (only)
+
+  // Training.
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 0;  // 0: micro_batch_size x data-parallel size
+  int64_t train_iters = 0;
+  double lr = 1e-4;
+  double min_lr = 0.0;
+  std::string lr_decay_style = "linear";
+  int64_t lr_warmup_iters = 0;
+  int64_t lr_decay_iters = 0;  // 0: train_iters
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double sgd_momentum = 0.9;
+  double clip_grad = 1.0;
+  int64_t seed = 1234;
+  bool bf16 = false;
+  std::string optimizer = "adam";
+  bool skip_train = false;
+
+  // Data.
+  std::string data_path;
+  std::string split = "969,30,1";
+  std::string tokenizer_type;
+  std::string tokenizer_model;
+  std::string vocab_file;
+  std::string merge_file;
+  bool mock_data = false;
+
+  // Logging.
+  int64_t log_interval = 100;
+  int64_t eval_interval = 1000;
+  int64_t eval_iters = 100;
+  std::string metrics_file;
+
+  // Megatron-FSDP.
+  bool use_megatron_fsdp = false;
+  std::string data_parallel_sharding_strategy = "optim_grads_params";
+  bool no_gradient_accumulation_fusion = false;
+  bool use_distributed_optimizer = false;
+  std::string ckpt_format = "fsdp_dtensor";
+  bool calculate_per_token_loss = false;
+  bool init_model_with_meta_device = false;
+  bool grad_reduce_in_bf16 = false;
+  bool fsdp_double_buffer = false;
+  bool use_nccl_ub = false;
+
+  // Derived by validate().
+  int64_t num_micro_batches = 1;
+  int64_t padded_vocab_size = 0;
+};
+
+// Parses argv (argv[0] is the program). Throws std::invalid_argument naming the flag for an
+// unknown flag, a missing or malformed value, or a value outside its allowed set.
+PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv);
+
+// Checks what needs the data-parallel size and the tokenizer's vocabulary, and derives
+// num_micro_batches, ffn size and padded vocab size. Throws naming the flag(s).
+void validate_pretrain_args(PretrainArgs& args, int data_parallel_size, int64_t tokenizer_vocab);
+
+// "--flag VALUE  help (default: x)" for every flag, for --help and docs.
+std::string pretrain_usage();
+
+// Flags accepted for Megatron compatibility that change nothing in this build, with the reason,
+// for the one-time start-up notice.
+std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& args, bool cuda_build);
+
+}  // namespace mfsdp

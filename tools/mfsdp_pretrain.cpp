@@ -1,0 +1,63 @@
+// mfsdp-pretrain: pretrain a Llama-family model with fully_shard, taking Megatron-LM's flags.
+//
+//   mfsdp-run --nproc-per-node 2 mfsdp-pretrain --mock-data --vocab-size 256 --num-layers 2 \
+//       --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 \
+//       --train-iters 100 --lr 1e-3 --data-parallel-sharding-strategy optim_grads_params
+//
+// Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <iostream>
+#include <thread>
+
+#include "mfsdp/comm.h"
+#include "mfsdp/rendezvous.h"
+#include "mfsdp/tokenizer.h"
+#include "train/pretrain_args.h"
+#include "train/trainer.h"
+
+int main(int argc, char** argv) {
+  std::vector<std::string> args_text(argv, argv + argc);
+  for (const auto& a : args_text)
+    if (a == "--help" || a == "-h") {
+      std::cout << mfsdp::pretrain_usage();
+      return 0;
+    }
+  mfsdp::PretrainArgs args;
+  mfsdp::RendezvousInfo info;
+  try {
+    args = mfsdp::parse_pretrain_args(args_text);
+    info = mfsdp::rendezvous_from_env();
+    int64_t vocab = 0;
+    if (!args.tokenizer_type.empty() && args.tokenizer_type != "NullTokenizer") {
+      mfsdp::TokenizerOptions t{args.tokenizer_type, args.tokenizer_model, args.vocab_file,
+                                args.merge_file};
+      vocab = mfsdp::tokenizer_vocab_size(t);
+    }
+    mfsdp::validate_pretrain_args(args, info.world_size, vocab);
+  } catch (const std::exception& e) {
+    std::cerr << "mfsdp-pretrain: error: " << e.what() << std::endl;
+    return 2;
+  }
+  try {
+    // ranks x threads <= cores on this node.
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    at::set_num_threads(std::max<int>(1, static_cast<int>(cores) / info.local_world_size));
+    auto comm = mfsdp::init_communicator(info);
+    if (comm->rank() == 0) {
+#ifdef MFSDP_WITH_CUDA
+      const bool cuda = true;
+#else
+      const bool cuda = false;
+#endif
+      for (const auto& note : mfsdp::pretrain_inert_flag_notices(args, cuda))
+        std::cout << "note: " << note << "\n";
+    }
+    mfsdp::pretrain(args, comm, std::cout);
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "mfsdp-pretrain: " << e.what() << std::endl;
+    return 1;
+  }
+}
