@@ -116,7 +116,10 @@ std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerOptions& options);
 // LibTorch's at start-up). These two work without it (library `mfsdp_data`):
 // the vocabulary size of the tokenizer `options` names (0 for NullTokenizer) ...
 int64_t tokenizer_vocab_size(const TokenizerOptions& options);
-// ... and the number of pieces of a SentencePiece .model file, read from its protobuf bytes.
+// ... the number of pieces of a SentencePiece .model file, read from its protobuf bytes ...
 int64_t sentencepiece_model_vocab_size(const std::string& model_file);
+// ... and the byte-level or GPT-2 tokenizer for text in/out of LibTorch programs (null for
+// SentencePieceTokenizer and NullTokenizer: use token ids there).
+std::unique_ptr<Tokenizer> make_torch_safe_tokenizer(const TokenizerOptions& options);
 
 }  // namespace mfsdp

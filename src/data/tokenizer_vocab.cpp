@@ -68,3 +68,17 @@ int64_t tokenizer_vocab_size(const TokenizerOptions& o) {
 }
 
 }  // namespace mfsdp
+
+namespace mfsdp {
+
+std::unique_ptr<Tokenizer> make_torch_safe_tokenizer(const TokenizerOptions& o) {
+  if (o.type == "ByteLevelTokenizer") return std::make_unique<ByteLevelTokenizer>();
+  if (o.type == "GPT2BPETokenizer") {
+    if (o.vocab_file.empty()) throw std::invalid_argument("--vocab-file: required by GPT2BPETokenizer");
+    if (o.merge_file.empty()) throw std::invalid_argument("--merge-file: required by GPT2BPETokenizer");
+    return load_gpt2_bpe_tokenizer(o.vocab_file, o.merge_file);
+  }
+  return nullptr;
+}
+
+}  // namespace mfsdp

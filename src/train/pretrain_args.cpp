@@ -113,6 +113,10 @@ const std::vector<Flag>& flags() {
       INT_FLAG("--eval-interval", eval_interval, "iterations between evaluations"),
       INT_FLAG("--eval-iters", eval_iters, "batches per evaluation"),
       STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
+      STRING_FLAG("--save-final-model", save_final_model,
+                  "(mfsdp) write the trained model for mfsdp-generate to this folder"),
+      STRING_FLAG("--sample-prompt", sample_prompt, "(mfsdp) print a sample continuing this text after training"),
+      INT_FLAG("--sample-tokens", sample_tokens, "(mfsdp) tokens of that sample"),
       // Megatron-FSDP.
       BOOL_FLAG("--use-megatron-fsdp", use_megatron_fsdp, "shard with mfsdp (always on here)"),
       STRING_FLAG("--data-parallel-sharding-strategy", data_parallel_sharding_strategy,

@@ -66,6 +66,9 @@ struct PretrainArgs {
   int64_t eval_interval = 1000;
   int64_t eval_iters = 100;
   std::string metrics_file;
+  std::string save_final_model;  // ours: folder for mfsdp-generate (config.json + model.pt)
+  std::string sample_prompt;     // ours: print a generated sample after training
+  int64_t sample_tokens = 64;
 
   // Megatron-FSDP.
   bool use_megatron_fsdp = false;

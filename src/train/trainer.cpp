@@ -8,6 +8,7 @@
 #include <iomanip>
 
 #include "mfsdp/fully_shard.h"
+#include "mfsdp/generate.h"
 #include "mfsdp/gpt_dataset.h"
 #include "mfsdp/llama.h"
 #include "mfsdp/optim.h"
@@ -78,6 +79,39 @@ double all_reduce_mean(Communicator& comm, double value) {
   at::Tensor t = at::full({1}, value, at::kDouble);
   comm.all_reduce(t, {ReduceOp::kAvg});
   return t.item<double>();
+}
+
+// Gathers the full model (collective) and, on rank 0, saves it and/or prints a sample.
+void finish_with_model(const PretrainArgs& a, LlamaForCausalLM& model, FsdpHandle& root,
+                       std::ostream& log) {
+  auto state = root.full_state_dict(/*all_ranks=*/false);
+  if (state.empty()) return;  // not rank 0
+  if (!a.save_final_model.empty()) {
+    save_final_model(a.save_final_model, model->config(), a.tokenizer_type, state);
+    log << " final model: " << a.save_final_model << " (mfsdp-generate --model "
+        << a.save_final_model << ")\n";
+  }
+  if (a.sample_prompt.empty()) return;
+  LlamaForCausalLM plain(model->config());
+  {
+    torch::NoGradGuard no_grad;
+    for (auto& item : plain->named_parameters()) item.value().copy_(state.at(item.key()));
+  }
+  TokenizerOptions t{a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file};
+  auto tokenizer = make_torch_safe_tokenizer(t);
+  if (!tokenizer) {
+    log << " sample: needs ByteLevelTokenizer or GPT2BPETokenizer (use mfsdp-generate --prompt-ids)\n";
+    return;
+  }
+  GenerateOptions g;
+  g.max_new_tokens = a.sample_tokens;
+  g.top_k = 20;
+  g.temperature = 0.8;
+  g.seed = static_cast<uint64_t>(a.seed);
+  g.stop_id = tokenizer->eod();
+  auto ids = generate(*plain, tokenizer->encode(a.sample_prompt), g);
+  if (!ids.empty() && ids.back() == tokenizer->eod()) ids.pop_back();
+  log << " sample: " << a.sample_prompt << tokenizer->decode(ids) << "\n";
 }
 
 }  // namespace
@@ -260,6 +294,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
     write_loss_curve_svg(svg, history);
     log << " loss curve: " << svg << "\n";
   }
+  if (!a.save_final_model.empty() || !a.sample_prompt.empty()) finish_with_model(a, model, root, log);
   if (print) {
     MemoryReport m = root.memory();
     int64_t state = 0;
