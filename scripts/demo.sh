@@ -12,7 +12,8 @@ if ! dpkg-query -W -f='${Status}' fortunes 2>/dev/null | grep -q "install ok ins
   echo "demo: installing the fortunes corpus (Debian package 'fortunes')"
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes >/dev/null
 fi
-scripts/build.sh >/dev/null
+echo "demo: building the tools (first time: a few minutes)"
+scripts/build.sh --target mfsdp-run mfsdp-preprocess mfsdp-pretrain mfsdp-generate >/dev/null
 out=build/demo
 mkdir -p "$out"
 
