@@ -7,6 +7,8 @@
 //   rs = numpy.random.RandomState(1234); di = mgrid-built document index; rs.shuffle(di); ...
 // The hand-checked tests below them do not depend on any random draw.
 #include <gtest/gtest.h>
+
+#include "harness/temp_dir.h"
 #include <torch/torch.h>
 
 #include <stdlib.h>
@@ -30,22 +32,7 @@ namespace fs = std::filesystem;
 using Ids = std::vector<int64_t>;
 using Range = std::pair<int64_t, int64_t>;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "mfsdp-gpt-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using mfsdp::testing::TempDir;
 
 std::string error_of(const std::function<void()>& f) {
   try {

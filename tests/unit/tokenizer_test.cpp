@@ -3,6 +3,8 @@
 // round-trip text; the byte-level tokenizer is checked byte by byte.
 #include <gtest/gtest.h>
 
+#include "harness/temp_dir.h"
+
 #include <stdlib.h>
 
 #include <filesystem>
@@ -22,22 +24,7 @@ namespace fs = std::filesystem;
 using Ids = std::vector<int64_t>;
 using Pieces = std::vector<std::string>;
 
-class TempDir {
- public:
-  TempDir() {
-    std::string pattern = (fs::temp_directory_path() / "mfsdp-tok-XXXXXX").string();
-    if (mkdtemp(pattern.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = pattern;
-  }
-  ~TempDir() {
-    std::error_code ignored;
-    fs::remove_all(path_, ignored);
-  }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
-
- private:
-  fs::path path_;
-};
+using mfsdp::testing::TempDir;
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);
