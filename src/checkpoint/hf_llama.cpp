@@ -1,0 +1,152 @@
+// Hugging Face config.json <-> LlamaConfig: see include/mfsdp/hf_llama.h.
+#include "mfsdp/hf_llama.h"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+namespace mfsdp {
+namespace {
+
+using json = nlohmann::json;
+
+[[noreturn]] void bad(const std::string& field, const std::string& what) {
+  throw std::invalid_argument("HF config.json field '" + field + "': " + what);
+}
+
+const json* find(const json& c, const char* field) {
+  auto it = c.find(field);
+  if (it == c.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+int64_t get_int(const json& c, const char* field, const int64_t* fallback) {
+  const json* v = find(c, field);
+  if (v == nullptr) {
+    if (fallback == nullptr) bad(field, "missing");
+    return *fallback;
+  }
+  if (!v->is_number_integer()) bad(field, "expected an integer, found " + v->dump());
+  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(INT64_MAX))
+    bad(field, "too large: " + v->dump());
+  const int64_t x = v->get<int64_t>();
+  if (x <= 0) bad(field, "expected a positive integer, found " + v->dump());
+  return x;
+}
+
+int64_t required_int(const json& c, const char* field) { return get_int(c, field, nullptr); }
+int64_t optional_int(const json& c, const char* field, int64_t fallback) { return get_int(c, field, &fallback); }
+
+double optional_double(const json& c, const char* field, double fallback) {
+  const json* v = find(c, field);
+  if (v == nullptr) return fallback;
+  if (!v->is_number()) bad(field, "expected a number, found " + v->dump());
+  const double x = v->get<double>();
+  if (!std::isfinite(x)) bad(field, "not finite");
+  return x;
+}
+
+bool optional_bool(const json& c, const char* field, bool fallback) {
+  const json* v = find(c, field);
+  if (v == nullptr) return fallback;
+  if (!v->is_boolean()) bad(field, "expected true or false, found " + v->dump());
+  return v->get<bool>();
+}
+
+}  // namespace
+
+json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
+  cfg.validate();
+  std::string dtype;
+  switch (torch_dtype) {
+    case at::kFloat: dtype = "float32"; break;
+    case at::kBFloat16: dtype = "bfloat16"; break;
+    case at::kHalf: dtype = "float16"; break;
+    default:
+      throw std::invalid_argument(std::string("llama_hf_config: torch_dtype must be float32, bfloat16 or float16, not ") +
+                                  c10::toString(torch_dtype));
+  }
+  json j;
+  j["architectures"] = json::array({"LlamaForCausalLM"});
+  j["model_type"] = "llama";
+  j["vocab_size"] = cfg.vocab_size;
+  j["hidden_size"] = cfg.hidden_size;
+  j["intermediate_size"] = cfg.intermediate_size;
+  j["num_hidden_layers"] = cfg.num_layers;
+  j["num_attention_heads"] = cfg.num_attention_heads;
+  j["num_key_value_heads"] = cfg.num_key_value_heads;
+  j["head_dim"] = cfg.head_dim();
+  j["max_position_embeddings"] = cfg.max_position_embeddings;
+  j["rope_theta"] = cfg.rope_theta;
+  j["rope_scaling"] = nullptr;
+  j["rms_norm_eps"] = cfg.rms_norm_eps;
+  j["initializer_range"] = cfg.init_std;
+  j["tie_word_embeddings"] = cfg.tie_word_embeddings;
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["mlp_bias"] = false;
+  j["pretraining_tp"] = 1;
+  j["use_cache"] = true;
+  j["torch_dtype"] = dtype;
+  return j;
+}
+
+LlamaConfig llama_config_from_hf(const json& c) {
+  if (!c.is_object()) throw std::invalid_argument("HF config.json: not a JSON object");
+  const json* mt = find(c, "model_type");
+  if (mt == nullptr) bad("model_type", "missing");
+  if (!mt->is_string()) bad("model_type", "expected a string, found " + mt->dump());
+  const std::string model_type = mt->get<std::string>();
+  if (model_type != "llama" && model_type != "mistral" && model_type != "qwen2")
+    bad("model_type", "'" + model_type + "' is not supported (llama, mistral, qwen2)");
+
+  LlamaConfig cfg;
+  cfg.vocab_size = required_int(c, "vocab_size");
+  cfg.hidden_size = required_int(c, "hidden_size");
+  cfg.intermediate_size = required_int(c, "intermediate_size");
+  cfg.num_layers = required_int(c, "num_hidden_layers");
+  cfg.num_attention_heads = required_int(c, "num_attention_heads");
+  cfg.num_key_value_heads = optional_int(c, "num_key_value_heads", cfg.num_attention_heads);
+  cfg.max_position_embeddings = required_int(c, "max_position_embeddings");
+  cfg.rope_theta = optional_double(c, "rope_theta", 10000.0);
+  cfg.rms_norm_eps = optional_double(c, "rms_norm_eps", 1e-6);
+  cfg.init_std = optional_double(c, "initializer_range", 0.02);
+  cfg.tie_word_embeddings = optional_bool(c, "tie_word_embeddings", false);
+
+  if (const json* act = find(c, "hidden_act")) {
+    if (!act->is_string() || act->get<std::string>() != "silu") bad("hidden_act", "only \"silu\" is supported, found " + act->dump());
+  }
+  if (const json* rs = find(c, "rope_scaling")) bad("rope_scaling", "RoPE scaling is not supported, found " + rs->dump());
+  if (optional_bool(c, "attention_bias", false))
+    bad("attention_bias", "attention biases are not supported (LlamaForCausalLM here has no biases)");
+  if (optional_bool(c, "mlp_bias", false)) bad("mlp_bias", "MLP biases are not supported");
+  if (model_type == "mistral") {
+    if (const json* sw = find(c, "sliding_window"))
+      bad("sliding_window", "sliding-window attention is not supported, found " + sw->dump());
+  }
+  if (model_type == "qwen2" && optional_bool(c, "use_sliding_window", false))
+    bad("use_sliding_window", "sliding-window attention is not supported");
+  if (const json* hd = find(c, "head_dim")) {
+    if (!hd->is_number_integer() || hd->get<int64_t>() <= 0 || cfg.hidden_size % cfg.num_attention_heads != 0 ||
+        hd->get<int64_t>() != cfg.hidden_size / cfg.num_attention_heads)
+      bad("head_dim", "must equal hidden_size / num_attention_heads, found " + hd->dump());
+  }
+  try {
+    cfg.validate();
+  } catch (const std::invalid_argument& e) {
+    // LlamaConfig.num_layers is config.json's num_hidden_layers; the other names agree.
+    throw std::invalid_argument(std::string("HF config.json: ") + e.what() + " (num_layers = num_hidden_layers)");
+  }
+  return cfg;
+}
+
+std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_names) {
+  std::vector<std::string> out;
+  const std::string suffix = "bias";
+  for (const auto& n : tensor_names)
+    if (n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0) out.push_back(n);
+  return out;
+}
+
+}  // namespace mfsdp
