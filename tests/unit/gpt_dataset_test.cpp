@@ -8,6 +8,7 @@
 // The hand-checked tests below them do not depend on any random draw.
 #include <gtest/gtest.h>
 
+#include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include <torch/torch.h>
 
@@ -34,20 +35,9 @@ using Range = std::pair<int64_t, int64_t>;
 
 using mfsdp::testing::TempDir;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using mfsdp::testing::error_of;
+using mfsdp::testing::expect_contains;
 
-void expect_contains(const std::string& text, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts) {
-    EXPECT_NE(text.find(part), std::string::npos) << "expected \"" << part << "\" in: " << text;
-  }
-}
 
 // Sequences held in memory.
 class VectorSource : public SequenceSource {

@@ -3,6 +3,7 @@
 // never bytes produced by the writer under test.
 #include <gtest/gtest.h>
 
+#include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 
 #include <stdlib.h>
@@ -43,20 +44,9 @@ void put(Bytes& b, uint64_t v, int width) {
   for (int i = 0; i < width; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using mfsdp::testing::error_of;
+using mfsdp::testing::expect_contains;
 
-void expect_contains(const std::string& text, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts) {
-    EXPECT_NE(text.find(part), std::string::npos) << "expected \"" << part << "\" in: " << text;
-  }
-}
 
 // ---- the header, byte for byte -----------------------------------------------------------------
 

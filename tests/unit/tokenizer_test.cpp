@@ -3,6 +3,7 @@
 // round-trip text; the byte-level tokenizer is checked byte by byte.
 #include <gtest/gtest.h>
 
+#include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 
 #include <stdlib.h>
@@ -31,20 +32,9 @@ void write_text(const std::string& path, const std::string& text) {
   out << text;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const std::exception& e) {
-    return e.what();
-  }
-  return "<no exception>";
-}
+using mfsdp::testing::error_of;
+using mfsdp::testing::expect_contains;
 
-void expect_contains(const std::string& text, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts) {
-    EXPECT_NE(text.find(part), std::string::npos) << "expected \"" << part << "\" in: " << text;
-  }
-}
 
 // ---- byte level ----------------------------------------------------------------------------------
 
