@@ -123,12 +123,15 @@ void ParamGroup::adopt_gradient(size_t i) {
   grad = view;
 }
 
+void ParamGroup::release_unsharded_grad() {
+  if (!unsharded_grad_.defined()) return;
+  for (auto& p : params_) p.param.mutable_grad().reset();
+  transient_->sub(unsharded_grad_.nbytes());
+  unsharded_grad_.reset();
+}
+
 void ParamGroup::drop_unsharded_gradients() {
-  if (unsharded_grad_.defined()) {
-    for (auto& p : params_) p.param.mutable_grad().reset();
-    transient_->sub(unsharded_grad_.nbytes());
-    unsharded_grad_.reset();
-  }
+  release_unsharded_grad();
   if (accumulated_.defined()) {
     transient_->sub(accumulated_.nbytes());
     accumulated_.reset();
@@ -145,10 +148,7 @@ void ParamGroup::stash_gradients() {
     transient_->add(accumulated_.nbytes());
   }
   accumulated_.add_(unsharded_grad_);
-  at::Tensor keep = accumulated_;
-  accumulated_.reset();  // so that the drop below releases only the unsharded gradients
-  drop_unsharded_gradients();
-  accumulated_ = keep;
+  release_unsharded_grad();
 }
 
 PendingReduction ParamGroup::reduce_gradients(double divide_factor, bool average_in_collective) {

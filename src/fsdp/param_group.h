@@ -120,6 +120,8 @@ class ParamGroup {
   }
   int64_t main_begin() const { return sharded_main() ? layout_.shard_begin(rank_) : 0; }
   void point_params_at_unsharded();
+  // Frees the unsharded gradient buffer and detaches the parameters' .grad views of it.
+  void release_unsharded_grad();
 
   std::vector<GroupParam> params_;
   std::shared_ptr<Communicator> comm_;       // the shard group
