@@ -1,7 +1,7 @@
 // mfsdp-pretrain: pretrain a Llama-family model with fully_shard, taking Megatron-LM's flags.
 //
-//   mfsdp-run --nproc-per-node 2 mfsdp-pretrain --mock-data --vocab-size 256 --num-layers 2 \
-//       --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4 \
+//   mfsdp-run --nproc-per-node 2 mfsdp-pretrain --mock-data --vocab-size 256 --num-layers 2
+//       --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 4
 //       --train-iters 100 --lr 1e-3 --data-parallel-sharding-strategy optim_grads_params
 //
 // Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.

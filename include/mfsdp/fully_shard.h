@@ -82,6 +82,14 @@ struct LocalShard {
   int64_t offset = 0;               // first element of the parameter this rank holds
   at::Tensor local;                 // 1-D view of the main weight slice (numel may be 0)
   bool requires_grad = true;
+  // Where the slice lies in optimizer_shards() (and so in every optimizer state tensor):
+  // shard index and element offset; -1 for frozen parameters, which have no optimizer state.
+  int shard_index = -1;
+  int64_t shard_offset = 0;
+  // How many ranks hold this same slice (no_shard, frozen unsharded weights, HSDP replicas) and
+  // which of them this rank is: a checkpoint writes each element once.
+  int replicas = 1;
+  int replica = 0;
 };
 
 // Bytes the runtime holds on this rank, per role (DESIGN.md section 4).

@@ -78,6 +78,10 @@ class DistributedOptimizer {
 
   // Steps taken so far.
   virtual int64_t steps() const = 0;
+  // Sets the step counter, when loading a checkpoint (the state tensors are loaded in place).
+  virtual void set_steps(int64_t steps) = 0;
+  // "AdamW" or "SGD": what the state tensors mean, recorded in checkpoints.
+  virtual std::string name() const = 0;
 
   // Optimizer state tensors by name ("exp_avg", "exp_avg_sq", "momentum_buffer"), one flat tensor
   // per shard in shard order, for checkpoints and memory accounting.

@@ -67,6 +67,12 @@ class SafetensorsFile {
   uint64_t nbytes(const std::string& name) const;
   // A fresh CPU tensor with the stored bytes (a copy; the file is not kept open).
   at::Tensor load(const std::string& name) const;
+  // Elements [offset, offset + count) of the tensor, flattened row-major, as a fresh 1-D tensor
+  // (sharded checkpoints read only the part a rank owns). Throws naming the file and tensor
+  // when the range is outside the tensor.
+  at::Tensor load_elements(const std::string& name, int64_t offset, int64_t count) const;
+  // [begin, end) of the tensor's bytes, counted from the start of the file.
+  std::pair<uint64_t, uint64_t> file_byte_range(const std::string& name) const;
   // Every tensor, by name.
   std::map<std::string, at::Tensor> load_all() const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }

@@ -393,6 +393,32 @@ at::Tensor SafetensorsFile::load(const std::string& name) const {
   return t;
 }
 
+at::Tensor SafetensorsFile::load_elements(const std::string& name, int64_t offset, int64_t count) const {
+  const Entry& e = entry(name);
+  const int64_t numel = static_cast<int64_t>(c10::multiply_integers(e.shape));
+  if (offset < 0 || count < 0 || offset > numel || count > numel - offset)
+    bad_tensor(path_, name, "elements [" + std::to_string(offset) + ", " + std::to_string(offset + count) +
+                                ") are outside its " + std::to_string(numel) + " elements");
+  const uint64_t size = file_size_of(path_);
+  if (size != file_size_)
+    bad_tensor(path_, name, "file size changed from " + std::to_string(file_size_) + " to " + std::to_string(size) +
+                                " since it was opened");
+  at::Tensor t = at::empty({count}, at::TensorOptions().dtype(e.dtype).device(at::kCPU));
+  const uint64_t item = t.element_size();
+  try {
+    read_exact(path_, data_start_ + e.begin + static_cast<uint64_t>(offset) * item, t.data_ptr(),
+               static_cast<uint64_t>(count) * item);
+  } catch (const std::invalid_argument& ex) {
+    bad_tensor(path_, name, ex.what());
+  }
+  return t;
+}
+
+std::pair<uint64_t, uint64_t> SafetensorsFile::file_byte_range(const std::string& name) const {
+  const Entry& e = entry(name);
+  return {data_start_ + e.begin, data_start_ + e.end};
+}
+
 std::map<std::string, at::Tensor> SafetensorsFile::load_all() const {
   std::map<std::string, at::Tensor> out;
   for (const auto& kv : entries_) out.emplace(kv.first, load(kv.first));

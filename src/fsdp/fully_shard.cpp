@@ -275,9 +275,15 @@ void FsdpHandle::zero_grad() {
 
 std::vector<LocalShard> FsdpHandle::local_shards() const {
   std::vector<LocalShard> out;
+  int shard_index = 0;  // counts groups in optimizer_shards() order
   for (UnitState* u : state().context()->units)
-    for (auto& g : u->groups())
-      for (auto& s : g->local_shards()) out.push_back(std::move(s));
+    for (auto& g : u->groups()) {
+      for (auto& s : g->local_shards()) {
+        if (g->requires_grad()) s.shard_index = shard_index;
+        out.push_back(std::move(s));
+      }
+      if (g->requires_grad()) ++shard_index;
+    }
   return out;
 }
 

@@ -269,6 +269,11 @@ std::vector<LocalShard> ParamGroup::local_shards() const {
   at::Tensor source = requires_grad_ ? main_weight_
                                      : (sharded_model() ? model_shard_ : unsharded_);
   const int64_t length = source.numel();
+  // The source is sharded over comm_ unless it is a full copy (no_shard main weights, frozen
+  // weights outside ZeRO-3); HSDP replicas hold the same shard again.
+  const bool full_copy = requires_grad_ ? !sharded_main() : !sharded_model();
+  const int outer = replicate_ ? replicate_->size() : 1;
+  const int outer_rank = replicate_ ? replicate_->rank() : 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries[i];
     int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, begin + length);
@@ -278,6 +283,9 @@ std::vector<LocalShard> ParamGroup::local_shards() const {
     ls.requires_grad = requires_grad_;
     ls.offset = hi > lo ? lo - e.offset : 0;
     ls.local = hi > lo ? source.narrow(0, lo - begin, hi - lo) : source.narrow(0, 0, 0);
+    ls.shard_offset = hi > lo ? lo - begin : 0;
+    ls.replicas = full_copy ? outer * comm_->size() : outer;
+    ls.replica = full_copy ? outer_rank * comm_->size() + comm_->rank() : outer_rank;
     out.push_back(ls);
   }
   return out;

@@ -121,6 +121,11 @@ void ShardOptimizer::step(double lr) {
   if (after_step_) after_step_();
 }
 
+void ShardOptimizer::set_steps(int64_t steps) {
+  if (steps < 0) throw std::invalid_argument(name_ + ".set_steps: steps must be >= 0, got " + std::to_string(steps));
+  steps_ = steps;
+}
+
 at::Device ShardOptimizer::norm_device() const {
   if (!shards_.empty()) return shards_.front().main_grad.device();
   return comm_->backend() == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);

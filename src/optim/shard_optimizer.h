@@ -41,6 +41,8 @@ class ShardOptimizer : public DistributedOptimizer {
   double clip_grad_norm(double max_norm) final;  // grad_clip.cpp
   void step(double lr) final;
   int64_t steps() const final { return steps_; }
+  void set_steps(int64_t steps) final;
+  std::string name() const final { return name_; }
 
  protected:
   // Validates every shard (all on one device) and `comm` (not null); `name` labels errors.

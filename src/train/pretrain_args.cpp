@@ -118,6 +118,19 @@ const std::vector<Flag>& flags() {
       STRING_FLAG("--sample-prompt", sample_prompt, "(mfsdp) print a sample continuing this text after training"),
       INT_FLAG("--sample-tokens", sample_tokens, "(mfsdp) tokens of that sample"),
       // Megatron-FSDP.
+      STRING_FLAG("--save", save, "checkpoint folder to save into (--ckpt-format fsdp_dtensor)"),
+      INT_FLAG("--save-interval", save_interval, "iterations between checkpoints (0: only at the end)"),
+      STRING_FLAG("--load", load, "checkpoint folder to resume from (its latest iteration)"),
+      BOOL_FLAG("--finetune", finetune, "with --load: weights only, iteration and optimizer start afresh"),
+      BOOL_FLAG("--no-load-optim", no_load_optim, "with --load: do not load the optimizer state"),
+      BOOL_FLAG("--no-load-rng", no_load_rng, "with --load: do not restore the random generators"),
+      BOOL_FLAG("--no-save-optim", no_save_optim, "save checkpoints without the optimizer state"),
+      INT_FLAG("--exit-interval", exit_interval, "stop (after saving with --save) at a multiple of this iteration"),
+      BOOL_FLAG("--override-opt_param-scheduler", override_opt_param_scheduler,
+                "with --load: use this run's LR schedule flags, not the checkpoint's"),
+      BOOL_FLAG("--use-checkpoint-opt_param-scheduler", use_checkpoint_opt_param_scheduler,
+                "with --load: use the checkpoint's LR schedule, not this run's flags"),
+
       BOOL_FLAG("--use-megatron-fsdp", use_megatron_fsdp, "shard with mfsdp (always on here)"),
       STRING_FLAG("--data-parallel-sharding-strategy", data_parallel_sharding_strategy,
                   "what is sharded", "no_shard", "optim", "optim_grads", "optim_grads_params"),
@@ -222,6 +235,21 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   const int64_t m = a.make_vocab_size_divisible_by;
   a.padded_vocab_size = (vocab + m - 1) / m * m;
   if (a.grad_reduce_in_bf16 && !a.bf16) bad("--grad-reduce-in-bf16", "needs --bf16");
+  if (a.save_interval < 0) bad("--save-interval", "must be >= 0");
+  if (a.save_interval > 0 && a.save.empty()) bad("--save-interval", "needs --save");
+  if (a.exit_interval < 0) bad("--exit-interval", "must be >= 0");
+  for (auto [set, flag] : {std::pair{a.finetune, "--finetune"}, {a.no_load_optim, "--no-load-optim"},
+                           {a.no_load_rng, "--no-load-rng"}})
+    if (set && a.load.empty()) bad(flag, "needs --load");
+  if (a.no_save_optim && a.save.empty()) bad("--no-save-optim", "needs --save");
+  if (a.override_opt_param_scheduler && a.use_checkpoint_opt_param_scheduler)
+    bad("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
+}
+
+std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args) {
+  std::map<std::string, std::string> out;
+  for (const Flag& f : flags()) out[f.name] = f.show(args);
+  return out;
 }
 
 std::string pretrain_usage() {

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -70,6 +71,18 @@ struct PretrainArgs {
   std::string sample_prompt;     // ours: print a generated sample after training
   int64_t sample_tokens = 64;
 
+  // Checkpoints (fsdp_dtensor).
+  std::string save;           // folder to save into
+  int64_t save_interval = 0;  // iterations between saves (0: only at the end)
+  std::string load;           // folder to resume from (its latest iteration)
+  bool finetune = false;      // --load reads model weights only; iteration restarts at 0
+  bool no_load_optim = false;
+  bool no_load_rng = false;
+  bool no_save_optim = false;
+  int64_t exit_interval = 0;  // stop (after saving) once the iteration is a multiple of this
+  bool override_opt_param_scheduler = false;        // resume with this run's LR schedule
+  bool use_checkpoint_opt_param_scheduler = false;  // resume with the checkpoint's LR schedule
+
   // Megatron-FSDP.
   bool use_megatron_fsdp = false;
   std::string data_parallel_sharding_strategy = "optim_grads_params";
@@ -94,6 +107,9 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv);
 // Checks what needs the data-parallel size and the tokenizer's vocabulary, and derives
 // num_micro_batches, ffn size and padded vocab size. Throws naming the flag(s).
 void validate_pretrain_args(PretrainArgs& args, int data_parallel_size, int64_t tokenizer_vocab);
+
+// Every flag's value as --help shows it ({"--lr": "0.0001", ...}), recorded in checkpoints.
+std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args);
 
 // "--flag VALUE  help (default: x)" for every flag, for --help and docs.
 std::string pretrain_usage();

@@ -14,6 +14,7 @@
 #include "mfsdp/optim.h"
 #include "mfsdp/tokenizer.h"
 #include "train/metrics.h"
+#include "train/trainer_checkpoint.h"
 
 namespace mfsdp {
 namespace {
@@ -163,6 +164,13 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   schedule.warmup_steps = a.lr_warmup_iters;
   schedule.decay_steps = a.lr_decay_iters;
   schedule.style = a.lr_decay_style;
+  const LlamaConfig config = model->config();
+  ResumePoint resume;
+  if (!a.load.empty())
+    resume = load_training_checkpoint(a, config, comm, root, *optimizer, schedule, log);
+  auto save = [&](int64_t iteration) {
+    save_training_checkpoint(a, config, comm, root, *optimizer, schedule, iteration, log);
+  };
 
   MetricsWriter metrics(print ? a.metrics_file : "");
   std::vector<IterationRecord> history;
@@ -228,7 +236,12 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   auto window_start = start;
   double window_loss = 0;
   int64_t window_iters = 0;
-  for (int64_t it = 1; it <= a.train_iters; ++it) {
+  int64_t last_saved = resume.iteration;
+  int64_t it = resume.iteration + 1;
+  if (it > a.train_iters && print)
+    log << " checkpoint iteration " << resume.iteration << " reaches --train-iters " << a.train_iters
+        << ": nothing to train\n";
+  for (; it <= a.train_iters; ++it) {
     double step_loss = 0;
     for (int64_t m = 0; m < a.num_micro_batches; ++m) {
       root.set_requires_gradient_sync(m == a.num_micro_batches - 1);
@@ -273,7 +286,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
                       (long long)it, (long long)a.train_iters, (long long)r.consumed_samples,
                       iter_s * 1e3, lr, (long long)gbs, loss, norm, r.tokens_per_sec,
                       r.tflops_per_rank, r.mem_bytes / 1048576.0,
-                      hms(elapsed / it * (a.train_iters - it)).c_str());
+                      hms(elapsed / (it - resume.iteration) * (a.train_iters - it)).c_str());
         log << line << "\n";
         log.flush();
       }
@@ -282,9 +295,21 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
       window_start = Clock::now();
     }
     if (it % a.eval_interval == 0 && it != a.train_iters) evaluate(it);
+    if (!a.save.empty() && a.save_interval > 0 && it % a.save_interval == 0) {
+      save(it);
+      last_saved = it;
+    }
+    if (a.exit_interval > 0 && it % a.exit_interval == 0 && it != a.train_iters) {
+      if (!a.save.empty() && last_saved != it) save(it);
+      if (print) log << " exiting at iteration " << it << " (--exit-interval " << a.exit_interval << ")\n";
+      result.iterations = it;
+      return result;
+    }
   }
-  result.iterations = a.train_iters;
-  result.final_eval_loss = evaluate(a.train_iters);
+  const int64_t last = std::max(a.train_iters, resume.iteration);
+  if (!a.save.empty() && last_saved != last) save(last);
+  result.iterations = last;
+  result.final_eval_loss = evaluate(last);
   if (print && !a.metrics_file.empty()) {
     // metrics.jsonl -> metrics.svg (next to the metrics file).
     std::string svg = a.metrics_file;

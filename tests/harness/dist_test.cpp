@@ -16,6 +16,7 @@ namespace {
 
 constexpr const char* kRankFlag = "MFSDP_TEST_RANK_PROCESS";
 constexpr const char* kSharedDir = "MFSDP_TEST_SHARED_DIR";
+constexpr const char* kPhase = "MFSDP_TEST_PHASE";
 
 std::string self_executable() {
   return std::filesystem::read_symlink("/proc/self/exe").string();
@@ -37,10 +38,12 @@ void run_as_rank(const DistOptions& options, const std::function<void(Communicat
 void run_world(const DistOptions& options, int world) {
   const std::string test = current_test_name();
   const int port = launch::pick_free_port();
+  const bool own_dir = options.shared_dir.empty();
   const std::string dir =
-      (std::filesystem::temp_directory_path() / ("mfsdp-test-" + std::to_string(getpid()) + "-" +
-                                                 std::to_string(port)))
-          .string();
+      own_dir ? (std::filesystem::temp_directory_path() / ("mfsdp-test-" + std::to_string(getpid()) + "-" +
+                                                           std::to_string(port)))
+                    .string()
+              : options.shared_dir;
   std::filesystem::create_directories(dir);
 
   std::vector<launch::RankProcessSpec> specs;
@@ -51,6 +54,7 @@ void run_world(const DistOptions& options, int world) {
     spec.env = launch::rank_environment(0, 1, world, r, "127.0.0.1", port);
     spec.env[kRankFlag] = "1";
     spec.env[kSharedDir] = dir;
+    spec.env[kPhase] = options.phase;
     spec.env["OMP_NUM_THREADS"] = "1";
     specs.push_back(std::move(spec));
   }
@@ -62,7 +66,7 @@ void run_world(const DistOptions& options, int world) {
     output[rank].push_back(line);
   };
   launch::SuperviseResult result = launch::run_rank_processes(specs, supervise);
-  std::filesystem::remove_all(dir);
+  if (own_dir) std::filesystem::remove_all(dir);
   if (result.ok()) return;
 
   std::ostringstream report;
@@ -88,7 +92,8 @@ std::string shared_temp_dir() {
 
 void run_distributed(const DistOptions& options, const std::function<void(Communicator&)>& body) {
   if (is_rank_process()) {
-    run_as_rank(options, body);
+    const char* phase = std::getenv(kPhase);
+    if (options.phase == (phase != nullptr ? phase : "")) run_as_rank(options, body);
     return;
   }
   for (int world : options.world_sizes) {

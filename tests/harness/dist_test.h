@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "mfsdp/comm.h"
@@ -29,6 +30,12 @@ struct DistOptions {
   std::chrono::milliseconds comm_timeout{60000};
   // Whole-run limit per world size, enforced by the parent.
   std::chrono::milliseconds deadline{240000};
+  // Several run_distributed calls in one test (e.g. save with 3 ranks, then load with 2): give
+  // each a distinct phase; a rank process runs only the call whose phase it was started for.
+  std::string phase;
+  // A directory the parent keeps across calls (created if missing, not removed); empty: a
+  // fresh one per world size, removed after. Ranks see it as shared_temp_dir().
+  std::string shared_dir;
 };
 
 // True in a rank process started by the harness.

@@ -1,0 +1,135 @@
+// Sharded checkpoints in the fsdp_dtensor format (DESIGN.md section 6; byte-level description
+// in docs/checkpoints.md).
+//
+//   SAVE/latest_checkpointed_iteration.txt      "100"
+//   SAVE/iter_0000100/metadata.json             format, version, progress, args, and for every
+//                                               tensor its global shape, dtype and chunks
+//   SAVE/iter_0000100/rank_00000.safetensors    this rank's chunks: 1-D element ranges of the
+//   SAVE/iter_0000100/rank_00001.safetensors    flattened global tensors, named "<tensor>@<offset>"
+//
+// Tensors: "model.<fqn>" (main weights, or model weights for frozen parameters),
+// "optimizer.state.<fqn>.<key>" (exp_avg, exp_avg_sq / momentum_buffer) and
+// "rng_state.rank<r>.cpu" (that rank's generator state). Each rank writes only what it holds,
+// each element once (replicas split the writing); loading reads, on every rank, just the element
+// ranges it owns now, so a checkpoint loads at another world size or with another strategy.
+//
+//   mfsdp::CheckpointInfo info{iteration, consumed_samples, args_json, config_json, sched_json};
+//   mfsdp::save_checkpoint("ckpt", world, root, optimizer.get(), info);
+//   mfsdp::LoadedCheckpoint got = mfsdp::load_checkpoint("ckpt", world, root, optimizer.get());
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mfsdp/comm.h"
+#include "mfsdp/fully_shard.h"
+#include "mfsdp/optim.h"
+#include "mfsdp/safetensors.h"
+
+namespace mfsdp {
+
+// The format this build writes; it reads this and older versions.
+constexpr int kCheckpointFormatVersion = 1;
+constexpr const char* kCheckpointFormatName = "mfsdp.fsdp_dtensor";
+
+// What a checkpoint records besides tensors. The JSON fields are stored as given.
+struct CheckpointInfo {
+  int64_t iteration = 0;
+  int64_t consumed_samples = 0;
+  nlohmann::json args = nlohmann::json::object();          // the run's arguments
+  nlohmann::json model_config = nlohmann::json::object();  // e.g. the LlamaConfig fields
+  nlohmann::json scheduler = nlohmann::json::object();     // LR schedule fields
+};
+
+// Saves SAVE/iter_<iteration>/ and then points latest_checkpointed_iteration.txt at it.
+// Collective over `world` (every rank of the job; the model's communicators are subgroups of
+// it). Atomic: written under SAVE/iter_<iteration>.tmp, renamed when every rank's shard file is
+// on disk, `latest` rewritten last, so a crash leaves the previous checkpoint as latest. A
+// failure on any rank throws on every rank (naming the rank and file) and commits nothing.
+// `optimizer` may be null (model only). Replaces an existing checkpoint of the same iteration.
+void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
+                     const FsdpHandle& model, const DistributedOptimizer* optimizer,
+                     const CheckpointInfo& info);
+
+struct CheckpointLoadOptions {
+  std::optional<int64_t> iteration;  // unset: latest_checkpointed_iteration.txt
+  bool load_optimizer = true;        // optimizer state and step (error if the checkpoint has none)
+  bool load_rng = true;              // this rank's generator state (skipped when the world size
+                                     // differs: reported in LoadedCheckpoint::rng_loaded)
+  // Strict: every model tensor must be in the checkpoint and every "model." tensor of the
+  // checkpoint in the model. Not strict: missing tensors keep their values and are listed.
+  bool strict = true;
+};
+
+struct LoadedCheckpoint {
+  std::string path;  // the iter_NNNNNNN folder
+  int64_t iteration = 0;
+  int64_t consumed_samples = 0;
+  nlohmann::json metadata;  // the whole metadata.json
+  bool optimizer_loaded = false;
+  bool rng_loaded = false;
+  std::vector<std::string> missing;     // model tensors not in the checkpoint (not strict)
+  std::vector<std::string> unexpected;  // checkpoint model tensors not in the model (not strict)
+};
+
+// The iteration latest_checkpointed_iteration.txt names, or nullopt when `dir` has no such file
+// (nothing saved yet). Throws naming the file when its content is not an iteration number or
+// its folder is missing.
+std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
+// "<dir>/iter_0000100".
+std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration);
+
+// Loads into `model` (and `optimizer` unless null or options.load_optimizer is false), resharding
+// to the current layout. Every rank stages what it reads and checks it; only when every rank
+// succeeded is anything copied in, so an error (naming the file and tensor) leaves the model and
+// optimizer unchanged on every rank. Collective over `world`.
+LoadedCheckpoint load_checkpoint(const std::string& load_dir,
+                                 const std::shared_ptr<Communicator>& world, FsdpHandle& model,
+                                 DistributedOptimizer* optimizer,
+                                 const CheckpointLoadOptions& options = {});
+
+// Whole-tensor access to a checkpoint from one process (mfsdp-ckpt, tests).
+class CheckpointReader {
+ public:
+  // `path`: a SAVE folder (its latest iteration) or an iter_NNNNNNN folder. Validates the
+  // metadata (format, version, chunk lists that tile every tensor); a shard file's header is
+  // validated against the metadata when the file is first read. Errors are
+  // std::invalid_argument naming the file and, where one is at fault, the tensor.
+  explicit CheckpointReader(const std::string& path);
+
+  const std::string& dir() const { return dir_; }  // the iter_NNNNNNN folder
+  const nlohmann::json& metadata() const { return metadata_; }
+  std::vector<std::string> tensor_names() const;  // sorted
+  bool contains(const std::string& name) const;
+  std::vector<int64_t> shape(const std::string& name) const;
+  at::ScalarType dtype(const std::string& name) const;
+  // The whole tensor (assembled from its chunks), on CPU.
+  at::Tensor read(const std::string& name) const;
+  // Elements [offset, offset + dst.numel()) of the flattened tensor into the 1-D `dst`
+  // (converted to dst's dtype and device).
+  void read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const;
+
+ private:
+  const SafetensorsFile& file(int index) const;  // opened and checked on first use
+  const nlohmann::json& entry(const std::string& name) const;
+
+  std::string dir_;
+  nlohmann::json metadata_;
+  std::vector<std::string> files_;
+  mutable std::map<int, SafetensorsFile> open_files_;
+};
+
+// Writes a complete checkpoint from whole tensors in one process (converters, HF import):
+// "model.<name>" for every entry of `model_tensors`, no optimizer state or RNG, as one shard file.
+// Atomic like save_checkpoint.
+void write_checkpoint(const std::string& save_dir, const std::map<std::string, at::Tensor>& model_tensors,
+                      const CheckpointInfo& info);
+
+}  // namespace mfsdp

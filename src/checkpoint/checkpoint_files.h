@@ -1,0 +1,45 @@
+// Internal to src/checkpoint: the on-disk pieces of the fsdp_dtensor format that saving,
+// loading and the reader share (names, the metadata's chunk records, atomic commit).
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace mfsdp::checkpoint {
+
+constexpr const char* kLatestFile = "latest_checkpointed_iteration.txt";
+constexpr const char* kMetadataFile = "metadata.json";
+
+std::string rank_file_name(int rank);                                  // "rank_00003.safetensors"
+std::string chunk_key(const std::string& tensor, int64_t offset);      // "model.w@128"
+std::string rng_tensor_name(int rank, const std::string& generator);   // "rng_state.rank3.cpu"
+
+// One chunk as a rank reports it after writing its file; rank 0 merges them into metadata.json.
+struct ChunkRecord {
+  std::string tensor;
+  std::string dtype;            // safetensors name, "F32"
+  std::vector<int64_t> shape;   // global shape
+  int64_t offset = 0;           // first element (of the flattened tensor)
+  int64_t numel = 0;            // 0: the rank only declares the tensor (it holds none of it)
+  uint64_t byte_begin = 0, byte_end = 0;  // in its file
+};
+nlohmann::json to_json(const ChunkRecord& c);
+ChunkRecord chunk_from_json(const nlohmann::json& j);
+
+// The "tensors" object of metadata.json from every rank's records (records[r]: rank r's file).
+// Throws std::logic_error if ranks disagree on a tensor's dtype or shape or the chunks do not
+// tile a tensor exactly (a bug in the writer, never bad input).
+nlohmann::json merge_chunk_records(const std::vector<std::vector<ChunkRecord>>& records);
+
+// Writes `text` to `path` via a temporary file, fsync and rename. Throws std::runtime_error.
+void write_file_atomically(const std::string& path, const std::string& text);
+
+// Rank 0's commit: `tmp_dir` (complete, with metadata.json) becomes `final_dir` (an existing one
+// is replaced), then `save_dir`/latest_checkpointed_iteration.txt names `iteration`. Honors the
+// test hook MFSDP_TEST_CHECKPOINT_CRASH=before_commit (exit before the rename).
+void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
+                       const std::string& final_dir, int64_t iteration);
+
+}  // namespace mfsdp::checkpoint

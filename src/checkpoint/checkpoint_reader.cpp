@@ -1,0 +1,182 @@
+// CheckpointReader: metadata.json validation and element-range reads across shard files.
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+#include "checkpoint/checkpoint_files.h"
+#include "mfsdp/checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace mfsdp {
+namespace {
+
+[[noreturn]] void bad(const std::string& file, const std::string& what) {
+  throw std::invalid_argument("checkpoint file '" + file + "': " + what);
+}
+
+std::string resolve_iteration_dir(const std::string& path) {
+  if (fs::exists(path + "/" + checkpoint::kMetadataFile)) return path;
+  if (auto it = latest_checkpoint_iteration(path)) return checkpoint_iteration_dir(path, *it);
+  throw std::invalid_argument("checkpoint: '" + path + "' is not a checkpoint (no " + checkpoint::kMetadataFile +
+                              " and no " + checkpoint::kLatestFile + ")");
+}
+
+nlohmann::json read_json(const std::string& file) {
+  std::ifstream in(file);
+  if (!in) bad(file, "cannot be read");
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    bad(file, std::string("is not valid JSON: ") + e.what());
+  }
+}
+
+// Checks one tensor's entry: dtype, shape, and chunks that tile its elements in order.
+void check_tensor_entry(const std::string& file, const std::string& name, const nlohmann::json& t,
+                        size_t num_files) {
+  auto fail = [&](const std::string& what) { bad(file, "tensor '" + name + "': " + what); };
+  if (!t.is_object() || !t.contains("dtype") || !t.contains("shape") || !t.contains("chunks"))
+    fail("needs dtype, shape and chunks");
+  if (!t["dtype"].is_string()) fail("dtype is not a string");
+  at::ScalarType dtype;
+  try {
+    dtype = safetensors_dtype_from_name(t["dtype"].get<std::string>());
+  } catch (const std::invalid_argument& e) {
+    fail(e.what());
+  }
+  if (!t["shape"].is_array()) fail("shape is not an array");
+  int64_t numel = 1;
+  for (const auto& s : t["shape"]) {
+    if (!s.is_number_integer() || s.get<int64_t>() < 0) fail("shape has a negative or non-integer size");
+    numel *= s.get<int64_t>();
+  }
+  if (!t["chunks"].is_array()) fail("chunks is not an array");
+  const uint64_t item = c10::elementSize(dtype);
+  int64_t next = 0;
+  for (const auto& c : t["chunks"]) {
+    const bool ok = c.is_object() && c.contains("file") && c["file"].is_number_unsigned() &&
+                    c.contains("key") && c["key"].is_string() && c.contains("offset") &&
+                    c["offset"].is_number_integer() && c.contains("numel") && c["numel"].is_number_integer() &&
+                    c.contains("bytes") && c["bytes"].is_array() && c["bytes"].size() == 2 &&
+                    c["bytes"][0].is_number_unsigned() && c["bytes"][1].is_number_unsigned();
+    if (!ok) fail("a chunk needs file, key, offset, numel and bytes [begin, end]");
+    if (c["file"].get<size_t>() >= num_files)
+      fail("a chunk names file " + std::to_string(c["file"].get<size_t>()) + " of " + std::to_string(num_files));
+    const int64_t offset = c["offset"].get<int64_t>(), n = c["numel"].get<int64_t>();
+    if (offset != next || n <= 0)
+      fail("chunks do not tile the tensor (chunk at element " + std::to_string(offset) + " of " +
+           std::to_string(n) + " elements, expected one at " + std::to_string(next) + ")");
+    if (c["bytes"][1].get<uint64_t>() - c["bytes"][0].get<uint64_t>() != static_cast<uint64_t>(n) * item ||
+        c["bytes"][1].get<uint64_t>() < c["bytes"][0].get<uint64_t>())
+      fail("chunk at element " + std::to_string(offset) + " has a byte range that does not match its size");
+    next += n;
+  }
+  if (next != numel)
+    fail("chunks cover " + std::to_string(next) + " of its " + std::to_string(numel) + " elements");
+}
+
+}  // namespace
+
+CheckpointReader::CheckpointReader(const std::string& path) : dir_(resolve_iteration_dir(path)) {
+  const std::string file = dir_ + "/" + checkpoint::kMetadataFile;
+  metadata_ = read_json(file);
+  if (!metadata_.is_object() || metadata_.value("format", "") != kCheckpointFormatName)
+    bad(file, std::string("is not an mfsdp checkpoint (\"format\" should be \"") + kCheckpointFormatName + "\")");
+  if (!metadata_.contains("version") || !metadata_["version"].is_number_integer())
+    bad(file, "has no integer \"version\"");
+  const int64_t version = metadata_["version"].get<int64_t>();
+  if (version > kCheckpointFormatVersion)
+    bad(file, "was written in format version " + std::to_string(version) + ", newer than this build reads (" +
+                  std::to_string(kCheckpointFormatVersion) + "); update mfsdp");
+  if (version < 1) bad(file, "has an invalid format version " + std::to_string(version));
+  for (const char* key : {"iteration", "consumed_samples"})
+    if (!metadata_.contains(key) || !metadata_[key].is_number_integer() || metadata_[key].get<int64_t>() < 0)
+      bad(file, std::string("needs a non-negative integer \"") + key + "\"");
+  if (!metadata_.contains("files") || !metadata_["files"].is_array()) bad(file, "has no \"files\" array");
+  for (const auto& f : metadata_["files"]) {
+    if (!f.is_string() || f.get<std::string>().empty() || f.get<std::string>().find('/') != std::string::npos)
+      bad(file, "\"files\" must hold plain file names");
+    files_.push_back(f.get<std::string>());
+  }
+  if (!metadata_.contains("tensors") || !metadata_["tensors"].is_object()) bad(file, "has no \"tensors\" object");
+  for (const auto& [name, t] : metadata_["tensors"].items()) check_tensor_entry(file, name, t, files_.size());
+}
+
+std::vector<std::string> CheckpointReader::tensor_names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : metadata_["tensors"].items()) out.push_back(name);
+  return out;  // nlohmann::json objects iterate in sorted key order
+}
+
+bool CheckpointReader::contains(const std::string& name) const { return metadata_["tensors"].contains(name); }
+
+const nlohmann::json& CheckpointReader::entry(const std::string& name) const {
+  if (!contains(name))
+    throw std::invalid_argument("checkpoint '" + dir_ + "': no tensor '" + name + "'");
+  return metadata_["tensors"][name];
+}
+
+std::vector<int64_t> CheckpointReader::shape(const std::string& name) const {
+  return entry(name)["shape"].get<std::vector<int64_t>>();
+}
+
+at::ScalarType CheckpointReader::dtype(const std::string& name) const {
+  return safetensors_dtype_from_name(entry(name)["dtype"].get<std::string>());
+}
+
+const SafetensorsFile& CheckpointReader::file(int index) const {
+  auto it = open_files_.find(index);
+  if (it != open_files_.end()) return it->second;
+  const std::string path = dir_ + "/" + files_.at(static_cast<size_t>(index));
+  if (!fs::exists(path)) bad(path, "is missing (listed in " + std::string(checkpoint::kMetadataFile) + ")");
+  SafetensorsFile f(path);  // validates the header itself
+  // Every chunk metadata.json places in this file must be there, as described.
+  for (const auto& [name, t] : metadata_["tensors"].items()) {
+    const at::ScalarType dtype = safetensors_dtype_from_name(t["dtype"].get<std::string>());
+    for (const auto& c : t["chunks"]) {
+      if (c["file"].get<int>() != index) continue;
+      const std::string key = c["key"].get<std::string>();
+      if (!f.contains(key)) bad(path, "tensor '" + name + "': chunk '" + key + "' is missing");
+      const int64_t n = c["numel"].get<int64_t>();
+      if (f.dtype(key) != dtype || f.shape(key) != std::vector<int64_t>{n})
+        bad(path, "tensor '" + name + "': chunk '" + key + "' has another dtype or size than " +
+                      checkpoint::kMetadataFile + " says");
+      const auto range = f.file_byte_range(key);
+      if (range.first != c["bytes"][0].get<uint64_t>() || range.second != c["bytes"][1].get<uint64_t>())
+        bad(path, "tensor '" + name + "': chunk '" + key + "' is at other bytes than " +
+                      checkpoint::kMetadataFile + " says");
+    }
+  }
+  return open_files_.emplace(index, std::move(f)).first->second;
+}
+
+void CheckpointReader::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
+  const nlohmann::json& t = entry(name);
+  int64_t numel = 1;
+  for (const auto& s : t["shape"]) numel *= s.get<int64_t>();
+  const int64_t count = dst.numel();
+  if (dst.dim() != 1 || offset < 0 || offset + count > numel)
+    throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "': cannot read elements [" +
+                                std::to_string(offset) + ", " + std::to_string(offset + count) + ") of " +
+                                std::to_string(numel));
+  at::NoGradGuard no_grad;
+  for (const auto& c : t["chunks"]) {
+    const int64_t begin = c["offset"].get<int64_t>(), end = begin + c["numel"].get<int64_t>();
+    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + count);
+    if (hi <= lo) continue;
+    at::Tensor part = file(c["file"].get<int>()).load_elements(c["key"].get<std::string>(), lo - begin, hi - lo);
+    dst.narrow(0, lo - offset, hi - lo).copy_(part);
+  }
+}
+
+at::Tensor CheckpointReader::read(const std::string& name) const {
+  at::Tensor out = at::empty(shape(name), at::TensorOptions().dtype(dtype(name)));
+  read_range(name, 0, out.view({-1}));
+  return out;
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,365 @@
+// save_checkpoint / load_checkpoint / write_checkpoint: every rank writes the element ranges it
+// holds and reads the ones it owns now (include/mfsdp/checkpoint.h).
+#include <ATen/ATen.h>
+#include <ATen/core/Generator.h>
+
+#include <filesystem>
+#include <set>
+#include <stdexcept>
+
+#include "checkpoint/checkpoint_files.h"
+#include "mfsdp/checkpoint.h"
+
+namespace fs = std::filesystem;
+
+namespace mfsdp {
+namespace {
+
+using checkpoint::ChunkRecord;
+
+// Every rank's string, in rank order. Collective; carries chunk lists and errors.
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {
+  const at::Device device = comm.backend() == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor lengths = at::empty({comm.size()}, longs);
+  comm.all_gather(lengths, at::full({1}, static_cast<int64_t>(text.size()), longs));
+  at::Tensor lengths_cpu = lengths.cpu();
+  std::vector<int64_t> counts(lengths_cpu.data_ptr<int64_t>(), lengths_cpu.data_ptr<int64_t>() + comm.size());
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  at::Tensor mine = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  if (!text.empty()) std::memcpy(mine.data_ptr(), text.data(), text.size());
+  at::Tensor all = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
+  comm.all_gather(all, mine.to(device), {counts});
+  at::Tensor all_cpu = all.cpu();
+  std::vector<std::string> out;
+  const char* p = reinterpret_cast<const char*>(all_cpu.data_ptr());
+  for (int64_t c : counts) {
+    out.emplace_back(p, static_cast<size_t>(c));
+    p += c;
+  }
+  return out;
+}
+
+// Throws on every rank if any rank reported an error (an empty string is success).
+void raise_first_error(const std::vector<std::string>& errors, int my_rank, const std::string& what) {
+  if (!errors[static_cast<size_t>(my_rank)].empty()) throw std::runtime_error(errors[static_cast<size_t>(my_rank)]);
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty()) throw std::runtime_error(what + " failed on rank " + std::to_string(r) + ": " + errors[r]);
+}
+
+// Runs `fn`, returning its error message (empty on success), so ranks can agree before acting.
+template <class Fn>
+std::string capture_error(Fn&& fn) {
+  try {
+    fn();
+    return "";
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+}
+
+std::string model_key(const std::string& fqn) { return "model." + fqn; }
+std::string optimizer_key(const std::string& fqn, const std::string& state) {
+  return "optimizer.state." + fqn + "." + state;
+}
+
+// This rank's share of a slice held by `replicas` ranks: an even split, so each element is
+// written by exactly one of them.
+std::pair<int64_t, int64_t> replica_share(int64_t numel, int replicas, int replica) {
+  const int64_t begin = numel * replica / replicas, end = numel * (replica + 1) / replicas;
+  return {begin, end - begin};
+}
+
+// A tensor's piece this rank writes: the elements [offset, offset + data.numel()) of `tensor`.
+struct Piece {
+  std::string tensor;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+  at::Tensor data;  // 1-D
+};
+
+std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer, int world_rank) {
+  std::vector<std::pair<std::string, std::vector<at::Tensor>>> state;
+  if (optimizer != nullptr) state = optimizer->state();
+  std::vector<Piece> out;
+  for (const LocalShard& s : model.local_shards()) {
+    auto [begin, count] = replica_share(s.local.numel(), s.replicas, s.replica);
+    auto add = [&](const std::string& tensor, const at::Tensor& flat) {
+      out.push_back({tensor, s.global_shape, s.offset + begin, flat.narrow(0, begin, count)});
+    };
+    add(model_key(s.name), s.local);
+    if (s.shard_index < 0) continue;
+    for (const auto& [key, tensors] : state)
+      add(optimizer_key(s.name, key),
+          tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()));
+  }
+  // Generator states: this rank's own, as U8 tensors.
+  auto add_generator = [&](const std::string& label, const at::Generator& gen) {
+    at::Tensor st = gen.get_state();
+    out.push_back({checkpoint::rng_tensor_name(world_rank, label), {st.numel()}, 0, st.view({-1})});
+  };
+  add_generator("cpu", at::detail::getDefaultCPUGenerator());
+  for (const LocalShard& s : model.local_shards())
+    if (s.local.is_cuda()) {
+      add_generator("cuda", at::globalContext().defaultGenerator(s.local.device()));
+      break;
+    }
+  return out;
+}
+
+// Writes `pieces` as `file` and returns their chunk records (byte ranges from the written header).
+std::vector<ChunkRecord> write_pieces(const std::string& file, const std::vector<Piece>& pieces) {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const Piece& p : pieces)
+    if (p.data.numel() > 0) tensors.emplace_back(checkpoint::chunk_key(p.tensor, p.offset), p.data);
+  write_safetensors(file, tensors, {{"format", "mfsdp.fsdp_dtensor.shard"}});
+  SafetensorsFile written(file);
+  std::vector<ChunkRecord> records;
+  for (const Piece& p : pieces) {
+    ChunkRecord c;
+    c.tensor = p.tensor;
+    c.dtype = safetensors_dtype_name(p.data.scalar_type());
+    c.shape = p.shape;
+    c.offset = p.offset;
+    c.numel = p.data.numel();
+    if (c.numel > 0) std::tie(c.byte_begin, c.byte_end) = written.file_byte_range(checkpoint::chunk_key(p.tensor, p.offset));
+    records.push_back(c);
+  }
+  return records;
+}
+
+nlohmann::json records_to_json(const std::vector<ChunkRecord>& records) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& r : records) out.push_back(checkpoint::to_json(r));
+  return out;
+}
+
+nlohmann::json base_metadata(const CheckpointInfo& info, int world_size) {
+  return {{"format", kCheckpointFormatName},
+          {"version", kCheckpointFormatVersion},
+          {"iteration", info.iteration},
+          {"consumed_samples", info.consumed_samples},
+          {"world_size", world_size},
+          {"args", info.args},
+          {"model_config", info.model_config},
+          {"scheduler", info.scheduler},
+          {"optimizer", nullptr}};
+}
+
+// Rank 0's preparation of SAVE/iter_N.tmp (a leftover from a crashed save is discarded).
+std::string prepare_tmp_dir(const std::string& save_dir, int64_t iteration) {
+  const std::string tmp = checkpoint_iteration_dir(save_dir, iteration) + ".tmp";
+  fs::create_directories(save_dir);
+  fs::remove_all(tmp);
+  fs::create_directory(tmp);
+  return tmp;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
+                     const FsdpHandle& model, const DistributedOptimizer* optimizer, const CheckpointInfo& info) {
+  if (!world) throw std::invalid_argument("save_checkpoint: the communicator is null");
+  if (info.iteration < 0) throw std::invalid_argument("save_checkpoint: negative iteration");
+  at::NoGradGuard no_grad;
+  const int rank = world->rank(), size = world->size();
+  const std::string tmp = checkpoint_iteration_dir(save_dir, info.iteration) + ".tmp";
+  std::string error;
+  if (rank == 0) error = capture_error([&] { prepare_tmp_dir(save_dir, info.iteration); });
+  raise_first_error(all_gather_strings(*world, error), rank, "save_checkpoint: creating '" + tmp + "'");
+
+  // Every rank: its own file. The outcome travels with the chunk list.
+  nlohmann::json report;
+  error = capture_error([&] {
+    const std::string file = tmp + "/" + checkpoint::rank_file_name(rank);
+    report = {{"chunks", records_to_json(write_pieces(file, pieces_to_save(model, optimizer, rank)))}};
+  });
+  if (!error.empty()) report = {{"error", error}};
+  std::vector<std::string> reports = all_gather_strings(*world, report.dump());
+  std::vector<std::string> errors;
+  for (const auto& r : reports) errors.push_back(nlohmann::json::parse(r).value("error", ""));
+  raise_first_error(errors, rank, "save_checkpoint: writing shard files");
+
+  error.clear();
+  if (rank == 0) {
+    error = capture_error([&] {
+      std::vector<std::vector<ChunkRecord>> records;
+      nlohmann::json meta = base_metadata(info, size);
+      for (int r = 0; r < size; ++r) {
+        meta["files"].push_back(checkpoint::rank_file_name(r));
+        records.emplace_back();
+        const nlohmann::json report_r = nlohmann::json::parse(reports[static_cast<size_t>(r)]);
+        for (const auto& c : report_r.at("chunks")) records.back().push_back(checkpoint::chunk_from_json(c));
+      }
+      if (optimizer != nullptr) {
+        nlohmann::json keys = nlohmann::json::array();
+        for (const auto& [key, tensors] : optimizer->state()) keys.push_back(key);
+        meta["optimizer"] = {{"name", optimizer->name()}, {"step", optimizer->steps()}, {"state", keys}};
+      }
+      meta["tensors"] = checkpoint::merge_chunk_records(records);
+      checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, meta.dump(1));
+      checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration),
+                                    info.iteration);
+    });
+  }
+  raise_first_error(all_gather_strings(*world, error), rank, "save_checkpoint: committing '" + tmp + "'");
+}
+
+void write_checkpoint(const std::string& save_dir, const std::map<std::string, at::Tensor>& model_tensors,
+                      const CheckpointInfo& info) {
+  const std::string tmp = prepare_tmp_dir(save_dir, info.iteration);
+  std::vector<Piece> pieces;
+  for (const auto& [name, t] : model_tensors)
+    pieces.push_back({model_key(name), t.sizes().vec(), 0, t.detach().reshape({-1})});
+  auto records = write_pieces(tmp + "/" + checkpoint::rank_file_name(0), pieces);
+  nlohmann::json meta = base_metadata(info, 1);
+  meta["files"] = {checkpoint::rank_file_name(0)};
+  meta["tensors"] = checkpoint::merge_chunk_records({records});
+  checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, meta.dump(1));
+  checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration), info.iteration);
+}
+
+namespace {
+
+// What one rank reads before anything is changed.
+struct Staged {
+  std::vector<std::pair<at::Tensor, at::Tensor>> copies;  // (destination view, staged values)
+  std::vector<std::pair<at::Generator, at::Tensor>> generators;
+  std::optional<int64_t> optimizer_steps;
+};
+
+void check_shape(const CheckpointReader& reader, const std::string& tensor, const std::vector<int64_t>& expected) {
+  const auto saved = reader.shape(tensor);
+  if (saved != expected)
+    throw std::invalid_argument("checkpoint '" + reader.dir() + "': tensor '" + tensor + "' has shape " +
+                                c10::str(at::IntArrayRef(saved)) + ", the model expects " +
+                                c10::str(at::IntArrayRef(expected)));
+}
+
+void stage(const CheckpointReader& reader, const std::string& tensor, int64_t offset, const at::Tensor& dst,
+           Staged& staged) {
+  at::Tensor values = at::empty({dst.numel()}, dst.options());
+  if (dst.numel() > 0) reader.read_range(tensor, offset, values);
+  staged.copies.emplace_back(dst, values);
+}
+
+Staged stage_checkpoint(const CheckpointReader& reader, const FsdpHandle& model, DistributedOptimizer* optimizer,
+                        const CheckpointLoadOptions& options, int world_rank, int world_size,
+                        LoadedCheckpoint& result) {
+  Staged staged;
+  const nlohmann::json& meta = reader.metadata();
+  const std::vector<LocalShard> shards = model.local_shards();
+  std::set<std::string> model_tensors;
+  for (const LocalShard& s : shards) model_tensors.insert(model_key(s.name));
+  for (const std::string& name : reader.tensor_names())
+    if (name.rfind("model.", 0) == 0 && !model_tensors.count(name)) result.unexpected.push_back(name);
+  for (const std::string& name : model_tensors)
+    if (!reader.contains(name)) result.missing.push_back(name);
+  if (options.strict && !result.missing.empty())
+    throw std::invalid_argument("checkpoint '" + reader.dir() + "' has no tensor '" + result.missing.front() + "'" +
+                                (result.missing.size() > 1 ? " (and " + std::to_string(result.missing.size() - 1) +
+                                                                 " more model tensors)" : ""));
+  if (options.strict && !result.unexpected.empty())
+    throw std::invalid_argument("checkpoint '" + reader.dir() + "' has tensor '" + result.unexpected.front() +
+                                "', which the model does not have" +
+                                (result.unexpected.size() > 1 ? " (and " + std::to_string(result.unexpected.size() - 1) +
+                                                                    " more)" : ""));
+
+  const bool load_optimizer = options.load_optimizer && optimizer != nullptr;
+  std::vector<std::pair<std::string, std::vector<at::Tensor>>> state;
+  if (load_optimizer) {
+    const nlohmann::json& o = meta.contains("optimizer") ? meta["optimizer"] : nlohmann::json();
+    if (!o.is_object())
+      throw std::invalid_argument("checkpoint '" + reader.dir() +
+                                  "' holds no optimizer state (e.g. an imported model): load the weights only "
+                                  "(--finetune or --no-load-optim)");
+    if (o.value("name", "") != optimizer->name())
+      throw std::invalid_argument("checkpoint '" + reader.dir() + "' holds " + o.value("name", "?") +
+                                  " state, the run uses " + optimizer->name() + " (use --no-load-optim)");
+    if (!o.contains("step") || !o["step"].is_number_integer() || o["step"].get<int64_t>() < 0)
+      throw std::invalid_argument("checkpoint '" + reader.dir() + "': optimizer step is missing or negative");
+    state = optimizer->state();
+    staged.optimizer_steps = o["step"].get<int64_t>();
+  }
+
+  for (const LocalShard& s : shards) {
+    const std::string key = model_key(s.name);
+    if (!reader.contains(key)) continue;  // not strict: keeps its values
+    check_shape(reader, key, s.global_shape);
+    stage(reader, key, s.offset, s.local, staged);
+    if (s.shard_index < 0) continue;
+    for (const auto& [state_key, tensors] : state) {
+      const std::string okey = optimizer_key(s.name, state_key);
+      if (!reader.contains(okey))
+        throw std::invalid_argument("checkpoint '" + reader.dir() + "' has no optimizer tensor '" + okey +
+                                    "' (use --no-load-optim to start the optimizer afresh)");
+      check_shape(reader, okey, s.global_shape);
+      stage(reader, okey, s.offset,
+            tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()), staged);
+    }
+  }
+
+  // Generator states only mean something for the same rank of a job of the same size.
+  if (options.load_rng && meta.value("world_size", -1) == world_size) {
+    auto add_generator = [&](const std::string& label, at::Generator gen) {
+      const std::string name = checkpoint::rng_tensor_name(world_rank, label);
+      if (!reader.contains(name)) throw std::invalid_argument("checkpoint '" + reader.dir() + "' has no '" + name + "'");
+      at::Tensor st = reader.read(name);
+      if (st.scalar_type() != at::kByte) throw std::invalid_argument("checkpoint '" + reader.dir() + "': '" + name + "' is not U8");
+      staged.generators.emplace_back(gen, st);
+    };
+    add_generator("cpu", at::detail::getDefaultCPUGenerator());
+    for (const LocalShard& s : shards)
+      if (s.local.is_cuda()) {
+        add_generator("cuda", at::globalContext().defaultGenerator(s.local.device()));
+        break;
+      }
+  }
+  return staged;
+}
+
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_ptr<Communicator>& world,
+                                 FsdpHandle& model, DistributedOptimizer* optimizer,
+                                 const CheckpointLoadOptions& options) {
+  if (!world) throw std::invalid_argument("load_checkpoint: the communicator is null");
+  at::NoGradGuard no_grad;
+  const int rank = world->rank();
+  LoadedCheckpoint result;
+  Staged staged;
+  std::string error = capture_error([&] {
+    std::string path = load_dir;
+    if (options.iteration) {
+      path = checkpoint_iteration_dir(load_dir, *options.iteration);
+    } else if (!fs::exists(load_dir + "/" + checkpoint::kMetadataFile)) {
+      auto latest = latest_checkpoint_iteration(load_dir);
+      if (!latest) throw std::invalid_argument("checkpoint: '" + load_dir + "' has no " + checkpoint::kLatestFile);
+      path = checkpoint_iteration_dir(load_dir, *latest);
+    }
+    CheckpointReader reader(path);
+    result.path = reader.dir();
+    result.metadata = reader.metadata();
+    result.iteration = reader.metadata()["iteration"].get<int64_t>();
+    result.consumed_samples = reader.metadata()["consumed_samples"].get<int64_t>();
+    staged = stage_checkpoint(reader, model, optimizer, options, rank, world->size(), result);
+  });
+  // Nothing is changed unless every rank staged everything.
+  raise_first_error(all_gather_strings(*world, error), rank, "load_checkpoint '" + load_dir + "'");
+
+  for (auto& [dst, values] : staged.copies) dst.copy_(values);
+  if (staged.optimizer_steps) {
+    optimizer->set_steps(*staged.optimizer_steps);
+    result.optimizer_loaded = true;
+  }
+  for (auto& [gen, st] : staged.generators) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(st);
+  }
+  result.rng_loaded = !staged.generators.empty();
+  model.after_step()();  // main weights -> model weights
+  return result;
+}
+
+}  // namespace mfsdp

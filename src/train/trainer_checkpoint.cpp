@@ -1,0 +1,144 @@
+#include "train/trainer_checkpoint.h"
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <sstream>
+#include <stdexcept>
+
+#include "mfsdp/checkpoint.h"
+#include "mfsdp/hf_llama.h"
+
+namespace mfsdp {
+namespace {
+
+nlohmann::json schedule_json(const LRSchedule& s) {
+  return {{"max_lr", s.max_lr},
+          {"min_lr", s.min_lr},
+          {"warmup_steps", s.warmup_steps},
+          {"decay_steps", s.decay_steps},
+          {"style", s.style}};
+}
+
+// The model-config fields that change the model, with the flag that sets each.
+void check_model_config(const nlohmann::json& saved, const LlamaConfig& run, const std::string& where) {
+  if (!saved.is_object() || saved.empty()) return;  // written by a tool that records none
+  const nlohmann::json mine = llama_hf_config(run, at::kFloat);
+  const std::pair<const char*, const char*> fields[] = {
+      {"vocab_size", "--vocab-size / tokenizer (padded)"},
+      {"hidden_size", "--hidden-size"},
+      {"intermediate_size", "--ffn-hidden-size"},
+      {"num_hidden_layers", "--num-layers"},
+      {"num_attention_heads", "--num-attention-heads"},
+      {"num_key_value_heads", "--num-query-groups"},
+      {"tie_word_embeddings", "--untie-embeddings-and-output-weights"},
+      {"rope_theta", "--rotary-base"},
+      {"rms_norm_eps", "--norm-epsilon"}};
+  for (const auto& [field, flag] : fields) {
+    if (!saved.contains(field)) continue;
+    const nlohmann::json& a = saved[field];
+    const nlohmann::json& b = mine[field];
+    const bool same = a.is_number() && b.is_number() ? a.get<double>() == b.get<double>() : a == b;
+    if (!same)
+      throw std::invalid_argument("checkpoint '" + where + "': model_config." + field + " is " + a.dump() +
+                                  ", this run has " + b.dump() + " (" + flag + ")");
+  }
+}
+
+// Megatron's rule: the schedule flags must match the checkpoint's unless told which one wins.
+void reconcile_schedule(const PretrainArgs& a, const nlohmann::json& saved, LRSchedule& schedule,
+                        const std::string& where) {
+  if (!saved.is_object() || saved.empty() || a.override_opt_param_scheduler) return;
+  LRSchedule from_ckpt;
+  try {
+    from_ckpt.max_lr = saved.at("max_lr").get<double>();
+    from_ckpt.min_lr = saved.at("min_lr").get<double>();
+    from_ckpt.warmup_steps = saved.at("warmup_steps").get<int64_t>();
+    from_ckpt.decay_steps = saved.at("decay_steps").get<int64_t>();
+    from_ckpt.style = saved.at("style").get<std::string>();
+  } catch (const nlohmann::json::exception& e) {
+    throw std::invalid_argument("checkpoint '" + where + "': scheduler is malformed: " + e.what());
+  }
+  if (a.use_checkpoint_opt_param_scheduler) {
+    schedule = from_ckpt;
+    return;
+  }
+  const nlohmann::json mine = schedule_json(schedule);
+  for (const auto& [key, value] : mine.items())
+    if (saved[key] != value)
+      throw std::invalid_argument("checkpoint '" + where + "': scheduler." + key + " is " + saved[key].dump() +
+                                  ", this run has " + value.dump() +
+                                  " (pass --override-opt_param-scheduler to use this run's, or "
+                                  "--use-checkpoint-opt_param-scheduler to use the checkpoint's)");
+}
+
+}  // namespace
+
+ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
+                                     const std::shared_ptr<Communicator>& world, FsdpHandle& model,
+                                     DistributedOptimizer& optimizer, LRSchedule& schedule,
+                                     std::ostream& log) {
+  const bool print = world->rank() == 0;
+  // Every rank decides the same: the folder is shared.
+  const std::optional<int64_t> latest = latest_checkpoint_iteration(a.load);
+  const bool iteration_folder = std::filesystem::exists(a.load + "/metadata.json");
+  if (!latest && !iteration_folder) {
+    if (print)
+      log << " WARNING: --load " << a.load << " holds no checkpoint yet (no latest_checkpointed_iteration.txt);"
+          << " training starts from scratch\n";
+    return {};
+  }
+  CheckpointLoadOptions options;
+  options.load_optimizer = !a.finetune && !a.no_load_optim;
+  options.load_rng = !a.finetune && !a.no_load_rng;
+  // The config is checked before any tensor is read, so a mismatch names the flag, not a shape.
+  {
+    CheckpointReader reader(a.load);
+    check_model_config(reader.metadata().value("model_config", nlohmann::json::object()), config, reader.dir());
+  }
+  const auto start = std::chrono::steady_clock::now();
+  LoadedCheckpoint got = load_checkpoint(a.load, world, model, &optimizer, options);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ResumePoint resume;
+  if (!a.finetune) {
+    reconcile_schedule(a, got.metadata.value("scheduler", nlohmann::json::object()), schedule, got.path);
+    resume = {got.iteration, got.consumed_samples};
+    if (resume.consumed_samples != resume.iteration * a.global_batch_size)
+      throw std::invalid_argument("checkpoint '" + got.path + "': " + std::to_string(resume.consumed_samples) +
+                                  " samples consumed in " + std::to_string(resume.iteration) +
+                                  " iterations; resuming needs the same --global-batch-size (this run: " +
+                                  std::to_string(a.global_batch_size) + ")");
+  }
+  if (print) {
+    log << " loaded checkpoint " << got.path << " (iteration " << got.iteration << ", "
+        << got.metadata.value("world_size", 0) << " ranks) in " << seconds << " s:"
+        << (a.finetune ? " weights only (--finetune), iteration starts at 0" : "")
+        << (got.optimizer_loaded ? " optimizer state," : options.load_optimizer ? "" : " optimizer not loaded,")
+        << (got.rng_loaded ? " random generators" : options.load_rng ? " random generators NOT restored (other world size)" : "")
+        << "\n";
+    log.flush();
+  }
+  return resume;
+}
+
+void save_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
+                              const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
+                              const DistributedOptimizer& optimizer, const LRSchedule& schedule,
+                              int64_t iteration, std::ostream& log) {
+  CheckpointInfo info;
+  info.iteration = iteration;
+  info.consumed_samples = iteration * a.global_batch_size;
+  for (const auto& [flag, value] : pretrain_args_values(a)) info.args[flag] = value;
+  info.model_config = llama_hf_config(config, a.bf16 ? at::kBFloat16 : at::kFloat);
+  info.scheduler = schedule_json(schedule);
+  const auto start = std::chrono::steady_clock::now();
+  save_checkpoint(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (world->rank() == 0) {
+    log << " saved checkpoint at iteration " << iteration << " to " << checkpoint_iteration_dir(a.save, iteration)
+        << " in " << seconds << " s\n";
+    log.flush();
+  }
+}
+
+}  // namespace mfsdp

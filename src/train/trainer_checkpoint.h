@@ -1,0 +1,39 @@
+// mfsdp-pretrain's --save / --load: what the trainer records in a checkpoint (arguments, model
+// config, LR schedule, progress) and the rules for resuming from one (DESIGN.md section 6).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <ostream>
+
+#include "mfsdp/comm.h"
+#include "mfsdp/fully_shard.h"
+#include "mfsdp/llama.h"
+#include "mfsdp/optim.h"
+#include "train/pretrain_args.h"
+
+namespace mfsdp {
+
+struct ResumePoint {
+  int64_t iteration = 0;         // the last completed iteration
+  int64_t consumed_samples = 0;  // training samples consumed before it
+};
+
+// --load: restores the model, and unless --finetune / --no-load-optim / --no-load-rng the
+// optimizer, the generators and the progress. A folder with no checkpoint yet starts from
+// scratch (a notice, as Megatron does). Errors name the flag or checkpoint field at fault: a
+// model config that differs from the flags, a different global batch size, an LR schedule that
+// differs (unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, which
+// sets `schedule` from the checkpoint). Collective.
+ResumePoint load_training_checkpoint(const PretrainArgs& args, const LlamaConfig& config,
+                                     const std::shared_ptr<Communicator>& world, FsdpHandle& model,
+                                     DistributedOptimizer& optimizer, LRSchedule& schedule,
+                                     std::ostream& log);
+
+// --save: the checkpoint of `iteration`. Collective.
+void save_training_checkpoint(const PretrainArgs& args, const LlamaConfig& config,
+                              const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
+                              const DistributedOptimizer& optimizer, const LRSchedule& schedule,
+                              int64_t iteration, std::ostream& log);
+
+}  // namespace mfsdp
