@@ -265,13 +265,13 @@ OptimizerShard ParamGroup::optimizer_shard() const {
 
 std::vector<LocalShard> ParamGroup::local_shards() const {
   std::vector<LocalShard> out;
-  const int64_t begin = main_begin();
   at::Tensor source = requires_grad_ ? main_weight_
                                      : (sharded_model() ? model_shard_ : unsharded_);
   const int64_t length = source.numel();
   // The source is sharded over comm_ unless it is a full copy (no_shard main weights, frozen
   // weights outside ZeRO-3); HSDP replicas hold the same shard again.
   const bool full_copy = requires_grad_ ? !sharded_main() : !sharded_model();
+  const int64_t begin = full_copy ? 0 : layout_.shard_begin(rank_);
   const int outer = replicate_ ? replicate_->size() : 1;
   const int outer_rank = replicate_ ? replicate_->rank() : 0;
   for (size_t i = 0; i < params_.size(); ++i) {

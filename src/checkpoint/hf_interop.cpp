@@ -1,0 +1,646 @@
+// Hugging Face export/import and the mfsdp-ckpt operations: see include/mfsdp/hf_interop.h.
+#include "mfsdp/hf_interop.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <limits>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "checkpoint/checkpoint_files.h"
+#include "mfsdp/hf_llama.h"
+#include "mfsdp/torch_save.h"
+
+namespace fs = std::filesystem;
+
+namespace mfsdp {
+namespace {
+
+using json = nlohmann::json;
+using ojson = nlohmann::ordered_json;
+
+const std::string kModelPrefix = "model.";
+constexpr const char* kIndexFile = "model.safetensors.index.json";
+constexpr const char* kSingleFile = "model.safetensors";
+constexpr const char* kConfigFile = "config.json";
+// Elements read at a time by compare and print-tensor (32 MiB of fp64 per side).
+constexpr int64_t kBlockElements = int64_t{1} << 22;
+
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
+}
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) { return c10::str(at::IntArrayRef(s)); }
+
+std::string quoted_list(const std::vector<std::string>& names, size_t limit = 8) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > limit) out += " and " + std::to_string(names.size() - limit) + " more";
+  return out;
+}
+
+json read_json_file(const std::string& path, const std::string& what) {
+  std::ifstream in(path);
+  if (!in) throw std::invalid_argument(what + " '" + path + "' cannot be read");
+  try {
+    return json::parse(in);
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(what + " '" + path + "' is not valid JSON: " + e.what());
+  }
+}
+
+bool is_output_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+// A plain file name inside a folder (no path components).
+bool plain_file_name(const std::string& f) {
+  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos && f.find('\\') == std::string::npos;
+}
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  if (from.empty()) return s;
+  for (size_t pos = s.find(from); pos != std::string::npos; pos = s.find(from, pos + to.size()))
+    s.replace(pos, from.size(), to);
+  return s;
+}
+
+// For "a.b.linear_fc1.weight": true, with the name before and after the fc1 component.
+bool split_fc1_name(const std::string& name, std::string& head, std::string& tail) {
+  static const std::string kWeight = ".weight";
+  if (!ends_with(name, kWeight)) return false;
+  const std::string stem = name.substr(0, name.size() - kWeight.size());
+  const size_t dot = stem.rfind('.');
+  const std::string component = dot == std::string::npos ? stem : stem.substr(dot + 1);
+  if (component != "fc1" && component != "linear_fc1") return false;
+  head = dot == std::string::npos ? "" : stem.substr(0, dot + 1);
+  tail = kWeight;
+  return true;
+}
+
+// max |x - y| in fp64 over two 1-D blocks (NaN where one side is NaN and the other not).
+double block_max_abs_diff(const at::Tensor& x, const at::Tensor& y) {
+  if (x.numel() == 0) return 0;
+  if (at::isIntegralType(x.scalar_type(), true) && at::isIntegralType(y.scalar_type(), true))
+    return static_cast<double>((x.to(at::kLong) - y.to(at::kLong)).abs().max().item<int64_t>());
+  const at::Tensor a = x.to(at::kDouble), b = y.to(at::kDouble);
+  const at::Tensor same = at::eq(a, b).logical_or(at::isnan(a).logical_and(at::isnan(b)));
+  const at::Tensor diff = (a - b).abs().masked_fill(same, 0.0);
+  if (at::isnan(diff).any().item<bool>()) return std::numeric_limits<double>::quiet_NaN();
+  return diff.max().item<double>();
+}
+
+std::string format_number(double v, int precision) {
+  std::ostringstream os;
+  os << std::setprecision(precision) << v;
+  return os.str();
+}
+
+}  // namespace
+
+// ---- Hugging Face export / import ------------------------------------------------------------
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> llama_parameter_shapes(const LlamaConfig& cfg) {
+  LlamaOptions options;
+  options.deferred_init = true;  // full shapes, no storage
+  options.init_seed = 0;         // leave the default generator alone
+  LlamaForCausalLM model(cfg, options);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& p : model->named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value().sizes().vec());
+  return out;
+}
+
+void check_llama_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const LlamaConfig& cfg,
+                         const std::string& where) {
+  std::vector<std::string> missing, unexpected, wrong;
+  std::set<std::string> expected_names;
+  for (const auto& [name, shape] : llama_parameter_shapes(cfg)) {
+    expected_names.insert(name);
+    auto it = shapes.find(name);
+    if (it == shapes.end())
+      missing.push_back(name);
+    else if (it->second != shape)
+      wrong.push_back("'" + name + "' has shape " + shape_str(it->second) + ", the config expects " + shape_str(shape));
+  }
+  for (const auto& [name, shape] : shapes)
+    if (!expected_names.count(name)) unexpected.push_back(name);
+  if (missing.empty() && unexpected.empty() && wrong.empty()) return;
+  std::string msg = where + ": the tensors do not match the model config (" + std::to_string(cfg.num_layers) +
+                    " layers, hidden " + std::to_string(cfg.hidden_size) + ", vocab " +
+                    std::to_string(cfg.vocab_size) + (cfg.tie_word_embeddings ? ", tied embeddings" : "") + "):";
+  if (!missing.empty()) msg += " missing tensor(s) " + quoted_list(missing) + ";";
+  if (!unexpected.empty()) msg += " unexpected tensor(s) " + quoted_list(unexpected) + ";";
+  for (size_t i = 0; i < wrong.size() && i < 8; ++i) msg += " tensor " + wrong[i] + ";";
+  if (wrong.size() > 8) msg += " and " + std::to_string(wrong.size() - 8) + " more misshapen tensors;";
+  msg.pop_back();
+  throw std::invalid_argument(msg);
+}
+
+void export_hf(const std::string& ckpt, const std::string& out_dir, at::ScalarType dtype,
+               uint64_t max_shard_bytes) {
+  if (!is_output_float(dtype))
+    throw std::invalid_argument(std::string("export_hf: the dtype must be float32, bfloat16 or float16, not ") +
+                                c10::toString(dtype));
+  CheckpointReader reader(ckpt);
+  const std::string where = "checkpoint '" + reader.dir() + "'";
+  const json& meta = reader.metadata();
+  if (!meta.contains("model_config") || !meta["model_config"].is_object() || meta["model_config"].empty())
+    throw std::invalid_argument(where + " has no model_config in its metadata.json; export needs the model's "
+                                "configuration to write config.json");
+  LlamaConfig cfg;
+  try {
+    cfg = llama_config_from_hf(meta["model_config"]);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(where + ": model_config: " + e.what());
+  }
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const std::string& name : reader.tensor_names())
+    if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = reader.shape(name);
+  check_llama_tensors(shapes, cfg, where);
+  for (const auto& [name, shape] : shapes)
+    if (!at::isFloatingType(reader.dtype(kModelPrefix + name)))
+      throw std::invalid_argument(where + ": tensor '" + kModelPrefix + name + "' is " +
+                                  safetensors_dtype_name(reader.dtype(kModelPrefix + name)) +
+                                  ", not a floating-point tensor");
+  const json config = llama_hf_config(cfg, dtype);
+
+  std::vector<std::pair<std::string, at::Tensor>> tensors;  // module order: shards fill layer by layer
+  for (const auto& [name, shape] : llama_parameter_shapes(cfg))
+    tensors.emplace_back(name, reader.read(kModelPrefix + name).to(dtype));
+  fs::create_directories(out_dir);
+  write_safetensors_sharded(out_dir, tensors, max_shard_bytes);
+  checkpoint::write_file_atomically((fs::path(out_dir) / kConfigFile).string(), config.dump(2) + "\n");
+}
+
+void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
+  const std::string where = "HF folder '" + hf_dir + "'";
+  if (!fs::is_directory(hf_dir)) throw std::invalid_argument(where + " does not exist or is not a folder");
+  const std::string config_path = (fs::path(hf_dir) / kConfigFile).string();
+  if (!fs::exists(config_path)) throw std::invalid_argument(where + " has no config.json");
+  const json hf_config = read_json_file(config_path, "HF config");
+  LlamaConfig cfg;
+  try {
+    cfg = llama_config_from_hf(hf_config);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(config_path + ": " + e.what());
+  }
+  std::map<std::string, at::Tensor> tensors = read_safetensors_folder(hf_dir);
+
+  std::vector<std::string> names;
+  for (const auto& kv : tensors) names.push_back(kv.first);
+  const std::vector<std::string> biases = hf_bias_tensors(names);
+  if (!biases.empty())
+    throw std::invalid_argument(where + " has bias tensors, which this Llama model cannot hold (Qwen2-style q/k/v "
+                                "or MLP biases are not supported): " + quoted_list(biases, 16));
+  for (auto it = tensors.begin(); it != tensors.end();)
+    it = ends_with(it->first, "rotary_emb.inv_freq") ? tensors.erase(it) : std::next(it);
+  if (cfg.tie_word_embeddings && tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight")) {
+    const at::Tensor& head = tensors["lm_head.weight"];
+    const at::Tensor& embed = tensors["model.embed_tokens.weight"];
+    if (head.scalar_type() != embed.scalar_type() || head.sizes() != embed.sizes() || !at::equal(head, embed))
+      throw std::invalid_argument(where + ": config.json has tie_word_embeddings true, but 'lm_head.weight' differs "
+                                  "from 'model.embed_tokens.weight' (set tie_word_embeddings to false to keep both)");
+    tensors.erase("lm_head.weight");
+  }
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, t] : tensors) shapes[name] = t.sizes().vec();
+  check_llama_tensors(shapes, cfg, where);
+  for (const auto& [name, t] : tensors)
+    if (!at::isFloatingType(t.scalar_type()))
+      throw std::invalid_argument(where + ": tensor '" + name + "' is " + safetensors_dtype_name(t.scalar_type()) +
+                                  ", not a floating-point tensor");
+  const at::ScalarType dtype = tensors.at("model.embed_tokens.weight").scalar_type();
+  if (!is_output_float(dtype))
+    throw std::invalid_argument(where + ": tensor 'model.embed_tokens.weight' is " + safetensors_dtype_name(dtype) +
+                                "; weights must be float32, bfloat16 or float16");
+
+  CheckpointInfo info;
+  info.iteration = 0;
+  info.consumed_samples = 0;
+  info.model_config = llama_hf_config(cfg, dtype);
+  info.args = {{"imported_from", hf_dir}};
+  write_checkpoint(out_ckpt, tensors, info);
+}
+
+// ---- Where tensors come from -------------------------------------------------------------------
+
+bool is_hf_folder(const std::string& path) {
+  const fs::path p(path);
+  return fs::is_directory(p) && fs::is_regular_file(p / kConfigFile) &&
+         (fs::is_regular_file(p / kSingleFile) || fs::is_regular_file(p / kIndexFile));
+}
+
+bool is_checkpoint(const std::string& path) {
+  const fs::path p(path);
+  return fs::is_directory(p) &&
+         (fs::is_regular_file(p / checkpoint::kMetadataFile) || fs::is_regular_file(p / checkpoint::kLatestFile));
+}
+
+TensorSource::TensorSource(const std::string& path) : path_(path) {
+  if (mfsdp::is_checkpoint(path)) {
+    reader_ = std::make_unique<CheckpointReader>(path);
+    names_ = reader_->tensor_names();
+    return;
+  }
+  if (!is_hf_folder(path))
+    throw std::invalid_argument("'" + path + "' is neither a checkpoint (a folder with " +
+                                checkpoint::kLatestFile + " or " + checkpoint::kMetadataFile +
+                                ") nor a Hugging Face folder (config.json with " + kSingleFile + " or " +
+                                kIndexFile + ")");
+  const fs::path dir(path);
+  std::map<std::string, std::string> weight_map;  // HF name -> file
+  const std::string index_path = (dir / kIndexFile).string();
+  if (fs::exists(index_path)) {
+    const json index = read_json_file(index_path, "safetensors index");
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      throw std::invalid_argument("safetensors index '" + index_path + "' has no \"weight_map\" object");
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string() || !plain_file_name(file.get<std::string>()))
+        throw std::invalid_argument("safetensors index '" + index_path + "': tensor '" + name +
+                                    "' maps to " + file.dump() + ", not a plain file name in the folder");
+      weight_map[name] = file.get<std::string>();
+    }
+  } else {
+    files_.emplace_back((dir / kSingleFile).string());
+    for (const std::string& n : files_[0].names()) weight_map[n] = kSingleFile;
+  }
+  std::map<std::string, size_t> file_index;
+  if (!files_.empty()) file_index[kSingleFile] = 0;
+  for (const auto& [name, file] : weight_map) {
+    auto it = file_index.find(file);
+    if (it == file_index.end()) {
+      const std::string file_path = (dir / file).string();
+      if (!fs::exists(file_path))
+        throw std::invalid_argument("safetensors index '" + index_path + "' names '" + file + "', which is missing");
+      files_.emplace_back(file_path);
+      it = file_index.emplace(file, files_.size() - 1).first;
+    }
+    if (!files_[it->second].contains(name))
+      throw std::invalid_argument("safetensors file '" + files_[it->second].path() + "' has no tensor '" + name +
+                                  "' (the index maps it there)");
+    hf_[kModelPrefix + name] = {it->second, name};
+  }
+  for (const auto& [file, i] : file_index)
+    for (const std::string& n : files_[i].names())
+      if (!weight_map.count(n) || weight_map.at(n) != file)
+        throw std::invalid_argument("safetensors file '" + files_[i].path() + "' holds tensor '" + n + "', which " +
+                                    (weight_map.count(n) ? "the index maps to '" + weight_map.at(n) + "'"
+                                                         : std::string("the index does not list")));
+  for (const auto& kv : hf_) names_.push_back(kv.first);
+}
+
+std::string TensorSource::description() const {
+  return reader_ ? "checkpoint '" + reader_->dir() + "'" : "Hugging Face folder '" + path_ + "'";
+}
+
+bool TensorSource::contains(const std::string& name) const {
+  return reader_ ? reader_->contains(name) : hf_.count(name) != 0;
+}
+
+namespace {
+[[noreturn]] void no_tensor(const TensorSource& s, const std::string& name) {
+  throw std::invalid_argument("no tensor '" + name + "' in " + s.description());
+}
+}  // namespace
+
+std::vector<int64_t> TensorSource::shape(const std::string& name) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) return reader_->shape(name);
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].shape(n);
+}
+
+at::ScalarType TensorSource::dtype(const std::string& name) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) return reader_->dtype(name);
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].dtype(n);
+}
+
+int64_t TensorSource::numel(const std::string& name) const {
+  int64_t n = 1;
+  for (int64_t s : shape(name)) n *= s;
+  return n;
+}
+
+at::Tensor TensorSource::read(const std::string& name) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) return reader_->read(name);
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].load(n);
+}
+
+at::Tensor TensorSource::read_elements(const std::string& name, int64_t offset, int64_t count) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) {
+    at::Tensor out = at::empty({count}, at::TensorOptions().dtype(reader_->dtype(name)));
+    if (count > 0) reader_->read_range(name, offset, out);
+    return out;
+  }
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].load_elements(n, offset, count);
+}
+
+json TensorSource::model_config() const {
+  if (reader_) return reader_->metadata().value("model_config", json::object());
+  return read_json_file((fs::path(path_) / kConfigFile).string(), "HF config");
+}
+
+// ---- The tool's operations ---------------------------------------------------------------------
+
+ojson inspect_checkpoint(const CheckpointReader& reader, bool chunks) {
+  const json& meta = reader.metadata();
+  ojson out;
+  out["path"] = reader.dir();
+  for (const char* key : {"format", "version", "iteration", "consumed_samples", "world_size", "args", "model_config",
+                          "scheduler", "optimizer", "files"})
+    if (meta.contains(key)) out[key] = ojson::parse(meta[key].dump());
+  for (const auto& [key, value] : meta.items())  // fields a newer writer may add
+    if (key != "tensors" && !out.contains(key)) out[key] = ojson::parse(value.dump());
+  ojson tensors = ojson::object();
+  int64_t model_parameters = 0;
+  uint64_t bytes = 0;
+  for (const std::string& name : reader.tensor_names()) {
+    const json& entry = meta["tensors"][name];
+    ojson t;
+    t["dtype"] = entry["dtype"];
+    t["shape"] = ojson::parse(entry["shape"].dump());
+    if (chunks)
+      t["chunks"] = ojson::parse(entry["chunks"].dump());
+    else
+      t["chunks"] = entry["chunks"].size();
+    int64_t numel = 1;
+    for (int64_t s : reader.shape(name)) numel *= s;
+    bytes += static_cast<uint64_t>(numel) * c10::elementSize(reader.dtype(name));
+    if (starts_with(name, kModelPrefix)) model_parameters += numel;
+    tensors[name] = std::move(t);
+  }
+  out["summary"] = {{"tensors", tensors.size()}, {"model_parameters", model_parameters}, {"total_bytes", bytes}};
+  out["tensors"] = std::move(tensors);
+  return out;
+}
+
+std::string describe_tensor(const TensorSource& source, const std::string& name, int64_t max_elements) {
+  std::string resolved = name;
+  if (!source.contains(name) && source.contains(kModelPrefix + name)) resolved = kModelPrefix + name;
+  if (!source.contains(resolved))
+    throw std::invalid_argument("no tensor '" + name + "' in " + source.description() +
+                                " (mfsdp-ckpt inspect lists the names)");
+  const std::vector<int64_t> shape = source.shape(resolved);
+  const at::ScalarType dtype = source.dtype(resolved);
+  const int64_t numel = source.numel(resolved);
+  const bool integral = at::isIntegralType(dtype, /*includeBool=*/true);
+  const int precision = dtype == at::kDouble ? 17 : 9;
+  std::ostringstream os;
+  os << "tensor  " << resolved << "\n"
+     << "dtype   " << safetensors_dtype_name(dtype) << "\n"
+     << "shape   " << shape_str(shape) << " (" << numel << " elements)\n";
+
+  if (numel == 0) {
+    os << "stats   (empty)\n";
+    return os.str();
+  }
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
+  for (int64_t off = 0; off < numel; off += kBlockElements) {
+    const at::Tensor block = source.read_elements(resolved, off, std::min(kBlockElements, numel - off)).to(at::kDouble);
+    const double block_min = block.min().item<double>(), block_max = block.max().item<double>();
+    if (std::isnan(block_min) || std::isnan(lo)) {
+      lo = hi = std::numeric_limits<double>::quiet_NaN();  // as torch: NaN wins
+    } else {
+      lo = std::min(lo, block_min);
+      hi = std::max(hi, block_max);
+    }
+    sum += block.sum().item<double>();
+  }
+  os << "min     " << format_number(lo, precision) << "\n"
+     << "max     " << format_number(hi, precision) << "\n"
+     << "mean    " << format_number(sum / static_cast<double>(numel), precision) << "\n";
+
+  const int64_t shown = std::min(numel, std::max<int64_t>(max_elements, 0));
+  if (shown < numel)
+    os << "values  (the first " << shown << " of " << numel
+       << " elements, row-major; --max-elements N shows more)\n";
+  else
+    os << "values\n";
+  if (shown == 0) return os.str();
+  const at::Tensor values = source.read_elements(resolved, 0, shown).to(integral ? at::kLong : at::kDouble).contiguous();
+  const int64_t* ints = integral ? values.data_ptr<int64_t>() : nullptr;
+  const double* reals = integral ? nullptr : values.data_ptr<double>();
+  // One line per row of the last dimension, prefixed with the row's index ("[1, 0, :]").
+  const int64_t row = shape.empty() ? 1 : std::max<int64_t>(shape.back(), 1);
+  for (int64_t start = 0; start < shown; start += row) {
+    os << "  ";
+    if (shape.size() > 1) {
+      std::vector<int64_t> index(shape.size() - 1);
+      int64_t r = start / row;
+      for (size_t d = index.size(); d-- > 0;) {
+        index[d] = r % shape[d];
+        r /= shape[d];
+      }
+      os << "[";
+      for (int64_t i : index) os << i << ", ";
+      os << ":]  ";
+    }
+    const int64_t end = std::min(shown, start + row);
+    for (int64_t i = start; i < end; ++i) {
+      if (i > start) os << " ";
+      if (integral)
+        os << ints[i];
+      else
+        os << format_number(reals[i], precision);
+    }
+    os << (end < std::min(numel, start + row) ? " ..." : "") << "\n";
+  }
+  return os.str();
+}
+
+ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only) {
+  ComparisonReport report;
+  report.atol = atol;
+  std::set<std::string> names;
+  for (const auto* s : {&a, &b})
+    for (const std::string& n : s->names())
+      if (!model_only || starts_with(n, kModelPrefix)) names.insert(n);
+  using Status = TensorComparison::Status;
+  for (const std::string& name : names) {
+    TensorComparison row;
+    row.name = name;
+    const bool in_a = a.contains(name), in_b = b.contains(name);
+    if (in_a) row.shape_a = a.shape(name), row.dtype_a = a.dtype(name);
+    if (in_b) row.shape_b = b.shape(name), row.dtype_b = b.dtype(name);
+    if (!in_a || !in_b) {
+      row.status = in_a ? Status::kOnlyInA : Status::kOnlyInB;
+    } else if (row.shape_a != row.shape_b) {
+      row.status = Status::kShapeMismatch;
+    } else {
+      const int64_t numel = a.numel(name);
+      for (int64_t off = 0; off < numel; off += kBlockElements) {
+        const int64_t n = std::min(kBlockElements, numel - off);
+        const double d = block_max_abs_diff(a.read_elements(name, off, n), b.read_elements(name, off, n));
+        if (std::isnan(d)) {
+          row.max_abs_diff = d;
+          break;
+        }
+        row.max_abs_diff = std::max(row.max_abs_diff, d);
+      }
+      row.status = row.max_abs_diff <= atol ? Status::kEqual : Status::kDifferent;  // NaN: different
+    }
+    if (row.status != Status::kEqual) report.same = false;
+    report.rows.push_back(std::move(row));
+  }
+  return report;
+}
+
+std::string ComparisonReport::table() const {
+  using Status = TensorComparison::Status;
+  size_t width = 6;
+  for (const auto& r : rows) width = std::max(width, r.name.size());
+  std::ostringstream os;
+  os << std::left << std::setw(10) << "status" << std::setw(14) << "max|a-b|" << "tensor\n";
+  int64_t counts[5] = {0, 0, 0, 0, 0};
+  for (const auto& r : rows) {
+    ++counts[static_cast<int>(r.status)];
+    const char* status = "ok";
+    std::string detail;
+    switch (r.status) {
+      case Status::kEqual: break;
+      case Status::kDifferent: status = "DIFFERENT"; break;
+      case Status::kShapeMismatch:
+        status = "SHAPE";
+        detail = "  shape " + shape_str(r.shape_a) + " vs " + shape_str(r.shape_b);
+        break;
+      case Status::kOnlyInA: status = "ONLY-A"; break;
+      case Status::kOnlyInB: status = "ONLY-B"; break;
+    }
+    const bool both = r.status != Status::kOnlyInA && r.status != Status::kOnlyInB;
+    if (both && r.dtype_a != r.dtype_b)
+      detail += "  dtype " + safetensors_dtype_name(r.dtype_a) + " vs " + safetensors_dtype_name(r.dtype_b);
+    const std::string diff =
+        r.status == Status::kEqual || r.status == Status::kDifferent ? format_number(r.max_abs_diff, 6) : "-";
+    os << std::left << std::setw(10) << status << std::setw(14) << diff << r.name << detail << "\n";
+  }
+  os << rows.size() << " tensors: " << counts[0] << " equal, " << counts[1] << " different, " << counts[2]
+     << " with other shapes, " << counts[3] << " only in A, " << counts[4] << " only in B (atol "
+     << format_number(atol, 6) << "): " << (same ? "SAME" : "DIFFERENT") << "\n";
+  return os.str();
+}
+
+// ---- convert -----------------------------------------------------------------------------------
+
+std::map<std::string, at::Tensor> apply_state_transform(std::map<std::string, at::Tensor> tensors,
+                                                        const StateTransform& transform) {
+  std::vector<std::regex> remove;
+  for (const std::string& r : transform.remove) {
+    try {
+      remove.emplace_back(r, std::regex::ECMAScript);
+    } catch (const std::regex_error& e) {
+      throw std::invalid_argument("--remove '" + r + "': not a valid regular expression (" + e.what() + ")");
+    }
+  }
+  for (const auto& [from, to] : transform.rename)
+    if (from.empty()) throw std::invalid_argument("--rename: the text to replace is empty");
+
+  for (auto it = tensors.begin(); it != tensors.end();) {
+    const bool drop = std::any_of(remove.begin(), remove.end(),
+                                  [&](const std::regex& re) { return std::regex_match(it->first, re); });
+    it = drop ? tensors.erase(it) : std::next(it);
+  }
+  auto renamed = [&](std::string name) {
+    for (const auto& [from, to] : transform.rename) name = replace_all(std::move(name), from, to);
+    return name;
+  };
+  std::map<std::string, std::pair<std::string, at::Tensor>> out;  // final name -> (source, tensor)
+  auto put = [&](const std::string& name, const std::string& source, const at::Tensor& t) {
+    auto [it, inserted] = out.emplace(name, std::make_pair(source, t));
+    if (!inserted)
+      throw std::invalid_argument("tensors '" + it->second.first + "' and '" + source + "' would both be named '" +
+                                  name + "'");
+  };
+  for (const auto& [name, t] : tensors) {
+    std::string head, tail;
+    if (transform.swiglu && split_fc1_name(name, head, tail)) {
+      if (t.dim() == 0 || t.size(0) % 2 != 0)
+        throw std::invalid_argument("--swiglu: tensor '" + name + "' has shape " + shape_str(t.sizes().vec()) +
+                                    "; a fused gate/up weight needs an even first dimension");
+      const int64_t half = t.size(0) / 2;
+      put(renamed(head + "gate_proj" + tail), name, t.narrow(0, 0, half).contiguous());
+      put(renamed(head + "up_proj" + tail), name, t.narrow(0, half, half).contiguous());
+    } else {
+      put(renamed(name), name, t);
+    }
+  }
+  std::map<std::string, at::Tensor> result;
+  for (auto& [name, st] : out) {
+    if (name.empty()) throw std::invalid_argument("--rename leaves tensor '" + st.first + "' with an empty name");
+    result.emplace(name, std::move(st.second));
+  }
+  return result;
+}
+
+std::vector<std::string> convert_to_checkpoint(const std::string& in, const std::string& out,
+                                               const StateTransform& transform, int64_t iteration) {
+  if (iteration < 0) throw std::invalid_argument("convert: the iteration must not be negative");
+  std::map<std::string, at::Tensor> tensors;
+  json model_config = json::object();
+  if (is_checkpoint(in)) {
+    CheckpointReader reader(in);
+    for (const std::string& name : reader.tensor_names())
+      if (starts_with(name, kModelPrefix)) tensors[name.substr(kModelPrefix.size())] = reader.read(name);
+    model_config = reader.metadata().value("model_config", json::object());
+  } else if (is_hf_folder(in)) {
+    tensors = read_safetensors_folder(in);
+    model_config = read_json_file((fs::path(in) / kConfigFile).string(), "HF config");
+  } else if (fs::is_regular_file(in)) {
+    tensors = read_torch_save(in);
+  } else {
+    throw std::invalid_argument("convert: '" + in + "' is not a checkpoint, a Hugging Face folder (config.json with " +
+                                kSingleFile + " or " + kIndexFile + ") or a torch.save file");
+  }
+  if (tensors.empty()) throw std::invalid_argument("convert: '" + in + "' holds no model tensors");
+  tensors = apply_state_transform(std::move(tensors), transform);
+  if (tensors.empty()) throw std::invalid_argument("convert: no tensor of '" + in + "' is left after --remove");
+
+  CheckpointInfo info;
+  info.iteration = iteration;
+  info.model_config = model_config;
+  json renames = json::array();
+  for (const auto& [from, to] : transform.rename) renames.push_back(from + "=" + to);
+  info.args = {{"converted_from", in}, {"swiglu", transform.swiglu}, {"rename", renames}, {"remove", transform.remove}};
+  write_checkpoint(out, tensors, info);
+  std::vector<std::string> names;
+  for (const auto& kv : tensors) names.push_back(kv.first);
+  return names;
+}
+
+uint64_t parse_byte_size(const std::string& text) {
+  auto bad = [&]() -> uint64_t {
+    throw std::invalid_argument("'" + text + "' is not a size (examples: 500MB, 2GB, 64KiB, 1000000)");
+  };
+  size_t i = 0;
+  while (i < text.size() && (std::isdigit(static_cast<unsigned char>(text[i])) || text[i] == '.')) ++i;
+  const std::string number = text.substr(0, i);
+  std::string unit;
+  for (size_t j = i; j < text.size(); ++j)
+    if (!std::isspace(static_cast<unsigned char>(text[j]))) unit += static_cast<char>(std::tolower(static_cast<unsigned char>(text[j])));
+  if (number.empty() || std::count(number.begin(), number.end(), '.') > 1 || number == ".") return bad();
+  static const std::map<std::string, double> kUnits = {
+      {"", 1},         {"b", 1},        {"k", 1e3},          {"kb", 1e3},          {"m", 1e6},
+      {"mb", 1e6},     {"g", 1e9},      {"gb", 1e9},         {"t", 1e12},          {"tb", 1e12},
+      {"kib", 1024.0}, {"mib", 1048576.0}, {"gib", 1073741824.0}, {"tib", 1099511627776.0}};
+  auto unit_it = kUnits.find(unit);
+  if (unit_it == kUnits.end()) return bad();
+  const double value = std::stod(number) * unit_it->second;
+  if (!(value >= 1) || value >= 1.8e19) return bad();
+  return static_cast<uint64_t>(value);
+}
+
+}  // namespace mfsdp
