@@ -134,8 +134,10 @@ void write_file_atomically(const std::string& path, const std::string& text) {
 void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
                        const std::string& final_dir, int64_t iteration) {
   fsync_path(tmp_dir, O_RDONLY | O_DIRECTORY);
+  // Test hook: "before_commit" crashes every save, "before_commit@N" the save of iteration N.
   if (const char* hook = std::getenv("MFSDP_TEST_CHECKPOINT_CRASH");
-      hook != nullptr && std::string(hook) == "before_commit") {
+      hook != nullptr && (std::string(hook) == "before_commit" ||
+                          std::string(hook) == "before_commit@" + std::to_string(iteration))) {
     std::fprintf(stderr, "MFSDP_TEST_CHECKPOINT_CRASH=before_commit: exiting before renaming %s\n",
                  tmp_dir.c_str());
     std::fflush(stderr);

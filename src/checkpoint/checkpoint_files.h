@@ -38,7 +38,7 @@ void write_file_atomically(const std::string& path, const std::string& text);
 
 // Rank 0's commit: `tmp_dir` (complete, with metadata.json) becomes `final_dir` (an existing one
 // is replaced), then `save_dir`/latest_checkpointed_iteration.txt names `iteration`. Honors the
-// test hook MFSDP_TEST_CHECKPOINT_CRASH=before_commit (exit before the rename).
+// test hook MFSDP_TEST_CHECKPOINT_CRASH=before_commit[@iteration] (_exit(86) before the rename).
 void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
                        const std::string& final_dir, int64_t iteration);
 

@@ -2,7 +2,6 @@
 // (same global batch) give the same losses under ZeRO-3 and no_shard; recompute and deferred
 // init do not change them; bad flags stop before any work, naming the flag.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
@@ -13,23 +12,13 @@
 #include <string>
 #include <vector>
 
+#include "harness/run_command.h"
+
 namespace {
 
-struct Outcome {
-  int exit_code = -1;
-  std::string output;
-};
-
-Outcome run(const std::string& command) {
-  Outcome r;
-  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
-  if (!pipe) return r;
-  std::array<char, 4096> buf{};
-  while (fgets(buf.data(), buf.size(), pipe)) r.output += buf.data();
-  int status = pclose(pipe);
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  return r;
-}
+using Outcome = mfsdp::testing::CommandOutcome;
+using mfsdp::testing::run_command;
+Outcome run(const std::string& command) { return run_command(command); }
 
 // Paths of the built tools: the environment overrides the ones CMake compiled in.
 std::string bin(const char* var) {

@@ -1,0 +1,165 @@
+// mfsdp-pretrain --save / --load end to end, through mfsdp-run: training 8 iterations equals
+// training 4, saving, resuming and training 4 more, bit for bit (ZeRO-3 and no_shard); a save
+// killed before its commit leaves the previous checkpoint as latest, which resumes; a 2-rank
+// checkpoint resumes on 1 rank under another strategy; --finetune and every resume rule that
+// can go wrong give an error naming the flag or field.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "harness/run_command.h"
+#include "harness/temp_dir.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using mfsdp::testing::CommandOutcome;
+using mfsdp::testing::run_command;
+using mfsdp::testing::TempDir;
+
+const std::string kModel =
+    " --mock-data --vocab-size 64 --make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32"
+    " --num-attention-heads 4 --group-query-attention --num-query-groups 2 --swiglu"
+    " --ffn-hidden-size 48 --seq-length 16 --micro-batch-size 2 --global-batch-size 8"
+    " --train-iters 8 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine --min-lr 3e-4"
+    " --clip-grad 1.0 --log-interval 1 --eval-interval 1000 --eval-iters 1 --seed 7";
+
+CommandOutcome pretrain(int ranks, const std::string& flags, const std::string& env = "") {
+  return run_command(env + " " + MFSDP_RUN_BIN_PATH + " --nproc-per-node " + std::to_string(ranks) + " " +
+                     MFSDP_PRETRAIN_BIN_PATH + kModel + flags);
+}
+
+struct Step {
+  double loss, grad_norm, lr;
+};
+// Training records of a metrics file, by iteration.
+std::map<int64_t, Step> steps_of(const std::string& metrics) {
+  std::map<int64_t, Step> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("eval")) continue;
+    out[j["iteration"].get<int64_t>()] = {j["lm_loss"].get<double>(), j["grad_norm"].get<double>(),
+                                          j["lr"].get<double>()};
+  }
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+void expect_exact_resume(const std::string& strategy) {
+  TempDir dir("mfsdp-resume");
+  const std::string s = " --data-parallel-sharding-strategy " + strategy;
+  CommandOutcome whole = pretrain(2, s + " --metrics-file " + dir.file("whole.jsonl"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  CommandOutcome first = pretrain(2, s + " --save " + dir.file("ckpt") + " --save-interval 2 --exit-interval 4" +
+                                         " --metrics-file " + dir.file("first.jsonl"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_NE(first.output.find("exiting at iteration 4"), std::string::npos) << first.output;
+  EXPECT_EQ(read_file(dir.file("ckpt/latest_checkpointed_iteration.txt")), "4\n");
+  CommandOutcome second = pretrain(2, s + " --load " + dir.file("ckpt") + " --save " + dir.file("ckpt") +
+                                          " --metrics-file " + dir.file("second.jsonl"));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("loaded checkpoint"), std::string::npos) << second.output;
+
+  auto a = steps_of(dir.file("whole.jsonl")), b1 = steps_of(dir.file("first.jsonl")),
+       b2 = steps_of(dir.file("second.jsonl"));
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b1.size(), 4u);
+  ASSERT_EQ(b2.size(), 4u) << "the resumed run must start at iteration 5";
+  for (int64_t it = 1; it <= 8; ++it) {
+    const Step& got = it <= 4 ? b1.at(it) : b2.at(it);
+    // Bit for bit: fp32 on CPU, same data position, optimizer state and step.
+    EXPECT_EQ(got.loss, a.at(it).loss) << strategy << " iteration " << it;
+    EXPECT_EQ(got.grad_norm, a.at(it).grad_norm) << strategy << " iteration " << it;
+    EXPECT_EQ(got.lr, a.at(it).lr) << strategy << " iteration " << it;
+  }
+  EXPECT_EQ(read_file(dir.file("ckpt/latest_checkpointed_iteration.txt")), "8\n");
+}
+
+}  // namespace
+
+TEST(PretrainCheckpoint, ResumeIsBitExactUnderZero3) { expect_exact_resume("optim_grads_params"); }
+TEST(PretrainCheckpoint, ResumeIsBitExactUnderNoShard) { expect_exact_resume("no_shard"); }
+
+TEST(PretrainCheckpoint, SaveKilledBeforeCommitKeepsThePreviousCheckpoint) {
+  TempDir dir("mfsdp-crash");
+  const std::string ckpt = dir.file("ckpt");
+  CommandOutcome crashed =
+      pretrain(2, " --save " + ckpt + " --save-interval 2", "MFSDP_TEST_CHECKPOINT_CRASH=before_commit@4");
+  EXPECT_NE(crashed.exit_code, 0) << crashed.output;
+  EXPECT_EQ(read_file(ckpt + "/latest_checkpointed_iteration.txt"), "2\n");
+  EXPECT_TRUE(fs::exists(ckpt + "/iter_0000004.tmp/metadata.json")) << "the killed save got that far";
+  EXPECT_FALSE(fs::exists(ckpt + "/iter_0000004"));
+
+  CommandOutcome resumed = pretrain(2, " --load " + ckpt + " --save " + ckpt + " --save-interval 2" +
+                                           " --metrics-file " + dir.file("resumed.jsonl"));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("iter_0000002 (iteration 2"), std::string::npos) << resumed.output;
+  EXPECT_EQ(steps_of(dir.file("resumed.jsonl")).begin()->first, 3);
+  EXPECT_EQ(read_file(ckpt + "/latest_checkpointed_iteration.txt"), "8\n");
+  for (const auto& entry : fs::directory_iterator(ckpt))
+    EXPECT_EQ(entry.path().string().find(".tmp"), std::string::npos) << "left behind: " << entry.path();
+}
+
+TEST(PretrainCheckpoint, ResumesOnOneRankWithAnotherStrategy) {
+  TempDir dir("mfsdp-reshard");
+  CommandOutcome whole = pretrain(2, " --metrics-file " + dir.file("whole.jsonl"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  CommandOutcome first = pretrain(2, " --save " + dir.file("ckpt") + " --exit-interval 4");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  CommandOutcome second = pretrain(1, " --load " + dir.file("ckpt") + " --data-parallel-sharding-strategy no_shard" +
+                                          " --metrics-file " + dir.file("second.jsonl"));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_NE(second.output.find("NOT restored (other world size)"), std::string::npos) << second.output;
+  auto a = steps_of(dir.file("whole.jsonl")), b = steps_of(dir.file("second.jsonl"));
+  ASSERT_EQ(b.size(), 4u);
+  // Another world size sums in another order: equal up to fp32 rounding.
+  for (auto& [it, step] : b) EXPECT_NEAR(step.loss, a.at(it).loss, 1e-5 * a.at(it).loss) << "iteration " << it;
+}
+
+TEST(PretrainCheckpoint, FinetuneAndResumeRulesNameTheFlag) {
+  TempDir dir("mfsdp-rules");
+  const std::string ckpt = dir.file("ckpt");
+  ASSERT_EQ(pretrain(1, " --save " + ckpt + " --exit-interval 4").exit_code, 0);
+
+  CommandOutcome finetune = pretrain(1, " --load " + ckpt + " --finetune --metrics-file " + dir.file("ft.jsonl"));
+  ASSERT_EQ(finetune.exit_code, 0) << finetune.output;
+  EXPECT_NE(finetune.output.find("weights only (--finetune)"), std::string::npos) << finetune.output;
+  EXPECT_EQ(steps_of(dir.file("ft.jsonl")).size(), 8u) << "--finetune starts at iteration 1";
+
+  struct Case {
+    std::string flags, expected;
+    int exit_code;
+  };
+  const Case cases[] = {
+      {" --load " + ckpt + " --hidden-size 64", "model_config.hidden_size is 32, this run has 64 (--hidden-size)", 1},
+      {" --load " + ckpt + " --lr 1e-3", "scheduler.max_lr", 1},
+      {" --load " + ckpt + " --lr 1e-3", "--override-opt_param-scheduler", 1},
+      {" --load " + ckpt + " --global-batch-size 16", "--global-batch-size", 1},
+      {" --load " + ckpt + " --optimizer sgd", "holds AdamW state, the run uses SGD", 1},
+      {" --finetune", "--finetune: needs --load", 2},
+      {" --save-interval 2", "--save-interval: needs --save", 2},
+  };
+  for (const Case& c : cases) {
+    CommandOutcome r = pretrain(1, c.flags);
+    EXPECT_EQ(r.exit_code, c.exit_code) << c.flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.flags << "\n" << r.output;
+  }
+  // This run's schedule wins when asked; the checkpoint's likewise.
+  EXPECT_EQ(pretrain(1, " --load " + ckpt + " --lr 1e-3 --override-opt_param-scheduler").exit_code, 0);
+  EXPECT_EQ(pretrain(1, " --load " + ckpt + " --lr 1e-3 --use-checkpoint-opt_param-scheduler").exit_code, 0);
+  // A folder with nothing saved yet: start from scratch, as Megatron does.
+  CommandOutcome empty = pretrain(1, " --load " + dir.file("nothing_here"));
+  EXPECT_EQ(empty.exit_code, 0) << empty.output;
+  EXPECT_NE(empty.output.find("holds no checkpoint yet"), std::string::npos) << empty.output;
+}
