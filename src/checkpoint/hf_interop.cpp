@@ -394,7 +394,8 @@ std::string describe_tensor(const TensorSource& source, const std::string& name,
   if (!source.contains(name) && source.contains(kModelPrefix + name)) resolved = kModelPrefix + name;
   if (!source.contains(resolved))
     throw std::invalid_argument("no tensor '" + name + "' in " + source.description() +
-                                " (mfsdp-ckpt inspect lists the names)");
+                                (source.is_checkpoint() ? " (mfsdp-ckpt inspect lists the names)"
+                                                        : " (give the HF name, or model.<HF name>)"));
   const std::vector<int64_t> shape = source.shape(resolved);
   const at::ScalarType dtype = source.dtype(resolved);
   const int64_t numel = source.numel(resolved);

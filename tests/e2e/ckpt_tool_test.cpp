@@ -1,0 +1,681 @@
+// mfsdp-ckpt end to end (the binary) plus its library side (include/mfsdp/hf_interop.h).
+// Checkpoints are built in this process with write_checkpoint from a tiny seeded
+// LlamaForCausalLM; exported folders are checked with a safetensors header parser written here,
+// independent of src/checkpoint/safetensors.cpp.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "harness/expect_error.h"
+#include "harness/run_command.h"
+#include "harness/temp_dir.h"
+#include "mfsdp/checkpoint.h"
+#include "mfsdp/hf_interop.h"
+#include "mfsdp/hf_llama.h"
+#include "mfsdp/llama.h"
+#include "mfsdp/safetensors.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using ordered_json = nlohmann::ordered_json;
+using mfsdp::testing::error_of;
+using mfsdp::testing::expect_contains;
+using mfsdp::testing::TempDir;
+using Tensors = std::map<std::string, at::Tensor>;
+
+using Outcome = mfsdp::testing::CommandOutcome;
+
+// stdout and stderr together, or stdout alone (for output that must parse as JSON).
+Outcome run(const std::string& command, bool with_stderr = true) {
+  return mfsdp::testing::run_command(with_stderr ? command : "{ " + command + " 2>/dev/null; }");
+}
+
+// The built tool: the environment overrides the path CMake compiled in.
+std::string tool() {
+  if (const char* v = std::getenv("MFSDP_CKPT_BIN")) return v;
+  return MFSDP_CKPT_BIN_PATH;
+}
+
+Outcome ckpt(const std::string& args, bool with_stderr = true) { return run(tool() + " " + args, with_stderr); }
+
+mfsdp::LlamaConfig tiny_config(bool tied) {
+  mfsdp::LlamaConfig c;
+  c.vocab_size = 64;
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.max_position_embeddings = 32;
+  c.rope_theta = 500000;
+  c.rms_norm_eps = 1e-5;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+// The model's parameters by HF name (copies), seeded.
+Tensors model_tensors(const mfsdp::LlamaConfig& cfg, uint64_t seed = 1234) {
+  mfsdp::LlamaOptions options;
+  options.init_seed = seed;
+  mfsdp::LlamaForCausalLM model(cfg, options);
+  Tensors out;
+  for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+mfsdp::CheckpointInfo info_for(const mfsdp::LlamaConfig& cfg, int64_t iteration = 5) {
+  mfsdp::CheckpointInfo info;
+  info.iteration = iteration;
+  info.consumed_samples = iteration * 8;
+  info.args = {{"--seed", "1234"}};
+  info.model_config = mfsdp::llama_hf_config(cfg, at::kFloat);
+  info.scheduler = {{"max_lr", 0.001}};
+  return info;
+}
+
+// Every "model." tensor of a checkpoint, without the prefix.
+Tensors read_model(const std::string& path) {
+  mfsdp::CheckpointReader reader(path);
+  Tensors out;
+  for (const auto& n : reader.tensor_names())
+    if (n.rfind("model.", 0) == 0) out[n.substr(6)] = reader.read(n);
+  return out;
+}
+
+void expect_bit_equal(const Tensors& got, const Tensors& want, const std::string& what) {
+  std::set<std::string> a, b;
+  for (const auto& kv : got) a.insert(kv.first);
+  for (const auto& kv : want) b.insert(kv.first);
+  ASSERT_EQ(a, b) << what;
+  for (const auto& [name, t] : want) {
+    const at::Tensor& g = got.at(name);
+    EXPECT_EQ(g.scalar_type(), t.scalar_type()) << what << ": " << name;
+    EXPECT_EQ(g.sizes(), t.sizes()) << what << ": " << name;
+    EXPECT_TRUE(g.scalar_type() == t.scalar_type() && g.sizes() == t.sizes() && at::equal(g, t))
+        << what << ": " << name << " differs";
+  }
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_TRUE(in.good()) << path;
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+// ---- Independent safetensors parser (the format specification, not src/checkpoint) ----------
+
+struct RawTensor {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t begin = 0, end = 0;
+};
+struct RawFile {
+  ordered_json metadata;
+  std::map<std::string, RawTensor> tensors;
+  std::string buffer;
+};
+
+RawFile parse_safetensors(const std::string& path) {
+  RawFile f;
+  const std::string all = slurp(path);
+  EXPECT_GE(all.size(), 8u) << path;
+  if (all.size() < 8) return f;
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<unsigned char>(all[static_cast<size_t>(i)]);
+  EXPECT_LE(8 + n, all.size()) << path;
+  EXPECT_EQ(n % 8, 0u) << path << ": header not padded to 8 bytes";
+  const ordered_json header = ordered_json::parse(all.substr(8, n));
+  f.buffer = all.substr(8 + n);
+  const std::map<std::string, uint64_t> item = {{"F32", 4}, {"BF16", 2}, {"F16", 2}, {"F64", 8},
+                                                {"I64", 8}, {"I32", 4},  {"U8", 1},  {"BOOL", 1}};
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [name, e] : header.items()) {
+    if (name == "__metadata__") {
+      f.metadata = e;
+      continue;
+    }
+    RawTensor t;
+    t.dtype = e.at("dtype").get<std::string>();
+    t.shape = e.at("shape").get<std::vector<int64_t>>();
+    t.begin = e.at("data_offsets")[0].get<uint64_t>();
+    t.end = e.at("data_offsets")[1].get<uint64_t>();
+    EXPECT_TRUE(item.count(t.dtype)) << path << ": " << name << " dtype " << t.dtype;
+    uint64_t numel = 1;
+    for (int64_t s : t.shape) numel *= static_cast<uint64_t>(s);
+    EXPECT_EQ(t.end - t.begin, numel * (item.count(t.dtype) ? item.at(t.dtype) : 0)) << path << ": " << name;
+    ranges.emplace_back(t.begin, t.end);
+    f.tensors[name] = t;
+  }
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t next = 0;
+  for (const auto& [b, e] : ranges) {
+    EXPECT_EQ(b, next) << path << ": data_offsets not contiguous";
+    next = e;
+  }
+  EXPECT_EQ(next, f.buffer.size()) << path << ": the last tensor does not end at the end of the file";
+  return f;
+}
+
+// The tensor's little-endian bytes as the spec lays them out.
+std::string bytes_of(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  return std::string(static_cast<const char*>(c.data_ptr()), c.numel() * c.element_size());
+}
+
+void write_hf_folder(const std::string& dir, const Tensors& tensors, const json& config) {
+  fs::create_directories(dir);
+  mfsdp::write_safetensors(dir + "/model.safetensors", {tensors.begin(), tensors.end()}, {{"format", "pt"}});
+  std::ofstream(dir + "/config.json") << config.dump(2);
+}
+
+}  // namespace
+
+// ---- export-hf / import-hf -------------------------------------------------------------------
+
+TEST(CkptTool, ExportImportRoundTripIsBitExactTiedAndUntied) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    TempDir tmp("mfsdp-ckpt");
+    const auto cfg = tiny_config(tied);
+    const Tensors original = model_tensors(cfg);
+    EXPECT_EQ(original.count("lm_head.weight"), tied ? 0u : 1u);
+    mfsdp::write_checkpoint(tmp.file("ckpt"), original, info_for(cfg));
+
+    Outcome e = ckpt("export-hf " + tmp.file("ckpt") + " " + tmp.file("hf") + " --dtype fp32");
+    ASSERT_EQ(e.exit_code, 0) << e.output;
+    const RawFile raw = parse_safetensors(tmp.file("hf/model.safetensors"));
+    EXPECT_EQ(raw.tensors.size(), original.size());
+    EXPECT_EQ(raw.tensors.count("lm_head.weight"), tied ? 0u : 1u);
+
+    Outcome i = ckpt("import-hf " + tmp.file("hf") + " " + tmp.file("back"));
+    ASSERT_EQ(i.exit_code, 0) << i.output;
+    expect_bit_equal(read_model(tmp.file("back")), original, "import(export(ckpt))");
+
+    mfsdp::CheckpointReader back(tmp.file("back"));
+    EXPECT_EQ(back.metadata()["iteration"], 0);
+    EXPECT_EQ(back.metadata()["consumed_samples"], 0);
+    EXPECT_TRUE(back.metadata()["optimizer"].is_null());
+    EXPECT_EQ(back.metadata()["args"]["imported_from"], tmp.file("hf"));
+    EXPECT_EQ(back.metadata()["model_config"], mfsdp::llama_hf_config(cfg, at::kFloat));
+    for (const auto& n : back.tensor_names()) EXPECT_EQ(n.rfind("model.", 0), 0u) << "not a model tensor: " << n;
+
+    Outcome c = ckpt("compare " + tmp.file("ckpt") + " " + tmp.file("back"));
+    EXPECT_EQ(c.exit_code, 0) << c.output;
+    expect_contains(c.output, {"SAME", "model.model.embed_tokens.weight"});
+    Outcome h = ckpt("compare " + tmp.file("ckpt") + " " + tmp.file("hf"));
+    EXPECT_EQ(h.exit_code, 0) << h.output;
+    expect_contains(h.output, {"model.<name>", std::to_string(original.size()) + " tensors: " +
+                                                   std::to_string(original.size()) + " equal"});
+  }
+}
+
+TEST(CkptTool, Bf16ExportEqualsTheBf16RoundedOriginal) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  const Tensors original = model_tensors(cfg);
+  mfsdp::write_checkpoint(tmp.file("ckpt"), original, info_for(cfg));
+  Outcome e = ckpt("export-hf " + tmp.file("ckpt") + " " + tmp.file("hf"));  // bf16 by default
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_EQ(json::parse(slurp(tmp.file("hf/config.json")))["torch_dtype"], "bfloat16");
+  const RawFile raw = parse_safetensors(tmp.file("hf/model.safetensors"));
+  for (const auto& [name, t] : raw.tensors) EXPECT_EQ(t.dtype, "BF16") << name;
+
+  ASSERT_EQ(ckpt("import-hf " + tmp.file("hf") + " " + tmp.file("back")).exit_code, 0);
+  Tensors rounded;
+  for (const auto& [name, t] : original) rounded[name] = t.to(at::kBFloat16);
+  expect_bit_equal(read_model(tmp.file("back")), rounded, "bf16 export");
+  EXPECT_EQ(mfsdp::CheckpointReader(tmp.file("back")).metadata()["model_config"]["torch_dtype"], "bfloat16");
+
+  Outcome exact = ckpt("compare " + tmp.file("ckpt") + " " + tmp.file("hf"));
+  EXPECT_EQ(exact.exit_code, 1) << exact.output;
+  expect_contains(exact.output, {"DIFFERENT", "dtype F32 vs BF16"});
+  Outcome loose = ckpt("compare " + tmp.file("ckpt") + " " + tmp.file("hf") + " --atol 0.01");
+  EXPECT_EQ(loose.exit_code, 0) << loose.output;
+}
+
+TEST(CkptTool, ExportedFolderPassesAnIndependentParserAndConfigMatches) {
+  for (bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    TempDir tmp("mfsdp-ckpt");
+    const auto cfg = tiny_config(tied);
+    const Tensors original = model_tensors(cfg);
+    mfsdp::write_checkpoint(tmp.file("ckpt"), original, info_for(cfg));
+    ASSERT_EQ(ckpt("export-hf " + tmp.file("ckpt") + " " + tmp.file("hf") + " --dtype fp32").exit_code, 0);
+
+    EXPECT_FALSE(fs::exists(tmp.file("hf/model.safetensors.index.json")));
+    const RawFile raw = parse_safetensors(tmp.file("hf/model.safetensors"));
+    EXPECT_EQ(raw.metadata, ordered_json({{"format", "pt"}}));
+    ASSERT_EQ(raw.tensors.size(), original.size());
+    for (const auto& [name, t] : original) {
+      ASSERT_TRUE(raw.tensors.count(name)) << name;
+      const RawTensor& r = raw.tensors.at(name);
+      EXPECT_EQ(r.dtype, "F32") << name;
+      EXPECT_EQ(r.shape, t.sizes().vec()) << name;
+      EXPECT_EQ(raw.buffer.substr(r.begin, r.end - r.begin), bytes_of(t)) << name << ": bytes differ";
+    }
+
+    const json config = json::parse(slurp(tmp.file("hf/config.json")));
+    EXPECT_EQ(config["architectures"], json::array({"LlamaForCausalLM"}));
+    EXPECT_EQ(config["model_type"], "llama");
+    EXPECT_EQ(config["hidden_size"], cfg.hidden_size);
+    EXPECT_EQ(config["num_hidden_layers"], cfg.num_layers);
+    EXPECT_EQ(config["num_attention_heads"], cfg.num_attention_heads);
+    EXPECT_EQ(config["num_key_value_heads"], cfg.num_key_value_heads);
+    EXPECT_EQ(config["intermediate_size"], cfg.intermediate_size);
+    EXPECT_EQ(config["vocab_size"], cfg.vocab_size);
+    EXPECT_EQ(config["max_position_embeddings"], cfg.max_position_embeddings);
+    EXPECT_EQ(config["rope_theta"].get<double>(), cfg.rope_theta);
+    EXPECT_EQ(config["rms_norm_eps"].get<double>(), cfg.rms_norm_eps);
+    EXPECT_EQ(config["tie_word_embeddings"], tied);
+    EXPECT_EQ(config["torch_dtype"], "float32");
+    EXPECT_NE(slurp(tmp.file("hf/config.json")).find("\n  \"architectures\""), std::string::npos)
+        << "config.json is not pretty-printed";
+  }
+}
+
+TEST(CkptTool, ShardedExportHasACompleteIndexAndImportsBitExact) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  const Tensors original = model_tensors(cfg);
+  mfsdp::write_checkpoint(tmp.file("ckpt"), original, info_for(cfg));
+  Outcome e = ckpt("export-hf " + tmp.file("ckpt") + " " + tmp.file("hf") + " --dtype fp32 --max-shard-size 4KB");
+  ASSERT_EQ(e.exit_code, 0) << e.output;
+  EXPECT_FALSE(fs::exists(tmp.file("hf/model.safetensors")));
+  const json index = json::parse(slurp(tmp.file("hf/model.safetensors.index.json")));
+  std::set<std::string> mapped, files;
+  for (const auto& [name, file] : index["weight_map"].items()) {
+    mapped.insert(name);
+    files.insert(file.get<std::string>());
+  }
+  std::set<std::string> expected;
+  uint64_t total = 0;
+  for (const auto& [name, t] : original) {
+    expected.insert(name);
+    total += static_cast<uint64_t>(t.numel()) * 4;
+  }
+  EXPECT_EQ(mapped, expected);
+  EXPECT_EQ(index["metadata"]["total_size"].get<uint64_t>(), total);
+  EXPECT_GT(files.size(), 2u);
+  for (const std::string& file : files) {
+    const RawFile raw = parse_safetensors(tmp.file("hf/" + file));
+    EXPECT_EQ(raw.metadata, ordered_json({{"format", "pt"}})) << file;
+    uint64_t data = 0;
+    for (const auto& [name, t] : raw.tensors) {
+      EXPECT_EQ(index["weight_map"][name], file) << name;
+      EXPECT_EQ(raw.buffer.substr(t.begin, t.end - t.begin), bytes_of(original.at(name))) << name;
+      data += t.end - t.begin;
+    }
+    // A shard holds at most 4000 bytes unless one tensor alone is larger (the 4096-byte embedding).
+    EXPECT_TRUE(data <= 4000 || raw.tensors.size() == 1) << file << " holds " << data << " bytes";
+  }
+  ASSERT_EQ(ckpt("import-hf " + tmp.file("hf") + " " + tmp.file("back")).exit_code, 0);
+  expect_bit_equal(read_model(tmp.file("back")), original, "sharded round trip");
+  Outcome c = ckpt("compare " + tmp.file("hf") + " " + tmp.file("back"));
+  EXPECT_EQ(c.exit_code, 0) << c.output;
+}
+
+TEST(CkptTool, ImportRejectsFoldersThatDoNotMatchTheConfigAndWritesNothing) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  const Tensors good = model_tensors(cfg);
+  const json config = mfsdp::llama_hf_config(cfg, at::kFloat);
+  struct Case {
+    std::string label;
+    Tensors tensors;
+    json config;
+    std::vector<std::string> expected;
+  };
+  std::vector<Case> cases;
+  {
+    Case c{"missing", good, config, {"'model.layers.1.mlp.down_proj.weight'", "missing"}};
+    c.tensors.erase("model.layers.1.mlp.down_proj.weight");
+    cases.push_back(c);
+  }
+  {
+    Case c{"extra", good, config, {"'model.layers.0.self_attn.extra.weight'", "unexpected"}};
+    c.tensors["model.layers.0.self_attn.extra.weight"] = at::zeros({2});
+    cases.push_back(c);
+  }
+  {
+    Case c{"shape", good, config, {"'model.norm.weight' has shape [17], the config expects [16]"}};
+    c.tensors["model.norm.weight"] = at::ones({17});
+    cases.push_back(c);
+  }
+  {
+    Case c{"bias", good, config, {"bias", "'model.layers.0.self_attn.q_proj.bias'", "'model.layers.1.self_attn.k_proj.bias'"}};
+    c.config["model_type"] = "qwen2";
+    c.tensors["model.layers.0.self_attn.q_proj.bias"] = at::zeros({16});
+    c.tensors["model.layers.1.self_attn.k_proj.bias"] = at::zeros({8});
+    cases.push_back(c);
+  }
+  {
+    Case c{"gpt2", good, config, {"model_type", "'gpt2'", "config.json"}};
+    c.config["model_type"] = "gpt2";
+    cases.push_back(c);
+  }
+  {
+    Case c{"tied but different", good, config, {"tie_word_embeddings", "'lm_head.weight'"}};
+    c.config["tie_word_embeddings"] = true;
+    cases.push_back(c);
+  }
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.label);
+    const std::string in = tmp.file("in_" + std::to_string(&c - cases.data()));
+    const std::string out = tmp.file("out_" + std::to_string(&c - cases.data()));
+    write_hf_folder(in, c.tensors, c.config);
+    Outcome r = ckpt("import-hf " + in + " " + out);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_EQ(r.output.rfind("mfsdp-ckpt: ", 0), 0u) << r.output;
+    for (const std::string& part : c.expected) expect_contains(r.output, {part});
+    EXPECT_FALSE(fs::exists(out)) << "something was written to " << out;
+  }
+}
+
+TEST(CkptTool, ImportAcceptsTiedHeadsRopeBuffersAndQwen2WithoutBiases) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(true);
+  Tensors tensors = model_tensors(cfg);
+  const Tensors expected = tensors;
+  tensors["lm_head.weight"] = tensors.at("model.embed_tokens.weight").clone();  // saved tied: equal copy
+  tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = at::ones({2});
+  json config = mfsdp::llama_hf_config(cfg, at::kFloat);
+  config["model_type"] = "qwen2";
+  write_hf_folder(tmp.file("hf"), tensors, config);
+  Outcome r = ckpt("import-hf " + tmp.file("hf") + " " + tmp.file("out"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_bit_equal(read_model(tmp.file("out")), expected, "tied import");
+  EXPECT_EQ(mfsdp::CheckpointReader(tmp.file("out")).metadata()["model_config"]["model_type"], "llama");
+}
+
+TEST(CkptTool, ExportRefusesCheckpointsWithoutConfigOrWithOtherTensors) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  Tensors tensors = model_tensors(cfg);
+  mfsdp::CheckpointInfo no_config = info_for(cfg);
+  no_config.model_config = json::object();
+  mfsdp::write_checkpoint(tmp.file("bare"), tensors, no_config);
+  Outcome r = ckpt("export-hf " + tmp.file("bare") + " " + tmp.file("out1"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"mfsdp-ckpt: ", tmp.file("bare"), "model_config"});
+  EXPECT_FALSE(fs::exists(tmp.file("out1")));
+
+  tensors["model.layers.0.mlp.extra.weight"] = at::zeros({3});
+  tensors["model.norm.weight"] = at::ones({15});
+  mfsdp::write_checkpoint(tmp.file("odd"), tensors, info_for(cfg));
+  r = ckpt("export-hf " + tmp.file("odd") + " " + tmp.file("out2"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"'model.layers.0.mlp.extra.weight'", "'model.norm.weight' has shape [15]"});
+  EXPECT_FALSE(fs::exists(tmp.file("out2")));
+}
+
+// ---- convert ---------------------------------------------------------------------------------
+
+TEST(CkptTool, ConvertReadsTorchSaveFiles) {
+  const std::string fixtures = std::string(MFSDP_FIXTURES_DIR) + "/torch_save/";
+  if (!fs::exists(fixtures + "state_dict.pt") || !fs::exists(fixtures + "nested.pt"))
+    GTEST_SKIP() << "no torch.save fixtures in " << fixtures;
+  TempDir tmp("mfsdp-ckpt");
+  // state_dict.pt: Linear(4, 3) + LayerNorm(3) (scripts/make_torch_save_fixtures.py).
+  Outcome r = ckpt("convert " + fixtures + "state_dict.pt " + tmp.file("sd") +
+                   " --remove 'norm\\..*' --rename proj.=fc. --iteration 3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(fs::exists(tmp.file("sd/iter_0000003/metadata.json"))) << r.output;
+  const Tensors sd = read_model(tmp.file("sd"));
+  ASSERT_EQ(sd.size(), 2u) << r.output;
+  EXPECT_TRUE(at::equal(sd.at("fc.weight"), at::arange(12, at::kFloat).reshape({3, 4}) / 8));
+  EXPECT_TRUE(at::equal(sd.at("fc.bias"), at::arange(3, at::kFloat) - 1));
+  EXPECT_EQ(mfsdp::CheckpointReader(tmp.file("sd")).metadata()["iteration"], 3);
+
+  // nested.pt: flattened keys, views of one storage, other dtypes; the optimizer part removed.
+  r = ckpt("convert " + fixtures + "nested.pt " + tmp.file("nested") + " --remove 'optim\\..*'");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Tensors nested = read_model(tmp.file("nested"));
+  for (const auto& [name, t] : nested) EXPECT_EQ(name.rfind("model.", 0), 0u) << name;
+  const at::Tensor base = at::arange(24, at::kFloat).reshape({4, 6});
+  EXPECT_TRUE(at::equal(nested.at("model.row"), base[2]));
+  EXPECT_TRUE(at::equal(nested.at("model.t_slice"), base.t().slice(0, 1, 4).slice(1, 0, 4, 2)));
+  EXPECT_TRUE(at::equal(nested.at("model.one.only"), at::arange(4, at::kInt)));
+  EXPECT_TRUE(at::equal(nested.at("model.bf16"), (at::arange(6, at::kFloat).reshape({2, 3}) - 2.5).to(at::kBFloat16)));
+}
+
+TEST(CkptTool, ConvertSplitsSwigluRenamesAndRemoves) {
+  TempDir tmp("mfsdp-ckpt");
+  // Megatron-style names in a checkpoint (convert also accepts checkpoints).
+  const Tensors megatron = {
+      {"decoder.layers.0.mlp.linear_fc1.weight", at::arange(24, at::kFloat).reshape({6, 4})},
+      {"decoder.layers.0.mlp.linear_fc2.weight", at::arange(12, at::kFloat).reshape({4, 3}) * -1},
+      {"decoder.layers.0.mlp.linear_fc1.layer_norm_weight", at::ones({4})},
+      {"decoder.layers.0.self_attention.linear_qkv._extra_state", at::zeros({5}, at::kByte)},
+      {"decoder.layers.1.mlp.fc1.weight", at::arange(8, at::kFloat).reshape({4, 2}) + 100},
+      {"decoder.final_layernorm.weight", at::full({4}, 2.0)},
+  };
+  mfsdp::CheckpointInfo info;
+  info.iteration = 9;
+  info.model_config = {{"model_type", "megatron-gpt"}};
+  mfsdp::write_checkpoint(tmp.file("in"), megatron, info);
+
+  Outcome r = ckpt("convert " + tmp.file("in") + " " + tmp.file("out") +
+                   " --swiglu --remove '.*_extra_state' --rename decoder.=model. --rename linear_fc2=down_proj");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Tensors out = read_model(tmp.file("out"));
+  std::set<std::string> names;
+  for (const auto& kv : out) names.insert(kv.first);
+  EXPECT_EQ(names, (std::set<std::string>{"model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                                          "model.layers.0.mlp.down_proj.weight",
+                                          "model.layers.0.mlp.linear_fc1.layer_norm_weight",
+                                          "model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                                          "model.final_layernorm.weight"}));
+  const at::Tensor fc1 = megatron.at("decoder.layers.0.mlp.linear_fc1.weight");
+  EXPECT_TRUE(at::equal(out.at("model.layers.0.mlp.gate_proj.weight"), fc1.slice(0, 0, 3)));
+  EXPECT_TRUE(at::equal(out.at("model.layers.0.mlp.up_proj.weight"), fc1.slice(0, 3, 6)));
+  EXPECT_TRUE(at::equal(out.at("model.layers.1.mlp.gate_proj.weight"),
+                        at::arange(4, at::kFloat).reshape({2, 2}) + 100));
+  EXPECT_TRUE(at::equal(out.at("model.layers.1.mlp.up_proj.weight"),
+                        at::arange(4, 8, at::kFloat).reshape({2, 2}) + 100));
+  EXPECT_TRUE(at::equal(out.at("model.layers.0.mlp.down_proj.weight"),
+                        megatron.at("decoder.layers.0.mlp.linear_fc2.weight")));
+  mfsdp::CheckpointReader reader(tmp.file("out"));
+  EXPECT_EQ(reader.metadata()["model_config"], info.model_config) << "model_config not copied";
+  EXPECT_EQ(reader.metadata()["iteration"], 0);
+  EXPECT_TRUE(reader.metadata()["optimizer"].is_null());
+
+  // Two tensors renamed onto one name: both named, nothing written.
+  r = ckpt("convert " + tmp.file("in") + " " + tmp.file("collide") + " --rename fc2=fc1");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"'decoder.layers.0.mlp.linear_fc1.weight'", "'decoder.layers.0.mlp.linear_fc2.weight'"});
+  EXPECT_FALSE(fs::exists(tmp.file("collide")));
+  // A split half landing on an existing name.
+  r = ckpt("convert " + tmp.file("in") + " " + tmp.file("collide") + " --swiglu --rename up_proj=gate_proj");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"'decoder.layers.0.mlp.gate_proj.weight'"});
+
+  // An odd first dimension cannot be split.
+  mfsdp::write_checkpoint(tmp.file("odd"), {{"layers.0.mlp.linear_fc1.weight", at::zeros({5, 4})}}, {});
+  r = ckpt("convert " + tmp.file("odd") + " " + tmp.file("odd_out") + " --swiglu");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"'layers.0.mlp.linear_fc1.weight'", "[5, 4]"});
+  EXPECT_FALSE(fs::exists(tmp.file("odd_out")));
+
+  // An HF folder as input: its config.json becomes the model_config.
+  write_hf_folder(tmp.file("hf"), {{"model.layers.0.mlp.fc1.weight", at::arange(8, at::kFloat).reshape({4, 2})}},
+                  {{"model_type", "custom"}});
+  r = ckpt("convert " + tmp.file("hf") + " " + tmp.file("from_hf") + " --swiglu");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const Tensors from_hf = read_model(tmp.file("from_hf"));
+  EXPECT_EQ(from_hf.size(), 2u);
+  EXPECT_TRUE(at::equal(from_hf.at("model.layers.0.mlp.up_proj.weight"), at::arange(4, 8, at::kFloat).reshape({2, 2})));
+  EXPECT_EQ(mfsdp::CheckpointReader(tmp.file("from_hf")).metadata()["model_config"]["model_type"], "custom");
+}
+
+TEST(CkptTool, StateTransformLibrary) {
+  mfsdp::StateTransform t;
+  t.remove = {"b\\..*"};
+  t.rename = {{"a", "x"}, {"xx", "y"}};  // in order: "aa.w" -> "xx.w" -> "y.w"
+  Tensors in = {{"aa.w", at::zeros({1})}, {"b.w", at::zeros({1})}, {"b.ab", at::zeros({1})}, {"c.ab.w", at::ones({1})}};
+  const Tensors out = mfsdp::apply_state_transform(in, t);
+  std::set<std::string> names;
+  for (const auto& kv : out) names.insert(kv.first);
+  EXPECT_EQ(names, (std::set<std::string>{"y.w", "c.xb.w"}));
+  t.remove = {"("};
+  expect_contains(error_of([&] { mfsdp::apply_state_transform(in, t); }), {"--remove", "'('"});
+
+  EXPECT_EQ(mfsdp::parse_byte_size("500MB"), 500000000u);
+  EXPECT_EQ(mfsdp::parse_byte_size("2GB"), 2000000000u);
+  EXPECT_EQ(mfsdp::parse_byte_size("1.5gb"), 1500000000u);
+  EXPECT_EQ(mfsdp::parse_byte_size("64KiB"), 65536u);
+  EXPECT_EQ(mfsdp::parse_byte_size("12345"), 12345u);
+  for (const char* bad : {"", "GB", "5XB", "-1", "1.2.3", "0"})
+    expect_contains(error_of([&] { mfsdp::parse_byte_size(bad); }), {"not a size"});
+}
+
+// ---- inspect / print-tensor / compare ----------------------------------------------------------
+
+TEST(CkptTool, InspectPrintsTheMetadataAndTensorsAsJson) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  const Tensors original = model_tensors(cfg);
+  mfsdp::write_checkpoint(tmp.file("ckpt"), original, info_for(cfg, 7));
+  for (const std::string& path : {tmp.file("ckpt"), tmp.file("ckpt/iter_0000007")}) {
+    Outcome r = ckpt("inspect " + path, /*with_stderr=*/false);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const json j = json::parse(r.output);
+    EXPECT_EQ(j["format"], "mfsdp.fsdp_dtensor");
+    EXPECT_EQ(j["iteration"], 7);
+    EXPECT_EQ(j["consumed_samples"], 56);
+    EXPECT_EQ(j["world_size"], 1);
+    EXPECT_EQ(j["args"]["--seed"], "1234");
+    EXPECT_EQ(j["model_config"]["hidden_size"], 16);
+    EXPECT_EQ(j["scheduler"]["max_lr"], 0.001);
+    EXPECT_TRUE(j.contains("optimizer"));
+    ASSERT_EQ(j["tensors"].size(), original.size());
+    int64_t params = 0;
+    for (const auto& [name, t] : original) {
+      const json& e = j["tensors"]["model." + name];
+      EXPECT_EQ(e["shape"].get<std::vector<int64_t>>(), t.sizes().vec()) << name;
+      EXPECT_EQ(e["dtype"], "F32") << name;
+      EXPECT_EQ(e["chunks"], 1) << name;
+      params += t.numel();
+    }
+    EXPECT_EQ(j["summary"]["model_parameters"], params);
+    EXPECT_EQ(r.output.find("\"bytes\""), std::string::npos) << "byte offsets without --chunks";
+  }
+  Outcome r = ckpt("inspect --chunks " + tmp.file("ckpt"), false);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const json chunks = json::parse(r.output)["tensors"]["model.model.norm.weight"]["chunks"];
+  ASSERT_TRUE(chunks.is_array() && chunks.size() == 1) << chunks;
+  EXPECT_EQ(chunks[0]["numel"], 16);
+  EXPECT_TRUE(chunks[0].contains("bytes"));
+}
+
+TEST(CkptTool, PrintTensorShowsValuesAndStatistics) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  Tensors tensors = model_tensors(cfg);
+  tensors["model.norm.weight"] = at::arange(16, at::kFloat);
+  tensors["model.embed_tokens.weight"] = (at::arange(64 * 16, at::kFloat) / 4).reshape({64, 16});
+  mfsdp::write_checkpoint(tmp.file("ckpt"), tensors, info_for(cfg));
+
+  Outcome r = ckpt("print-tensor " + tmp.file("ckpt") + " model.model.norm.weight");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, {"model.model.norm.weight", "F32", "[16]", "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15\n",
+                             "min     0\n", "max     15\n", "mean    7.5\n"});
+  EXPECT_EQ(r.output.find("first"), std::string::npos) << r.output;
+
+  r = ckpt("print-tensor " + tmp.file("ckpt") + " model.norm.weight --max-elements 4");  // "model." left out
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, {"model.model.norm.weight", "the first 4 of 16", "0 1 2 3 ...\n", "max     15\n"});
+
+  r = ckpt("print-tensor " + tmp.file("ckpt/iter_0000005") + " model.model.embed_tokens.weight --max-elements 20");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  expect_contains(r.output, {"[64, 16]", "[0, :]  0 0.25 0.5 0.75 1", "[1, :]  4 4.25 4.5 4.75 ...\n",
+                             "max     255.75\n"});
+
+  r = ckpt("print-tensor " + tmp.file("ckpt") + " model.no.such.weight");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"mfsdp-ckpt: ", "'model.no.such.weight'"});
+}
+
+TEST(CkptTool, CompareReportsEveryDifference) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  const Tensors original = model_tensors(cfg);
+  mfsdp::write_checkpoint(tmp.file("a"), original, info_for(cfg));
+  Tensors changed = original;
+  changed["model.norm.weight"] = changed["model.norm.weight"].clone();
+  changed["model.norm.weight"][3] += 0.5;
+  changed["model.extra"] = at::zeros({2});
+  mfsdp::write_checkpoint(tmp.file("b"), changed, info_for(cfg));
+  Tensors reshaped = original;
+  reshaped["lm_head.weight"] = at::zeros({63, 16});
+  mfsdp::write_checkpoint(tmp.file("c"), reshaped, info_for(cfg));
+
+  Outcome same = ckpt("compare " + tmp.file("a") + " " + tmp.file("a/iter_0000005"));
+  EXPECT_EQ(same.exit_code, 0) << same.output;
+  expect_contains(same.output, {"SAME", std::to_string(original.size()) + " equal"});
+
+  Outcome diff = ckpt("compare " + tmp.file("a") + " " + tmp.file("b"));
+  EXPECT_EQ(diff.exit_code, 1) << diff.output;
+  expect_contains(diff.output, {"DIFFERENT 0.5           model.model.norm.weight\n", "ONLY-B    -             model.model.extra\n",
+                                "1 different", "1 only in B"});
+  // Within --atol the changed tensor counts as equal, the extra one still does not.
+  Outcome loose = ckpt("compare " + tmp.file("a") + " " + tmp.file("b") + " --atol 0.5");
+  EXPECT_EQ(loose.exit_code, 1) << loose.output;
+  expect_contains(loose.output, {"0 different", "1 only in B"});
+
+  Outcome shape = ckpt("compare " + tmp.file("a") + " " + tmp.file("c"));
+  EXPECT_EQ(shape.exit_code, 1) << shape.output;
+  expect_contains(shape.output, {"SHAPE", "model.lm_head.weight  shape [64, 16] vs [63, 16]"});
+
+  // The library call agrees.
+  const auto report = mfsdp::compare_tensors(mfsdp::TensorSource(tmp.file("a")), mfsdp::TensorSource(tmp.file("b")), 0);
+  EXPECT_FALSE(report.same);
+  for (const auto& row : report.rows)
+    if (row.name == "model.model.norm.weight") {
+      EXPECT_EQ(row.max_abs_diff, 0.5);
+    }
+}
+
+TEST(CkptTool, BadUsageExitsTwoNamingTheProblem) {
+  TempDir tmp("mfsdp-ckpt");
+  struct Case {
+    std::string args, expected;
+  } cases[] = {
+      {"", "subcommand"},
+      {"frobnicate x", "'frobnicate'"},
+      {"inspect", "CKPT"},
+      {"inspect x --bogus", "--bogus"},
+      {"compare a", "B"},
+      {"print-tensor a b --max-elements -1", "--max-elements"},
+      {"export-hf a b --dtype int8", "--dtype"},
+      {"export-hf a b --max-shard-size lots", "--max-shard-size"},
+      {"convert a b --rename nothing", "--rename"},
+      {"convert a b --remove '('", "--remove"},
+      {"convert a b --iteration -3", "--iteration"},
+      {"import-hf onlyone", "OUT_CKPT"},
+  };
+  for (const auto& c : cases) {
+    Outcome r = ckpt(c.args);
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
+    expect_contains(r.output, {"mfsdp-ckpt: ", c.expected});
+  }
+  // A well-formed command on something that is not a checkpoint is a failure (1), not bad usage.
+  Outcome r = ckpt("inspect " + tmp.file("nothing"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"mfsdp-ckpt: ", tmp.file("nothing")});
+  r = ckpt("compare " + tmp.file("nothing") + " " + tmp.file("nothing"));
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"neither a checkpoint", tmp.file("nothing")});
+  EXPECT_EQ(ckpt("--help").exit_code, 0);
+}
