@@ -7,12 +7,15 @@
 // Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.
 #include <torch/torch.h>
 
+#include <cstdlib>
+
 #include <cstdio>
 #include <iostream>
 #include <thread>
 
 #include "mfsdp/comm.h"
 #include "mfsdp/rendezvous.h"
+#include "mfsdp/simulated_comm.h"
 #include "mfsdp/tokenizer.h"
 #include "train/pretrain_args.h"
 #include "train/trainer.h"
@@ -28,24 +31,37 @@ int main(int argc, char** argv) {
   mfsdp::RendezvousInfo info;
   try {
     args = mfsdp::parse_pretrain_args(args_text);
-    info = mfsdp::rendezvous_from_env();
+    // A simulated run is one process on its own; it needs no launcher (but may have one).
+    if (args.simulate_world_size == 0 || std::getenv("WORLD_SIZE") != nullptr)
+      info = mfsdp::rendezvous_from_env();
     int64_t vocab = 0;
     if (!args.tokenizer_type.empty() && args.tokenizer_type != "NullTokenizer") {
       mfsdp::TokenizerOptions t{args.tokenizer_type, args.tokenizer_model, args.vocab_file,
                                 args.merge_file};
       vocab = mfsdp::tokenizer_vocab_size(t);
     }
-    mfsdp::validate_pretrain_args(args, info.world_size, vocab);
+    if (args.simulate_world_size > 0 && info.world_size != 1)
+      throw std::invalid_argument("--simulate-world-size: run it as one process (mfsdp-run started " +
+                                  std::to_string(info.world_size) + ")");
+    const int dp = args.simulate_world_size > 0 ? static_cast<int>(args.simulate_world_size) : info.world_size;
+    mfsdp::validate_pretrain_args(args, dp, vocab);
   } catch (const std::exception& e) {
     std::cerr << "mfsdp-pretrain: error: " << e.what() << std::endl;
     return 2;
   }
   try {
-    // ranks x threads <= cores on this node.
+    // ranks x threads <= cores on this node, unless OMP_NUM_THREADS says otherwise.
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    at::set_num_threads(std::max<int>(1, static_cast<int>(cores) / info.local_world_size));
-    auto comm = mfsdp::init_communicator(info);
-    if (comm->rank() == 0) {
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    const int threads = omp != nullptr && std::atoi(omp) > 0
+                            ? std::atoi(omp)
+                            : std::max<int>(1, static_cast<int>(cores) / info.local_world_size);
+    at::set_num_threads(threads);
+    auto comm = args.simulate_world_size > 0
+                    ? mfsdp::make_simulated_communicator(static_cast<int>(args.simulate_rank),
+                                                         static_cast<int>(args.simulate_world_size))
+                    : mfsdp::init_communicator(info);
+    if (comm->rank() == 0 || mfsdp::is_simulated(*comm)) {
 #ifdef MFSDP_WITH_CUDA
       const bool cuda = true;
 #else

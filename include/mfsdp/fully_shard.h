@@ -73,6 +73,13 @@ struct FullyShardOptions {
   bool reshard_after_forward = true;   // optim_grads_params only: free weights after forward
   GradientScaling gradient_scaling = GradientScaling::kDivideByWorld;
   bool align_rows = true;              // chunk-size alignment of shards to whole rows
+  // Overlap (ZeRO-3): all-gather the next unit's weights while this one computes; the order is
+  // recorded on the first step (forward), and reversed in backward.
+  bool prefetch = true;
+  // Start the first unit's all-gather when the optimizer step ends (in after_step()), so it
+  // overlaps whatever precedes the next forward (Megatron's fsdp_all_gather_in_start_param_sync).
+  // Off: nothing is in flight between steps.
+  bool all_gather_in_start_param_sync = true;
 };
 
 // One parameter's piece on this rank (for checkpoints and diagnostics).

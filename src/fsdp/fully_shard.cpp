@@ -261,10 +261,12 @@ std::vector<OptimizerShard> FsdpHandle::optimizer_shards() const {
 
 std::function<void()> FsdpHandle::after_step() const {
   std::shared_ptr<detail::RootContext> ctx = state().context();
-  return [ctx] {
+  const bool start_param_sync = state().options().all_gather_in_start_param_sync;
+  return [ctx, start_param_sync] {
     at::NoGradGuard no_grad;
     for (UnitState* u : ctx->units)
       for (auto& g : u->groups()) g->copy_main_to_model_weights();
+    if (start_param_sync && ctx->order_fixed) ctx->forward_order.front()->prefetch();
   };
 }
 

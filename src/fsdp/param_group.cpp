@@ -83,16 +83,38 @@ void ParamGroup::point_params_at_unsharded() {
 
 bool ParamGroup::is_unsharded() const { return has_storage(unsharded_); }
 
-bool ParamGroup::unshard() {
+ParamGroup::~ParamGroup() {
+  // The communication thread may still be writing into the unsharded buffer.
+  try {
+    wait_unshard();
+  } catch (...) {
+  }
+}
+
+bool ParamGroup::start_unshard() {
   if (!sharded_model() || is_unsharded()) return false;
   regrow_storage(unsharded_);
   transient_->add(unsharded_.nbytes());
-  comm_->all_gather(unsharded_, model_shard_);
+  gathering_ = comm_->all_gather_async(unsharded_, model_shard_);
   return true;
+}
+
+void ParamGroup::wait_unshard() {
+  if (!gathering_) return;
+  WorkHandle work = std::move(gathering_);
+  gathering_ = nullptr;
+  work->wait();
+}
+
+bool ParamGroup::unshard() {
+  const bool started = start_unshard();
+  wait_unshard();
+  return started;
 }
 
 void ParamGroup::reshard() {
   if (!sharded_model() || !is_unsharded()) return;
+  wait_unshard();
   free_storage(unsharded_);
   transient_->sub(unsharded_.nbytes());
 }
@@ -225,6 +247,7 @@ void ParamGroup::zero_main_grads() {
 
 void ParamGroup::copy_main_to_model_weights() {
   if (!requires_grad_) return;
+  wait_unshard();  // a prefetch may still be reading the model shard
   const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
   switch (strategy_) {
     case ShardingStrategy::kOptimGradsParams:
@@ -316,6 +339,7 @@ std::vector<at::Tensor> ParamGroup::gather_full_parameters() const {
 }
 
 void ParamGroup::load_full_parameters(const std::vector<at::Tensor>& values) {
+  wait_unshard();
   at::Tensor flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(at::kDouble));
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries[i];

@@ -70,10 +70,17 @@ class ParamGroup {
   const FlatLayout& layout() const { return layout_; }
   void set_transient_counter(TransientCounter* t) { transient_ = t; }
 
-  // ZeRO-3: all-gather the model weights into the unsharded buffer (no-op when already there or
-  // when the model weights are not sharded). Returns whether it all-gathered.
+  ~ParamGroup();
+
+  // ZeRO-3: starts all-gathering the model weights into the unsharded buffer without waiting
+  // (prefetch; no-op when already there or started, or when the model weights are not sharded).
+  // Returns whether it started one.
+  bool start_unshard();
+  // Waits for an all-gather start_unshard() began (no-op otherwise).
+  void wait_unshard();
+  // start_unshard() + wait_unshard(). Returns whether it all-gathered.
   bool unshard();
-  // ZeRO-3: free the unsharded buffer.
+  // ZeRO-3: free the unsharded buffer (after waiting for an all-gather in flight into it).
   void reshard();
   bool is_unsharded() const;
 
@@ -135,6 +142,7 @@ class ParamGroup {
   TransientCounter* transient_;
 
   at::Tensor unsharded_;       // [P] compute
+  WorkHandle gathering_;       // an all-gather into unsharded_ in flight (prefetch), or null
   at::Tensor model_shard_;     // [S] compute, ZeRO-3
   at::Tensor main_weight_;     // [S] or [P] main
   bool main_aliases_model_ = false;

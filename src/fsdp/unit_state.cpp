@@ -1,5 +1,7 @@
 #include "fsdp/unit_state.h"
 
+#include <algorithm>
+
 #include "mfsdp/recompute.h"
 
 #include <torch/csrc/autograd/custom_function.h>
@@ -55,8 +57,27 @@ void RootContext::limit_pending(size_t limit) {
   }
 }
 
+void RootContext::record_forward(UnitState* unit) {
+  if (order_fixed || std::find(forward_order.begin(), forward_order.end(), unit) != forward_order.end())
+    return;
+  forward_order.push_back(unit);
+}
+
+UnitState* RootContext::next_in_forward(const UnitState* unit) const {
+  if (!order_fixed) return nullptr;
+  auto it = std::find(forward_order.begin(), forward_order.end(), unit);
+  return it == forward_order.end() || it + 1 == forward_order.end() ? nullptr : *(it + 1);
+}
+
+UnitState* RootContext::previous_in_forward(const UnitState* unit) const {
+  if (!order_fixed) return nullptr;
+  auto it = std::find(forward_order.begin(), forward_order.end(), unit);
+  return it == forward_order.end() || it == forward_order.begin() ? nullptr : *(it - 1);
+}
+
 void RootContext::finish_backward() {
   note("", "end_of_backward");
+  if (!forward_order.empty()) order_fixed = true;  // the first step has shown the order
   for (UnitState* unit : units) unit->finish_backward();
   limit_pending(0);
   if (sync_gradients) {
@@ -104,12 +125,25 @@ void UnitState::rename_parameters(const std::map<const c10::TensorImpl*, std::st
 
 void UnitState::unshard() {
   bool gathered = false;
-  for (auto& g : groups_) gathered |= g->unshard();
+  for (auto& g : groups_) gathered |= g->start_unshard();
   if (gathered) context_->note(path_, "all_gather");
+  for (auto& g : groups_) g->wait_unshard();
+  prefetched_ = false;
+}
+
+void UnitState::prefetch() {
+  if (phase_ != Phase::kIdle) return;
+  bool gathered = false;
+  for (auto& g : groups_) gathered |= g->start_unshard();
+  if (!gathered) return;
+  context_->note(path_, "all_gather");
+  context_->note(path_, "prefetch");
+  prefetched_ = true;
 }
 
 void UnitState::reshard() {
   for (auto& g : groups_) g->reshard();
+  prefetched_ = false;
 }
 
 void UnitState::pre_forward() {
@@ -121,7 +155,11 @@ void UnitState::pre_forward() {
     return;
   }
   if (phase_ != Phase::kBackward) phase_ = Phase::kForward;
+  context_->record_forward(this);
   unshard();
+  // Overlap: the next unit's all-gather runs while this one computes.
+  if (options_.prefetch)
+    if (UnitState* next = context_->next_in_forward(this)) next->prefetch();
 }
 
 std::vector<at::Tensor> UnitState::attach_pre_backward(const std::vector<at::Tensor>& outputs) {
@@ -147,6 +185,11 @@ std::vector<at::Tensor> UnitState::post_forward(const std::vector<at::Tensor>& o
     if (reshard_after_forward_) reshard();
     phase_ = Phase::kIdle;
   }
+  // The root's forward ends last: a prefetch nobody used (the forward took another path, e.g.
+  // an evaluation that skips layers) is released here rather than held until the next use.
+  if (parent_ == nullptr)
+    for (UnitState* unit : context_->units)
+      if (unit->prefetched_ && unit->phase_ == Phase::kIdle) unit->reshard();
   return result;
 }
 
@@ -167,6 +210,9 @@ void UnitState::pre_backward() {
   reduced_this_backward_ = false;
   unshard();
   for (auto& g : groups_) g->prepare_gradients();
+  // Overlap: backward runs the units in reverse forward order; gather the one before this now.
+  if (options_.prefetch)
+    if (UnitState* previous = context_->previous_in_forward(this)) previous->prefetch();
 }
 
 void UnitState::on_gradient_accumulated(size_t group, size_t index) {
@@ -183,14 +229,14 @@ void UnitState::post_backward() {
   if (!context_->sync_gradients) {
     for (auto& g : groups_) g->stash_gradients();
   } else {
+    // One unit's reductions in flight at a time: with the unit computing its gradients next,
+    // at most two units' unsharded gradient buffers are alive.
+    context_->limit_pending(0);
     for (auto& g : groups_) {
       PendingReduction r = g->reduce_gradients(
           context_->divide_factor,
           options_.gradient_scaling == GradientScaling::kAverageInCollective);
-      if (!r.work && !r.finish_fn) continue;
-      // At most two gradient reductions (and their unsharded buffers) alive at once.
-      context_->limit_pending(1);
-      context_->pending.push_back(std::move(r));
+      if (r.work || r.finish_fn) context_->pending.push_back(std::move(r));
     }
   }
   reshard();

@@ -3,12 +3,13 @@
 // end-of-backward callback).
 //
 // Lifecycle of a unit in one step:
-//   pre_forward  -> unshard (ZeRO-3 all-gather)
+//   pre_forward  -> unshard (ZeRO-3 all-gather); prefetch the next unit in forward order
 //   post_forward -> identity autograd node on the outputs (its backward is pre_backward);
 //                   reshard (ZeRO-3, reshard_after_forward, not while recomputing in backward)
-//   pre_backward -> unshard; gradient buffer ready; queue the root's end-of-backward callback
+//   pre_backward -> unshard; gradient buffer ready; queue the root's end-of-backward callback;
+//                   prefetch the previous unit in forward order
 //   parameter post-accumulate hooks -> when every trainable parameter's hook fired:
-//   post_backward -> reduce gradients (async; at most two in flight), reshard
+//   post_backward -> reduce gradients (async; one unit's reductions in flight), reshard
 //   end of backward (root callback) -> post_backward for units whose hooks did not all fire,
 //                   drain reductions, ZeRO-1 reduce-scatter, everything resharded
 #pragma once
@@ -40,6 +41,15 @@ struct RootContext {
     if (record_events) events.push_back(unit + ":" + event);
   }
 
+  // Execution order of the units' forwards, recorded on the first step (first appearance),
+  // fixed at the end of the first backward; prefetching follows it (forward: next unit;
+  // backward: previous unit).
+  std::vector<UnitState*> forward_order;
+  bool order_fixed = false;
+  void record_forward(UnitState* unit);
+  UnitState* next_in_forward(const UnitState* unit) const;      // null: none or not known yet
+  UnitState* previous_in_forward(const UnitState* unit) const;  // null: none or not known yet
+
   // Keeps at most `limit` reductions in flight (each holds an unsharded gradient buffer).
   void limit_pending(size_t limit);
   void finish_backward();
@@ -65,6 +75,9 @@ class UnitState {
 
   void unshard();
   void reshard();
+  // Starts this unit's all-gather without waiting (prefetch); its next pre-forward/pre-backward
+  // waits for it. Idle units only.
+  void prefetch();
 
   void pre_forward();
   at::Tensor post_forward(const at::Tensor& output);
@@ -93,6 +106,7 @@ class UnitState {
   int hooks_expected_ = 0;  // trainable parameters
   int hooks_fired_ = 0;     // in the current backward
   bool reduced_this_backward_ = false;
+  bool prefetched_ = false;  // all-gather started by prefetch(), not yet used by a forward/backward
   // The AccumulateGrad nodes hold our hooks; a tensor keeps only a weak reference to them.
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
 };

@@ -144,6 +144,14 @@ const std::vector<Flag>& flags() {
       BOOL_FLAG("--init-model-with-meta-device", init_model_with_meta_device,
                 "materialise and shard one layer at a time"),
       BOOL_FLAG("--grad-reduce-in-bf16", grad_reduce_in_bf16, "reduce gradients in bf16"),
+      BOOL_FLAG("--no-fsdp-prefetch", no_fsdp_prefetch,
+                "(mfsdp) do not all-gather the next unit while the current one computes"),
+      BOOL_FLAG("--no-fsdp-all-gather-in-start-param-sync", no_fsdp_all_gather_in_start_param_sync,
+                "do not start the first unit's all-gather at the end of the optimizer step"),
+      INT_FLAG("--simulate-world-size", simulate_world_size,
+               "(mfsdp) one process plays --simulate-rank of a job this size: real per-rank memory and "
+               "compute, collectives replaced by local copies, losses not meaningful (0: off)"),
+      INT_FLAG("--simulate-rank", simulate_rank, "(mfsdp) the rank played with --simulate-world-size"),
       BOOL_FLAG("--fsdp-double-buffer", fsdp_double_buffer, "persistent double buffers"),
       BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU)"),
   };
@@ -242,6 +250,15 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
                            {a.no_load_rng, "--no-load-rng"}})
     if (set && a.load.empty()) bad(flag, "needs --load");
   if (a.no_save_optim && a.save.empty()) bad("--no-save-optim", "needs --save");
+  if (a.simulate_world_size < 0) bad("--simulate-world-size", "must be >= 0");
+  if (a.simulate_world_size > 0 && (a.simulate_rank < 0 || a.simulate_rank >= a.simulate_world_size))
+    bad("--simulate-rank", std::to_string(a.simulate_rank) + " is not a rank of --simulate-world-size " +
+                               std::to_string(a.simulate_world_size));
+  if (a.simulate_world_size == 0 && a.simulate_rank != 0) bad("--simulate-rank", "needs --simulate-world-size");
+  if (a.simulate_world_size > 0 && (!a.save.empty() || !a.load.empty() || !a.save_final_model.empty() ||
+                                    !a.sample_prompt.empty()))
+    bad("--simulate-world-size", "cannot --save, --load, --save-final-model or --sample-prompt: a simulated run "
+                                 "holds one rank's shard only");
   if (a.override_opt_param_scheduler && a.use_checkpoint_opt_param_scheduler)
     bad("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
 }

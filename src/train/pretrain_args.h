@@ -92,8 +92,14 @@ struct PretrainArgs {
   bool calculate_per_token_loss = false;
   bool init_model_with_meta_device = false;
   bool grad_reduce_in_bf16 = false;
+  bool no_fsdp_prefetch = false;                         // ours: no all-gather prefetch
+  bool no_fsdp_all_gather_in_start_param_sync = false;   // ours: nothing in flight between steps
   bool fsdp_double_buffer = false;
   bool use_nccl_ub = false;
+
+  // Simulated scale (ours): this single process plays one rank of a larger job.
+  int64_t simulate_world_size = 0;  // 0: off
+  int64_t simulate_rank = 0;
 
   // Derived by validate().
   int64_t num_micro_batches = 1;

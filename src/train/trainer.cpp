@@ -12,6 +12,7 @@
 #include "mfsdp/gpt_dataset.h"
 #include "mfsdp/llama.h"
 #include "mfsdp/optim.h"
+#include "mfsdp/simulated_comm.h"
 #include "mfsdp/tokenizer.h"
 #include "train/metrics.h"
 #include "train/trainer_checkpoint.h"
@@ -42,6 +43,8 @@ FullyShardOptions shard_options(const PretrainArgs& a, const std::shared_ptr<Com
   FullyShardOptions o;
   o.comm = comm;
   o.strategy = parse_sharding_strategy(a.data_parallel_sharding_strategy);
+  o.prefetch = !a.no_fsdp_prefetch;
+  o.all_gather_in_start_param_sync = !a.no_fsdp_all_gather_in_start_param_sync;
   if (a.bf16) o.mixed_precision.param_dtype = at::kBFloat16;
   if (a.grad_reduce_in_bf16) o.mixed_precision.grad_comm_dtype = at::kBFloat16;
   // Per-token loss: the loss is already divided by the global token count.
@@ -120,7 +123,12 @@ void finish_with_model(const PretrainArgs& a, LlamaForCausalLM& model, FsdpHandl
 PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicator>& comm,
                         std::ostream& log) {
   const int rank = comm->rank(), dp = comm->size();
-  const bool print = rank == 0;
+  const bool simulated = is_simulated(*comm);
+  const bool print = rank == 0 || simulated;
+  if (simulated)
+    log << " SIMULATED: this process plays rank " << rank << " of " << dp
+        << " ranks; collectives are local copies, so memory and time per rank are those of the real job"
+           " but losses are not\n";
   torch::manual_seed(a.seed);
 
   // Data.
@@ -325,7 +333,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
     int64_t state = 0;
     for (auto& [name, tensors] : optimizer->state())
       for (auto& t : tensors) state += t.nbytes();
-    log << " memory per rank (MiB): model weights " << m.model_weights / 1048576.0
+    log << (simulated ? " SIMULATED" : "") << " memory per rank (MiB): model weights " << m.model_weights / 1048576.0
         << ", main weights " << m.main_weights / 1048576.0 << ", main grads "
         << m.main_grads / 1048576.0 << ", optimizer state " << state / 1048576.0
         << ", transient peak " << m.transient_peak / 1048576.0 << ", process peak RSS "

@@ -86,6 +86,33 @@ TEST(Pretrain, RecomputeAndDeferredInitKeepTheLosses) {
   expect_same(train_losses(2, " --init-model-with-meta-device"), base, "deferred init");
 }
 
+// The per-rank bytes of "memory per rank (MiB): model weights ..., transient peak ..." (without
+// the process RSS, which differs between processes).
+std::string buffer_bytes_line(const std::string& output) {
+  const auto begin = output.find("memory per rank (MiB):");
+  const auto end = output.find(", process peak RSS", begin);
+  return begin == std::string::npos || end == std::string::npos ? "" : output.substr(begin, end - begin);
+}
+
+TEST(Pretrain, SimulatedRankHoldsTheBytesOfTheRealRank) {
+  const std::string flags = kModel + " --train-iters 3";
+  for (const char* strategy : {"optim_grads_params", "optim"}) {
+    const std::string s = std::string(" --data-parallel-sharding-strategy ") + strategy;
+    Outcome real = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node 4 " + bin("MFSDP_PRETRAIN_BIN") + flags + s);
+    ASSERT_EQ(real.exit_code, 0) << real.output;
+    Outcome simulated = run(bin("MFSDP_PRETRAIN_BIN") + flags + s + " --simulate-world-size 4 --simulate-rank 0");
+    ASSERT_EQ(simulated.exit_code, 0) << simulated.output;
+    EXPECT_NE(simulated.output.find("SIMULATED: this process plays rank 0 of 4"), std::string::npos)
+        << simulated.output;
+    EXPECT_FALSE(buffer_bytes_line(real.output).empty()) << real.output;
+    EXPECT_EQ(buffer_bytes_line(simulated.output), buffer_bytes_line(real.output)) << strategy;
+  }
+  Outcome bad = run(bin("MFSDP_PRETRAIN_BIN") + flags + " --simulate-world-size 4 --simulate-rank 4");
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--simulate-rank: 4 is not a rank of --simulate-world-size 4"), std::string::npos)
+      << bad.output;
+}
+
 TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
   const std::string pretrain = bin("MFSDP_PRETRAIN_BIN");
   struct Case {

@@ -1,0 +1,223 @@
+#!/usr/bin/env bash
+# CPU step time of mfsdp-pretrain against itself on 1 rank and against PyTorch DDP, same model,
+# global batch, sequence length and threads per rank, on this machine.
+#
+#   bench/cpu_step_time.sh                                  # default model (below)
+#   LAYERS=1 HIDDEN=64 FFN=176 HEADS=4 ITERS=6 WARMUP=2 bench/cpu_step_time.sh   # smoke test
+#
+# Runs (NPROC ranks, THREADS threads per rank; defaults 2 and 1):
+#   a  mfsdp, 1 rank x THREADS threads, BASELINE_STRATEGY (optim_grads_params): scaling baseline
+#   b  mfsdp, ZeRO-3 (optim_grads_params), prefetch on (the default)
+#   c  mfsdp, ZeRO-3, --no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync (no overlap)
+#   d  mfsdp, no_shard (DDP-like), for reference
+#   e  PyTorch DDP over gloo (bench/torch_ddp_llama.py), same model and batch layout
+# Each run trains ITERS iterations on mock data; the first WARMUP are left out and the median
+# iter_time_s of the rest is reported (mfsdp: --metrics-file with --log-interval 1). With
+# ROUNDS > 1 the five runs are repeated round after round (interleaved) and the timed
+# iterations of all rounds are pooled. tokens/s = global batch x seq / median iteration time.
+#
+# Environment (defaults in brackets):
+#   LAYERS [4] HIDDEN [256] FFN [704] HEADS [8] QUERY_GROUPS [HEADS] (--group-query-attention is
+#   passed only when QUERY_GROUPS < HEADS; GROUPS is a bash builtin, hence the name)
+#   SEQ [128] MBS [4] GBS [16] VOCAB [1024] VOCAB_DIVISIBLE [128] UNTIE [0] ITERS [30]
+#   WARMUP [5] LR [1e-4] NPROC [2] THREADS [1] ROUNDS [1] BASELINE_STRATEGY [optim_grads_params]
+#   BUILD [<repo>/build] PYTHON [/usr/bin/python3] OUT [a new temporary folder; kept]
+#   MFSDP_EXTRA_ARGS [] (appended to every mfsdp-pretrain command line)
+# Exit status: 0 when every run that was not skipped succeeded; 1 when one failed (its output
+# is shown); 2 on bad settings or missing binaries.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${BUILD:-$ROOT/build}
+PYTHON=${PYTHON:-/usr/bin/python3}
+LAYERS=${LAYERS:-4}
+HIDDEN=${HIDDEN:-256}
+FFN=${FFN:-704}
+HEADS=${HEADS:-8}
+QUERY_GROUPS=${QUERY_GROUPS:-$HEADS}
+SEQ=${SEQ:-128}
+MBS=${MBS:-4}
+GBS=${GBS:-16}
+VOCAB=${VOCAB:-1024}
+VOCAB_DIVISIBLE=${VOCAB_DIVISIBLE:-128}
+UNTIE=${UNTIE:-0}
+ITERS=${ITERS:-30}
+WARMUP=${WARMUP:-5}
+LR=${LR:-1e-4}
+NPROC=${NPROC:-2}
+THREADS=${THREADS:-1}
+ROUNDS=${ROUNDS:-1}
+BASELINE_STRATEGY=${BASELINE_STRATEGY:-optim_grads_params}
+MFSDP_EXTRA_ARGS=${MFSDP_EXTRA_ARGS:-}
+OUT=${OUT:-}
+
+die() { echo "cpu_step_time.sh: $*" >&2; exit 2; }
+for v in LAYERS HIDDEN FFN HEADS QUERY_GROUPS SEQ MBS GBS VOCAB VOCAB_DIVISIBLE ITERS NPROC THREADS ROUNDS; do
+  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
+done
+if ! [[ $WARMUP =~ ^[0-9]+$ ]] || ((WARMUP >= ITERS)); then
+  die "WARMUP=$WARMUP: expected 0 <= WARMUP < ITERS ($ITERS)"
+fi
+((GBS % (MBS * NPROC) == 0)) || die "GBS=$GBS must be a multiple of MBS x NPROC = $((MBS * NPROC))"
+((NPROC >= 2)) || die "NPROC=$NPROC: the comparison needs at least 2 ranks"
+for exe in mfsdp-run mfsdp-pretrain; do
+  [[ -x $BUILD/$exe ]] || die "$BUILD/$exe not found: build first (scripts/build.sh)"
+done
+command -v "$PYTHON" >/dev/null || die "PYTHON=$PYTHON not found (it also parses the metrics)"
+if [[ -z $OUT ]]; then
+  OUT=$(mktemp -d "${TMPDIR:-/tmp}/cpu_step_time.XXXXXX") || die "mktemp failed"
+else
+  mkdir -p "$OUT" || die "cannot create OUT=$OUT"
+fi
+
+MODEL_ARGS=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN"
+            --num-attention-heads "$HEADS" --swiglu --seq-length "$SEQ"
+            --micro-batch-size "$MBS" --global-batch-size "$GBS" --vocab-size "$VOCAB"
+            --make-vocab-size-divisible-by "$VOCAB_DIVISIBLE" --train-iters "$ITERS" --lr "$LR")
+((QUERY_GROUPS < HEADS)) && MODEL_ARGS+=(--group-query-attention --num-query-groups "$QUERY_GROUPS")
+((QUERY_GROUPS > HEADS)) && die "QUERY_GROUPS=$QUERY_GROUPS exceeds HEADS=$HEADS"
+((UNTIE)) && MODEL_ARGS+=(--untie-embeddings-and-output-weights)
+MFSDP_ARGS=("${MODEL_ARGS[@]}" --mock-data --eval-iters 0 --eval-interval 1000 --log-interval 1)
+# shellcheck disable=SC2206  # word splitting of the extra flags is intended
+MFSDP_ARGS+=($MFSDP_EXTRA_ARGS)
+TORCH_ARGS=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN"
+            --num-attention-heads "$HEADS" --num-query-groups "$QUERY_GROUPS" --seq-length "$SEQ"
+            --micro-batch-size "$MBS" --global-batch-size "$GBS" --vocab-size "$VOCAB"
+            --make-vocab-size-divisible-by "$VOCAB_DIVISIBLE" --train-iters "$ITERS"
+            --warmup-iters "$WARMUP" --lr "$LR" --nproc "$NPROC" --threads "$THREADS")
+((UNTIE)) && TORCH_ARGS+=(--untie)
+
+# Which runs can happen.
+NO_OVERLAP_FLAGS=(--no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync)
+SKIP_C="" missing=""
+help_text=$("$BUILD/mfsdp-pretrain" --help 2>&1)
+for f in "${NO_OVERLAP_FLAGS[@]}"; do
+  grep -q -- "$f" <<<"$help_text" || missing+=" $f"
+done
+[[ -n $missing ]] &&
+  SKIP_C="skipped: $BUILD/mfsdp-pretrain does not know$missing yet (rebuild, then rerun)"
+SKIP_E=""
+TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
+  SKIP_E="skipped: $PYTHON cannot import torch; install it with: sudo apt-get install python3-torch"
+
+fail() {  # label log
+  echo "cpu_step_time.sh: run $1 failed; its output ($2):" >&2
+  cat "$2" >&2
+  exit 1
+}
+
+run_mfsdp() {  # label round nproc strategy [flags...]
+  local label=$1 round=$2 n=$3 strategy=$4
+  shift 4
+  local base="$OUT/$label.r$round"
+  echo "  [$label] round $round: mfsdp $n rank(s) x $THREADS thread(s), $strategy $*" >&2
+  OMP_NUM_THREADS=$THREADS "$BUILD/mfsdp-run" --nproc-per-node "$n" "$BUILD/mfsdp-pretrain" \
+    "${MFSDP_ARGS[@]}" --data-parallel-sharding-strategy "$strategy" "$@" \
+    --metrics-file "$base.jsonl" >"$base.log" 2>&1 || fail "$label" "$base.log"
+  [[ -s $base.jsonl ]] || fail "$label (no metrics written)" "$base.log"
+}
+
+run_torch() {  # label round
+  local label=$1 round=$2 base="$OUT/$1.r$2"
+  echo "  [$label] round $round: PyTorch DDP $NPROC ranks x $THREADS thread(s)" >&2
+  OMP_NUM_THREADS=$THREADS "$PYTHON" "$ROOT/bench/torch_ddp_llama.py" "${TORCH_ARGS[@]}" \
+    >"$base.json" 2>"$base.log" || { cat "$base.json" >>"$base.log"; fail "$label" "$base.log"; }
+  grep -q '"impl": "torch_ddp"' "$base.json" || fail "$label (no result line)" "$base.json"
+}
+
+echo "cpu_step_time.sh: outputs in $OUT" >&2
+for ((r = 1; r <= ROUNDS; ++r)); do
+  run_mfsdp a "$r" 1 "$BASELINE_STRATEGY"
+  run_mfsdp b "$r" "$NPROC" optim_grads_params
+  [[ -z $SKIP_C ]] && run_mfsdp c "$r" "$NPROC" optim_grads_params "${NO_OVERLAP_FLAGS[@]}"
+  run_mfsdp d "$r" "$NPROC" no_shard
+  [[ -z $SKIP_E ]] && run_torch e "$r"
+done
+
+# Summary: pooled timed iterations per run -> table and ratios.
+cpu_model=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | sed 's/^[^:]*: *//')
+commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
+git -C "$ROOT" diff --quiet HEAD 2>/dev/null || commit="$commit (+ uncommitted changes)"
+export OUT WARMUP ITERS GBS SEQ NPROC THREADS BASELINE_STRATEGY SKIP_C SKIP_E ROUNDS
+MACHINE_NPROC=$(nproc)
+DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
+LOADAVG=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
+CPU_MODEL=${cpu_model:-unknown}
+COMMIT=$commit
+export MACHINE_NPROC CPU_MODEL DATE LOADAVG COMMIT
+export TORCH_VERSION="${TORCH_VERSION:-none}" MODEL_DESC="${MODEL_ARGS[*]}"
+"$PYTHON" - <<'EOF' || exit 1
+import glob, json, os, statistics
+
+env = os.environ
+out, warmup = env["OUT"], int(env["WARMUP"])
+tokens = int(env["GBS"]) * int(env["SEQ"])
+n, t = int(env["NPROC"]), int(env["THREADS"])
+
+def mfsdp_times(label):
+    times, last = [], None
+    for path in sorted(glob.glob(os.path.join(out, label + ".r*.jsonl"))):
+        recs = [json.loads(l) for l in open(path) if l.strip()]
+        train = [r for r in recs if not r.get("eval")]
+        times += [r["iter_time_s"] for r in train if r["iteration"] > warmup]
+        last = train[-1]["lm_loss"] if train else last
+    return times, last
+
+def torch_times(label):
+    times, last = [], None
+    for path in sorted(glob.glob(os.path.join(out, label + ".r*.json"))):
+        line = [l for l in open(path) if l.startswith("{")][-1]
+        res = json.loads(line)
+        times += res["iter_times_s"]
+        last = res["final_loss"]
+    return times, last
+
+runs = [
+    ("a", "mfsdp 1 rank (%s), scaling baseline" % env["BASELINE_STRATEGY"], "1 x %d" % t, None, mfsdp_times),
+    ("b", "mfsdp ZeRO-3 (optim_grads_params), prefetch on", "%d x %d" % (n, t), None, mfsdp_times),
+    ("c", "mfsdp ZeRO-3, --no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync",
+     "%d x %d" % (n, t), env["SKIP_C"], mfsdp_times),
+    ("d", "mfsdp no_shard (DDP-like)", "%d x %d" % (n, t), None, mfsdp_times),
+    ("e", "PyTorch DDP, gloo" + (" (torch %s)" % env["TORCH_VERSION"] if env["TORCH_VERSION"] != "none" else ""), "%d x %d" % (n, t), env["SKIP_E"], torch_times),
+]
+
+print("# CPU step time: mfsdp vs 1 rank and vs PyTorch DDP")
+print()
+print("- machine: %s cores, %s, load average before summary %s" % (env["MACHINE_NPROC"], env["CPU_MODEL"], env["LOADAVG"]))
+print("- date: %s; mfsdp commit %s" % (env["DATE"], env["COMMIT"]))
+print("- model: fp32, %s" % env["MODEL_DESC"])
+print("- timing: median iter_time_s over iterations %d..%s of %s round(s) (first %d are warm-up); "
+      "tokens/s = %d tokens per global batch / median" % (warmup + 1, env["ITERS"], env["ROUNDS"], warmup, tokens))
+print()
+print("| run | what | ranks x threads | median ms | min ms | max ms | tokens/s | final loss |")
+print("|---|---|---|---:|---:|---:|---:|---:|")
+res = {}
+for label, what, shape, skip, get in runs:
+    if skip:
+        print("| %s | %s | %s | - | - | - | - | %s |" % (label, what, shape, skip))
+        continue
+    times, last = get(label)
+    if not times:
+        raise SystemExit("cpu_step_time.sh: run %s has no timed iterations in %s" % (label, out))
+    med = statistics.median(times)
+    res[label] = med
+    print("| %s | %s | %s | %.1f | %.1f | %.1f | %.0f | %.4f |"
+          % (label, what, shape, med * 1e3, min(times) * 1e3, max(times) * 1e3, tokens / med, last))
+
+def ratio(name, num, den, text):
+    if num in res and den in res:
+        print("- %s: %.3f  (%s)" % (name, res[den] / res[num] if text.startswith("tokens") else res[num] / res[den], text))
+    else:
+        print("- %s: n/a (run %s skipped)" % (name, num if num not in res else den))
+
+print()
+print("Ratios:")
+ratio("scaling b/a", "b", "a", "tokens/s(b) / tokens/s(a); ideal %.1f" % n)
+ratio("overlap gain c/b", "c", "b", "iter_time(c) / iter_time(b); > 1: prefetch and early all-gather help")
+ratio("ZeRO-3 vs PyTorch DDP b/e", "b", "e", "tokens/s(b) / tokens/s(e); > 1: mfsdp faster")
+ratio("no_shard vs PyTorch DDP d/e", "d", "e", "tokens/s(d) / tokens/s(e); > 1: mfsdp faster")
+for label, _, _, skip, _ in runs:
+    if skip:
+        print()
+        print("Note: run %s %s" % (label, skip))
+EOF

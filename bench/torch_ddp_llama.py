@@ -1,0 +1,341 @@
+#!/usr/bin/python3
+"""PyTorch DDP baseline for mfsdp-pretrain: the same Llama, optimizer and batch layout.
+
+    /usr/bin/python3 bench/torch_ddp_llama.py --nproc 2 --threads 1 \
+        --num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
+        --num-query-groups 8 --seq-length 128 --micro-batch-size 4 --global-batch-size 16 \
+        --vocab-size 1024 --train-iters 30 --warmup-iters 5
+
+Spawns --nproc processes itself (torch.multiprocessing, gloo over tcp://127.0.0.1:PORT; no
+torchrun), each with torch.set_num_threads(--threads), trains on uniform random tokens and prints
+one JSON line at the end (rank 0):
+
+    {"impl": "torch_ddp", "nproc": 2, "threads": 1, "iter_time_s": <median of the timed
+     iterations>, "tokens_per_sec": <global batch x seq / iter_time_s>, ...}
+
+What it mirrors from mfsdp (src/models/*.cpp, src/train/trainer.cpp):
+  - model: embedding -> N x [RMSNorm -> GQA attention with HF RoPE (rotate_half, theta) and an
+    explicit matmul / masked_fill / softmax(fp32) / matmul causal path -> residual -> RMSNorm ->
+    SwiGLU MLP -> residual] -> RMSNorm -> lm_head (tied to the embedding unless --untie); no
+    biases; RoPE tables computed once per forward; RMSNorm normalises in fp32 as HF does.
+  - init: normal(0, --init-method-std) for projections and the embedding, ones for norms.
+  - vocabulary padded to a multiple of --make-vocab-size-divisible-by (Megatron).
+  - batches: micro-batches per step = global / (micro x ranks); gradients synchronised only on
+    the last one (DDP no_sync() on the others); each micro-batch loss is mean token cross
+    entropy (fp32) / micro-batches; DDP averages over ranks (Megatron's 1/dp).
+  - step: clip_grad_norm_(--clip-grad), AdamW (torch.optim.AdamW, foreach/fused left at their
+    defaults) with weight decay on >= 2-D parameters only, linear LR decay to --min-lr.
+  - timing: from the start of an iteration to after the optimizer step, zero_grad and the
+    all-reduce of the logged loss (mfsdp reduces the loss every --log-interval 1 iteration).
+"""
+
+import argparse
+import json
+import math
+import socket
+import statistics
+import sys
+import time
+
+try:
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+    import torch.nn as nn
+    import torch.nn.functional as F
+except ImportError as e:  # pragma: no cover - reported to the caller
+    sys.stderr.write(
+        "torch_ddp_llama.py: PyTorch is not importable by %s (%s).\n"
+        "Install Debian's build with: sudo apt-get install python3-torch\n" % (sys.executable, e))
+    sys.exit(3)
+
+
+# ---- model ----------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        h = h * torch.rsqrt(variance + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotary_tables(t, head_dim, theta, device):
+    # As transformers (and src/models/rope.cpp): 1 / theta^(arange(0, d, 2) / d), fp32.
+    positions = torch.arange(t, dtype=torch.long, device=device)
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.long, device=device).to(torch.float32) / head_dim
+    inv_freq = torch.reciprocal(torch.pow(theta, exponent))
+    freqs = positions.to(torch.float32).unsqueeze(1) * inv_freq.unsqueeze(0)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x, cos, sin):
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def repeat_kv(x, n_rep):
+    if n_rep == 1:
+        return x
+    b, nkv, s, d = x.shape
+    return x.unsqueeze(2).expand(b, nkv, n_rep, s, d).reshape(b, nkv * n_rep, s, d)
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * self.head_dim, hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k = repeat_kv(k, self.heads // self.kv_heads)
+        v = repeat_kv(v, self.heads // self.kv_heads)
+        # Explicit causal attention, as src/models/attention.cpp (not scaled_dot_product_attention).
+        scores = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(self.head_dim))
+        s = k.shape[2]
+        future = torch.arange(s, device=x.device).unsqueeze(0) > torch.arange(t, device=x.device).unsqueeze(1)
+        scores = scores.masked_fill(future, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden, ffn):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_query_groups)
+        self.mlp = MLP(a.hidden_size, a.ffn_hidden_size)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
+
+    def forward(self, hidden, cos, sin):
+        h = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.args = a
+        self.embed_tokens = nn.Embedding(a.padded_vocab_size, a.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.norm_epsilon)
+        self.lm_head = None if not a.untie else nn.Linear(a.hidden_size, a.padded_vocab_size, bias=False)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, a.init_method_std)
+
+    def forward(self, input_ids):
+        a = self.args
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = rotary_tables(input_ids.shape[1], a.hidden_size // a.num_attention_heads,
+                                 a.rotary_base, input_ids.device)
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        hidden = self.norm(hidden)
+        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
+        return F.linear(hidden, weight)
+
+
+def lm_loss(logits, labels):
+    flat = logits.reshape(-1, logits.shape[-1]).to(torch.float32)
+    return F.cross_entropy(flat, labels.reshape(-1))
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+
+def lr_at(a, step):
+    # src/optim/lr_schedule.cpp: linear warmup (--lr-warmup-iters), then decay to --min-lr.
+    if a.lr_warmup_iters > 0 and step <= a.lr_warmup_iters:
+        return a.lr * step / a.lr_warmup_iters
+    decay = a.train_iters
+    if a.lr_decay_style == "constant" or decay == 0:
+        return a.lr
+    if step > decay:
+        return a.min_lr
+    ratio = (step - a.lr_warmup_iters) / (decay - a.lr_warmup_iters)
+    coeff = 1.0 - ratio if a.lr_decay_style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return a.min_lr + coeff * (a.lr - a.min_lr)
+
+
+def worker(rank, a):
+    torch.set_num_threads(a.threads)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % a.port,
+                            rank=rank, world_size=a.nproc)
+    torch.manual_seed(a.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
+    model = LlamaForCausalLM(a)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps)
+    data_gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # different tokens per rank
+
+    times, losses = [], []
+    for it in range(1, a.train_iters + 1):
+        start = time.perf_counter()
+        step_loss = 0.0
+        for m in range(a.num_micro_batches):
+            tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1),
+                                   generator=data_gen)
+            inputs, labels = tokens[:, :-1], tokens[:, 1:]
+            last = m == a.num_micro_batches - 1
+            if last:
+                loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
+                loss.backward()
+            else:
+                with ddp.no_sync():
+                    loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
+                    loss.backward()
+            step_loss += loss.item()
+        if a.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)
+        for g in optimizer.param_groups:
+            g["lr"] = lr_at(a, it)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        reported = torch.tensor([step_loss])
+        dist.all_reduce(reported)  # the logged loss (mfsdp: all_reduce_mean every log interval)
+        elapsed = time.perf_counter() - start
+        times.append(elapsed)
+        losses.append(reported.item() / a.nproc)
+        if rank == 0 and a.verbose:
+            print("iteration %d/%d | iter time (ms): %.1f | lm loss: %.6E"
+                  % (it, a.train_iters, elapsed * 1e3, losses[-1]), file=sys.stderr, flush=True)
+
+    if rank == 0:
+        timed = times[a.warmup_iters:]
+        median = statistics.median(timed)
+        tokens = a.global_batch_size * a.seq_length
+        print(json.dumps({
+            "impl": "torch_ddp", "nproc": a.nproc, "threads": a.threads,
+            "iter_time_s": median, "tokens_per_sec": tokens / median,
+            "timed_iters": len(timed), "iter_times_s": timed,
+            "first_loss": losses[0], "final_loss": losses[-1],
+            "torch": torch.__version__,
+            "config": {k: getattr(a, k) for k in (
+                "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                "num_query_groups", "seq_length", "micro_batch_size", "global_batch_size",
+                "num_micro_batches", "vocab_size", "padded_vocab_size", "untie", "train_iters",
+                "warmup_iters")},
+        }), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--ffn-hidden-size", type=int, default=0, help="0: 4 x hidden")
+    p.add_argument("--num-attention-heads", type=int, default=8)
+    p.add_argument("--num-query-groups", type=int, default=0, help="key/value heads (0: = heads)")
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=0, help="0: micro x nproc")
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--untie", "--untie-embeddings-and-output-weights", dest="untie", action="store_true",
+                   help="separate lm_head instead of the tied embedding")
+    p.add_argument("--rotary-base", type=float, default=10000.0)
+    p.add_argument("--norm-epsilon", type=float, default=1e-5)
+    p.add_argument("--init-method-std", type=float, default=0.02)
+    p.add_argument("--train-iters", type=int, default=30)
+    p.add_argument("--warmup-iters", type=int, default=5, help="first iterations left out of the timing")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--min-lr", type=float, default=0.0)
+    p.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
+    p.add_argument("--lr-warmup-iters", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--adam-beta1", type=float, default=0.9)
+    p.add_argument("--adam-beta2", type=float, default=0.999)
+    p.add_argument("--adam-eps", type=float, default=1e-8)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (processes spawned here)")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
+    p.add_argument("--verbose", action="store_true", help="rank 0 logs every iteration to stderr")
+    a = p.parse_args(argv)
+
+    def bad(flag, why):
+        p.error("%s %s" % (flag, why))
+
+    if a.ffn_hidden_size == 0:
+        a.ffn_hidden_size = 4 * a.hidden_size
+    if a.num_query_groups == 0:
+        a.num_query_groups = a.num_attention_heads
+    if a.hidden_size % a.num_attention_heads:
+        bad("--num-attention-heads", "must divide --hidden-size")
+    if (a.hidden_size // a.num_attention_heads) % 2:
+        bad("--num-attention-heads", "must leave an even head dimension (RoPE)")
+    if a.num_attention_heads % a.num_query_groups:
+        bad("--num-query-groups", "must divide --num-attention-heads")
+    if a.nproc < 1 or a.threads < 1:
+        bad("--nproc/--threads", "must be >= 1")
+    if a.global_batch_size == 0:
+        a.global_batch_size = a.micro_batch_size * a.nproc
+    if a.global_batch_size % (a.micro_batch_size * a.nproc):
+        bad("--global-batch-size", "must be a multiple of --micro-batch-size x --nproc")
+    a.num_micro_batches = a.global_batch_size // (a.micro_batch_size * a.nproc)
+    if not 0 <= a.warmup_iters < a.train_iters:
+        bad("--warmup-iters", "must be in [0, --train-iters)")
+    d = a.make_vocab_size_divisible_by
+    a.padded_vocab_size = (a.vocab_size + d - 1) // d * d if d > 0 else a.vocab_size
+    if a.port == 0:
+        a.port = free_port()
+    return a
+
+
+def main():
+    a = parse_args()
+    mp.spawn(worker, args=(a,), nprocs=a.nproc, join=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+// A communicator for one process that plays rank `rank` of a `world_size`-rank job (issue:
+// simulated scale). Every collective keeps its argument checks and moves the bytes a real rank
+// would move locally: all-gather copies this rank's input into every slot of the output,
+// reduce-scatter copies this rank's slice of the input (times the prescale), all-reduce sums N
+// identical contributions (x N for kSum). So fully_shard, the optimizer and the trainer allocate
+// and compute exactly what rank `rank` of the real job would (per-rank memory and compute of
+// 64-rank jobs on one device), while the values are NOT those of the real job: losses and
+// gradients of other ranks' data are never seen. Anything reporting from a simulated run must
+// say that it is simulated (is_simulated()).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "mfsdp/comm.h"
+
+namespace mfsdp {
+
+// `backend` names the device the simulated job runs on: "gloo" (CPU tensors) or "nccl" (CUDA
+// tensors); the communicator reports it as its backend() so device choices stay right.
+std::shared_ptr<Communicator> make_simulated_communicator(int rank, int world_size,
+                                                          const std::string& backend = "gloo");
+
+bool is_simulated(const Communicator& comm);
+
+}  // namespace mfsdp
