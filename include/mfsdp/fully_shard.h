@@ -61,6 +61,13 @@ enum class GradientScaling {
 
 class DeviceMesh;
 
+// Where unsharded weights and gradients get their memory (docs/fully_shard.md, allocators).
+enum class BufferAllocatorKind {
+  kPlain,         // a fresh allocation per use
+  kDoubleBuffer,  // two persistent buffers per size class (--fsdp-double-buffer)
+  kTracePool,     // trace the second step, plan one pool per dtype, replay (--fsdp-trace-pool)
+};
+
 struct FullyShardOptions {
   std::shared_ptr<Communicator> comm;  // the data-parallel communicator (this or `mesh`)
   // Instead of `comm`: a 1-D mesh (shard over it), or a 2-D mesh (replicate dim, shard dim),
@@ -80,6 +87,8 @@ struct FullyShardOptions {
   // overlaps whatever precedes the next forward (Megatron's fsdp_all_gather_in_start_param_sync).
   // Off: nothing is in flight between steps.
   bool all_gather_in_start_param_sync = true;
+  // The root's choice applies to every unit under it.
+  BufferAllocatorKind buffer_allocator = BufferAllocatorKind::kPlain;
 };
 
 // One parameter's piece on this rank (for checkpoints and diagnostics).
@@ -107,6 +116,9 @@ struct MemoryReport {
   int64_t main_grads = 0;        // persistent main-gradient buffers
   int64_t transient_now = 0;     // unsharded weights and gradients alive now
   int64_t transient_peak = 0;    // high-water mark of transient_now since reset_peak()
+  int64_t buffer_pool = 0;       // persistent memory of the double buffers or the trace pool
+  int64_t pooled_buffers = 0;    // transient buffers served from that memory so far
+  int64_t plain_buffers = 0;     // transient buffers served by a plain allocation so far
 };
 
 namespace detail {

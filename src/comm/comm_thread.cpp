@@ -88,6 +88,9 @@ void CommThread::loop() {
     } catch (...) {
       error = std::current_exception();
     }
+    // Drop the job (and the tensors it holds) before anyone can see the work finished, so a
+    // waiter that frees a buffer really frees it.
+    item.second = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
       busy_ = false;

@@ -197,7 +197,7 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& given
   ctx->units.clear();
   for (UnitState* u : subtree) {
     u->context() = ctx;
-    for (auto& g : u->groups()) g->set_transient_counter(&ctx->transient);
+    for (auto& g : u->groups()) g->set_memory(&ctx->transient, ctx->allocator.get());
     u->rename_parameters(names);
     ctx->units.push_back(u);
   }
@@ -266,6 +266,7 @@ std::function<void()> FsdpHandle::after_step() const {
     at::NoGradGuard no_grad;
     for (UnitState* u : ctx->units)
       for (auto& g : u->groups()) g->copy_main_to_model_weights();
+    ctx->allocator->step_boundary();
     if (start_param_sync && ctx->order_fixed) ctx->forward_order.front()->prefetch();
   };
 }
@@ -339,6 +340,10 @@ MemoryReport FsdpHandle::memory() const {
     }
   r.transient_now = ctx->transient.now;
   r.transient_peak = ctx->transient.peak;
+  const detail::BufferStats stats = ctx->allocator->stats();
+  r.buffer_pool = stats.reserved_bytes;
+  r.pooled_buffers = stats.pooled;
+  r.plain_buffers = stats.plain;
   return r;
 }
 

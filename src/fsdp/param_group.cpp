@@ -93,7 +93,8 @@ ParamGroup::~ParamGroup() {
 
 bool ParamGroup::start_unshard() {
   if (!sharded_model() || is_unsharded()) return false;
-  regrow_storage(unsharded_);
+  regrow_storage(unsharded_, allocator_->allocate(this, BufferRole::kWeights, storage_bytes_needed(unsharded_),
+                                                  compute_dtype_, unsharded_.device()));
   transient_->add(unsharded_.nbytes());
   gathering_ = comm_->all_gather_async(unsharded_, model_shard_);
   return true;
@@ -122,7 +123,12 @@ void ParamGroup::reshard() {
 void ParamGroup::prepare_gradients() {
   if (!requires_grad_) return;
   if (!unsharded_grad_.defined()) {
-    unsharded_grad_ = at::zeros({layout_.total()}, at::TensorOptions().dtype(compute_dtype_));
+    const auto options = at::TensorOptions().dtype(compute_dtype_).device(unsharded_.device());
+    const size_t bytes = static_cast<size_t>(layout_.total()) * c10::elementSize(compute_dtype_);
+    unsharded_grad_ = tensor_in(allocator_->allocate(this, BufferRole::kGradients, bytes, compute_dtype_,
+                                                     options.device()),
+                                layout_.total(), options)
+                          .zero_();
     transient_->add(unsharded_grad_.nbytes());
   }
   for (size_t i = 0; i < params_.size(); ++i) {

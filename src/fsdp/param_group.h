@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "fsdp/buffer_allocator.h"
 #include "fsdp/layout.h"
 #include "mfsdp/fully_shard.h"
 
@@ -68,7 +69,11 @@ class ParamGroup {
   std::vector<GroupParam>& params() { return params_; }
   const std::vector<GroupParam>& params() const { return params_; }
   const FlatLayout& layout() const { return layout_; }
-  void set_transient_counter(TransientCounter* t) { transient_ = t; }
+  // The root's transient-memory counter and the allocator transient buffers come from.
+  void set_memory(TransientCounter* t, BufferAllocator* allocator) {
+    transient_ = t;
+    allocator_ = allocator;
+  }
 
   ~ParamGroup();
 
@@ -140,6 +145,7 @@ class ParamGroup {
   FlatLayout layout_;
   at::ScalarType compute_dtype_, main_dtype_, grad_dtype_, comm_dtype_;
   TransientCounter* transient_;
+  BufferAllocator* allocator_ = nullptr;
 
   at::Tensor unsharded_;       // [P] compute
   WorkHandle gathering_;       // an all-gather into unsharded_ in flight (prefetch), or null

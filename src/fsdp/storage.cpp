@@ -1,5 +1,6 @@
 #include "fsdp/storage.h"
 
+#include <ATen/ATen.h>
 #include <c10/core/StorageImpl.h>
 
 namespace mfsdp {
@@ -15,13 +16,19 @@ void free_storage(const at::Tensor& flat) {
   storage->reset();  // drops the allocation and sets nbytes to 0
 }
 
-bool regrow_storage(const at::Tensor& flat) {
+size_t storage_bytes_needed(const at::Tensor& flat) { return required_bytes(flat); }
+
+void regrow_storage(const at::Tensor& flat, c10::DataPtr memory) {
   c10::StorageImpl* storage = flat.storage().unsafeGetStorageImpl();
-  const size_t bytes = required_bytes(flat);
-  if (storage->nbytes() >= bytes) return false;
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(bytes));
-  storage->set_nbytes(bytes);
-  return true;
+  storage->set_data_ptr_noswap(std::move(memory));
+  storage->set_nbytes(required_bytes(flat));
+}
+
+at::Tensor tensor_in(c10::DataPtr memory, int64_t numel, const at::TensorOptions& options) {
+  const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(memory), /*allocator=*/nullptr,
+                       /*resizable=*/false);
+  return at::empty({0}, options).set_(storage, 0, {numel}, {1});
 }
 
 bool has_storage(const at::Tensor& flat) {

@@ -98,7 +98,8 @@ UnitState::UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<Para
   context_->units.push_back(this);
   context_->divide_factor =
       options.gradient_scaling == GradientScaling::kNone ? 1.0 : data_parallel_size(options);
-  for (auto& g : groups_) g->set_transient_counter(&context_->transient);
+  context_->allocator = make_buffer_allocator(options.buffer_allocator);
+  for (auto& g : groups_) g->set_memory(&context_->transient, context_->allocator.get());
   register_gradient_hooks();
 }
 

@@ -30,6 +30,7 @@ class UnitState;
 struct RootContext {
   std::vector<UnitState*> units;  // every unit under the root, in creation order
   TransientCounter transient;
+  std::shared_ptr<BufferAllocator> allocator;  // transient buffers of every unit under the root
   bool sync_gradients = true;
   double divide_factor = 1.0;
   bool callback_queued = false;

@@ -152,7 +152,10 @@ const std::vector<Flag>& flags() {
                "(mfsdp) one process plays --simulate-rank of a job this size: real per-rank memory and "
                "compute, collectives replaced by local copies, losses not meaningful (0: off)"),
       INT_FLAG("--simulate-rank", simulate_rank, "(mfsdp) the rank played with --simulate-world-size"),
-      BOOL_FLAG("--fsdp-double-buffer", fsdp_double_buffer, "persistent double buffers"),
+      BOOL_FLAG("--fsdp-double-buffer", fsdp_double_buffer,
+                "unsharded weights and gradients in two persistent buffers per size class"),
+      BOOL_FLAG("--fsdp-trace-pool", fsdp_trace_pool,
+                "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
       BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU)"),
   };
   return table;
@@ -259,6 +262,7 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
                                     !a.sample_prompt.empty()))
     bad("--simulate-world-size", "cannot --save, --load, --save-final-model or --sample-prompt: a simulated run "
                                  "holds one rank's shard only");
+  if (a.fsdp_double_buffer && a.fsdp_trace_pool) bad("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
   if (a.override_opt_param_scheduler && a.use_checkpoint_opt_param_scheduler)
     bad("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
 }
@@ -289,8 +293,6 @@ std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& a, bool
   std::vector<std::string> notes;
   if (a.use_nccl_ub && !cuda_build)
     notes.push_back("--use-nccl-ub has no effect: this build has no NCCL (CPU, Gloo)");
-  if (a.fsdp_double_buffer)
-    notes.push_back("--fsdp-double-buffer has no effect yet: unsharded buffers are allocated per use");
   if (a.no_gradient_accumulation_fusion)
     notes.push_back("--no-gradient-accumulation-fusion has no effect: there is no fused weight-gradient kernel here");
   if (a.use_megatron_fsdp)

@@ -95,6 +95,7 @@ struct PretrainArgs {
   bool no_fsdp_prefetch = false;                         // ours: no all-gather prefetch
   bool no_fsdp_all_gather_in_start_param_sync = false;   // ours: nothing in flight between steps
   bool fsdp_double_buffer = false;
+  bool fsdp_trace_pool = false;  // ours: trace-then-plan pool for unsharded buffers
   bool use_nccl_ub = false;
 
   // Simulated scale (ours): this single process plays one rank of a larger job.

@@ -45,6 +45,8 @@ FullyShardOptions shard_options(const PretrainArgs& a, const std::shared_ptr<Com
   o.strategy = parse_sharding_strategy(a.data_parallel_sharding_strategy);
   o.prefetch = !a.no_fsdp_prefetch;
   o.all_gather_in_start_param_sync = !a.no_fsdp_all_gather_in_start_param_sync;
+  if (a.fsdp_double_buffer) o.buffer_allocator = BufferAllocatorKind::kDoubleBuffer;
+  if (a.fsdp_trace_pool) o.buffer_allocator = BufferAllocatorKind::kTracePool;
   if (a.bf16) o.mixed_precision.param_dtype = at::kBFloat16;
   if (a.grad_reduce_in_bf16) o.mixed_precision.grad_comm_dtype = at::kBFloat16;
   // Per-token loss: the loss is already divided by the global token count.
@@ -336,7 +338,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
     log << (simulated ? " SIMULATED" : "") << " memory per rank (MiB): model weights " << m.model_weights / 1048576.0
         << ", main weights " << m.main_weights / 1048576.0 << ", main grads "
         << m.main_grads / 1048576.0 << ", optimizer state " << state / 1048576.0
-        << ", transient peak " << m.transient_peak / 1048576.0 << ", process peak RSS "
+        << ", transient peak " << m.transient_peak / 1048576.0 << ", buffer pool " << m.buffer_pool / 1048576.0 << ", process peak RSS "
         << peak_rss_bytes() / 1048576.0 << "\n";
   }
   return result;
