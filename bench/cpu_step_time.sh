@@ -131,6 +131,8 @@ for ((r = 1; r <= ROUNDS; ++r)); do
   run_mfsdp b "$r" "$NPROC" optim_grads_params
   [[ -z $SKIP_C ]] && run_mfsdp c "$r" "$NPROC" optim_grads_params "${NO_OVERLAP_FLAGS[@]}"
   run_mfsdp d "$r" "$NPROC" no_shard
+  run_mfsdp f "$r" "$NPROC" optim_grads_params --fsdp-trace-pool
+  run_mfsdp g "$r" "$NPROC" optim_grads_params --fsdp-double-buffer
   [[ -z $SKIP_E ]] && run_torch e "$r"
 done
 
@@ -178,6 +180,8 @@ runs = [
     ("c", "mfsdp ZeRO-3, --no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync",
      "%d x %d" % (n, t), env["SKIP_C"], mfsdp_times),
     ("d", "mfsdp no_shard (DDP-like)", "%d x %d" % (n, t), None, mfsdp_times),
+    ("f", "mfsdp ZeRO-3, prefetch, --fsdp-trace-pool", "%d x %d" % (n, t), None, mfsdp_times),
+    ("g", "mfsdp ZeRO-3, prefetch, --fsdp-double-buffer", "%d x %d" % (n, t), None, mfsdp_times),
     ("e", "PyTorch DDP, gloo" + (" (torch %s)" % env["TORCH_VERSION"] if env["TORCH_VERSION"] != "none" else ""), "%d x %d" % (n, t), env["SKIP_E"], torch_times),
 ]
 
@@ -216,6 +220,24 @@ ratio("scaling b/a", "b", "a", "tokens/s(b) / tokens/s(a); ideal %.1f" % n)
 ratio("overlap gain c/b", "c", "b", "iter_time(c) / iter_time(b); > 1: prefetch and early all-gather help")
 ratio("ZeRO-3 vs PyTorch DDP b/e", "b", "e", "tokens/s(b) / tokens/s(e); > 1: mfsdp faster")
 ratio("no_shard vs PyTorch DDP d/e", "d", "e", "tokens/s(d) / tokens/s(e); > 1: mfsdp faster")
+ratio("trace pool gain b/f", "b", "f", "iter_time(b) / iter_time(f); > 1: the pool helps")
+ratio("double buffer gain b/g", "b", "g", "iter_time(b) / iter_time(g); > 1: double buffers help")
+ratio("ZeRO-3 + trace pool vs PyTorch DDP f/e", "f", "e", "tokens/s(f) / tokens/s(e); > 1: mfsdp faster")
+
+# Per-rank buffer memory of the ZeRO-3 runs, from rank 0's end-of-run report.
+print()
+print("Memory per rank (rank 0, MiB; mfsdp-pretrain's end-of-run report):")
+print()
+print("| run | model weights | main grads | optimizer state | transient peak | buffer pool | process peak RSS |")
+print("|---|---:|---:|---:|---:|---:|---:|")
+import re
+for label in ("b", "f", "g", "d"):
+    logs = sorted(glob.glob(os.path.join(out, label + ".r*.log")))
+    text = open(logs[-1]).read() if logs else ""
+    m = re.search(r"memory per rank \(MiB\): model weights ([0-9.e+-]+), main weights [0-9.e+-]+, main grads ([0-9.e+-]+), "
+                  r"optimizer state ([0-9.e+-]+), transient peak ([0-9.e+-]+), buffer pool ([0-9.e+-]+), process peak RSS ([0-9.e+-]+)", text)
+    if m:
+        print("| %s | %s |" % (label, " | ".join("%.2f" % float(v) for v in m.groups())))
 for label, _, _, skip, _ in runs:
     if skip:
         print()
