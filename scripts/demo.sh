@@ -3,7 +3,8 @@
 # English corpus (Debian's `fortunes`), then generate text with it.
 #   1. set up and build;  2. corpus -> Megatron indexed dataset (mfsdp-preprocess, byte-level);
 #   3. mfsdp-run --nproc-per-node 2 mfsdp-pretrain (Megatron flags, optim_grads_params);
-#   4. mfsdp-generate from the trained model;  5. a summary.
+#   4. mfsdp-generate from the trained model;  5. the sharded checkpoint exported to a Hugging
+#      Face folder (mfsdp-ckpt export-hf);  6. a summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -13,8 +14,9 @@ if ! dpkg-query -W -f='${Status}' fortunes 2>/dev/null | grep -q "install ok ins
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fortunes >/dev/null
 fi
 echo "demo: building the tools (first time: a few minutes)"
-scripts/build.sh --target mfsdp-run mfsdp-preprocess mfsdp-pretrain mfsdp-generate >/dev/null
+scripts/build.sh --target mfsdp-run mfsdp-preprocess mfsdp-pretrain mfsdp-generate mfsdp-ckpt >/dev/null
 out=build/demo
+rm -rf "$out/ckpt" "$out/hf"
 mkdir -p "$out"
 
 echo "== corpus: Debian fortunes (one document per fortune)"
@@ -39,6 +41,7 @@ build/mfsdp-run --nproc-per-node 2 build/mfsdp-pretrain \
   --micro-batch-size 8 --global-batch-size 32 --train-iters 400 --lr 3e-3 --min-lr 3e-4 \
   --lr-decay-style cosine --lr-warmup-iters 40 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
   --log-interval 25 --eval-interval 200 --eval-iters 4 --metrics-file "$out/metrics.jsonl" \
+  --fsdp-double-buffer --save "$out/ckpt" --save-interval 200 \
   --save-final-model "$out/model" --sample-prompt "The secret of life is" --sample-tokens 120 \
   | tee "$out/train.log"
 train_seconds=$(( $(date +%s) - start ))
@@ -47,6 +50,10 @@ echo "== generation: mfsdp-generate --model $out/model"
 sample=$(build/mfsdp-generate --model "$out/model" --prompt "A programmer " --max-new-tokens 120 \
   --temperature 0.8 --top-k 20 --seed 7)
 echo "$sample"
+
+echo "== checkpoint: $out/ckpt (each rank wrote its shard) -> Hugging Face folder $out/hf"
+build/mfsdp-ckpt export-hf "$out/ckpt" "$out/hf" --dtype bf16
+ls -l "$out/hf"
 
 first=$(grep -m1 -o 'lm loss: [0-9.E+-]*' "$out/train.log" | head -1 | cut -d' ' -f3)
 last=$(grep -v validation "$out/train.log" | grep -o 'lm loss: [0-9.E+-]*' | tail -1 | cut -d' ' -f3)
@@ -61,4 +68,6 @@ cat <<SUMMARY
   nothing); ${tps} tokens/s
 - ${mem}
 - metrics: $out/metrics.jsonl, loss curve: $out/metrics.svg, model: $out/model, log: $out/train.log
+- sharded checkpoint: $out/ckpt (resume: add --load $out/ckpt, at any number of ranks);
+  Hugging Face export: $out/hf (config.json + model.safetensors, LlamaForCausalLM)
 SUMMARY
