@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
+#include "harness/uneven_net.h"
 #include "mfsdp/device_mesh.h"
 #include "mfsdp/fully_shard.h"
 #include "mfsdp/optim.h"
@@ -12,38 +13,7 @@ namespace {
 
 using namespace torch;
 
-// Uneven parameter sizes, a bias-free layer, a 1-element parameter (smaller than the world
-// size), a frozen parameter and a 1-D norm-like weight.
-struct BlockImpl : mfsdp::ShardedModule<BlockImpl> {
-  BlockImpl(int d, int h) {
-    fc1 = register_module("fc1", nn::Linear(d, h));
-    fc2 = register_module("fc2", nn::Linear(nn::LinearOptions(h, d).bias(false)));
-    norm = register_parameter("norm", torch::ones({d}) + 0.1 * torch::randn({d}));
-  }
-  Tensor forward(Tensor x) { return x + fc2(torch::tanh(fc1(x * norm))); }
-  nn::Linear fc1{nullptr}, fc2{nullptr};
-  Tensor norm;
-};
-TORCH_MODULE(Block);
-
-struct NetImpl : nn::Module {
-  NetImpl() {
-    embed = register_module("embed", nn::Linear(7, 10));
-    for (int h : {13, 5}) blocks.push_back(register_module("block" + std::to_string(blocks.size()), Block(10, h)));
-    head = register_module("head", nn::Linear(10, 3));
-    tiny = register_parameter("tiny", torch::ones({1}) * 1.5);
-    frozen = register_parameter("frozen", torch::randn({10}) * 0.1, /*requires_grad=*/false);
-  }
-  Tensor forward(Tensor x, bool routed) {
-    Tensor h = embed(x) + frozen;
-    for (auto& b : blocks) h = routed ? b->call(h) : b->forward(h);
-    return head(h) * tiny;
-  }
-  nn::Linear embed{nullptr}, head{nullptr};
-  std::vector<Block> blocks;
-  Tensor tiny, frozen;
-};
-TORCH_MODULE(Net);
+using Net = mfsdp::testing::UnevenNet;
 
 constexpr int kSteps = 3, kMicro = 2, kPerMicro = 2;
 constexpr double kLr = 0.05, kWd = 0.1, kClip = 0.5;

@@ -6,6 +6,7 @@
 
 #include "harness/dist_test.h"
 #include "harness/expect_error.h"
+#include "harness/uneven_net.h"
 #include "mfsdp/device_mesh.h"
 #include "mfsdp/fully_shard.h"
 #include "mfsdp/optim.h"
@@ -16,33 +17,7 @@ namespace {
 using namespace torch;
 using mfsdp::ShardingStrategy;
 
-struct BlockImpl : mfsdp::ShardedModule<BlockImpl> {
-  BlockImpl(int d, int h) {
-    fc1 = register_module("fc1", nn::Linear(d, h));
-    fc2 = register_module("fc2", nn::Linear(nn::LinearOptions(h, d).bias(false)));
-  }
-  Tensor forward(Tensor x) { return x + fc2(torch::tanh(fc1(x))); }
-  nn::Linear fc1{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Block);
-
-struct NetImpl : nn::Module {
-  NetImpl() {
-    embed = register_module("embed", nn::Linear(7, 10));
-    for (int h : {13, 5, 9}) blocks.push_back(register_module("block" + std::to_string(blocks.size()), Block(10, h)));
-    head = register_module("head", nn::Linear(10, 3));
-    frozen = register_parameter("frozen", torch::randn({10}), /*requires_grad=*/false);
-  }
-  Tensor forward(Tensor x) {
-    Tensor h = embed(x) + frozen;
-    for (auto& b : blocks) h = b->call(h);
-    return head(h);
-  }
-  nn::Linear embed{nullptr}, head{nullptr};
-  std::vector<Block> blocks;
-  Tensor frozen;
-};
-TORCH_MODULE(Net);
+using Net = mfsdp::testing::UnevenNet;
 
 struct Footprint {
   mfsdp::MemoryReport memory;
@@ -67,7 +42,7 @@ Footprint footprint(const std::shared_ptr<mfsdp::Communicator>& world, ShardingS
   auto opt = mfsdp::make_adamw(root.optimizer_shards(), root.optimizer_comm(), {}, root.after_step());
   root.reset_peak();
   for (int step = 0; step < 2; ++step) {
-    mfsdp::call(*net, torch::randn({4, 7})).to(kFloat).pow(2).mean().backward();
+    mfsdp::call(*net, torch::randn({4, 7}), true).to(kFloat).pow(2).mean().backward();
     opt->clip_grad_norm(1.0);
     opt->step(1e-3);
     root.zero_grad();

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "harness/file_bytes.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 
@@ -51,10 +52,7 @@ std::map<int64_t, Step> steps_of(const std::string& metrics) {
   return out;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string(std::istreambuf_iterator<char>(in), {});
-}
+std::string read_file(const std::string& path) { return mfsdp::testing::slurp(path); }
 
 void expect_exact_resume(const std::string& strategy) {
   TempDir dir("mfsdp-resume");

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "harness/file_bytes.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/hf_llama.h"
 #include "mfsdp/safetensors.h"
@@ -27,17 +28,8 @@ using ordered_json = nlohmann::ordered_json;
 using mfsdp::testing::TempDir;
 namespace fs = std::filesystem;
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << path;
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void put(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good());
-}
+using mfsdp::testing::put;
+using mfsdp::testing::slurp;
 
 std::string le64(uint64_t v) {
   std::string s(8, '\0');

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "harness/file_bytes.h"
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/torch_save.h"
@@ -29,17 +30,8 @@ using Tensors = std::map<std::string, at::Tensor>;
 
 std::string fixture(const std::string& name) { return std::string(MFSDP_FIXTURES_DIR) + "/torch_save/" + name; }
 
-std::string slurp(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in.good()) << path;
-  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
-}
-
-void put(const std::string& path, const std::string& bytes) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  ASSERT_TRUE(out.good());
-}
+using mfsdp::testing::put;
+using mfsdp::testing::slurp;
 
 std::string le(uint64_t v, int n) {
   std::string s(n, '\0');
