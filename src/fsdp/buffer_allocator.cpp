@@ -68,23 +68,24 @@ class DoubleBufferAllocator final : public BufferAllocator {
     std::lock_guard<std::mutex> lock(state_->mutex);
     auto key = std::make_tuple(static_cast<int>(dtype), static_cast<int>(role), bytes, device.str());
     auto& slots = classes_[key];
-    if (slots.empty()) {
-      for (int i = 0; i < 2; ++i) {
-        slots.push_back(state_->buffers.size());
-        state_->buffers.push_back(at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
-                                            at::TensorOptions().dtype(at::kByte).device(device)));
-        state_->busy.push_back(false);
-        reserved_ += static_cast<int64_t>(bytes);
-      }
+    auto idle = std::find_if(slots.begin(), slots.end(), [&](size_t slot) { return !state_->busy[slot]; });
+    if (idle == slots.end() && slots.size() < 2) {
+      // A second buffer only once two of the class are alive together: a class only one unit
+      // uses (the root, say) keeps a single buffer.
+      slots.push_back(state_->buffers.size());
+      state_->buffers.push_back(at::empty({static_cast<int64_t>(std::max<size_t>(bytes, 1))},
+                                          at::TensorOptions().dtype(at::kByte).device(device)));
+      state_->busy.push_back(false);
+      reserved_ += static_cast<int64_t>(bytes);
+      idle = slots.end() - 1;
     }
-    for (size_t slot : slots)
-      if (!state_->busy[slot]) {
-        state_->busy[slot] = true;
-        ++pooled_;
-        return lease(state_, slot, state_->buffers[slot].data_ptr(), device);
-      }
-    ++plain_;  // a third buffer of this class alive at once
-    return plain_allocation(bytes, device);
+    if (idle == slots.end()) {
+      ++plain_;  // a third buffer of this class alive at once
+      return plain_allocation(bytes, device);
+    }
+    state_->busy[*idle] = true;
+    ++pooled_;
+    return lease(state_, *idle, state_->buffers[*idle].data_ptr(), device);
   }
   BufferStats stats() const override { return {reserved_, pooled_, plain_}; }
 

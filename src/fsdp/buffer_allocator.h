@@ -2,8 +2,9 @@
 // unsharded weights of ZeRO-3 units and every unit's unsharded gradient buffer.
 //
 //   plain          a fresh allocation per use, returned when the buffer is released;
-//   double buffer  two persistent buffers per (dtype, role, size) class, handed out while idle
-//                  (--fsdp-double-buffer); a third concurrent request gets a plain allocation;
+//   double buffer  up to two persistent buffers per (dtype, role, size) class (the second made
+//                  when two are alive at once), handed out while idle (--fsdp-double-buffer); a
+//                  third concurrent request gets a plain allocation;
 //   trace pool     the second step's allocations and frees are recorded (the first runs without
 //                  prefetch), then placed by interval colouring (greedy first fit in order of
 //                  allocation) at fixed offsets of one pool per dtype; later steps get the same
