@@ -245,10 +245,14 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
 };
 TORCH_MODULE(LlamaForCausalLM);
 
-// Applies fully_shard to every decoder layer, then to the root (embedding, final norm and
-// lm_head form the root unit); returns the root handle. Throws std::logic_error while the model
-// has deferred parameters (fully_shard copies every parameter into its flat buffer).
+// Applies fully_shard to every decoder layer, then shard_llama_root; returns the root handle.
+// Throws std::logic_error while the model has deferred parameters (fully_shard copies every
+// parameter into its flat buffer).
 FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options);
+// The part after the layers: with untied embeddings, embed_tokens and lm_head become units of
+// their own (the two vocabulary-sized weights are never unsharded together); then the root
+// (the final norm, and the tied embedding). For callers that shard layer by layer.
+FsdpHandle shard_llama_root(LlamaForCausalLM& model, const FullyShardOptions& options);
 
 // ---- Loss ---------------------------------------------------------------------------------
 

@@ -63,7 +63,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
                                 " exceed max_position_embeddings " +
                                 std::to_string(config_.max_position_embeddings));
 
-  at::Tensor hidden = embed_tokens(input_ids);
+  at::Tensor hidden = mfsdp::call(*embed_tokens, input_ids);  // a unit of its own when untied
   at::Tensor positions = at::arange(start, start + t, input_ids.options().dtype(at::kLong));
   RotaryTables rope = rotary_tables(positions, config_.head_dim(), config_.rope_theta);
   const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
@@ -106,7 +106,7 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, LlamaKVCac
         "are not materialised yet (call materialize_and_init_layer(i) for every layer and "
         "init_root())");
   at::Tensor hidden = model->forward(input_ids, cache, start_pos);
-  return at::linear(hidden, lm_head ? lm_head->weight : model->embed_tokens->weight);
+  return lm_head ? mfsdp::call(*lm_head, hidden) : at::linear(hidden, model->embed_tokens->weight);
 }
 
 void LlamaForCausalLMImpl::init_values(const std::string& name, const at::Tensor& out) const {
@@ -180,6 +180,16 @@ FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options
         "shard_llama: the model has deferred parameters; call materialize_and_init_layer(i) for "
         "every layer and init_root() first");
   for (int64_t i = 0; i < model->model->num_layers(); ++i) fully_shard(model->model->layer(i), options);
+  return shard_llama_root(model, options);
+}
+
+FsdpHandle shard_llama_root(LlamaForCausalLM& model, const FullyShardOptions& options) {
+  // Untied, the two vocabulary-sized weights are units of their own, so they are never
+  // unsharded (with their gradients) at the same time; a tied weight must stay in one unit.
+  if (model->lm_head) {
+    fully_shard(*model->model->embed_tokens, options);
+    fully_shard(*model->lm_head, options);
+  }
   return fully_shard(*model, options);
 }
 

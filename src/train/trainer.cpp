@@ -70,7 +70,7 @@ std::pair<LlamaForCausalLM, FsdpHandle> build_model(const PretrainArgs& a,
     fully_shard(model->model->layer(i), shard);
   }
   if (a.init_model_with_meta_device) model->init_root();
-  FsdpHandle root = fully_shard(*model, shard);
+  FsdpHandle root = shard_llama_root(model, shard);
   return {model, root};
 }
 
