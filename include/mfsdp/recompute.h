@@ -22,6 +22,8 @@ std::vector<at::Tensor> recompute(const RecomputeFn& fn, const std::vector<at::T
 namespace detail {
 // True while recompute() is re-running a forward inside backward (on this thread).
 bool in_recompute();
+// True while recompute() runs `fn` the first time, in a training forward (grad off inside).
+bool in_recompute_first_forward();
 }  // namespace detail
 
 }  // namespace mfsdp

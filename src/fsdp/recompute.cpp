@@ -8,6 +8,7 @@ namespace mfsdp {
 namespace detail {
 namespace {
 thread_local int recompute_depth = 0;
+thread_local int first_forward_depth = 0;
 
 struct FnHolder : torch::CustomClassHolder {
   explicit FnHolder(RecomputeFn f) : fn(std::move(f)) {}
@@ -21,7 +22,15 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
     ctx->save_for_backward(inputs.vec());
     ctx->saved_data["fn"] = c10::IValue::make_capsule(holder);
     at::NoGradGuard no_grad;  // activations inside fn are not kept
-    return holder->fn(inputs.vec());
+    ++first_forward_depth;
+    try {
+      auto outputs = holder->fn(inputs.vec());
+      --first_forward_depth;
+      return outputs;
+    } catch (...) {
+      --first_forward_depth;
+      throw;
+    }
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
@@ -60,6 +69,7 @@ struct RecomputeFunction : torch::autograd::Function<RecomputeFunction> {
 }  // namespace
 
 bool in_recompute() { return recompute_depth > 0; }
+bool in_recompute_first_forward() { return first_forward_depth > 0; }
 
 }  // namespace detail
 

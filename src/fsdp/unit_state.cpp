@@ -57,10 +57,18 @@ void RootContext::limit_pending(size_t limit) {
   }
 }
 
+namespace {
+void record_first_appearance(std::vector<UnitState*>& order, UnitState* unit) {
+  if (std::find(order.begin(), order.end(), unit) == order.end()) order.push_back(unit);
+}
+}  // namespace
+
 void RootContext::record_forward(UnitState* unit) {
-  if (order_fixed || std::find(forward_order.begin(), forward_order.end(), unit) != forward_order.end())
-    return;
-  forward_order.push_back(unit);
+  if (!order_fixed) record_first_appearance(forward_order, unit);
+}
+
+void RootContext::record_post_forward(UnitState* unit) {
+  if (!order_fixed) record_first_appearance(post_forward_order, unit);
 }
 
 UnitState* RootContext::next_in_forward(const UnitState* unit) const {
@@ -69,10 +77,18 @@ UnitState* RootContext::next_in_forward(const UnitState* unit) const {
   return it == forward_order.end() || it + 1 == forward_order.end() ? nullptr : *(it + 1);
 }
 
-UnitState* RootContext::previous_in_forward(const UnitState* unit) const {
+UnitState* RootContext::next_in_backward(const UnitState* unit) const {
   if (!order_fixed) return nullptr;
-  auto it = std::find(forward_order.begin(), forward_order.end(), unit);
-  return it == forward_order.end() || it == forward_order.begin() ? nullptr : *(it - 1);
+  auto it = std::find(post_forward_order.begin(), post_forward_order.end(), unit);
+  return it == post_forward_order.end() || it == post_forward_order.begin() ? nullptr : *(it - 1);
+}
+
+bool RootContext::among_first_in_backward(const UnitState* unit, size_t count) const {
+  if (!order_fixed) return false;
+  const size_t n = post_forward_order.size();
+  for (size_t k = 0; k < std::min(count, n); ++k)
+    if (post_forward_order[n - 1 - k] == unit) return true;
+  return false;
 }
 
 void RootContext::finish_backward() {
@@ -183,7 +199,8 @@ std::vector<at::Tensor> UnitState::post_forward(const std::vector<at::Tensor>& o
   context_->note(path_, "post_forward");
   std::vector<at::Tensor> result = attach_pre_backward(outputs);
   if (phase_ == Phase::kForward) {
-    if (reshard_after_forward_) reshard();
+    context_->record_post_forward(this);
+    if (reshard_after_forward_ && !kept_for_backward()) reshard();
     phase_ = Phase::kIdle;
   }
   // The root's forward ends last: a prefetch nobody used (the forward took another path, e.g.
@@ -192,6 +209,16 @@ std::vector<at::Tensor> UnitState::post_forward(const std::vector<at::Tensor>& o
     for (UnitState* unit : context_->units)
       if (unit->prefetched_ && unit->phase_ == Phase::kIdle) unit->reshard();
   return result;
+}
+
+bool UnitState::kept_for_backward() const {
+  // The units whose backward comes first would be gathered again at once (by the root's
+  // pre-backward and its prefetch), so resharding them after forward saves no memory at the
+  // peak and costs an all-gather: the root stays gathered (FSDP2's default for the root) and,
+  // with prefetching, so does the last unit to finish its forward. Not in evaluation.
+  const bool training = at::GradMode::is_enabled() || in_recompute_first_forward();
+  return training &&
+         (parent_ == nullptr || (options_.prefetch && context_->among_first_in_backward(this, 2)));
 }
 
 at::Tensor UnitState::post_forward(const at::Tensor& output) {
@@ -211,9 +238,9 @@ void UnitState::pre_backward() {
   reduced_this_backward_ = false;
   unshard();
   for (auto& g : groups_) g->prepare_gradients();
-  // Overlap: backward runs the units in reverse forward order; gather the one before this now.
+  // Overlap: gather the unit whose backward comes next while this one computes.
   if (options_.prefetch)
-    if (UnitState* previous = context_->previous_in_forward(this)) previous->prefetch();
+    if (UnitState* next = context_->next_in_backward(this)) next->prefetch();
 }
 
 void UnitState::on_gradient_accumulated(size_t group, size_t index) {

@@ -5,9 +5,10 @@
 // Lifecycle of a unit in one step:
 //   pre_forward  -> unshard (ZeRO-3 all-gather); prefetch the next unit in forward order
 //   post_forward -> identity autograd node on the outputs (its backward is pre_backward);
-//                   reshard (ZeRO-3, reshard_after_forward, not while recomputing in backward)
+//                   reshard (ZeRO-3, reshard_after_forward, not while recomputing in backward,
+//                   not the first units of the backward order when training)
 //   pre_backward -> unshard; gradient buffer ready; queue the root's end-of-backward callback;
-//                   prefetch the previous unit in forward order
+//                   prefetch the next unit in backward order (reverse post-forward order)
 //   parameter post-accumulate hooks -> when every trainable parameter's hook fired:
 //   post_backward -> reduce gradients (async; one unit's reductions in flight), reshard
 //   end of backward (root callback) -> post_backward for units whose hooks did not all fire,
@@ -42,14 +43,19 @@ struct RootContext {
     if (record_events) events.push_back(unit + ":" + event);
   }
 
-  // Execution order of the units' forwards, recorded on the first step (first appearance),
-  // fixed at the end of the first backward; prefetching follows it (forward: next unit;
-  // backward: previous unit).
-  std::vector<UnitState*> forward_order;
+  // Execution order recorded on the first step (first appearance), fixed at the end of the
+  // first backward. Forward prefetching follows the order of pre-forwards; backward runs the
+  // units in the reverse order of their post-forwards (the root, which encloses the others,
+  // first), and its prefetching follows that.
+  std::vector<UnitState*> forward_order;       // pre-forward order
+  std::vector<UnitState*> post_forward_order;  // post-forward order (reverse backward order)
   bool order_fixed = false;
   void record_forward(UnitState* unit);
-  UnitState* next_in_forward(const UnitState* unit) const;      // null: none or not known yet
-  UnitState* previous_in_forward(const UnitState* unit) const;  // null: none or not known yet
+  void record_post_forward(UnitState* unit);
+  UnitState* next_in_forward(const UnitState* unit) const;   // null: none or not known yet
+  UnitState* next_in_backward(const UnitState* unit) const;  // null: none or not known yet
+  // The first `count` units of the backward order contain `unit` (false until the order is known).
+  bool among_first_in_backward(const UnitState* unit, size_t count) const;
 
   // Keeps at most `limit` reductions in flight (each holds an unsharded gradient buffer).
   void limit_pending(size_t limit);
@@ -94,6 +100,7 @@ class UnitState {
 
  private:
   std::vector<at::Tensor> attach_pre_backward(const std::vector<at::Tensor>& outputs);
+  bool kept_for_backward() const;
   void register_gradient_hooks();
 
   torch::nn::Module* module_;

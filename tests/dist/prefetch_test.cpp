@@ -1,9 +1,10 @@
 // All-gather prefetch (overlap): the next unit's weights are gathered while the current one
-// computes, in the execution order recorded on the first step (not the registration order),
-// reversed in backward; the first unit's gather starts when the optimizer step ends
-// (all_gather_in_start_param_sync). Prefetching changes no number: losses and weights equal the
-// path without it, with and without activation recompute, with an evaluation pass between
-// steps; every unit is gathered exactly twice per step; memory stays bounded.
+// computes, in the execution order recorded on the first step (not the registration order);
+// backward follows the reverse order in which the units' forwards finished; the first unit's
+// gather starts when the optimizer step ends (all_gather_in_start_param_sync). Prefetching
+// changes no number: losses and weights equal the path without it, with and without activation
+// recompute, with an evaluation pass between steps; every unit is gathered exactly twice per
+// step, except the two whose backward comes first (kept from forward); memory stays bounded.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -145,21 +146,51 @@ MFSDP_DIST_TEST(Prefetch, FollowsExecutionOrderAndGathersEachUnitTwicePerStep, {
       EXPECT_LT(fwd, prefetch) << run_order[k + 1] << " prefetched before " << run_order[k] << " ran";
       EXPECT_LT(prefetch, index_of(ev, run_order[k + 1] + ":pre_forward"));
     }
-    // Backward: the reverse, each gathered while the one after it computes its gradients.
-    const size_t backward = index_of(ev, run_order.back() + ":pre_backward");
-    ASSERT_LT(backward, ev.size());
-    for (size_t k = run_order.size() - 1; k >= 2; --k) {
-      const size_t bwd = index_of(ev, run_order[k] + ":pre_backward");
-      const size_t prefetch = index_of(ev, run_order[k - 1] + ":prefetch", backward);
-      EXPECT_LT(bwd, prefetch) << run_order[k - 1];
-      EXPECT_LT(prefetch, index_of(ev, run_order[k - 1] + ":pre_backward")) << run_order[k - 1];
+    // Backward runs the root (it encloses the others), then b1, b0, b2. The first two stay
+    // gathered from their forward; each later one is gathered while the one before it computes.
+    const size_t backward = index_of(ev, ":pre_backward");
+    const size_t end = index_of(ev, ":end_of_backward");
+    ASSERT_LT(end, ev.size());
+    const std::vector<std::string> backward_order = {"", "b1", "b0", "b2"};
+    for (size_t k = 0; k + 1 < backward_order.size(); ++k)
+      EXPECT_LT(index_of(ev, backward_order[k] + ":pre_backward"),
+                index_of(ev, backward_order[k + 1] + ":pre_backward")) << backward_order[k + 1];
+    for (const std::string kept : {"", "b1"})
+      EXPECT_GT(index_of(ev, kept + ":all_gather", backward), end) << kept << " gathered again";
+    for (size_t k = 2; k < backward_order.size(); ++k) {
+      const size_t prefetch = index_of(ev, backward_order[k] + ":prefetch", backward);
+      EXPECT_LT(index_of(ev, backward_order[k - 1] + ":pre_backward"), prefetch) << backward_order[k];
+      EXPECT_LT(prefetch, index_of(ev, backward_order[k] + ":pre_backward")) << backward_order[k];
     }
-    // No redundant gathers, with or without recompute: 2 per unit and step (the root's
-    // forward gather was started by the previous optimizer step).
-    for (const std::string unit : {"b0", "b1", "b2"})
+    // No redundant gathers, with or without recompute: 2 per unit and step, 1 for the two kept
+    // from forward to backward (the root's was started by the previous optimizer step).
+    for (const std::string unit : {"b0", "b2"})
       EXPECT_EQ(std::count(ev.begin(), ev.end(), unit + ":all_gather"), 2) << unit;
-    EXPECT_EQ(std::count(ev.begin(), ev.end(), std::string(":all_gather")), 2);
+    EXPECT_EQ(std::count(ev.begin(), ev.end(), std::string("b1:all_gather")), 1);
+    EXPECT_EQ(std::count(ev.begin(), ev.end(), std::string(":all_gather")), 1);
   }
+}
+
+// After a training forward only the root and the last unit to finish its forward (b1) stay
+// gathered; after an evaluation forward (no grad) nothing does.
+MFSDP_DIST_TEST(Prefetch, KeepsOnlyTheFirstUnitsOfBackwardGatheredAfterForward, {2}) {
+  Run r = make_run(comm, ShardingStrategy::kOptimGradsParams, true, false, false);
+  train(comm, r, 1);  // records the order
+  const int64_t grid = comm.size() * D;
+  const int64_t block = ((D * D + D + grid - 1) / grid * grid) * 4;
+  const int64_t root = ((D * D + D + 2 * D + 2 + grid - 1) / grid * grid) * 4;
+  {
+    torch::NoGradGuard no_grad;
+    mfsdp::call(*r.net, batch(7, comm.rank()));
+    EXPECT_EQ(r.root.memory().transient_now, 0) << "evaluation keeps nothing";
+  }
+  Tensor loss = mfsdp::call(*r.net, batch(8, comm.rank())).pow(2).mean();
+  EXPECT_EQ(r.root.memory().transient_now, root + block) << "the root and b1";
+  EXPECT_GT(r.net->blocks[1]->fc->weight.storage().nbytes(), 0u);
+  EXPECT_EQ(r.net->blocks[0]->fc->weight.storage().nbytes(), 0u);
+  EXPECT_EQ(r.net->blocks[2]->fc->weight.storage().nbytes(), 0u);
+  loss.backward();
+  EXPECT_EQ(r.root.memory().transient_now, 0) << "all resharded after backward";
 }
 
 MFSDP_DIST_TEST(Prefetch, StartParamSyncLeavesOnlyTheFirstUnitInFlight, {2}) {
