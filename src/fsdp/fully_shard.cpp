@@ -264,6 +264,8 @@ std::function<void()> FsdpHandle::after_step() const {
   const bool start_param_sync = state().options().all_gather_in_start_param_sync;
   return [ctx, start_param_sync] {
     at::NoGradGuard no_grad;
+    // Weights kept gathered (e.g. across micro-batches) are stale once the step changed them.
+    for (UnitState* u : ctx->units) u->reshard();
     for (UnitState* u : ctx->units)
       for (auto& g : u->groups()) g->copy_main_to_model_weights();
     ctx->allocator->step_boundary();

@@ -83,6 +83,12 @@ UnitState* RootContext::next_in_backward(const UnitState* unit) const {
   return it == post_forward_order.end() || it == post_forward_order.begin() ? nullptr : *(it - 1);
 }
 
+bool RootContext::among_first_in_forward(const UnitState* unit, size_t count) const {
+  if (!order_fixed) return false;
+  const auto end = forward_order.begin() + static_cast<std::ptrdiff_t>(std::min(count, forward_order.size()));
+  return std::find(forward_order.begin(), end, unit) != end;
+}
+
 bool RootContext::among_first_in_backward(const UnitState* unit, size_t count) const {
   if (!order_fixed) return false;
   const size_t n = post_forward_order.size();
@@ -100,7 +106,8 @@ void RootContext::finish_backward() {
     for (UnitState* unit : units)
       for (auto& group : unit->groups()) group->finish_optim_sync();
   }
-  for (UnitState* unit : units) unit->reshard();
+  for (UnitState* unit : units)
+    if (!unit->kept_for_next_forward()) unit->reshard();
   callback_queued = false;
 }
 
@@ -140,22 +147,27 @@ void UnitState::rename_parameters(const std::map<const c10::TensorImpl*, std::st
     }
 }
 
-void UnitState::unshard() {
+bool UnitState::start_unshard(const char* why) {
   bool gathered = false;
   for (auto& g : groups_) gathered |= g->start_unshard();
-  if (gathered) context_->note(path_, "all_gather");
+  if (!gathered) return false;
+  context_->note(path_, "all_gather");
+  if (why != nullptr) context_->note(path_, why);
+  return true;
+}
+
+void UnitState::wait_unshard() {
   for (auto& g : groups_) g->wait_unshard();
   prefetched_ = false;
 }
 
+void UnitState::unshard() {
+  start_unshard(nullptr);
+  wait_unshard();
+}
+
 void UnitState::prefetch() {
-  if (phase_ != Phase::kIdle) return;
-  bool gathered = false;
-  for (auto& g : groups_) gathered |= g->start_unshard();
-  if (!gathered) return;
-  context_->note(path_, "all_gather");
-  context_->note(path_, "prefetch");
-  prefetched_ = true;
+  if (phase_ == Phase::kIdle && start_unshard("prefetch")) prefetched_ = true;
 }
 
 void UnitState::reshard() {
@@ -173,10 +185,12 @@ void UnitState::pre_forward() {
   }
   if (phase_ != Phase::kBackward) phase_ = Phase::kForward;
   context_->record_forward(this);
-  unshard();
-  // Overlap: the next unit's all-gather runs while this one computes.
+  start_unshard(nullptr);
+  // Overlap: the next unit's all-gather, queued right behind this one's, runs while this one
+  // computes.
   if (options_.prefetch)
     if (UnitState* next = context_->next_in_forward(this)) next->prefetch();
+  wait_unshard();
 }
 
 std::vector<at::Tensor> UnitState::attach_pre_backward(const std::vector<at::Tensor>& outputs) {
@@ -221,6 +235,13 @@ bool UnitState::kept_for_backward() const {
          (parent_ == nullptr || (options_.prefetch && context_->among_first_in_backward(this, 2)));
 }
 
+bool UnitState::kept_for_next_forward() const {
+  // Without gradient sync another micro-batch follows with unchanged weights: the first two
+  // units of the forward order (the root and the unit whose backward finishes last) stay
+  // gathered for it instead of being gathered again at once.
+  return !context_->sync_gradients && options_.prefetch && context_->among_first_in_forward(this, 2);
+}
+
 at::Tensor UnitState::post_forward(const at::Tensor& output) {
   return post_forward(std::vector<at::Tensor>{output})[0];
 }
@@ -236,11 +257,12 @@ void UnitState::pre_backward() {
   phase_ = Phase::kBackward;
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
-  unshard();
-  for (auto& g : groups_) g->prepare_gradients();
+  start_unshard(nullptr);
   // Overlap: gather the unit whose backward comes next while this one computes.
   if (options_.prefetch)
     if (UnitState* next = context_->next_in_backward(this)) next->prefetch();
+  wait_unshard();
+  for (auto& g : groups_) g->prepare_gradients();
 }
 
 void UnitState::on_gradient_accumulated(size_t group, size_t index) {
@@ -267,7 +289,7 @@ void UnitState::post_backward() {
       if (r.work || r.finish_fn) context_->pending.push_back(std::move(r));
     }
   }
-  reshard();
+  if (!kept_for_next_forward()) reshard();
 }
 
 void UnitState::finish_backward() {

@@ -12,7 +12,9 @@
 //   parameter post-accumulate hooks -> when every trainable parameter's hook fired:
 //   post_backward -> reduce gradients (async; one unit's reductions in flight), reshard
 //   end of backward (root callback) -> post_backward for units whose hooks did not all fire,
-//                   drain reductions, ZeRO-1 reduce-scatter, everything resharded
+//                   drain reductions, ZeRO-1 reduce-scatter, everything resharded (without
+//                   gradient sync, i.e. another micro-batch follows: all but the first two
+//                   units of the forward order)
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
@@ -54,7 +56,9 @@ struct RootContext {
   void record_post_forward(UnitState* unit);
   UnitState* next_in_forward(const UnitState* unit) const;   // null: none or not known yet
   UnitState* next_in_backward(const UnitState* unit) const;  // null: none or not known yet
-  // The first `count` units of the backward order contain `unit` (false until the order is known).
+  // The first `count` units of the forward (backward) order contain `unit` (false until the
+  // order is known).
+  bool among_first_in_forward(const UnitState* unit, size_t count) const;
   bool among_first_in_backward(const UnitState* unit, size_t count) const;
 
   // Keeps at most `limit` reductions in flight (each holds an unsharded gradient buffer).
@@ -94,11 +98,17 @@ class UnitState {
   void post_backward();
   // Called by the root's end-of-backward callback.
   void finish_backward();
+  // Stays gathered after its backward for the next micro-batch's forward (see the .cpp).
+  bool kept_for_next_forward() const;
 
   // Names the parameters relative to `prefix`-qualified FQNs (called when a root adopts).
   void rename_parameters(const std::map<const c10::TensorImpl*, std::string>& names);
 
  private:
+  // Starts this unit's all-gathers; returns whether one started (then noted "all_gather" and
+  // `why`, if any).
+  bool start_unshard(const char* why);
+  void wait_unshard();
   std::vector<at::Tensor> attach_pre_backward(const std::vector<at::Tensor>& outputs);
   bool kept_for_backward() const;
   void register_gradient_hooks();

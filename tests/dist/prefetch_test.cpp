@@ -193,6 +193,48 @@ MFSDP_DIST_TEST(Prefetch, KeepsOnlyTheFirstUnitsOfBackwardGatheredAfterForward, 
   EXPECT_EQ(r.root.memory().transient_now, 0) << "all resharded after backward";
 }
 
+// Gradient accumulation: after a backward without gradient sync the first two units of the
+// forward order (the root and b2) stay gathered for the next micro-batch, which therefore
+// gathers neither; numbers equal the run without prefetching (which keeps nothing), also when
+// an optimizer step follows a backward without sync (the kept weights would be stale).
+MFSDP_DIST_TEST(Prefetch, MicroBatchesWithoutSyncKeepTheFirstUnitsAndChangeNoNumber, {2, 3}) {
+  auto run = [&](bool prefetch, std::vector<std::string>* events) {
+    Run r = make_run(comm, ShardingStrategy::kOptimGradsParams, prefetch, true, false);
+    std::vector<double> losses;
+    for (int step = 0; step < 4; ++step) {
+      if (step == 2 && events) r.root.record_events(true);
+      for (int micro = 0; micro < 3; ++micro) {
+        // Step 1 never syncs: its optimizer step follows a backward without sync.
+        r.root.set_requires_gradient_sync(micro == 2 && step != 1);
+        Tensor loss = mfsdp::call(*r.net, batch(10 * step + micro, comm.rank())).pow(2).mean();
+        loss.backward();
+        losses.push_back(loss.item<double>());
+      }
+      r.opt->step(1e-2);
+      r.root.zero_grad();
+      if (step == 2 && events) {
+        *events = r.root.events();
+        r.root.record_events(false);
+      }
+    }
+    for (const auto& [name, value] : r.root.full_state_dict(/*all_ranks=*/true))
+      losses.push_back(value.sum().item<double>());
+    return losses;
+  };
+  std::vector<std::string> ev;
+  const auto with = run(true, &ev);
+  EXPECT_EQ(with, run(false, nullptr));
+  std::string trace;
+  for (const auto& e : ev) trace += e + " ";
+  SCOPED_TRACE(trace);
+  // Micro-batches 2 and 3 of the step gather neither the root nor b2 in forward; b0 and b1
+  // are gathered in every forward and backward but b1's backward (kept from its forward).
+  EXPECT_EQ(std::count(ev.begin(), ev.end(), std::string(":all_gather")), 1) << "start_param_sync";
+  EXPECT_EQ(std::count(ev.begin(), ev.end(), std::string("b2:all_gather")), 1 + 3);
+  EXPECT_EQ(std::count(ev.begin(), ev.end(), std::string("b0:all_gather")), 3 + 3);
+  EXPECT_EQ(std::count(ev.begin(), ev.end(), std::string("b1:all_gather")), 3);
+}
+
 MFSDP_DIST_TEST(Prefetch, StartParamSyncLeavesOnlyTheFirstUnitInFlight, {2}) {
   for (bool start_sync : {true, false}) {
     Run r = make_run(comm, ShardingStrategy::kOptimGradsParams, true, start_sync, false);
