@@ -152,6 +152,11 @@ class FsdpHandle {
   // last); on again: the next backward reduces everything accumulated. Applies to all units.
   void set_requires_gradient_sync(bool sync);
   void set_reshard_after_forward(bool reshard);
+  // Off: this unit (not those below it) is not all-gathered for its backward, for units whose
+  // backward reads no weight (an embedding: its gradient needs only the token ids); FSDP2's
+  // set_unshard_in_backward. A backward that does read the weights then reads freed memory, so
+  // only for such units. Activation recompute still gathers (the forward runs again).
+  void set_unshard_in_backward(bool unshard);
   // Gradients are divided by this factor in the reduction (default: world size, or 1 with
   // GradientScaling::kNone; not used with kAverageInCollective).
   void set_gradient_divide_factor(double factor);

@@ -244,6 +244,8 @@ void FsdpHandle::set_reshard_after_forward(bool reshard) {
   }
 }
 
+void FsdpHandle::set_unshard_in_backward(bool unshard) { state().set_unshard_in_backward(unshard); }
+
 void FsdpHandle::set_gradient_divide_factor(double factor) {
   if (!(factor > 0)) throw std::invalid_argument("set_gradient_divide_factor: factor must be > 0");
   state().context()->divide_factor = factor;

@@ -181,6 +181,7 @@ void UnitState::pre_forward() {
     // Activation recompute inside backward: this forward's all-gather also serves the unit's
     // backward, which follows right after; prepare for it now and stay unsharded.
     pre_backward();
+    unshard();  // even without unshard_in_backward: the forward runs again
     return;
   }
   if (phase_ != Phase::kBackward) phase_ = Phase::kForward;
@@ -231,7 +232,7 @@ bool UnitState::kept_for_backward() const {
   // peak and costs an all-gather: the root stays gathered (FSDP2's default for the root) and,
   // with prefetching, so does the last unit to finish its forward. Not in evaluation.
   const bool training = at::GradMode::is_enabled() || in_recompute_first_forward();
-  return training &&
+  return training && unshard_in_backward_ &&
          (parent_ == nullptr || (options_.prefetch && context_->among_first_in_backward(this, 2)));
 }
 
@@ -257,10 +258,11 @@ void UnitState::pre_backward() {
   phase_ = Phase::kBackward;
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
-  start_unshard(nullptr);
+  if (unshard_in_backward_) start_unshard(nullptr);
   // Overlap: gather the unit whose backward comes next while this one computes.
   if (options_.prefetch)
-    if (UnitState* next = context_->next_in_backward(this)) next->prefetch();
+    if (UnitState* next = context_->next_in_backward(this); next && next->unshard_in_backward_)
+      next->prefetch();
   wait_unshard();
   for (auto& g : groups_) g->prepare_gradients();
 }

@@ -80,6 +80,7 @@ class UnitState {
   UnitState* parent() const { return parent_; }
   void set_parent(UnitState* parent) { parent_ = parent; }
   void set_reshard_after_forward(bool r) { reshard_after_forward_ = r; }
+  void set_unshard_in_backward(bool u) { unshard_in_backward_ = u; }
   // Module path relative to the root ("" for the root itself).
   const std::string& path() const { return path_; }
   void set_path(std::string p) { path_ = std::move(p); }
@@ -120,6 +121,7 @@ class UnitState {
   UnitState* parent_ = nullptr;
   std::string path_;
   bool reshard_after_forward_;
+  bool unshard_in_backward_ = true;
   Phase phase_ = Phase::kIdle;
   int hooks_expected_ = 0;  // trainable parameters
   int hooks_fired_ = 0;     // in the current backward

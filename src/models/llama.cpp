@@ -187,7 +187,8 @@ FsdpHandle shard_llama_root(LlamaForCausalLM& model, const FullyShardOptions& op
   // Untied, the two vocabulary-sized weights are units of their own, so they are never
   // unsharded (with their gradients) at the same time; a tied weight must stay in one unit.
   if (model->lm_head) {
-    fully_shard(*model->model->embed_tokens, options);
+    // The embedding's backward needs only the token ids: no all-gather for it.
+    fully_shard(*model->model->embed_tokens, options).set_unshard_in_backward(false);
     fully_shard(*model->lm_head, options);
   }
   return fully_shard(*model, options);
