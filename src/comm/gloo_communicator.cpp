@@ -13,6 +13,7 @@
 
 #include "comm/collective_args.h"
 #include "comm/comm_thread.h"
+#include "comm/shm_exchange.h"
 
 namespace mfsdp {
 namespace {
@@ -67,6 +68,8 @@ class Transfer {
   uint64_t slot(int step, int64_t segment = 0) const {
     return (seq_ << 24) | (static_cast<uint64_t>(step) << 12) | static_cast<uint64_t>(segment);
   }
+
+  ShmExchange::Call call() const { return {op_, seq_, timeout_}; }
 
   void wait_recv(gloo::transport::UnboundBuffer& b, int peer) const {
     wait(peer, "receiving from", [&] { return b.waitRecv(timeout_); });
@@ -130,6 +133,8 @@ class GlooCommunicator : public Communicator {
                         " could not connect to its " + std::to_string(size - 1) +
                         " peers within " + std::to_string(timeout_.count()) + " ms: " + e.what());
       }
+      // Ranks on one host move the bulk data through shared memory (shm_exchange.h).
+      shm_ = ShmExchange::connect(*store_, rank_, size, timeout_);
     }
   }
 
@@ -195,7 +200,7 @@ class GlooCommunicator : public Communicator {
     return Job{"all_gather", options.timeout, [=](const Transfer& t) {
       at::Tensor own = output.view(-1).narrow(0, s.offsets[rank_], s.counts[rank_]);
       if (own.data_ptr() != input.data_ptr()) own.copy_(input.view(-1));
-      ring_all_gather(t, output, s);
+      all_gather_in_place(t, output.view(-1), s);
     }};
   }
 
@@ -207,7 +212,7 @@ class GlooCommunicator : public Communicator {
       at::Tensor result = acc == output.scalar_type() ? output.view(-1)
                                                       : at::empty({s.counts[rank_]},
                                                                   output.options().dtype(acc));
-      ring_reduce_scatter(t, result, input.view(-1), s, options.op, options.prescale);
+      reduce_scatter_into(t, result, input.view(-1), s, options.op, options.prescale);
       if (options.op == ReduceOp::kAvg) result.div_(size());
       if (acc != output.scalar_type()) output.view(-1).copy_(result);
     }};
@@ -222,9 +227,9 @@ class GlooCommunicator : public Communicator {
       at::Tensor work = acc == tensor.scalar_type() ? tensor.view(-1) : tensor.view(-1).to(acc);
       RankSlices s = even_slices(work.numel(), size());
       at::Tensor own = work.narrow(0, s.offsets[rank_], s.counts[rank_]);
-      ring_reduce_scatter(t, own, work, s, options.op, 1.0);
+      reduce_scatter_into(t, own, work, s, options.op, 1.0);
       if (options.op == ReduceOp::kAvg) own.div_(size());
-      ring_all_gather(t, work, s, /*first_step=*/size());
+      all_gather_in_place(t, work, s, /*first_step=*/size());
       if (acc != tensor.scalar_type()) tensor.view(-1).copy_(work);
     }};
   }
@@ -290,6 +295,18 @@ class GlooCommunicator : public Communicator {
         throw CommError(self->first_error_msg_);
       }
     };
+  }
+
+  // The bulk data path: shared memory when every rank is on this host, else the TCP ring.
+  void all_gather_in_place(const Transfer& t, const at::Tensor& buffer, const RankSlices& s,
+                           int first_step = 0) {
+    if (shm_ && size() > 1 && buffer.nbytes() > 0) return shm_->all_gather(t.call(), buffer, s);
+    ring_all_gather(t, buffer, s, first_step);
+  }
+  void reduce_scatter_into(const Transfer& t, const at::Tensor& result, const at::Tensor& input,
+                           const RankSlices& s, ReduceOp op, double prescale) {
+    if (shm_ && size() > 1) return shm_->reduce_scatter(t.call(), result, input, s, op, prescale);
+    ring_reduce_scatter(t, result, input, s, op, prescale);
   }
 
   // Fills every rank's slice of `buffer` (laid out by `s`) from the ranks around the ring; this
@@ -417,6 +434,7 @@ class GlooCommunicator : public Communicator {
   std::vector<int> global_ranks_;  // global rank of each rank of this communicator
   std::chrono::milliseconds timeout_;
   std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::unique_ptr<ShmExchange> shm_;  // null: not all ranks on one host (or MFSDP_SHM=0)
 
   // Touched only by the caller's thread.
   uint64_t next_seq_ = 1;
