@@ -11,6 +11,8 @@
 #   c  mfsdp, ZeRO-3, --no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync (no overlap)
 #   d  mfsdp, no_shard (DDP-like), for reference
 #   e  PyTorch DDP over gloo (bench/torch_ddp_llama.py), same model and batch layout
+#   f  mfsdp, ZeRO-3, --fsdp-trace-pool;  g  mfsdp, ZeRO-3, --fsdp-double-buffer
+#   h  mfsdp, ZeRO-3 with MFSDP_SHM=0: collectives over loopback TCP instead of shared memory
 # Each run trains ITERS iterations on mock data; the first WARMUP are left out and the median
 # iter_time_s of the rest is reported (mfsdp: --metrics-file with --log-interval 1). With
 # ROUNDS > 1 the five runs are repeated round after round (interleaved) and the timed
@@ -111,7 +113,7 @@ run_mfsdp() {  # label round nproc strategy [flags...]
   shift 4
   local base="$OUT/$label.r$round"
   echo "  [$label] round $round: mfsdp $n rank(s) x $THREADS thread(s), $strategy $*" >&2
-  OMP_NUM_THREADS=$THREADS "$BUILD/mfsdp-run" --nproc-per-node "$n" "$BUILD/mfsdp-pretrain" \
+  env ${RUN_ENV:-} OMP_NUM_THREADS="$THREADS" "$BUILD/mfsdp-run" --nproc-per-node "$n" "$BUILD/mfsdp-pretrain" \
     "${MFSDP_ARGS[@]}" --data-parallel-sharding-strategy "$strategy" "$@" \
     --metrics-file "$base.jsonl" >"$base.log" 2>&1 || fail "$label" "$base.log"
   [[ -s $base.jsonl ]] || fail "$label (no metrics written)" "$base.log"
@@ -133,6 +135,7 @@ for ((r = 1; r <= ROUNDS; ++r)); do
   run_mfsdp d "$r" "$NPROC" no_shard
   run_mfsdp f "$r" "$NPROC" optim_grads_params --fsdp-trace-pool
   run_mfsdp g "$r" "$NPROC" optim_grads_params --fsdp-double-buffer
+  RUN_ENV=MFSDP_SHM=0 run_mfsdp h "$r" "$NPROC" optim_grads_params
   [[ -z $SKIP_E ]] && run_torch e "$r"
 done
 
@@ -182,6 +185,7 @@ runs = [
     ("d", "mfsdp no_shard (DDP-like)", "%d x %d" % (n, t), None, mfsdp_times),
     ("f", "mfsdp ZeRO-3, prefetch, --fsdp-trace-pool", "%d x %d" % (n, t), None, mfsdp_times),
     ("g", "mfsdp ZeRO-3, prefetch, --fsdp-double-buffer", "%d x %d" % (n, t), None, mfsdp_times),
+    ("h", "mfsdp ZeRO-3, prefetch, MFSDP_SHM=0 (loopback TCP)", "%d x %d" % (n, t), None, mfsdp_times),
     ("e", "PyTorch DDP, gloo" + (" (torch %s)" % env["TORCH_VERSION"] if env["TORCH_VERSION"] != "none" else ""), "%d x %d" % (n, t), env["SKIP_E"], torch_times),
 ]
 
@@ -220,6 +224,7 @@ ratio("scaling b/a", "b", "a", "tokens/s(b) / tokens/s(a); ideal %.1f" % n)
 ratio("overlap gain c/b", "c", "b", "iter_time(c) / iter_time(b); > 1: prefetch and early all-gather help")
 ratio("ZeRO-3 vs PyTorch DDP b/e", "b", "e", "tokens/s(b) / tokens/s(e); > 1: mfsdp faster")
 ratio("no_shard vs PyTorch DDP d/e", "d", "e", "tokens/s(d) / tokens/s(e); > 1: mfsdp faster")
+ratio("shared memory vs TCP h/b", "h", "b", "iter_time(h) / iter_time(b); > 1: the shared-memory path helps")
 ratio("trace pool gain b/f", "b", "f", "iter_time(b) / iter_time(f); > 1: the pool helps")
 ratio("double buffer gain b/g", "b", "g", "iter_time(b) / iter_time(g); > 1: double buffers help")
 ratio("ZeRO-3 + trace pool vs PyTorch DDP f/e", "f", "e", "tokens/s(f) / tokens/s(e); > 1: mfsdp faster")
