@@ -50,6 +50,7 @@ bool process_gone(pid_t pid) {
 struct ShmExchange::Header {
   struct alignas(64) RankState {
     std::atomic<uint64_t> announced;  // last round whose slot this rank filled
+    uint64_t seq[2];                  // the collective its last round of each parity belonged to
     int32_t pid;
   };
   uint64_t magic;
@@ -100,6 +101,7 @@ std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, int rank, 
         h->slot_bytes = slot_bytes;
         for (int r = 0; r < size; ++r) {
           new (&h->ranks[r].announced) std::atomic<uint64_t>(0);
+          h->ranks[r].seq[0] = h->ranks[r].seq[1] = 0;
           h->ranks[r].pid = 0;
         }
       }
@@ -157,9 +159,17 @@ char* ShmExchange::slot(int parity, int rank) const {
 
 void ShmExchange::announce_and_wait(const Call& call) {
   auto* h = static_cast<Header*>(base_);
+  const int parity = static_cast<int>(round_ % 2);
+  h->ranks[rank_].seq[parity] = call.seq;
   h->ranks[rank_].announced.store(round_, std::memory_order_release);
   const auto start = std::chrono::steady_clock::now();
   auto next_pid_check = start + std::chrono::milliseconds(20);
+  auto fail = [&](int r, const std::string& why) {
+    std::ostringstream s;
+    s << call.op << " #" << call.seq << " failed on rank " << rank_ << " while waiting for rank " << r
+      << " at the shared-memory exchange (timeout " << call.timeout.count() << " ms): " << why;
+    throw CommError(s.str());
+  };
   for (int r = 0; r < size_; ++r) {
     int spins = 0;
     while (h->ranks[r].announced.load(std::memory_order_acquire) < round_) {
@@ -179,14 +189,12 @@ void ShmExchange::announce_and_wait(const Call& call) {
         if (process_gone(h->ranks[r].pid))
           why = "the peer's process (pid " + std::to_string(h->ranks[r].pid) + ") exited";
       }
-      if (!why.empty()) {
-        std::ostringstream s;
-        s << call.op << " #" << call.seq << " failed on rank " << rank_
-          << " while waiting for rank " << r << " at the shared-memory exchange (timeout "
-          << call.timeout.count() << " ms): " << why;
-        throw CommError(s.str());
-      }
+      if (!why.empty()) fail(r, why);
     }
+    // The peer cannot refill this parity before this rank announces the next round.
+    if (h->ranks[r].seq[parity] != call.seq)
+      fail(r, "it is in collective #" + std::to_string(h->ranks[r].seq[parity]) +
+                  ": the ranks disagree on the sizes or the order of their collectives");
   }
 }
 

@@ -103,3 +103,32 @@ MFSDP_DIST_TEST(ShmExchange, LargeUnevenCollectivesSpanManyRounds, {2, 3}) {
     EXPECT_TRUE(at::equal(all, want.to(dtype))) << "all_reduce " << c10::toString(dtype);
   }
 }
+
+namespace {
+mfsdp::testing::DistOptions short_timeout(std::vector<int> worlds) {
+  mfsdp::testing::DistOptions o;
+  o.world_sizes = std::move(worlds);
+  o.comm_timeout = std::chrono::milliseconds(3000);
+  return o;
+}
+}  // namespace
+
+// Ranks that disagree on a collective's sizes (each call valid on its own rank) run different
+// numbers of rounds; the next collective's rounds must not be taken for this one's data: both
+// ranks fail naming the disagreement instead of exchanging wrong bytes.
+MFSDP_DIST_TEST_OPTS(ShmExchange, RanksThatDisagreeOnSizesFail, short_timeout({2})) {
+  ASSERT_FALSE(shm_disabled()) << "this test is about the shared-memory path";
+  const std::vector<int64_t> counts =
+      comm.rank() == 0 ? std::vector<int64_t>{int64_t{6} << 20, 0} : std::vector<int64_t>{1, 0};
+  mfsdp::AllGatherOptions ag;
+  ag.counts = counts;
+  try {
+    at::Tensor out = at::zeros({counts[0] + counts[1]});
+    comm.all_gather(out, at::ones({counts[comm.rank()]}), ag);
+    at::Tensor next = at::zeros({2 * 1024});
+    comm.all_gather(next, at::ones({1024}));
+    ADD_FAILURE() << "collectives of different sizes succeeded";
+  } catch (const mfsdp::CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("disagree"), std::string::npos) << e.what();
+  }
+}
