@@ -1,3 +1,4 @@
+#include <cstdlib>
 // Collective bandwidth in the style of nccl-tests: for each size, the time of our Gloo
 // communicator's all_gather / reduce_scatter / all_reduce, and in the same run the same operation
 // through c10d's ProcessGroupGloo (1.13), which has no reduce-scatter and no flat all-gather, so
@@ -177,7 +178,11 @@ int main(int argc, char** argv) {
 
     const bool print = comm->rank() == 0;
     if (print) {
-      std::printf("# mfsdp collective bandwidth, %d ranks, fp32, Gloo/TCP\n", comm->size());
+      const char* shm = std::getenv("MFSDP_SHM");
+      std::printf("# mfsdp collective bandwidth, %d ranks, fp32, Gloo communicator (%s)\n",
+                  comm->size(), shm != nullptr && std::string(shm) == "0"
+                                    ? "TCP: MFSDP_SHM=0"
+                                    : "shared memory when all ranks share a host, else TCP");
       std::printf("# ours: mfsdp Gloo communicator; c10d: ProcessGroupGloo (1.13) with workarounds\n");
       std::printf("# time: median of %d interleaved trials; speedup = c10d time / ours time (>1: ours faster)\n",
                   args.trials);
