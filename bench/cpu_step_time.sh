@@ -159,23 +159,27 @@ out, warmup = env["OUT"], int(env["WARMUP"])
 tokens = int(env["GBS"]) * int(env["SEQ"])
 n, t = int(env["NPROC"]), int(env["THREADS"])
 
+# Each returns (timed iterations of all rounds, final loss, median of each round).
 def mfsdp_times(label):
-    times, last = [], None
+    times, last, rounds = [], None, []
     for path in sorted(glob.glob(os.path.join(out, label + ".r*.jsonl"))):
         recs = [json.loads(l) for l in open(path) if l.strip()]
         train = [r for r in recs if not r.get("eval")]
-        times += [r["iter_time_s"] for r in train if r["iteration"] > warmup]
+        timed = [r["iter_time_s"] for r in train if r["iteration"] > warmup]
+        times += timed
+        rounds += [statistics.median(timed)] if timed else []
         last = train[-1]["lm_loss"] if train else last
-    return times, last
+    return times, last, rounds
 
 def torch_times(label):
-    times, last = [], None
+    times, last, rounds = [], None, []
     for path in sorted(glob.glob(os.path.join(out, label + ".r*.json"))):
         line = [l for l in open(path) if l.startswith("{")][-1]
         res = json.loads(line)
         times += res["iter_times_s"]
+        rounds += [statistics.median(res["iter_times_s"])] if res["iter_times_s"] else []
         last = res["final_loss"]
-    return times, last
+    return times, last, rounds
 
 runs = [
     ("a", "mfsdp 1 rank (%s), scaling baseline" % env["BASELINE_STRATEGY"], "1 x %d" % t, None, mfsdp_times),
@@ -197,20 +201,22 @@ print("- model: fp32, %s" % env["MODEL_DESC"])
 print("- timing: median iter_time_s over iterations %d..%s of %s round(s) (first %d are warm-up); "
       "tokens/s = %d tokens per global batch / median" % (warmup + 1, env["ITERS"], env["ROUNDS"], warmup, tokens))
 print()
-print("| run | what | ranks x threads | median ms | min ms | max ms | tokens/s | final loss |")
-print("|---|---|---|---:|---:|---:|---:|---:|")
+# Round medians show the machine's drift between rounds (compare runs within one round first).
+print("| run | what | ranks x threads | median ms | min ms | max ms | round medians ms | tokens/s | final loss |")
+print("|---|---|---|---:|---:|---:|---:|---:|---:|")
 res = {}
 for label, what, shape, skip, get in runs:
     if skip:
-        print("| %s | %s | %s | - | - | - | - | %s |" % (label, what, shape, skip))
+        print("| %s | %s | %s | - | - | - | - | - | %s |" % (label, what, shape, skip))
         continue
-    times, last = get(label)
+    times, last, rounds = get(label)
     if not times:
         raise SystemExit("cpu_step_time.sh: run %s has no timed iterations in %s" % (label, out))
     med = statistics.median(times)
     res[label] = med
-    print("| %s | %s | %s | %.1f | %.1f | %.1f | %.0f | %.4f |"
-          % (label, what, shape, med * 1e3, min(times) * 1e3, max(times) * 1e3, tokens / med, last))
+    print("| %s | %s | %s | %.1f | %.1f | %.1f | %s | %.0f | %.4f |"
+          % (label, what, shape, med * 1e3, min(times) * 1e3, max(times) * 1e3,
+             " / ".join("%.0f" % (m * 1e3) for m in rounds), tokens / med, last))
 
 def ratio(name, num, den, text):
     if num in res and den in res:
