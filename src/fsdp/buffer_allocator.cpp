@@ -175,8 +175,11 @@ class TracePoolAllocator final : public BufferAllocator {
     return std::string(c10::toString(e.dtype)) + "@" + e.device.str();
   }
 
-  // Interval colouring: buffers in order of allocation, each at the lowest offset of its pool
-  // where no buffer whose lifetime overlaps it lies.
+  // Interval colouring: each buffer at the lowest offset of its pool where no buffer already
+  // placed whose lifetime overlaps it lies. Larger buffers are placed first (ties: earlier
+  // allocation first): for equal sizes this is the greedy left-edge colouring, which is optimal
+  // for intervals, and the smaller buffers then fill the gaps; allocation order alone left a
+  // root-sized gap once units stayed gathered across phases.
   void plan() {
     std::vector<Event> events = std::move(state_->trace);
     state_->trace.clear();
@@ -185,15 +188,18 @@ class TracePoolAllocator final : public BufferAllocator {
         phase_ = Phase::kPlain;
         return;
       }
+    std::vector<size_t> order(events.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return events[a].bytes > events[b].bytes; });
     std::map<std::string, size_t> pool_bytes;
-    for (size_t i = 0; i < events.size(); ++i) {
+    std::vector<const Event*> placed;
+    for (size_t i : order) {
       Event& e = events[i];
       std::vector<std::pair<size_t, size_t>> taken;  // [offset, offset + bytes) of overlapping ones
-      for (size_t j = 0; j < i; ++j) {
-        const Event& o = events[j];
-        if (pool_key(o) == pool_key(e) && o.begin < e.end && e.begin < o.end)
-          taken.emplace_back(o.offset, o.offset + o.bytes);
-      }
+      for (const Event* o : placed)
+        if (pool_key(*o) == pool_key(e) && o->begin < e.end && e.begin < o->end)
+          taken.emplace_back(o->offset, o->offset + o->bytes);
       std::sort(taken.begin(), taken.end());
       size_t offset = 0;
       for (const auto& [lo, hi] : taken) {
@@ -201,6 +207,7 @@ class TracePoolAllocator final : public BufferAllocator {
         offset = std::max(offset, hi);
       }
       e.offset = offset;
+      placed.push_back(&e);
       size_t& size = pool_bytes[pool_key(e)];
       size = std::max(size, offset + e.bytes);
     }
