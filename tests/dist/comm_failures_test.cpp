@@ -9,13 +9,6 @@
 
 namespace {
 
-mfsdp::testing::DistOptions short_timeout(std::vector<int> worlds) {
-  mfsdp::testing::DistOptions o;
-  o.world_sizes = std::move(worlds);
-  o.comm_timeout = std::chrono::milliseconds(3000);
-  return o;
-}
-
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -24,7 +17,7 @@ bool contains(const std::string& text, const std::string& part) {
 
 // The last rank exits in the middle of the job; the others' next collective fails naming the
 // operation, and later calls fail at once because the communicator is broken.
-MFSDP_DIST_TEST_OPTS(CommFailures, PeerExitMidCollectiveIsAnError, short_timeout({2, 3, 4})) {
+MFSDP_DIST_TEST_OPTS(CommFailures, PeerExitMidCollectiveIsAnError, mfsdp::testing::short_timeout({2, 3, 4})) {
   const int last = comm.size() - 1;
   at::Tensor t = at::ones({1 << 12});
   comm.all_reduce(t);  // everyone is connected and working
@@ -50,7 +43,7 @@ MFSDP_DIST_TEST_OPTS(CommFailures, PeerExitMidCollectiveIsAnError, short_timeout
 }
 
 // A peer that is alive but never joins: the others time out and name the peer they waited on.
-MFSDP_DIST_TEST_OPTS(CommFailures, SilentPeerTimesOut, short_timeout({2})) {
+MFSDP_DIST_TEST_OPTS(CommFailures, SilentPeerTimesOut, mfsdp::testing::short_timeout({2})) {
   at::Tensor t = at::ones({16});
   if (comm.rank() == 1) {
     std::this_thread::sleep_for(std::chrono::milliseconds(6000));  // twice the timeout

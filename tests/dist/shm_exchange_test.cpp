@@ -104,19 +104,10 @@ MFSDP_DIST_TEST(ShmExchange, LargeUnevenCollectivesSpanManyRounds, {2, 3}) {
   }
 }
 
-namespace {
-mfsdp::testing::DistOptions short_timeout(std::vector<int> worlds) {
-  mfsdp::testing::DistOptions o;
-  o.world_sizes = std::move(worlds);
-  o.comm_timeout = std::chrono::milliseconds(3000);
-  return o;
-}
-}  // namespace
-
 // Ranks that disagree on a collective's sizes (each call valid on its own rank) run different
 // numbers of rounds; the next collective's rounds must not be taken for this one's data: both
 // ranks fail naming the disagreement instead of exchanging wrong bytes.
-MFSDP_DIST_TEST_OPTS(ShmExchange, RanksThatDisagreeOnSizesFail, short_timeout({2})) {
+MFSDP_DIST_TEST_OPTS(ShmExchange, RanksThatDisagreeOnSizesFail, mfsdp::testing::short_timeout({2})) {
   ASSERT_FALSE(shm_disabled()) << "this test is about the shared-memory path";
   const std::vector<int64_t> counts =
       comm.rank() == 0 ? std::vector<int64_t>{int64_t{6} << 20, 0} : std::vector<int64_t>{1, 0};

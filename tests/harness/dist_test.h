@@ -38,6 +38,14 @@ struct DistOptions {
   std::string shared_dir;
 };
 
+// Options for tests of failures: these world sizes, collectives time out after 3 s.
+inline DistOptions short_timeout(std::vector<int> worlds) {
+  DistOptions o;
+  o.world_sizes = std::move(worlds);
+  o.comm_timeout = std::chrono::milliseconds(3000);
+  return o;
+}
+
 // True in a rank process started by the harness.
 bool is_rank_process();
 
