@@ -1,28 +1,21 @@
-#include <cstdlib>
-// Collective bandwidth in the style of nccl-tests: for each size, the time of our Gloo
-// communicator's all_gather / reduce_scatter / all_reduce, and in the same run the same operation
-// through c10d's ProcessGroupGloo (1.13), which has no reduce-scatter and no flat all-gather, so
-// it uses its usual workarounds: list allgather into views of one flat output, and alltoall_base
-// followed by a local sum for reduce-scatter.
+// Collective bandwidth in the style of nccl-tests: for each size, the time of our CPU
+// communicator's all_gather / reduce_scatter / all_reduce (fp32). bench/collective_bandwidth.sh
+// runs it and the c10d baseline (bench/torch_collective_bandwidth.py: ProcessGroupGloo of the same
+// pinned torch) round after round and prints both with the ratio.
 //
 //   mfsdp-run --nproc-per-node 2 build/bench/collective_bandwidth [--min-bytes 1K] [--max-bytes 256M]
 //
 // size: bytes of the full (unsharded) buffer, as nccl-tests reports it. algbw = size / time;
 // busbw = algbw * (n-1)/n for all_gather and reduce_scatter, * 2(n-1)/n for all_reduce.
 #include <ATen/ATen.h>
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <iostream>
 #include <string>
 
-#include "comm/gloo_communicator.h"
-#include "comm/store.h"
 #include "mfsdp/comm.h"
-#include "mfsdp/rendezvous.h"
-
 namespace {
 
 struct Args {
@@ -84,68 +77,30 @@ double time_trial(mfsdp::Communicator& comm, int64_t bytes, const std::function<
   return t.item<double>();
 }
 
-// Median over `trials` trials of each implementation, interleaved so that both see the same
-// background load (this machine is small and noisy).
-std::pair<double, double> time_pair(mfsdp::Communicator& comm, int64_t bytes,
-                                    const std::function<void()>& ours,
-                                    const std::function<void()>& base, int trials) {
-  ours();
-  base();  // warm-up: connections, buffers
-  std::vector<double> a, b;
-  for (int t = 0; t < trials; ++t) {
-    a.push_back(time_trial(comm, bytes, ours));
-    b.push_back(time_trial(comm, bytes, base));
-  }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
-  return {median(a), median(b)};
+// Median over `trials` trials, after a warm-up call (connections, buffers).
+double time_median(mfsdp::Communicator& comm, int64_t bytes, const std::function<void()>& op,
+                   int trials) {
+  op();
+  std::vector<double> t;
+  for (int i = 0; i < trials; ++i) t.push_back(time_trial(comm, bytes, op));
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
 }
 
 struct Case {
-  std::function<void()> ours;
-  std::function<void()> c10d;
+  std::function<void()> run;
   double bus_factor;
 };
 
-Case make_case(const std::string& op, int64_t bytes, mfsdp::Communicator& comm,
-               c10d::ProcessGroupGloo& pg) {
+Case make_case(const std::string& op, int64_t bytes, mfsdp::Communicator& comm) {
   const int n = comm.size();
   const int64_t numel = std::max<int64_t>(bytes / 4 / n, 1) * n;  // full buffer, divisible by n
-  const int64_t shard = numel / n;
   at::Tensor full = at::randn({numel});
-  at::Tensor part = at::randn({shard});
+  at::Tensor part = at::randn({numel / n});
   const double ring = double(n - 1) / n;
-  if (op == "all_gather") {
-    std::vector<at::Tensor> views;
-    for (int r = 0; r < n; ++r) views.push_back(full.narrow(0, r * shard, shard));
-    return {[&comm, full, part] { comm.all_gather(full, part); },
-            [&pg, views, part]() mutable {
-              std::vector<std::vector<at::Tensor>> outs{views};
-              std::vector<at::Tensor> ins{part};
-              pg.allgather(outs, ins)->wait();
-            },
-            ring};
-  }
-  if (op == "reduce_scatter") {
-    at::Tensor staging = at::empty({numel});
-    return {[&comm, full, part] { comm.reduce_scatter(part, full); },
-            [&pg, full, part, staging, n, shard]() mutable {
-              std::vector<int64_t> splits;
-              pg.alltoall_base(staging, full, splits, splits)->wait();
-              at::sum_out(part, staging.view({n, shard}), {0});
-            },
-            ring};
-  }
-  if (op == "all_reduce") {
-    return {[&comm, full] { comm.all_reduce(full); },
-            [&pg, full]() mutable {
-              std::vector<at::Tensor> ts{full};
-              pg.allreduce(ts)->wait();
-            },
-            2 * ring};
-  }
+  if (op == "all_gather") return {[&comm, full, part] { comm.all_gather(full, part); }, ring};
+  if (op == "reduce_scatter") return {[&comm, full, part] { comm.reduce_scatter(part, full); }, ring};
+  if (op == "all_reduce") return {[&comm, full] { comm.all_reduce(full); }, 2 * ring};
   throw std::invalid_argument("--op: unknown operation '" + op +
                               "' (all_gather, reduce_scatter, all_reduce)");
 }
@@ -163,41 +118,27 @@ int main(int argc, char** argv) {
   try {
     Args args = parse_args(argc, argv);
     at::set_num_threads(1);
-    mfsdp::RendezvousInfo info = mfsdp::rendezvous_from_env();
-    auto timeout = std::chrono::milliseconds(300000);
-    auto store = mfsdp::connect_store(info, timeout);
-    auto comm = mfsdp::make_gloo_communicator(store, info, timeout);
-
-    auto pg_options = c10d::ProcessGroupGloo::Options::create();
-    pg_options->timeout = timeout;
-    pg_options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(
-        info.single_node() ? "127.0.0.1" : info.master_addr));
-    auto pg = c10::make_intrusive<c10d::ProcessGroupGloo>(
-        c10::make_intrusive<c10d::PrefixStore>("bench/c10d", store), info.rank, info.world_size,
-        pg_options);
-
-    const bool print = comm->rank() == 0;
-    if (print) {
+    mfsdp::CommOptions options;
+    options.timeout = std::chrono::milliseconds(300000);
+    auto comm = mfsdp::init_communicator(options);
+    if (comm->rank() == 0) {
       const char* shm = std::getenv("MFSDP_SHM");
-      std::printf("# mfsdp collective bandwidth, %d ranks, fp32, Gloo communicator (%s)\n",
-                  comm->size(), shm != nullptr && std::string(shm) == "0"
-                                    ? "TCP: MFSDP_SHM=0"
-                                    : "shared memory when all ranks share a host, else TCP");
-      std::printf("# ours: mfsdp Gloo communicator; c10d: ProcessGroupGloo (1.13) with workarounds\n");
-      std::printf("# time: median of %d interleaved trials; speedup = c10d time / ours time (>1: ours faster)\n",
-                  args.trials);
-      std::printf("%-15s %8s | %10s %9s %9s | %10s %9s %9s | %7s\n", "op", "size", "ours us",
-                  "algbw", "busbw", "c10d us", "algbw", "busbw", "speedup");
+      std::printf("# mfsdp CPU communicator (%s), %d ranks, fp32\n",
+                  shm != nullptr && std::string(shm) == "0"
+                      ? "TCP: MFSDP_SHM=0"
+                      : "shared memory when all ranks share a host, else TCP",
+                  comm->size());
+      std::printf("# time: median of %d trials\n", args.trials);
+      std::printf("%-15s %8s | %10s %9s %9s\n", "op", "size", "us", "algbw", "busbw");
     }
     for (const std::string& op : args.ops) {
       for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= args.step_factor) {
-        Case c = make_case(op, bytes, *comm, *pg);
-        auto [ours, base] = time_pair(*comm, bytes, c.ours, c.c10d, args.trials);
-        if (print) {
-          auto gbs = [&](double s) { return bytes / s / 1e9; };
-          std::printf("%-15s %8s | %10.1f %9.3f %9.3f | %10.1f %9.3f %9.3f | %7.2f\n", op.c_str(),
-                      human(bytes).c_str(), ours * 1e6, gbs(ours), gbs(ours) * c.bus_factor,
-                      base * 1e6, gbs(base), gbs(base) * c.bus_factor, base / ours);
+        Case c = make_case(op, bytes, *comm);
+        double secs = time_median(*comm, bytes, c.run, args.trials);
+        if (comm->rank() == 0) {
+          double gbs = bytes / secs / 1e9;
+          std::printf("%-15s %8s | %10.1f %9.3f %9.3f\n", op.c_str(), human(bytes).c_str(),
+                      secs * 1e6, gbs, gbs * c.bus_factor);
           std::fflush(stdout);
         }
       }

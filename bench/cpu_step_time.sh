@@ -23,7 +23,7 @@
 #   passed only when QUERY_GROUPS < HEADS; GROUPS is a bash builtin, hence the name)
 #   SEQ [128] MBS [4] GBS [16] VOCAB [1024] VOCAB_DIVISIBLE [128] UNTIE [0] ITERS [30]
 #   WARMUP [5] LR [1e-4] NPROC [2] THREADS [1] ROUNDS [1] BASELINE_STRATEGY [optim_grads_params]
-#   BUILD [<repo>/build] PYTHON [/usr/bin/python3] OUT [a new temporary folder; kept]
+#   BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python] OUT [a new temporary folder; kept]
 #   MFSDP_EXTRA_ARGS [] (appended to every mfsdp-pretrain command line)
 # Exit status: 0 when every run that was not skipped succeeded; 1 when one failed (its output
 # is shown); 2 on bad settings or missing binaries.
@@ -31,7 +31,7 @@ set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${BUILD:-$ROOT/build}
-PYTHON=${PYTHON:-/usr/bin/python3}
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
 LAYERS=${LAYERS:-4}
 HIDDEN=${HIDDEN:-256}
 FFN=${FFN:-704}
@@ -100,7 +100,7 @@ done
   SKIP_C="skipped: $BUILD/mfsdp-pretrain does not know$missing yet (rebuild, then rerun)"
 SKIP_E=""
 TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
-  SKIP_E="skipped: $PYTHON cannot import torch; install it with: sudo apt-get install python3-torch"
+  SKIP_E="skipped: $PYTHON cannot import torch; run scripts/setup.sh (it installs the pinned torch into .venv)"
 
 fail() {  # label log
   echo "cpu_step_time.sh: run $1 failed; its output ($2):" >&2

@@ -1,7 +1,7 @@
-#!/usr/bin/python3
+#!/usr/bin/env python3
 """PyTorch DDP baseline for mfsdp-pretrain: the same Llama, optimizer and batch layout.
 
-    /usr/bin/python3 bench/torch_ddp_llama.py --nproc 2 --threads 1 \
+    .venv/bin/python bench/torch_ddp_llama.py --nproc 2 --threads 1 \
         --num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
         --num-query-groups 8 --seq-length 128 --micro-batch-size 4 --global-batch-size 16 \
         --vocab-size 1024 --train-iters 30 --warmup-iters 5

@@ -1,7 +1,11 @@
 #!/usr/bin/env python3
-"""Writes the torch.save fixtures for tests/unit/torch_save_test.cpp into tests/fixtures/torch_save/.
+"""Writes the torch.save fixtures for tests/unit/torch_save_test.cpp and tests/e2e/ckpt_tool_test.cpp.
 
-Needs Python torch (Debian: apt-get install python3-torch; run with /usr/bin/python3). Every tensor
+    make_torch_save_fixtures.py OUT_DIR
+
+ctest runs it first (the TorchSaveFixtures setup test in tests/CMakeLists.txt) with the pinned
+torch of the project's environment (.venv), so the C++ reader is checked against what the torch
+users run writes today, not against stored bytes. Every tensor
 comes from arange and exactly representable arithmetic, so the C++ test recomputes the expected
 values with at::arange instead of trusting a second copy of the data. Keep the formulas here and
 in the test in sync.
@@ -26,7 +30,6 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "torch_save")
 
 
 class Tiny(nn.Module):
@@ -97,6 +100,9 @@ def write_evil(path):
 
 
 def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: make_torch_save_fixtures.py OUT_DIR")
+    OUT = sys.argv[1]
     os.makedirs(OUT, exist_ok=True)
     torch.save(tiny_state_dict(), os.path.join(OUT, "state_dict.pt"))
     buf = io.BytesIO()
@@ -106,7 +112,7 @@ def main():
     write_evil(os.path.join(OUT, "evil.pt"))
     torch.save(tiny_state_dict(), os.path.join(OUT, "legacy.pt"), _use_new_zipfile_serialization=False)
     for name in sorted(os.listdir(OUT)):
-        print(f"{name}: {os.path.getsize(os.path.join(OUT, name))} bytes", file=sys.stderr)
+        print(f"{name}: {os.path.getsize(os.path.join(OUT, name))} bytes (torch {torch.__version__})")
 
 
 if __name__ == "__main__":

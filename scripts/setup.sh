@@ -1,34 +1,57 @@
 #!/usr/bin/env bash
-# Installs every build and run dependency of mfsdp from Debian packages.
+# Installs every build and run dependency of mfsdp:
+#   - Debian packages: compiler, CMake, Ninja, JSON, CLI11, SentencePiece, GoogleTest;
+#   - a project-local Python virtual environment, .venv (ignored by git), holding the exactly
+#     pinned wheels of scripts/requirements.txt: torch, whose LibTorch every target is built
+#     against (CMakeLists.txt finds it there), and the test/benchmark references.
 # Idempotent: when everything is present it prints nothing and exits 0.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 
 packages=(
   build-essential cmake ninja-build pkg-config
-  libtorch-dev          # LibTorch 1.13 (CPU): tensors, autograd, c10d TCPStore
-  libgloo-dev           # Gloo collectives for the CPU communicator
-  libopenblas0-pthread  # fp32 BLAS that LibTorch really uses (replaces reference libblas.so.3)
   nlohmann-json3-dev    # JSON (metadata, metrics)
   libcli11-dev          # command-line parsing of the tools
   libsentencepiece-dev  # SentencePiece tokenizer
   libgtest-dev googletest
 )
+sudo=""
+[ "$(id -u)" -ne 0 ] && sudo="sudo"
 
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
-[ ${#missing[@]} -eq 0 ] && exit 0
-
-sudo=""
-[ "$(id -u)" -ne 0 ] && sudo="sudo"
-echo "setup: installing ${missing[*]}"
-export DEBIAN_FRONTEND=noninteractive
-$sudo apt-get update -qq
-$sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-# Make sure the fp32 BLAS LibTorch loads is OpenBLAS, not the reference implementation (~60x slower).
-blas_alt=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
-if [ -e "$blas_alt" ]; then
-  $sudo update-alternatives --set libblas.so.3-x86_64-linux-gnu "$blas_alt" >/dev/null
+# The virtual environment needs Python >= 3.10 with venv/ensurepip (Debian: python3-venv).
+python=${MFSDP_SETUP_PYTHON:-python3}
+if ! "$python" -c 'import sys, ensurepip, venv; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+  python=/usr/bin/python3
+  dpkg-query -W -f='${Status}' python3-venv 2>/dev/null | grep -q "install ok installed" ||
+    missing+=(python3-venv)
 fi
-echo "setup: done"
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  $sudo apt-get update -qq
+  $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# The pinned wheels; a stamp holding the requirements file makes the check instant.
+venv=.venv
+stamp=$venv/.mfsdp-requirements
+if [ ! -f "$stamp" ] || ! cmp -s scripts/requirements.txt "$stamp"; then
+  start=$(date +%s)
+  [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+  echo "setup: installing the pinned wheels of scripts/requirements.txt into $venv (first time: a few minutes, ~6 GB)"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r scripts/requirements.txt
+  cp scripts/requirements.txt "$stamp"
+  echo "setup: Python environment ready in $(( $(date +%s) - start )) s"
+fi
+
+# The CUDA configuration of the wheel's LibTorch needs the CUDA toolkit (nvcc and headers) at
+# build time only; say so early instead of failing deep inside find_package(Torch).
+if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ] && [ -z "${CUDA_HOME:-}" ]; then
+  echo "setup: warning: no CUDA toolkit (nvcc) found; the CUDA-enabled LibTorch in $venv needs one" \
+       "to configure. Install it, set CUDA_HOME, or build against a CPU-only LibTorch" \
+       "(docs/building.md)." >&2
+fi

@@ -1,17 +1,23 @@
-// mfsdp-generate: continue a prompt with a model trained by mfsdp-pretrain.
+// mfsdp-generate: continue a prompt with a model trained by mfsdp-pretrain (or imported).
 //
 //   mfsdp-generate --model DIR (--prompt TEXT | --prompt-ids 5,17,99) [--max-new-tokens 64]
 //       [--greedy | --temperature 0.8 --top-k 20 --top-p 0.95] [--seed 0] [--print-ids]
-//       [--vocab-file V --merge-file M]   (GPT2BPETokenizer models)
+//       [--logits-out FILE] [--vocab-file V --merge-file M]   (GPT2BPETokenizer models)
 //
-// DIR is what `mfsdp-pretrain --save-final-model DIR` wrote. Text in and out needs the model's
-// tokenizer to be ByteLevelTokenizer or GPT2BPETokenizer; any model works with token ids.
+// DIR is what mfsdp::load_model (include/mfsdp/generate.h) reads: the folder of
+// `mfsdp-pretrain --save-final-model`, a checkpoint (`mfsdp-pretrain --save`, `mfsdp-ckpt
+// import-hf`; a save folder or an iter_NNNNNNN folder) or a Hugging Face Llama folder. Text in
+// and out needs the model's tokenizer to be ByteLevelTokenizer or GPT2BPETokenizer; any model
+// works with token ids. --logits-out writes the fp32 logits of one forward over the prompt
+// ([1, T, vocab], tensor "logits", safetensors) so they can be compared with another
+// implementation's (tests/reference/).
 #include <torch/torch.h>
 
 #include <iostream>
 #include <sstream>
 
 #include "mfsdp/generate.h"
+#include "mfsdp/safetensors.h"
 #include "mfsdp/tokenizer.h"
 
 namespace {
@@ -39,7 +45,7 @@ std::vector<int64_t> parse_ids(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model_dir, prompt, prompt_ids, vocab_file, merge_file;
+  std::string model_dir, prompt, prompt_ids, vocab_file, merge_file, logits_out;
   bool print_ids = false;
   mfsdp::GenerateOptions g;
   try {
@@ -57,9 +63,17 @@ int main(int argc, char** argv) {
         }
       };
       if (flag == "--help" || flag == "-h") {
-        std::cout << "usage: mfsdp-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) "
-                     "[--max-new-tokens N] [--greedy] [--temperature T] [--top-k K] [--top-p P] "
-                     "[--seed S] [--print-ids] [--vocab-file V --merge-file M]\n";
+        std::cout
+            << "usage: mfsdp-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
+               "           [--greedy] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--print-ids]\n"
+               "           [--logits-out FILE] [--vocab-file V --merge-file M]\n"
+               "  --model DIR        a final model (mfsdp-pretrain --save-final-model), a checkpoint\n"
+               "                     (mfsdp-pretrain --save, mfsdp-ckpt import-hf: the save folder, read at its\n"
+               "                     latest iteration, or an iter_NNNNNNN folder) or a Hugging Face Llama folder\n"
+               "                     (config.json + model.safetensors or model.safetensors.index.json)\n"
+               "  --print-ids        print the generated token ids (comma-separated) instead of text\n"
+               "  --logits-out FILE  also write the fp32 logits of one forward over the prompt, shape\n"
+               "                     [1, prompt tokens, vocab], as tensor \"logits\" of a safetensors file\n";
         return 0;
       } else if (flag == "--model") model_dir = value();
       else if (flag == "--prompt") prompt = value();
@@ -73,6 +87,7 @@ int main(int argc, char** argv) {
       else if (flag == "--print-ids") print_ids = true;
       else if (flag == "--vocab-file") vocab_file = value();
       else if (flag == "--merge-file") merge_file = value();
+      else if (flag == "--logits-out") logits_out = value();
       else usage_error("unknown flag " + flag);
     }
     if (model_dir.empty()) usage_error("--model is required");
@@ -83,7 +98,7 @@ int main(int argc, char** argv) {
   }
   try {
     torch::set_num_threads(1);
-    mfsdp::LoadedModel loaded = mfsdp::load_final_model(model_dir);
+    mfsdp::LoadedModel loaded = mfsdp::load_model(model_dir);
     auto tokenizer = mfsdp::make_torch_safe_tokenizer({loaded.tokenizer_type, "", vocab_file, merge_file});
     std::vector<int64_t> input;
     if (!prompt_ids.empty()) {
@@ -94,8 +109,19 @@ int main(int argc, char** argv) {
                                     "' cannot encode text here; use --prompt-ids");
       input = tokenizer->encode(prompt);
     }
+    const int64_t vocab = loaded.model->config().vocab_size;
+    for (int64_t id : input)
+      if (id < 0 || id >= vocab)
+        throw std::invalid_argument("prompt token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
+                                    std::to_string(vocab) + ")");
     if (tokenizer) g.stop_id = tokenizer->eod();
-    std::vector<int64_t> out = mfsdp::generate(*loaded.model, input, g);
+    std::vector<int64_t> out = mfsdp::generate(*loaded.model, input, g);  // also checks the prompt's length
+    if (!logits_out.empty()) {
+      torch::NoGradGuard no_grad;
+      // No cache: the whole prompt in one forward, as a reference implementation computes it.
+      at::Tensor logits = loaded.model->forward(torch::tensor(input, torch::kLong).unsqueeze(0)).to(torch::kFloat);
+      mfsdp::write_safetensors(logits_out, {{"logits", logits}});
+    }
     if (print_ids || !tokenizer) {
       for (size_t i = 0; i < out.size(); ++i) std::cout << (i ? "," : "") << out[i];
       std::cout << "\n";

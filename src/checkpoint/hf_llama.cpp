@@ -118,6 +118,16 @@ LlamaConfig llama_config_from_hf(const json& c) {
     if (!act->is_string() || act->get<std::string>() != "silu") bad("hidden_act", "only \"silu\" is supported, found " + act->dump());
   }
   if (const json* rs = find(c, "rope_scaling")) bad("rope_scaling", "RoPE scaling is not supported, found " + rs->dump());
+  // transformers 5 writes the RoPE settings as {"rope_parameters": {"rope_theta": ..,
+  // "rope_type": "default"}} instead of a top-level rope_theta.
+  if (const json* rp = find(c, "rope_parameters")) {
+    if (!rp->is_object()) bad("rope_parameters", "expected an object, found " + rp->dump());
+    if (const json* type = find(*rp, "rope_type")) {
+      if (!type->is_string() || type->get<std::string>() != "default")
+        bad("rope_parameters.rope_type", "only \"default\" RoPE is supported, found " + type->dump());
+    }
+    if (find(*rp, "rope_theta") != nullptr) cfg.rope_theta = optional_double(*rp, "rope_theta", cfg.rope_theta);
+  }
   if (optional_bool(c, "attention_bias", false))
     bad("attention_bias", "attention biases are not supported (LlamaForCausalLM here has no biases)");
   if (optional_bool(c, "mlp_bias", false)) bad("mlp_bias", "MLP biases are not supported");

@@ -1,6 +1,6 @@
 #include <stdexcept>
 
-#include "comm/gloo_communicator.h"
+#include "comm/cpu_communicator.h"
 #include "comm/store.h"
 #include "mfsdp/comm.h"
 #include "mfsdp/rendezvous.h"
@@ -43,7 +43,7 @@ std::shared_ptr<Communicator> init_communicator(const CommOptions& options) {
 std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
                                                 const CommOptions& options) {
   if (options.backend == "gloo")
-    return make_gloo_communicator(connect_store(info, options.timeout), info, options.timeout);
+    return make_cpu_communicator(connect_store(info, options.timeout), info, options.timeout);
   if (options.backend == "nccl") {
 #ifdef MFSDP_WITH_CUDA
     int device = options.device_index >= 0 ? options.device_index : info.local_rank;

@@ -1,5 +1,6 @@
-// GPU communicator on NCCL, for CUDA tensors (builds with MFSDP_CUDA only; CI compiles it
-// against the CPU LibTorch headers to keep it building, see cmake/cuda_compile_check.cmake).
+// GPU communicator on NCCL, for CUDA tensors. Built whenever LibTorch has CUDA (MFSDP_WITH_CUDA:
+// the default build against the pinned CUDA wheel, so CI compiles and links it), against the NCCL
+// that LibTorch itself loads (CMakeLists.txt). tests/gpu/ runs it on a machine with a GPU.
 //
 // Streams: every collective runs on the communicator's own high-priority CUDA stream, after the
 // caller's current stream has reached the point of the call (an event), so it overlaps compute

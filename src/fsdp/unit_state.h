@@ -23,6 +23,7 @@
 #include <memory>
 #include <vector>
 
+#include "compat/torch_compat.h"
 #include "fsdp/param_group.h"
 #include "mfsdp/fully_shard.h"
 
@@ -128,7 +129,7 @@ class UnitState {
   bool reduced_this_backward_ = false;
   bool prefetched_ = false;  // all-gather started by prefetch(), not yet used by a forward/backward
   // The AccumulateGrad nodes hold our hooks; a tensor keeps only a weak reference to them.
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::vector<compat::NodeRef> grad_accumulators_;
 };
 
 }  // namespace mfsdp::detail

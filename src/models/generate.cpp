@@ -4,11 +4,54 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "mfsdp/hf_interop.h"
+#include "mfsdp/hf_llama.h"
+
 namespace mfsdp {
 namespace {
+
+const std::string kModelPrefix = "model.";  // a checkpoint's model tensors (hf_interop.h)
+const std::string kFormatKey = "__format__";  // model.pt's marker entry, not a tensor
+
+bool starts_with(const std::string& s, const std::string& prefix) {
+  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
+}
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// llama_config_from_hf with `where` (the file, or the checkpoint and field) in front of its error.
+LlamaConfig config_from_hf(const nlohmann::json& j, const std::string& where) {
+  try {
+    return llama_config_from_hf(j);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(where + ": " + e.what());
+  }
+}
+
+// LlamaForCausalLM(cfg) holding the tensors `shapes` lists (by HF name), read one by one with
+// `read` and cast to fp32, after check_llama_tensors: any missing, unexpected or misshapen
+// tensor is an error before anything is read.
+LlamaForCausalLM build_model(const LlamaConfig& cfg, const std::map<std::string, std::vector<int64_t>>& shapes,
+                             const std::function<at::Tensor(const std::string&)>& read, const std::string& where) {
+  check_llama_tensors(shapes, cfg, where);
+  LlamaOptions options;
+  options.init_seed = 0;  // every value is overwritten below: leave the default generator alone
+  LlamaForCausalLM model(cfg, options);
+  torch::NoGradGuard no_grad;
+  for (auto& p : model->named_parameters()) {
+    const at::Tensor t = read(p.key());
+    if (!at::isFloatingType(t.scalar_type()))
+      throw std::invalid_argument(where + ": tensor '" + p.key() + "' is " + c10::toString(t.scalar_type()) +
+                                  ", not a floating-point tensor");
+    p.value().copy_(t);
+  }
+  return model;
+}
 
 // Keeps the logits of the smallest set of tokens whose probability reaches top_p, and at most
 // top_k of them; the rest become -inf.
@@ -67,23 +110,20 @@ std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int
 void save_final_model(const std::string& dir, const LlamaConfig& c, const std::string& tokenizer_type,
                       const std::map<std::string, at::Tensor>& state) {
   namespace fs = std::filesystem;
+  // The HF mapping (hf_llama.h) so that load_final_model, checkpoints and HF folders share one
+  // config reader; "tokenizer_type" is ours (transformers ignores unknown fields).
+  auto embed = state.find("model.embed_tokens.weight");
+  const at::ScalarType dtype = embed != state.end() && (embed->second.scalar_type() == at::kBFloat16 ||
+                                                        embed->second.scalar_type() == at::kHalf)
+                                   ? embed->second.scalar_type()
+                                   : at::kFloat;
+  nlohmann::json j = llama_hf_config(c, dtype);
+  j["tokenizer_type"] = tokenizer_type;
   fs::create_directories(dir);
-  nlohmann::json j = {{"vocab_size", c.vocab_size},
-                      {"hidden_size", c.hidden_size},
-                      {"intermediate_size", c.intermediate_size},
-                      {"num_hidden_layers", c.num_layers},
-                      {"num_attention_heads", c.num_attention_heads},
-                      {"num_key_value_heads", c.num_key_value_heads},
-                      {"max_position_embeddings", c.max_position_embeddings},
-                      {"rope_theta", c.rope_theta},
-                      {"rms_norm_eps", c.rms_norm_eps},
-                      {"tie_word_embeddings", c.tie_word_embeddings},
-                      {"initializer_range", c.init_std},
-                      {"tokenizer_type", tokenizer_type}};
   std::ofstream(fs::path(dir) / "config.json") << j.dump(2) << "\n";
   c10::impl::GenericDict dict(c10::StringType::get(), c10::TensorType::get());
   for (const auto& [name, t] : state) dict.insert(name, t.contiguous());
-  dict.insert("__format__", torch::tensor({1}));  // keeps the dict >= 2 entries (libtorch_probe Q8)
+  dict.insert(kFormatKey, torch::tensor({1}));  // keeps the dict >= 2 entries (libtorch_probe Q8)
   std::vector<char> bytes = torch::pickle_save(c10::IValue(dict));
   std::ofstream out(fs::path(dir) / "model.pt", std::ios::binary);
   out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
@@ -94,45 +134,105 @@ LoadedModel load_final_model(const std::string& dir) {
   namespace fs = std::filesystem;
   const fs::path config_path = fs::path(dir) / "config.json", model_path = fs::path(dir) / "model.pt";
   std::ifstream cin(config_path);
-  if (!cin) throw std::invalid_argument("--model: cannot read " + config_path.string());
+  if (!cin) throw std::invalid_argument("cannot read " + config_path.string());
   nlohmann::json j;
   try {
     cin >> j;
   } catch (const std::exception& e) {
     throw std::invalid_argument(config_path.string() + ": " + e.what());
   }
-  LlamaConfig c;
+  // Folders written before save_final_model used llama_hf_config have no model_type; every
+  // final-model folder holds a Llama.
+  if (j.is_object() && !j.contains("model_type")) j["model_type"] = "llama";
+  LoadedModel loaded;
+  const LlamaConfig c = config_from_hf(j, config_path.string());
+  if (j.contains("tokenizer_type") && j["tokenizer_type"].is_string())
+    loaded.tokenizer_type = j["tokenizer_type"].get<std::string>();
+
+  std::ifstream in(model_path, std::ios::binary);
+  if (!in) throw std::invalid_argument("cannot read " + model_path.string());
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
   try {
-    c.vocab_size = j.at("vocab_size");
-    c.hidden_size = j.at("hidden_size");
-    c.intermediate_size = j.at("intermediate_size");
-    c.num_layers = j.at("num_hidden_layers");
-    c.num_attention_heads = j.at("num_attention_heads");
-    c.num_key_value_heads = j.at("num_key_value_heads");
-    c.max_position_embeddings = j.at("max_position_embeddings");
-    c.rope_theta = j.at("rope_theta");
-    c.rms_norm_eps = j.at("rms_norm_eps");
-    c.tie_word_embeddings = j.at("tie_word_embeddings");
+    value = torch::pickle_load(bytes);
   } catch (const std::exception& e) {
-    throw std::invalid_argument(config_path.string() + ": " + e.what());
+    throw std::invalid_argument(model_path.string() + ": not a torch pickle file: " + e.what());
+  }
+  if (!value.isGenericDict())
+    throw std::invalid_argument(model_path.string() + ": expected a dict of tensors by name, found " +
+                                value.tagKind());
+  std::map<std::string, at::Tensor> tensors;
+  for (const auto& item : value.toGenericDict()) {
+    if (!item.key().isString())
+      throw std::invalid_argument(model_path.string() + ": a key is " + item.key().tagKind() + ", not a name");
+    const std::string name = item.key().toStringRef();
+    if (name == kFormatKey) continue;
+    if (!item.value().isTensor())
+      throw std::invalid_argument(model_path.string() + ": entry '" + name + "' is " + item.value().tagKind() +
+                                  ", not a tensor");
+    tensors[name] = item.value().toTensor();
+  }
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, t] : tensors) shapes[name] = t.sizes().vec();
+  loaded.model = build_model(c, shapes, [&](const std::string& name) { return tensors.at(name); },
+                             model_path.string());
+  return loaded;
+}
+
+LoadedModel load_model(const std::string& path) {
+  namespace fs = std::filesystem;
+  const fs::path dir(path);
+  if (fs::is_regular_file(dir / "config.json") && fs::is_regular_file(dir / "model.pt"))
+    return load_final_model(path);
+  if (!is_checkpoint(path) && !is_hf_folder(path))
+    throw std::invalid_argument(
+        "'" + path + "' " + (fs::exists(dir) ? "is none of" : "does not exist; a model is one of") +
+        ": a final model (config.json and model.pt, from mfsdp-pretrain --save-final-model), a "
+        "checkpoint (a folder with latest_checkpointed_iteration.txt, or an iter_NNNNNNN folder with "
+        "metadata.json, from mfsdp-pretrain --save or mfsdp-ckpt import-hf), a Hugging Face Llama folder "
+        "(config.json with model.safetensors or model.safetensors.index.json)");
+  const TensorSource source(path);
+  const std::string where = source.description();
+  const nlohmann::json model_config = source.model_config();
+  if (source.is_checkpoint() && model_config.empty())
+    throw std::invalid_argument(where + " has no model_config in its metadata.json; generation needs the model's "
+                                "configuration");
+  const LlamaConfig c =
+      config_from_hf(model_config, where + (source.is_checkpoint() ? ": model_config" : ": config.json"));
+
+  // The model's tensors by HF name: a checkpoint stores them as "model.<HF name>", and
+  // TensorSource names an HF folder's tensors the same way (hf_interop.h).
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const std::string& name : source.names())
+    if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = source.shape(name);
+  if (!source.is_checkpoint()) {
+    // What import_hf accepts from transformers' folders, so `--model HF` and `--model
+    // $(mfsdp-ckpt import-hf HF)` load the same model.
+    std::vector<std::string> names;
+    for (const auto& kv : shapes) names.push_back(kv.first);
+    const std::vector<std::string> biases = hf_bias_tensors(names);
+    if (!biases.empty())
+      throw std::invalid_argument(where + " has bias tensors, which this Llama model cannot hold, e.g. '" +
+                                  biases.front() + "' (" + std::to_string(biases.size()) + " in all)");
+    for (auto it = shapes.begin(); it != shapes.end();)
+      it = ends_with(it->first, "rotary_emb.inv_freq") ? shapes.erase(it) : std::next(it);
+    if (c.tie_word_embeddings && shapes.count("lm_head.weight") && shapes.count("model.embed_tokens.weight")) {
+      const at::Tensor head = source.read(kModelPrefix + "lm_head.weight");
+      const at::Tensor embed = source.read(kModelPrefix + "model.embed_tokens.weight");
+      if (head.scalar_type() != embed.scalar_type() || head.sizes() != embed.sizes() || !at::equal(head, embed))
+        throw std::invalid_argument(where + ": config.json has tie_word_embeddings true, but 'lm_head.weight' "
+                                    "differs from 'model.embed_tokens.weight'");
+      shapes.erase("lm_head.weight");
+    }
   }
   LoadedModel loaded;
-  loaded.tokenizer_type = j.value("tokenizer_type", "");
-  loaded.model = LlamaForCausalLM(c);
-  std::ifstream in(model_path, std::ios::binary);
-  if (!in) throw std::invalid_argument("--model: cannot read " + model_path.string());
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  c10::impl::GenericDict dict = torch::pickle_load(bytes).toGenericDict();
-  torch::NoGradGuard no_grad;
-  for (auto& item : loaded.model->named_parameters()) {
-    if (!dict.contains(item.key()))
-      throw std::invalid_argument(model_path.string() + ": missing tensor '" + item.key() + "'");
-    at::Tensor t = dict.at(item.key()).toTensor();
-    if (t.sizes() != item.value().sizes())
-      throw std::invalid_argument(model_path.string() + ": tensor '" + item.key() + "' has shape " +
-                                  c10::str(t.sizes()) + ", config.json implies " +
-                                  c10::str(item.value().sizes()));
-    item.value().copy_(t);
+  loaded.model = build_model(c, shapes, [&](const std::string& name) { return source.read(kModelPrefix + name); },
+                             where);
+  if (const CheckpointReader* reader = source.checkpoint()) {
+    const nlohmann::json& meta = reader->metadata();
+    if (meta.contains("args") && meta["args"].is_object() && meta["args"].contains("--tokenizer-type") &&
+        meta["args"]["--tokenizer-type"].is_string())
+      loaded.tokenizer_type = meta["args"]["--tokenizer-type"].get<std::string>();
   }
   return loaded;
 }

@@ -103,7 +103,7 @@ Reference reference(int steps) {
   Reference r;
   for (auto& item : net->named_parameters()) {
     r.params[item.key()] = item.value().detach().clone();
-    auto it = opt.state().find(c10::guts::to_string(item.value().unsafeGetTensorImpl()));
+    auto it = opt.state().find(item.value().unsafeGetTensorImpl());
     if (it == opt.state().end()) continue;  // frozen
     auto& st = static_cast<optim::AdamWParamState&>(*it->second);
     r.exp_avg[item.key()] = st.exp_avg().clone();

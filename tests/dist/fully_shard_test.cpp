@@ -186,12 +186,16 @@ MFSDP_DIST_TEST(FullyShard, GradientScalingModesAgree, {2, 3}) {
 // (~3 significant digits; 3 steps of AdamW with lr 0.05 move weights by ~0.15, so a relative
 // tolerance of 3e-2 on the largest weight is a loose but meaningful bound), also with bf16
 // gradient communication.
+// SGD, not AdamW: Adam moves every weight by ~lr whatever its gradient's size, so a gradient near
+// zero whose sign bf16 rounding flips moves that weight by 2 x lr (0.1 here) and the comparison
+// measures luck (it did: LibTorch 1.13 passed it, 2.15's oneDNN bf16 kernels did not). SGD's
+// update scales with the gradient's error, which is what bf16 compute must keep small.
 MFSDP_DIST_TEST(FullyShard, Bf16ComputeTracksFp32Reference, {2, 3}) {
   mfsdp::MixedPrecisionPolicy mp;
   mp.param_dtype = at::kBFloat16;
-  check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, true, mp, 3e-2);
+  check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, false, mp, 3e-2);
   mp.grad_comm_dtype = at::kBFloat16;
-  check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, true, mp, 3e-2);
+  check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, false, mp, 3e-2);
 }
 
 // HSDP: 2 replicas x 2 shards (and 1 x 4 as a 2-D mesh) trains exactly like one process.

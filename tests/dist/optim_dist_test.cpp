@@ -197,7 +197,7 @@ void run_against_reference(Communicator& comm, Kind kind, std::vector<bool> repl
     for (const auto& [name, tensors] : opt->state()) {
       std::vector<at::Tensor> want;
       for (const at::Tensor& p : buffers[i].params) {
-        auto& state = *ref->state().at(c10::guts::to_string(p.unsafeGetTensorImpl()));
+        auto& state = *ref->state().at(p.unsafeGetTensorImpl());
         if (name == "exp_avg")
           want.push_back(static_cast<torch::optim::AdamWParamState&>(state).exp_avg());
         if (name == "exp_avg_sq")

@@ -425,7 +425,7 @@ TEST(CkptTool, ExportRefusesCheckpointsWithoutConfigOrWithOtherTensors) {
 TEST(CkptTool, ConvertReadsTorchSaveFiles) {
   const std::string fixtures = std::string(MFSDP_FIXTURES_DIR) + "/torch_save/";
   ASSERT_TRUE(fs::exists(fixtures + "state_dict.pt") && fs::exists(fixtures + "nested.pt"))
-      << "the committed torch.save fixtures are missing from " << fixtures;
+      << "the torch.save fixtures (ctest setup test TorchSaveFixtures) are missing from " << fixtures;
   TempDir tmp("mfsdp-ckpt");
   // state_dict.pt: Linear(4, 3) + LayerNorm(3) (scripts/make_torch_save_fixtures.py).
   Outcome r = ckpt("convert " + fixtures + "state_dict.pt " + tmp.file("sd") +

@@ -235,7 +235,7 @@ TEST(AdamW, MatchesTorchAdamWWithDecayGroupsAndPadding) {
     std::vector<at::Tensor> want;
     for (const at::Tensor& p : packed.params) {
       auto& s = static_cast<torch::optim::AdamWParamState&>(
-          *ref.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())));
+          *ref.state().at(p.unsafeGetTensorImpl()));
       want.push_back(name == "exp_avg" ? s.exp_avg() : s.exp_avg_sq());
     }
     check_params(tensors[1], want, name);
@@ -350,7 +350,7 @@ TEST(SGD, MatchesTorchSGDWithDecayGroupsAndPadding) {
     std::vector<at::Tensor> want;
     for (const at::Tensor& p : packed.params) {
       want.push_back(static_cast<torch::optim::SGDParamState&>(
-                         *ref.state().at(c10::guts::to_string(p.unsafeGetTensorImpl())))
+                         *ref.state().at(p.unsafeGetTensorImpl()))
                          .momentum_buffer());
     }
     check_params(buf, want, "momentum_buffer");

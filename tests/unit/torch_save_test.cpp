@@ -1,7 +1,8 @@
-// torch.save reader (src/checkpoint/torch_save.cpp). The fixtures are real torch.save output
-// (scripts/make_torch_save_fixtures.py, Debian's torch 1.13); the expected tensors are recomputed
-// here from the script's arange formulas, never read back through the code under test. Broken and
-// unusual archives are built in this test with a minimal stored-zip writer and hand-written pickles.
+// torch.save reader (src/checkpoint/torch_save.cpp). The fixtures are real torch.save output,
+// written by the pinned torch when ctest runs (scripts/make_torch_save_fixtures.py, the
+// TorchSaveFixtures setup test); the expected tensors are recomputed here from the script's
+// arange formulas, never read back through the code under test. Broken and unusual archives are
+// built in this test with a minimal stored-zip writer and hand-written pickles.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

@@ -1,59 +1,59 @@
-#include "comm/gloo_communicator.h"
+#include "comm/cpu_communicator.h"
 
 #include <ATen/ATen.h>
-#include <gloo/common/error.h>
-#include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/store.h>
-#include <gloo/transport/tcp/device.h>
-#include <gloo/transport/unbound_buffer.h>
+#include <ifaddrs.h>
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <cstdlib>
 #include <map>
 #include <sstream>
 
 #include "comm/collective_args.h"
 #include "comm/comm_thread.h"
 #include "comm/shm_exchange.h"
+#include "comm/tcp_mesh.h"
 
 namespace mfsdp {
 namespace {
 
-using Buffer = std::unique_ptr<gloo::transport::UnboundBuffer>;
+// The numeric address of interface `name` (IPv4 preferred), for GLOO_SOCKET_IFNAME.
+std::string interface_address(const std::string& name, const char* variable) {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0)
+    throw CommError(std::string(variable) + "=" + name + ": cannot list the network interfaces");
+  std::string v4, v6;
+  for (ifaddrs* a = list; a != nullptr; a = a->ifa_next) {
+    if (a->ifa_addr == nullptr || name != a->ifa_name) continue;
+    const int family = a->ifa_addr->sa_family;
+    if (family != AF_INET && family != AF_INET6) continue;
+    char host[NI_MAXHOST];
+    const socklen_t len = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    if (getnameinfo(a->ifa_addr, len, host, sizeof host, nullptr, 0, NI_NUMERICHOST) != 0) continue;
+    std::string& first = family == AF_INET ? v4 : v6;
+    if (first.empty()) first = host;
+  }
+  freeifaddrs(list);
+  if (!v4.empty()) return v4;
+  if (!v6.empty()) return v6;
+  throw CommError(std::string(variable) + "=" + name +
+                  ": no network interface of that name with an IPv4 or IPv6 address");
+}
 
-// gloo's rendezvous reads peer addresses through this view of our c10d store.
-class GlooStoreAdapter : public gloo::rendezvous::Store {
- public:
-  GlooStoreAdapter(c10::intrusive_ptr<c10d::Store> store, std::chrono::milliseconds timeout)
-      : store_(std::move(store)), timeout_(timeout) {}
-  void set(const std::string& key, const std::vector<char>& data) override {
-    store_->set(key, std::vector<uint8_t>(data.begin(), data.end()));
+// Where this rank listens for its peers: the interface named by MFSDP_SOCKET_IFNAME or
+// GLOO_SOCKET_IFNAME (torch's variable, so existing job scripts keep working), else loopback
+// when all ranks are on this node (no name resolution needed), else this host's name.
+std::string bind_host(const RendezvousInfo& info) {
+  for (const char* variable : {"MFSDP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
+    const char* ifname = std::getenv(variable);
+    if (ifname != nullptr && *ifname != '\0') return interface_address(ifname, variable);
   }
-  std::vector<char> get(const std::string& key) override {
-    auto v = store_->get(key);
-    return std::vector<char>(v.begin(), v.end());
-  }
-  void wait(const std::vector<std::string>& keys) override { store_->wait(keys, timeout_); }
-  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& t) override {
-    store_->wait(keys, t);
-  }
-
- private:
-  c10::intrusive_ptr<c10d::Store> store_;
-  std::chrono::milliseconds timeout_;
-};
-
-std::shared_ptr<gloo::transport::Device> make_device(const RendezvousInfo& info) {
-  gloo::transport::tcp::attr attr;
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) {
-    attr.iface = ifname;
-  } else if (info.single_node()) {
-    attr.hostname = "127.0.0.1";  // all ranks here: loopback needs no name resolution
-  } else {
-    char host[256] = {0};
-    gethostname(host, sizeof(host) - 1);
-    attr.hostname = host;
-  }
-  return gloo::transport::tcp::CreateDevice(attr);
+  if (info.single_node()) return "127.0.0.1";
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return host;
 }
 
 // One collective's traffic: a unique slot range and the names used in its errors.
@@ -71,11 +71,11 @@ class Transfer {
 
   ShmExchange::Call call() const { return {op_, seq_, timeout_}; }
 
-  void wait_recv(gloo::transport::UnboundBuffer& b, int peer) const {
-    wait(peer, "receiving from", [&] { return b.waitRecv(timeout_); });
+  void wait_recv(TcpMesh& mesh, int peer) const {
+    wait(peer, "receiving from", [&] { mesh.wait_recv(peer, timeout_); });
   }
-  void wait_send(gloo::transport::UnboundBuffer& b, int peer) const {
-    wait(peer, "sending to", [&] { return b.waitSend(timeout_); });
+  void wait_send(TcpMesh& mesh, int peer) const {
+    wait(peer, "sending to", [&] { mesh.wait_send(peer, timeout_); });
   }
 
   [[noreturn]] void fail(int peer, const std::string& doing, const std::string& why) const {
@@ -88,13 +88,11 @@ class Transfer {
  private:
   template <class F>
   void wait(int peer, const char* doing, F&& f) const {
-    bool ok = false;
     try {
-      ok = f();
+      f();
     } catch (const std::exception& e) {
       fail(peer, doing, e.what());
     }
-    if (!ok) fail(peer, doing, "aborted");
   }
 
   std::string describe(int r) const {
@@ -111,23 +109,19 @@ class Transfer {
 
 char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
-class GlooCommunicator : public Communicator {
+class CpuCommunicator : public Communicator {
  public:
-  GlooCommunicator(c10::intrusive_ptr<c10d::Store> store,
-                   std::shared_ptr<gloo::transport::Device> device, int rank,
-                   std::vector<int> global_ranks, std::chrono::milliseconds timeout)
+  CpuCommunicator(c10::intrusive_ptr<c10d::Store> store, std::string bind_host, int rank,
+                  std::vector<int> global_ranks, std::chrono::milliseconds timeout)
       : store_(std::move(store)),
-        device_(std::move(device)),
+        bind_host_(std::move(bind_host)),
         rank_(rank),
         global_ranks_(std::move(global_ranks)),
         timeout_(timeout) {
     const int size = static_cast<int>(global_ranks_.size());
-    context_ = std::make_shared<gloo::rendezvous::Context>(rank_, size);
-    context_->setTimeout(timeout_);
     if (size > 1) {
-      GlooStoreAdapter adapter(store_, timeout_);
       try {
-        context_->connectFullMesh(adapter, device_);
+        mesh_ = TcpMesh::connect(*store_, rank_, size, bind_host_, timeout_);
       } catch (const std::exception& e) {
         throw CommError("rendezvous: rank " + std::to_string(global_ranks_[rank_]) +
                         " could not connect to its " + std::to_string(size - 1) +
@@ -182,8 +176,8 @@ class GlooCommunicator : public Communicator {
                                           const std::string& name) override {
     GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(plan.store_prefix, store_);
-    return std::make_shared<GlooCommunicator>(prefixed, device_, plan.my_index,
-                                              std::move(plan.global_ranks), timeout_);
+    return std::make_shared<CpuCommunicator>(prefixed, bind_host_, plan.my_index,
+                                             std::move(plan.global_ranks), timeout_);
   }
 
  private:
@@ -197,7 +191,7 @@ class GlooCommunicator : public Communicator {
   Job all_gather_job(const at::Tensor& output, const at::Tensor& input,
                               const AllGatherOptions& options) {
     RankSlices s = all_gather_layout(output, input, options, rank_, size(), c10::kCPU);
-    return Job{"all_gather", options.timeout, [=](const Transfer& t) {
+    return Job{"all_gather", options.timeout, [this, output, input, s](const Transfer& t) {
       at::Tensor own = output.view(-1).narrow(0, s.offsets[rank_], s.counts[rank_]);
       if (own.data_ptr() != input.data_ptr()) own.copy_(input.view(-1));
       all_gather_in_place(t, output.view(-1), s);
@@ -207,7 +201,7 @@ class GlooCommunicator : public Communicator {
   Job reduce_scatter_job(const at::Tensor& output, const at::Tensor& input,
                                   const ReduceScatterOptions& options) {
     RankSlices s = reduce_scatter_layout(output, input, options, rank_, size(), c10::kCPU);
-    return Job{"reduce_scatter", options.timeout, [=](const Transfer& t) {
+    return Job{"reduce_scatter", options.timeout, [this, output, input, s, options](const Transfer& t) {
       at::ScalarType acc = accumulation_dtype(output.scalar_type());
       at::Tensor result = acc == output.scalar_type() ? output.view(-1)
                                                       : at::empty({s.counts[rank_]},
@@ -221,7 +215,7 @@ class GlooCommunicator : public Communicator {
   Job all_reduce_job(const at::Tensor& tensor, const AllReduceOptions& options) {
     check_tensor("all_reduce", "input", tensor, c10::kCPU);
     check_reduction("all_reduce", options.op, tensor.scalar_type(), 1.0);
-    return Job{"all_reduce", options.timeout, [=](const Transfer& t) {
+    return Job{"all_reduce", options.timeout, [this, tensor, options](const Transfer& t) {
       // Reduce-scatter then all-gather, in place in an accumulation-dtype buffer.
       at::ScalarType acc = accumulation_dtype(tensor.scalar_type());
       at::Tensor work = acc == tensor.scalar_type() ? tensor.view(-1) : tensor.view(-1).to(acc);
@@ -239,18 +233,17 @@ class GlooCommunicator : public Communicator {
     if (options.root < 0 || options.root >= size())
       throw std::invalid_argument("broadcast: root " + std::to_string(options.root) +
                                   " is outside [0, " + std::to_string(size()) + ")");
-    return Job{"broadcast", options.timeout, [=](const Transfer& t) {
+    return Job{"broadcast", options.timeout, [this, tensor, options](const Transfer& t) {
       size_t nbytes = tensor.nbytes();
       if (size() == 1 || nbytes == 0) return;
-      Buffer buf = context_->createUnboundBuffer(bytes(tensor), nbytes);
       if (rank_ == options.root) {
         for (int p = 0; p < size(); ++p)
-          if (p != rank_) buf->send(p, t.slot(0), 0, nbytes);
+          if (p != rank_) mesh_->post_send(p, t.slot(0), bytes(tensor), nbytes);
         for (int p = 0; p < size(); ++p)
-          if (p != rank_) t.wait_send(*buf, p);
+          if (p != rank_) t.wait_send(*mesh_, p);
       } else {
-        buf->recv(options.root, t.slot(0), 0, nbytes);
-        t.wait_recv(*buf, options.root);
+        mesh_->post_recv(options.root, t.slot(0), bytes(tensor), nbytes);
+        t.wait_recv(*mesh_, options.root);
       }
     }};
   }
@@ -258,7 +251,7 @@ class GlooCommunicator : public Communicator {
   Job barrier_job(const BarrierOptions& options) {
     // Every rank contributes one element, so the ring cannot complete before all have arrived.
     at::Tensor token = at::ones({size()}, at::kInt);
-    return Job{"barrier", options.timeout, [=](const Transfer& t) {
+    return Job{"barrier", options.timeout, [this, token](const Transfer& t) {
       RankSlices s = even_slices(size(), size());
       at::Tensor own = token.narrow(0, rank_, 1);
       ring_reduce_scatter(t, own, token, s, ReduceOp::kSum, 1.0);
@@ -274,7 +267,7 @@ class GlooCommunicator : public Communicator {
     const uint64_t seq = next_seq_++;
     const auto limit = job.timeout.count() > 0 ? job.timeout : timeout_;
     // `self` outlives the job: the destructor drains the queue before any member goes away.
-    GlooCommunicator* self = this;
+    CpuCommunicator* self = this;
     return [self, op = job.op, seq, limit, body = std::move(job.body)] {
       if (self->first_error_) {
         throw CommError(std::string(op) + " #" + std::to_string(seq) +
@@ -316,17 +309,17 @@ class GlooCommunicator : public Communicator {
     const int n = size();
     if (n == 1 || buffer.nbytes() == 0) return;
     const int64_t item = buffer.element_size();
-    Buffer buf = context_->createUnboundBuffer(bytes(buffer), buffer.nbytes());
+    char* base = bytes(buffer);
     const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
     for (int step = 0; step < n - 1; ++step) {
       int send_idx = (rank_ - step + n) % n, recv_idx = (rank_ - step - 1 + 2 * n) % n;
       bool receiving = s.counts[recv_idx] > 0, sending = s.counts[send_idx] > 0;
-      if (receiving) buf->recv(left, t.slot(first_step + step), s.offsets[recv_idx] * item,
-                               s.counts[recv_idx] * item);
-      if (sending) buf->send(right, t.slot(first_step + step), s.offsets[send_idx] * item,
-                             s.counts[send_idx] * item);
-      if (receiving) t.wait_recv(*buf, left);
-      if (sending) t.wait_send(*buf, right);
+      if (receiving) mesh_->post_recv(left, t.slot(first_step + step),
+                                      base + s.offsets[recv_idx] * item, s.counts[recv_idx] * item);
+      if (sending) mesh_->post_send(right, t.slot(first_step + step),
+                                    base + s.offsets[send_idx] * item, s.counts[send_idx] * item);
+      if (receiving) t.wait_recv(*mesh_, left);
+      if (sending) t.wait_send(*mesh_, right);
     }
   }
 
@@ -350,11 +343,9 @@ class GlooCommunicator : public Communicator {
     };
     if (n == 1) {
       at::Tensor out = result;
-      if (prescale != 1.0) {
-        at::mul_out(out, slice(0), prescale);
-      } else if (result.data_ptr() != slice(0).data_ptr()) {
-        out.copy_(slice(0));
-      }
+      if (result.data_ptr() != slice(0).data_ptr()) out.copy_(slice(0));
+      // In the accumulation dtype (LibTorch 2.x rejects mul_out into a wider dtype).
+      if (prescale != 1.0) out.mul_(prescale);
       return;
     }
     const int64_t max_count = s.max_count();
@@ -365,9 +356,6 @@ class GlooCommunicator : public Communicator {
     // segments are combined into partial[(k + 1) % 2] as they arrive.
     at::Tensor partial[2] = {scratch(0, acc, max_count), scratch(2, acc, max_count)};
     at::Tensor incoming = scratch(1, acc, max_count);
-    Buffer partial_buf[2] = {context_->createUnboundBuffer(bytes(partial[0]), partial[0].nbytes()),
-                             context_->createUnboundBuffer(bytes(partial[1]), partial[1].nbytes())};
-    Buffer in_buf = context_->createUnboundBuffer(bytes(incoming), incoming.nbytes());
     const int64_t segment = segment_elements(max_count, item);
     const int right = (rank_ + 1) % n, left = (rank_ + n - 1) % n;
     for (int step = 0; step < n - 1; ++step) {
@@ -376,13 +364,11 @@ class GlooCommunicator : public Communicator {
       const int64_t send_count = s.counts[send_idx], recv_count = s.counts[recv_idx];
       // The first step sends this rank's own contribution (straight from the input when no
       // conversion is needed); later steps forward the previous step's partial result.
-      Buffer direct;
-      gloo::transport::UnboundBuffer* sender = partial_buf[step % 2].get();
+      const char* sender = bytes(partial[step % 2]);
       if (step == 0 && send_count > 0) {
         at::Tensor own = slice(send_idx);
         if (own.scalar_type() == acc && prescale == 1.0) {
-          direct = context_->createUnboundBuffer(bytes(own), own.nbytes());
-          sender = direct.get();
+          sender = bytes(own);
         } else {
           at::Tensor staged = partial[0].narrow(0, 0, send_count);
           at::mul_out(staged, own.to(acc), prescale);
@@ -393,21 +379,21 @@ class GlooCommunicator : public Communicator {
       const int64_t send_segments = (send_count + segment - 1) / segment;
       for (int64_t k = 0; k < recv_segments; ++k) {
         int64_t len = std::min(segment, recv_count - k * segment);
-        in_buf->recv(left, t.slot(step, k), k * segment * item, len * item);
+        mesh_->post_recv(left, t.slot(step, k), bytes(incoming) + k * segment * item, len * item);
       }
       for (int64_t k = 0; k < send_segments; ++k) {
         int64_t len = std::min(segment, send_count - k * segment);
-        sender->send(right, t.slot(step, k), k * segment * item, len * item);
+        mesh_->post_send(right, t.slot(step, k), sender + k * segment * item, len * item);
       }
       const bool last = step == n - 2;  // then recv_idx == rank_
       at::Tensor dst = last ? result : partial[(step + 1) % 2].narrow(0, 0, recv_count);
       at::Tensor local = slice(recv_idx);
       for (int64_t k = 0; k < recv_segments; ++k) {
-        t.wait_recv(*in_buf, left);  // segments complete in posting order (one TCP stream)
+        t.wait_recv(*mesh_, left);  // segment k; k + 1 keeps arriving meanwhile
         int64_t off = k * segment, len = std::min(segment, recv_count - off);
         combine(dst.narrow(0, off, len), local.narrow(0, off, len), incoming.narrow(0, off, len));
       }
-      for (int64_t k = 0; k < send_segments; ++k) t.wait_send(*sender, right);
+      for (int64_t k = 0; k < send_segments; ++k) t.wait_send(*mesh_, right);
     }
   }
 
@@ -429,11 +415,11 @@ class GlooCommunicator : public Communicator {
 
   // Constant after construction.
   c10::intrusive_ptr<c10d::Store> store_;
-  std::shared_ptr<gloo::transport::Device> device_;
+  std::string bind_host_;  // where this rank listens; sub-groups listen there too
   int rank_;
   std::vector<int> global_ranks_;  // global rank of each rank of this communicator
   std::chrono::milliseconds timeout_;
-  std::shared_ptr<gloo::rendezvous::Context> context_;
+  std::unique_ptr<TcpMesh> mesh_;     // null when alone
   std::unique_ptr<ShmExchange> shm_;  // null: not all ranks on one host (or MFSDP_SHM=0)
 
   // Touched only by the caller's thread.
@@ -450,14 +436,14 @@ class GlooCommunicator : public Communicator {
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_gloo_communicator(const c10::intrusive_ptr<c10d::Store>& store,
-                                                     const RendezvousInfo& info,
-                                                     std::chrono::milliseconds timeout) {
+std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const RendezvousInfo& info,
+                                                    std::chrono::milliseconds timeout) {
   std::vector<int> globals(info.world_size);
   for (int i = 0; i < info.world_size; ++i) globals[i] = i;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("mfsdp/gloo/world", store);
-  return std::make_shared<GlooCommunicator>(prefixed, make_device(info), info.rank,
-                                            std::move(globals), timeout);
+  return std::make_shared<CpuCommunicator>(prefixed, bind_host(info), info.rank,
+                                           std::move(globals), timeout);
 }
 
 }  // namespace mfsdp

@@ -1,0 +1,38 @@
+// The CPU communicator (backend "gloo", the name torch users know for CPU collectives).
+//
+// Collectives are our own ring algorithms: bandwidth-optimal ((N-1)/N of the data per link), any
+// per-rank counts including zero, any dtype, fp32 accumulation for bf16/fp16, and errors that
+// name the peer a rank was waiting on. They run on the communicator's CommThread. Bulk data moves
+// through shared memory when every rank is on this host (src/comm/shm_exchange.h), else (and for
+// broadcast and barrier) over our own TCP mesh (src/comm/tcp_mesh.h): tagged point-to-point
+// messages on one connection per pair of ranks.
+//
+// Why not Gloo, whose name the backend keeps: the PyTorch wheel's libtorch_cpu.so exports its own,
+// newer Gloo but ships no Gloo headers, and a second Gloo (say Debian's libgloo) beside it would
+// put two definitions of every Gloo symbol into one process. We only ever used Gloo's TCP
+// transport (c10d's ProcessGroupGloo had no reduce-scatter, no flat all-gather and no bf16), and
+// that transport is small enough to own.
+//
+// Addresses: GLOO_SOCKET_IFNAME (or MFSDP_SOCKET_IFNAME, which wins) names the interface whose
+// address ranks listen on; otherwise the loopback address when all ranks are on one node, else
+// this host's name.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "mfsdp/comm.h"
+#include "mfsdp/rendezvous.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+namespace mfsdp {
+
+// Connects every rank of `info` through `store` (see store.h) and returns the world
+// communicator. Its keys live under "mfsdp/gloo/", so the store can be shared.
+std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10d::Store>& store,
+                                                    const RendezvousInfo& info,
+                                                    std::chrono::milliseconds timeout);
+
+}  // namespace mfsdp

@@ -1,0 +1,173 @@
+"""The transformers side of the reference tests (tests/reference/hf_reference_test.cpp).
+
+Run by the C++ tests under the reference Python (CMake's MFSDP_PYTHON, made by scripts/setup.sh),
+one process per test case because importing torch and transformers takes seconds:
+
+  check-export HF LOGITS --prompt-ids 3,17,42 --mfsdp-ids 5,9,... --max-new-tokens 12
+      Loads the folder `mfsdp-ckpt export-hf` wrote with LlamaForCausalLM.from_pretrained (fp32),
+      compares its logits over the prompt with mfsdp-generate's --logits-out file (max |diff|
+      <= --atol) and its greedy continuation with mfsdp-generate's ids. Exit 1 on a mismatch.
+
+  make-random HF --tied|--untied --seed S [--rope-theta T] --prompt-ids ... --max-new-tokens 12 \\
+      --ids-out IDS --logits-out LOGITS
+      Builds a small random LlamaForCausalLM (GQA), saves it with save_pretrained (safetensors)
+      and writes its greedy continuation (IDS: one line, comma-separated) and its fp32 logits
+      over the prompt (LOGITS: safetensors, tensor "logits", [1, T, vocab]) for the C++ test to
+      compare with mfsdp-generate on the same folder.
+
+Everything printed says what was compared, so a failing C++ test shows it.
+"""
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only: never reach the network
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+torch.set_num_threads(1)
+transformers.utils.logging.disable_progress_bar()
+
+# The attention implementation both sides are compared under: eager is the plain matmul-softmax
+# reference; in fp32 sdpa agrees with it to ~1e-7 either way.
+ATTENTION = "eager"
+
+
+def parse_ids(text):
+    return [int(x) for x in text.split(",") if x != ""]
+
+
+def ids_text(ids):
+    return ",".join(str(i) for i in ids)
+
+
+def prompt_logits(model, prompt):
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits.float()
+
+
+def greedy(model, prompt, max_new_tokens):
+    """HF's greedy continuation of `prompt`: exactly max_new_tokens ids, no EOS stop."""
+    # The model's generation_config carries eos_token_id (2 for a fresh LlamaConfig); mfsdp's
+    # models have no tokenizer and never stop early, so neither may this.
+    model.generation_config.eos_token_id = None
+    input_ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    new = out[0, len(prompt):].tolist()
+    if len(new) != max_new_tokens:
+        raise SystemExit(f"transformers generated {len(new)} tokens, asked for {max_new_tokens}")
+    return new
+
+
+def check_export(a):
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        a.hf, dtype=torch.float32, attn_implementation=ATTENTION
+    ).eval()
+    prompt = parse_ids(a.prompt_ids)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: loaded {a.hf} "
+          f"(tie_word_embeddings={model.config.tie_word_embeddings}, "
+          f"rope_theta={model.config.rope_parameters.get('rope_theta')}, dtype={model.dtype})")
+    ok = True
+
+    mfsdp_logits = load_file(a.logits)["logits"]
+    hf_logits = prompt_logits(model, prompt)
+    if tuple(mfsdp_logits.shape) != tuple(hf_logits.shape):
+        print(f"MISMATCH logits shape: mfsdp {tuple(mfsdp_logits.shape)}, "
+              f"transformers {tuple(hf_logits.shape)}")
+        ok = False
+    else:
+        diff = (mfsdp_logits.float() - hf_logits).abs().max().item()
+        scale = hf_logits.abs().max().item()
+        verdict = "ok" if diff <= a.atol else "MISMATCH"
+        print(f"{verdict} logits {tuple(hf_logits.shape)} over prompt {ids_text(prompt)}: "
+              f"max |mfsdp - transformers| = {diff:.3e} (atol {a.atol:g}; max |logit| {scale:.3f})")
+        ok = ok and diff <= a.atol
+
+    hf_ids = greedy(model, prompt, a.max_new_tokens)
+    mfsdp_ids = parse_ids(a.mfsdp_ids)
+    verdict = "ok" if hf_ids == mfsdp_ids else "MISMATCH"
+    print(f"{verdict} greedy {a.max_new_tokens} tokens:\n"
+          f"  mfsdp        {ids_text(mfsdp_ids)}\n  transformers {ids_text(hf_ids)}")
+    ok = ok and hf_ids == mfsdp_ids
+    return 0 if ok else 1
+
+
+def make_random(a):
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=176,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        max_position_embeddings=128,
+        rms_norm_eps=1e-5,
+        rope_theta=a.rope_theta,
+        # Wider than the default 0.02 so that the continuation is not one token repeated (a tied
+        # model with small weights mostly predicts its own input).
+        initializer_range=0.25,
+        tie_word_embeddings=a.tied,
+        attn_implementation=ATTENTION,
+    )
+    torch.manual_seed(a.seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    # Norm weights start at ones; randomise them too so a mix-up of the norms shows.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(a.hf, safe_serialization=True)
+    prompt = parse_ids(a.prompt_ids)
+    logits = prompt_logits(model, prompt)
+    ids = greedy(model, prompt, a.max_new_tokens)
+    save_file({"logits": logits.contiguous()}, a.logits_out)
+    with open(a.ids_out, "w") as f:
+        f.write(ids_text(ids) + "\n")
+    saved = sorted(os.listdir(a.hf))
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: saved a random Llama "
+          f"(tie_word_embeddings={a.tied}, seed {a.seed}) to {a.hf}: {', '.join(saved)}")
+    print(f"transformers greedy {a.max_new_tokens} tokens after {ids_text(prompt)}: {ids_text(ids)}")
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("check-export")
+    c.add_argument("hf")
+    c.add_argument("logits")
+    c.add_argument("--prompt-ids", required=True)
+    c.add_argument("--mfsdp-ids", required=True)
+    c.add_argument("--max-new-tokens", type=int, required=True)
+    c.add_argument("--atol", type=float, default=1e-5)
+    r = sub.add_parser("make-random")
+    r.add_argument("hf")
+    tie = r.add_mutually_exclusive_group(required=True)
+    tie.add_argument("--tied", dest="tied", action="store_true")
+    tie.add_argument("--untied", dest="tied", action="store_false")
+    r.add_argument("--seed", type=int, required=True)
+    r.add_argument("--rope-theta", type=float, default=10000.0, help="LlamaConfig's default unless given")
+    r.add_argument("--prompt-ids", required=True)
+    r.add_argument("--max-new-tokens", type=int, required=True)
+    r.add_argument("--ids-out", required=True)
+    r.add_argument("--logits-out", required=True)
+    a = p.parse_args()
+    return check_export(a) if a.command == "check-export" else make_random(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
