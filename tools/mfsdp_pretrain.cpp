@@ -62,12 +62,7 @@ int main(int argc, char** argv) {
                                                          static_cast<int>(args.simulate_world_size))
                     : mfsdp::init_communicator(info);
     if (comm->rank() == 0 || mfsdp::is_simulated(*comm)) {
-#ifdef MFSDP_WITH_CUDA
-      const bool cuda = true;
-#else
-      const bool cuda = false;
-#endif
-      for (const auto& note : mfsdp::pretrain_inert_flag_notices(args, cuda))
+      for (const auto& note : mfsdp::pretrain_inert_flag_notices(args, comm->backend() == "nccl"))
         std::cout << "note: " << note << "\n";
     }
     mfsdp::pretrain(args, comm, std::cout);

@@ -128,7 +128,7 @@ class Communicator {
 };
 
 struct CommOptions {
-  // "gloo" (CPU tensors) or "nccl" (CUDA tensors; needs a build with MFSDP_CUDA).
+  // "gloo" (CPU tensors) or "nccl" (CUDA tensors; needs a build against a LibTorch with CUDA).
   std::string backend = "gloo";
   // Default timeout of every collective and of the rendezvous itself.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);

@@ -51,8 +51,8 @@ std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
                                   options.timeout);
 #else
     throw std::invalid_argument(
-        "communicator backend 'nccl' needs a CUDA build (cmake -DMFSDP_CUDA=ON); this build has "
-        "only 'gloo'");
+        "communicator backend 'nccl' needs a build against a LibTorch with CUDA (MFSDP_CUDA "
+        "AUTO or ON, docs/building.md); this build has only 'gloo'");
 #endif
   }
   throw std::invalid_argument("unknown communicator backend '" + options.backend +

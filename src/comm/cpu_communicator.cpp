@@ -201,7 +201,8 @@ class CpuCommunicator : public Communicator {
   Job reduce_scatter_job(const at::Tensor& output, const at::Tensor& input,
                                   const ReduceScatterOptions& options) {
     RankSlices s = reduce_scatter_layout(output, input, options, rank_, size(), c10::kCPU);
-    return Job{"reduce_scatter", options.timeout, [this, output, input, s, options](const Transfer& t) {
+    return Job{"reduce_scatter", options.timeout,
+               [this, output, input, s, options](const Transfer& t) {
       at::ScalarType acc = accumulation_dtype(output.scalar_type());
       at::Tensor result = acc == output.scalar_type() ? output.view(-1)
                                                       : at::empty({s.counts[rank_]},

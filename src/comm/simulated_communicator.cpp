@@ -1,6 +1,7 @@
 // make_simulated_communicator: collectives as local copies of the sizes rank `rank` of a real
 // job would move (include/mfsdp/simulated_comm.h).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <stdexcept>

@@ -33,7 +33,7 @@ using std::chrono::milliseconds;
 
 constexpr uint64_t kHelloMagic = 0x6d66736470746d31;  // "mfsdptm1"
 constexpr size_t kHeaderBytes = 16;                   // slot, payload bytes (host order: one ABI)
-constexpr size_t kStageBytes = 256 << 10;             // per-peer read staging (headers, small payloads)
+constexpr size_t kStageBytes = 256 << 10;             // per-peer read staging (headers, small ones)
 constexpr size_t kDirectReadMin = 64 << 10;           // larger payload remainders are read in place
 constexpr size_t kReadBudget = 64 << 20;              // per peer and poll round, for fairness
 constexpr int kMaxIov = 64;                           // iovecs per sendmsg (32 queued messages)
@@ -169,8 +169,9 @@ std::vector<PeerAddress> lower_addresses(c10d::Store& store, int rank, Clock::ti
     std::istringstream in(std::string(v.begin(), v.end()));
     PeerAddress& a = out[r];
     if (!(in >> a.host >> a.port >> a.nonce))
-      throw CommError("tcp mesh: rank " + std::to_string(rank) + " read a malformed address of rank " +
-                      std::to_string(r) + " from the store: '" + std::string(v.begin(), v.end()) +
+      throw CommError("tcp mesh: rank " + std::to_string(rank) +
+                      " read a malformed address of rank " + std::to_string(r) +
+                      " from the store: '" + std::string(v.begin(), v.end()) +
                       "' (expected '<host> <port> <nonce>')");
     addrinfo hints{};
     hints.ai_family = AF_UNSPEC;
@@ -732,9 +733,9 @@ struct TcpMesh::State {
       }
       if (finished) cv_.notify_all();
       if (n < 0 && err != EINTR && err != EAGAIN && err != EWOULDBLOCK && p.send_error.empty())
-        p.send_error = err == EPIPE || err == ECONNRESET
-                           ? closed_by(peer)
-                           : "sending to rank " + std::to_string(peer) + " failed: " + errno_text(err);
+        p.send_error = err == EPIPE || err == ECONNRESET ? closed_by(peer)
+                                                         : "sending to rank " + std::to_string(peer) +
+                                                               " failed: " + errno_text(err);
       const std::string& gone = !p.open ? p.error : p.send_error;
       if (!gone.empty()) {
         for (size_t i = p.unsent; i < p.sends.size(); ++i) fail_op(*p.sends[i], gone);
@@ -837,7 +838,8 @@ struct TcpMesh::State {
         }
       } else {
         if (p.stage_begin == p.stage_end) p.stage_begin = p.stage_end = 0;
-        if (p.stage_end == kStageBytes || (p.stage_begin > 0 && p.stage_end - p.stage_begin < kHeaderBytes)) {
+        // Only a partial header can be left over: move it to the front.
+        if (p.stage_begin > 0) {
           std::memmove(p.stage.get(), p.stage.get() + p.stage_begin, p.stage_end - p.stage_begin);
           p.stage_end -= p.stage_begin;
           p.stage_begin = 0;

@@ -16,12 +16,12 @@
 // `peer`, wait_send(peer) the oldest unwaited send (sends to one peer complete in posting order,
 // when the kernel took their last byte).
 //
-// Threads. One progress thread per mesh polls all sockets (non-blocking, TCP_NODELAY) and an
-// eventfd: it reads every peer's stream as data arrives (so two ranks sending to each other
-// cannot deadlock in the kernel's socket buffers) and writes queued sends when their socket has
-// room. post_send first tries one non-blocking write on the caller's
-// thread when nothing is queued for that peer, which saves a thread hand-off for small messages.
-// Callers block only in wait_recv/wait_send (a condition variable). Posting everything of a
+// Threads. One progress thread per mesh (not per peer) polls all sockets (non-blocking,
+// TCP_NODELAY) and an eventfd: it reads every peer's stream as data arrives (but for a held-back
+// message; so two ranks sending to each other cannot deadlock in the kernel's socket buffers) and
+// writes queued sends when their socket has room. post_send first tries one non-blocking write on
+// the caller's thread when nothing is queued for that peer, which saves a thread hand-off for
+// small messages. Callers block only in wait_recv/wait_send (a condition variable). Posting everything of a
 // pipelined step and then waiting segment by segment overlaps the transfer of segment k+1 (on the
 // progress thread) with whatever the caller does with segment k.
 //
@@ -32,8 +32,8 @@
 //    order the calls happened in; the CPU communicator calls them from one thread at a time.
 //  - Failures. A peer whose connection ends (EOF, reset: it exited or closed its mesh) fails its
 //    unfinished operations at once, naming it; messages it completed before are still delivered.
-//    A wait that does not complete within its timeout fails. A receive whose size differs from
-//    its message fails naming both sizes. Any wait that throws (CommError) breaks the whole mesh:
+//    A wait that does not complete within its timeout fails, naming slot, size and peer. A
+//    receive whose size differs from its message fails naming both sizes. Any wait that throws (CommError) breaks the whole mesh:
 //    before it throws, the mesh stops touching every buffer of unfinished operations and shuts
 //    its connections down (so peers fail at once instead of at their timeout), and every later
 //    call throws the first error. Posting to an out-of-range peer or to oneself, or waiting with

@@ -15,6 +15,7 @@
 // p1 row 3, p2, p3 and 3 padding elements.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

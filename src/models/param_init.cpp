@@ -1,6 +1,7 @@
 #include "models/param_init.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/core/TensorImpl.h>
 

@@ -1,5 +1,6 @@
 // Shard validation, segment-run planning and the step protocol shared by every optimizer.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>

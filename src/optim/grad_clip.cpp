@@ -1,6 +1,7 @@
 // Global-norm gradient clipping over flat main-grad shards (as torch::nn::utils::clip_grad_norm_
 // with norm_type 2, but over shards spread across ranks).
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>

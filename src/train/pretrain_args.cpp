@@ -289,10 +289,10 @@ std::string pretrain_usage() {
   return s.str();
 }
 
-std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& a, bool cuda_build) {
+std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& a, bool nccl_in_use) {
   std::vector<std::string> notes;
-  if (a.use_nccl_ub && !cuda_build)
-    notes.push_back("--use-nccl-ub has no effect: this build has no NCCL (CPU, Gloo)");
+  if (a.use_nccl_ub && !nccl_in_use)
+    notes.push_back("--use-nccl-ub has no effect: this run communicates on the CPU backend, not NCCL");
   if (a.no_gradient_accumulation_fusion)
     notes.push_back("--no-gradient-accumulation-fusion has no effect: there is no fused weight-gradient kernel here");
   if (a.use_megatron_fsdp)

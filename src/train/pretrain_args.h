@@ -123,6 +123,6 @@ std::string pretrain_usage();
 
 // Flags accepted for Megatron compatibility that change nothing in this build, with the reason,
 // for the one-time start-up notice.
-std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& args, bool cuda_build);
+std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& args, bool nccl_in_use);
 
 }  // namespace mfsdp

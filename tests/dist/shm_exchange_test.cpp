@@ -1,4 +1,4 @@
-// The Gloo communicator's shared-memory data path (src/comm/shm_exchange.h): used when every
+// The CPU communicator's shared-memory data path (src/comm/shm_exchange.h): used when every
 // rank is on this host, unlinked from /dev/shm as soon as all ranks mapped it, off with
 // MFSDP_SHM=0; collectives larger than a slot run in many rounds with ranks whose slices end at
 // different rounds (or are empty), checked exactly against values each rank computes locally.

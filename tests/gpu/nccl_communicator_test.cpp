@@ -57,7 +57,9 @@ TEST(NcclCommunicator, CollectivesOnCudaTensors) {
     EXPECT_TRUE(at::equal(gathered.cpu(), expected));
 
     at::Tensor reduced = at::zeros({12}, cuda(dtype));
-    comm->reduce_scatter(reduced, input, {mfsdp::ReduceOp::kSum});
+    mfsdp::ReduceScatterOptions sum;
+    sum.op = mfsdp::ReduceOp::kSum;
+    comm->reduce_scatter(reduced, input, sum);
     EXPECT_TRUE(at::equal(reduced.cpu(), expected));
 
     at::Tensor summed = input.clone();

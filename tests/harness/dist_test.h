@@ -1,7 +1,7 @@
 // Multi-rank GoogleTest harness: a test body runs in N real processes.
 //
 //   MFSDP_DIST_TEST(Collectives, AllReduce, {1, 2, 3, 4}) {
-//     comm.all_reduce(t);   // `comm` is this rank's world Communicator (Gloo)
+//     comm.all_reduce(t);   // `comm` is this rank's world Communicator (CPU backend)
 //     EXPECT_TRUE(...);
 //   }
 //

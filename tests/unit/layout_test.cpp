@@ -36,7 +36,9 @@ TEST(FlatLayout, ShardBoundariesFallOnWholeRows) {
         EXPECT_EQ(lo % e.row, 0) << "param " << i << " rank " << r << " world " << world;
         EXPECT_EQ(hi % e.row == 0 || hi == e.numel, true) << "param " << i << " rank " << r;
       }
-      if (i > 0) EXPECT_GE(e.offset, l.entries[i - 1].offset + l.entries[i - 1].numel);
+      if (i > 0) {
+        EXPECT_GE(e.offset, l.entries[i - 1].offset + l.entries[i - 1].numel);
+      }
     }
     EXPECT_EQ(l.total() % world, 0);
     EXPECT_GE(l.total(), l.used);
