@@ -8,6 +8,7 @@
 // size: bytes of the full (unsharded) buffer, as nccl-tests reports it. algbw = size / time;
 // busbw = algbw * (n-1)/n for all_gather and reduce_scatter, * 2(n-1)/n for all_reduce.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdio>
