@@ -543,24 +543,12 @@ struct TcpMesh::State {
     if (p.recvs.empty())
       throw std::logic_error("tcp mesh: wait_recv(" + std::to_string(peer) +
                              ") with no receive posted for that rank");
-    std::shared_ptr<RecvOp> op = p.recvs.front();
-    wait_for(lock, op->status, timeout);
-    if (op->status == Status::kDone) {
-      p.recvs.pop_front();
-      return;
-    }
-    std::ostringstream why;
-    if (op->status == Status::kFailed) {
-      why << op->error;
-    } else if (broken_) {
-      why << "the tcp mesh broke meanwhile: " << broken_msg_;
-    } else {
-      why << "no message with slot " << op->slot << " (" << op->nbytes << " bytes) from rank "
+    wait_oldest(lock, p.recvs, timeout, [] {}, [&](std::ostream& why, const RecvOp& op) {
+      why << "no message with slot " << op.slot << " (" << op.nbytes << " bytes) from rank "
           << peer << " within " << timeout.count() << " ms";
-      if (p.in_payload && p.cur_op == op)
-        why << " (" << op->nbytes - p.cur_remaining << " bytes of it arrived)";
-    }
-    fail_mesh(lock, why.str());
+      if (p.in_payload && p.cur_op.get() == &op)
+        why << " (" << op.nbytes - p.cur_remaining << " bytes of it arrived)";
+    });
   }
 
   void wait_send(int peer, milliseconds timeout) {
@@ -570,25 +558,15 @@ struct TcpMesh::State {
     if (p.sends.empty())
       throw std::logic_error("tcp mesh: wait_send(" + std::to_string(peer) +
                              ") with no send posted to that rank");
-    std::shared_ptr<SendOp> op = p.sends.front();
-    wait_for(lock, op->status, timeout);
-    if (op->status == Status::kDone) {
-      p.sends.pop_front();
+    auto done = [&p] {
       if (p.unsent > 0) --p.unsent;
-      return;
-    }
-    std::ostringstream why;
-    if (op->status == Status::kFailed) {
-      why << op->error;
-    } else if (broken_) {
-      why << "the tcp mesh broke meanwhile: " << broken_msg_;
-    } else {
-      const size_t payload_sent = op->sent > kHeaderBytes ? op->sent - kHeaderBytes : 0;
-      why << "could not send slot " << op->header[0] << " (" << op->nbytes << " bytes, "
+    };
+    wait_oldest(lock, p.sends, timeout, done, [&](std::ostream& why, const SendOp& op) {
+      const size_t payload_sent = op.sent > kHeaderBytes ? op.sent - kHeaderBytes : 0;
+      why << "could not send slot " << op.header[0] << " (" << op.nbytes << " bytes, "
           << payload_sent << " sent) to rank " << peer << " within " << timeout.count()
           << " ms: rank " << peer << " is not reading";
-    }
-    fail_mesh(lock, why.str());
+    });
   }
 
  private:
@@ -613,6 +591,30 @@ struct TcpMesh::State {
     op.status = Status::kFailed;
     op.error = why;
     cv_.notify_all();
+  }
+
+  // Waits for the oldest unwaited operation of `ops` (one peer's receives or sends). Done: pops
+  // it and runs `done`. Otherwise breaks the mesh with why: the operation's own error, an
+  // earlier break, or `describe_timeout` of what did not complete in time.
+  template <class Op, class Done, class DescribeTimeout>
+  void wait_oldest(std::unique_lock<std::mutex>& lock, std::deque<std::shared_ptr<Op>>& ops,
+                   milliseconds timeout, Done done, DescribeTimeout describe_timeout) {
+    std::shared_ptr<Op> op = ops.front();
+    wait_for(lock, op->status, timeout);
+    if (op->status == Status::kDone) {
+      ops.pop_front();
+      done();
+      return;
+    }
+    std::ostringstream why;
+    if (op->status == Status::kFailed) {
+      why << op->error;
+    } else if (broken_) {
+      why << "the tcp mesh broke meanwhile: " << broken_msg_;
+    } else {
+      describe_timeout(why, *op);
+    }
+    fail_mesh(lock, why.str());
   }
 
   void wait_for(std::unique_lock<std::mutex>& lock, const Status& status, milliseconds timeout) {
