@@ -1,20 +1,33 @@
-// Collective bandwidth in the style of nccl-tests: for each size, the time of our CPU
-// communicator's all_gather / reduce_scatter / all_reduce (fp32). bench/collective_bandwidth.sh
-// runs it and the c10d baseline (bench/torch_collective_bandwidth.py: ProcessGroupGloo of the same
-// pinned torch) round after round and prints both with the ratio.
+// Collective bandwidth in the style of nccl-tests: for each size, the time of our communicator's
+// all_gather / reduce_scatter / all_reduce (fp32): the CPU communicator (--backend gloo, the
+// default) or the NCCL one on CUDA tensors (--backend nccl, one GPU per rank: cuda:LOCAL_RANK).
+// bench/collective_bandwidth.sh runs it and the c10d baseline (bench/torch_collective_bandwidth.py:
+// ProcessGroupGloo or ProcessGroupNCCL of the same torch) round after round and prints both with
+// the ratio.
 //
 //   mfsdp-run --nproc-per-node 2 build/bench/collective_bandwidth [--min-bytes 1K] [--max-bytes 256M]
+//   mfsdp-run --nproc-per-node <GPUs> build/bench/collective_bandwidth --backend nccl
 //
+// NCCL: a collective's wait() only orders the caller's stream after it, so each timed trial ends
+// with a synchronisation of the device (device-agnostic, at::accelerator: no CUDA headers here,
+// and the file builds against a CPU-only LibTorch too). One GPU gives a world of 1 rank: a valid
+// but degenerate measurement (no data moves between GPUs; busbw is 0).
 // size: bytes of the full (unsharded) buffer, as nccl-tests reports it. algbw = size / time;
 // busbw = algbw * (n-1)/n for all_gather and reduce_scatter, * 2(n-1)/n for all_reduce.
 #include <ATen/ATen.h>
+#include <ATen/DeviceAccelerator.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <iostream>
+#include <memory>
+#include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "mfsdp/comm.h"
 namespace {
@@ -24,6 +37,7 @@ struct Args {
   int64_t max_bytes = 256LL << 20;
   int64_t step_factor = 4;
   int trials = 9;
+  std::string backend = "gloo";
   std::vector<std::string> ops = {"all_gather", "reduce_scatter", "all_reduce"};
 };
 
@@ -57,33 +71,54 @@ Args parse_args(int argc, char** argv) {
     else if (flag == "--step-factor") a.step_factor = parse_size(flag, value());
     else if (flag == "--op") a.ops = {value()};
     else if (flag == "--trials") a.trials = static_cast<int>(parse_size(flag, value()));
-    else throw std::invalid_argument("unknown flag " + flag +
-                                     " (flags: --min-bytes --max-bytes --step-factor --op --trials)");
+    else if (flag == "--backend") a.backend = value();
+    else throw std::invalid_argument(
+        "unknown flag " + flag + " (flags: --min-bytes --max-bytes --step-factor --op --trials --backend)");
   }
   if (a.step_factor < 2) throw std::invalid_argument("--step-factor must be >= 2");
+  if (a.backend != "gloo" && a.backend != "nccl")
+    throw std::invalid_argument("--backend: '" + a.backend + "' is not gloo or nccl");
   return a;
 }
 
 using Clock = std::chrono::steady_clock;
 
+// The communicator and where its tensors live: the CPU (gloo) or this rank's GPU (nccl).
+struct Bench {
+  std::shared_ptr<mfsdp::Communicator> comm;
+  at::Device device = at::kCPU;
+
+  at::TensorOptions options(at::ScalarType dtype = at::kFloat) const {
+    return at::TensorOptions().dtype(dtype).device(device);
+  }
+  // Returns once every collective issued so far has finished on this rank. CPU: wait() already
+  // blocked. GPU: wait() only made the current stream wait, so synchronise the whole device (the
+  // communicator's own stream included).
+  void sync() const {
+    if (device.is_cuda()) at::accelerator::synchronizeDevice(device.index());
+  }
+};
+
 // Seconds per call of `op`: the mean over a trial of `iters` calls, slowest rank, after warm-up.
-double time_trial(mfsdp::Communicator& comm, int64_t bytes, const std::function<void()>& op) {
+double time_trial(const Bench& b, int64_t bytes, const std::function<void()>& op) {
   const int iters = static_cast<int>(std::clamp<int64_t>((64LL << 20) / bytes, 3, 50));
-  comm.barrier();
+  b.comm->barrier();
+  b.sync();
   auto start = Clock::now();
   for (int i = 0; i < iters; ++i) op();
+  b.sync();
   double local = std::chrono::duration<double>(Clock::now() - start).count() / iters;
-  at::Tensor t = at::full({1}, local, at::kDouble);
-  comm.all_reduce(t, {mfsdp::ReduceOp::kMax});  // the slowest rank defines the collective's time
-  return t.item<double>();
+  at::Tensor t = at::full({1}, local, b.options(at::kDouble));
+  b.comm->all_reduce(t, {mfsdp::ReduceOp::kMax});  // the slowest rank defines the collective's time
+  return t.item<double>();  // (a copy to the host: on a GPU it waits for the all_reduce)
 }
 
 // Median over `trials` trials, after a warm-up call (connections, buffers).
-double time_median(mfsdp::Communicator& comm, int64_t bytes, const std::function<void()>& op,
-                   int trials) {
+double time_median(const Bench& b, int64_t bytes, const std::function<void()>& op, int trials) {
   op();
+  b.sync();
   std::vector<double> t;
-  for (int i = 0; i < trials; ++i) t.push_back(time_trial(comm, bytes, op));
+  for (int i = 0; i < trials; ++i) t.push_back(time_trial(b, bytes, op));
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
 }
@@ -93,11 +128,12 @@ struct Case {
   double bus_factor;
 };
 
-Case make_case(const std::string& op, int64_t bytes, mfsdp::Communicator& comm) {
+Case make_case(const std::string& op, int64_t bytes, const Bench& b) {
+  mfsdp::Communicator& comm = *b.comm;
   const int n = comm.size();
   const int64_t numel = std::max<int64_t>(bytes / 4 / n, 1) * n;  // full buffer, divisible by n
-  at::Tensor full = at::randn({numel});
-  at::Tensor part = at::randn({numel / n});
+  at::Tensor full = at::randn({numel}, b.options());
+  at::Tensor part = at::randn({numel / n}, b.options());
   const double ring = double(n - 1) / n;
   if (op == "all_gather") return {[&comm, full, part] { comm.all_gather(full, part); }, ring};
   if (op == "reduce_scatter") return {[&comm, full, part] { comm.reduce_scatter(part, full); }, ring};
@@ -120,22 +156,37 @@ int main(int argc, char** argv) {
     Args args = parse_args(argc, argv);
     at::set_num_threads(1);
     mfsdp::CommOptions options;
+    options.backend = args.backend;
     options.timeout = std::chrono::milliseconds(300000);
-    auto comm = mfsdp::init_communicator(options);
+    Bench b;
+    if (args.backend == "nccl") {
+      // One GPU per rank: cuda:LOCAL_RANK (mfsdp-run sets it; 0 when unset, as for a single
+      // process), named explicitly so that the communicator and our tensors agree.
+      const char* local = std::getenv("LOCAL_RANK");
+      const int index = local != nullptr ? std::atoi(local) : 0;
+      options.device_index = index;
+      b.device = at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index));
+    }
+    b.comm = mfsdp::init_communicator(options);
+    const std::shared_ptr<mfsdp::Communicator>& comm = b.comm;
     if (comm->rank() == 0) {
-      const char* shm = std::getenv("MFSDP_SHM");
-      std::printf("# mfsdp CPU communicator (%s), %d ranks, fp32\n",
-                  shm != nullptr && std::string(shm) == "0"
-                      ? "TCP: MFSDP_SHM=0"
-                      : "shared memory when all ranks share a host, else TCP",
-                  comm->size());
+      if (args.backend == "nccl") {
+        std::printf("# mfsdp NCCL communicator, %d ranks, fp32, one GPU per rank\n", comm->size());
+      } else {
+        const char* shm = std::getenv("MFSDP_SHM");
+        std::printf("# mfsdp CPU communicator (%s), %d ranks, fp32\n",
+                    shm != nullptr && std::string(shm) == "0"
+                        ? "TCP: MFSDP_SHM=0"
+                        : "shared memory when all ranks share a host, else TCP",
+                    comm->size());
+      }
       std::printf("# time: median of %d trials\n", args.trials);
       std::printf("%-15s %8s | %10s %9s %9s\n", "op", "size", "us", "algbw", "busbw");
     }
     for (const std::string& op : args.ops) {
       for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= args.step_factor) {
-        Case c = make_case(op, bytes, *comm);
-        double secs = time_median(*comm, bytes, c.run, args.trials);
+        Case c = make_case(op, bytes, b);
+        double secs = time_median(b, bytes, c.run, args.trials);
         if (comm->rank() == 0) {
           double gbs = bytes / secs / 1e9;
           std::printf("%-15s %8s | %10.1f %9.3f %9.3f\n", op.c_str(), human(bytes).c_str(),

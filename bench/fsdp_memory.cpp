@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
       if (bf16) o.mixed_precision.param_dtype = at::kBFloat16;
       for (auto& b : model->blocks) mfsdp::fully_shard(*b, o);
       auto root = mfsdp::fully_shard(*model, o);
-      auto opt = mfsdp::make_adamw(root.optimizer_shards(), comm, {}, root.after_step());
+      auto opt = mfsdp::make_adamw(root, {});
       root.reset_peak();
       mfsdp::call(*model, torch::randn({8, width})).pow(2).mean().backward();
       opt->step(1e-4);

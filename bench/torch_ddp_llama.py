@@ -6,12 +6,20 @@
         --num-query-groups 8 --seq-length 128 --micro-batch-size 4 --global-batch-size 16 \
         --vocab-size 1024 --train-iters 30 --warmup-iters 5
 
-Spawns --nproc processes itself (torch.multiprocessing, gloo over tcp://127.0.0.1:PORT; no
+    python3 bench/torch_ddp_llama.py --device cuda --bf16 --nproc 1 ...   # GPUs (bench/gpu_step_time.sh)
+
+Spawns --nproc processes itself (torch.multiprocessing, rendezvous over tcp://127.0.0.1:PORT; no
 torchrun), each with torch.set_num_threads(--threads), trains on uniform random tokens and prints
 one JSON line at the end (rank 0):
 
     {"impl": "torch_ddp", "nproc": 2, "threads": 1, "iter_time_s": <median of the timed
      iterations>, "tokens_per_sec": <global batch x seq / iter_time_s>, ...}
+
+--device cpu (the default): gloo, CPU tensors. --device cuda: rank r runs on cuda:r (one process
+per GPU, --nproc <= GPUs) and DDP reduces over nccl; the tokens are still drawn on the CPU (the
+same tokens as on the CPU) and copied over. --bf16: the forward and the loss under
+torch.autocast(bfloat16) -- fp32 parameters, gradients and optimizer state, bf16 matmuls -- the
+usual PyTorch counterpart of mfsdp-pretrain --bf16 (bf16 compute, fp32 main weights and grads).
 
 What it mirrors from mfsdp (src/models/*.cpp, src/train/trainer.cpp):
   - model: embedding -> N x [RMSNorm -> GQA attention with HF RoPE (rotate_half, theta) and an
@@ -26,7 +34,8 @@ What it mirrors from mfsdp (src/models/*.cpp, src/train/trainer.cpp):
   - step: clip_grad_norm_(--clip-grad), AdamW (torch.optim.AdamW, foreach/fused left at their
     defaults) with weight decay on >= 2-D parameters only, linear LR decay to --min-lr.
   - timing: from the start of an iteration to after the optimizer step, zero_grad and the
-    all-reduce of the logged loss (mfsdp reduces the loss every --log-interval 1 iteration).
+    all-reduce of the logged loss (mfsdp reduces the loss every --log-interval 1 iteration); on
+    a GPU the clock stops after torch.cuda.synchronize().
 """
 
 import argparse
@@ -197,11 +206,22 @@ def lr_at(a, step):
 
 def worker(rank, a):
     torch.set_num_threads(a.threads)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % a.port,
-                            rank=rank, world_size=a.nproc)
+    init = "tcp://127.0.0.1:%d" % a.port
+    if a.device == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=a.nproc,
+                                device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=a.nproc)
     torch.manual_seed(a.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
-    model = LlamaForCausalLM(a)
-    ddp = nn.parallel.DistributedDataParallel(model)
+    model = LlamaForCausalLM(a).to(device)
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if a.device == "cuda" else None)
+
+    def autocast():  # bf16 compute with fp32 parameters (--bf16), else a no-op
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16)
+
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -215,15 +235,17 @@ def worker(rank, a):
         step_loss = 0.0
         for m in range(a.num_micro_batches):
             tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1),
-                                   generator=data_gen)
+                                   generator=data_gen).to(device)
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
             last = m == a.num_micro_batches - 1
             if last:
-                loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
+                with autocast():
+                    loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
                 loss.backward()
             else:
                 with ddp.no_sync():
-                    loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
+                    with autocast():
+                        loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
                     loss.backward()
             step_loss += loss.item()
         if a.clip_grad > 0:
@@ -232,8 +254,10 @@ def worker(rank, a):
             g["lr"] = lr_at(a, it)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        reported = torch.tensor([step_loss])
+        reported = torch.tensor([step_loss], device=device)
         dist.all_reduce(reported)  # the logged loss (mfsdp: all_reduce_mean every log interval)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         times.append(elapsed)
         losses.append(reported.item() / a.nproc)
@@ -247,6 +271,9 @@ def worker(rank, a):
         tokens = a.global_batch_size * a.seq_length
         print(json.dumps({
             "impl": "torch_ddp", "nproc": a.nproc, "threads": a.threads,
+            "device": a.device, "bf16": a.bf16,
+            "peak_gpu_mib": (torch.cuda.max_memory_allocated(device) / 2**20
+                             if device.type == "cuda" else None),
             "iter_time_s": median, "tokens_per_sec": tokens / median,
             "timed_iters": len(timed), "iter_times_s": timed,
             "first_loss": losses[0], "final_loss": losses[-1],
@@ -299,6 +326,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--nproc", type=int, default=2, help="ranks (processes spawned here)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: gloo; cuda: rank r on cuda:r, nccl")
+    p.add_argument("--bf16", action="store_true",
+                   help="forward and loss under torch.autocast(bfloat16); fp32 parameters")
     p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
     p.add_argument("--verbose", action="store_true", help="rank 0 logs every iteration to stderr")
     a = p.parse_args(argv)
@@ -318,6 +349,11 @@ def parse_args(argv=None):
         bad("--num-query-groups", "must divide --num-attention-heads")
     if a.nproc < 1 or a.threads < 1:
         bad("--nproc/--threads", "must be >= 1")
+    if a.device == "cuda":
+        if not torch.cuda.is_available():
+            bad("--device", "cuda: torch %s sees no GPU" % torch.__version__)
+        if a.nproc > torch.cuda.device_count():
+            bad("--nproc", "%d exceeds the %d GPU(s) (one rank per GPU)" % (a.nproc, torch.cuda.device_count()))
     if a.global_batch_size == 0:
         a.global_batch_size = a.micro_batch_size * a.nproc
     if a.global_batch_size % (a.micro_batch_size * a.nproc):

@@ -309,9 +309,8 @@ int run(const Config& cfg) {
   mfsdp::FsdpHandle root = mfsdp::fully_shard(*model, options);           // then the root
 
   mfsdp::AdamWOptions adamw;
-  adamw.lr = cfg.lr;
   adamw.weight_decay = 0.01;
-  auto opt = mfsdp::make_adamw(root.optimizer_shards(), comm, adamw, root.after_step());
+  auto opt = mfsdp::make_adamw(root, adamw);
   mfsdp::LRSchedule schedule;
   schedule.max_lr = cfg.lr;
   schedule.min_lr = cfg.lr / 10;

@@ -1,49 +1,277 @@
 #!/usr/bin/env bash
-# One call on a borrowed GPU machine: build mfsdp against that machine's own PyTorch (e.g. 2.11
-# with CUDA 13), run the GPU tests and then the whole suite, and leave the logs in $OUT (or
-# build-gpu/results when OUT is unset).
+# One call on a borrowed GPU machine, inside its 10 minutes: build mfsdp against that machine's
+# own PyTorch (e.g. 2.11 with CUDA 13), run the GPU tests (ctest -L gpu), the GPU benchmarks
+# (bench/collective_bandwidth.sh with BACKEND=nccl, bench/gpu_step_time.sh), then the rest of
+# the suite while time remains, and leave a summary and the logs in $OUT (build-gpu/results
+# when OUT is unset).
 #
-#   scripts/gpu_check.sh                 # on the GPU machine, from the repository root
+#   scripts/gpu_check.sh --fetch-debs        # here, with internet and apt: the packages below
+#   scripts/gpu_check.sh                     # there, as root, from the repository root
+#   scripts/gpu_check.sh --configure-only    # unpack + configure only (a check of the recipe)
 #
-# The GPU machine has no internet: the Debian packages the build needs and it lacks are carried
-# in .device/debs (ignored by git), made here beforehand with `scripts/gpu_check.sh --fetch-debs`.
+# The GPU machine has no internet and none of the Debian packages the build needs beside
+# LibTorch: --fetch-debs downloads them (apt-get download, no dependencies resolved) into
+# .device/debs (ignored by git; hand it to the machine, e.g. the device tool's carry). There they
+# are not installed: each .deb is unpacked (dpkg -x, i.e. dpkg-deb -x; ar + tar without dpkg)
+# into DEB_PREFIX and CMake is pointed at it (CMAKE_PREFIX_PATH, CMAKE_LIBRARY_PATH, GTest_DIR,
+# -isystem for the header-only JSON and the SentencePiece headers); LD_LIBRARY_PATH gets its
+# library folder (libsentencepiece.so.0; the build's RPATH names it too).
+# Debian 12's libsentencepiece0 bundles its protobuf-lite (it depends on libc and libstdc++
+# only), so no libprotobuf package is carried.
+#
+# Time: everything must end inside the machine's 10-minute command limit, so the script works
+# to a budget (GPU_CHECK_BUDGET seconds from its start, default 570). Every phase runs under
+# `timeout` sized to what is left, the benchmarks run only with enough time left, the whole suite
+# gets the rest (ctest --stop-time), and the summary is always written.
+#
+# Files in $OUT (8 at most, each cut to its last 15 MiB): summary.txt, system.txt (GPU, tool and
+# library versions), build.txt (unpack + configure + build), ctest_gpu.txt,
+# bench_collectives.txt, bench_step_time.txt, ctest_all.txt, bench_raw.tar.gz (raw benchmark
+# outputs and metrics).
+#
+# Environment: PYTHON [python3: the PyTorch to build against; also MFSDP_PYTHON of the tests]
+#   BUILD_DIR [build-gpu] DEB_PREFIX [.device/root] GPU_CHECK_BUDGET [570] CTEST_JOBS [4]
+#   GPU_BENCH [1; 0 skips the benchmarks] CB_ROUNDS [3] CB_MAX_BYTES [256M] (collectives)
+#   and gpu_step_time.sh's (LAYERS, HIDDEN, BF16, ITERS, ...), which pass through.
+# Exit status: 0 when the build and the GPU tier passed; 1 otherwise; 2 on bad usage.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-debs=(nlohmann-json3-dev libcli11-dev libsentencepiece-dev libsentencepiece0 libprotobuf-lite32
-      libgtest-dev googletest ninja-build)
-if [[ ${1:-} == --fetch-debs ]]; then
-  mkdir -p .device/debs && cd .device/debs && apt-get download "${debs[@]}" && ls -l
-  exit
-fi
-out=$(realpath -m "${OUT:-build-gpu/results}")
-mkdir -p "$out"
-log() { echo "gpu_check: $*" | tee -a "$out/summary.txt"; }
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
 
-nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || log "warning: nvidia-smi failed"
+debs=(nlohmann-json3-dev libcli11-dev libsentencepiece-dev libsentencepiece0 libgtest-dev googletest)
+DEB_DIR=$ROOT/.device/debs
+MAX_DEB_BYTES=$((60 << 20))
+
+mode=check
+case ${1:-} in
+  --fetch-debs) mode=fetch ;;
+  --configure-only) mode=configure ;;
+  "") ;;
+  *) echo "usage: scripts/gpu_check.sh [--fetch-debs | --configure-only]" >&2; exit 2 ;;
+esac
+
+# ---- here: download the packages ---------------------------------------------------------------
+if [[ $mode == fetch ]]; then
+  rm -rf "$DEB_DIR" && mkdir -p "$DEB_DIR" || exit 1
+  (cd "$DEB_DIR" && apt-get download "${debs[@]}") || { echo "gpu_check: apt-get download failed" >&2; exit 1; }
+  ls -l "$DEB_DIR"
+  total=$(du -cb "$DEB_DIR"/*.deb | tail -1 | cut -f1)
+  echo "gpu_check: ${#debs[@]} packages in .device/debs: $total bytes ($(((total + 1048575) >> 20)) MiB)"
+  ((total < MAX_DEB_BYTES)) || { echo "gpu_check: over $((MAX_DEB_BYTES >> 20)) MiB" >&2; exit 1; }
+  exit 0
+fi
+
+# ---- there: budget, output files ---------------------------------------------------------------
+BUDGET=${GPU_CHECK_BUDGET:-570}
+BUILD_DIR=$(realpath -m "${BUILD_DIR:-build-gpu}")
+DEB_PREFIX=$(realpath -m "${DEB_PREFIX:-.device/root}")
+CTEST_JOBS=${CTEST_JOBS:-4}
+GPU_BENCH=${GPU_BENCH:-1}
 python=${PYTHON:-python3}
-torch_prefix=$("$python" -c 'import torch, torch.utils; print(torch.utils.cmake_prefix_path)') ||
-  { log "no PyTorch for $python"; exit 1; }
-log "$("$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())')"
-missing=()
-for p in "${debs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+python=$(command -v "$python") || { echo "gpu_check: PYTHON=${PYTHON:-python3} not found" >&2; exit 2; }
+[[ $python == /* ]] || python=$ROOT/$python  # absolute (tests run elsewhere); a venv's link kept
+for v in BUDGET CTEST_JOBS; do
+  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: $v=${!v}: expected a positive integer" >&2; exit 2; }
 done
-if ((${#missing[@]})); then
-  log "installing carried packages for ${missing[*]}"
-  dpkg -i .device/debs/*.deb > "$out/dpkg.txt" 2>&1 || { log "dpkg failed (see dpkg.txt)"; exit 1; }
+
+out=$(realpath -m "${OUT:-$BUILD_DIR/results}")
+mkdir -p "$out" || exit 1
+work=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 1
+summary=$out/summary.txt
+: >"$summary"
+log() { echo "gpu_check [$(printf '%3d' "$SECONDS") s]: $*" | tee -a "$summary"; }
+# Seconds a phase may take: at most $1, leaving $2 for what must follow; at least 1 (timeout 0
+# would mean no limit at all).
+allow() {
+  local l=$((BUDGET - SECONDS - $2))
+  ((l > $1)) && l=$1
+  ((l < 1)) && l=1
+  echo "$l"
+}
+# ctest's summary line, or a count of the result lines when ctest was stopped before it.
+ctest_result() {  # log
+  local line
+  line=$(grep -E 'tests passed|tests failed' "$1" | tail -1)
+  [[ -n $line ]] && { echo "$line"; return; }
+  echo "$(grep -cE ' Passed +[0-9.]+ sec' "$1") passed, $(grep -cE '\*\*\*(Failed|Timeout|Exception)' "$1")" \
+       "failed, no ctest summary (stopped)"
+}
+status=1
+finish() {
+  trap - EXIT
+  log "total $SECONDS s; exit status $status"
+  if [[ -d $work/raw ]]; then
+    tar -czf "$out/bench_raw.tar.gz" -C "$work" raw 2>/dev/null || rm -f "$out/bench_raw.tar.gz"
+  fi
+  local f tmp
+  for f in "$out"/*; do  # the machine returns files of up to 16 MiB
+    [[ -f $f ]] || continue
+    if (($(stat -c %s "$f") > (15 << 20))); then
+      tmp=$f.tail
+      { echo "[... cut to the last 15 MiB ...]"; tail -c 15M "$f"; } >"$tmp" && mv "$tmp" "$f"
+    fi
+  done
+  rm -rf "$work"
+  echo "----- summary.txt -----"
+  cat "$summary"
+  exit "$status"
+}
+trap finish EXIT
+
+# ---- tools and versions --------------------------------------------------------------------------
+# The PyTorch venv's bin holds cmake, ctest and ninja (pip packages); nvcc may not be on PATH.
+pybin=$("$python" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null)
+[[ -n $pybin ]] && PATH=$pybin:$PATH
+if ! command -v nvcc >/dev/null; then
+  for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
+    [[ -x $d/nvcc ]] && { PATH=$PATH:$d; break; }
+  done
+fi
+export PATH
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}  # H100/H200; spares the GPU probe
+{
+  echo "== date, host"; date -u; uname -a; grep PRETTY_NAME /etc/os-release
+  echo "== nproc $(nproc)"; free -g; df -h "$ROOT" | tail -1
+  echo "== nvidia-smi"; nvidia-smi 2>&1; nvidia-smi -L 2>&1
+  echo "== python $python"; "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(), "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)' 2>&1
+  echo "== tools"
+  for t in cmake ctest ninja nvcc c++ g++ dpkg-deb; do printf '%-9s %s\n' "$t" "$(command -v $t || echo MISSING)"; done
+  cmake --version | head -1; ninja --version; c++ --version | head -1; nvcc --version 2>&1 | tail -2
+  ldd --version | head -1
+} >"$out/system.txt" 2>&1
+torch_prefix=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>>"$out/system.txt") ||
+  { log "no PyTorch importable by $python (system.txt)"; exit 1; }
+log "$("$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())' 2>&1 | tail -1)"
+gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1)
+log "GPU: ${gpu:-none (nvidia-smi failed or is missing)}"
+log "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD 2>/dev/null || echo ' (+ uncommitted changes)')"
+for t in cmake ctest ninja c++; do
+  command -v "$t" >/dev/null || { log "$t not found (system.txt)"; exit 1; }
+done
+
+# ---- the Debian packages: unpacked, not installed --------------------------------------------------
+build_log=$out/build.txt
+unpack() {  # deb prefix
+  if command -v dpkg-deb >/dev/null; then dpkg-deb -x "$1" "$2"; return; fi
+  # No dpkg: a .deb is an ar archive whose data.tar.* holds the files.
+  local member
+  member=$(ar t "$1" | grep -m1 '^data\.tar') && (cd "$work" && ar x "$1" "$member") &&
+    tar -xf "$work/$member" -C "$2" && rm -f "$work/$member"
+}
+shopt -s nullglob
+deb_files=("$DEB_DIR"/*.deb)
+shopt -u nullglob
+((${#deb_files[@]})) || { log "no .deb in $DEB_DIR: run scripts/gpu_check.sh --fetch-debs first and carry .device/debs"; exit 1; }
+rm -rf "$DEB_PREFIX" && mkdir -p "$DEB_PREFIX" || exit 1
+(
+  echo "== unpacking into $DEB_PREFIX"
+  for f in "${deb_files[@]}"; do echo "${f##*/}"; unpack "$f" "$DEB_PREFIX" || exit 1; done
+) >"$build_log" 2>&1 || { log "unpacking the .debs failed (build.txt)"; exit 1; }
+libdir=$DEB_PREFIX/usr/lib/x86_64-linux-gnu
+incdir=$DEB_PREFIX/usr/include
+for f in "$libdir/libsentencepiece.so" "$libdir/libsentencepiece_train.so" "$libdir/libgtest.a" \
+         "$libdir/cmake/GTest/GTestConfig.cmake" "$incdir/nlohmann/json.hpp" "$incdir/sentencepiece_processor.h"; do
+  [[ -e $f ]] || { log "missing after unpacking: $f (are all of ${debs[*]} in $DEB_DIR?)"; exit 1; }
+done
+export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+log "unpacked ${#deb_files[@]} .debs into $DEB_PREFIX"
+
+# ---- configure, build ----------------------------------------------------------------------------
+t=$(allow 180 300)
+start=$SECONDS
+echo "== configure (limit $t s)" >>"$build_log"
+timeout -k 10 "$t" cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMFSDP_CUDA=ON \
+  "-DCMAKE_PREFIX_PATH=$torch_prefix;$DEB_PREFIX/usr" \
+  "-DCMAKE_LIBRARY_PATH=$libdir" "-DCMAKE_INCLUDE_PATH=$incdir" \
+  "-DGTest_DIR=$libdir/cmake/GTest" "-DCMAKE_CXX_FLAGS=-isystem $incdir" \
+  "-DMFSDP_PYTHON=$python" >>"$build_log" 2>&1
+rc=$?
+log "configure: $((SECONDS - start)) s, exit $rc"
+if ((rc)); then
+  log "configure failed (build.txt):"
+  grep -B2 -A8 -m3 'CMake Error' "$build_log" | head -40 | tee -a "$summary"
+  exit 1
+fi
+grep -E '^(SENTENCEPIECE_LIBRARY|SENTENCEPIECE_TRAIN_LIBRARY|GTest_DIR|NCCL_LIBRARY|Torch_DIR):' \
+  "$BUILD_DIR/CMakeCache.txt" | tee -a "$summary"
+if [[ $mode == configure ]]; then
+  status=0
+  exit 0
 fi
 
-start=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$torch_prefix" \
-  -DMFSDP_PYTHON="$(command -v "$python")" > "$out/configure.txt" 2>&1 ||
-  { log "configure failed (configure.txt)"; tail -20 "$out/configure.txt"; exit 1; }
-cmake --build build-gpu -j "$(nproc)" > "$out/build.txt" 2>&1 ||
-  { log "build failed (build.txt)"; grep -m20 'error' "$out/build.txt"; exit 1; }
-log "configure + build: $(( $(date +%s) - start )) s"
+t=$(allow "$BUDGET" 60)
+start=$SECONDS
+echo "== build, -j $(nproc) (limit $t s)" >>"$build_log"
+timeout -k 10 "$t" cmake --build "$BUILD_DIR" -j "$(nproc)" >>"$build_log" 2>&1
+rc=$?
+log "build: $((SECONDS - start)) s, exit $rc$( ((rc == 124)) && echo ' (out of time)')"
+if ((rc)); then
+  log "build failed (build.txt); first errors:"
+  grep -E -m20 'error|FAILED|undefined reference' "$build_log" | cut -c1-400 | tee -a "$summary"
+  exit 1
+fi
 
-(cd build-gpu && ctest -L gpu --output-on-failure > "$out/ctest_gpu.txt" 2>&1)
-log "GPU tests: $(grep -E 'tests passed|tests failed' "$out/ctest_gpu.txt")"
-(cd build-gpu && ctest -j 8 --timeout 900 --output-on-failure > "$out/ctest_all.txt" 2>&1)
-log "whole suite: $(grep -E 'tests passed|tests failed' "$out/ctest_all.txt")"
-grep -A30 'The following tests' "$out/ctest_all.txt" | tee -a "$out/summary.txt"
-cat "$out/summary.txt"
+# ---- the GPU tier ----------------------------------------------------------------------------------
+t=$(allow 150 10)
+start=$SECONDS
+(cd "$BUILD_DIR" && timeout -k 5 "$t" ctest -L gpu --no-tests=error -V --timeout "$t") \
+  >"$out/ctest_gpu.txt" 2>&1
+rc=$?
+log "GPU tests (ctest -L gpu): $(ctest_result "$out/ctest_gpu.txt"); $((SECONDS - start)) s, exit $rc"
+grep -E '^ *[0-9]+/[0-9]+ Test' "$out/ctest_gpu.txt" | tee -a "$summary"
+# On a GPU machine a skipped GPU test did not test anything: all skipped fails the tier.
+ran=$(grep -cE '^ *[0-9]+/[0-9]+ Test.* Passed ' "$out/ctest_gpu.txt")
+skipped=$(grep -cE '^ *[0-9]+/[0-9]+ Test.*Skipped' "$out/ctest_gpu.txt")
+if ((rc == 0 && ran > 0)); then
+  status=0
+  ((skipped)) && log "warning: $skipped GPU test(s) skipped on this GPU machine (ctest_gpu.txt)"
+elif ((rc == 0)); then
+  log "GPU tier: no GPU test ran ($skipped skipped): the tier fails on a GPU machine"
+  grep -m3 -E 'SKIPPED|needs a CUDA GPU' "$out/ctest_gpu.txt" | tee -a "$summary"
+fi
+
+# ---- GPU benchmarks ----------------------------------------------------------------------------------
+mkdir -p "$work/raw"
+if ((GPU_BENCH)); then
+  t=$(allow 100 100)
+  if ((t >= 40)); then
+    start=$SECONDS
+    mkdir -p "$work/raw/collectives"
+    BUILD=$BUILD_DIR PYTHON=$python BACKEND=nccl ROUNDS=${CB_ROUNDS:-3} TMPDIR=$work/raw/collectives \
+      timeout -k 5 "$t" bench/collective_bandwidth.sh --max-bytes "${CB_MAX_BYTES:-256M}" \
+      >"$out/bench_collectives.txt" 2>&1
+    rc=$?
+    log "collective bandwidth, NCCL, ours vs c10d nccl: exit $rc, $((SECONDS - start)) s (bench_collectives.txt)"
+    sed -n '/^# median over/,$p' "$out/bench_collectives.txt" | grep -v '^# raw outputs' | tee -a "$summary"
+  else
+    log "collective bandwidth: skipped, $t s left for it"
+  fi
+  t=$(allow 180 60)
+  if ((t >= 60)); then
+    start=$SECONDS
+    BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/step_time timeout -k 5 "$t" bench/gpu_step_time.sh \
+      >"$out/bench_step_time.txt" 2>&1
+    rc=$?
+    log "step time, mfsdp-pretrain vs PyTorch DDP on CUDA: exit $rc, $((SECONDS - start)) s (bench_step_time.txt)"
+    sed -n '/^| run/,$p' "$out/bench_step_time.txt" | tee -a "$summary"
+  else
+    log "step time: skipped, $t s left for it"
+  fi
+else
+  log "benchmarks: skipped (GPU_BENCH=0)"
+fi
+
+# ---- the rest of the suite, while time remains ---------------------------------------------------
+t=$(allow 100000 10)
+if ((t >= 60)); then
+  start=$SECONDS
+  total=$(cd "$BUILD_DIR" && ctest -N -LE gpu | sed -n 's/^Total Tests: //p')
+  stop=$(date -d "@$(($(date +%s) + t - 5))" +%H:%M:%S)
+  (cd "$BUILD_DIR" && timeout -k 5 "$t" ctest -LE gpu -j "$CTEST_JOBS" --timeout 300 --stop-time "$stop" \
+     --output-on-failure) >"$out/ctest_all.txt" 2>&1
+  rc=$?
+  log "rest of the suite (ctest -LE gpu -j $CTEST_JOBS, $total tests, $t s allowed): $(ctest_result "$out/ctest_all.txt"); $((SECONDS - start)) s, exit $rc"
+  grep -A40 'The following tests' "$out/ctest_all.txt" | head -40 | tee -a "$summary"
+else
+  log "rest of the suite: skipped, $t s left"
+fi

@@ -3,7 +3,7 @@
 //
 //   mfsdp-ckpt inspect CKPT [--chunks]
 //   mfsdp-ckpt print-tensor CKPT NAME [--max-elements N]
-//   mfsdp-ckpt compare A B [--atol X] [--model-only]
+//   mfsdp-ckpt compare A B [--atol X] [--model-only] [--device cpu|cuda|auto]
 //   mfsdp-ckpt convert IN OUT [--swiglu] [--rename OLD=NEW]... [--remove REGEX]... [--iteration N]
 //   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
 //   mfsdp-ckpt import-hf HF_DIR OUT_CKPT
@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/comm.h"
 #include "mfsdp/hf_interop.h"
 
 namespace {
@@ -60,7 +61,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Inspect, compare and convert mfsdp checkpoints (fsdp_dtensor) and Hugging Face folders",
                "mfsdp-ckpt"};
   app.require_subcommand(1, 1);
-  std::string a, b, name, dtype = "bf16", max_shard = "5GB";
+  std::string a, b, name, dtype = "bf16", max_shard = "5GB", device = "cpu";
   bool chunks = false, model_only = false;
   int64_t max_elements = 64, iteration = 0;
   double atol = 0;
@@ -84,6 +85,8 @@ int main(int argc, char** argv) {
   compare->add_option("--atol", atol, "Largest |a-b| still counted as equal (default 0: bit exact values)")
       ->check(CLI::NonNegativeNumber);
   compare->add_flag("--model-only", model_only, "Compare only model.* tensors (no optimizer state, no RNG)");
+  compare->add_option("--device", device, "Where the differences are computed: cpu (default), cuda or auto")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 
   auto* convert = app.add_subcommand(
       "convert", "Turn an HF folder, a torch.save file or a checkpoint into a weights-only checkpoint");
@@ -135,7 +138,8 @@ int main(int argc, char** argv) {
       std::cout << "A: " << sa.description() << "\nB: " << sb.description() << "\n";
       if (!sa.is_checkpoint() || !sb.is_checkpoint())
         std::cout << "(Hugging Face tensor names are compared as model.<name>)\n";
-      const mfsdp::ComparisonReport report = mfsdp::compare_tensors(sa, sb, atol, model_only);
+      const mfsdp::ComparisonReport report =
+          mfsdp::compare_tensors(sa, sb, atol, model_only, mfsdp::resolve_device(device, /*local_rank=*/0));
       std::cout << report.table();
       return report.same ? 0 : 1;
     } else if (convert->parsed()) {

@@ -16,6 +16,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "mfsdp/comm.h"
 #include "mfsdp/generate.h"
 #include "mfsdp/safetensors.h"
 #include "mfsdp/tokenizer.h"
@@ -45,7 +46,7 @@ std::vector<int64_t> parse_ids(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model_dir, prompt, prompt_ids, vocab_file, merge_file, logits_out;
+  std::string model_dir, prompt, prompt_ids, vocab_file, merge_file, logits_out, device_choice = "auto";
   bool print_ids = false;
   mfsdp::GenerateOptions g;
   try {
@@ -66,11 +67,12 @@ int main(int argc, char** argv) {
         std::cout
             << "usage: mfsdp-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
                "           [--greedy] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--print-ids]\n"
-               "           [--logits-out FILE] [--vocab-file V --merge-file M]\n"
+               "           [--logits-out FILE] [--vocab-file V --merge-file M] [--device auto|cpu|cuda]\n"
                "  --model DIR        a final model (mfsdp-pretrain --save-final-model), a checkpoint\n"
                "                     (mfsdp-pretrain --save, mfsdp-ckpt import-hf: the save folder, read at its\n"
                "                     latest iteration, or an iter_NNNNNNN folder) or a Hugging Face Llama folder\n"
                "                     (config.json + model.safetensors or model.safetensors.index.json)\n"
+               "  --device D         where the model runs: auto (the GPU when there is one), cpu or cuda\n"
                "  --print-ids        print the generated token ids (comma-separated) instead of text\n"
                "  --logits-out FILE  also write the fp32 logits of one forward over the prompt, shape\n"
                "                     [1, prompt tokens, vocab], as tensor \"logits\" of a safetensors file\n";
@@ -88,6 +90,7 @@ int main(int argc, char** argv) {
       else if (flag == "--vocab-file") vocab_file = value();
       else if (flag == "--merge-file") merge_file = value();
       else if (flag == "--logits-out") logits_out = value();
+      else if (flag == "--device") device_choice = value();
       else usage_error("unknown flag " + flag);
     }
     if (model_dir.empty()) usage_error("--model is required");
@@ -98,7 +101,9 @@ int main(int argc, char** argv) {
   }
   try {
     torch::set_num_threads(1);
+    const at::Device device = mfsdp::resolve_device(device_choice, /*local_rank=*/0);
     mfsdp::LoadedModel loaded = mfsdp::load_model(model_dir);
+    loaded.model->to(device);
     auto tokenizer = mfsdp::make_torch_safe_tokenizer({loaded.tokenizer_type, "", vocab_file, merge_file});
     std::vector<int64_t> input;
     if (!prompt_ids.empty()) {
@@ -119,7 +124,8 @@ int main(int argc, char** argv) {
     if (!logits_out.empty()) {
       torch::NoGradGuard no_grad;
       // No cache: the whole prompt in one forward, as a reference implementation computes it.
-      at::Tensor logits = loaded.model->forward(torch::tensor(input, torch::kLong).unsqueeze(0)).to(torch::kFloat);
+      at::Tensor logits = loaded.model->forward(torch::tensor(input, torch::kLong).unsqueeze(0).to(device))
+                              .to(at::kCPU, torch::kFloat);
       mfsdp::write_safetensors(logits_out, {{"logits", logits}});
     }
     if (print_ids || !tokenizer) {

@@ -57,13 +57,20 @@ int main(int argc, char** argv) {
                             ? std::atoi(omp)
                             : std::max<int>(1, static_cast<int>(cores) / info.local_world_size);
     at::set_num_threads(threads);
+    // --device: CUDA puts every buffer on this rank's GPU and talks NCCL; CPU the CPU backend.
+    const at::Device device = mfsdp::resolve_device(args.device, info.local_rank);
+    // Every rank checks (a refused flag must stop all of them); rank 0 prints the notes.
+    const auto notes = mfsdp::pretrain_inert_flag_notices(args, device.is_cuda());
+    mfsdp::CommOptions comm_options;
+    comm_options.backend = mfsdp::backend_for(device);
+    if (device.is_cuda()) comm_options.device_index = device.index();
     auto comm = args.simulate_world_size > 0
                     ? mfsdp::make_simulated_communicator(static_cast<int>(args.simulate_rank),
-                                                         static_cast<int>(args.simulate_world_size))
-                    : mfsdp::init_communicator(info);
+                                                         static_cast<int>(args.simulate_world_size), device)
+                    : mfsdp::init_communicator(info, comm_options);
     if (comm->rank() == 0 || mfsdp::is_simulated(*comm)) {
-      for (const auto& note : mfsdp::pretrain_inert_flag_notices(args, comm->backend() == "nccl"))
-        std::cout << "note: " << note << "\n";
+      std::cout << " device: " << device.str() << " (" << comm->backend() << ")\n";
+      for (const auto& note : notes) std::cout << "note: " << note << "\n";
     }
     mfsdp::pretrain(args, comm, std::cout);
     return 0;

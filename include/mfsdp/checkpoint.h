@@ -1,4 +1,4 @@
-// Sharded checkpoints in the fsdp_dtensor format (DESIGN.md section 6; byte-level description
+// Sharded checkpoints in the fsdp_dtensor format (docs/checkpoints.md; byte-level description
 // in docs/checkpoints.md).
 //
 //   SAVE/latest_checkpointed_iteration.txt      "100"

@@ -1,4 +1,4 @@
-// Communicator: the only way mfsdp ranks talk to each other (DESIGN.md section 3).
+// Communicator: the only way mfsdp ranks talk to each other (docs/comm.md).
 //
 // Every rank of a communicator must issue the same collectives in the same order with matching
 // arguments (sizes, counts, dtypes, roots). Each collective has an asynchronous form returning a
@@ -87,6 +87,9 @@ class Communicator {
   virtual int size() const = 0;
   // "gloo" or "nccl"
   virtual std::string backend() const = 0;
+  // The device every tensor passed to this communicator lives on: CPU for the CPU backend,
+  // cuda:<index> for NCCL. The runtime places its buffers here (never by backend name).
+  virtual at::Device device() const = 0;
   virtual std::chrono::milliseconds default_timeout() const = 0;
 
   // Concatenates every rank's `input` (1-D view of its elements) into `output` in rank order.
@@ -135,6 +138,13 @@ struct CommOptions {
   // CUDA device index for the NCCL backend; -1: LOCAL_RANK.
   int device_index = -1;
 };
+
+// The tools' --device: "auto" (the GPU `local_rank` when this build and machine have CUDA, else
+// the CPU), "cpu" or "cuda" (cuda:local_rank; an error naming the value without a GPU or with a
+// local rank past the GPUs).
+at::Device resolve_device(const std::string& choice, int local_rank);
+// The communicator backend for tensors on `device`: "nccl" for CUDA, "gloo" for the CPU.
+std::string backend_for(const at::Device& device);
 
 struct RendezvousInfo;  // mfsdp/rendezvous.h
 

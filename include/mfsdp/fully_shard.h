@@ -1,25 +1,32 @@
-// fully_shard: turns a torch::nn::Module into a sharded unit (DESIGN.md section 4).
+// fully_shard: turns a torch::nn::Module into a sharded unit (docs/fully_shard.md).
 //
 //   auto comm = mfsdp::init_communicator();
 //   mfsdp::FullyShardOptions opt;
 //   opt.comm = comm;
 //   for (auto& block : model->blocks) mfsdp::fully_shard(*block, opt);   // each unit first,
 //   mfsdp::FsdpHandle root = mfsdp::fully_shard(*model, opt);            // then the root
-//   auto optimizer = mfsdp::make_adamw(root.optimizer_shards(), comm, adamw, root.after_step());
+//   auto optimizer = mfsdp::make_adamw(root, adamw);   // bound to the root's shards and hooks
 //   loss = model->forward(x); loss.backward();  // the forward routes units through mfsdp::call
 //   optimizer->step(lr); root.zero_grad();
+//
+// Devices: every buffer lives on the communicator's device (CPU for "gloo", the rank's GPU for
+// "nccl"); parameters may start anywhere (CPU, the GPU) and are moved there by fully_shard.
 //
 // How a forward reaches the runtime. C++ modules have no forward hooks, so a unit's forward must
 // be called through the runtime:
 //   - modules you write derive from mfsdp::ShardedModule<Self> and are called as `block->call(x)`;
-//   - modules you cannot change are called as `mfsdp::call(*linear, x)` (any module with forward).
-// Both run: unshard (all-gather) -> forward -> pre-backward hook on the outputs -> reshard.
+//   - modules you cannot change are called as `mfsdp::call(*linear, x)` (any module with forward);
+//   - holders declared with MFSDP_MODULE(Name) instead of TORCH_MODULE(Name) route `block(x)`;
+//   - mfsdp::Sequential routes every unit among its children (torch::nn::Sequential calls their
+//     forward directly); for a ModuleList, call `mfsdp::call(*list[i]->as<Block>(), x)`.
+// All of these run: unshard (all-gather) -> forward -> pre-backward hook on the outputs -> reshard.
 // Calling `forward` directly bypasses the runtime: under optim_grads_params the unit's
 // parameters are then empty views and the call fails.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
 
 #include <map>
 #include <memory>
@@ -70,6 +77,10 @@ enum class BufferAllocatorKind {
 
 struct FullyShardOptions {
   std::shared_ptr<Communicator> comm;  // the data-parallel communicator (this or `mesh`)
+  // Where every flat buffer, transient buffer and optimizer state lives. Unset: the
+  // communicator's device(); set, it must be that device (NCCL needs CUDA tensors, the CPU
+  // communicator CPU tensors).
+  std::optional<c10::Device> device;
   // Instead of `comm`: a 1-D mesh (shard over it), or a 2-D mesh (replicate dim, shard dim),
   // e.g. {"dp_outer", "dp_shard"}, for HSDP: buffers are sharded within a shard group and
   // replicated across groups; gradients are reduce-scattered in the shard group, then
@@ -83,7 +94,7 @@ struct FullyShardOptions {
   // Overlap (ZeRO-3): all-gather the next unit's weights while this one computes; the order is
   // recorded on the first step (forward), and reversed in backward.
   bool prefetch = true;
-  // Start the first unit's all-gather when the optimizer step ends (in after_step()), so it
+  // Start the first unit's all-gather when the optimizer step ends (the optimizer_step_hook()), so it
   // overlaps whatever precedes the next forward (Megatron's fsdp_all_gather_in_start_param_sync).
   // Off: nothing is in flight between steps.
   bool all_gather_in_start_param_sync = true;
@@ -108,7 +119,7 @@ struct LocalShard {
   int replica = 0;
 };
 
-// Bytes the runtime holds on this rank, per role (DESIGN.md section 4).
+// Bytes the runtime holds on this rank, per role (docs/fully_shard.md).
 struct MemoryReport {
   int64_t model_weights = 0;     // persistent model-weight buffers (sharded under ZeRO-3)
   int64_t main_weights = 0;      // main weights not aliasing model weights
@@ -149,24 +160,32 @@ class FsdpHandle {
   void unshard();
   void reshard();
   // Off: backward accumulates gradients locally without communication (micro-batches but the
-  // last); on again: the next backward reduces everything accumulated. Applies to all units.
-  void set_requires_gradient_sync(bool sync);
-  void set_reshard_after_forward(bool reshard);
+  // last); on again: the next backward reduces everything accumulated. `recurse`: this unit and
+  // every unit under it (FSDP2's default), else this unit only.
+  void set_requires_gradient_sync(bool sync, bool recurse = true);
+  // `recurse`: this unit and every unit under it, else this unit only.
+  void set_reshard_after_forward(bool reshard, bool recurse = true);
   // Off: this unit (not those below it) is not all-gathered for its backward, for units whose
   // backward reads no weight (an embedding: its gradient needs only the token ids); FSDP2's
   // set_unshard_in_backward. A backward that does read the weights then reads freed memory, so
   // only for such units. Activation recompute still gathers (the forward runs again).
   void set_unshard_in_backward(bool unshard);
-  // Gradients are divided by this factor in the reduction (default: world size, or 1 with
-  // GradientScaling::kNone; not used with kAverageInCollective).
+  // Gradients of every unit under this unit's root are divided by this factor in the reduction
+  // (default: world size, or 1 with GradientScaling::kNone; not used with kAverageInCollective).
   void set_gradient_divide_factor(double factor);
 
   // The communicator the optimizer reduces the gradient norm over (the shard group).
   std::shared_ptr<Communicator> optimizer_comm() const;
-  // Root only: every flat shard for the distributed optimizer, and the callback that copies the
-  // updated main weights into the model weights (pass it to make_adamw / make_sgd).
+  // Every flat shard under this unit's root, for the distributed optimizer (make_adamw(root, ...)
+  // binds them with the after-step hook; this is for optimizers of your own).
   std::vector<OptimizerShard> optimizer_shards() const;
-  std::function<void()> after_step() const;
+  // What an optimizer runs after each step: the model weights refreshed from the main weights,
+  // a new step for the buffer allocator, and (all_gather_in_start_param_sync) the first unit's
+  // all-gather started.
+  std::function<void()> optimizer_step_hook() const;
+  // After main weights changed outside the optimizer (a checkpoint load): model weights
+  // refreshed from them, nothing gathered ahead.
+  void refresh_model_weights();
   // Root only: zeroes the main gradients and drops leftover unsharded gradients.
   void zero_grad();
 
@@ -201,6 +220,11 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& optio
 // The handle of a module fully_shard was applied to; throws std::invalid_argument otherwise.
 FsdpHandle handle_of(const torch::nn::Module& module);
 
+// A distributed optimizer over every shard under `root`, run over its communicator, with the
+// root's after-step hook (optimizer_step_hook()).
+std::unique_ptr<DistributedOptimizer> make_adamw(const FsdpHandle& root, const AdamWOptions& options);
+std::unique_ptr<DistributedOptimizer> make_sgd(const FsdpHandle& root, const SGDOptions& options);
+
 // Calls module.forward(args...) through the unit's hooks (see the top of this file).
 template <class M, class... Args>
 auto call(M& module, Args&&... args) {
@@ -223,3 +247,16 @@ class ShardedModule : public torch::nn::Module {
 };
 
 }  // namespace mfsdp
+
+// Like TORCH_MODULE(Name), for a NameImpl you shard: the holder's call operator, `block(x)`, runs
+// forward through the runtime (mfsdp::call) instead of calling it directly.
+#define MFSDP_MODULE(Name)                                                       \
+  class Name : public ::torch::nn::ModuleHolder<Name##Impl> {                    \
+   public:                                                                       \
+    using ::torch::nn::ModuleHolder<Name##Impl>::ModuleHolder;                   \
+    using Impl = Name##Impl;                                                     \
+    template <class... Args>                                                     \
+    auto operator()(Args&&... args) {                                            \
+      return ::mfsdp::call(*get(), std::forward<Args>(args)...);                 \
+    }                                                                            \
+  }

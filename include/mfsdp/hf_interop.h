@@ -134,9 +134,11 @@ struct ComparisonReport {
   bool same = true;  // every tensor in both, same shape, max |a-b| <= atol (dtypes may differ)
   std::string table() const;  // the text the tool prints
 };
-// Compares element by element in fp64, a bounded number of elements at a time. With
-// `model_only`, only names starting with "model." are compared.
-ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only = false);
+// Compares element by element in fp64, a bounded number of elements at a time, on `device`
+// (blocks are read on the CPU and moved there). With `model_only`, only names starting with
+// "model." are compared.
+ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only = false,
+                                 const at::Device& device = at::kCPU);
 
 // ---- `mfsdp-ckpt convert`: state-dict transforms ----------------------------------------------
 

@@ -1,4 +1,4 @@
-// Hugging Face config.json <-> LlamaConfig (DESIGN.md section 6, HF interop). Tensor names need
+// Hugging Face config.json <-> LlamaConfig (docs/checkpoints.md, HF interop). Tensor names need
 // no mapping: LlamaForCausalLM's parameters already carry transformers' names (llama.h).
 //
 //   nlohmann::json cfg = mfsdp::llama_hf_config(model_cfg, at::kBFloat16);   // config.json

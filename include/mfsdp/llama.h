@@ -1,4 +1,4 @@
-// Llama-family decoder (DESIGN.md section 7) with Hugging Face parameter names.
+// Llama-family decoder (docs/model.md) with Hugging Face parameter names.
 //
 //   mfsdp::LlamaConfig cfg{32000, 4096, 11008, 32, 32, 8, 4096};
 //   torch::manual_seed(1234);                       // same seed on every rank: same weights
@@ -145,7 +145,8 @@ class LlamaRMSNormImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaRMSNorm);
 
-// Causal grouped-query self-attention with RoPE.
+// Causal grouped-query self-attention with RoPE, through at::scaled_dot_product_attention (the
+// fused kernels of the device: flash/memory-efficient on CUDA, flash on the CPU).
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
@@ -153,6 +154,9 @@ class LlamaAttentionImpl : public torch::nn::Module {
   // position start + t, start = keys cached before this call) attends to keys 0 .. start + t.
   at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, LlamaKVCache* cache);
   LlamaLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  // false: the explicit math path (matmul, causal mask, fp32 softmax, matmul), Hugging Face's
+  // eager attention; the reference SDPA is checked against (tests/unit/llama_test.cpp).
+  bool use_sdpa = true;
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_, layer_idx_;

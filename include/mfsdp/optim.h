@@ -1,4 +1,4 @@
-// Distributed optimizer over flat main-weight shards (DESIGN.md section 5).
+// Distributed optimizer over flat main-weight shards (docs/optimizer.md).
 //
 // The optimizer never sees modules: it sees flat shards, each a contiguous 1-D main-weight
 // tensor (fp32 by default) with its main-grad tensor of the same length, cut into segments that
@@ -36,8 +36,8 @@ struct OptimizerShard {
   bool replicated = false;             // true when every rank holds the same shard (no_shard)
 };
 
+// The learning rate is not an option: step(lr) takes it (a schedule decides it per step).
 struct AdamWOptions {
-  double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
@@ -45,7 +45,6 @@ struct AdamWOptions {
 };
 
 struct SGDOptions {
-  double lr = 1e-2;
   double momentum = 0.0;
   double dampening = 0.0;
   bool nesterov = false;
@@ -88,7 +87,8 @@ class DistributedOptimizer {
   virtual std::vector<std::pair<std::string, std::vector<at::Tensor>>> state() const = 0;
 };
 
-// `after_step` runs at the end of every step (e.g. copy main weights into model weights).
+// Over flat shards of your own; `after_step` runs at the end of every step. For a sharded model
+// use make_adamw(root, options) / make_sgd(root, options) (mfsdp/fully_shard.h).
 std::unique_ptr<DistributedOptimizer> make_adamw(std::vector<OptimizerShard> shards,
                                                  std::shared_ptr<Communicator> comm,
                                                  const AdamWOptions& options,

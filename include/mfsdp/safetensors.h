@@ -1,5 +1,5 @@
 // The safetensors file format (https://huggingface.co/docs/safetensors), read and written
-// without Python (DESIGN.md section 6: HF interop, no pickle). See docs/safetensors.md.
+// without Python (docs/checkpoints.md: HF interop, no pickle). See docs/safetensors.md.
 //
 //   [8 bytes: header length N, little-endian u64]
 //   [N bytes: UTF-8 JSON {"name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [b, e]},

@@ -16,10 +16,10 @@
 
 namespace mfsdp {
 
-// `backend` names the device the simulated job runs on: "gloo" (CPU tensors) or "nccl" (CUDA
-// tensors); the communicator reports it as its backend() so device choices stay right.
+// `device` is where the simulated job's tensors live (CPU, or a CUDA device: the communicator
+// then reports backend "nccl", as the real job's would).
 std::shared_ptr<Communicator> make_simulated_communicator(int rank, int world_size,
-                                                          const std::string& backend = "gloo");
+                                                          at::Device device = at::kCPU);
 
 bool is_simulated(const Communicator& comm);
 

@@ -464,7 +464,8 @@ std::string describe_tensor(const TensorSource& source, const std::string& name,
   return os.str();
 }
 
-ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only) {
+ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only,
+                                 const at::Device& device) {
   ComparisonReport report;
   report.atol = atol;
   std::set<std::string> names;
@@ -486,7 +487,8 @@ ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, d
       const int64_t numel = a.numel(name);
       for (int64_t off = 0; off < numel; off += kBlockElements) {
         const int64_t n = std::min(kBlockElements, numel - off);
-        const double d = block_max_abs_diff(a.read_elements(name, off, n), b.read_elements(name, off, n));
+        const double d = block_max_abs_diff(a.read_elements(name, off, n).to(device),
+                                            b.read_elements(name, off, n).to(device));
         if (std::isnan(d)) {
           row.max_abs_diff = d;
           break;

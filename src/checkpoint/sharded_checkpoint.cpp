@@ -19,7 +19,7 @@ using checkpoint::ChunkRecord;
 
 // Every rank's string, in rank order. Collective; carries chunk lists and errors.
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {
-  const at::Device device = comm.backend() == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  const at::Device device = comm.device();
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
   at::Tensor lengths = at::empty({comm.size()}, longs);
   comm.all_gather(lengths, at::full({1}, static_cast<int64_t>(text.size()), longs));
@@ -358,7 +358,7 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
     gen.set_state(st);
   }
   result.rng_loaded = !staged.generators.empty();
-  model.after_step()();  // main weights -> model weights
+  model.refresh_model_weights();  // main weights -> model weights; starts no all-gather
   return result;
 }
 

@@ -1,3 +1,5 @@
+#include <torch/cuda.h>
+
 #include <stdexcept>
 
 #include "comm/cpu_communicator.h"
@@ -35,6 +37,29 @@ void Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& o
   broadcast_async(tensor, options)->wait();
 }
 void Communicator::barrier(const BarrierOptions& options) { barrier_async(options)->wait(); }
+
+at::Device resolve_device(const std::string& choice, int local_rank) {
+  if (choice != "auto" && choice != "cpu" && choice != "cuda")
+    throw std::invalid_argument("--device: unknown value '" + choice + "' (expected auto, cpu or cuda)");
+  if (choice == "cpu") return at::kCPU;
+#ifdef MFSDP_WITH_CUDA
+  const int gpus = static_cast<int>(torch::cuda::device_count());
+#else
+  const int gpus = 0;  // a CPU-only build cannot use a GPU even where one is present
+#endif
+  if (choice == "auto" && gpus == 0) return at::kCPU;
+  if (gpus == 0)
+    throw std::invalid_argument(
+        "--device cuda: no CUDA GPU is usable here (torch::cuda::device_count() == 0, or a build "
+        "without CUDA); use --device cpu");
+  if (local_rank < 0 || local_rank >= gpus)
+    throw std::invalid_argument("--device " + choice + ": LOCAL_RANK " + std::to_string(local_rank) +
+                                " has no GPU of its own (this machine has " + std::to_string(gpus) +
+                                "); start at most one rank per GPU");
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+std::string backend_for(const at::Device& device) { return device.is_cuda() ? "nccl" : "gloo"; }
 
 std::shared_ptr<Communicator> init_communicator(const CommOptions& options) {
   return init_communicator(rendezvous_from_env(), options);

@@ -7,6 +7,7 @@
 #include <unistd.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
+#include <atomic>
 #include <cstdlib>
 #include <map>
 #include <sstream>
@@ -134,7 +135,9 @@ class CpuCommunicator : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(global_ranks_.size()); }
+  int64_t bytes_sent() const { return tcp_bytes_sent_.load() + (shm_ ? shm_->bytes_written() : 0); }
   std::string backend() const override { return "gloo"; }
+  at::Device device() const override { return at::kCPU; }
   std::chrono::milliseconds default_timeout() const override { return timeout_; }
 
   WorkHandle all_gather_async(const at::Tensor& output, const at::Tensor& input,
@@ -217,15 +220,18 @@ class CpuCommunicator : public Communicator {
     check_tensor("all_reduce", "input", tensor, c10::kCPU);
     check_reduction("all_reduce", options.op, tensor.scalar_type(), 1.0);
     return Job{"all_reduce", options.timeout, [this, tensor, options](const Transfer& t) {
-      // Reduce-scatter then all-gather, in place in an accumulation-dtype buffer.
+      // Reduce-scatter then all-gather. Full precision: in place. Low precision: the input's
+      // own dtype on the wire both ways; this rank's slice is summed in the accumulation dtype
+      // and rounded once before it is gathered.
       at::ScalarType acc = accumulation_dtype(tensor.scalar_type());
-      at::Tensor work = acc == tensor.scalar_type() ? tensor.view(-1) : tensor.view(-1).to(acc);
+      at::Tensor work = tensor.view(-1);
       RankSlices s = even_slices(work.numel(), size());
       at::Tensor own = work.narrow(0, s.offsets[rank_], s.counts[rank_]);
-      reduce_scatter_into(t, own, work, s, options.op, 1.0);
-      if (options.op == ReduceOp::kAvg) own.div_(size());
+      at::Tensor reduced = acc == tensor.scalar_type() ? own : at::empty({s.counts[rank_]}, work.options().dtype(acc));
+      reduce_scatter_into(t, reduced, work, s, options.op, 1.0);
+      if (options.op == ReduceOp::kAvg) reduced.div_(size());
+      if (!reduced.is_same(own)) own.copy_(reduced);
       all_gather_in_place(t, work, s, /*first_step=*/size());
-      if (acc != tensor.scalar_type()) tensor.view(-1).copy_(work);
     }};
   }
 
@@ -239,7 +245,7 @@ class CpuCommunicator : public Communicator {
       if (size() == 1 || nbytes == 0) return;
       if (rank_ == options.root) {
         for (int p = 0; p < size(); ++p)
-          if (p != rank_) mesh_->post_send(p, t.slot(0), bytes(tensor), nbytes);
+          if (p != rank_) send(p, t.slot(0), bytes(tensor), nbytes);
         for (int p = 0; p < size(); ++p)
           if (p != rank_) t.wait_send(*mesh_, p);
       } else {
@@ -297,10 +303,58 @@ class CpuCommunicator : public Communicator {
     if (shm_ && size() > 1 && buffer.nbytes() > 0) return shm_->all_gather(t.call(), buffer, s);
     ring_all_gather(t, buffer, s, first_step);
   }
+  // `input` in its own dtype, `result` in the accumulation dtype. Shared memory and the direct
+  // exchange move the input's own dtype (bf16 stays bf16 on the wire); the ring carries partial
+  // sums, which must be in the accumulation dtype, so it serves full-precision inputs.
   void reduce_scatter_into(const Transfer& t, const at::Tensor& result, const at::Tensor& input,
                            const RankSlices& s, ReduceOp op, double prescale) {
     if (shm_ && size() > 1) return shm_->reduce_scatter(t.call(), result, input, s, op, prescale);
+    if (input.scalar_type() != result.scalar_type() && size() > 1)
+      return direct_reduce_scatter(t, result, input, s, op, prescale);
     ring_reduce_scatter(t, result, input, s, op, prescale);
+  }
+
+  // Low-precision inputs over TCP: every rank sends slice r of its input, in the input's own
+  // dtype, straight to rank r, which sums the contributions in rank order in the accumulation
+  // dtype and rounds once (exactly what the shared-memory path computes). Each rank sends
+  // (n-1)/n of the input, as a ring does, at half the bytes of fp32 partial sums.
+  void direct_reduce_scatter(const Transfer& t, const at::Tensor& result, const at::Tensor& input,
+                             const RankSlices& s, ReduceOp op, double prescale) {
+    const int n = size();
+    const int64_t count = s.counts[rank_], item = input.element_size();
+    at::Tensor incoming = scratch(1, input.scalar_type(), count * n);  // one row per source rank
+    for (int q = 0; q < n; ++q)
+      if (q != rank_ && count > 0)
+        mesh_->post_recv(q, t.slot(0), bytes(incoming) + q * count * item, count * item);
+    for (int r = 0; r < n; ++r)
+      if (r != rank_ && s.counts[r] > 0)
+        send(r, t.slot(0), bytes(input) + s.offsets[r] * item, s.counts[r] * item);
+    for (int q = 0; q < n; ++q)
+      if (q != rank_ && count > 0) t.wait_recv(*mesh_, q);
+    for (int r = 0; r < n; ++r)
+      if (r != rank_ && s.counts[r] > 0) t.wait_send(*mesh_, r);
+    if (count == 0) return;
+    auto from = [&](int q) {
+      return q == rank_ ? input.narrow(0, s.offsets[rank_], count) : incoming.narrow(0, q * count, count);
+    };
+    at::Tensor out = result;
+    out.copy_(from(0));
+    if (prescale != 1.0) out.mul_(prescale);
+    for (int q = 1; q < n; ++q) {
+      if (op == ReduceOp::kMax) {
+        at::maximum_out(out, out, prescale == 1.0 ? from(q) : from(q).to(out.scalar_type()) * prescale);
+      } else if (prescale == 1.0) {
+        out.add_(from(q));
+      } else {
+        out.add_(from(q), prescale);
+      }
+    }
+  }
+
+  // Every payload this rank puts on a TCP link goes through here (counted for bytes_sent()).
+  void send(int peer, uint64_t slot, const void* src, size_t nbytes) {
+    tcp_bytes_sent_ += static_cast<int64_t>(nbytes);
+    mesh_->post_send(peer, slot, src, nbytes);
   }
 
   // Fills every rank's slice of `buffer` (laid out by `s`) from the ranks around the ring; this
@@ -317,7 +371,7 @@ class CpuCommunicator : public Communicator {
       bool receiving = s.counts[recv_idx] > 0, sending = s.counts[send_idx] > 0;
       if (receiving) mesh_->post_recv(left, t.slot(first_step + step),
                                       base + s.offsets[recv_idx] * item, s.counts[recv_idx] * item);
-      if (sending) mesh_->post_send(right, t.slot(first_step + step),
+      if (sending) send(right, t.slot(first_step + step),
                                     base + s.offsets[send_idx] * item, s.counts[send_idx] * item);
       if (receiving) t.wait_recv(*mesh_, left);
       if (sending) t.wait_send(*mesh_, right);
@@ -384,7 +438,7 @@ class CpuCommunicator : public Communicator {
       }
       for (int64_t k = 0; k < send_segments; ++k) {
         int64_t len = std::min(segment, send_count - k * segment);
-        mesh_->post_send(right, t.slot(step, k), sender + k * segment * item, len * item);
+        send(right, t.slot(step, k), sender + k * segment * item, len * item);
       }
       const bool last = step == n - 2;  // then recv_idx == rank_
       at::Tensor dst = last ? result : partial[(step + 1) % 2].narrow(0, 0, recv_count);
@@ -428,6 +482,7 @@ class CpuCommunicator : public Communicator {
   std::map<std::string, int> groups_created_;
 
   // Touched only by the thread running a job (one at a time, see CommThread).
+  std::atomic<int64_t> tcp_bytes_sent_{0};
   at::Tensor scratch_[3];
   bool first_error_ = false;
   std::string first_error_msg_;
@@ -436,6 +491,11 @@ class CpuCommunicator : public Communicator {
 };
 
 }  // namespace
+
+int64_t cpu_bytes_sent(const Communicator& comm) {
+  auto* cpu = dynamic_cast<const CpuCommunicator*>(&comm);
+  return cpu ? cpu->bytes_sent() : -1;
+}
 
 std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const RendezvousInfo& info,

@@ -35,4 +35,9 @@ std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10
                                                     const RendezvousInfo& info,
                                                     std::chrono::milliseconds timeout);
 
+// Payload bytes `comm` (a CPU communicator) has put on its links so far: TCP messages plus what
+// it wrote into shared-memory slots for its peers; -1 for any other communicator. For tests and
+// benchmarks of wire volume (e.g. --grad-reduce-in-bf16 halves a reduce-scatter's bytes).
+int64_t cpu_bytes_sent(const Communicator& comm);
+
 }  // namespace mfsdp

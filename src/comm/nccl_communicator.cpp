@@ -161,6 +161,7 @@ class NcclCommunicator : public Communicator {
   int rank() const override { return rank_; }
   int size() const override { return static_cast<int>(global_ranks_.size()); }
   std::string backend() const override { return "nccl"; }
+  at::Device device() const override { return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(device_)); }
   std::chrono::milliseconds default_timeout() const override { return timeout_; }
 
   WorkHandle all_gather_async(const at::Tensor& output, const at::Tensor& input,
@@ -168,23 +169,17 @@ class NcclCommunicator : public Communicator {
     RankSlices s = all_gather_layout(output, input, options, rank_, size(), c10::kCUDA);
     const bool equal = std::all_of(s.counts.begin(), s.counts.end(),
                                    [&](int64_t c) { return c == s.counts[0]; });
-    const int64_t item = output.element_size();
     return launch("all_gather", options.timeout, {output, input}, [&](cudaStream_t stream) {
-      char* out = static_cast<char*>(output.data_ptr());
       if (equal) {
-        nccl_check(ncclAllGather(input.data_ptr(), out, input.nbytes(), ncclUint8, comm_, stream),
+        nccl_check(ncclAllGather(input.data_ptr(), output.data_ptr(), input.nbytes(), ncclUint8,
+                                 comm_, stream),
                    where("all_gather", rank_));
         return;
       }
-      // Uneven shards: one broadcast per rank into its slot, fused into one NCCL group.
-      nccl_check(ncclGroupStart(), where("all_gather", rank_));
-      for (int r = 0; r < size(); ++r) {
-        if (s.counts[r] == 0) continue;
-        nccl_check(ncclBroadcast(input.data_ptr(), out + s.offsets[r] * item, s.counts[r] * item,
-                                 ncclUint8, r, comm_, stream),
-                   where("all_gather", rank_));
-      }
-      nccl_check(ncclGroupEnd(), where("all_gather", rank_));
+      at::Tensor flat = output.view(-1);
+      at::Tensor own = flat.narrow(0, s.offsets[rank_], s.counts[rank_]);
+      if (own.data_ptr() != input.data_ptr()) own.copy_(input.view(-1));
+      gather_slices(stream, flat, s, "all_gather");
     });
   }
 
@@ -194,15 +189,20 @@ class NcclCommunicator : public Communicator {
     const bool equal = std::all_of(s.counts.begin(), s.counts.end(),
                                    [&](int64_t c) { return c == s.counts[0]; });
     return launch("reduce_scatter", options.timeout, {output, input}, [&](cudaStream_t stream) {
-      // Low-precision inputs accumulate in fp32 (comm.h); temporaries live on `stream`.
       at::ScalarType acc = accumulation_dtype(input.scalar_type());
-      at::Tensor send = input.to(acc);
-      if (options.prescale != 1.0) send = send * options.prescale;
-      at::Tensor recv = acc == output.scalar_type() ? output : at::empty_like(output, acc);
+      if (acc != input.scalar_type()) {
+        // Low precision: the input's own dtype on the wire, summed in fp32, rounded once.
+        at::Tensor reduced = at::empty({s.counts[rank_]}, output.options().dtype(acc));
+        direct_reduce_scatter(stream, reduced, input.view(-1), s, options.op, options.prescale);
+        output.view(-1).copy_(reduced);
+        return;
+      }
+      at::Tensor send = input.view(-1);
+      if (options.prescale != 1.0) send = send * options.prescale;  // a temporary on `stream`
       ncclDataType_t dtype = nccl_dtype(acc, "reduce_scatter");
       ncclRedOp_t op = nccl_op(options.op);
       if (equal) {
-        nccl_check(ncclReduceScatter(send.data_ptr(), recv.data_ptr(), s.counts[0], dtype, op,
+        nccl_check(ncclReduceScatter(send.data_ptr(), output.data_ptr(), s.counts[0], dtype, op,
                                      comm_, stream),
                    where("reduce_scatter", rank_));
       } else {
@@ -211,14 +211,13 @@ class NcclCommunicator : public Communicator {
         nccl_check(ncclGroupStart(), where("reduce_scatter", rank_));
         for (int r = 0; r < size(); ++r) {
           if (s.counts[r] == 0) continue;
-          void* dst = r == rank_ ? recv.data_ptr() : nullptr;  // used at the root only
+          void* dst = r == rank_ ? output.data_ptr() : nullptr;  // used at the root only
           nccl_check(ncclReduce(base + s.offsets[r] * item, dst, s.counts[r], dtype, op, r, comm_,
                                 stream),
                      where("reduce_scatter", rank_));
         }
         nccl_check(ncclGroupEnd(), where("reduce_scatter", rank_));
       }
-      if (!recv.is_same(output)) output.copy_(recv);
     });
   }
 
@@ -227,11 +226,20 @@ class NcclCommunicator : public Communicator {
     check_reduction("all_reduce", options.op, tensor.scalar_type(), 1.0);
     return launch("all_reduce", options.timeout, {tensor}, [&](cudaStream_t stream) {
       at::ScalarType acc = accumulation_dtype(tensor.scalar_type());
-      at::Tensor work = acc == tensor.scalar_type() ? tensor : tensor.to(acc);
-      nccl_check(ncclAllReduce(work.data_ptr(), work.data_ptr(), work.numel(),
+      if (acc != tensor.scalar_type()) {
+        // Low precision: reduce-scatter in the tensor's own dtype (summed in fp32, rounded once),
+        // then all-gather the rounded slices: the same dtype on the wire both ways.
+        at::Tensor flat = tensor.view(-1);
+        RankSlices s = even_slices(flat.numel(), size());
+        at::Tensor reduced = at::empty({s.counts[rank_]}, flat.options().dtype(acc));
+        direct_reduce_scatter(stream, reduced, flat, s, options.op, 1.0);
+        flat.narrow(0, s.offsets[rank_], s.counts[rank_]).copy_(reduced);
+        gather_slices(stream, flat, s, "all_reduce");
+        return;
+      }
+      nccl_check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(),
                                nccl_dtype(acc, "all_reduce"), nccl_op(options.op), comm_, stream),
                  where("all_reduce", rank_));
-      if (!work.is_same(tensor)) tensor.copy_(work);
     });
   }
 
@@ -265,6 +273,56 @@ class NcclCommunicator : public Communicator {
   }
 
  private:
+  // Every rank's slice of `buffer` (laid out by `s`) from its owner, whose own slice is in place:
+  // one broadcast per rank into its slot, fused into one NCCL group (any counts, zeros too).
+  void gather_slices(cudaStream_t stream, const at::Tensor& buffer, const RankSlices& s, const char* op) {
+    const int64_t item = buffer.element_size();
+    char* base = static_cast<char*>(buffer.data_ptr());
+    nccl_check(ncclGroupStart(), where(op, rank_));
+    for (int r = 0; r < size(); ++r) {
+      if (s.counts[r] == 0) continue;
+      char* slot = base + s.offsets[r] * item;
+      nccl_check(ncclBroadcast(slot, slot, s.counts[r] * item, ncclUint8, r, comm_, stream), where(op, rank_));
+    }
+    nccl_check(ncclGroupEnd(), where(op, rank_));
+  }
+
+  // Reduce-scatter keeping a low-precision input's own dtype on the wire: every rank sends slice
+  // r of `input` to rank r (point to point, one NCCL group), which sums the contributions in rank
+  // order into `result` (the accumulation dtype) and is rounded once by the caller. Each rank
+  // sends (n-1)/n of the input, as a ring does, at half the bytes of fp32.
+  void direct_reduce_scatter(cudaStream_t stream, const at::Tensor& result, const at::Tensor& input,
+                             const RankSlices& s, ReduceOp op, double prescale) {
+    const int n = size();
+    const int64_t count = s.counts[rank_], item = input.element_size();
+    const ncclDataType_t wire = nccl_dtype(input.scalar_type(), "reduce_scatter");
+    at::Tensor rows = at::empty({n, count}, input.options());  // on the communication stream
+    rows[rank_].copy_(input.narrow(0, s.offsets[rank_], count));
+    char* in = static_cast<char*>(input.data_ptr());
+    nccl_check(ncclGroupStart(), where("reduce_scatter", rank_));
+    for (int r = 0; r < n; ++r) {
+      if (r == rank_) continue;
+      if (s.counts[r] > 0)
+        nccl_check(ncclSend(in + s.offsets[r] * item, s.counts[r], wire, r, comm_, stream),
+                   where("reduce_scatter", rank_));
+      if (count > 0)
+        nccl_check(ncclRecv(rows[r].data_ptr(), count, wire, r, comm_, stream),
+                   where("reduce_scatter", rank_));
+    }
+    nccl_check(ncclGroupEnd(), where("reduce_scatter", rank_));
+    if (count == 0) return;
+    at::Tensor out = result;
+    out.copy_(rows[0]);
+    if (prescale != 1.0) out.mul_(prescale);
+    for (int q = 1; q < n; ++q) {
+      at::Tensor term = rows[q].to(out.scalar_type());
+      if (prescale != 1.0) term.mul_(prescale);
+      if (op == ReduceOp::kMax) at::maximum_out(out, out, term);
+      else out.add_(term);
+    }
+    if (op == ReduceOp::kAvg) out.div_(n);
+  }
+
   // Orders the collective after the caller's current stream, runs `body` on the communication
   // stream and registers the work with the watchdog.
   WorkHandle launch(const char* op, std::chrono::milliseconds timeout,

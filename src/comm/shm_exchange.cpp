@@ -208,6 +208,7 @@ void ShmExchange::all_gather(const Call& call, const at::Tensor& buffer, const R
     const int64_t lo = j * per_round;
     const int parity = static_cast<int>(++round_ % 2);
     std::memcpy(slot(parity, rank_), data + (s.offsets[rank_] + lo) * item, chunk(rank_, lo) * item);
+    written_ += chunk(rank_, lo) * item;
     announce_and_wait(call);
     for (int r = 0; r < size_; ++r)
       if (r != rank_) std::memcpy(data + (s.offsets[r] + lo) * item, slot(parity, r), chunk(r, lo) * item);
@@ -226,8 +227,10 @@ void ShmExchange::reduce_scatter(const Call& call, const at::Tensor& result, con
     const int64_t lo = j * per_dest;
     const int parity = static_cast<int>(++round_ % 2);
     char* mine = slot(parity, rank_);
-    for (int r = 0; r < size_; ++r)
+    for (int r = 0; r < size_; ++r) {
       std::memcpy(mine + r * per_dest * item, in + (s.offsets[r] + lo) * item, chunk(r, lo) * item);
+      if (r != rank_) written_ += chunk(r, lo) * item;
+    }
     announce_and_wait(call);
     const int64_t n = chunk(rank_, lo);
     if (n == 0) continue;

@@ -13,6 +13,8 @@
 // the segment); one that stays silent is reported after the timeout, naming it.
 #pragma once
 
+#include <atomic>
+
 #include <ATen/core/Tensor.h>
 
 #include <chrono>
@@ -51,6 +53,8 @@ class ShmExchange {
   // rank order) of prescale x slice `rank` of rank q's `input` (flat, laid out by `s`).
   void reduce_scatter(const Call& call, const at::Tensor& result, const at::Tensor& input,
                       const RankSlices& s, ReduceOp op, double prescale);
+  // Bytes this rank has written into its slots for peers to read, so far.
+  int64_t bytes_written() const { return written_.load(); }
 
  private:
   struct Header;
@@ -65,6 +69,7 @@ class ShmExchange {
   int64_t slot_bytes_;
   uint64_t round_ = 0;
   bool check_pids_ = true;
+  std::atomic<int64_t> written_{0};
 };
 
 }  // namespace mfsdp

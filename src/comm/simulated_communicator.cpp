@@ -19,23 +19,24 @@ struct DoneWork final : Work {
 
 class SimulatedCommunicator final : public Communicator {
  public:
-  SimulatedCommunicator(int rank, int size, std::string backend)
-      : rank_(rank), size_(size), backend_(std::move(backend)) {
+  SimulatedCommunicator(int rank, int size, at::Device device)
+      : rank_(rank), size_(size), device_(device) {
     if (size < 1 || rank < 0 || rank >= size)
       throw std::invalid_argument("simulated communicator: rank " + std::to_string(rank) + " is not in a job of " +
                                   std::to_string(size) + " ranks");
-    if (backend_ != "gloo" && backend_ != "nccl")
-      throw std::invalid_argument("simulated communicator: backend must be 'gloo' or 'nccl', got '" + backend_ + "'");
+    if (!device.is_cpu() && !device.is_cuda())
+      throw std::invalid_argument("simulated communicator: device must be CPU or CUDA, got " + device.str());
   }
 
   int rank() const override { return rank_; }
   int size() const override { return size_; }
-  std::string backend() const override { return backend_; }
+  std::string backend() const override { return device_.is_cuda() ? "nccl" : "gloo"; }
+  at::Device device() const override { return device_; }
   std::chrono::milliseconds default_timeout() const override { return std::chrono::minutes(5); }
 
   WorkHandle all_gather_async(const at::Tensor& output, const at::Tensor& input,
                               const AllGatherOptions& options) override {
-    const RankSlices s = all_gather_layout(output, input, options, rank_, size_, device());
+    const RankSlices s = all_gather_layout(output, input, options, rank_, size_, device_.type());
     at::NoGradGuard no_grad;
     const at::Tensor flat_in = input.reshape({-1});
     const at::Tensor flat_out = output.view({-1});
@@ -52,7 +53,7 @@ class SimulatedCommunicator final : public Communicator {
 
   WorkHandle reduce_scatter_async(const at::Tensor& output, const at::Tensor& input,
                                   const ReduceScatterOptions& options) override {
-    const RankSlices s = reduce_scatter_layout(output, input, options, rank_, size_, device());
+    const RankSlices s = reduce_scatter_layout(output, input, options, rank_, size_, device_.type());
     check_reduction("reduce_scatter", options.op, input.scalar_type(), options.prescale);
     at::NoGradGuard no_grad;
     output.view({-1}).copy_(input.reshape({-1}).narrow(0, s.offsets[rank_], s.counts[rank_]));
@@ -62,7 +63,7 @@ class SimulatedCommunicator final : public Communicator {
   }
 
   WorkHandle all_reduce_async(const at::Tensor& tensor, const AllReduceOptions& options) override {
-    check_tensor("all_reduce", "tensor", tensor, device());
+    check_tensor("all_reduce", "tensor", tensor, device_.type());
     check_reduction("all_reduce", options.op, tensor.scalar_type(), 1.0);
     at::NoGradGuard no_grad;
     if (options.op == ReduceOp::kSum && size_ > 1) tensor.mul_(size_);  // N identical contributions
@@ -70,7 +71,7 @@ class SimulatedCommunicator final : public Communicator {
   }
 
   WorkHandle broadcast_async(const at::Tensor& tensor, const BroadcastOptions& options) override {
-    check_tensor("broadcast", "tensor", tensor, device());
+    check_tensor("broadcast", "tensor", tensor, device_.type());
     if (options.root < 0 || options.root >= size_)
       throw std::invalid_argument("broadcast: root " + std::to_string(options.root) + " is not a rank of " +
                                   std::to_string(size_));
@@ -87,21 +88,20 @@ class SimulatedCommunicator final : public Communicator {
       throw std::invalid_argument("new_group '" + name + "': ranks must be ascending, within [0, " +
                                   std::to_string(size_) + ") and include rank " + std::to_string(rank_));
     return std::make_shared<SimulatedCommunicator>(static_cast<int>(me - ranks.begin()),
-                                                   static_cast<int>(ranks.size()), backend_);
+                                                   static_cast<int>(ranks.size()), device_);
   }
 
  private:
-  c10::DeviceType device() const { return backend_ == "nccl" ? c10::DeviceType::CUDA : c10::DeviceType::CPU; }
   static WorkHandle done() { return std::make_shared<DoneWork>(); }
 
   const int rank_, size_;
-  const std::string backend_;
+  const at::Device device_;
 };
 
 }  // namespace
 
-std::shared_ptr<Communicator> make_simulated_communicator(int rank, int world_size, const std::string& backend) {
-  return std::make_shared<SimulatedCommunicator>(rank, world_size, backend);
+std::shared_ptr<Communicator> make_simulated_communicator(int rank, int world_size, at::Device device) {
+  return std::make_shared<SimulatedCommunicator>(rank, world_size, device);
 }
 
 bool is_simulated(const Communicator& comm) { return dynamic_cast<const SimulatedCommunicator*>(&comm) != nullptr; }

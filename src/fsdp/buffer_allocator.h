@@ -1,4 +1,4 @@
-// Where a root's transient buffers get their memory (DESIGN.md section 4, allocators): the
+// Where a root's transient buffers get their memory (docs/fully_shard.md, allocators): the
 // unsharded weights of ZeRO-3 units and every unit's unsharded gradient buffer.
 //
 //   plain          a fresh allocation per use, returned when the buffer is released;

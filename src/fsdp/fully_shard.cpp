@@ -119,6 +119,11 @@ FullyShardOptions resolve(const FullyShardOptions& given) {
     o.comm = o.mesh->get(dims.back());
   }
   if (!o.comm) throw std::invalid_argument("fully_shard: options.comm (or options.mesh) is not set");
+  const c10::Device device = o.comm->device();
+  if (o.device && *o.device != device)
+    throw std::invalid_argument("fully_shard: options.device is " + o.device->str() + " but the " +
+                                o.comm->backend() + " communicator works on " + device.str());
+  o.device = device;
   return o;
 }
 
@@ -140,6 +145,12 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& given
   // Which unit owns each parameter name: the innermost unit whose prefix the name has, or this
   // new unit. A tensor owned by two units is a parameter shared across units.
   auto descendants = detail::units_under(module);
+  for (const auto& [prefix, child] : descendants)
+    if (child->has_context())
+      throw std::invalid_argument(
+          "fully_shard: unit '" + prefix + "' under module '" + module.name() +
+          "' was already used as a root (a forward, optimizer or state dict ran on it); apply "
+          "fully_shard to every enclosing module before the first use");
   std::map<const c10::TensorImpl*, std::pair<std::string, const UnitState*>> owner;
   std::vector<std::pair<std::string, at::Tensor>> own;  // this unit's parameters, in order
   for (const auto& item : module.named_parameters(/*recurse=*/true)) {
@@ -179,29 +190,24 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& given
   {
     at::NoGradGuard no_grad;
     for (auto& [key, params] : buckets)
-      groups.push_back(std::make_unique<detail::ParamGroup>(std::move(params), options, nullptr));
+      groups.push_back(std::make_unique<detail::ParamGroup>(std::move(params), options));
   }
   auto unit = std::make_shared<UnitState>(module, std::move(groups), options);
 
-  // Adopt the units below that have no parent yet; everything under this one now shares its
-  // context and is named relative to this module.
+  // Adopt the units below that have no parent yet; everything under this one belongs to its
+  // root from now on and is named relative to this module. The root builds the shared context
+  // on first use (root_context.h), so a unit already used as a root cannot be adopted.
   std::map<const c10::TensorImpl*, std::string> names;
   for (const auto& [impl, entry] : owner) names[impl] = entry.first;
-  std::vector<UnitState*> subtree;
+  std::vector<UnitState*> members;
   for (const auto& [prefix, child] : descendants) {
     if (child->parent() == nullptr) child->set_parent(unit.get());
     child->set_path(prefix);
-    subtree.push_back(child.get());
+    child->rename_parameters(names);
+    members.push_back(child.get());
   }
-  auto& ctx = unit->context();
-  ctx->units.clear();
-  for (UnitState* u : subtree) {
-    u->context() = ctx;
-    for (auto& g : u->groups()) g->set_memory(&ctx->transient, ctx->allocator.get());
-    u->rename_parameters(names);
-    ctx->units.push_back(u);
-  }
-  ctx->units.push_back(unit.get());
+  members.push_back(unit.get());
+  unit->set_members(members);
   unit->rename_parameters(names);
 
   module.register_module("_fsdp_unit", std::make_shared<detail::UnitStateHolder>(unit));
@@ -230,60 +236,63 @@ detail::UnitState& FsdpHandle::state() const {
 void FsdpHandle::unshard() { state().unshard(); }
 void FsdpHandle::reshard() { state().reshard(); }
 
-void FsdpHandle::set_requires_gradient_sync(bool sync) {
-  state().context()->sync_gradients = sync;
+namespace {
+// The units a setter acts on: this one, or (recurse) this one and every unit under it.
+std::vector<UnitState*> targets(UnitState& unit, bool recurse) {
+  if (!recurse) return {&unit};
+  return unit.members();
+}
+}  // namespace
+
+void FsdpHandle::set_requires_gradient_sync(bool sync, bool recurse) {
+  for (UnitState* u : targets(state(), recurse)) u->set_requires_gradient_sync(sync);
 }
 
-void FsdpHandle::set_reshard_after_forward(bool reshard) {
-  for (UnitState* u : state().context()->units) {
-    for (UnitState* p = u; p != nullptr; p = p->parent())
-      if (p == &state()) {
-        u->set_reshard_after_forward(reshard);
-        break;
-      }
-  }
+void FsdpHandle::set_reshard_after_forward(bool reshard, bool recurse) {
+  for (UnitState* u : targets(state(), recurse)) u->set_reshard_after_forward(reshard);
 }
 
 void FsdpHandle::set_unshard_in_backward(bool unshard) { state().set_unshard_in_backward(unshard); }
 
 void FsdpHandle::set_gradient_divide_factor(double factor) {
   if (!(factor > 0)) throw std::invalid_argument("set_gradient_divide_factor: factor must be > 0");
-  state().context()->divide_factor = factor;
+  state().context().divide_factor = factor;
 }
 
 std::shared_ptr<Communicator> FsdpHandle::optimizer_comm() const { return state().options().comm; }
 
 std::vector<OptimizerShard> FsdpHandle::optimizer_shards() const {
   std::vector<OptimizerShard> shards;
-  for (UnitState* u : state().context()->units)
+  for (UnitState* u : state().context().units)
     for (auto& g : u->groups())
       if (g->requires_grad()) shards.push_back(g->optimizer_shard());
   return shards;
 }
 
-std::function<void()> FsdpHandle::after_step() const {
-  std::shared_ptr<detail::RootContext> ctx = state().context();
-  const bool start_param_sync = state().options().all_gather_in_start_param_sync;
-  return [ctx, start_param_sync] {
-    at::NoGradGuard no_grad;
-    // Weights kept gathered (e.g. across micro-batches) are stale once the step changed them.
-    for (UnitState* u : ctx->units) u->reshard();
-    for (UnitState* u : ctx->units)
-      for (auto& g : u->groups()) g->copy_main_to_model_weights();
-    ctx->allocator->step_boundary();
-    if (start_param_sync && ctx->order_fixed) ctx->forward_order.front()->prefetch();
-  };
+std::function<void()> FsdpHandle::optimizer_step_hook() const {
+  std::shared_ptr<detail::RootContext> ctx = state().shared_context();
+  return [ctx] { ctx->after_optimizer_step(); };
+}
+
+void FsdpHandle::refresh_model_weights() { state().context().refresh_model_weights(); }
+
+std::unique_ptr<DistributedOptimizer> make_adamw(const FsdpHandle& root, const AdamWOptions& options) {
+  return make_adamw(root.optimizer_shards(), root.optimizer_comm(), options, root.optimizer_step_hook());
+}
+
+std::unique_ptr<DistributedOptimizer> make_sgd(const FsdpHandle& root, const SGDOptions& options) {
+  return make_sgd(root.optimizer_shards(), root.optimizer_comm(), options, root.optimizer_step_hook());
 }
 
 void FsdpHandle::zero_grad() {
-  for (UnitState* u : state().context()->units)
+  for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) g->zero_main_grads();
 }
 
 std::vector<LocalShard> FsdpHandle::local_shards() const {
   std::vector<LocalShard> out;
   int shard_index = 0;  // counts groups in optimizer_shards() order
-  for (UnitState* u : state().context()->units)
+  for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) {
       for (auto& s : g->local_shards()) {
         if (g->requires_grad()) s.shard_index = shard_index;
@@ -298,7 +307,7 @@ std::map<std::string, at::Tensor> FsdpHandle::full_state_dict(bool all_ranks) co
   at::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> out;
   int rank = state().options().comm->rank();
-  for (UnitState* u : state().context()->units)
+  for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) {
       auto values = g->gather_full_parameters();  // collective: every rank takes part
       if (!all_ranks && rank != 0) continue;
@@ -310,7 +319,7 @@ std::map<std::string, at::Tensor> FsdpHandle::full_state_dict(bool all_ranks) co
 void FsdpHandle::load_full_state_dict(const std::map<std::string, at::Tensor>& state_dict) {
   at::NoGradGuard no_grad;
   std::set<std::string> expected;
-  for (UnitState* u : state().context()->units)
+  for (UnitState* u : state().context().units)
     for (auto& g : u->groups())
       for (auto& p : g->params()) {
         expected.insert(p.name);
@@ -325,7 +334,7 @@ void FsdpHandle::load_full_state_dict(const std::map<std::string, at::Tensor>& s
   for (const auto& [name, t] : state_dict)
     if (!expected.count(name))
       throw std::invalid_argument("load_full_state_dict: unexpected parameter '" + name + "'");
-  for (UnitState* u : state().context()->units)
+  for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) {
       std::vector<at::Tensor> values;
       for (auto& p : g->params()) values.push_back(state_dict.at(p.name));
@@ -335,16 +344,16 @@ void FsdpHandle::load_full_state_dict(const std::map<std::string, at::Tensor>& s
 
 MemoryReport FsdpHandle::memory() const {
   MemoryReport r;
-  auto& ctx = state().context();
-  for (UnitState* u : ctx->units)
+  detail::RootContext& ctx = state().context();
+  for (UnitState* u : ctx.units)
     for (auto& g : u->groups()) {
       r.model_weights += g->model_weight_bytes();
       r.main_weights += g->main_weight_bytes();
       r.main_grads += g->main_grad_bytes();
     }
-  r.transient_now = ctx->transient.now;
-  r.transient_peak = ctx->transient.peak;
-  const detail::BufferStats stats = ctx->allocator->stats();
+  r.transient_now = ctx.transient.now;
+  r.transient_peak = ctx.transient.peak;
+  const detail::BufferStats stats = ctx.allocator->stats();
   r.buffer_pool = stats.reserved_bytes;
   r.pooled_buffers = stats.pooled;
   r.plain_buffers = stats.plain;
@@ -352,15 +361,15 @@ MemoryReport FsdpHandle::memory() const {
 }
 
 void FsdpHandle::record_events(bool on) {
-  auto& ctx = state().context();
-  ctx->record_events = on;
-  ctx->events.clear();
+  detail::RootContext& ctx = state().context();
+  ctx.record_events = on;
+  ctx.events.clear();
 }
 
-std::vector<std::string> FsdpHandle::events() const { return state().context()->events; }
+std::vector<std::string> FsdpHandle::events() const { return state().context().events; }
 
 void FsdpHandle::reset_peak() {
-  auto& t = state().context()->transient;
+  auto& t = state().context().transient;
   t.peak = t.now;
 }
 

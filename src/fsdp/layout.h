@@ -1,5 +1,5 @@
 // FlatLayout: where each parameter of a parameter group lives in the group's flat buffer, and
-// which contiguous range of it every rank owns (DESIGN.md section 4). Pure arithmetic.
+// which contiguous range of it every rank owns (docs/fully_shard.md). Pure arithmetic.
 //
 // Packing: parameters in registration order, each starting at a multiple of its row size
 // (numel / shape[0]); the total is padded to world x shard, and the shard size is a multiple of

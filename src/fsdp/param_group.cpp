@@ -21,20 +21,28 @@ int data_parallel_size(const FullyShardOptions& options) {
   return options.comm->size() * (replicate ? replicate->size() : 1);
 }
 
-ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& options,
-                       TransientCounter* transient)
+const char* to_string(ShardState s) {
+  switch (s) {
+    case ShardState::kSharded: return "sharded";
+    case ShardState::kGathering: return "gathering";
+    case ShardState::kUnsharded: return "unsharded";
+  }
+  return "?";
+}
+
+ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& options)
     : params_(std::move(params)),
       comm_(options.comm),
       replicate_(replicate_group(options)),
       dp_size_(data_parallel_size(options)),
-      strategy_(options.strategy),
       requires_grad_(params_.at(0).param.requires_grad()),
       rank_(options.comm->rank()),
-      transient_(transient) {
+      device_(options.device.value_or(options.comm->device())) {
   const MixedPrecisionPolicy& mp = options.mixed_precision;
+  const RolePlacements placement = placements_of(options.strategy);
   const at::ScalarType original = params_[0].original_dtype;
   compute_dtype_ = mp.param_dtype && at::isFloatingType(original) ? *mp.param_dtype : original;
-  main_dtype_ = at::isFloatingType(original) ? mp.main_params_dtype : original;
+  const at::ScalarType main_dtype = at::isFloatingType(original) ? mp.main_params_dtype : original;
   grad_dtype_ = mp.main_grads_dtype;
   comm_dtype_ = mp.grad_comm_dtype.value_or(grad_dtype_);
 
@@ -42,35 +50,66 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
   for (const auto& p : params_) shapes.push_back(p.shape);
   layout_ = FlatLayout::build(shapes, comm_->size(), options.align_rows);
 
-  // The original values, packed (padding zero), in their own dtype: main weights start from
-  // them at full precision, model weights from their cast.
-  at::Tensor original_flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(original));
+  // The original values, packed (padding zero), in their own dtype on their own device: main
+  // weights start from them at full precision, model weights from their cast.
+  at::Tensor original_flat = at::zeros({layout_.total()}, params_[0].param.options().dtype(original));
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries[i];
     original_flat.narrow(0, e.offset, e.numel).copy_(params_[i].param.detach().reshape(-1));
   }
-  unsharded_ = original_flat.to(compute_dtype_).clone();
-  point_params_at_unsharded();
-
-  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
-  if (sharded_model()) {
-    model_shard_ = unsharded_.narrow(0, begin, shard).clone();
+  const auto on_device = at::TensorOptions().device(device_);
+  model_weights_ = FlatBuffer::from_full(&layout_, rank_, placement.model_weights, original_flat,
+                                         on_device.dtype(compute_dtype_));
+  if (model_weights_.sharded()) {
+    // Parameters view an unsharded buffer whose memory exists only while gathered.
+    unsharded_ = at::empty({layout_.total()}, on_device.dtype(compute_dtype_));
+    point_params_at_unsharded();
     free_storage(unsharded_);
+    state_ = ShardState::kSharded;
+  } else {
+    unsharded_ = model_weights_.data();
+    point_params_at_unsharded();
   }
   if (requires_grad_) {
-    at::Tensor model_main_range =
-        sharded_model() ? model_shard_
-                        : (sharded_main() ? unsharded_.narrow(0, begin, shard) : unsharded_);
-    if (model_main_range.scalar_type() == main_dtype_) {
-      main_weight_ = model_main_range;  // one copy serves both roles
-      main_aliases_model_ = true;
+    if (placement.main_weights == placement.model_weights && main_dtype == compute_dtype_) {
+      main_weights_ = model_weights_;  // one copy serves both roles
+    } else if (main_dtype == compute_dtype_) {
+      // Sharded main weights over replicated model weights of the same dtype: this rank's region.
+      main_weights_ = FlatBuffer(&layout_, rank_, placement.main_weights, model_weights_.own());
     } else {
-      main_weight_ = sharded_main() ? original_flat.narrow(0, begin, shard).to(main_dtype_).clone()
-                                    : original_flat.to(main_dtype_);
+      main_weights_ = FlatBuffer::from_full(&layout_, rank_, placement.main_weights, original_flat,
+                                            on_device.dtype(main_dtype));
     }
-    main_grad_ = at::zeros({sharded_grads() ? shard : layout_.total()},
-                           at::TensorOptions().dtype(grad_dtype_));
+    main_grads_ = FlatBuffer::zeros(&layout_, rank_, placement.main_grads, on_device.dtype(grad_dtype_));
   }
+}
+
+void ParamGroup::attach(TransientCounter* transient, BufferAllocator* allocator,
+                        const std::string* unit_path) {
+  transient_ = transient;
+  allocator_ = allocator;
+  unit_path_ = unit_path;
+}
+
+std::string ParamGroup::describe() const {
+  return "unit '" + (unit_path_ ? *unit_path_ : std::string("?")) + "' parameter group of '" +
+         params_.front().name + "' (" + c10::toString(compute_dtype_) + ")";
+}
+
+void ParamGroup::move_to(ShardState to) {
+  const bool valid = (state_ == ShardState::kSharded && to == ShardState::kGathering) ||
+                     (state_ == ShardState::kGathering && to == ShardState::kUnsharded) ||
+                     (state_ == ShardState::kUnsharded && to == ShardState::kSharded);
+  if (!valid || !model_weights_.sharded())
+    throw std::logic_error(describe() + ": invalid shard-state transition " + to_string(state_) +
+                           " -> " + to_string(to));
+  state_ = to;
+}
+
+void ParamGroup::expect_unsharded(const char* when) const {
+  if (state_ != ShardState::kUnsharded)
+    throw std::logic_error(describe() + ": " + when + " needs the weights unsharded, but they are " +
+                           to_string(state_));
 }
 
 void ParamGroup::point_params_at_unsharded() {
@@ -81,10 +120,8 @@ void ParamGroup::point_params_at_unsharded() {
   }
 }
 
-bool ParamGroup::is_unsharded() const { return has_storage(unsharded_); }
-
 ParamGroup::~ParamGroup() {
-  // The communication thread may still be writing into the unsharded buffer.
+  // The communication thread (or stream) may still be writing into the unsharded buffer.
   try {
     wait_unshard();
   } catch (...) {
@@ -92,41 +129,38 @@ ParamGroup::~ParamGroup() {
 }
 
 bool ParamGroup::start_unshard() {
-  if (!sharded_model() || is_unsharded()) return false;
+  if (state_ != ShardState::kSharded) return false;
   regrow_storage(unsharded_, allocator_->allocate(this, BufferRole::kWeights, storage_bytes_needed(unsharded_),
-                                                  compute_dtype_, unsharded_.device()));
+                                                  compute_dtype_, device_));
   transient_->add(unsharded_.nbytes());
-  gathering_ = comm_->all_gather_async(unsharded_, model_shard_);
+  move_to(ShardState::kGathering);
+  gathering_ = comm_->all_gather_async(unsharded_, model_weights_.data());
   return true;
 }
 
 void ParamGroup::wait_unshard() {
-  if (!gathering_) return;
+  if (state_ != ShardState::kGathering) return;
   WorkHandle work = std::move(gathering_);
   gathering_ = nullptr;
+  move_to(ShardState::kUnsharded);
   work->wait();
 }
 
-bool ParamGroup::unshard() {
-  const bool started = start_unshard();
-  wait_unshard();
-  return started;
-}
-
 void ParamGroup::reshard() {
-  if (!sharded_model() || !is_unsharded()) return;
   wait_unshard();
+  if (state_ != ShardState::kUnsharded || !model_weights_.sharded()) return;
   free_storage(unsharded_);
   transient_->sub(unsharded_.nbytes());
+  move_to(ShardState::kSharded);
 }
 
 void ParamGroup::prepare_gradients() {
   if (!requires_grad_) return;
   if (!unsharded_grad_.defined()) {
-    const auto options = at::TensorOptions().dtype(compute_dtype_).device(unsharded_.device());
+    const auto options = at::TensorOptions().dtype(compute_dtype_).device(device_);
     const size_t bytes = static_cast<size_t>(layout_.total()) * c10::elementSize(compute_dtype_);
     unsharded_grad_ = tensor_in(allocator_->allocate(this, BufferRole::kGradients, bytes, compute_dtype_,
-                                                     options.device()),
+                                                     device_),
                                 layout_.total(), options)
                           .zero_();
     transient_->add(unsharded_grad_.nbytes());
@@ -172,166 +206,139 @@ void ParamGroup::stash_gradients() {
   // summing bf16 micro-batches there would lose precision (and saturate), so they are moved
   // into an accumulator of the main-grad dtype until the synced backward reduces them.
   if (!accumulated_.defined()) {
-    accumulated_ = at::zeros({layout_.total()}, at::TensorOptions().dtype(grad_dtype_));
+    accumulated_ = at::zeros({layout_.total()}, at::TensorOptions().dtype(grad_dtype_).device(device_));
     transient_->add(accumulated_.nbytes());
   }
   accumulated_.add_(unsharded_grad_);
   release_unsharded_grad();
 }
 
-PendingReduction ParamGroup::reduce_gradients(double divide_factor, bool average_in_collective) {
+PendingReduction ParamGroup::reduce_gradients(Communicator& comm, double divide_factor,
+                                              bool average_in_collective) {
   if (!requires_grad_ || (!unsharded_grad_.defined() && !accumulated_.defined())) return {};
   at::Tensor grads = unsharded_grad_;
   if (accumulated_.defined()) {  // earlier micro-batches, stashed in the main-grad dtype
     if (unsharded_grad_.defined()) accumulated_.add_(unsharded_grad_);
     grads = accumulated_;
   }
-  if (strategy_ == ShardingStrategy::kOptim) {
-    // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_optim_sync reduces
-    // with a plain sum, so the scale (1/world when averaging) is applied here.
-    const double scale =
-        1.0 / (average_in_collective ? dp_size_ : divide_factor);
-    main_grad_.add_(grads.to(grad_dtype_), scale);
+  if (deferred_reduction()) {
+    // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_deferred_reduction
+    // reduces with a plain sum, so the scale (1/world when averaging) is applied here.
+    const double scale = 1.0 / (average_in_collective ? dp_size_ : divide_factor);
+    main_grads_.data().add_(grads.to(grad_dtype_), scale);
     drop_unsharded_gradients();
     return {};
   }
   const double scale = average_in_collective ? 1.0 : 1.0 / divide_factor;
   const ReduceOp op = average_in_collective ? ReduceOp::kAvg : ReduceOp::kSum;
+  // The wire dtype (--grad-reduce-in-bf16: bf16); communicators accumulate it in fp32.
   at::Tensor wire = grads.scalar_type() == comm_dtype_ ? grads : grads.to(comm_dtype_);
   PendingReduction pending;
-  if (strategy_ == ShardingStrategy::kNoShard) {
+  at::Tensor reduced;  // what this rank receives: the whole buffer or its shard
+  if (!main_grads_.sharded()) {
     if (scale != 1.0) wire.mul_(scale);
-    pending.work = comm_->all_reduce_async(wire, {op});
-    pending.finish_fn = [this, wire, op] {
-      if (replicate_) replicate_->all_reduce(wire, {op});
-      main_grad_.add_(wire.to(grad_dtype_));
-      drop_unsharded_gradients();
-    };
+    pending.work = comm.all_reduce_async(wire, {op});
+    reduced = wire;
   } else {
-    at::Tensor shard = at::empty({layout_.shard}, wire.options());
+    reduced = at::empty({layout_.shard}, wire.options());
     ReduceScatterOptions rs;
     rs.op = op;
     rs.prescale = scale;
-    pending.work = comm_->reduce_scatter_async(shard, wire, rs);
-    pending.finish_fn = [this, wire, shard, op] {
-      if (replicate_) replicate_->all_reduce(shard, {op});  // HSDP: across replicas
-      main_grad_.add_(shard.to(grad_dtype_));
-      drop_unsharded_gradients();
-    };
+    pending.work = comm.reduce_scatter_async(reduced, wire, rs);
   }
+  pending.finish_fn = [this, wire, reduced, op] {
+    if (replicate_) replicate_->all_reduce(reduced, {op});  // HSDP: across replicas
+    main_grads_.data().add_(reduced.to(grad_dtype_));
+    drop_unsharded_gradients();
+  };
   return pending;
 }
 
-void ParamGroup::finish_optim_sync() {
-  if (strategy_ != ShardingStrategy::kOptim || !requires_grad_) return;
+void ParamGroup::finish_deferred_reduction() {
+  if (!deferred_reduction() || !requires_grad_) return;
   // In place: this rank's region receives the reduction. Other ranks' regions are zeroed, so
   // that the next sync adds only new local gradients to the value this rank already reduced.
-  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
-  at::Tensor own = main_grad_.narrow(0, begin, shard);
+  const at::Tensor& full = main_grads_.data();
+  at::Tensor own = main_grads_.own();
   if (!replicate_) {
-    comm_->reduce_scatter(own, main_grad_);
+    comm_->reduce_scatter(own, full);
   } else {
     // HSDP: only gradients new since the last sync may cross replicas, so the value this rank
     // already holds (identical on every replica) is taken out and put back around the exchange.
     if (!synced_.defined()) synced_ = at::zeros_like(own);
     own.sub_(synced_);
-    comm_->reduce_scatter(own, main_grad_);
+    comm_->reduce_scatter(own, full);
     replicate_->all_reduce(own);
     own.add_(synced_);
     synced_.copy_(own);
   }
-  if (begin > 0) main_grad_.narrow(0, 0, begin).zero_();
-  const int64_t end = begin + shard;
-  if (end < layout_.total()) main_grad_.narrow(0, end, layout_.total() - end).zero_();
+  const int64_t begin = layout_.shard_begin(rank_), end = begin + layout_.shard;
+  if (begin > 0) full.narrow(0, 0, begin).zero_();
+  if (end < layout_.total()) full.narrow(0, end, layout_.total() - end).zero_();
 }
 
 void ParamGroup::zero_main_grads() {
-  if (main_grad_.defined()) main_grad_.zero_();
+  if (main_grads_.defined()) main_grads_.data().zero_();
   if (synced_.defined()) synced_.zero_();
   drop_unsharded_gradients();
 }
 
 void ParamGroup::copy_main_to_model_weights() {
   if (!requires_grad_) return;
-  wait_unshard();  // a prefetch may still be reading the model shard
-  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
-  switch (strategy_) {
-    case ShardingStrategy::kOptimGradsParams:
-      if (!main_aliases_model_) model_shard_.copy_(main_weight_);
-      break;
-    case ShardingStrategy::kNoShard:
-      if (!main_aliases_model_) unsharded_.copy_(main_weight_);
-      break;
-    default: {
-      // ZeRO-1/2: every rank updated its region; gather the full model weights.
-      at::Tensor own = unsharded_.narrow(0, begin, shard);
-      if (!main_aliases_model_) own.copy_(main_weight_);
-      comm_->all_gather(unsharded_, own);
-    }
-  }
+  wait_unshard();  // an all-gather may still be reading the model weights
+  // The main weights cover a range of the model weights' (the whole of it, or this rank's shard).
+  if (!main_weights_.aliases(model_weights_))
+    model_weights_.range(main_weights_.begin(), main_weights_.data().numel()).copy_(main_weights_.data());
+  // Replicated model weights over sharded main weights (ZeRO-1/2): every rank updated its region.
+  if (!model_weights_.sharded() && main_weights_.sharded())
+    comm_->all_gather(model_weights_.data(), model_weights_.own());
 }
 
 OptimizerShard ParamGroup::optimizer_shard() const {
   OptimizerShard s;
   if (!requires_grad_) return s;
-  s.main_weight = main_weight_;
-  const int64_t begin = main_begin();
-  s.main_grad = strategy_ == ShardingStrategy::kOptim
-                    ? main_grad_.narrow(0, begin, layout_.shard)
-                    : main_grad_;
-  s.replicated = strategy_ == ShardingStrategy::kNoShard;
-  const int64_t length = main_weight_.numel();
+  s.main_weight = main_weights_.data();
+  s.main_grad = main_grads_.range(main_weights_.begin(), main_weights_.data().numel());
+  s.replicated = !main_weights_.sharded();
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& e = layout_.entries[i];
-    int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, begin + length);
-    if (hi <= lo) continue;
+    const FlatBuffer::ParamSlice slice = main_weights_.slice_of(i);
+    if (slice.length == 0) continue;
     // Megatron's rule: no weight decay on biases and norm weights (1-D and 0-D parameters).
-    bool decay = params_[i].shape.size() >= 2;
-    s.segments.push_back({lo - begin, hi - lo, decay});
+    const bool decay = params_[i].shape.size() >= 2;
+    s.segments.push_back({slice.local_offset, slice.length, decay});
   }
   return s;
 }
 
 std::vector<LocalShard> ParamGroup::local_shards() const {
   std::vector<LocalShard> out;
-  at::Tensor source = requires_grad_ ? main_weight_
-                                     : (sharded_model() ? model_shard_ : unsharded_);
-  const int64_t length = source.numel();
-  // The source is sharded over comm_ unless it is a full copy (no_shard main weights, frozen
-  // weights outside ZeRO-3); HSDP replicas hold the same shard again.
-  const bool full_copy = requires_grad_ ? !sharded_main() : !sharded_model();
-  const int64_t begin = full_copy ? 0 : layout_.shard_begin(rank_);
+  const FlatBuffer& source = requires_grad_ ? main_weights_ : model_weights_;
+  // A replicated source is held by every rank of the shard group; HSDP replicas hold the same
+  // shard again.
   const int outer = replicate_ ? replicate_->size() : 1;
   const int outer_rank = replicate_ ? replicate_->rank() : 0;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& e = layout_.entries[i];
-    int64_t lo = std::max(e.offset, begin), hi = std::min(e.offset + e.numel, begin + length);
+    const FlatBuffer::ParamSlice slice = source.slice_of(i);
     LocalShard ls;
     ls.name = params_[i].name;
     ls.global_shape = params_[i].shape;
     ls.requires_grad = requires_grad_;
-    ls.offset = hi > lo ? lo - e.offset : 0;
-    ls.local = hi > lo ? source.narrow(0, lo - begin, hi - lo) : source.narrow(0, 0, 0);
-    ls.shard_offset = hi > lo ? lo - begin : 0;
-    ls.replicas = full_copy ? outer * comm_->size() : outer;
-    ls.replica = full_copy ? outer_rank * comm_->size() + comm_->rank() : outer_rank;
+    ls.offset = slice.param_offset;
+    ls.local = source.data().narrow(0, slice.length > 0 ? slice.local_offset : 0, slice.length);
+    ls.shard_offset = slice.length > 0 ? slice.local_offset : 0;
+    ls.replicas = source.sharded() ? outer : outer * comm_->size();
+    ls.replica = source.sharded() ? outer_rank : outer_rank * comm_->size() + comm_->rank();
     out.push_back(ls);
   }
   return out;
 }
 
 std::vector<at::Tensor> ParamGroup::gather_full_parameters() const {
-  at::Tensor full;
-  if (requires_grad_ && sharded_main()) {
-    full = at::empty({layout_.total()}, main_weight_.options());
-    comm_->all_gather(full, main_weight_);
-  } else if (requires_grad_) {
-    full = main_weight_;
-  } else if (sharded_model()) {
-    full = at::empty({layout_.total()}, model_shard_.options());
-    comm_->all_gather(full, model_shard_);
-  } else {
-    full = unsharded_;
+  const FlatBuffer& source = requires_grad_ ? main_weights_ : model_weights_;
+  at::Tensor full = source.data();
+  if (source.sharded()) {
+    full = at::empty({layout_.total()}, source.data().options());
+    comm_->all_gather(full, source.data());
   }
   std::vector<at::Tensor> values;
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -346,33 +353,21 @@ std::vector<at::Tensor> ParamGroup::gather_full_parameters() const {
 
 void ParamGroup::load_full_parameters(const std::vector<at::Tensor>& values) {
   wait_unshard();
-  at::Tensor flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(at::kDouble));
+  at::Tensor flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(at::kDouble).device(device_));
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries[i];
     flat.narrow(0, e.offset, e.numel).copy_(values[i].reshape(-1));
   }
-  const int64_t begin = layout_.shard_begin(rank_), shard = layout_.shard;
-  if (requires_grad_ && !main_aliases_model_) {
-    main_weight_.copy_(sharded_main() ? flat.narrow(0, begin, shard) : flat);
-  }
-  if (sharded_model()) {
-    model_shard_.copy_(flat.narrow(0, begin, shard));
-    if (is_unsharded()) unsharded_.copy_(flat);
-  } else {
-    unsharded_.copy_(flat);
-  }
-}
-
-int64_t ParamGroup::model_weight_bytes() const {
-  return sharded_model() ? model_shard_.nbytes() : unsharded_.nbytes();
+  auto copy_into = [&](const FlatBuffer& b) {
+    b.data().copy_(b.sharded() ? flat.narrow(0, b.begin(), layout_.shard) : flat);
+  };
+  if (requires_grad_ && !main_weights_.aliases(model_weights_)) copy_into(main_weights_);
+  copy_into(model_weights_);
+  if (model_weights_.sharded() && state_ == ShardState::kUnsharded) unsharded_.copy_(flat);
 }
 
 int64_t ParamGroup::main_weight_bytes() const {
-  return main_weight_.defined() && !main_aliases_model_ ? main_weight_.nbytes() : 0;
-}
-
-int64_t ParamGroup::main_grad_bytes() const {
-  return (main_grad_.defined() ? main_grad_.nbytes() : 0) + (synced_.defined() ? synced_.nbytes() : 0);
+  return main_weights_.defined() && !main_weights_.aliases(model_weights_) ? main_weights_.nbytes() : 0;
 }
 
 }  // namespace mfsdp::detail

@@ -50,80 +50,69 @@ struct GradientAccumulated : torch::autograd::FunctionPostHook {
 
 }  // namespace
 
-void RootContext::limit_pending(size_t limit) {
-  while (pending.size() > limit) {
-    pending.front().finish();
-    pending.pop_front();
-  }
-}
-
-namespace {
-void record_first_appearance(std::vector<UnitState*>& order, UnitState* unit) {
-  if (std::find(order.begin(), order.end(), unit) == order.end()) order.push_back(unit);
-}
-}  // namespace
-
-void RootContext::record_forward(UnitState* unit) {
-  if (!order_fixed) record_first_appearance(forward_order, unit);
-}
-
-void RootContext::record_post_forward(UnitState* unit) {
-  if (!order_fixed) record_first_appearance(post_forward_order, unit);
-}
-
-UnitState* RootContext::next_in_forward(const UnitState* unit) const {
-  if (!order_fixed) return nullptr;
-  auto it = std::find(forward_order.begin(), forward_order.end(), unit);
-  return it == forward_order.end() || it + 1 == forward_order.end() ? nullptr : *(it + 1);
-}
-
-UnitState* RootContext::next_in_backward(const UnitState* unit) const {
-  if (!order_fixed) return nullptr;
-  auto it = std::find(post_forward_order.begin(), post_forward_order.end(), unit);
-  return it == post_forward_order.end() || it == post_forward_order.begin() ? nullptr : *(it - 1);
-}
-
-bool RootContext::among_first_in_forward(const UnitState* unit, size_t count) const {
-  if (!order_fixed) return false;
-  const auto end = forward_order.begin() + static_cast<std::ptrdiff_t>(std::min(count, forward_order.size()));
-  return std::find(forward_order.begin(), end, unit) != end;
-}
-
-bool RootContext::among_first_in_backward(const UnitState* unit, size_t count) const {
-  if (!order_fixed) return false;
-  const size_t n = post_forward_order.size();
-  for (size_t k = 0; k < std::min(count, n); ++k)
-    if (post_forward_order[n - 1 - k] == unit) return true;
-  return false;
-}
-
-void RootContext::finish_backward() {
-  note("", "end_of_backward");
-  if (!forward_order.empty()) order_fixed = true;  // the first step has shown the order
-  for (UnitState* unit : units) unit->finish_backward();
-  limit_pending(0);
-  if (sync_gradients) {
-    for (UnitState* unit : units)
-      for (auto& group : unit->groups()) group->finish_optim_sync();
-  }
-  for (UnitState* unit : units)
-    if (!unit->kept_for_next_forward()) unit->reshard();
-  callback_queued = false;
-}
-
 UnitState::UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<ParamGroup>> groups,
                      const FullyShardOptions& options)
     : module_(&module),
       groups_(std::move(groups)),
       options_(options),
-      context_(std::make_shared<RootContext>()),
+      members_{this},
       reshard_after_forward_(options.reshard_after_forward) {
-  context_->units.push_back(this);
-  context_->divide_factor =
-      options.gradient_scaling == GradientScaling::kNone ? 1.0 : data_parallel_size(options);
-  context_->allocator = make_buffer_allocator(options.buffer_allocator);
-  for (auto& g : groups_) g->set_memory(&context_->transient, context_->allocator.get());
   register_gradient_hooks();
+}
+
+UnitState::~UnitState() {
+  if (context_) context().forget(this);
+}
+
+const char* to_string(UnitState::Phase phase) {
+  switch (phase) {
+    case UnitState::Phase::kIdle: return "idle";
+    case UnitState::Phase::kForward: return "forward";
+    case UnitState::Phase::kBackward: return "backward";
+  }
+  return "?";
+}
+
+void UnitState::set_phase(Phase to) {
+  using P = Phase;
+  const bool valid = (phase_ == P::kIdle && to == P::kForward) ||
+                     // a forward that threw left the unit in kForward; the next one starts over
+                     (phase_ == P::kForward && to == P::kForward) ||
+                     (phase_ == P::kForward && to == P::kIdle) ||
+                     (phase_ == P::kIdle && to == P::kBackward) ||
+                     (phase_ == P::kForward && to == P::kBackward) ||
+                     (phase_ == P::kBackward && to == P::kIdle);
+  if (!valid)
+    throw std::logic_error("fully_shard unit '" + path_ + "': invalid phase transition " +
+                           to_string(phase_) + " -> " + to_string(to));
+  phase_ = to;
+}
+
+bool UnitState::encloses(const UnitState* unit) const {
+  return std::find(members_.begin(), members_.end(), unit) != members_.end();
+}
+
+RootContext& UnitState::context() { return *shared_context(); }
+
+std::shared_ptr<RootContext> UnitState::shared_context() {
+  if (!context_) {
+    UnitState* root = this;
+    while (root->parent_ != nullptr) root = root->parent_;
+    root->build_context();
+  }
+  return context_;
+}
+
+void UnitState::build_context() {
+  for (UnitState* u : members_)
+    if (u->options_.comm != options_.comm)
+      throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' was sharded over another communicator than its root; "
+                                  "every unit under one root must use the same options.comm (or mesh)");
+  auto ctx = std::make_shared<RootContext>(members_, options_);
+  for (UnitState* u : members_) {
+    u->context_ = ctx;
+    for (auto& g : u->groups_) g->attach(&ctx->transient, ctx->allocator.get(), &u->path_);
+  }
 }
 
 void UnitState::register_gradient_hooks() {
@@ -151,8 +140,8 @@ bool UnitState::start_unshard(const char* why) {
   bool gathered = false;
   for (auto& g : groups_) gathered |= g->start_unshard();
   if (!gathered) return false;
-  context_->note(path_, "all_gather");
-  if (why != nullptr) context_->note(path_, why);
+  context().note(path_, "all_gather");
+  if (why != nullptr) context().note(path_, why);
   return true;
 }
 
@@ -176,22 +165,24 @@ void UnitState::reshard() {
 }
 
 void UnitState::pre_forward() {
-  context_->note(path_, "pre_forward");
+  context().note(path_, "pre_forward");
   if (in_recompute()) {
     // Activation recompute inside backward: this forward's all-gather also serves the unit's
     // backward, which follows right after; prepare for it now and stay unsharded.
     pre_backward();
     unshard();  // even without unshard_in_backward: the forward runs again
+    for (auto& g : groups_) g->expect_unsharded("a recomputed forward");
     return;
   }
-  if (phase_ != Phase::kBackward) phase_ = Phase::kForward;
-  context_->record_forward(this);
+  if (phase_ != Phase::kBackward) set_phase(Phase::kForward);
+  context().record_forward(this);
   start_unshard(nullptr);
   // Overlap: the next unit's all-gather, queued right behind this one's, runs while this one
   // computes.
   if (options_.prefetch)
-    if (UnitState* next = context_->next_in_forward(this)) next->prefetch();
+    if (UnitState* next = context().next_in_forward(this)) next->prefetch();
   wait_unshard();
+  for (auto& g : groups_) g->expect_unsharded("forward");
 }
 
 std::vector<at::Tensor> UnitState::attach_pre_backward(const std::vector<at::Tensor>& outputs) {
@@ -211,17 +202,17 @@ std::vector<at::Tensor> UnitState::attach_pre_backward(const std::vector<at::Ten
 }
 
 std::vector<at::Tensor> UnitState::post_forward(const std::vector<at::Tensor>& outputs) {
-  context_->note(path_, "post_forward");
+  context().note(path_, "post_forward");
   std::vector<at::Tensor> result = attach_pre_backward(outputs);
   if (phase_ == Phase::kForward) {
-    context_->record_post_forward(this);
+    context().record_post_forward(this);
     if (reshard_after_forward_ && !kept_for_backward()) reshard();
-    phase_ = Phase::kIdle;
+    set_phase(Phase::kIdle);
   }
   // The root's forward ends last: a prefetch nobody used (the forward took another path, e.g.
   // an evaluation that skips layers) is released here rather than held until the next use.
   if (parent_ == nullptr)
-    for (UnitState* unit : context_->units)
+    for (UnitState* unit : context().units)
       if (unit->prefetched_ && unit->phase_ == Phase::kIdle) unit->reshard();
   return result;
 }
@@ -240,7 +231,7 @@ bool UnitState::kept_for_next_forward() const {
   // Without gradient sync another micro-batch follows with unchanged weights: the first two
   // units of the forward order (the root and the unit whose backward finishes last) stay
   // gathered for it instead of being gathered again at once.
-  return !context_->sync_gradients && options_.prefetch && context_->among_first_in_forward(this, 2);
+  return !requires_gradient_sync_ && options_.prefetch && context_->among_first_in_forward(this, 2);
 }
 
 at::Tensor UnitState::post_forward(const at::Tensor& output) {
@@ -248,22 +239,24 @@ at::Tensor UnitState::post_forward(const at::Tensor& output) {
 }
 
 void UnitState::pre_backward() {
-  if (!context_->callback_queued) {
-    std::shared_ptr<RootContext> ctx = context_;
+  if (!context().callback_queued) {
+    std::shared_ptr<RootContext> ctx = shared_context();
     torch::autograd::Engine::get_default_engine().queue_callback([ctx] { ctx->finish_backward(); });
-    context_->callback_queued = true;
+    context().callback_queued = true;
   }
   if (phase_ == Phase::kBackward) return;  // several outputs or several calls: prepared once
-  context_->note(path_, "pre_backward");
-  phase_ = Phase::kBackward;
+  context().note(path_, "pre_backward");
+  set_phase(Phase::kBackward);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
   if (unshard_in_backward_) start_unshard(nullptr);
   // Overlap: gather the unit whose backward comes next while this one computes.
   if (options_.prefetch)
-    if (UnitState* next = context_->next_in_backward(this); next && next->unshard_in_backward_)
+    if (UnitState* next = context().next_in_backward(this); next && next->unshard_in_backward_)
       next->prefetch();
   wait_unshard();
+  if (unshard_in_backward_)
+    for (auto& g : groups_) g->expect_unsharded("backward");
   for (auto& g : groups_) g->prepare_gradients();
 }
 
@@ -277,18 +270,18 @@ void UnitState::on_gradient_accumulated(size_t group, size_t index) {
 void UnitState::post_backward() {
   if (reduced_this_backward_) return;
   reduced_this_backward_ = true;
-  context_->note(path_, "post_backward");
-  if (!context_->sync_gradients) {
+  context().note(path_, "post_backward");
+  if (!requires_gradient_sync_) {
     for (auto& g : groups_) g->stash_gradients();
   } else {
     // One unit's reductions in flight at a time: with the unit computing its gradients next,
     // at most two units' unsharded gradient buffers are alive.
-    context_->limit_pending(0);
+    context().limit_pending(0);
     for (auto& g : groups_) {
       PendingReduction r = g->reduce_gradients(
-          context_->divide_factor,
+          *context().comm.reduce_scatter, context().divide_factor,
           options_.gradient_scaling == GradientScaling::kAverageInCollective);
-      if (r.work || r.finish_fn) context_->pending.push_back(std::move(r));
+      if (r.work || r.finish_fn) context().pending.push_back(std::move(r));
     }
   }
   if (!kept_for_next_forward()) reshard();
@@ -297,7 +290,7 @@ void UnitState::post_backward() {
 void UnitState::finish_backward() {
   // Units where some trainable parameter received no gradient never reached post_backward.
   if (phase_ == Phase::kBackward && !reduced_this_backward_) post_backward();
-  phase_ = Phase::kIdle;
+  if (phase_ != Phase::kIdle) set_phase(Phase::kIdle);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
 }

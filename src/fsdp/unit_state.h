@@ -1,6 +1,5 @@
-// UnitState: the per-unit lifecycle (DESIGN.md section 4), and RootContext: what all units under
-// one root share (gradient-sync switch, pending reductions, transient-memory counter, the
-// end-of-backward callback).
+// UnitState: the per-unit lifecycle (docs/fully_shard.md); what all units under one root share is
+// its RootContext (root_context.h).
 //
 // Lifecycle of a unit in one step:
 //   pre_forward  -> unshard (ZeRO-3 all-gather); prefetch the next unit in forward order
@@ -25,63 +24,41 @@
 
 #include "compat/torch_compat.h"
 #include "fsdp/param_group.h"
+#include "fsdp/root_context.h"
 #include "mfsdp/fully_shard.h"
 
 namespace mfsdp::detail {
 
-class UnitState;
-
-struct RootContext {
-  std::vector<UnitState*> units;  // every unit under the root, in creation order
-  TransientCounter transient;
-  std::shared_ptr<BufferAllocator> allocator;  // transient buffers of every unit under the root
-  bool sync_gradients = true;
-  double divide_factor = 1.0;
-  bool callback_queued = false;
-  std::deque<PendingReduction> pending;  // gradient reductions in flight, oldest first
-  // Lifecycle events ("block0:pre_forward", ...) recorded for tests and debugging when enabled.
-  bool record_events = false;
-  std::vector<std::string> events;
-  void note(const std::string& unit, const char* event) {
-    if (record_events) events.push_back(unit + ":" + event);
-  }
-
-  // Execution order recorded on the first step (first appearance), fixed at the end of the
-  // first backward. Forward prefetching follows the order of pre-forwards; backward runs the
-  // units in the reverse order of their post-forwards (the root, which encloses the others,
-  // first), and its prefetching follows that.
-  std::vector<UnitState*> forward_order;       // pre-forward order
-  std::vector<UnitState*> post_forward_order;  // post-forward order (reverse backward order)
-  bool order_fixed = false;
-  void record_forward(UnitState* unit);
-  void record_post_forward(UnitState* unit);
-  UnitState* next_in_forward(const UnitState* unit) const;   // null: none or not known yet
-  UnitState* next_in_backward(const UnitState* unit) const;  // null: none or not known yet
-  // The first `count` units of the forward (backward) order contain `unit` (false until the
-  // order is known).
-  bool among_first_in_forward(const UnitState* unit, size_t count) const;
-  bool among_first_in_backward(const UnitState* unit, size_t count) const;
-
-  // Keeps at most `limit` reductions in flight (each holds an unsharded gradient buffer).
-  void limit_pending(size_t limit);
-  void finish_backward();
-};
-
 class UnitState {
  public:
+  // Idle -> Forward -> Idle, Idle/Forward -> Backward -> Idle (docs/fully_shard.md); every
+  // transition is checked and a wrong one is an error naming the unit and both phases.
   enum class Phase { kIdle, kForward, kBackward };
 
   UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<ParamGroup>> groups,
             const FullyShardOptions& options);
+  ~UnitState();
 
   torch::nn::Module& module() const { return *module_; }
   std::vector<std::unique_ptr<ParamGroup>>& groups() { return groups_; }
   const FullyShardOptions& options() const { return options_; }
-  std::shared_ptr<RootContext>& context() { return context_; }
+  // The root's context, built by the root on first use (root_context.h).
+  RootContext& context();
+  std::shared_ptr<RootContext> shared_context();
+  bool has_context() const { return context_ != nullptr; }
   UnitState* parent() const { return parent_; }
+  // Adoption by an enclosing unit (fully_shard): this unit and `members` (every unit under the
+  // enclosing one, itself last) belong to one root from now on.
   void set_parent(UnitState* parent) { parent_ = parent; }
+  void set_members(std::vector<UnitState*> members) { members_ = std::move(members); }
+  const std::vector<UnitState*>& members() const { return members_; }
+  // This unit and every unit under it (members of the subtree).
+  bool encloses(const UnitState* unit) const;
+
   void set_reshard_after_forward(bool r) { reshard_after_forward_ = r; }
   void set_unshard_in_backward(bool u) { unshard_in_backward_ = u; }
+  void set_requires_gradient_sync(bool s) { requires_gradient_sync_ = s; }
+  bool requires_gradient_sync() const { return requires_gradient_sync_; }
   // Module path relative to the root ("" for the root itself).
   const std::string& path() const { return path_; }
   void set_path(std::string p) { path_ = std::move(p); }
@@ -107,6 +84,8 @@ class UnitState {
   void rename_parameters(const std::map<const c10::TensorImpl*, std::string>& names);
 
  private:
+  void build_context();
+  void set_phase(Phase to);
   // Starts this unit's all-gathers; returns whether one started (then noted "all_gather" and
   // `why`, if any).
   bool start_unshard(const char* why);
@@ -118,11 +97,13 @@ class UnitState {
   torch::nn::Module* module_;
   std::vector<std::unique_ptr<ParamGroup>> groups_;
   FullyShardOptions options_;
-  std::shared_ptr<RootContext> context_;
+  std::shared_ptr<RootContext> context_;  // null until the root builds it
   UnitState* parent_ = nullptr;
+  std::vector<UnitState*> members_;       // every unit under this one, then this one
   std::string path_;
   bool reshard_after_forward_;
   bool unshard_in_backward_ = true;
+  bool requires_gradient_sync_ = true;
   Phase phase_ = Phase::kIdle;
   int hooks_expected_ = 0;  // trainable parameters
   int hooks_fired_ = 0;     // in the current backward
@@ -131,5 +112,7 @@ class UnitState {
   // The AccumulateGrad nodes hold our hooks; a tensor keeps only a weak reference to them.
   std::vector<compat::NodeRef> grad_accumulators_;
 };
+
+const char* to_string(UnitState::Phase phase);
 
 }  // namespace mfsdp::detail

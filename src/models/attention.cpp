@@ -40,13 +40,25 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& 
   k = repeat_kv(k, num_heads_ / num_kv_heads_);
   v = repeat_kv(v, num_heads_ / num_kv_heads_);
 
-  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * (1.0 / std::sqrt(static_cast<double>(head_dim_)));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   // Query i sits at position past + i and may see keys 0 .. past + i.
   auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
-  at::Tensor future = at::arange(s, pos).unsqueeze(0) > (at::arange(t, pos) + past).unsqueeze(1);
-  scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
-  at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  at::Tensor out = at::matmul(probs, v).transpose(1, 2).reshape({b, t, num_heads_ * head_dim_});
+  at::Tensor out;
+  if (use_sdpa) {
+    // Without cached keys this is SDPA's own causal mask; with them the diagonal moves by
+    // `past`, which SDPA's is_causal (aligned top-left) does not do: an explicit mask then.
+    at::Tensor allowed;
+    if (past > 0) allowed = at::arange(s, pos).unsqueeze(0) <= (at::arange(t, pos) + past).unsqueeze(1);
+    out = at::scaled_dot_product_attention(q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
+                                           /*dropout_p=*/0.0, /*is_causal=*/past == 0, scale);
+  } else {
+    at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
+    at::Tensor future = at::arange(s, pos).unsqueeze(0) > (at::arange(t, pos) + past).unsqueeze(1);
+    scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
+    at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+    out = at::matmul(probs, v);
+  }
+  out = out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_});
   return o_proj(out);
 }
 

@@ -86,13 +86,16 @@ std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int
   torch::NoGradGuard no_grad;
   auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   LlamaKVCache cache(model.config().num_layers);
-  at::Tensor input = torch::tensor(prompt, torch::kLong).unsqueeze(0);
+  // Runs where the model is; sampling happens on the CPU with `gen`, so a seed draws the same
+  // tokens from the same logits on every device.
+  const at::Device device = model.parameters().front().device();
+  at::Tensor input = torch::tensor(prompt, torch::kLong).unsqueeze(0).to(device);
   std::vector<int64_t> out;
   int64_t position = 0;
   for (int64_t step = 0; step < o.max_new_tokens && position + input.size(1) <= limit; ++step) {
     at::Tensor logits = model.forward(input, &cache, position);  // [1, T, V]
     position += input.size(1);
-    at::Tensor last = logits[0][-1].to(torch::kFloat);
+    at::Tensor last = logits[0][-1].to(at::kCPU, torch::kFloat);
     int64_t next;
     if (o.greedy) {
       next = last.argmax().item<int64_t>();
@@ -102,7 +105,7 @@ std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int
     }
     out.push_back(next);
     if (next == o.stop_id) break;
-    input = torch::tensor({next}, torch::kLong).unsqueeze(0);
+    input = torch::tensor({next}, torch::kLong).unsqueeze(0).to(device);
   }
   return out;
 }

@@ -18,7 +18,6 @@ void check_options(const AdamWOptions& o) {
     msg << "AdamWOptions." << field << " must be " << expected << ", got " << value;
     throw std::invalid_argument(msg.str());
   };
-  if (!(o.lr >= 0) || !std::isfinite(o.lr)) fail("lr", o.lr, "finite and >= 0");
   if (!(o.beta1 >= 0 && o.beta1 < 1)) fail("beta1", o.beta1, "in [0, 1)");
   if (!(o.beta2 >= 0 && o.beta2 < 1)) fail("beta2", o.beta2, "in [0, 1)");
   if (!(o.eps >= 0) || !std::isfinite(o.eps)) fail("eps", o.eps, "finite and >= 0");

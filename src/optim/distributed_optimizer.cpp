@@ -129,7 +129,7 @@ void ShardOptimizer::set_steps(int64_t steps) {
 
 at::Device ShardOptimizer::norm_device() const {
   if (!shards_.empty()) return shards_.front().main_grad.device();
-  return comm_->backend() == "nccl" ? at::Device(at::kCUDA) : at::Device(at::kCPU);
+  return comm_->device();
 }
 
 }  // namespace mfsdp

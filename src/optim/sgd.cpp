@@ -17,7 +17,6 @@ void check_options(const SGDOptions& o) {
     msg << "SGDOptions." << field << " must be " << expected << ", got " << value;
     throw std::invalid_argument(msg.str());
   };
-  if (!(o.lr >= 0) || !std::isfinite(o.lr)) fail("lr", o.lr, "finite and >= 0");
   if (!(o.momentum >= 0) || !std::isfinite(o.momentum)) {
     fail("momentum", o.momentum, "finite and >= 0");
   }

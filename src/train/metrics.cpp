@@ -1,6 +1,9 @@
 #include "train/metrics.h"
 
 #include <sys/resource.h>
+#ifdef MFSDP_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -46,6 +49,16 @@ int64_t peak_rss_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+int64_t peak_memory_bytes(const c10::Device& device) {
+#ifdef MFSDP_WITH_CUDA
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return stats.allocated_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)].peak;
+  }
+#endif
+  return peak_rss_bytes();
 }
 
 void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records) {

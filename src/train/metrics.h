@@ -1,6 +1,8 @@
-// Training metrics: the --metrics-file JSON-lines contract (DESIGN.md section 7), Megatron's
+// Training metrics: the --metrics-file JSON-lines contract (docs/pretrain.md), Megatron's
 // FLOP count, and the loss-curve picture written at the end of training.
 #pragma once
+
+#include <c10/core/Device.h>
 
 #include <cstdint>
 #include <fstream>
@@ -40,6 +42,9 @@ double megatron_flops_per_iteration(const PretrainArgs& args, int64_t batch_size
 
 // Peak resident memory of this process (bytes).
 int64_t peak_rss_bytes();
+// What mem_bytes reports for a run on `device`: the process's peak RSS on the CPU; on a CUDA
+// device the caching allocator's peak of allocated bytes there (host RSS says nothing of it).
+int64_t peak_memory_bytes(const c10::Device& device);
 
 // An SVG line chart of training (and evaluation) loss against iteration.
 void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records);

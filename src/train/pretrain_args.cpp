@@ -69,6 +69,10 @@ const std::vector<Flag>& flags() {
       STRING_FLAG("--normalization", normalization, "normalization layer", "RMSNorm"),
       BOOL_FLAG("--swiglu", swiglu, "SwiGLU MLP (gate_proj, up_proj, down_proj)"),
       STRING_FLAG("--position-embedding-type", position_embedding_type, "position embedding", "rope"),
+      STRING_FLAG("--attention-backend", attention_backend,
+                  "auto: at::scaled_dot_product_attention (the device's fused kernels); unfused: explicit "
+                  "matmul, causal mask, fp32 softmax, matmul",
+                  "auto", "unfused"),
       DOUBLE_FLAG("--rotary-base", rotary_base, "RoPE base (theta)"),
       BOOL_FLAG("--untie-embeddings-and-output-weights", untie_embeddings_and_output_weights,
                 "separate output layer (lm_head) instead of the embedding"),
@@ -156,7 +160,10 @@ const std::vector<Flag>& flags() {
                 "unsharded weights and gradients in two persistent buffers per size class"),
       BOOL_FLAG("--fsdp-trace-pool", fsdp_trace_pool,
                 "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
-      BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU)"),
+      BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU; refused on NCCL: not supported yet)"),
+      STRING_FLAG("--device", device,
+                  "(mfsdp) where to train: auto (CUDA when a GPU is present; LOCAL_RANK picks it, NCCL), "
+                  "cpu (the CPU communicator) or cuda", "auto", "cpu", "cuda"),
   };
   return table;
 }
@@ -293,6 +300,10 @@ std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& a, bool
   std::vector<std::string> notes;
   if (a.use_nccl_ub && !nccl_in_use)
     notes.push_back("--use-nccl-ub has no effect: this run communicates on the CPU backend, not NCCL");
+  if (a.use_nccl_ub && nccl_in_use)
+    throw std::invalid_argument(
+        "--use-nccl-ub: NCCL user-buffer registration (ncclMemAlloc + ncclCommRegister of the FSDP "
+        "buffers) is not supported by mfsdp yet; run without --use-nccl-ub");
   if (a.no_gradient_accumulation_fusion)
     notes.push_back("--no-gradient-accumulation-fusion has no effect: there is no fused weight-gradient kernel here");
   if (a.use_megatron_fsdp)

@@ -97,6 +97,8 @@ struct PretrainArgs {
   bool fsdp_double_buffer = false;
   bool fsdp_trace_pool = false;  // ours: trace-then-plan pool for unsharded buffers
   bool use_nccl_ub = false;
+  std::string device = "auto";
+  std::string attention_backend = "auto";  // auto: SDPA; unfused: the explicit math path  // (mfsdp) auto, cpu or cuda: where the model trains
 
   // Simulated scale (ours): this single process plays one rank of a larger job.
   int64_t simulate_world_size = 0;  // 0: off

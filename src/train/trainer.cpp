@@ -64,6 +64,8 @@ std::pair<LlamaForCausalLM, FsdpHandle> build_model(const PretrainArgs& a,
   options.recompute_layers = a.recompute_activations;
   options.init_seed = static_cast<uint64_t>(a.seed);
   LlamaForCausalLM model(model_config(a), options);
+  for (int64_t i = 0; i < model->model->num_layers(); ++i)
+    model->model->layer(i).self_attn->use_sdpa = a.attention_backend != "unfused";
   FullyShardOptions shard = shard_options(a, comm);
   for (int64_t i = 0; i < model->model->num_layers(); ++i) {
     if (a.init_model_with_meta_device) model->materialize_and_init_layer(i);
@@ -82,7 +84,7 @@ std::string hms(double seconds) {
 }
 
 double all_reduce_mean(Communicator& comm, double value) {
-  at::Tensor t = at::full({1}, value, at::kDouble);
+  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(comm.device()));
   comm.all_reduce(t, {ReduceOp::kAvg});
   return t.item<double>();
 }
@@ -155,18 +157,16 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   std::unique_ptr<DistributedOptimizer> optimizer;
   if (a.optimizer == "adam") {
     AdamWOptions o;
-    o.lr = a.lr;
     o.beta1 = a.adam_beta1;
     o.beta2 = a.adam_beta2;
     o.eps = a.adam_eps;
     o.weight_decay = a.weight_decay;
-    optimizer = make_adamw(root.optimizer_shards(), root.optimizer_comm(), o, root.after_step());
+    optimizer = make_adamw(root, o);
   } else {
     SGDOptions o;
-    o.lr = a.lr;
     o.momentum = a.sgd_momentum;
     o.weight_decay = a.weight_decay;
-    optimizer = make_sgd(root.optimizer_shards(), root.optimizer_comm(), o, root.after_step());
+    optimizer = make_sgd(root, o);
   }
   LRSchedule schedule;
   schedule.max_lr = a.lr;
@@ -191,7 +191,8 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   // over the global batch (Megatron: mean per micro-batch / micro-batches, 1/dp in the
   // reduction; or, per token, sum / tokens of the global batch with no 1/dp scaling).
   const double tokens_per_global_batch = static_cast<double>(gbs * a.seq_length);
-  auto micro_loss = [&](const at::Tensor& tokens, double* reported) {
+  auto micro_loss = [&](const at::Tensor& cpu_tokens, double* reported) {
+    at::Tensor tokens = cpu_tokens.to(comm->device());  // the model's device (the communicator's)
     at::Tensor input = tokens.narrow(1, 0, a.seq_length);
     at::Tensor labels = tokens.narrow(1, 1, a.seq_length);
     at::Tensor logits = model->call(input);
@@ -230,7 +231,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
     r.consumed_samples = iteration * gbs;
     r.lm_loss = mean;
     r.eval = true;
-    r.mem_bytes = peak_rss_bytes();
+    r.mem_bytes = peak_memory_bytes(comm->device());
     metrics.write(r);
     history.push_back(r);
     return mean;
@@ -280,7 +281,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
       r.iter_time_s = iter_s;
       r.tokens_per_sec = gbs * a.seq_length / iter_s;
       r.tflops_per_rank = flops_per_iter / iter_s / dp / 1e12;
-      r.mem_bytes = peak_rss_bytes();
+      r.mem_bytes = peak_memory_bytes(comm->device());
       metrics.write(r);
       history.push_back(r);
       if (std::isnan(result.first_loss)) result.first_loss = loss;
@@ -339,7 +340,10 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
         << ", main weights " << m.main_weights / 1048576.0 << ", main grads "
         << m.main_grads / 1048576.0 << ", optimizer state " << state / 1048576.0
         << ", transient peak " << m.transient_peak / 1048576.0 << ", buffer pool " << m.buffer_pool / 1048576.0 << ", process peak RSS "
-        << peak_rss_bytes() / 1048576.0 << "\n";
+        << peak_rss_bytes() / 1048576.0;
+    if (comm->device().is_cuda())
+      log << ", " << comm->device().str() << " peak allocated " << peak_memory_bytes(comm->device()) / 1048576.0;
+    log << "\n";
   }
   return result;
 }

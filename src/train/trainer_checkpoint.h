@@ -1,5 +1,5 @@
 // mfsdp-pretrain's --save / --load: what the trainer records in a checkpoint (arguments, model
-// config, LR schedule, progress) and the rules for resuming from one (DESIGN.md section 6).
+// config, LR schedule, progress) and the rules for resuming from one (docs/checkpoints.md).
 #pragma once
 
 #include <cstdint>

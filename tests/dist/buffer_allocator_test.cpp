@@ -68,7 +68,7 @@ Run make_run(mfsdp::Communicator& comm, ShardingStrategy s, BufferAllocatorKind 
   o.buffer_allocator = kind;
   for (auto& b : r.net->blocks) mfsdp::fully_shard(*b, o);
   r.root = mfsdp::fully_shard(*r.net, o);
-  r.opt = mfsdp::make_adamw(r.root.optimizer_shards(), o.comm, {}, r.root.after_step());
+  r.opt = mfsdp::make_adamw(r.root, {});
   return r;
 }
 

@@ -61,9 +61,8 @@ Sharded make_sharded(const std::shared_ptr<mfsdp::Communicator>& world, Sharding
   for (auto& b : m.net->blocks) mfsdp::fully_shard(*b, o);
   m.root = mfsdp::fully_shard(*m.net, o);
   mfsdp::AdamWOptions a;
-  a.lr = kLr;
   a.weight_decay = kWd;
-  m.opt = mfsdp::make_adamw(m.root.optimizer_shards(), m.root.optimizer_comm(), a, m.root.after_step());
+  m.opt = mfsdp::make_adamw(m.root, a);
   return m;
 }
 

@@ -7,6 +7,7 @@
 #include <numeric>
 #include <thread>
 
+#include "comm/cpu_communicator.h"
 #include "harness/dist_test.h"
 
 namespace {
@@ -168,6 +169,31 @@ MFSDP_DIST_TEST(Collectives, Bf16ReductionsAccumulateInFp32, {2, 3, 4}) {
     at::Tensor shard = at::empty({2}, dtype);
     comm.reduce_scatter(shard, input_of(rank));
     expect_equal(shard, want.narrow(0, 0, 2), std::string("reduce_scatter ") + c10::toString(dtype));
+  }
+}
+
+// --grad-reduce-in-bf16: bf16 stays bf16 on the links (shared memory, or TCP under the Tcp.
+// prefix) and is summed in fp32 by the receiver, so a bf16 reduce-scatter or all-reduce moves
+// exactly half the bytes of the same fp32 one.
+MFSDP_DIST_TEST(Collectives, Bf16ReductionsSendHalfTheBytesOfFp32, {2, 3}) {
+  const int64_t numel = 3 * 4096 * comm.size();
+  auto bytes_of = [&](at::ScalarType dtype, bool all_reduce) {
+    at::Tensor in = rank_input(comm.rank(), numel, dtype);
+    comm.barrier();
+    const int64_t before = mfsdp::cpu_bytes_sent(comm);
+    if (all_reduce) {
+      comm.all_reduce(in);
+    } else {
+      at::Tensor out = at::empty({numel / comm.size()}, in.options());
+      comm.reduce_scatter(out, in);
+    }
+    return mfsdp::cpu_bytes_sent(comm) - before;
+  };
+  for (bool all_reduce : {false, true}) {
+    const int64_t fp32 = bytes_of(at::kFloat, all_reduce), bf16 = bytes_of(at::kBFloat16, all_reduce);
+    EXPECT_GT(fp32, 0);
+    EXPECT_EQ(2 * bf16, fp32) << (all_reduce ? "all_reduce" : "reduce_scatter") << ": bf16 sent " << bf16
+                              << " bytes, fp32 " << fp32;
   }
 }
 

@@ -134,7 +134,7 @@ MFSDP_DIST_TEST(FullyShardLifecycle, MemoryMatchesFormula, {1, 2, 3, 4}) {
       LayerStack net;
       auto root = shard(net, comm, s, mixed ? std::optional(at::kBFloat16) : std::nullopt);
       mfsdp::AdamWOptions adamw;
-      auto opt = mfsdp::make_adamw(root.optimizer_shards(), borrow(comm), adamw, root.after_step());
+      auto opt = mfsdp::make_adamw(root, adamw);
       mfsdp::call(*net, step_input()).sum().backward();
       opt->step(1e-3);
       root.zero_grad();
@@ -189,8 +189,7 @@ MFSDP_DIST_TEST(FullyShardLifecycle, SecondForwardAndEvalWork, {1, 2, 3}) {
     LayerStack net;
     auto root = shard(net, comm, s);
     mfsdp::SGDOptions sgd;
-    sgd.lr = 0.1;
-    auto opt = mfsdp::make_sgd(root.optimizer_shards(), borrow(comm), sgd, root.after_step());
+    auto opt = mfsdp::make_sgd(root, sgd);
     Tensor x1 = step_input(), x2 = step_input() * 2;
     // Sharded: every rank computes the same loss, so averaged gradients equal the local ones.
     Tensor loss = mfsdp::call(*net, x1).pow(2).sum() + mfsdp::call(*net, x2).sum();
@@ -234,7 +233,7 @@ MFSDP_DIST_TEST(FullyShardLifecycle, SyncEveryMicroBatchEqualsSyncOnce, {2, 3, 4
       LayerStack net;
       auto root = shard(net, comm, s, std::nullopt, mesh);
       mfsdp::SGDOptions sgd;
-      auto opt = mfsdp::make_sgd(root.optimizer_shards(), root.optimizer_comm(), sgd, root.after_step());
+      auto opt = mfsdp::make_sgd(root, sgd);
       for (int m = 0; m < 3; ++m) {
         root.set_requires_gradient_sync(every || m == 2);
         Tensor x = step_input() * (1 + m + comm.rank());
@@ -298,7 +297,7 @@ MFSDP_DIST_TEST(FullyShardLifecycle, WeightTiedWithinAUnitTrains, {1, 2, 3}) {
   o.comm = borrow(comm);
   auto root = mfsdp::fully_shard(*net, o);
   mfsdp::SGDOptions sgd;
-  auto opt = mfsdp::make_sgd(root.optimizer_shards(), borrow(comm), sgd, root.after_step());
+  auto opt = mfsdp::make_sgd(root, sgd);
   for (int step = 0; step < 2; ++step) {
     mfsdp::call(*net, step_input()).pow(2).mean().backward();
     opt->step(0.3);
@@ -426,7 +425,7 @@ MFSDP_DIST_TEST(FullyShardLifecycle, RecomputeGivesSameGradientsWithoutExtraAllG
     LayerStack net;
     auto root = shard(net, comm, ShardingStrategy::kOptimGradsParams);
     mfsdp::SGDOptions sgd;
-    auto opt = mfsdp::make_sgd(root.optimizer_shards(), borrow(comm), sgd, root.after_step());
+    auto opt = mfsdp::make_sgd(root, sgd);
     root.record_events(true);
     net->recompute_layers = use_recompute;
     Tensor out = mfsdp::call(*net, step_input() * (1 + comm.rank()));

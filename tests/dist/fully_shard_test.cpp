@@ -101,15 +101,13 @@ void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strate
   std::unique_ptr<mfsdp::DistributedOptimizer> opt;
   if (adamw) {
     mfsdp::AdamWOptions o;
-    o.lr = kLr;
     o.weight_decay = kWd;
-    opt = mfsdp::make_adamw(root.optimizer_shards(), root.optimizer_comm(), o, root.after_step());
+    opt = mfsdp::make_adamw(root, o);
   } else {
     mfsdp::SGDOptions o;
-    o.lr = kLr;
     o.momentum = 0.9;
     o.weight_decay = kWd;
-    opt = mfsdp::make_sgd(root.optimizer_shards(), root.optimizer_comm(), o, root.after_step());
+    opt = mfsdp::make_sgd(root, o);
   }
 
   std::vector<double> losses, grad_norms;

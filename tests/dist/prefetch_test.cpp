@@ -75,7 +75,7 @@ Run make_run(mfsdp::Communicator& comm, ShardingStrategy s, bool prefetch, bool 
   o.all_gather_in_start_param_sync = start_param_sync;
   for (auto& b : r.net->blocks) mfsdp::fully_shard(*b, o);
   r.root = mfsdp::fully_shard(*r.net, o);
-  r.opt = mfsdp::make_adamw(r.root.optimizer_shards(), borrow(comm), {}, r.root.after_step());
+  r.opt = mfsdp::make_adamw(r.root, {});
   return r;
 }
 

@@ -39,7 +39,7 @@ Footprint footprint(const std::shared_ptr<mfsdp::Communicator>& world, ShardingS
   if (bf16) o.mixed_precision.param_dtype = at::kBFloat16;
   for (auto& b : net->blocks) mfsdp::fully_shard(*b, o);
   auto root = mfsdp::fully_shard(*net, o);
-  auto opt = mfsdp::make_adamw(root.optimizer_shards(), root.optimizer_comm(), {}, root.after_step());
+  auto opt = mfsdp::make_adamw(root, {});
   root.reset_peak();
   for (int step = 0; step < 2; ++step) {
     mfsdp::call(*net, torch::randn({4, 7}), true).to(kFloat).pow(2).mean().backward();

@@ -65,7 +65,7 @@ Result train(mfsdp::Communicator& comm, bool unshard_embed_in_backward) {
   mfsdp::fully_shard(*net->b0, o);
   mfsdp::fully_shard(*net->b1, o);
   auto root = mfsdp::fully_shard(*net, o);
-  auto opt = mfsdp::make_adamw(root.optimizer_shards(), borrow(comm), {}, root.after_step());
+  auto opt = mfsdp::make_adamw(root, {});
   Result r;
   for (int step = 0; step < 4; ++step) {
     if (step == 3) root.record_events(true);

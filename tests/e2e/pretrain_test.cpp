@@ -84,6 +84,8 @@ TEST(Pretrain, RecomputeAndDeferredInitKeepTheLosses) {
   expect_same(train_losses(2, " --recompute-activations --recompute-granularity full"), base,
               "recompute");
   expect_same(train_losses(2, " --init-model-with-meta-device"), base, "deferred init");
+  // SDPA (the default) against the explicit math path.
+  expect_same(train_losses(2, " --attention-backend unfused"), base, "unfused attention");
 }
 
 // The per-rank bytes of "memory per rank (MiB): model weights ..., transient peak ..." (without
@@ -123,6 +125,8 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --data-parallel-sharding-strategy zero9", "--data-parallel-sharding-strategy"},
       {" --vocab-size 64 --train-iters 5", "--data-path"},
       {kModel + " --num-attention-heads 5", "--hidden-size"},
+      {kModel + " --device tpu", "--device"},
+      {kModel + " --attention-backend flash", "--attention-backend"},
   };
   for (const auto& c : cases) {
     Outcome r = run("env RANK=0 WORLD_SIZE=1 " + pretrain + c.flags);

@@ -31,6 +31,7 @@ void run_as_rank(const DistOptions& options, const std::function<void(Communicat
   at::set_num_threads(1);  // ranks x threads <= cores
   CommOptions comm_options;
   comm_options.timeout = options.comm_timeout;
+  comm_options.backend = options.backend;  // nccl: device_index -1 picks LOCAL_RANK's GPU
   auto comm = init_communicator(comm_options);
   body(*comm);
 }

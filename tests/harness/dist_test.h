@@ -36,6 +36,8 @@ struct DistOptions {
   // A directory the parent keeps across calls (created if missing, not removed); empty: a
   // fresh one per world size, removed after. Ranks see it as shared_temp_dir().
   std::string shared_dir;
+  // The ranks' communicator: "gloo" (CPU tensors) or "nccl" (rank r on GPU r; tests/gpu/).
+  std::string backend = "gloo";
 };
 
 // Options for tests of failures: these world sizes, collectives time out after 3 s.

@@ -407,6 +407,40 @@ TEST(LlamaModel, KvCacheDecodingMatchesFullForward) {
   EXPECT_THROW(model->forward(random_ids(1, 65, c.vocab_size, 1)), std::invalid_argument);
 }
 
+// Attention runs through at::scaled_dot_product_attention; the explicit math path (HF eager
+// attention) must agree on logits and gradients, and on decoding with cached keys, where SDPA
+// gets an explicit mask shifted by the cache length (a chunk of 2 new tokens, then single ones).
+TEST(LlamaAttention, SdpaMatchesTheMathPath) {
+  LlamaConfig c = small_config(2);
+  torch::manual_seed(1);
+  LlamaForCausalLM model(c);
+  randomize(model, 31);
+  auto use_sdpa = [&](bool on) {
+    for (int64_t i = 0; i < c.num_layers; ++i) model->model->layer(i).self_attn->use_sdpa = on;
+  };
+  Tensor ids = random_ids(2, 9, c.vocab_size, 12);
+  Tensor labels = random_ids(2, 9, c.vocab_size, 13);
+  Tensor logits[2];
+  std::map<std::string, Tensor> grads[2];
+  for (int sdpa = 0; sdpa < 2; ++sdpa) {
+    use_sdpa(sdpa == 1);
+    for (auto& p : model->parameters()) p.mutable_grad().reset();
+    logits[sdpa] = model->forward(ids);
+    mfsdp::lm_loss(logits[sdpa], labels).backward();
+    for (auto& item : model->named_parameters()) grads[sdpa][item.key()] = item.value().grad().clone();
+  }
+  expect_close(logits[1], logits[0], 1e-5, "SDPA logits");
+  for (auto& [name, g] : grads[0]) expect_close(grads[1].at(name), g, 1e-5, "SDPA grad of " + name);
+
+  torch::NoGradGuard no_grad;
+  use_sdpa(true);
+  mfsdp::LlamaKVCache cache(c.num_layers);
+  std::vector<Tensor> pieces = {model->forward(ids.narrow(1, 0, 4), &cache)};
+  pieces.push_back(model->forward(ids.narrow(1, 4, 2), &cache, 4));
+  for (int64_t t = 6; t < 9; ++t) pieces.push_back(model->forward(ids.narrow(1, t, 1), &cache, t));
+  expect_close(torch::cat(pieces, 1), logits[0].detach(), 1e-5, "SDPA decoding with cached keys");
+}
+
 bool graph_has_node(const Tensor& t, const std::string& needle) {
   std::vector<torch::autograd::Node*> stack = {t.grad_fn().get()};
   std::set<torch::autograd::Node*> seen;
@@ -619,9 +653,8 @@ MFSDP_DIST_TEST(LlamaFullyShard, ShardLlamaMatchesSingleProcess, {1, 2}) {
     EXPECT_THROW(model->materialize_and_init_layer(0), std::logic_error);
     EXPECT_THROW(model->init_root(), std::logic_error);
     mfsdp::SGDOptions so;
-    so.lr = kLr;
     so.momentum = 0.9;
-    auto opt = mfsdp::make_sgd(root.optimizer_shards(), root.optimizer_comm(), so, root.after_step());
+    auto opt = mfsdp::make_sgd(root, so);
     for (int s = 0; s < kSteps; ++s) {
       auto [ids, labels] = batch(s);
       Tensor logits = model->call(ids.narrow(0, rank * kPerRank, kPerRank));
