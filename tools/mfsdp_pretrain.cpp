@@ -29,6 +29,8 @@ int main(int argc, char** argv) {
     }
   mfsdp::PretrainArgs args;
   mfsdp::RendezvousInfo info;
+  at::Device device = at::kCPU;
+  std::vector<std::string> notes;
   try {
     args = mfsdp::parse_pretrain_args(args_text);
     // A simulated run is one process on its own; it needs no launcher (but may have one).
@@ -45,6 +47,10 @@ int main(int argc, char** argv) {
                                   std::to_string(info.world_size) + ")");
     const int dp = args.simulate_world_size > 0 ? static_cast<int>(args.simulate_world_size) : info.world_size;
     mfsdp::validate_pretrain_args(args, dp, vocab);
+    // --device: CUDA puts every buffer on this rank's GPU and talks NCCL; CPU the CPU backend.
+    device = mfsdp::resolve_device(args.device, info.local_rank, info.local_world_size);
+    // Every rank checks (a refused flag must stop all of them); rank 0 prints the notes.
+    notes = mfsdp::pretrain_inert_flag_notices(args, device.is_cuda());
   } catch (const std::exception& e) {
     std::cerr << "mfsdp-pretrain: error: " << e.what() << std::endl;
     return 2;
@@ -57,10 +63,6 @@ int main(int argc, char** argv) {
                             ? std::atoi(omp)
                             : std::max<int>(1, static_cast<int>(cores) / info.local_world_size);
     at::set_num_threads(threads);
-    // --device: CUDA puts every buffer on this rank's GPU and talks NCCL; CPU the CPU backend.
-    const at::Device device = mfsdp::resolve_device(args.device, info.local_rank);
-    // Every rank checks (a refused flag must stop all of them); rank 0 prints the notes.
-    const auto notes = mfsdp::pretrain_inert_flag_notices(args, device.is_cuda());
     mfsdp::CommOptions comm_options;
     comm_options.backend = mfsdp::backend_for(device);
     if (device.is_cuda()) comm_options.device_index = device.index();

@@ -139,10 +139,11 @@ struct CommOptions {
   int device_index = -1;
 };
 
-// The tools' --device: "auto" (the GPU `local_rank` when this build and machine have CUDA, else
-// the CPU), "cpu" or "cuda" (cuda:local_rank; an error naming the value without a GPU or with a
-// local rank past the GPUs).
-at::Device resolve_device(const std::string& choice, int local_rank);
+// The tools' --device: "auto" (the GPU `local_rank` when this build has CUDA and the node has a
+// GPU for each of its `local_world_size` ranks, else the CPU: every rank decides the same),
+// "cpu" or "cuda" (cuda:local_rank; an error naming the value without a GPU or with a local rank
+// past the GPUs).
+at::Device resolve_device(const std::string& choice, int local_rank, int local_world_size = 1);
 // The communicator backend for tensors on `device`: "nccl" for CUDA, "gloo" for the CPU.
 std::string backend_for(const at::Device& device);
 

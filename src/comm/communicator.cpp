@@ -1,5 +1,6 @@
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "comm/cpu_communicator.h"
@@ -38,7 +39,7 @@ void Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& o
 }
 void Communicator::barrier(const BarrierOptions& options) { barrier_async(options)->wait(); }
 
-at::Device resolve_device(const std::string& choice, int local_rank) {
+at::Device resolve_device(const std::string& choice, int local_rank, int local_world_size) {
   if (choice != "auto" && choice != "cpu" && choice != "cuda")
     throw std::invalid_argument("--device: unknown value '" + choice + "' (expected auto, cpu or cuda)");
   if (choice == "cpu") return at::kCPU;
@@ -47,7 +48,7 @@ at::Device resolve_device(const std::string& choice, int local_rank) {
 #else
   const int gpus = 0;  // a CPU-only build cannot use a GPU even where one is present
 #endif
-  if (choice == "auto" && gpus == 0) return at::kCPU;
+  if (choice == "auto" && gpus < std::max(local_world_size, 1)) return at::kCPU;
   if (gpus == 0)
     throw std::invalid_argument(
         "--device cuda: no CUDA GPU is usable here (torch::cuda::device_count() == 0, or a build "

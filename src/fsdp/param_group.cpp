@@ -133,8 +133,8 @@ bool ParamGroup::start_unshard() {
   regrow_storage(unsharded_, allocator_->allocate(this, BufferRole::kWeights, storage_bytes_needed(unsharded_),
                                                   compute_dtype_, device_));
   transient_->add(unsharded_.nbytes());
+  gathering_ = comm_->all_gather_async(unsharded_, model_weights_.data());  // may throw: state unchanged
   move_to(ShardState::kGathering);
-  gathering_ = comm_->all_gather_async(unsharded_, model_weights_.data());
   return true;
 }
 
@@ -353,7 +353,8 @@ std::vector<at::Tensor> ParamGroup::gather_full_parameters() const {
 
 void ParamGroup::load_full_parameters(const std::vector<at::Tensor>& values) {
   wait_unshard();
-  at::Tensor flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(at::kDouble).device(device_));
+  // Staged in fp64 on the CPU (exact for every parameter dtype), copied into the device buffers.
+  at::Tensor flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(at::kDouble));
   for (size_t i = 0; i < params_.size(); ++i) {
     const auto& e = layout_.entries[i];
     flat.narrow(0, e.offset, e.numel).copy_(values[i].reshape(-1));

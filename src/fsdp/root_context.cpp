@@ -9,16 +9,22 @@
 
 namespace mfsdp::detail {
 
-CommContext make_comm_context(const std::shared_ptr<Communicator>& shard_group) {
-  if (!shard_group->device().is_cuda()) return {shard_group, shard_group};
-  std::vector<int> everyone(shard_group->size());
-  for (int r = 0; r < shard_group->size(); ++r) everyone[r] = r;
-  return {shard_group, shard_group->new_group(everyone, "fsdp_reduce_scatter")};
+Communicator& CommContext::reduce_scatter() {
+  if (!reduce_scatter_) {
+    if (!all_gather_->device().is_cuda()) {
+      reduce_scatter_ = all_gather_;
+    } else {
+      std::vector<int> everyone(all_gather_->size());
+      for (int r = 0; r < all_gather_->size(); ++r) everyone[r] = r;
+      reduce_scatter_ = all_gather_->new_group(everyone, "fsdp_reduce_scatter");
+    }
+  }
+  return *reduce_scatter_;
 }
 
 RootContext::RootContext(std::vector<UnitState*> members, const FullyShardOptions& root_options)
     : units(std::move(members)),
-      comm(make_comm_context(root_options.comm)),
+      comm(root_options.comm),
       allocator(make_buffer_allocator(root_options.buffer_allocator)),
       divide_factor(root_options.gradient_scaling == GradientScaling::kNone
                         ? 1.0

@@ -30,11 +30,19 @@ class UnitState;
 // stream, so a reduce-scatter never queues behind the next unit's all-gather (FSDP2 and
 // Megatron-FSDP do the same); NCCL orders each against the compute stream with events
 // (src/comm/nccl_communicator.cpp). On the CPU both are the shard group itself: one comm thread.
-struct CommContext {
-  std::shared_ptr<Communicator> all_gather;
-  std::shared_ptr<Communicator> reduce_scatter;
+// The second communicator is made at the first gradient reduction, which every rank reaches in
+// the same order (making one is collective); the context itself may be built by a call on one
+// rank only (memory(), events()).
+class CommContext {
+ public:
+  explicit CommContext(std::shared_ptr<Communicator> shard_group) : all_gather_(std::move(shard_group)) {}
+  Communicator& all_gather() const { return *all_gather_; }
+  Communicator& reduce_scatter();
+
+ private:
+  std::shared_ptr<Communicator> all_gather_;
+  std::shared_ptr<Communicator> reduce_scatter_;  // null until the first reduction
 };
-CommContext make_comm_context(const std::shared_ptr<Communicator>& shard_group);
 
 class RootContext {
  public:

@@ -61,7 +61,12 @@ UnitState::UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<Para
 }
 
 UnitState::~UnitState() {
-  if (context_) context().forget(this);
+  // Modules may die in any order: forget this unit wherever another one points at it.
+  if (context_) context_->forget(this);
+  for (UnitState* p = parent_; p != nullptr; p = p->parent_)
+    p->members_.erase(std::remove(p->members_.begin(), p->members_.end(), this), p->members_.end());
+  for (UnitState* m : members_)
+    if (m != this && m->parent_ == this) m->parent_ = nullptr;
 }
 
 const char* to_string(UnitState::Phase phase) {
@@ -105,9 +110,9 @@ std::shared_ptr<RootContext> UnitState::shared_context() {
 
 void UnitState::build_context() {
   for (UnitState* u : members_)
-    if (u->options_.comm != options_.comm)
+    if (u->options_.comm != options_.comm || u->options_.mesh != options_.mesh)
       throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' was sharded over another communicator than its root; "
-                                  "every unit under one root must use the same options.comm (or mesh)");
+                                  "every unit under one root must use the same options.comm or the same options.mesh");
   auto ctx = std::make_shared<RootContext>(members_, options_);
   for (UnitState* u : members_) {
     u->context_ = ctx;
@@ -137,11 +142,12 @@ void UnitState::rename_parameters(const std::map<const c10::TensorImpl*, std::st
 }
 
 bool UnitState::start_unshard(const char* why) {
+  RootContext& ctx = context();  // the groups' allocator and counter come from it
   bool gathered = false;
   for (auto& g : groups_) gathered |= g->start_unshard();
   if (!gathered) return false;
-  context().note(path_, "all_gather");
-  if (why != nullptr) context().note(path_, why);
+  ctx.note(path_, "all_gather");
+  if (why != nullptr) ctx.note(path_, why);
   return true;
 }
 
@@ -279,7 +285,7 @@ void UnitState::post_backward() {
     context().limit_pending(0);
     for (auto& g : groups_) {
       PendingReduction r = g->reduce_gradients(
-          *context().comm.reduce_scatter, context().divide_factor,
+          context().comm.reduce_scatter(), context().divide_factor,
           options_.gradient_scaling == GradientScaling::kAverageInCollective);
       if (r.work || r.finish_fn) context().pending.push_back(std::move(r));
     }

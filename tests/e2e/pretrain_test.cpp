@@ -28,7 +28,7 @@ std::string bin(const char* var) {
 }
 
 const std::string kModel =
-    " --mock-data --vocab-size 64 --make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32"
+    " --device cpu --mock-data --vocab-size 64 --make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32"
     " --num-attention-heads 4 --group-query-attention --num-query-groups 2 --swiglu"
     " --ffn-hidden-size 48 --seq-length 16 --micro-batch-size 2 --global-batch-size 8"
     " --train-iters 20 --lr 3e-3 --lr-warmup-iters 2 --lr-decay-style cosine --min-lr 3e-4"

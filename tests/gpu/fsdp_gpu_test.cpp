@@ -22,6 +22,7 @@
 
 #include "harness/dist_test.h"
 #include "harness/run_command.h"
+#include "launch/rank_processes.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/fully_shard.h"
 
@@ -168,9 +169,13 @@ TEST(FsdpGpu, Bf16ComputeAndBf16ReductionTrackTheFp32Reference) {
     o.mixed_precision.grad_comm_dtype = at::kBFloat16;
     Sharded s = shard(comm, o);
     train(s, comm);
-    // fp32 main weights hold the result; bf16 forward/backward and reduction cost ~1e-2.
+    // fp32 main weights hold the result; bf16 forward/backward and reduction cost ~1e-2 relative.
     for (const auto& shard : s.root.local_shards()) EXPECT_EQ(shard.local.scalar_type(), at::kFloat);
-    expect_close(s.root.full_state_dict(true), reference, 3e-2, "bf16");
+    for (const auto& [name, got] : s.root.full_state_dict(true)) {
+      const at::Tensor want = reference.at(name);
+      const double relative = (got.cpu() - want).norm().item<double>() / want.norm().item<double>();
+      EXPECT_LE(relative, 2e-2) << "bf16: " << name << " is off the fp32 reference by " << relative << " (relative)";
+    }
   });
 }
 
@@ -218,7 +223,7 @@ TEST(FsdpGpu, CheckpointReshardsBetweenLayouts) {
     mfsdp::save_checkpoint(mfsdp::testing::shared_temp_dir() + "/ckpt", world, s.root, s.opt.get(), info);
     auto full = s.root.full_state_dict(false);
     if (comm.rank() == 0)
-      for (const auto& [name, t] : full) torch::save(t, mfsdp::testing::shared_temp_dir() + "/" + name + ".pt");
+      for (const auto& [name, t] : full) torch::save(t.cpu(), mfsdp::testing::shared_temp_dir() + "/" + name + ".pt");
   });
   mfsdp::testing::run_distributed(options("load", {1}), [](mfsdp::Communicator& comm) {
     mfsdp::FullyShardOptions o;
@@ -240,7 +245,8 @@ std::vector<double> pretrain_losses(const std::string& device) {
   namespace fs = std::filesystem;
   const fs::path metrics = fs::temp_directory_path() / ("mfsdp_gpu_pretrain_" + device + ".jsonl");
   const std::string command =
-      std::string(MFSDP_PRETRAIN_BIN_PATH) + " --device " + device +
+      "env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
+      std::to_string(mfsdp::launch::pick_free_port()) + " " + std::string(MFSDP_PRETRAIN_BIN_PATH) + " --device " + device +
       " --mock-data --vocab-size 64 --make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32"
       " --num-attention-heads 4 --swiglu --ffn-hidden-size 48 --seq-length 16 --micro-batch-size 2"
       " --global-batch-size 4 --train-iters 6 --lr 3e-3 --log-interval 1 --eval-interval 1000"

@@ -65,7 +65,7 @@ std::string printed_ids(const std::string& output) {
 // Runs mfsdp-generate greedily on `model` and returns the ids it printed; writes the prompt's
 // logits to `logits`.
 std::string generate_ids(const std::string& model, const std::string& prompt, const std::string& logits) {
-  CommandOutcome r = run(q(MFSDP_GENERATE_BIN_PATH) + " --model " + q(model) + " --prompt-ids " + prompt +
+  CommandOutcome r = run(q(MFSDP_GENERATE_BIN_PATH) + " --device cpu --model " + q(model) + " --prompt-ids " + prompt +
                          " --greedy --max-new-tokens " + std::to_string(kNewTokens) + " --print-ids --logits-out " +
                          q(logits));
   EXPECT_EQ(r.exit_code, 0) << "mfsdp-generate --model " << model << "\n" << r.output;
@@ -109,7 +109,7 @@ void check_export(bool tied) {
   // small weights give logits near 0 and one token repeated, which would test little.
   // --max-position-embeddings 64: room for the prompt and the new tokens.
   const std::string model_flags =
-      " --mock-data --vocab-size 64 --make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32"
+      " --device cpu --mock-data --vocab-size 64 --make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32"
       " --num-attention-heads 4 --group-query-attention --num-query-groups 2 --swiglu --ffn-hidden-size 48"
       " --seq-length 16 --max-position-embeddings 64 --rotary-base 500000 --norm-epsilon 1e-4"
       " --init-method-std 0.3 --micro-batch-size 2 --global-batch-size 8 --train-iters 3 --lr 3e-3"
