@@ -62,42 +62,18 @@ STRATEGY=${STRATEGY:-optim_grads_params}
 MFSDP_EXTRA_ARGS=${MFSDP_EXTRA_ARGS:-}
 OUT=${OUT:-}
 
-for v in LAYERS HIDDEN FFN HEADS QUERY_GROUPS SEQ MBS GBS VOCAB VOCAB_DIVISIBLE ITERS NPROC THREADS ROUNDS; do
-  [[ ${!v} =~ ^[1-9][0-9]*$ ]] || die "$v=${!v}: expected a positive integer"
-done
-if ! [[ $WARMUP =~ ^[0-9]+$ ]] || ((WARMUP >= ITERS)); then
-  die "WARMUP=$WARMUP: expected 0 <= WARMUP < ITERS ($ITERS)"
-fi
 [[ $BF16 == 0 || $BF16 == 1 ]] || die "BF16=$BF16: expected 0 or 1"
-((GBS % (MBS * NPROC) == 0)) || die "GBS=$GBS must be a multiple of MBS x NPROC = $((MBS * NPROC))"
-((QUERY_GROUPS > HEADS)) && die "QUERY_GROUPS=$QUERY_GROUPS exceeds HEADS=$HEADS"
-for exe in mfsdp-run mfsdp-pretrain; do
-  [[ -x $BUILD/$exe ]] || die "$BUILD/$exe not found: build first (scripts/build.sh)"
-done
-command -v "$PYTHON" >/dev/null || die "PYTHON=$PYTHON not found (it also parses the metrics)"
-if [[ -z $OUT ]]; then
-  OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu_step_time.XXXXXX") || die "mktemp failed"
-else
-  mkdir -p "$OUT" || die "cannot create OUT=$OUT"
-fi
+# shellcheck source=bench/step_time_model.sh
+source "$ROOT/bench/step_time_model.sh"
+check_step_time_settings
+step_time_out_dir gpu_step_time
+TORCH_ARGS+=(--device cuda)
 
-MODEL_ARGS=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN"
-            --num-attention-heads "$HEADS" --swiglu --seq-length "$SEQ"
-            --micro-batch-size "$MBS" --global-batch-size "$GBS" --vocab-size "$VOCAB"
-            --make-vocab-size-divisible-by "$VOCAB_DIVISIBLE" --train-iters "$ITERS" --lr "$LR")
-((QUERY_GROUPS < HEADS)) && MODEL_ARGS+=(--group-query-attention --num-query-groups "$QUERY_GROUPS")
-((UNTIE)) && MODEL_ARGS+=(--untie-embeddings-and-output-weights)
 MFSDP_ARGS=("${MODEL_ARGS[@]}" --mock-data --eval-iters 0 --eval-interval 1000 --log-interval 1
             --device cuda --data-parallel-sharding-strategy "$STRATEGY")
 ((BF16)) && MFSDP_ARGS+=(--bf16)
 # shellcheck disable=SC2206  # word splitting of the extra flags is intended
 MFSDP_ARGS+=($MFSDP_EXTRA_ARGS)
-TORCH_ARGS=(--num-layers "$LAYERS" --hidden-size "$HIDDEN" --ffn-hidden-size "$FFN"
-            --num-attention-heads "$HEADS" --num-query-groups "$QUERY_GROUPS" --seq-length "$SEQ"
-            --micro-batch-size "$MBS" --global-batch-size "$GBS" --vocab-size "$VOCAB"
-            --make-vocab-size-divisible-by "$VOCAB_DIVISIBLE" --train-iters "$ITERS"
-            --warmup-iters "$WARMUP" --lr "$LR" --nproc "$NPROC" --threads "$THREADS" --device cuda)
-((UNTIE)) && TORCH_ARGS+=(--untie)
 ((BF16)) && TORCH_ARGS+=(--bf16)
 
 # Which runs can happen.

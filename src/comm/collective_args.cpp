@@ -1,5 +1,7 @@
 #include "comm/collective_args.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
 #include <numeric>
 #include <sstream>
@@ -146,6 +148,21 @@ GroupPlan plan_group(const std::vector<int>& ranks, const std::string& name, int
 
 at::ScalarType accumulation_dtype(at::ScalarType dtype) {
   return (dtype == at::kBFloat16 || dtype == at::kHalf) ? at::kFloat : dtype;
+}
+
+void reduce_in_rank_order(at::Tensor out, int n, const std::function<at::Tensor(int)>& part, ReduceOp op,
+                          double prescale) {
+  out.copy_(part(0));
+  if (prescale != 1.0) out.mul_(prescale);
+  for (int q = 1; q < n; ++q) {
+    if (op == ReduceOp::kMax) {
+      at::maximum_out(out, out, prescale == 1.0 ? part(q) : part(q).to(out.scalar_type()) * prescale);
+    } else if (prescale == 1.0) {
+      out.add_(part(q));  // integers take no scalar factor
+    } else {
+      out.add_(part(q), prescale);
+    }
+  }
 }
 
 }  // namespace mfsdp

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -53,5 +54,11 @@ GroupPlan plan_group(const std::vector<int>& ranks, const std::string& name, int
 
 // The dtype reductions accumulate in: fp32 for bf16/fp16, the dtype itself otherwise.
 at::ScalarType accumulation_dtype(at::ScalarType dtype);
+
+// out = the reduction `op` (kSum or kMax; kAvg sums, the caller divides) of prescale x part(q)
+// over q = 0 .. n-1, in rank order, in out's dtype (the accumulation dtype; parts may be in a
+// lower one): every backend that combines received slices itself computes the same bits.
+void reduce_in_rank_order(at::Tensor out, int n, const std::function<at::Tensor(int)>& part, ReduceOp op,
+                          double prescale);
 
 }  // namespace mfsdp

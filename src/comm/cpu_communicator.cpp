@@ -337,18 +337,7 @@ class CpuCommunicator : public Communicator {
     auto from = [&](int q) {
       return q == rank_ ? input.narrow(0, s.offsets[rank_], count) : incoming.narrow(0, q * count, count);
     };
-    at::Tensor out = result;
-    out.copy_(from(0));
-    if (prescale != 1.0) out.mul_(prescale);
-    for (int q = 1; q < n; ++q) {
-      if (op == ReduceOp::kMax) {
-        at::maximum_out(out, out, prescale == 1.0 ? from(q) : from(q).to(out.scalar_type()) * prescale);
-      } else if (prescale == 1.0) {
-        out.add_(from(q));
-      } else {
-        out.add_(from(q), prescale);
-      }
-    }
+    reduce_in_rank_order(result, n, from, op, prescale);
   }
 
   // Every payload this rank puts on a TCP link goes through here (counted for bytes_sent()).

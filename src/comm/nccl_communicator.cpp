@@ -311,16 +311,8 @@ class NcclCommunicator : public Communicator {
     }
     nccl_check(ncclGroupEnd(), where("reduce_scatter", rank_));
     if (count == 0) return;
-    at::Tensor out = result;
-    out.copy_(rows[0]);
-    if (prescale != 1.0) out.mul_(prescale);
-    for (int q = 1; q < n; ++q) {
-      at::Tensor term = rows[q].to(out.scalar_type());
-      if (prescale != 1.0) term.mul_(prescale);
-      if (op == ReduceOp::kMax) at::maximum_out(out, out, term);
-      else out.add_(term);
-    }
-    if (op == ReduceOp::kAvg) out.div_(n);
+    reduce_in_rank_order(result, n, [&](int q) { return rows[q]; }, op, prescale);
+    if (op == ReduceOp::kAvg) result.div_(n);
   }
 
   // Orders the collective after the caller's current stream, runs `body` on the communication

@@ -238,18 +238,7 @@ void ShmExchange::reduce_scatter(const Call& call, const at::Tensor& result, con
       return at::from_blob(slot(parity, q) + rank_ * per_dest * item, {n}, input.options());
     };
     // Rank order on every rank; each term scaled as the ring scales its local contribution.
-    at::Tensor out = result.narrow(0, lo, n);
-    out.copy_(from(0));
-    if (prescale != 1.0) out.mul_(prescale);
-    for (int q = 1; q < size_; ++q) {
-      if (op == ReduceOp::kMax) {
-        at::maximum_out(out, out, prescale == 1.0 ? from(q) : from(q).to(out.scalar_type()) * prescale);
-      } else if (prescale == 1.0) {
-        out.add_(from(q));  // integers take no scalar factor
-      } else {
-        out.add_(from(q), prescale);
-      }
-    }
+    reduce_in_rank_order(result.narrow(0, lo, n), size_, from, op, prescale);
   }
 }
 
