@@ -57,6 +57,10 @@ struct PendingReduction {
     if (work) work->wait();
     if (finish_fn) finish_fn();
   }
+  // Waits for it without accumulating its result (the backward it belongs to was abandoned).
+  void discard() {
+    if (work) work->wait();
+  }
 };
 
 // Ranks that hold a share of the gradient: the shard group times the replicas (HSDP).

@@ -94,6 +94,17 @@ void RootContext::finish_backward() {
   callback_queued = false;
 }
 
+void RootContext::abandon_backward() {
+  note("", "abandon_backward");
+  while (!pending.empty()) {
+    PendingReduction r = std::move(pending.front());
+    pending.pop_front();
+    r.discard();
+  }
+  for (UnitState* unit : units) unit->abandon_backward();
+  callback_queued = false;
+}
+
 void RootContext::refresh_model_weights() {
   at::NoGradGuard no_grad;
   // Weights kept gathered (e.g. across micro-batches) are stale once the main weights changed.

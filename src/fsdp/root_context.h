@@ -82,6 +82,12 @@ class RootContext {
   // Keeps at most `limit` reductions in flight (each holds an unsharded gradient buffer).
   void limit_pending(size_t limit);
   void finish_backward();
+  // The root's next forward starts while the end-of-backward callback is still queued: the last
+  // backward threw before it ended (autograd runs no callback then). Waits for the reductions it
+  // left in flight without applying them, and returns every unit to idle and resharded, so that
+  // one failed backward does not leave the model stuck (main grads keep what had already been
+  // accumulated, as torch's .grad does: zero_grad() clears them).
+  void abandon_backward();
 
   // After the main weights changed outside the optimizer (a checkpoint load): reshard what is
   // gathered and copy main weights into model weights. Starts nothing else.

@@ -180,6 +180,7 @@ void UnitState::pre_forward() {
     for (auto& g : groups_) g->expect_unsharded("a recomputed forward");
     return;
   }
+  if (parent_ == nullptr && context().callback_queued) context().abandon_backward();
   if (phase_ != Phase::kBackward) set_phase(Phase::kForward);
   context().record_forward(this);
   start_unshard(nullptr);
@@ -299,6 +300,14 @@ void UnitState::finish_backward() {
   if (phase_ != Phase::kIdle) set_phase(Phase::kIdle);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
+}
+
+void UnitState::abandon_backward() {
+  if (phase_ == Phase::kBackward) set_phase(Phase::kIdle);
+  hooks_fired_ = 0;
+  reduced_this_backward_ = false;
+  for (auto& g : groups_) g->drop_unsharded_gradients();
+  reshard();
 }
 
 }  // namespace mfsdp::detail

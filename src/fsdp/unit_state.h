@@ -77,6 +77,8 @@ class UnitState {
   void post_backward();
   // Called by the root's end-of-backward callback.
   void finish_backward();
+  // Called when the backward was abandoned (root_context.h): idle, resharded, no gradients.
+  void abandon_backward();
   // Stays gathered after its backward for the next micro-batch's forward (see the .cpp).
   bool kept_for_next_forward() const;
 

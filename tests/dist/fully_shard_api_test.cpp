@@ -2,7 +2,8 @@
 // through the runtime (MFSDP_MODULE, mfsdp::Sequential), the optimizer bound to the root
 // (make_adamw(root, ...)) with its after-step hook apart from refresh_model_weights(), setters
 // that act on one unit or its subtree (recurse), the device check, and adopting a unit that
-// already ran as a root. References are the same modules run without fully_shard.
+// already ran as a root, and a backward that throws. References are the same modules run
+// without fully_shard.
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
@@ -31,10 +32,16 @@ struct StackImpl : nn::Module {
     last = register_module("last", Cell());
     head = register_module("head", nn::Linear(D, 1));
   }
-  Tensor forward(Tensor x) { return head(last(cells(x))); }
+  Tensor forward(Tensor x) {
+    Tensor h = cells(x);
+    // Thrown in backward after the root and `last` began theirs, before `cells` did.
+    if (fail_in_backward) h.register_hook([](Tensor) -> Tensor { throw std::runtime_error("hook failed"); });
+    return head(last(h));
+  }
   mfsdp::Sequential cells{nullptr};
   Cell last{nullptr};
   nn::Linear head{nullptr};
+  bool fail_in_backward = false;
 };
 TORCH_MODULE(Stack);
 
@@ -118,6 +125,31 @@ MFSDP_DIST_TEST(FullyShardApi, RecurseChoosesTheUnitOrItsSubtree, {2}) {
   ASSERT_EQ(shards.size(), 4u);
   for (size_t i = 0; i < 3; ++i) EXPECT_GT(shards[i].main_grad.abs().sum().item<double>(), 0) << i;
   EXPECT_EQ(shards[3].main_grad.abs().sum().item<double>(), 0) << "the root reduced without sync";
+}
+
+// A backward that throws midway (autograd then runs no end-of-backward callback) leaves no unit
+// stuck: after zero_grad the next step gives the weights of an unsharded copy's step.
+MFSDP_DIST_TEST(FullyShardApi, AThrowingBackwardDoesNotPoisonTheNextStep, {1, 2}) {
+  Stack net = make_stack();
+  auto root = shard(net, comm);
+  mfsdp::SGDOptions sgd;
+  auto opt = mfsdp::make_sgd(root, sgd);
+  net->fail_in_backward = true;
+  EXPECT_THROW(mfsdp::call(*net, input()).sum().backward(), std::exception);
+  net->fail_in_backward = false;
+  root.zero_grad();
+  root.record_events(true);
+  mfsdp::call(*net, input()).sum().backward();
+  EXPECT_TRUE(has_event(root.events(), ":abandon_backward"));
+  opt->step(0.1);
+
+  Stack plain = make_stack();
+  plain->forward(input()).sum().backward();
+  torch::optim::SGD reference(plain->parameters(), torch::optim::SGDOptions(0.1));
+  reference.step();
+  const auto got = root.full_state_dict(/*all_ranks=*/true);
+  for (const auto& p : plain->named_parameters())
+    EXPECT_TRUE(torch::allclose(got.at(p.key()), p.value(), 1e-6, 1e-6)) << p.key();
 }
 
 MFSDP_DIST_TEST(FullyShardApi, BadDeviceAndLateAdoptionAreErrors, {1}) {
