@@ -80,10 +80,11 @@ struct LlamaOptions {
 // ---- Rotary position embedding (HF convention) -------------------------------------------
 
 // cos and sin tables for the given positions: inv_freq = 1 / theta^(arange(0, d, 2) / d),
-// freqs = positions x inv_freq, emb = cat(freqs, freqs); computed in fp32.
+// freqs = positions x inv_freq, emb = cat(freqs, freqs); computed in fp32. Positions [T] (every
+// row alike) or [B, T] (per row).
 struct RotaryTables {
-  at::Tensor cos;  // [T, head_dim] fp32
-  at::Tensor sin;  // [T, head_dim] fp32
+  at::Tensor cos;  // [T, head_dim] or [B, T, head_dim] fp32
+  at::Tensor sin;  // same
 };
 RotaryTables rotary_tables(const at::Tensor& positions, int64_t head_dim, double theta);
 // cat(-x2, x1) where x1, x2 are the first and second halves of the last dimension.
@@ -93,6 +94,20 @@ at::Tensor apply_rotary(const at::Tensor& x, const RotaryTables& rope);
 
 // [B, nkv, S, hd] -> [B, nkv * n_rep, S, hd]: kv head j serves query heads j*n_rep .. +n_rep-1.
 at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep);
+
+// ---- Padded and packed batches ---------------------------------------------------------------
+
+// Per-row positions and which keys each query may see (no KV cache). Every field is optional.
+struct SequenceLayout {
+  at::Tensor position_ids;    // [B, T] int64 RoPE positions; undefined: 0 .. T-1 in every row
+  at::Tensor attention_mask;  // [B, T], nonzero for tokens, 0 for padding (never a key);
+                              // undefined: no padding
+  at::Tensor segment_ids;     // [B, T] int64, packed samples: a query sees only keys of its own
+                              // segment (with position_ids restarting per sample); undefined: one
+  // [B, 1, T, T] bool: query i may see key j (causal, a token, the same segment). Padding
+  // queries see themselves, so no row of the softmax is empty; their outputs mean nothing.
+  at::Tensor allowed_keys(int64_t batch, int64_t length, const at::Device& device) const;
+};
 
 // ---- KV cache for incremental decoding --------------------------------------------------
 
@@ -152,7 +167,9 @@ class LlamaAttentionImpl : public torch::nn::Module {
   LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
   // x: [B, T, H]; rope: tables for the T new positions; cache: null in training. Query t (at
   // position start + t, start = keys cached before this call) attends to keys 0 .. start + t.
-  at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, LlamaKVCache* cache);
+  // `allowed` [B, 1, T, S] bool (SequenceLayout::allowed_keys) replaces the causal mask; no cache.
+  at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, LlamaKVCache* cache,
+                     const at::Tensor& allowed = {});
   LlamaLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   // false: the explicit math path (matmul, causal mask, fp32 softmax, matmul), Hugging Face's
   // eager attention; the reference SDPA is checked against (tests/unit/llama_test.cpp).
@@ -177,7 +194,8 @@ TORCH_MODULE(LlamaMLP);
 class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
-  at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache);
+  at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
+                     const at::Tensor& allowed = {});
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -193,6 +211,8 @@ class LlamaModelImpl : public torch::nn::Module {
   // and with a cache it must equal the cache's length.
   at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr,
                      int64_t start_pos = -1);
+  // A padded or packed batch (no cache): positions and visible keys from `layout`.
+  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout);
   int64_t num_layers() const { return static_cast<int64_t>(layers->size()); }
   LlamaDecoderLayerImpl& layer(int64_t i);
 
@@ -202,6 +222,8 @@ class LlamaModelImpl : public torch::nn::Module {
   bool recompute_layers = false;
 
  private:
+  at::Tensor run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
+                        const at::Tensor& allowed);
   LlamaConfig config_;
 };
 TORCH_MODULE(LlamaModel);
@@ -215,6 +237,7 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
   // Throws std::logic_error while deferred parameters are not yet initialised.
   at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr,
                      int64_t start_pos = -1);
+  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout);
 
   const LlamaConfig& config() const { return config_; }
   uint64_t init_seed() const { return init_seed_; }
@@ -241,6 +264,8 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
 
  private:
   void init_named(const std::string& prefix, torch::nn::Module& module);
+  void check_materialized() const;
+  at::Tensor logits(const at::Tensor& hidden);  // the output projection (tied or lm_head)
 
   LlamaConfig config_;
   uint64_t init_seed_ = 0;

@@ -28,7 +28,7 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, 
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope,
-                                       LlamaKVCache* cache) {
+                                       LlamaKVCache* cache, const at::Tensor& allowed_keys) {
   const int64_t b = x.size(0), t = x.size(1);
   at::Tensor q = q_proj(x).view({b, t, num_heads_, head_dim_}).transpose(1, 2);
   at::Tensor k = k_proj(x).view({b, t, num_kv_heads_, head_dim_}).transpose(1, 2);
@@ -47,13 +47,16 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& 
   if (use_sdpa) {
     // Without cached keys this is SDPA's own causal mask; with them the diagonal moves by
     // `past`, which SDPA's is_causal (aligned top-left) does not do: an explicit mask then.
-    at::Tensor allowed;
-    if (past > 0) allowed = at::arange(s, pos).unsqueeze(0) <= (at::arange(t, pos) + past).unsqueeze(1);
+    at::Tensor allowed = allowed_keys;
+    if (!allowed.defined() && past > 0)
+      allowed = at::arange(s, pos).unsqueeze(0) <= (at::arange(t, pos) + past).unsqueeze(1);
     out = at::scaled_dot_product_attention(q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
-                                           /*dropout_p=*/0.0, /*is_causal=*/past == 0, scale);
+                                           /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale);
   } else {
     at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
-    at::Tensor future = at::arange(s, pos).unsqueeze(0) > (at::arange(t, pos) + past).unsqueeze(1);
+    at::Tensor future = allowed_keys.defined()
+                            ? allowed_keys.logical_not()
+                            : at::arange(s, pos).unsqueeze(0) > (at::arange(t, pos) + past).unsqueeze(1);
     scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
     at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
     out = at::matmul(probs, v);

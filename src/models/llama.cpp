@@ -22,8 +22,8 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const RotaryTables& rope,
-                                          LlamaKVCache* cache) {
-  at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache);
+                                          LlamaKVCache* cache, const at::Tensor& allowed) {
+  at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed);
   return h + mlp(post_attention_layernorm(h));
 }
 
@@ -63,21 +63,41 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
                                 " exceed max_position_embeddings " +
                                 std::to_string(config_.max_position_embeddings));
 
-  at::Tensor hidden = mfsdp::call(*embed_tokens, input_ids);  // a unit of its own when untied
   at::Tensor positions = at::arange(start, start + t, input_ids.options().dtype(at::kLong));
-  RotaryTables rope = rotary_tables(positions, config_.head_dim(), config_.rope_theta);
+  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, {});
+}
+
+at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout) {
+  if (input_ids.dim() != 2)
+    throw std::invalid_argument("LlamaModel::forward: expected input_ids [B, T], found shape " +
+                                c10::str(input_ids.sizes()));
+  const int64_t b = input_ids.size(0), t = input_ids.size(1);
+  at::Tensor allowed = layout.allowed_keys(b, t, input_ids.device());
+  at::Tensor positions = layout.position_ids.defined()
+                             ? layout.position_ids.to(input_ids.device(), at::kLong)
+                             : at::arange(t, input_ids.options().dtype(at::kLong));
+  const int64_t highest = positions.numel() > 0 ? positions.max().item<int64_t>() : 0;
+  if (highest >= config_.max_position_embeddings || (positions.numel() > 0 && positions.min().item<int64_t>() < 0))
+    throw std::invalid_argument("LlamaModel::forward: position_ids must lie in [0, " +
+                                std::to_string(config_.max_position_embeddings) + ")");
+  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), nullptr, allowed);
+}
+
+at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
+                                      const at::Tensor& allowed) {
+  at::Tensor hidden = mfsdp::call(*embed_tokens, input_ids);  // a unit of its own when untied
   const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
   for (int64_t i = 0; i < num_layers(); ++i) {
     auto layer = layers->ptr<LlamaDecoderLayerImpl>(i);
     if (recompute_now) {
       // Captured by value: backward calls the function again after this frame is gone.
       hidden = recompute(
-          [layer, rope](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr))};
+          [layer, rope, allowed](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr), allowed)};
           },
           {hidden})[0];
     } else {
-      hidden = layer->call(hidden, rope, cache);
+      hidden = layer->call(hidden, rope, cache, allowed);
     }
   }
   return norm(hidden);
@@ -100,13 +120,25 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, LlamaKVCache* cache,
                                          int64_t start_pos) {
+  check_materialized();
+  return logits(model->forward(input_ids, cache, start_pos));
+}
+
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout) {
+  check_materialized();
+  return logits(model->forward(input_ids, layout));
+}
+
+at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
+  return lm_head ? mfsdp::call(*lm_head, hidden) : at::linear(hidden, model->embed_tokens->weight);
+}
+
+void LlamaForCausalLMImpl::check_materialized() const {
   if (has_deferred())
     throw std::logic_error(
         "LlamaForCausalLM::forward: the model was built with deferred_init and some parameters "
         "are not materialised yet (call materialize_and_init_layer(i) for every layer and "
         "init_root())");
-  at::Tensor hidden = model->forward(input_ids, cache, start_pos);
-  return lm_head ? mfsdp::call(*lm_head, hidden) : at::linear(hidden, model->embed_tokens->weight);
 }
 
 void LlamaForCausalLMImpl::init_values(const std::string& name, const at::Tensor& out) const {

@@ -7,8 +7,8 @@
 namespace mfsdp {
 
 RotaryTables rotary_tables(const at::Tensor& positions, int64_t head_dim, double theta) {
-  if (positions.dim() != 1)
-    throw std::invalid_argument("rotary_tables: expected 1-D positions, found " +
+  if (positions.dim() != 1 && positions.dim() != 2)
+    throw std::invalid_argument("rotary_tables: expected positions [T] or [B, T], found " +
                                 std::to_string(positions.dim()) + "-D");
   if (head_dim <= 0 || head_dim % 2 != 0)
     throw std::invalid_argument("rotary_tables: expected an even positive head_dim, found " +
@@ -18,8 +18,8 @@ RotaryTables rotary_tables(const at::Tensor& positions, int64_t head_dim, double
   at::Tensor exponent = at::arange(0, head_dim, 2, positions.options().dtype(at::kLong))
                             .to(at::kFloat) / static_cast<double>(head_dim);
   at::Tensor inv_freq = at::reciprocal(at::pow(theta, exponent));             // [d/2]
-  at::Tensor freqs = positions.to(fp32).unsqueeze(1) * inv_freq.unsqueeze(0);  // [T, d/2]
-  at::Tensor emb = at::cat({freqs, freqs}, -1);                                // [T, d]
+  at::Tensor freqs = positions.to(fp32).unsqueeze(-1) * inv_freq;  // [(B,) T, d/2]
+  at::Tensor emb = at::cat({freqs, freqs}, -1);                     // [(B,) T, d]
   return {emb.cos(), emb.sin()};
 }
 
@@ -31,7 +31,32 @@ at::Tensor rotate_half(const at::Tensor& x) {
 
 at::Tensor apply_rotary(const at::Tensor& x, const RotaryTables& rope) {
   at::Tensor cos = rope.cos.to(x.dtype()), sin = rope.sin.to(x.dtype());
+  if (cos.dim() == 3) {  // per-row tables [B, T, d] against x [B, heads, T, d]
+    cos = cos.unsqueeze(1);
+    sin = sin.unsqueeze(1);
+  }
   return x * cos + rotate_half(x) * sin;
+}
+
+at::Tensor SequenceLayout::allowed_keys(int64_t batch, int64_t length, const at::Device& device) const {
+  auto check = [&](const at::Tensor& t, const char* name) {
+    if (t.defined() && (t.dim() != 2 || t.size(0) != batch || t.size(1) != length))
+      throw std::invalid_argument(std::string("SequenceLayout: ") + name + " has shape " + c10::str(t.sizes()) +
+                                  ", the batch is [" + std::to_string(batch) + ", " + std::to_string(length) + "]");
+  };
+  check(position_ids, "position_ids");
+  check(attention_mask, "attention_mask");
+  check(segment_ids, "segment_ids");
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+  at::Tensor index = at::arange(length, longs);
+  at::Tensor allowed = (index.unsqueeze(0) <= index.unsqueeze(1)).expand({batch, length, length});  // causal
+  if (attention_mask.defined()) allowed = allowed & attention_mask.to(device).ne(0).unsqueeze(1);
+  if (segment_ids.defined()) {
+    at::Tensor seg = segment_ids.to(device);
+    allowed = allowed & seg.unsqueeze(2).eq(seg.unsqueeze(1));
+  }
+  allowed = allowed | at::eye(length, at::TensorOptions().dtype(at::kBool).device(device)).unsqueeze(0);
+  return allowed.unsqueeze(1);
 }
 
 }  // namespace mfsdp

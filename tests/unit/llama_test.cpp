@@ -441,6 +441,48 @@ TEST(LlamaAttention, SdpaMatchesTheMathPath) {
   expect_close(torch::cat(pieces, 1), logits[0].detach(), 1e-5, "SDPA decoding with cached keys");
 }
 
+// A padded batch (left- and right-padded rows, per-row position_ids and an attention mask) gives
+// every real token the logits its row gets alone, and so does a packed row (two samples with
+// restarting positions and segment ids), on the SDPA and the math path.
+TEST(LlamaModel, PaddedAndPackedBatchesMatchRowsRunAlone) {
+  LlamaConfig c = small_config(2);
+  torch::manual_seed(1);
+  LlamaForCausalLM model(c);
+  randomize(model, 41);
+  torch::NoGradGuard no_grad;
+  Tensor a = random_ids(1, 6, c.vocab_size, 42), b = random_ids(1, 4, c.vocab_size, 43);
+  for (bool sdpa : {true, false}) {
+    for (int64_t i = 0; i < c.num_layers; ++i) model->model->layer(i).self_attn->use_sdpa = sdpa;
+    const std::string path = sdpa ? "SDPA" : "math";
+    Tensor alone_a = model->forward(a), alone_b = model->forward(b);
+
+    // Row 0: a (no padding); row 1: b left-padded by 2; row 2: b right-padded by 2.
+    Tensor pad = torch::zeros({1, 2}, torch::kLong);
+    Tensor ids = torch::cat({a, torch::cat({pad, b}, 1), torch::cat({b, pad}, 1)}, 0);
+    Tensor mask = torch::ones({3, 6}, torch::kLong);
+    mask[1].narrow(0, 0, 2).zero_();
+    mask[2].narrow(0, 4, 2).zero_();
+    mfsdp::SequenceLayout layout;
+    layout.attention_mask = mask;
+    layout.position_ids = (mask.cumsum(1) - 1).clamp_min(0);
+    Tensor batched = model->forward(ids, layout);
+    EXPECT_FALSE(batched.isnan().any().item<bool>()) << path;
+    expect_close(batched[0].unsqueeze(0), alone_a, 1e-5, path + ": unpadded row");
+    expect_close(batched[1].narrow(0, 2, 4).unsqueeze(0), alone_b, 1e-5, path + ": left-padded row");
+    expect_close(batched[2].narrow(0, 0, 4).unsqueeze(0), alone_b, 1e-5, path + ": right-padded row");
+
+    mfsdp::SequenceLayout packed;
+    packed.segment_ids = torch::cat({torch::zeros({1, 6}, torch::kLong), torch::ones({1, 4}, torch::kLong)}, 1);
+    packed.position_ids = torch::cat({torch::arange(6), torch::arange(4)}).unsqueeze(0);
+    Tensor both = model->forward(torch::cat({a, b}, 1), packed);
+    expect_close(both.narrow(1, 0, 6), alone_a, 1e-5, path + ": first packed sample");
+    expect_close(both.narrow(1, 6, 4), alone_b, 1e-5, path + ": second packed sample");
+  }
+  mfsdp::SequenceLayout wrong;
+  wrong.attention_mask = torch::ones({2, 6}, torch::kLong);
+  EXPECT_THROW(model->forward(a, wrong), std::invalid_argument);
+}
+
 bool graph_has_node(const Tensor& t, const std::string& needle) {
   std::vector<torch::autograd::Node*> stack = {t.grad_fn().get()};
   std::set<torch::autograd::Node*> seen;
