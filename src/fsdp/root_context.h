@@ -35,8 +35,8 @@ class UnitState;
 // rank only (memory(), events()).
 class CommContext {
  public:
+  // All-gathers run on `shard_group` itself (each ParamGroup holds it).
   explicit CommContext(std::shared_ptr<Communicator> shard_group) : all_gather_(std::move(shard_group)) {}
-  Communicator& all_gather() const { return *all_gather_; }
   Communicator& reduce_scatter();
 
  private:

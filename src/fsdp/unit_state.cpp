@@ -93,10 +93,6 @@ void UnitState::set_phase(Phase to) {
   phase_ = to;
 }
 
-bool UnitState::encloses(const UnitState* unit) const {
-  return std::find(members_.begin(), members_.end(), unit) != members_.end();
-}
-
 RootContext& UnitState::context() { return *shared_context(); }
 
 std::shared_ptr<RootContext> UnitState::shared_context() {

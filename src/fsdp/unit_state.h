@@ -52,8 +52,6 @@ class UnitState {
   void set_parent(UnitState* parent) { parent_ = parent; }
   void set_members(std::vector<UnitState*> members) { members_ = std::move(members); }
   const std::vector<UnitState*>& members() const { return members_; }
-  // This unit and every unit under it (members of the subtree).
-  bool encloses(const UnitState* unit) const;
 
   void set_reshard_after_forward(bool r) { reshard_after_forward_ = r; }
   void set_unshard_in_backward(bool u) { unshard_in_backward_ = u; }
