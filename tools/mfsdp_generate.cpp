@@ -6,7 +6,7 @@
 //
 // DIR is what mfsdp::load_model (include/mfsdp/generate.h) reads: the folder of
 // `mfsdp-pretrain --save-final-model`, a checkpoint (`mfsdp-pretrain --save`, `mfsdp-ckpt
-// import-hf`; a save folder or an iter_NNNNNNN folder) or a Hugging Face Llama folder. Text in
+// import-hf`; a save folder or an iter_NNNNNNN folder) or a Hugging Face Llama or Qwen2 folder. Text in
 // and out needs the model's tokenizer to be ByteLevelTokenizer or GPT2BPETokenizer; any model
 // works with token ids. --logits-out writes the fp32 logits of one forward over the prompt
 // ([1, T, vocab], tensor "logits", safetensors) so they can be compared with another
@@ -70,8 +70,8 @@ int main(int argc, char** argv) {
                "           [--logits-out FILE] [--vocab-file V --merge-file M] [--device auto|cpu|cuda]\n"
                "  --model DIR        a final model (mfsdp-pretrain --save-final-model), a checkpoint\n"
                "                     (mfsdp-pretrain --save, mfsdp-ckpt import-hf: the save folder, read at its\n"
-               "                     latest iteration, or an iter_NNNNNNN folder) or a Hugging Face Llama folder\n"
-               "                     (config.json + model.safetensors or model.safetensors.index.json)\n"
+               "                     latest iteration, or an iter_NNNNNNN folder) or a Hugging Face Llama or\n"
+               "                     Qwen2 folder (config.json + model.safetensors or model.safetensors.index.json)\n"
                "  --device D         where the model runs: auto (the GPU when there is one), cpu or cuda\n"
                "  --print-ids        print the generated token ids (comma-separated) instead of text\n"
                "  --logits-out FILE  also write the fp32 logits of one forward over the prompt, shape\n"

@@ -311,8 +311,10 @@ int main(int argc, char** argv) {
   app.add_option("--tokenizer-type", args.tokenizer.type, "Tokenizer")
       ->required()
       ->check(CLI::IsMember({"ByteLevelTokenizer", "SentencePieceTokenizer",
-                             "GPTSentencePieceTokenizer", "GPT2BPETokenizer"}));
-  app.add_option("--tokenizer-model", args.tokenizer.model_file, "SentencePiece .model file");
+                             "GPTSentencePieceTokenizer", "GPT2BPETokenizer",
+                             "HuggingFaceTokenizer"}));
+  app.add_option("--tokenizer-model", args.tokenizer.model_file,
+                 "SentencePiece .model file; HuggingFaceTokenizer: tokenizer.json or its folder");
   app.add_option("--vocab-file", args.tokenizer.vocab_file, "GPT-2 BPE vocab.json");
   app.add_option("--merge-file", args.tokenizer.merge_file, "GPT-2 BPE merges.txt");
   app.add_flag("--append-eod", args.append_eod, "Append the end-of-document token to each document");

@@ -22,8 +22,10 @@ struct GenerateOptions {
   int64_t stop_id = -1;      // stop after generating this id (e.g. EOD); -1: never
 };
 
-// Returns the generated ids (without the prompt). Runs model->forward with a KV cache: the prompt
-// once, then one token per step. Throws std::invalid_argument on bad options or an empty prompt.
+// Returns the generated ids (without the prompt, with stop_id when produced): generate_batch
+// (batched_generate.h) on a batch of one with row seed `seed`, so a KV cache, the prompt once,
+// then one token per step, stopping before a token would sit at position max_position_embeddings.
+// Throws std::invalid_argument on bad options or an empty prompt.
 std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt,
                               const GenerateOptions& options);
 
@@ -47,9 +49,10 @@ LoadedModel load_final_model(const std::string& dir);
 //   a sharded checkpoint (is_checkpoint: a save folder, read at its latest iteration, or an
 //     iter_NNNNNNN folder): its metadata's model_config and its "model." tensors; the
 //     tokenizer is the checkpoint's "--tokenizer-type" argument, if any;
-//   a Hugging Face Llama folder (is_hf_folder: config.json + model.safetensors or an index with
-//     shards), as import_hf accepts it: "rotary_emb.inv_freq" buffers are ignored, a tied model's
-//     "lm_head.weight" must equal the embedding, bias tensors are an error.
+//   a Hugging Face Llama or Qwen2 folder (is_hf_folder: config.json + model.safetensors or an
+//     index with shards), as import_hf accepts it: "rotary_emb.inv_freq" buffers are ignored, a
+//     tied model's "lm_head.weight" must equal the embedding, bias tensors are an error unless
+//     the config has Qwen2's q/k/v biases (then exactly those are required).
 // Tensors are read through TensorSource (hf_interop.h) and cast to fp32. Errors
 // (std::invalid_argument) name `path` and what was wrong: not one of these, a config that is not
 // a supported Llama config, missing / unexpected / misshapen / non-floating-point tensors.

@@ -15,30 +15,40 @@
 
 namespace mfsdp {
 
-// A config.json that transformers loads as LlamaForCausalLM: architectures, model_type "llama",
-// the sizes, rope_theta, rms_norm_eps, initializer_range, tie_word_embeddings, hidden_act "silu",
-// head_dim, attention_bias/mlp_bias false, rope_scaling null, torch_dtype ("float32", "bfloat16"
-// or "float16"; anything else throws std::invalid_argument). No bos/eos token ids: the model has
-// no tokenizer attached. Validates `cfg` first (LlamaConfig::validate).
+// A config.json that transformers loads as LlamaForCausalLM, or as Qwen2ForCausalLM when
+// cfg.attention_bias (q/k/v biases): architectures, model_type "llama" / "qwen2", the sizes,
+// rope_theta, rms_norm_eps, initializer_range, tie_word_embeddings, hidden_act "silu", head_dim,
+// attention_bias, rope_scaling null, torch_dtype ("float32", "bfloat16" or "float16"; anything
+// else throws std::invalid_argument); Llama: mlp_bias false; Qwen2: use_sliding_window false,
+// sliding_window null, max_window_layers. No bos/eos token ids: the model has no tokenizer
+// attached. Validates `cfg` first (LlamaConfig::validate).
 nlohmann::json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype);
 
 // Reads a transformers config.json. Accepted model_type values:
 //   "llama";
 //   "mistral" only without a sliding window (sliding_window null/absent);
-//   "qwen2" only without sliding window (use_sliding_window false/absent). Qwen2 models have
-//     q/k/v biases, which this model does not: the caller must check the weights with
-//     hf_bias_tensors() and reject the folder if any are present (a Qwen2-shaped checkpoint
-//     without bias tensors is accepted).
+//   "qwen2" only without sliding window (use_sliding_window false/absent; sliding_window is then
+//     ignored): attention_bias is true (Qwen2's q/k/v biases), whatever the file says.
 // Required: vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 // max_position_embeddings. Optional with transformers' defaults: num_key_value_heads
 // (= num_attention_heads), rope_theta (10000), rms_norm_eps (1e-6), initializer_range (0.02),
 // tie_word_embeddings (false). Rejected: hidden_act other than "silu", rope_scaling other than
-// null, attention_bias or mlp_bias true, head_dim != hidden_size / num_attention_heads.
+// null, attention_bias true on llama/mistral (it would also bias o_proj), mlp_bias true,
+// layer_types other than all "full_attention", head_dim != hidden_size / num_attention_heads.
 // Errors are std::invalid_argument naming the missing or invalid field; the result is validated.
 LlamaConfig llama_config_from_hf(const nlohmann::json& config);
 
-// The names among `tensor_names` that are bias tensors ("...bias"), which LlamaForCausalLM
-// cannot hold; an importer throws if this is not empty.
+// The names among `tensor_names` that are bias tensors ("...bias").
 std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_names);
+
+// Reconciles cfg.attention_bias (from a Hugging Face folder's config.json) with the tensors the
+// folder holds (`tensor_names`, HF names), for import_hf and load_model:
+//   - a Qwen2 config whose folder has no bias tensors at all becomes attention_bias false:
+//     transformers would initialise the missing biases to zero, which is the same model;
+//   - a Qwen2 folder with only some of its q/k/v biases, or bias tensors in a folder whose
+//     config has none, throws std::invalid_argument starting with `where`, naming the bias
+//     tensors present (and, for Qwen2, the first missing ones).
+// Anything else (all of Qwen2's biases, or none for a Llama) is left to check_llama_tensors.
+void reconcile_hf_biases(LlamaConfig& cfg, const std::vector<std::string>& tensor_names, const std::string& where);
 
 }  // namespace mfsdp

@@ -12,15 +12,20 @@
 //   model.layers.{i}.input_layernorm.weight       [H]
 //   model.layers.{i}.self_attn.{q,o}_proj.weight  [nh*hd, H] / [H, nh*hd]
 //   model.layers.{i}.self_attn.{k,v}_proj.weight  [nkv*hd, H]
+//   model.layers.{i}.self_attn.q_proj.bias        [nh*hd]   (only with attention_bias: Qwen2)
+//   model.layers.{i}.self_attn.{k,v}_proj.bias    [nkv*hd]  (only with attention_bias: Qwen2)
 //   model.layers.{i}.post_attention_layernorm.weight [H]
 //   model.layers.{i}.mlp.{gate,up}_proj.weight    [I, H]
 //   model.layers.{i}.mlp.down_proj.weight         [H, I]
 //   model.norm.weight                             [H]
 //   lm_head.weight                                [V, H]   (absent when tie_word_embeddings:
 //                                                           the output uses embed_tokens.weight)
-// No biases anywhere. Buffers: none (RoPE tables are computed per forward from the positions).
+// No other biases (o_proj and the MLP have none). Buffers: none (RoPE tables are computed per
+// forward from the positions). Within a module the weight comes before the bias, as in
+// transformers' nn.Linear.
 //
-// Initialisation: normal(0, init_std) for projection and embedding weights, ones for norms. Each
+// Initialisation: normal(0, init_std) for projection and embedding weights, ones for norms,
+// zeros for biases (transformers' _init_weights). Each
 // parameter draws from its own generator seeded by (init seed, parameter name), and the init seed
 // is drawn once from the default CPU generator when the model is built, so the weights depend
 // only on torch::manual_seed (or LlamaOptions::init_seed) and never on the order in which
@@ -56,6 +61,10 @@ struct LlamaConfig {
   double rms_norm_eps = 1e-5;
   bool tie_word_embeddings = false;
   double init_std = 0.02;             // HF initializer_range, Megatron --init-method-std
+  // Biases on q_proj, k_proj and v_proj (Qwen2; HF config.json: model_type "qwen2"). Not
+  // transformers' LlamaConfig.attention_bias, which also puts one on o_proj: hf_llama.h refuses
+  // that.
+  bool attention_bias = false;
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   // Throws std::invalid_argument naming the field: every size positive, heads divide
@@ -97,16 +106,21 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep);
 
 // ---- Padded and packed batches ---------------------------------------------------------------
 
-// Per-row positions and which keys each query may see (no KV cache). Every field is optional.
+// Per-row positions and which keys each query may see. Every field is optional.
+// With a KV cache holding `past` positions (batched generation, left-padded prompts), the T new
+// tokens are keys past .. past + T - 1 and attention_mask covers every key, cached and new:
+// [B, past + T] (transformers' convention); position_ids are the new tokens' positions.
 struct SequenceLayout {
-  at::Tensor position_ids;    // [B, T] int64 RoPE positions; undefined: 0 .. T-1 in every row
-  at::Tensor attention_mask;  // [B, T], nonzero for tokens, 0 for padding (never a key);
+  at::Tensor position_ids;    // [B, T] int64 RoPE positions; undefined: past .. past + T - 1
+  at::Tensor attention_mask;  // [B, past + T], nonzero for tokens, 0 for padding (never a key);
                               // undefined: no padding
   at::Tensor segment_ids;     // [B, T] int64, packed samples: a query sees only keys of its own
-                              // segment (with position_ids restarting per sample); undefined: one
-  // [B, 1, T, T] bool: query i may see key j (causal, a token, the same segment). Padding
-  // queries see themselves, so no row of the softmax is empty; their outputs mean nothing.
-  at::Tensor allowed_keys(int64_t batch, int64_t length, const at::Device& device) const;
+                              // segment (with position_ids restarting per sample); undefined: one.
+                              // Not with a cache (past > 0).
+  // [B, 1, T, past + T] bool: query i (key index past + i) may see key j (j <= past + i, a token,
+  // the same segment). Padding queries see themselves, so no row of the softmax is empty; their
+  // outputs mean nothing. Throws std::invalid_argument on a misshapen field.
+  at::Tensor allowed_keys(int64_t batch, int64_t length, const at::Device& device, int64_t past = 0) const;
 };
 
 // ---- KV cache for incremental decoding --------------------------------------------------
@@ -131,13 +145,14 @@ class LlamaKVCache {
 
 // ---- Modules ----------------------------------------------------------------------------
 
-// y = x @ weight^T, no bias. Its own type (not torch::nn::Linear, which allocates and
+// y = x @ weight^T (+ bias). Its own type (not torch::nn::Linear, which allocates and
 // kaiming-initialises at construction) so parameters can be deferred.
 class LlamaLinearImpl : public torch::nn::Module {
  public:
-  LlamaLinearImpl(int64_t in_features, int64_t out_features, bool deferred);
+  LlamaLinearImpl(int64_t in_features, int64_t out_features, bool deferred, bool bias = false);
   at::Tensor forward(const at::Tensor& x);
   at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // [out]; undefined (not a parameter) without bias
 };
 TORCH_MODULE(LlamaLinear);
 
@@ -166,8 +181,9 @@ class LlamaAttentionImpl : public torch::nn::Module {
  public:
   LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
   // x: [B, T, H]; rope: tables for the T new positions; cache: null in training. Query t (at
-  // position start + t, start = keys cached before this call) attends to keys 0 .. start + t.
-  // `allowed` [B, 1, T, S] bool (SequenceLayout::allowed_keys) replaces the causal mask; no cache.
+  // key index start + t, start = keys cached before this call) attends to keys 0 .. start + t.
+  // `allowed` [B, 1, T, S] bool (SequenceLayout::allowed_keys; S = cached + T) replaces that
+  // causal mask.
   at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {});
   LlamaLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
@@ -211,8 +227,10 @@ class LlamaModelImpl : public torch::nn::Module {
   // and with a cache it must equal the cache's length.
   at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr,
                      int64_t start_pos = -1);
-  // A padded or packed batch (no cache): positions and visible keys from `layout`.
-  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout);
+  // A padded or packed batch: positions and visible keys from `layout`. With a cache (batched
+  // generation) the new tokens follow the cache's keys and layout.attention_mask covers both
+  // (SequenceLayout); left-padded rows need their own position_ids.
+  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache = nullptr);
   int64_t num_layers() const { return static_cast<int64_t>(layers->size()); }
   LlamaDecoderLayerImpl& layer(int64_t i);
 
@@ -237,7 +255,7 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
   // Throws std::logic_error while deferred parameters are not yet initialised.
   at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr,
                      int64_t start_pos = -1);
-  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout);
+  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache = nullptr);
 
   const LlamaConfig& config() const { return config_; }
   uint64_t init_seed() const { return init_seed_; }

@@ -197,10 +197,8 @@ void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
 
   std::vector<std::string> names;
   for (const auto& kv : tensors) names.push_back(kv.first);
-  const std::vector<std::string> biases = hf_bias_tensors(names);
-  if (!biases.empty())
-    throw std::invalid_argument(where + " has bias tensors, which this Llama model cannot hold (Qwen2-style q/k/v "
-                                "or MLP biases are not supported): " + quoted_list(biases, 16));
+  // Qwen2's q/k/v biases: all or none (none: the model without them); others are named.
+  reconcile_hf_biases(cfg, names, where);
   for (auto it = tensors.begin(); it != tensors.end();)
     it = ends_with(it->first, "rotary_emb.inv_freq") ? tensors.erase(it) : std::next(it);
   if (cfg.tie_word_embeddings && tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight")) {

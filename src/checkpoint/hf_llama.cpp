@@ -1,6 +1,7 @@
 // Hugging Face config.json <-> LlamaConfig: see include/mfsdp/hf_llama.h.
 #include "mfsdp/hf_llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -66,9 +67,12 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
       throw std::invalid_argument(std::string("llama_hf_config: torch_dtype must be float32, bfloat16 or float16, not ") +
                                   c10::toString(torch_dtype));
   }
+  // q/k/v biases make it a Qwen2 model: transformers' LlamaForCausalLM with attention_bias would
+  // also give o_proj a bias, Qwen2ForCausalLM has exactly these.
+  const bool qwen2 = cfg.attention_bias;
   json j;
-  j["architectures"] = json::array({"LlamaForCausalLM"});
-  j["model_type"] = "llama";
+  j["architectures"] = json::array({qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"});
+  j["model_type"] = qwen2 ? "qwen2" : "llama";
   j["vocab_size"] = cfg.vocab_size;
   j["hidden_size"] = cfg.hidden_size;
   j["intermediate_size"] = cfg.intermediate_size;
@@ -83,10 +87,18 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
   j["initializer_range"] = cfg.init_std;
   j["tie_word_embeddings"] = cfg.tie_word_embeddings;
   j["hidden_act"] = "silu";
-  j["attention_bias"] = false;
+  // Qwen2Config has no attention_bias field (its q/k/v biases are fixed); written anyway so that
+  // a config compares field by field with another (transformers keeps unknown fields).
+  j["attention_bias"] = cfg.attention_bias;
   j["attention_dropout"] = 0.0;
-  j["mlp_bias"] = false;
-  j["pretraining_tp"] = 1;
+  if (qwen2) {
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = cfg.num_layers;
+  } else {
+    j["mlp_bias"] = false;
+    j["pretraining_tp"] = 1;
+  }
   j["use_cache"] = true;
   j["torch_dtype"] = dtype;
   return j;
@@ -128,15 +140,28 @@ LlamaConfig llama_config_from_hf(const json& c) {
     }
     if (find(*rp, "rope_theta") != nullptr) cfg.rope_theta = optional_double(*rp, "rope_theta", cfg.rope_theta);
   }
-  if (optional_bool(c, "attention_bias", false))
-    bad("attention_bias", "attention biases are not supported (LlamaForCausalLM here has no biases)");
+  if (model_type == "qwen2") {
+    // Qwen2Attention always has q/k/v biases (and none on o_proj), whatever the file says.
+    cfg.attention_bias = true;
+  } else if (optional_bool(c, "attention_bias", false)) {
+    bad("attention_bias", "true on a " + model_type + " model also puts a bias on o_proj, which is not supported "
+        "(q/k/v biases alone are: model_type \"qwen2\")");
+  }
   if (optional_bool(c, "mlp_bias", false)) bad("mlp_bias", "MLP biases are not supported");
   if (model_type == "mistral") {
     if (const json* sw = find(c, "sliding_window"))
       bad("sliding_window", "sliding-window attention is not supported, found " + sw->dump());
   }
   if (model_type == "qwen2" && optional_bool(c, "use_sliding_window", false))
-    bad("use_sliding_window", "sliding-window attention is not supported");
+    bad("use_sliding_window", "sliding-window attention is not supported (sliding_window is ignored only when "
+        "use_sliding_window is false)");
+  // transformers 5 spells the attention kind per layer; only full attention is supported.
+  if (const json* lt = find(c, "layer_types")) {
+    if (!lt->is_array()) bad("layer_types", "expected a list, found " + lt->dump());
+    for (const json& t : *lt)
+      if (!t.is_string() || t.get<std::string>() != "full_attention")
+        bad("layer_types", "only \"full_attention\" layers are supported, found " + t.dump());
+  }
   if (const json* hd = find(c, "head_dim")) {
     if (!hd->is_number_integer() || hd->get<int64_t>() <= 0 || cfg.hidden_size % cfg.num_attention_heads != 0 ||
         hd->get<int64_t>() != cfg.hidden_size / cfg.num_attention_heads)
@@ -157,6 +182,38 @@ std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_
   for (const auto& n : tensor_names)
     if (n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0) out.push_back(n);
   return out;
+}
+
+namespace {
+std::string quoted(const std::vector<std::string>& names, size_t most = 8) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < most; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > most) out += " and " + std::to_string(names.size() - most) + " more";
+  return out;
+}
+}  // namespace
+
+void reconcile_hf_biases(LlamaConfig& cfg, const std::vector<std::string>& tensor_names, const std::string& where) {
+  const std::vector<std::string> present = hf_bias_tensors(tensor_names);
+  if (!cfg.attention_bias) {
+    if (!present.empty())
+      throw std::invalid_argument(where + " has bias tensors, which its config.json does not provide for (only "
+                                  "Qwen2's q/k/v biases are supported, with model_type \"qwen2\"): " + quoted(present, 16));
+    return;
+  }
+  if (present.empty()) {
+    cfg.attention_bias = false;  // zero biases: the model without them
+    return;
+  }
+  std::vector<std::string> missing;
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    for (const char* proj : {"q_proj", "k_proj", "v_proj"}) {
+      const std::string name = "model.layers." + std::to_string(l) + ".self_attn." + proj + ".bias";
+      if (std::find(present.begin(), present.end(), name) == present.end()) missing.push_back(name);
+    }
+  if (!missing.empty())
+    throw std::invalid_argument(where + " has only some of Qwen2's q/k/v bias tensors: present " + quoted(present) +
+                                "; missing " + quoted(missing));
 }
 
 }  // namespace mfsdp

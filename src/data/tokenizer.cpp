@@ -25,9 +25,16 @@ std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerOptions& options) {
     }
     return load_gpt2_bpe_tokenizer(options.vocab_file, options.merge_file);
   }
+  if (type == "HuggingFaceTokenizer") {
+    if (options.model_file.empty()) {
+      throw std::invalid_argument("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                                  "(a tokenizer.json or the folder holding one)");
+    }
+    return load_hf_tokenizer(options.model_file);
+  }
   throw std::invalid_argument("--tokenizer-type: unknown tokenizer '" + type +
                               "' (known: ByteLevelTokenizer, SentencePieceTokenizer, "
-                              "GPTSentencePieceTokenizer, GPT2BPETokenizer)");
+                              "GPTSentencePieceTokenizer, GPT2BPETokenizer, HuggingFaceTokenizer)");
 }
 
 }  // namespace mfsdp

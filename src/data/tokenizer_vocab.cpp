@@ -64,6 +64,7 @@ int64_t tokenizer_vocab_size(const TokenizerOptions& o) {
     if (o.merge_file.empty()) throw std::invalid_argument("--merge-file: required by GPT2BPETokenizer");
     return load_gpt2_bpe_tokenizer(o.vocab_file, o.merge_file)->vocab_size();
   }
+  if (o.type == "HuggingFaceTokenizer") return make_torch_safe_tokenizer(o)->vocab_size();
   throw std::invalid_argument("--tokenizer-type: unknown tokenizer '" + o.type + "'");
 }
 
@@ -77,6 +78,14 @@ std::unique_ptr<Tokenizer> make_torch_safe_tokenizer(const TokenizerOptions& o) 
     if (o.vocab_file.empty()) throw std::invalid_argument("--vocab-file: required by GPT2BPETokenizer");
     if (o.merge_file.empty()) throw std::invalid_argument("--merge-file: required by GPT2BPETokenizer");
     return load_gpt2_bpe_tokenizer(o.vocab_file, o.merge_file);
+  }
+  // Torch-free (nlohmann JSON only), unlike SentencePiece.
+  if (o.type == "HuggingFaceTokenizer") {
+    if (o.model_file.empty()) {
+      throw std::invalid_argument(
+          "--tokenizer-model: required by HuggingFaceTokenizer (tokenizer.json or its folder)");
+    }
+    return load_hf_tokenizer(o.model_file);
   }
   return nullptr;
 }

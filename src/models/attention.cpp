@@ -1,4 +1,5 @@
-// Causal grouped-query self-attention with RoPE and an optional KV cache (HF eager attention).
+// Causal grouped-query self-attention with RoPE, optional q/k/v biases (Qwen2) and an optional
+// KV cache (HF eager attention).
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -21,9 +22,11 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, 
       head_dim_(c.head_dim()),
       layer_idx_(layer_idx) {
   const int64_t h = c.hidden_size;
-  q_proj = register_module("q_proj", LlamaLinear(h, num_heads_ * head_dim_, deferred));
-  k_proj = register_module("k_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred));
-  v_proj = register_module("v_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred));
+  // Qwen2 (attention_bias): biases on q, k and v only, as transformers' Qwen2Attention.
+  const bool bias = c.attention_bias;
+  q_proj = register_module("q_proj", LlamaLinear(h, num_heads_ * head_dim_, deferred, bias));
+  k_proj = register_module("k_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred, bias));
+  v_proj = register_module("v_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred, bias));
   o_proj = register_module("o_proj", LlamaLinear(num_heads_ * head_dim_, h, deferred));
 }
 

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "mfsdp/batched_generate.h"
 #include "mfsdp/hf_interop.h"
 #include "mfsdp/hf_llama.h"
 
@@ -53,24 +54,6 @@ LlamaForCausalLM build_model(const LlamaConfig& cfg, const std::map<std::string,
   return model;
 }
 
-// Keeps the logits of the smallest set of tokens whose probability reaches top_p, and at most
-// top_k of them; the rest become -inf.
-at::Tensor filter_logits(at::Tensor logits, const GenerateOptions& o) {
-  if (o.top_k > 0 && o.top_k < logits.size(0)) {
-    at::Tensor kth = std::get<0>(logits.topk(o.top_k)).index({-1});
-    logits = logits.masked_fill(logits < kth, -std::numeric_limits<float>::infinity());
-  }
-  if (o.top_p < 1.0) {
-    auto [sorted, order] = logits.sort(/*dim=*/0, /*descending=*/true);
-    at::Tensor cumulative = sorted.softmax(0).cumsum(0);
-    // Drop a token when the tokens before it already reach top_p (the first always stays).
-    at::Tensor drop = (cumulative - sorted.softmax(0)) >= o.top_p;
-    at::Tensor mask = at::zeros_like(drop).scatter(0, order, drop);
-    logits = logits.masked_fill(mask, -std::numeric_limits<float>::infinity());
-  }
-  return logits;
-}
-
 }  // namespace
 
 std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt,
@@ -79,35 +62,21 @@ std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int
   if (!(o.temperature > 0)) throw std::invalid_argument("generate: temperature must be > 0");
   if (!(o.top_p > 0 && o.top_p <= 1)) throw std::invalid_argument("generate: top_p must be in (0, 1]");
   if (o.top_k < 0) throw std::invalid_argument("generate: top_k must be >= 0");
+  if (o.max_new_tokens < 0) throw std::invalid_argument("generate: max_new_tokens must be >= 0");
   const int64_t limit = model.config().max_position_embeddings;
   if (static_cast<int64_t>(prompt.size()) >= limit)
     throw std::invalid_argument("generate: the prompt has " + std::to_string(prompt.size()) +
                                 " tokens; the model takes at most " + std::to_string(limit));
-  torch::NoGradGuard no_grad;
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
-  LlamaKVCache cache(model.config().num_layers);
-  // Runs where the model is; sampling happens on the CPU with `gen`, so a seed draws the same
-  // tokens from the same logits on every device.
-  const at::Device device = model.parameters().front().device();
-  at::Tensor input = torch::tensor(prompt, torch::kLong).unsqueeze(0).to(device);
-  std::vector<int64_t> out;
-  int64_t position = 0;
-  for (int64_t step = 0; step < o.max_new_tokens && position + input.size(1) <= limit; ++step) {
-    at::Tensor logits = model.forward(input, &cache, position);  // [1, T, V]
-    position += input.size(1);
-    at::Tensor last = logits[0][-1].to(at::kCPU, torch::kFloat);
-    int64_t next;
-    if (o.greedy) {
-      next = last.argmax().item<int64_t>();
-    } else {
-      at::Tensor probs = filter_logits(last / o.temperature, o).softmax(0);
-      next = at::multinomial(probs, 1, false, gen).item<int64_t>();
-    }
-    out.push_back(next);
-    if (next == o.stop_id) break;
-    input = torch::tensor({next}, torch::kLong).unsqueeze(0).to(device);
-  }
-  return out;
+  // A batch of one (batched_generate.h): the same KV-cache decoding and CPU sampling with a
+  // generator seeded o.seed, so one prompt continues exactly as it does inside a rollout batch.
+  SamplingOptions s;
+  s.max_new_tokens = o.max_new_tokens;
+  s.greedy = o.greedy;
+  s.temperature = o.temperature;
+  s.top_k = o.top_k;
+  s.top_p = o.top_p;
+  if (o.stop_id >= 0) s.stop_ids = {o.stop_id};
+  return generate_batch(model, {prompt}, {o.seed}, s).tokens.front();
 }
 
 void save_final_model(const std::string& dir, const LlamaConfig& c, const std::string& tokenizer_type,
@@ -200,8 +169,7 @@ LoadedModel load_model(const std::string& path) {
   if (source.is_checkpoint() && model_config.empty())
     throw std::invalid_argument(where + " has no model_config in its metadata.json; generation needs the model's "
                                 "configuration");
-  const LlamaConfig c =
-      config_from_hf(model_config, where + (source.is_checkpoint() ? ": model_config" : ": config.json"));
+  LlamaConfig c = config_from_hf(model_config, where + (source.is_checkpoint() ? ": model_config" : ": config.json"));
 
   // The model's tensors by HF name: a checkpoint stores them as "model.<HF name>", and
   // TensorSource names an HF folder's tensors the same way (hf_interop.h).
@@ -213,10 +181,7 @@ LoadedModel load_model(const std::string& path) {
     // $(mfsdp-ckpt import-hf HF)` load the same model.
     std::vector<std::string> names;
     for (const auto& kv : shapes) names.push_back(kv.first);
-    const std::vector<std::string> biases = hf_bias_tensors(names);
-    if (!biases.empty())
-      throw std::invalid_argument(where + " has bias tensors, which this Llama model cannot hold, e.g. '" +
-                                  biases.front() + "' (" + std::to_string(biases.size()) + " in all)");
+    reconcile_hf_biases(c, names, where);  // Qwen2's q/k/v biases: all or none
     for (auto it = shapes.begin(); it != shapes.end();)
       it = ends_with(it->first, "rotary_emb.inv_freq") ? shapes.erase(it) : std::next(it);
     if (c.tie_word_embeddings && shapes.count("lm_head.weight") && shapes.count("model.embed_tokens.weight")) {

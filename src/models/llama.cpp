@@ -67,20 +67,25 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
   return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, {});
 }
 
-at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout) {
+at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache) {
   if (input_ids.dim() != 2)
     throw std::invalid_argument("LlamaModel::forward: expected input_ids [B, T], found shape " +
                                 c10::str(input_ids.sizes()));
   const int64_t b = input_ids.size(0), t = input_ids.size(1);
-  at::Tensor allowed = layout.allowed_keys(b, t, input_ids.device());
+  if (cache != nullptr && cache->num_layers() != num_layers())
+    throw std::invalid_argument("LlamaModel::forward: the KV cache has " +
+                                std::to_string(cache->num_layers()) + " layers, the model " +
+                                std::to_string(num_layers()));
+  const int64_t past = cache != nullptr ? cache->length() : 0;
+  at::Tensor allowed = layout.allowed_keys(b, t, input_ids.device(), past);
   at::Tensor positions = layout.position_ids.defined()
                              ? layout.position_ids.to(input_ids.device(), at::kLong)
-                             : at::arange(t, input_ids.options().dtype(at::kLong));
+                             : at::arange(past, past + t, input_ids.options().dtype(at::kLong));
   const int64_t highest = positions.numel() > 0 ? positions.max().item<int64_t>() : 0;
   if (highest >= config_.max_position_embeddings || (positions.numel() > 0 && positions.min().item<int64_t>() < 0))
     throw std::invalid_argument("LlamaModel::forward: position_ids must lie in [0, " +
                                 std::to_string(config_.max_position_embeddings) + ")");
-  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), nullptr, allowed);
+  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, allowed);
 }
 
 at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
@@ -124,9 +129,10 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, LlamaKVCac
   return logits(model->forward(input_ids, cache, start_pos));
 }
 
-at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout) {
+at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout,
+                                         LlamaKVCache* cache) {
   check_materialized();
-  return logits(model->forward(input_ids, layout));
+  return logits(model->forward(input_ids, layout, cache));
 }
 
 at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
@@ -148,13 +154,17 @@ void LlamaForCausalLMImpl::init_values(const std::string& name, const at::Tensor
   if (!out.sizes().equals(param->sizes()))
     throw std::invalid_argument("LlamaForCausalLM::init_values: '" + name + "' has shape " +
                                 c10::str(param->sizes()) + ", the output " + c10::str(out.sizes()));
-  // Norm weights (input_layernorm, post_attention_layernorm, norm) start at one; the
-  // projections and the embedding at normal(0, init_std).
+  // Norm weights (input_layernorm, post_attention_layernorm, norm) start at one, biases (Qwen2's
+  // q/k/v) at zero (transformers' _init_weights); the projections and the embedding at
+  // normal(0, init_std).
   const auto dot = name.rfind('.');
   const std::string owner = name.substr(0, dot == std::string::npos ? 0 : dot);
+  const std::string leaf = name.substr(dot == std::string::npos ? 0 : dot + 1);
   const bool is_norm = owner.size() >= 4 && owner.compare(owner.size() - 4, 4, "norm") == 0;
   at::NoGradGuard no_grad;
-  if (is_norm) {
+  if (leaf == "bias") {
+    out.zero_();
+  } else if (is_norm) {
     out.fill_(1.0);
   } else {
     detail::fill_normal(out, config_.init_std, detail::parameter_seed(init_seed_, name));

@@ -1,4 +1,5 @@
-// The bias-free building blocks: linear projection, token embedding, RMSNorm, SwiGLU MLP.
+// The building blocks: linear projection (a bias only for Qwen2's q/k/v), token embedding,
+// RMSNorm, SwiGLU MLP.
 #include <ATen/ATen.h>
 
 #include "mfsdp/llama.h"
@@ -6,12 +7,16 @@
 
 namespace mfsdp {
 
-LlamaLinearImpl::LlamaLinearImpl(int64_t in_features, int64_t out_features, bool deferred) {
+LlamaLinearImpl::LlamaLinearImpl(int64_t in_features, int64_t out_features, bool deferred, bool with_bias) {
+  // Registered weight first, then bias: the order of transformers' nn.Linear state dict.
   weight = register_parameter("weight",
                               detail::new_parameter_tensor({out_features, in_features}, deferred));
+  if (with_bias) bias = register_parameter("bias", detail::new_parameter_tensor({out_features}, deferred));
 }
 
-at::Tensor LlamaLinearImpl::forward(const at::Tensor& x) { return at::linear(x, weight); }
+at::Tensor LlamaLinearImpl::forward(const at::Tensor& x) {
+  return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
+}
 
 LlamaEmbeddingImpl::LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred) {
   weight = register_parameter("weight", detail::new_parameter_tensor({num_embeddings, dim}, deferred));

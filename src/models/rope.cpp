@@ -38,24 +38,33 @@ at::Tensor apply_rotary(const at::Tensor& x, const RotaryTables& rope) {
   return x * cos + rotate_half(x) * sin;
 }
 
-at::Tensor SequenceLayout::allowed_keys(int64_t batch, int64_t length, const at::Device& device) const {
-  auto check = [&](const at::Tensor& t, const char* name) {
-    if (t.defined() && (t.dim() != 2 || t.size(0) != batch || t.size(1) != length))
+at::Tensor SequenceLayout::allowed_keys(int64_t batch, int64_t length, const at::Device& device, int64_t past) const {
+  if (past < 0) throw std::invalid_argument("SequenceLayout: negative cached length " + std::to_string(past));
+  const int64_t keys = past + length;
+  auto check = [&](const at::Tensor& t, const char* name, int64_t columns) {
+    if (t.defined() && (t.dim() != 2 || t.size(0) != batch || t.size(1) != columns))
       throw std::invalid_argument(std::string("SequenceLayout: ") + name + " has shape " + c10::str(t.sizes()) +
-                                  ", the batch is [" + std::to_string(batch) + ", " + std::to_string(length) + "]");
+                                  ", expected [" + std::to_string(batch) + ", " + std::to_string(columns) + "]" +
+                                  (past > 0 ? " (" + std::to_string(past) + " cached keys and " +
+                                                  std::to_string(length) + " new tokens)"
+                                            : std::string()));
   };
-  check(position_ids, "position_ids");
-  check(attention_mask, "attention_mask");
-  check(segment_ids, "segment_ids");
+  check(position_ids, "position_ids", length);
+  check(attention_mask, "attention_mask", keys);  // every key: the cached ones, then the new
+  check(segment_ids, "segment_ids", length);
+  if (segment_ids.defined() && past > 0)
+    throw std::invalid_argument("SequenceLayout: segment_ids (packed samples) cannot be used with a KV cache");
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
-  at::Tensor index = at::arange(length, longs);
-  at::Tensor allowed = (index.unsqueeze(0) <= index.unsqueeze(1)).expand({batch, length, length});  // causal
+  // Query i is key past + i: it sees keys 0 .. past + i.
+  at::Tensor query_key = at::arange(length, longs) + past;
+  at::Tensor key = at::arange(keys, longs);
+  at::Tensor allowed = (key.unsqueeze(0) <= query_key.unsqueeze(1)).expand({batch, length, keys});  // causal
   if (attention_mask.defined()) allowed = allowed & attention_mask.to(device).ne(0).unsqueeze(1);
   if (segment_ids.defined()) {
     at::Tensor seg = segment_ids.to(device);
     allowed = allowed & seg.unsqueeze(2).eq(seg.unsqueeze(1));
   }
-  allowed = allowed | at::eye(length, at::TensorOptions().dtype(at::kBool).device(device)).unsqueeze(0);
+  allowed = allowed | key.unsqueeze(0).eq(query_key.unsqueeze(1)).unsqueeze(0);  // itself
   return allowed.unsqueeze(1);
 }
 

@@ -27,6 +27,7 @@ void MetricsWriter::write(const IterationRecord& r) {
                       {"tokens_per_sec", r.tokens_per_sec}, {"tflops_per_rank", r.tflops_per_rank},
                       {"mem_bytes", r.mem_bytes}};
   if (r.eval) j["eval"] = true;
+  for (const auto& [key, value] : r.extra) j[key] = value;
   out_ << j.dump() << "\n";
   out_.flush();
 }
@@ -61,16 +62,26 @@ int64_t peak_memory_bytes(const c10::Device& device) {
   return peak_rss_bytes();
 }
 
-void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records) {
-  std::vector<const IterationRecord*> train, eval;
-  for (const auto& r : records) (r.eval ? eval : train).push_back(&r);
+void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records,
+                          const std::string& title) {
+  CurvePoints train, eval;
+  for (const auto& r : records)
+    (r.eval ? eval : train).emplace_back(static_cast<double>(r.iteration), r.lm_loss);
+  write_curve_svg(path, title, train, eval);
+}
+
+void write_curve_svg(const std::string& path, const std::string& title, const CurvePoints& train,
+                     const CurvePoints& eval) {
   if (train.empty() && eval.empty()) return;
   double x_max = 1, y_min = 1e30, y_max = -1e30;
-  for (const auto& r : records) {
-    x_max = std::max(x_max, static_cast<double>(r.iteration));
-    y_min = std::min(y_min, r.lm_loss);
-    y_max = std::max(y_max, r.lm_loss);
-  }
+  for (const CurvePoints* series : {&train, &eval})
+    for (const auto& [x, y] : *series) {
+      if (!std::isfinite(y)) continue;
+      x_max = std::max(x_max, x);
+      y_min = std::min(y_min, y);
+      y_max = std::max(y_max, y);
+    }
+  if (y_min > y_max) y_min = 0, y_max = 1;
   if (y_max - y_min < 1e-9) y_max = y_min + 1;
   const double w = 640, h = 400, left = 60, right = 20, top = 30, bottom = 40;
   auto px = [&](double x) { return left + x / x_max * (w - left - right); };
@@ -79,7 +90,7 @@ void write_loss_curve_svg(const std::string& path, const std::vector<IterationRe
   svg << "<svg xmlns='http://www.w3.org/2000/svg' width='" << w << "' height='" << h << "'>\n"
       << "<rect width='100%' height='100%' fill='white'/>\n"
       << "<text x='" << w / 2 << "' y='20' text-anchor='middle' font-family='sans-serif' "
-         "font-size='14'>lm loss</text>\n"
+         "font-size='14'>" << title << "</text>\n"
       << "<line x1='" << left << "' y1='" << h - bottom << "' x2='" << w - right << "' y2='"
       << h - bottom << "' stroke='black'/>\n"
       << "<line x1='" << left << "' y1='" << top << "' x2='" << left << "' y2='" << h - bottom
@@ -91,10 +102,11 @@ void write_loss_curve_svg(const std::string& path, const std::vector<IterationRe
   }
   svg << "<text x='" << w - right << "' y='" << h - 10 << "' text-anchor='end' font-family='sans-serif' "
       << "font-size='11'>iteration " << x_max << "</text>\n";
-  auto polyline = [&](const std::vector<const IterationRecord*>& pts, const char* color) {
+  auto polyline = [&](const CurvePoints& pts, const char* color) {
     if (pts.empty()) return;
     svg << "<polyline fill='none' stroke='" << color << "' stroke-width='2' points='";
-    for (const auto* r : pts) svg << px(static_cast<double>(r->iteration)) << "," << py(r->lm_loss) << " ";
+    for (const auto& [x, y] : pts)
+      if (std::isfinite(y)) svg << px(x) << "," << py(y) << " ";
     svg << "'/>\n";
   };
   polyline(train, "#1f77b4");

@@ -24,6 +24,8 @@ struct IterationRecord {
   double tflops_per_rank = 0;
   int64_t mem_bytes = 0;
   bool eval = false;
+  // More values by name (mfsdp-sft's and mfsdp-grpo's metrics), written after the fixed ones.
+  std::vector<std::pair<std::string, double>> extra;
 };
 
 // Appends one JSON object per record to `path` (created or truncated); no-op when path is empty.
@@ -46,7 +48,12 @@ int64_t peak_rss_bytes();
 // device the caching allocator's peak of allocated bytes there (host RSS says nothing of it).
 int64_t peak_memory_bytes(const c10::Device& device);
 
-// An SVG line chart of training (and evaluation) loss against iteration.
-void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records);
+// An SVG line chart of training (and evaluation) lm_loss against iteration, titled `title`.
+void write_loss_curve_svg(const std::string& path, const std::vector<IterationRecord>& records,
+                          const std::string& title = "lm loss");
+// The same chart of any series: (iteration, value) points, train in blue and validation in red.
+using CurvePoints = std::vector<std::pair<double, double>>;
+void write_curve_svg(const std::string& path, const std::string& title, const CurvePoints& train,
+                     const CurvePoints& validation);
 
 }  // namespace mfsdp

@@ -107,8 +107,9 @@ const std::vector<Flag>& flags() {
       STRING_FLAG("--data-path", data_path, "prefix of a Megatron .bin/.idx pair"),
       STRING_FLAG("--split", split, "train,valid,test weights"),
       STRING_FLAG("--tokenizer-type", tokenizer_type, "tokenizer", "ByteLevelTokenizer",
-                  "SentencePieceTokenizer", "GPT2BPETokenizer", "NullTokenizer"),
-      STRING_FLAG("--tokenizer-model", tokenizer_model, "SentencePiece model file"),
+                  "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
+      STRING_FLAG("--tokenizer-model", tokenizer_model,
+                  "SentencePiece model file; for HuggingFaceTokenizer a tokenizer.json or its folder"),
       STRING_FLAG("--vocab-file", vocab_file, "GPT-2 vocab.json"),
       STRING_FLAG("--merge-file", merge_file, "GPT-2 merges.txt"),
       BOOL_FLAG("--mock-data", mock_data, "synthetic tokens instead of --data-path"),
@@ -119,6 +120,9 @@ const std::vector<Flag>& flags() {
       STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
       STRING_FLAG("--save-final-model", save_final_model,
                   "(mfsdp) write the trained model for mfsdp-generate to this folder"),
+      STRING_FLAG("--export-hf", export_hf,
+                  "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
+                  "the tokenizer files of a HuggingFaceTokenizer) here"),
       STRING_FLAG("--sample-prompt", sample_prompt, "(mfsdp) print a sample continuing this text after training"),
       INT_FLAG("--sample-tokens", sample_tokens, "(mfsdp) tokens of that sample"),
       // Megatron-FSDP.
@@ -170,10 +174,28 @@ const std::vector<Flag>& flags() {
 
 }  // namespace
 
-PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv) {
-  std::map<std::string, const Flag*> by_name;
-  for (const Flag& f : flags()) by_name[f.name] = &f;
+namespace {
+
+// The flags `tool` takes: PretrainArgs' own (less the excluded ones) bound to `args`, then its extras.
+std::vector<ToolFlag> tool_flags(PretrainArgs& args, const ToolFlags& tool) {
+  std::vector<ToolFlag> out;
+  for (const Flag& f : flags()) {
+    if (std::find(tool.excluded.begin(), tool.excluded.end(), f.name) != tool.excluded.end()) continue;
+    out.push_back({f.name, f.help, f.takes_value, f.choices,
+                   [&args, set = f.set](const std::string& v) { set(args, v); },
+                   [&args, show = f.show] { return show(args); }});
+  }
+  out.insert(out.end(), tool.extra.begin(), tool.extra.end());
+  return out;
+}
+
+}  // namespace
+
+PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const ToolFlags& tool) {
   PretrainArgs args;
+  const std::vector<ToolFlag> all = tool_flags(args, tool);
+  std::map<std::string, const ToolFlag*> by_name;
+  for (const ToolFlag& f : all) by_name[f.name] = &f;
   for (size_t i = 1; i < argv.size(); ++i) {
     std::string token = argv[i], value;
     bool inline_value = false;
@@ -183,8 +205,8 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv) {
       inline_value = true;
     }
     auto it = by_name.find(token);
-    if (it == by_name.end()) bad(token, "unknown flag (mfsdp-pretrain --help lists them)");
-    const Flag& f = *it->second;
+    if (it == by_name.end()) bad(token, "unknown flag (" + tool.program + " --help lists them)");
+    const ToolFlag& f = *it->second;
     if (f.takes_value && !inline_value) {
       if (i + 1 >= argv.size()) bad(f.name, "needs a value");
       value = argv[++i];
@@ -197,12 +219,19 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv) {
       for (const auto& c : f.choices) list += (list.empty() ? "" : ", ") + c;
       bad(f.name, "'" + value + "' is not one of: " + list);
     }
-    f.set(args, value);
+    f.set(value);
   }
   return args;
 }
 
 void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
+  if (a.data_path.empty() && !a.mock_data)
+    bad("--data-path", "is required (or --mock-data for synthetic tokens)");
+  if (!a.data_path.empty() && a.mock_data) bad("--mock-data", "conflicts with --data-path");
+  validate_training_args(a, dp, tokenizer_vocab);
+}
+
+void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   auto positive = [](const char* flag, int64_t v) {
     if (v < 1) bad(flag, "must be >= 1, got " + std::to_string(v));
   };
@@ -242,9 +271,6 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   positive("--log-interval", a.log_interval);
   positive("--eval-interval", a.eval_interval);
   if (a.eval_iters < 0) bad("--eval-iters", "must be >= 0");
-  if (a.data_path.empty() && !a.mock_data)
-    bad("--data-path", "is required (or --mock-data for synthetic tokens)");
-  if (!a.data_path.empty() && a.mock_data) bad("--mock-data", "conflicts with --data-path");
   int64_t vocab = tokenizer_vocab > 0 ? tokenizer_vocab : a.vocab_size;
   if (vocab < 2)
     bad(a.tokenizer_type.empty() ? "--tokenizer-type" : "--vocab-size",
@@ -266,32 +292,33 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
                                std::to_string(a.simulate_world_size));
   if (a.simulate_world_size == 0 && a.simulate_rank != 0) bad("--simulate-rank", "needs --simulate-world-size");
   if (a.simulate_world_size > 0 && (!a.save.empty() || !a.load.empty() || !a.save_final_model.empty() ||
-                                    !a.sample_prompt.empty()))
-    bad("--simulate-world-size", "cannot --save, --load, --save-final-model or --sample-prompt: a simulated run "
+                                    !a.sample_prompt.empty() || !a.export_hf.empty()))
+    bad("--simulate-world-size", "cannot --save, --load, --save-final-model, --export-hf or --sample-prompt: a simulated run "
                                  "holds one rank's shard only");
   if (a.fsdp_double_buffer && a.fsdp_trace_pool) bad("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
   if (a.override_opt_param_scheduler && a.use_checkpoint_opt_param_scheduler)
     bad("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
 }
 
-std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args) {
+std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args, const ToolFlags& tool) {
+  PretrainArgs copy = args;
   std::map<std::string, std::string> out;
-  for (const Flag& f : flags()) out[f.name] = f.show(args);
+  for (const ToolFlag& f : tool_flags(copy, tool)) out[f.name] = f.show();
   return out;
 }
 
-std::string pretrain_usage() {
+std::string pretrain_usage(const ToolFlags& tool) {
   std::ostringstream s;
-  s << "usage: mfsdp-run --nproc-per-node N mfsdp-pretrain [flags]\n\nflags (Megatron-LM names):\n";
+  s << "usage: mfsdp-run --nproc-per-node N " << tool.program << " [flags]\n\nflags (Megatron-LM names):\n";
   PretrainArgs defaults;
-  for (const Flag& f : flags()) {
+  for (const ToolFlag& f : tool_flags(defaults, tool)) {
     s << "  " << f.name << (f.takes_value ? " VALUE" : "") << "\n      " << f.help;
     if (!f.choices.empty()) {
       s << " {";
       for (size_t i = 0; i < f.choices.size(); ++i) s << (i ? "," : "") << f.choices[i];
       s << "}";
     }
-    s << " (default: " << f.show(defaults) << ")\n";
+    s << " (default: " << f.show() << ")\n";
   }
   return s.str();
 }

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -69,6 +70,7 @@ struct PretrainArgs {
   std::string metrics_file;
   std::string save_final_model;  // ours: folder for mfsdp-generate (config.json + model.pt)
   std::string sample_prompt;     // ours: print a generated sample after training
+  std::string export_hf;         // ours: write a Hugging Face folder at the end
   int64_t sample_tokens = 64;
 
   // Checkpoints (fsdp_dtensor).
@@ -109,19 +111,39 @@ struct PretrainArgs {
   int64_t padded_vocab_size = 0;
 };
 
+// The other trainers (mfsdp-sft, mfsdp-grpo) take Megatron's model, optimizer, sharding,
+// checkpoint and logging flags from here, plus flags of their own, and leave out the ones that
+// mean nothing to them (pretraining data).
+struct ToolFlag {
+  std::string name;
+  std::string help;
+  bool takes_value = true;
+  std::vector<std::string> choices;  // empty: any value
+  std::function<void(const std::string&)> set;  // writes the tool's own args (captured)
+  std::function<std::string()> show;            // the current value, as --help shows it
+};
+struct ToolFlags {
+  std::string program = "mfsdp-pretrain";
+  std::vector<ToolFlag> extra;
+  std::vector<std::string> excluded;  // PretrainArgs flags this tool does not take
+};
+
 // Parses argv (argv[0] is the program). Throws std::invalid_argument naming the flag for an
 // unknown flag, a missing or malformed value, or a value outside its allowed set.
-PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv);
+PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const ToolFlags& tool = {});
 
 // Checks what needs the data-parallel size and the tokenizer's vocabulary, and derives
 // num_micro_batches, ffn size and padded vocab size. Throws naming the flag(s).
+// validate_training_args checks everything but the pretraining data (--data-path / --mock-data).
 void validate_pretrain_args(PretrainArgs& args, int data_parallel_size, int64_t tokenizer_vocab);
+void validate_training_args(PretrainArgs& args, int data_parallel_size, int64_t tokenizer_vocab);
 
 // Every flag's value as --help shows it ({"--lr": "0.0001", ...}), recorded in checkpoints.
-std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args);
+std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args, const ToolFlags& tool = {});
 
-// "--flag VALUE  help (default: x)" for every flag, for --help and docs.
-std::string pretrain_usage();
+// "--flag VALUE  help (default: x)" for every flag, for --help and docs. `tool`'s extra flags show
+// their values at the time of the call (call it on default-constructed tool args).
+std::string pretrain_usage(const ToolFlags& tool = {});
 
 // Flags accepted for Megatron compatibility that change nothing in this build, with the reason,
 // for the one-time start-up notice.

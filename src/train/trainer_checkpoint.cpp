@@ -124,11 +124,11 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& c
 void save_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
                               const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
-                              int64_t iteration, std::ostream& log) {
+                              int64_t iteration, std::ostream& log, const ToolFlags& tool) {
   CheckpointInfo info;
   info.iteration = iteration;
   info.consumed_samples = iteration * a.global_batch_size;
-  for (const auto& [flag, value] : pretrain_args_values(a)) info.args[flag] = value;
+  for (const auto& [flag, value] : pretrain_args_values(a, tool)) info.args[flag] = value;
   info.model_config = llama_hf_config(config, a.bf16 ? at::kBFloat16 : at::kFloat);
   info.scheduler = schedule_json(schedule);
   const auto start = std::chrono::steady_clock::now();

@@ -34,6 +34,6 @@ ResumePoint load_training_checkpoint(const PretrainArgs& args, const LlamaConfig
 void save_training_checkpoint(const PretrainArgs& args, const LlamaConfig& config,
                               const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
-                              int64_t iteration, std::ostream& log);
+                              int64_t iteration, std::ostream& log, const ToolFlags& tool = {});
 
 }  // namespace mfsdp

@@ -3,17 +3,21 @@
 Run by the C++ tests under the reference Python (CMake's MFSDP_PYTHON, made by scripts/setup.sh),
 one process per test case because importing torch and transformers takes seconds:
 
-  check-export HF LOGITS --prompt-ids 3,17,42 --mfsdp-ids 5,9,... --max-new-tokens 12
-      Loads the folder `mfsdp-ckpt export-hf` wrote with LlamaForCausalLM.from_pretrained (fp32),
-      compares its logits over the prompt with mfsdp-generate's --logits-out file (max |diff|
-      <= --atol) and its greedy continuation with mfsdp-generate's ids. Exit 1 on a mismatch.
+  check-export HF LOGITS --prompt-ids 3,17,42 --mfsdp-ids 5,9,... --max-new-tokens 12 \\
+      [--model-type llama|qwen2]
+      Loads the folder `mfsdp-ckpt export-hf` wrote with AutoModelForCausalLM.from_pretrained
+      (fp32), checks that transformers built the class of --model-type (LlamaForCausalLM by
+      default, Qwen2ForCausalLM for qwen2), compares its logits over the prompt with
+      mfsdp-generate's --logits-out file (max |diff| <= --atol) and its greedy continuation with
+      mfsdp-generate's ids. Exit 1 on a mismatch.
 
-  make-random HF --tied|--untied --seed S [--rope-theta T] --prompt-ids ... --max-new-tokens 12 \\
-      --ids-out IDS --logits-out LOGITS
-      Builds a small random LlamaForCausalLM (GQA), saves it with save_pretrained (safetensors)
-      and writes its greedy continuation (IDS: one line, comma-separated) and its fp32 logits
-      over the prompt (LOGITS: safetensors, tensor "logits", [1, T, vocab]) for the C++ test to
-      compare with mfsdp-generate on the same folder.
+  make-random HF --tied|--untied --seed S [--rope-theta T] [--qwen2] --prompt-ids ... \\
+      --max-new-tokens 12 --ids-out IDS --logits-out LOGITS
+      Builds a small random LlamaForCausalLM (GQA), or with --qwen2 a Qwen2ForCausalLM (GQA, q/k/v
+      biases set to non-zero random values), saves it with save_pretrained (safetensors) and
+      writes its greedy continuation (IDS: one line, comma-separated) and its fp32 logits over the
+      prompt (LOGITS: safetensors, tensor "logits", [1, T, vocab]) for the C++ test to compare
+      with mfsdp-generate on the same folder.
 
 Everything printed says what was compared, so a failing C++ test shows it.
 """
@@ -73,15 +77,24 @@ def greedy(model, prompt, max_new_tokens):
     return new
 
 
+EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
 def check_export(a):
-    model = transformers.LlamaForCausalLM.from_pretrained(
+    model = transformers.AutoModelForCausalLM.from_pretrained(
         a.hf, dtype=torch.float32, attn_implementation=ATTENTION
     ).eval()
     prompt = parse_ids(a.prompt_ids)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}: loaded {a.hf} "
-          f"(tie_word_embeddings={model.config.tie_word_embeddings}, "
-          f"rope_theta={model.config.rope_parameters.get('rope_theta')}, dtype={model.dtype})")
+    biases = sorted(n for n, _ in model.named_parameters() if n.endswith(".bias"))
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: loaded {a.hf} as "
+          f"{type(model).__name__} (tie_word_embeddings={model.config.tie_word_embeddings}, "
+          f"rope_theta={model.config.rope_parameters.get('rope_theta')}, dtype={model.dtype}, "
+          f"{len(biases)} bias tensors)")
     ok = True
+    want_class = EXPECTED_CLASS[a.model_type]
+    if type(model).__name__ != want_class:
+        print(f"MISMATCH model class: transformers built {type(model).__name__}, expected {want_class}")
+        ok = False
 
     mfsdp_logits = load_file(a.logits)["logits"]
     hf_logits = prompt_logits(model, prompt)
@@ -107,7 +120,10 @@ def check_export(a):
 
 
 def make_random(a):
-    config = transformers.LlamaConfig(
+    # Qwen2: the same sizes; Qwen2Config has no attention_bias field (its q/k/v biases are fixed)
+    # and writes use_sliding_window false, sliding_window null.
+    config_class = transformers.Qwen2Config if a.qwen2 else transformers.LlamaConfig
+    config = config_class(
         vocab_size=300,
         hidden_size=64,
         intermediate_size=176,
@@ -124,12 +140,16 @@ def make_random(a):
         attn_implementation=ATTENTION,
     )
     torch.manual_seed(a.seed)
-    model = transformers.LlamaForCausalLM(config).eval()
-    # Norm weights start at ones; randomise them too so a mix-up of the norms shows.
+    model_class = transformers.Qwen2ForCausalLM if a.qwen2 else transformers.LlamaForCausalLM
+    model = model_class(config).eval()
+    # Norm weights start at ones and biases at zeros; randomise them too so a mix-up of the norms
+    # or a lost bias shows.
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
     model.save_pretrained(a.hf, safe_serialization=True)
     prompt = parse_ids(a.prompt_ids)
     logits = prompt_logits(model, prompt)
@@ -138,8 +158,10 @@ def make_random(a):
     with open(a.ids_out, "w") as f:
         f.write(ids_text(ids) + "\n")
     saved = sorted(os.listdir(a.hf))
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}: saved a random Llama "
-          f"(tie_word_embeddings={a.tied}, seed {a.seed}) to {a.hf}: {', '.join(saved)}")
+    n_bias = sum(1 for n, _ in model.named_parameters() if n.endswith(".bias"))
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}: saved a random "
+          f"{type(model).__name__} (tie_word_embeddings={a.tied}, seed {a.seed}, {n_bias} bias tensors) "
+          f"to {a.hf}: {', '.join(saved)}")
     print(f"transformers greedy {a.max_new_tokens} tokens after {ids_text(prompt)}: {ids_text(ids)}")
     return 0
 
@@ -154,6 +176,8 @@ def main():
     c.add_argument("--mfsdp-ids", required=True)
     c.add_argument("--max-new-tokens", type=int, required=True)
     c.add_argument("--atol", type=float, default=1e-5)
+    c.add_argument("--model-type", choices=sorted(EXPECTED_CLASS), default="llama",
+                   help="the architecture transformers must build from the folder")
     r = sub.add_parser("make-random")
     r.add_argument("hf")
     tie = r.add_mutually_exclusive_group(required=True)
@@ -161,6 +185,7 @@ def main():
     tie.add_argument("--untied", dest="tied", action="store_false")
     r.add_argument("--seed", type=int, required=True)
     r.add_argument("--rope-theta", type=float, default=10000.0, help="LlamaConfig's default unless given")
+    r.add_argument("--qwen2", action="store_true", help="a Qwen2ForCausalLM (q/k/v biases) instead of a Llama")
     r.add_argument("--prompt-ids", required=True)
     r.add_argument("--max-new-tokens", type=int, required=True)
     r.add_argument("--ids-out", required=True)

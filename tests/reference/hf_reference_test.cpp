@@ -8,6 +8,10 @@
 //   ImportHf*:  transformers makes and saves a random GQA Llama; mfsdp-ckpt import-hf converts it,
 //               and mfsdp-generate on the checkpoint and on the HF folder itself must give
 //               transformers' logits and greedy ids.
+//   Qwen2*:     the same import with a random Qwen2ForCausalLM (GQA, tied, non-zero q/k/v biases);
+//               then the imported checkpoint goes back out through export-hf (model_type qwen2,
+//               from the checkpoint's model_config) and transformers loads that folder as
+//               Qwen2ForCausalLM with mfsdp's logits and greedy ids.
 //
 // A missing reference Python or transformers is a failure (not a skip): these tests exist to run.
 #include <ATen/ATen.h>
@@ -142,14 +146,16 @@ void check_export(bool tied) {
 
 // transformers makes a random Llama; mfsdp imports it (and reads the folder directly) and must
 // generate what transformers generated.
-void check_import(bool tied) {
+// `qwen2`: a Qwen2ForCausalLM, which is also exported again and checked in transformers.
+void check_import(bool tied, bool qwen2 = false) {
   TempDir dir("mfsdp-ref-import");
   const std::string hf = dir.file("hf"), ckpt = dir.file("ckpt"), hf_logits = dir.file("hf_logits.safetensors");
   const std::string prompt = "5,17,99,200,42,7,150,3";
   CommandOutcome made = run(python() + " make-random " + q(hf) + (tied ? " --tied" : " --untied") + " --seed " +
                             // the untied model also has a non-default RoPE base, which
                             // transformers 5 writes only inside "rope_parameters"
-                            (tied ? "2" : "1 --rope-theta 500000") + " --prompt-ids " + prompt + " --max-new-tokens " +
+                            (tied ? "2" : "1 --rope-theta 500000") + (qwen2 ? " --qwen2" : "") + " --prompt-ids " +
+                            prompt + " --max-new-tokens " +
                             std::to_string(kNewTokens) + " --ids-out " + q(dir.file("hf_ids.txt")) + " --logits-out " +
                             q(hf_logits));
   std::cout << made.output;
@@ -170,6 +176,22 @@ void check_import(bool tied) {
                            << ")";
     EXPECT_LE(diff, kLogitsAtol) << "logits of mfsdp-generate --model " << model;
   }
+  if (!qwen2) return;
+
+  // Back out: the checkpoint's model_config (written by import-hf) must still say Qwen2.
+  const std::string out = dir.file("exported");
+  CommandOutcome exported = run(q(MFSDP_CKPT_BIN_PATH) + " export-hf " + q(ckpt) + " " + q(out) + " --dtype fp32");
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  std::ifstream config_file(fs::path(out) / "config.json");
+  const std::string config((std::istreambuf_iterator<char>(config_file)), {});
+  EXPECT_NE(config.find("\"qwen2\""), std::string::npos) << "exported config.json:\n" << config;
+  const std::string ids = generate_ids(ckpt, prompt, dir.file("ckpt_logits2.safetensors"));
+  CommandOutcome ref = run(python() + " check-export " + q(out) + " " + q(dir.file("ckpt_logits2.safetensors")) +
+                           " --model-type qwen2 --prompt-ids " + prompt + " --mfsdp-ids " + ids +
+                           " --max-new-tokens " + std::to_string(kNewTokens) + " --atol " + std::to_string(kLogitsAtol));
+  std::cout << ref.output;
+  EXPECT_EQ(ref.exit_code, 0) << "transformers disagrees with mfsdp on the exported Qwen2 " << out
+                              << " (its report is above)";
 }
 
 }  // namespace
@@ -178,3 +200,4 @@ TEST_F(HfReference, ExportHfUntiedMatchesTransformers) { check_export(/*tied=*/f
 TEST_F(HfReference, ExportHfTiedMatchesTransformers) { check_export(/*tied=*/true); }
 TEST_F(HfReference, ImportHfUntiedGeneratesTransformersIds) { check_import(/*tied=*/false); }
 TEST_F(HfReference, ImportHfTiedGeneratesTransformersIds) { check_import(/*tied=*/true); }
+TEST_F(HfReference, Qwen2ImportAndExportMatchTransformers) { check_import(/*tied=*/true, /*qwen2=*/true); }

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "harness/dist_test.h"
+#include "mfsdp/hf_llama.h"
 #include "mfsdp/optim.h"
 
 namespace {
@@ -67,6 +68,8 @@ void randomize(LlamaForCausalLM& model, uint64_t seed) {
     const std::string& name = item.key();
     if (name.find("norm") != std::string::npos) {
       p.copy_(1 + 0.2 * at::randn(p.sizes(), gen));
+    } else if (p.dim() == 1) {  // q/k/v biases (attention_bias): as large as the projections' outputs
+      p.copy_(0.5 * at::randn(p.sizes(), gen));
     } else if (name.find("embed_tokens") != std::string::npos) {
       p.copy_(at::randn(p.sizes(), gen));
     } else {
@@ -141,6 +144,11 @@ Tensor ref_forward(const LlamaConfig& c, const Weights& w, const Tensor& ids) {
       Tensor q = xn.mm(w.at(pre + "self_attn.q_proj.weight").t());
       Tensor k = xn.mm(w.at(pre + "self_attn.k_proj.weight").t());
       Tensor v = xn.mm(w.at(pre + "self_attn.v_proj.weight").t());
+      if (c.attention_bias) {  // Qwen2: a bias on each of q, k, v, before RoPE
+        q = q + w.at(pre + "self_attn.q_proj.bias");
+        k = k + w.at(pre + "self_attn.k_proj.bias");
+        v = v + w.at(pre + "self_attn.v_proj.bias");
+      }
       std::vector<Tensor> rows;
       for (int64_t i = 0; i < T; ++i) {
         std::vector<Tensor> heads;
@@ -237,9 +245,13 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> hf_names(const LlamaCo
   std::vector<std::pair<std::string, std::vector<int64_t>>> n = {{"model.embed_tokens.weight", {c.vocab_size, h}}};
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
+    // transformers' Qwen2 state dict: each projection's weight, then its bias.
     n.push_back({p + "self_attn.q_proj.weight", {c.num_attention_heads * hd, h}});
+    if (c.attention_bias) n.push_back({p + "self_attn.q_proj.bias", {c.num_attention_heads * hd}});
     n.push_back({p + "self_attn.k_proj.weight", {c.num_key_value_heads * hd, h}});
+    if (c.attention_bias) n.push_back({p + "self_attn.k_proj.bias", {c.num_key_value_heads * hd}});
     n.push_back({p + "self_attn.v_proj.weight", {c.num_key_value_heads * hd, h}});
+    if (c.attention_bias) n.push_back({p + "self_attn.v_proj.bias", {c.num_key_value_heads * hd}});
     n.push_back({p + "self_attn.o_proj.weight", {h, c.num_attention_heads * hd}});
     n.push_back({p + "mlp.gate_proj.weight", {i, h}});
     n.push_back({p + "mlp.up_proj.weight", {i, h}});
@@ -253,23 +265,74 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> hf_names(const LlamaCo
 }
 
 // Same names, shapes and order as transformers' LlamaForCausalLM.state_dict() (HF checkpoints
-// of tied models carry no lm_head.weight); no buffers, no biases.
+// of tied models carry no lm_head.weight); no buffers, no biases; with attention_bias, as
+// Qwen2ForCausalLM's: q/k/v biases, initialised to zero (transformers' _init_weights).
 TEST(LlamaModel, ParameterNamesMatchHuggingFace) {
   for (bool tied : {false, true}) {
-    LlamaConfig c = small_config(2, tied);
-    c.num_layers = 3;
-    LlamaForCausalLM model(c);
-    auto want = hf_names(c);
-    auto got = model->named_parameters();
-    ASSERT_EQ(got.size(), want.size()) << "tied " << tied;
-    for (size_t k = 0; k < want.size(); ++k) {
-      EXPECT_EQ(got[k].key(), want[k].first) << "position " << k << ", tied " << tied;
-      EXPECT_EQ(got[k].value().sizes().vec(), want[k].second) << want[k].first;
-      EXPECT_TRUE(got[k].value().requires_grad()) << want[k].first;
+    for (bool bias : {false, true}) {
+      LlamaConfig c = small_config(2, tied);
+      c.num_layers = 3;
+      c.attention_bias = bias;
+      LlamaForCausalLM model(c);
+      for (auto& item : model->named_parameters()) {
+        if (item.value().dim() == 1 && item.key().find("norm") == std::string::npos) {
+          EXPECT_TRUE(at::equal(item.value(), at::zeros_like(item.value()))) << item.key() << " starts non-zero";
+        }
+      }
+      auto want = hf_names(c);
+      auto got = model->named_parameters();
+      ASSERT_EQ(got.size(), want.size()) << "tied " << tied;
+      for (size_t k = 0; k < want.size(); ++k) {
+        EXPECT_EQ(got[k].key(), want[k].first) << "position " << k << ", tied " << tied;
+        EXPECT_EQ(got[k].value().sizes().vec(), want[k].second) << want[k].first;
+        EXPECT_TRUE(got[k].value().requires_grad()) << want[k].first;
+      }
+      EXPECT_EQ(model->named_buffers().size(), 0u);
+      EXPECT_EQ(static_cast<bool>(model->lm_head), !tied);
     }
-    EXPECT_EQ(model->named_buffers().size(), 0u);
-    EXPECT_EQ(static_cast<bool>(model->lm_head), !tied);
   }
+}
+
+// Qwen2's q/k/v biases in Hugging Face config.json terms (hf_llama.h): a model with
+// attention_bias is written as transformers' Qwen2ForCausalLM (whose biases are exactly these) and
+// read back with attention_bias, so checkpoints' model_config keeps it; a Llama config with
+// attention_bias true (which in transformers also biases o_proj) and Qwen2's sliding window are
+// refused naming the field.
+TEST(LlamaConfig, Qwen2AttentionBiasSurvivesHfConfig) {
+  LlamaConfig c = small_config(2, /*tied=*/true);
+  c.attention_bias = true;
+  const nlohmann::json j = mfsdp::llama_hf_config(c, at::kFloat);
+  EXPECT_EQ(j.at("model_type"), "qwen2");
+  EXPECT_EQ(j.at("architectures"), nlohmann::json::array({"Qwen2ForCausalLM"}));
+  EXPECT_EQ(j.at("use_sliding_window"), false);
+  const LlamaConfig back = mfsdp::llama_config_from_hf(nlohmann::json::parse(j.dump()));
+  EXPECT_TRUE(back.attention_bias);
+  EXPECT_EQ(back.num_key_value_heads, 2);
+  EXPECT_TRUE(back.tie_word_embeddings);
+  EXPECT_EQ(back.rope_theta, c.rope_theta);
+  c.attention_bias = false;
+  EXPECT_EQ(mfsdp::llama_hf_config(c, at::kFloat).at("model_type"), "llama");
+  EXPECT_FALSE(mfsdp::llama_config_from_hf(mfsdp::llama_hf_config(c, at::kFloat)).attention_bias);
+
+  auto refused = [](const nlohmann::json& k, const std::string& field) {
+    try {
+      mfsdp::llama_config_from_hf(k);
+      ADD_FAILURE() << "accepted; expected an error naming " << field;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  nlohmann::json llama = mfsdp::llama_hf_config(c, at::kFloat);
+  llama["attention_bias"] = true;
+  refused(llama, "attention_bias");
+  nlohmann::json qwen = j;
+  qwen["use_sliding_window"] = true;
+  refused(qwen, "use_sliding_window");
+  qwen = j;
+  qwen["sliding_window"] = 4096;  // ignored without use_sliding_window, as transformers does
+  EXPECT_TRUE(mfsdp::llama_config_from_hf(qwen).attention_bias);
+  qwen["layer_types"] = {"full_attention", "sliding_attention"};
+  refused(qwen, "layer_types");
 }
 
 // ---- Pieces ----------------------------------------------------------------------------------
@@ -327,11 +390,13 @@ TEST(LlamaAttention, RepeatKvServesConsecutiveQueryHeads) {
 
 // ---- The whole model against the reference ------------------------------------------------
 
-// Multi-head (kv 4), grouped-query (kv 2) and multi-query (kv 1), untied and tied.
+// Multi-head (kv 4), grouped-query (kv 2) and multi-query (kv 1), untied and tied; and Qwen2's
+// q/k/v biases (random, non-zero) on a GQA model.
 TEST(LlamaModel, LogitsMatchReference) {
-  for (int64_t kv : {4, 2, 1})
+  for (int64_t kv : {4, 2, 1, 0})
     for (bool tied : {false, true}) {
-      LlamaConfig c = small_config(kv, tied);
+      LlamaConfig c = small_config(kv == 0 ? 2 : kv, tied);
+      c.attention_bias = kv == 0;
       torch::manual_seed(1);
       LlamaForCausalLM model(c);
       randomize(model, 10 + kv);
@@ -340,7 +405,8 @@ TEST(LlamaModel, LogitsMatchReference) {
       ASSERT_EQ(logits.sizes(), (std::vector<int64_t>{2, 7, c.vocab_size}));
       EXPECT_EQ(logits.scalar_type(), at::kFloat);
       Tensor want = ref_forward(c, reference_weights(model), ids);
-      expect_close(logits, want, 1e-5, "logits, kv heads " + std::to_string(kv) + (tied ? ", tied" : ""));
+      expect_close(logits, want, 1e-5, "logits, kv heads " + std::to_string(c.num_key_value_heads) +
+                                           (tied ? ", tied" : "") + (c.attention_bias ? ", q/k/v biases" : ""));
       EXPECT_GT(max_abs(want), 0.5) << "the reference must not be trivially small";
     }
 }
@@ -348,6 +414,7 @@ TEST(LlamaModel, LogitsMatchReference) {
 TEST(LlamaModel, GradientsMatchReference) {
   for (bool tied : {false, true}) {
     LlamaConfig c = small_config(2, tied);
+    c.attention_bias = tied;  // the bias gradients too, once
     torch::manual_seed(1);
     LlamaForCausalLM model(c);
     randomize(model, 21);
@@ -481,6 +548,57 @@ TEST(LlamaModel, PaddedAndPackedBatchesMatchRowsRunAlone) {
   mfsdp::SequenceLayout wrong;
   wrong.attention_mask = torch::ones({2, 6}, torch::kLong);
   EXPECT_THROW(model->forward(a, wrong), std::invalid_argument);
+}
+
+// Batched decoding (include/mfsdp/batched_generate.h): left-padded rows through one KV cache,
+// per-row positions and a key mask over cached and new keys. A prefill of the padded prompts,
+// then single tokens (one row's last step is a masked filler, as for a finished row): every
+// real token's logits equal those of its row's whole sequence run alone without a cache.
+TEST(LlamaModel, KvCacheWithPaddedBatchMatchesRowsRunAlone) {
+  LlamaConfig c = small_config(2);
+  c.attention_bias = true;
+  torch::manual_seed(1);
+  LlamaForCausalLM model(c);
+  randomize(model, 44);
+  torch::NoGradGuard no_grad;
+  // Row 0: 5 prompt tokens; row 1: 2 (left-padded by 3). Then 3 decode steps; row 1 is
+  // "finished" at the last one (a filler token, masked as a key, its output ignored).
+  Tensor seq0 = random_ids(1, 8, c.vocab_size, 45), seq1 = random_ids(1, 4, c.vocab_size, 46);
+  for (bool sdpa : {true, false}) {
+    for (int64_t i = 0; i < c.num_layers; ++i) model->model->layer(i).self_attn->use_sdpa = sdpa;
+    const std::string path = sdpa ? "SDPA" : "math";
+    Tensor alone0 = model->forward(seq0), alone1 = model->forward(seq1);
+    mfsdp::LlamaKVCache cache(c.num_layers);
+    Tensor prompt = torch::cat({seq0.narrow(1, 0, 5), torch::cat({torch::full({1, 3}, 7L), seq1.narrow(1, 0, 2)}, 1)});
+    Tensor mask = torch::ones({2, 5}, torch::kLong);
+    mask[1].narrow(0, 0, 3).zero_();
+    mfsdp::SequenceLayout layout;
+    layout.attention_mask = mask;
+    layout.position_ids = torch::stack({torch::arange(5), torch::tensor({0, 0, 0, 0, 1}, torch::kLong)});
+    Tensor first = model->forward(prompt, layout, &cache);
+    expect_close(first[0].unsqueeze(0), alone0.narrow(1, 0, 5), 1e-5, path + ": row 0 prefill");
+    expect_close(first[1].narrow(0, 3, 2).unsqueeze(0), alone1.narrow(1, 0, 2), 1e-5, path + ": row 1 prefill");
+    for (int64_t step = 0; step < 3; ++step) {
+      const bool row1_live = step < 2;
+      Tensor next = torch::stack({seq0[0][5 + step], row1_live ? seq1[0][2 + step] : torch::tensor(7L)}).view({2, 1});
+      mask = torch::cat({mask, torch::tensor({1L, row1_live ? 1L : 0L}).view({2, 1})}, 1);
+      layout.attention_mask = mask;
+      layout.position_ids = torch::tensor({5 + step, row1_live ? 2 + step : 0}).view({2, 1});
+      Tensor out = model->forward(next, layout, &cache);
+      EXPECT_EQ(cache.length(), 6 + step);
+      EXPECT_FALSE(out.isnan().any().item<bool>()) << path;
+      expect_close(out[0], alone0[0].narrow(0, 5 + step, 1), 1e-5, path + ": row 0 step " + std::to_string(step));
+      if (row1_live)
+        expect_close(out[1], alone1[0].narrow(0, 2 + step, 1), 1e-5, path + ": row 1 step " + std::to_string(step));
+    }
+    // The mask must cover every key (cached and new); packed segments cannot use a cache.
+    mfsdp::SequenceLayout short_mask;
+    short_mask.attention_mask = torch::ones({2, 1}, torch::kLong);
+    EXPECT_THROW(model->forward(torch::zeros({2, 1}, torch::kLong), short_mask, &cache), std::invalid_argument);
+    mfsdp::SequenceLayout packed;
+    packed.segment_ids = torch::zeros({2, 1}, torch::kLong);
+    EXPECT_THROW(model->forward(torch::zeros({2, 1}, torch::kLong), packed, &cache), std::invalid_argument);
+  }
 }
 
 bool graph_has_node(const Tensor& t, const std::string& needle) {
@@ -637,8 +755,8 @@ TEST(LlamaLoss, MeanAndPerTokenSumMatchReference) {
 // ---- Under fully_shard ---------------------------------------------------------------------------
 
 // shard_llama (ZeRO-3) trains like torch::optim::SGD on one process over the same global batch:
-// untied with layer recompute, tied without (both fp32: 1e-5, bit-exact on the development
-// machine), and with bf16 compute and fp32 main weights. bf16 tolerances: the loss to 5e-3
+// untied with layer recompute, tied without and with Qwen2's q/k/v biases (both fp32: 1e-5,
+// bit-exact on the development machine), and with bf16 compute and fp32 main weights. bf16 tolerances: the loss to 5e-3
 // relative (observed 1e-4: the mean over tokens averages the per-logit bf16 rounding) and the
 // weight *update* over the two steps to 0.1 of its largest magnitude (observed up to 2.7e-2 with
 // bf16 gradients; a wrong or missing gradient term is an error of order 1). The weights
@@ -652,14 +770,16 @@ MFSDP_DIST_TEST(LlamaFullyShard, ShardLlamaMatchesSingleProcess, {1, 2}) {
   constexpr double kLr = 0.1;
   constexpr double kUpdateRtolBf16 = 0.1;
   struct Case {
-    bool tied, recompute, bf16;
+    bool tied, recompute, bf16, bias;
   };
-  for (Case k : {Case{false, true, false}, Case{true, false, false}, Case{false, true, true}}) {
+  for (Case k : {Case{false, true, false, false}, Case{true, false, false, true}, Case{false, true, true, false}}) {
     const std::string what = std::string(k.tied ? "tied" : "untied") +
                              (k.recompute ? ", recompute" : "") + (k.bf16 ? ", bf16" : "") +
+                             (k.bias ? ", q/k/v biases" : "") +
                              ", world " + std::to_string(world);
     const double rtol = k.bf16 ? 5e-3 : 1e-5;  // losses; fp32 weights too
     LlamaConfig c = small_config(2, k.tied);
+    c.attention_bias = k.bias;
     auto build = [&](bool recompute) {
       torch::manual_seed(23);
       LlamaOptions o;

@@ -1,6 +1,8 @@
 // Tokenizers. GPT-2 BPE is checked against ids worked out by hand on a tiny vocab.json/merges.txt
-// and against the splits GPT-2's regex makes; SentencePiece is trained on a small corpus and must
-// round-trip text; the byte-level tokenizer is checked byte by byte.
+// and against the splits GPT-2's regex makes; so is the Hugging Face tokenizer.json loader, on the
+// same tiny model, and Llama-3's regex; SentencePiece is trained on a small corpus and must
+// round-trip text; the byte-level tokenizer is checked byte by byte. (hf_tokenizer_test checks
+// the tokenizer.json loader against the `tokenizers` library itself.)
 #include <gtest/gtest.h>
 
 #include "harness/expect_error.h"
@@ -12,6 +14,7 @@
 #include <fstream>
 #include <functional>
 #include <initializer_list>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -75,6 +78,10 @@ TEST(GPT2Pretokenize, SplitsLikeGPT2sRegex) {
   EXPECT_EQ(gpt2_pretokenize("hi \xF0\x9F\x91\x8B!"), (Pieces{"hi", " \xF0\x9F\x91\x8B!"}));
   // Superscript two (U+00B2) is a number; a non-breaking space (U+00A0) is whitespace.
   EXPECT_EQ(gpt2_pretokenize("m\xC2\xB2\xC2\xA0x"), (Pieces{"m", "\xC2\xB2", "\xC2\xA0", "x"}));
+  // Marks are no letters (Devanagari स्व: स, virama, व); Arabic-Indic digits are numbers.
+  EXPECT_EQ(gpt2_pretokenize("\xE0\xA4\xB8\xE0\xA5\x8D\xE0\xA4\xB5"),
+            (Pieces{"\xE0\xA4\xB8", "\xE0\xA5\x8D", "\xE0\xA4\xB5"}));
+  EXPECT_EQ(gpt2_pretokenize("x \xD9\xA1\xD9\xA2"), (Pieces{"x", " \xD9\xA1\xD9\xA2"}));
   // An invalid UTF-8 byte stands alone as punctuation.
   EXPECT_EQ(gpt2_pretokenize("a\xFF" "b"), (Pieces{"a", "\xFF", "b"}));
 }
@@ -89,6 +96,38 @@ TEST(GPT2Pretokenize, ByteToUnicodeIsGPT2sTable) {
   EXPECT_EQ(gpt2_byte_to_unicode(' '), 0x120u);   // 'Ġ'
   EXPECT_EQ(gpt2_byte_to_unicode(0x7F), 0x121u);
   EXPECT_EQ(gpt2_byte_to_unicode(0xAD), 0x143u);  // the last of the 68 remapped bytes
+}
+
+// ---- Llama-3 pre-tokenisation --------------------------------------------------------------------
+
+// Expected splits worked out by hand from Llama-3's pattern
+//   (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|
+//   \s*[\r\n]+|\s+(?!\S)|\s+
+// (alternatives tried in order at each position, the first that matches wins).
+TEST(Llama3Pretokenize, SplitsLikeLlama3sRegex) {
+  // A space before digits stands alone (only letters and punctuation take it); digits go by 3.
+  EXPECT_EQ(llama3_pretokenize("Hello world's 123  end\n"),
+            (Pieces{"Hello", " world", "'s", " ", "123", " ", " end", "\n"}));
+  EXPECT_EQ(llama3_pretokenize("12345 1234567"), (Pieces{"123", "45", " ", "123", "456", "7"}));
+  // Contractions match in any case.
+  EXPECT_EQ(llama3_pretokenize("IT'S I'M WE'LL"), (Pieces{"IT", "'S", " I", "'M", " WE", "'LL"}));
+  EXPECT_EQ(llama3_pretokenize("don't 'hello"), (Pieces{"don", "'t", " '", "hello"}));
+  // Newline runs stay together, with the whitespace before them.
+  EXPECT_EQ(llama3_pretokenize("a\n\nb"), (Pieces{"a", "\n\n", "b"}));
+  EXPECT_EQ(llama3_pretokenize("x \r\n  y"), (Pieces{"x", " \r\n", " ", " y"}));
+  // Punctuation runs take the newlines after them.
+  EXPECT_EQ(llama3_pretokenize("...ok?!\n\n"), (Pieces{"...", "ok", "?!\n\n"}));
+  // One non-newline, non-alphanumeric character may lead a word.
+  EXPECT_EQ(llama3_pretokenize("!hello\thello\nhello"), (Pieces{"!hello", "\thello", "\n", "hello"}));
+  EXPECT_EQ(llama3_pretokenize("a  \t"), (Pieces{"a", "  \t"}));
+  EXPECT_EQ(llama3_pretokenize("hi \xF0\x9F\x91\x8B!"), (Pieces{"hi", " \xF0\x9F\x91\x8B!"}));
+  EXPECT_EQ(llama3_pretokenize(""), (Pieces{}));
+  // Devanagari स्वागत: स (Lo) ् (virama, Mn) व (Lo) ा (vowel sign, Mc) ग त (Lo): a mark is no
+  // letter, and may lead the letters after it.
+  EXPECT_EQ(llama3_pretokenize("\xE0\xA4\xB8\xE0\xA5\x8D\xE0\xA4\xB5\xE0\xA4\xBE\xE0\xA4\x97\xE0\xA4\xA4"),
+            (Pieces{"\xE0\xA4\xB8", "\xE0\xA5\x8D\xE0\xA4\xB5", "\xE0\xA4\xBE\xE0\xA4\x97\xE0\xA4\xA4"}));
+  // Qwen2: single digits.
+  EXPECT_EQ(llama3_pretokenize("a123", 1), (Pieces{"a", "1", "2", "3"}));
 }
 
 // ---- GPT-2 BPE on a hand-made vocabulary --------------------------------------------------------
@@ -134,6 +173,8 @@ TEST(GPT2BPETokenizer, EncodesWithHandComputedIds) {
   EXPECT_EQ(t->decode({11, 14, 2, 7}), "hello world");
   EXPECT_EQ(t->decode({11, 4, 14, 2, 7}), "hello  world");
   EXPECT_EQ(t->decode({15}), "<|endoftext|>");
+  EXPECT_EQ(t->special_token_id("<|endoftext|>"), std::optional<int64_t>(15));
+  EXPECT_EQ(t->special_token_id("<|im_end|>"), std::nullopt);
   expect_contains(error_of([&] { t->decode({16}); }), {"16"});
   // A byte whose symbol is not in this vocabulary cannot be encoded ("\n" is "Ċ").
   expect_contains(error_of([&] { t->encode("hello\n"); }), {dir.file("vocab.json"), "\xC4\x8A"});
@@ -154,6 +195,109 @@ TEST(GPT2BPETokenizer, MalformedFilesAreErrorsNamingTheFile) {
                   {dir.file("m2.txt") + ":3"});
   expect_contains(error_of([&] { load_gpt2_bpe_tokenizer(dir.file("v2.json"), dir.file("none.txt")); }),
                   {dir.file("none.txt")});
+}
+
+// ---- Hugging Face tokenizer.json on the same hand-made model ------------------------------------
+
+// kTinyVocab/kTinyMerges as a tokenizer.json; <|endoftext|> (15) and <|im_end|> (16) are added
+// tokens. PRE is the pre_tokenizer, MERGES the merges array.
+std::string tiny_hf_json(const std::string& pre, const std::string& merges,
+                         const std::string& model_type = "BPE") {
+  return std::string(R"({"version": "1.0", "normalizer": null, "post_processor": null,
+    "added_tokens": [
+      {"id": 15, "content": "<|endoftext|>", "single_word": false, "lstrip": false,
+       "rstrip": false, "normalized": false, "special": true},
+      {"id": 16, "content": "<|im_end|>", "single_word": false, "lstrip": false,
+       "rstrip": false, "normalized": false, "special": true}],
+    "pre_tokenizer": )") + pre + R"(,
+    "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+    "model": {"type": ")" + model_type + R"(", "dropout": null, "unk_token": null,
+      "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+      "byte_fallback": false, "ignore_merges": false,
+      "vocab": )" + kTinyVocab + R"(,
+      "merges": )" + merges + "}}";
+}
+const char* kByteLevelPre = R"({"type": "ByteLevel", "add_prefix_space": false, "use_regex": true})";
+const char* kPairMerges =
+    R"([["h", "e"], ["l", "l"], ["he", "ll"], ["hell", "o"], ["\u0120", "w"], ["o", "r"], ["\u0120w", "or"]])";
+const char* kStringMerges =
+    R"(["h e", "l l", "he ll", "hell o", "\u0120 w", "o r", "\u0120w or"])";
+
+TEST(HuggingFaceTokenizer, EncodesWithHandComputedIds) {
+  TempDir dir;
+  for (const char* merges : {kPairMerges, kStringMerges}) {
+    write_text(dir.file("tokenizer.json"), tiny_hf_json(kByteLevelPre, merges));
+    // The folder works as well as the file.
+    auto t = make_tokenizer({"HuggingFaceTokenizer", dir.path().string(), "", ""});
+    EXPECT_EQ(t->name(), "HuggingFaceTokenizer");
+    EXPECT_EQ(t->vocab_size(), 17);  // max id (16, <|im_end|>) + 1
+    EXPECT_EQ(t->eod(), 15);         // <|endoftext|>, no tokenizer_config.json
+    // Same merges as EncodesWithHandComputedIds above; added tokens cut the text first, so
+    // "world" after <|endoftext|> has no leading space.
+    EXPECT_EQ(t->encode("hello world"), (Ids{11, 14, 2, 7}));
+    EXPECT_EQ(t->encode("hello<|endoftext|> world<|im_end|>hell"), (Ids{11, 15, 14, 2, 7, 16, 10}));
+    EXPECT_EQ(t->decode({11, 15, 14, 2, 7, 16}), "hello<|endoftext|> world<|im_end|>");
+    EXPECT_EQ(t->special_token_id("<|im_end|>"), std::optional<int64_t>(16));
+    EXPECT_EQ(t->special_token_id("hello"), std::nullopt);
+    expect_contains(error_of([&] { t->decode({17}); }), {"17"});
+    EXPECT_EQ(tokenizer_vocab_size({"HuggingFaceTokenizer", dir.file("tokenizer.json"), "", ""}), 17);
+    ASSERT_NE(make_torch_safe_tokenizer({"HuggingFaceTokenizer", dir.path().string(), "", ""}), nullptr);
+  }
+  // add_prefix_space: every segment between added tokens gets a leading space.
+  write_text(dir.file("tokenizer.json"),
+             tiny_hf_json(R"({"type": "ByteLevel", "add_prefix_space": true, "use_regex": true})",
+                          kPairMerges));
+  auto p = load_hf_tokenizer(dir.file("tokenizer.json"));
+  EXPECT_EQ(p->encode("world<|im_end|>hello"), (Ids{14, 2, 7, 16, 4, 11}));
+}
+
+TEST(HuggingFaceTokenizer, EodFromTokenizerConfig) {
+  TempDir dir;
+  write_text(dir.file("tokenizer.json"), tiny_hf_json(kByteLevelPre, kPairMerges));
+  write_text(dir.file("tokenizer_config.json"), R"({"eos_token": "<|im_end|>"})");
+  EXPECT_EQ(load_hf_tokenizer(dir.path().string())->eod(), 16);
+  write_text(dir.file("tokenizer_config.json"), R"({"eos_token": {"content": "hello"}})");
+  EXPECT_EQ(load_hf_tokenizer(dir.path().string())->eod(), 11);
+  write_text(dir.file("tokenizer_config.json"), R"({"eos_token": "</s>"})");
+  expect_contains(error_of([&] { load_hf_tokenizer(dir.path().string()); }),
+                  {dir.file("tokenizer_config.json"), "eos_token", "</s>"});
+}
+
+TEST(HuggingFaceTokenizer, UnsupportedThingsAreErrorsNamingFileAndJsonPath) {
+  TempDir dir;
+  const std::string file = dir.file("tokenizer.json");
+  auto error_for = [&](const std::string& json) {
+    write_text(file, json);
+    return error_of([&] { load_hf_tokenizer(file); });
+  };
+  expect_contains(error_of([&] { load_hf_tokenizer(dir.file("missing.json")); }),
+                  {dir.file("missing.json")});
+  expect_contains(error_of([&] { load_hf_tokenizer(dir.file("nested")); }), {"nested"});
+  expect_contains(error_for("{\"model\": "), {file, "JSON"});
+  expect_contains(error_for(tiny_hf_json(kByteLevelPre, kPairMerges, "WordPiece")),
+                  {file, "model.type", "WordPiece"});
+  const std::string split =
+      R"({"type": "Sequence", "pretokenizers": [{"type": "Split", "pattern": {"Regex": "\\w+"},
+         "behavior": "Isolated", "invert": false}, {"type": "ByteLevel", "use_regex": false}]})";
+  expect_contains(error_for(tiny_hf_json(split, kPairMerges)),
+                  {file, "pre_tokenizer.pretokenizers[0].pattern.Regex", "\\w+"});
+  expect_contains(error_for(tiny_hf_json(R"({"type": "Whitespace"})", kPairMerges)),
+                  {file, "pre_tokenizer.type", "Whitespace"});
+  std::string lowercase = tiny_hf_json(kByteLevelPre, kPairMerges);
+  lowercase.replace(lowercase.find("\"normalizer\": null"), 18, R"("normalizer": {"type": "Lowercase"})");
+  expect_contains(error_for(lowercase), {file, "normalizer.type", "Lowercase"});
+  expect_contains(error_for(tiny_hf_json(kByteLevelPre, R"([["h", "e", "x"]])")),
+                  {file, "model.merges[0]"});
+  std::string lstrip = tiny_hf_json(kByteLevelPre, kPairMerges);
+  lstrip.replace(lstrip.find("\"lstrip\": false"), 15, R"("lstrip": true)");
+  expect_contains(error_for(lstrip), {file, "added_tokens[0].lstrip"});
+  // No end-of-document token among the added tokens.
+  std::string no_eod = tiny_hf_json(kByteLevelPre, kPairMerges);
+  no_eod.replace(no_eod.find("\"<|endoftext|>\", \"single"), 15, "\"<|other|>\"");
+  no_eod.replace(no_eod.find("\"<|im_end|>\""), 12, "\"<|other2|>\"");
+  expect_contains(error_for(no_eod), {file, "end-of-document"});
+  expect_contains(error_of([] { make_tokenizer({"HuggingFaceTokenizer", "", "", ""}); }),
+                  {"--tokenizer-model"});
 }
 
 // ---- SentencePiece ------------------------------------------------------------------------------

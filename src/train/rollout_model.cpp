@@ -1,0 +1,45 @@
+#include "train/rollout_model.h"
+
+#include <torch/torch.h>
+
+#include <stdexcept>
+
+namespace mfsdp {
+
+RolloutModel::RolloutModel(const LlamaConfig& config, const c10::Device& device, bool use_sdpa)
+    : config_(config), device_(device), use_sdpa_(use_sdpa) {}
+
+void RolloutModel::load_from(const FsdpHandle& root) {
+  const auto state = root.full_state_dict(/*all_ranks=*/true);
+  if (!model_) {
+    // Built once (its initial values are overwritten below); released storage is given back
+    // by set_data, which keeps each parameter's TensorImpl.
+    model_ = LlamaForCausalLM(config_);
+    for (int64_t i = 0; i < model_->model->num_layers(); ++i) model_->model->layer(i).self_attn->use_sdpa = use_sdpa_;
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& item : model_->named_parameters()) {
+    const auto it = state.find(item.key());
+    if (it == state.end()) throw std::logic_error("rollout model: the policy has no parameter " + item.key());
+    at::Tensor& p = item.value();
+    // Fresh storage (a released or deferred parameter has none) in the parameter's own TensorImpl.
+    p.set_data(it->second.to(device_, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+  }
+  model_->eval();
+  loaded_ = true;
+}
+
+void RolloutModel::release() {
+  if (!model_) return;
+  torch::NoGradGuard no_grad;
+  for (auto& item : model_->named_parameters())
+    item.value().set_data(at::empty({0}, item.value().options()));
+  loaded_ = false;
+}
+
+LlamaForCausalLMImpl& RolloutModel::model() {
+  if (!loaded_) throw std::logic_error("rollout model: used before load_from");
+  return *model_;
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,32 @@
+// The policy's full weights in a plain (unsharded) model on this rank's device, for generation:
+// GRPO's rollout and the trainers' greedy evaluation. load_from() gathers every parameter from
+// the shards (FsdpHandle::full_state_dict on every rank, a collective) and copies them in;
+// release() frees the copy until the next load (verl's "update_weights" and the offload after it).
+#pragma once
+
+#include <c10/core/Device.h>
+
+#include "mfsdp/fully_shard.h"
+#include "mfsdp/llama.h"
+
+namespace mfsdp {
+
+class RolloutModel {
+ public:
+  RolloutModel(const LlamaConfig& config, const c10::Device& device, bool use_sdpa = true);
+  // Collective over the shard group of `root`.
+  void load_from(const FsdpHandle& root);
+  void release();
+  bool loaded() const { return loaded_; }
+  // Throws std::logic_error when not loaded.
+  LlamaForCausalLMImpl& model();
+
+ private:
+  LlamaConfig config_;
+  c10::Device device_;
+  bool use_sdpa_;
+  LlamaForCausalLM model_{nullptr};
+  bool loaded_ = false;
+};
+
+}  // namespace mfsdp

@@ -1,0 +1,335 @@
+#include "train/sft.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "mfsdp/batched_generate.h"
+#include "mfsdp/chat_template.h"
+#include "mfsdp/policy_loss.h"
+#include "mfsdp/token_stats.h"
+#include "mfsdp/verifiable_tasks.h"
+#include "train/chat_eval.h"
+#include "train/sft_data.h"
+#include "train/tool_flags.h"
+#include "train/training_run.h"
+
+namespace mfsdp {
+
+ToolFlags sft_tool_flags(SftArgs& a) {
+  ToolFlags t;
+  t.program = "mfsdp-sft";
+  // Pretraining data, and what SFT fixes: --max-length is the sequence length, the loss is
+  // always normalised by global counts (--loss-agg-mode).
+  t.excluded = {"--data-path",     "--split",         "--mock-data",          "--seq-length",
+                "--vocab-size",    "--calculate-per-token-loss", "--sample-prompt", "--sample-tokens",
+                "--skip-train",    "--simulate-world-size",      "--simulate-rank"};
+  t.extra = {
+      string_flag("--train-files", a.train_files,
+                  "training conversations, JSONL: {\"messages\": [{\"role\", \"content\"}...]} or "
+                  "{\"prompt\", \"response\"} per line"),
+      string_flag("--val-files", a.val_files, "held-out conversations (same format): validation loss and "
+                                              "greedy exact match of the last assistant message"),
+      string_flag("--gen-task", a.gen_task,
+                  "generate conversations of a verifiable task instead of --train-files / --val-files "
+                  "(held-out ones never among the training ones)",
+                  {"arith", "countdown"}),
+      int_flag("--gen-train-size", a.gen_train_size, "generated training conversations"),
+      int_flag("--gen-val-size", a.gen_val_size, "generated held-out conversations"),
+      int_flag("--gen-digits", a.gen_digits, "digits of each arith operand"),
+      int_flag("--gen-seed", a.gen_seed, "seed of the generated conversations"),
+      string_flag("--messages-key", a.messages_key, "JSONL key of the message list"),
+      string_flag("--prompt-key", a.prompt_key, "JSONL key of the prompt (a string or a message list)"),
+      string_flag("--response-key", a.response_key, "JSONL key of the response"),
+      string_flag("--chat-template", a.chat_template,
+                  "conversation format (auto: chatml when the tokenizer has <|im_start|>, else plain)",
+                  {"auto", "chatml", "plain"}),
+      int_flag("--max-length", a.max_length, "longest sequence in tokens (the model's --seq-length)"),
+      string_flag("--truncation", a.truncation, "a longer conversation is an error, or loses its start (left) "
+                                                "or its end (right)",
+                  {"error", "left", "right"}),
+      string_flag("--loss-on", a.loss_on, "tokens trained on: assistant messages and their end token, or all",
+                  {"assistant", "all"}),
+      bool_flag("--packing", a.packing,
+                "pack conversations into rows of --max-length (positions restart, attention stays within each)"),
+      string_flag("--loss-agg-mode", a.loss_agg_mode,
+                  "loss over the global batch: mean over its target tokens, or mean over conversations of "
+                  "their token means",
+                  {"token-mean", "seq-mean-token-mean"}),
+      string_flag("--hf-load", a.hf_load, "start from this Hugging Face model folder (config.json, safetensors)"),
+      int_flag("--val-generate-samples", a.val_generate_samples,
+               "held-out conversations answered greedily for exact match at each evaluation (0: none)"),
+      int_flag("--max-new-tokens", a.max_new_tokens, "longest generated answer in exact-match evaluation"),
+  };
+  return t;
+}
+
+SftArgs parse_sft_args(const std::vector<std::string>& argv) {
+  SftArgs a;
+  a.base = parse_pretrain_args(argv, sft_tool_flags(a));
+  if (a.train_files.empty() == a.gen_task.empty())
+    flag_error("--train-files", a.gen_task.empty() ? "is required (or --gen-task)" : "conflicts with --gen-task");
+  if (!a.val_files.empty() && !a.gen_task.empty()) flag_error("--val-files", "conflicts with --gen-task");
+  if (!a.gen_task.empty() && (a.gen_train_size < 1 || a.gen_val_size < 0 || a.gen_digits < 1))
+    flag_error("--gen-train-size", "generated sizes must be >= 1 (held out: >= 0), --gen-digits >= 1");
+  if (a.max_length < 2) flag_error("--max-length", "must be >= 2, got " + std::to_string(a.max_length));
+  if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
+  if (a.max_new_tokens < 1) flag_error("--max-new-tokens", "must be >= 1");
+  if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load (it starts from the folder)");
+  a.base.seq_length = a.max_length;
+  a.base.calculate_per_token_loss = true;
+  return a;
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct SftData {
+  std::vector<SftExample> examples;
+  std::vector<SftRow> rows;
+  int64_t target_tokens = 0;
+};
+
+// `path`, or with --gen-task the generated split ("train" or "test").
+SftData load_sft_data(const std::string& path, const SftArgs& a, const Tokenizer& tokenizer,
+                      const std::string& chat_template) {
+  SftData d;
+  if (!a.gen_task.empty()) {
+    TaskGenOptions t;
+    t.task = a.gen_task;
+    t.seed = static_cast<uint64_t>(a.gen_seed);
+    t.digits = static_cast<int>(a.gen_digits);
+    t.split = path;
+    t.count = path == "train" ? a.gen_train_size : a.gen_val_size;
+    if (t.count > 0) d.examples = generate_sft_tasks(t);
+  } else {
+    d.examples = read_sft_jsonl(path, {a.messages_key, a.prompt_key, a.response_key});
+  }
+  if (d.examples.empty()) return d;
+  SftTokenizeOptions o;
+  o.chat_template = chat_template;
+  o.max_length = a.max_length;
+  o.truncation = a.truncation;
+  o.loss_on_all = a.loss_on == "all";
+  auto sequences = tokenize_sft_examples(d.examples, tokenizer, o,
+                                         a.gen_task.empty() ? path : "--gen-task " + a.gen_task + " (" + path + ")");
+  for (const auto& s : sequences)
+    for (uint8_t m : s.loss_mask) d.target_tokens += m;
+  d.rows = make_sft_rows(sequences, a.max_length, a.packing);
+  return d;
+}
+
+// Per-token loss of a micro-batch as a [sequences, L] matrix (one row per packed conversation,
+// so seq-mean modes average per conversation, not per packed row) with its target mask.
+struct SequenceLosses {
+  at::Tensor loss;  // [S, L] fp32
+  at::Tensor mask;  // [S, L] fp32
+};
+SequenceLosses sequence_losses(LlamaForCausalLM& model, const SftBatch& cpu, const at::Device& device) {
+  SequenceLayout layout;
+  layout.position_ids = cpu.position_ids.to(device);
+  layout.attention_mask = cpu.attention_mask.to(device);
+  layout.segment_ids = cpu.segment_ids.to(device);
+  at::Tensor logits = model->call(cpu.input_ids.to(device), layout);
+  at::Tensor loss = -token_log_probs(logits, cpu.labels.to(device));  // [B, L]
+  return {per_sequence(loss, layout.segment_ids), per_sequence(cpu.label_mask.to(device), layout.segment_ids)};
+}
+
+std::vector<const SftRow*> pick(const std::vector<SftRow>& rows, const std::vector<int64_t>& index) {
+  std::vector<const SftRow*> out;
+  for (int64_t i : index) out.push_back(&rows[static_cast<size_t>(i)]);
+  return out;
+}
+
+}  // namespace
+
+SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::ostream& log) {
+  const PretrainArgs& a = args.base;
+  const int rank = comm->rank(), dp = comm->size();
+  torch::manual_seed(a.seed);
+  auto tokenizer = make_torch_safe_tokenizer({a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file});
+  if (!tokenizer)
+    flag_error("--tokenizer-type", "mfsdp-sft needs a text tokenizer: ByteLevelTokenizer, GPT2BPETokenizer or "
+                            "HuggingFaceTokenizer");
+  const std::string chat_template = resolve_chat_template(args.chat_template, *tokenizer);
+  const LossAggMode agg = parse_loss_agg_mode(args.loss_agg_mode);
+  const bool generated = !args.gen_task.empty();
+  const SftData train = load_sft_data(generated ? "train" : args.train_files, args, *tokenizer, chat_template);
+  SftData val;
+  if (generated || !args.val_files.empty())
+    val = load_sft_data(generated ? "test" : args.val_files, args, *tokenizer, chat_template);
+
+  StartingPoint start = starting_point(a, args.hf_load, tokenizer->vocab_size());
+  TrainingRun run(a, start.config, comm, log, /*per_token_loss=*/true, sft_tool_flags(args));
+  const ResumePoint resume = run.start(start.weights.empty() ? nullptr : &start.weights);
+  start.weights.clear();
+  LlamaForCausalLM& model = run.model();
+  const at::Device device = comm->device();
+  const int64_t pad = tokenizer->eod();
+  if (run.prints())
+    log << " mfsdp-sft: " << train.examples.size() << " training conversations (" << train.rows.size()
+        << (args.packing ? " packed rows" : " rows") << ", " << train.target_tokens << " target tokens), "
+        << val.examples.size() << " held out; chat template " << chat_template << "; model: " << start.description
+        << "\n";
+
+  SftSampler sampler(static_cast<int64_t>(train.rows.size()), a.micro_batch_size, dp, a.num_micro_batches,
+                     static_cast<uint64_t>(a.seed));
+
+  // Validation: the loss over held-out conversations (rank r takes every dp-th row) and greedy
+  // exact match of the last assistant message.
+  auto evaluate = [&](int64_t iteration) {
+    IterationRecord r;
+    r.iteration = iteration;
+    r.consumed_samples = iteration * a.global_batch_size;
+    r.eval = true;
+    r.lm_loss = std::nan("");
+    if (val.rows.empty()) return r;
+    double sums[3] = {0, 0, 0};  // loss sum (token-mean) or sum of sequence means, tokens, sequences
+    {
+      torch::NoGradGuard no_grad;
+      const int64_t limit = a.eval_iters > 0 ? std::min<int64_t>(a.eval_iters * a.global_batch_size,
+                                                                 static_cast<int64_t>(val.rows.size()))
+                                             : static_cast<int64_t>(val.rows.size());
+      // Every rank runs the same number of (sharded, collective) forwards; a rank whose share
+      // ran out runs row 0 and counts nothing.
+      const int64_t per_round = dp * a.micro_batch_size;
+      for (int64_t round = 0; round * per_round < limit; ++round) {
+        std::vector<int64_t> index;
+        const int64_t first = round * per_round + rank * a.micro_batch_size;
+        for (int64_t i = first; i < std::min(first + a.micro_batch_size, limit); ++i) index.push_back(i);
+        const bool idle = index.empty();
+        if (idle) index.push_back(0);
+        SequenceLosses s = sequence_losses(model, collate_sft_rows(pick(val.rows, index), pad), device);
+        if (idle) continue;
+        const at::Tensor tokens = s.mask.sum(1);
+        sums[0] += agg == LossAggMode::kTokenMean
+                       ? (s.loss * s.mask).sum().item<double>()
+                       : ((s.loss * s.mask).sum(1) / tokens.clamp_min(1)).sum().item<double>();
+        sums[1] += tokens.sum().item<double>();
+        sums[2] += (tokens > 0).sum().item<double>();
+      }
+    }
+    at::Tensor t = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble).to(device);
+    comm->all_reduce(t, {ReduceOp::kSum});
+    t = t.cpu();
+    const double loss = t[0].item<double>() / std::max(1.0, t[agg == LossAggMode::kTokenMean ? 1 : 2].item<double>());
+    r.lm_loss = loss;
+    r.extra.emplace_back("val/loss", loss);
+    std::string detail;
+    if (args.val_generate_samples > 0) {
+      ChatEvalOptions e;
+      e.chat_template = chat_template;
+      e.max_new_tokens = args.max_new_tokens;
+      e.samples = args.val_generate_samples;
+      const ChatEvalResult m = greedy_exact_match(run, val.examples, *tokenizer, e);
+      r.extra.emplace_back("val/exact_match", m.accuracy);
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " | exact match: %.4f (%lld of %lld)", m.accuracy, (long long)m.correct,
+                    (long long)m.total);
+      detail = buf;
+    }
+    r.mem_bytes = peak_memory_bytes(device);
+    if (run.prints()) {
+      char line[160];
+      std::snprintf(line, sizeof line, " validation at iteration %lld | loss: %.6E", (long long)iteration, loss);
+      log << line << detail << "\n";
+      log.flush();
+    }
+    run.record(r);
+    return r;
+  };
+
+  SftResult result;
+  result.first_loss = std::nan("");
+  const auto start_time = Clock::now();
+  auto window_start = start_time;
+  double window_loss = 0, window_tokens = 0;
+  int64_t window_iters = 0;
+  int64_t it = resume.iteration + 1;
+  if (it > a.train_iters && run.prints())
+    log << " checkpoint iteration " << resume.iteration << " reaches --train-iters " << a.train_iters
+        << ": nothing to train\n";
+  for (; it <= a.train_iters; ++it) {
+    // The global batch's denominators, before any micro-batch runs: the loss is then the same
+    // whatever the split into micro-batches and ranks.
+    std::vector<SftBatch> batches;
+    double counts[2] = {0, 0};
+    for (int64_t m = 0; m < a.num_micro_batches; ++m) {
+      batches.push_back(collate_sft_rows(pick(train.rows, sampler.rows(it, m, rank)), pad));
+      // Conversations with targets: per_sequence's rows beyond a row's own sequences are empty
+      // and are not conversations.
+      const at::Tensor tokens = per_sequence(batches.back().label_mask, batches.back().segment_ids).sum(1);
+      counts[0] += tokens.sum().item<double>();
+      counts[1] += (tokens > 0).sum().item<double>();
+    }
+    at::Tensor c = at::tensor({counts[0], counts[1]}, at::kDouble).to(device);
+    comm->all_reduce(c, {ReduceOp::kSum});
+    c = c.cpu();
+    LossNormalizer norm;
+    norm.global_tokens = c[0].item<double>();
+    norm.global_sequences = c[1].item<double>();
+    double step_loss = 0;
+    const auto stats = run.step(it, a.num_micro_batches, [&](int64_t m) {
+      SequenceLosses s = sequence_losses(model, batches[static_cast<size_t>(m)], device);
+      at::Tensor loss = agg_loss(s.loss, s.mask, agg, norm);
+      step_loss += loss.item<double>();
+      loss.backward();
+    });
+    step_loss = run.all_reduce_sum(step_loss);
+    window_loss += step_loss;
+    window_tokens += norm.global_tokens;
+    ++window_iters;
+    if (it % a.log_interval == 0 || it == a.train_iters) {
+      const auto now = Clock::now();
+      const double seconds = std::chrono::duration<double>(now - window_start).count();
+      IterationRecord r;
+      r.iteration = it;
+      r.consumed_samples = it * a.global_batch_size;
+      r.lm_loss = window_loss / window_iters;
+      r.lr = stats.lr;
+      r.grad_norm = stats.grad_norm;
+      r.iter_time_s = seconds / window_iters;
+      r.tokens_per_sec = window_tokens / seconds;  // target tokens
+      r.mem_bytes = peak_memory_bytes(device);
+      r.extra.emplace_back("train/loss", r.lm_loss);
+      run.record(r);
+      if (std::isnan(result.first_loss)) result.first_loss = r.lm_loss;
+      result.final_loss = r.lm_loss;
+      if (run.prints()) {
+        char line[400];
+        std::snprintf(line, sizeof line,
+                      " iteration %6lld/%6lld | consumed samples: %8lld | elapsed time per iteration (ms): %.1f | "
+                      "learning rate: %.6E | global batch size: %4lld | loss: %.6E | grad norm: %.3f | "
+                      "target tokens/s: %.1f | mem (MiB): %.1f",
+                      (long long)it, (long long)a.train_iters, (long long)r.consumed_samples, r.iter_time_s * 1e3,
+                      r.lr, (long long)a.global_batch_size, r.lm_loss, r.grad_norm, r.tokens_per_sec,
+                      r.mem_bytes / 1048576.0);
+        log << line << "\n";
+        log.flush();
+      }
+      window_loss = window_tokens = 0;
+      window_iters = 0;
+      window_start = Clock::now();
+    }
+    if (it % a.eval_interval == 0 && it != a.train_iters) evaluate(it);
+    if (run.after_iteration(it)) {
+      result.iterations = it;
+      return result;
+    }
+  }
+  const int64_t last = std::max(a.train_iters, resume.iteration);
+  result.iterations = last;
+  run.finish_checkpoint(last);
+  IterationRecord final_eval = evaluate(last);
+  result.final_val_loss = final_eval.lm_loss;
+  for (const auto& [key, value] : final_eval.extra)
+    if (key == "val/exact_match") result.val_exact_match = value;
+  run.finish(last, "SFT loss");
+  return result;
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,278 @@
+#include "train/training_run.h"
+
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "mfsdp/checkpoint.h"
+#include "mfsdp/generate.h"
+#include "mfsdp/hf_interop.h"
+#include "mfsdp/hf_llama.h"
+#include "mfsdp/safetensors.h"
+#include "mfsdp/simulated_comm.h"
+
+namespace mfsdp {
+
+LlamaConfig llama_config_from_args(const PretrainArgs& a) {
+  LlamaConfig c;
+  c.vocab_size = a.padded_vocab_size;
+  c.hidden_size = a.hidden_size;
+  c.intermediate_size = a.ffn_hidden_size;
+  c.num_layers = a.num_layers;
+  c.num_attention_heads = a.num_attention_heads;
+  c.num_key_value_heads = a.num_query_groups;
+  c.max_position_embeddings = a.max_position_embeddings;
+  c.rope_theta = a.rotary_base;
+  c.rms_norm_eps = a.norm_epsilon;
+  c.tie_word_embeddings = !a.untie_embeddings_and_output_weights;
+  c.init_std = a.init_method_std;
+  c.validate();
+  return c;
+}
+
+FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shared_ptr<Communicator>& comm,
+                                          bool per_token_loss) {
+  FullyShardOptions o;
+  o.comm = comm;
+  o.strategy = parse_sharding_strategy(a.data_parallel_sharding_strategy);
+  o.prefetch = !a.no_fsdp_prefetch;
+  o.all_gather_in_start_param_sync = !a.no_fsdp_all_gather_in_start_param_sync;
+  if (a.fsdp_double_buffer) o.buffer_allocator = BufferAllocatorKind::kDoubleBuffer;
+  if (a.fsdp_trace_pool) o.buffer_allocator = BufferAllocatorKind::kTracePool;
+  if (a.bf16) o.mixed_precision.param_dtype = at::kBFloat16;
+  if (a.grad_reduce_in_bf16) o.mixed_precision.grad_comm_dtype = at::kBFloat16;
+  o.gradient_scaling = per_token_loss ? GradientScaling::kNone : GradientScaling::kDivideByWorld;
+  return o;
+}
+
+ShardedLlama build_sharded_llama(const LlamaConfig& config, const PretrainArgs& a,
+                                 const FullyShardOptions& shard) {
+  LlamaOptions options;
+  options.deferred_init = a.init_model_with_meta_device;
+  options.recompute_layers = a.recompute_activations;
+  options.init_seed = static_cast<uint64_t>(a.seed);
+  LlamaForCausalLM model(config, options);
+  for (int64_t i = 0; i < model->model->num_layers(); ++i)
+    model->model->layer(i).self_attn->use_sdpa = a.attention_backend != "unfused";
+  for (int64_t i = 0; i < model->model->num_layers(); ++i) {
+    if (a.init_model_with_meta_device) model->materialize_and_init_layer(i);
+    fully_shard(model->model->layer(i), shard);
+  }
+  if (a.init_model_with_meta_device) model->init_root();
+  FsdpHandle root = shard_llama_root(model, shard);
+  return {model, root};
+}
+
+namespace {
+std::map<std::string, at::Tensor> weights_of(const LlamaForCausalLMImpl& model) {
+  std::map<std::string, at::Tensor> weights;
+  for (const auto& item : model.named_parameters()) weights[item.key()] = item.value().detach();
+  return weights;
+}
+}  // namespace
+
+std::map<std::string, at::Tensor> load_full_weights(const std::string& path) {
+  return weights_of(*load_model(path).model);
+}
+
+StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, int64_t tokenizer_vocab) {
+  StartingPoint p;
+  if (!a.load.empty() && is_checkpoint(a.load)) {
+    CheckpointReader reader(a.load);
+    const nlohmann::json saved = reader.metadata().value("model_config", nlohmann::json::object());
+    if (saved.empty())
+      throw std::invalid_argument("--load " + a.load + ": the checkpoint records no model_config");
+    p.config = llama_config_from_hf(saved);
+    p.description = "checkpoint " + reader.dir();
+  } else if (!hf_load.empty()) {
+    if (!is_hf_folder(hf_load))
+      throw std::invalid_argument("--hf-load " + hf_load +
+                                  ": not a Hugging Face model folder (config.json and model.safetensors)");
+    LoadedModel loaded = load_model(hf_load);
+    p.config = loaded.model->config();
+    p.weights = weights_of(*loaded.model);
+    p.description = "Hugging Face folder " + hf_load;
+  } else {
+    p.config = llama_config_from_args(a);
+    p.description = "new model from the flags (seed " + std::to_string(a.seed) + ")";
+    return p;
+  }
+  if (tokenizer_vocab > p.config.vocab_size)
+    throw std::invalid_argument("--tokenizer-type: the tokenizer has " + std::to_string(tokenizer_vocab) +
+                                " ids but the model (" + p.description + ") only " +
+                                std::to_string(p.config.vocab_size));
+  return p;
+}
+
+std::string sibling_path(const std::string& metrics_file, const std::string& extension) {
+  std::string path = metrics_file;
+  const auto dot = path.rfind('.'), slash = path.rfind('/');
+  if (dot != std::string::npos && (slash == std::string::npos || dot > slash)) path.resize(dot);
+  return path + extension;
+}
+
+TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, std::shared_ptr<Communicator> comm,
+                         std::ostream& log, bool per_token_loss, ToolFlags tool)
+    : args_(args),
+      config_(config),
+      comm_(std::move(comm)),
+      log_(log),
+      tool_(std::move(tool)),
+      print_(comm_->rank() == 0 || is_simulated(*comm_)),
+      sharded_(build_sharded_llama(config, args, shard_options_from_args(args, comm_, per_token_loss))),
+      metrics_(print_ ? args.metrics_file : "") {
+  if (args.optimizer == "adam") {
+    AdamWOptions o;
+    o.beta1 = args.adam_beta1;
+    o.beta2 = args.adam_beta2;
+    o.eps = args.adam_eps;
+    o.weight_decay = args.weight_decay;
+    optimizer_ = make_adamw(sharded_.root, o);
+  } else {
+    SGDOptions o;
+    o.momentum = args.sgd_momentum;
+    o.weight_decay = args.weight_decay;
+    optimizer_ = make_sgd(sharded_.root, o);
+  }
+  schedule_.max_lr = args.lr;
+  schedule_.min_lr = args.min_lr;
+  schedule_.warmup_steps = args.lr_warmup_iters;
+  schedule_.decay_steps = args.lr_decay_iters;
+  schedule_.style = args.lr_decay_style;
+}
+
+ResumePoint TrainingRun::start(const std::map<std::string, at::Tensor>* initial) {
+  ResumePoint resume;
+  if (!args_.load.empty() && (is_checkpoint(args_.load) || initial == nullptr)) {
+    resume = load_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_);
+  } else if (initial != nullptr) {
+    sharded_.root.load_full_state_dict(*initial);
+  }
+  last_saved_ = resume.iteration;
+  return resume;
+}
+
+TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
+                                         const std::function<void(int64_t)>& micro_batch) {
+  for (int64_t m = 0; m < micro_batches; ++m) {
+    sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
+    micro_batch(m);
+  }
+  StepStats s;
+  s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);
+  s.lr = schedule_.lr_at(iteration);
+  optimizer_->step(s.lr);
+  sharded_.root.zero_grad();
+  return s;
+}
+
+void TrainingRun::record(const IterationRecord& r) {
+  metrics_.write(r);
+  history_.push_back(r);
+}
+
+void TrainingRun::save(int64_t iteration) {
+  save_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, iteration, log_, tool_);
+  last_saved_ = iteration;
+}
+
+bool TrainingRun::after_iteration(int64_t it) {
+  if (!args_.save.empty() && args_.save_interval > 0 && it % args_.save_interval == 0) save(it);
+  if (args_.exit_interval > 0 && it % args_.exit_interval == 0 && it != args_.train_iters) {
+    if (!args_.save.empty() && last_saved_ != it) save(it);
+    if (print_) log_ << " exiting at iteration " << it << " (--exit-interval " << args_.exit_interval << ")\n";
+    return true;
+  }
+  return false;
+}
+
+double TrainingRun::all_reduce_mean(double value) const {
+  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
+  comm_->all_reduce(t, {ReduceOp::kAvg});
+  return t.item<double>();
+}
+
+double TrainingRun::all_reduce_sum(double value) const {
+  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
+  comm_->all_reduce(t, {ReduceOp::kSum});
+  return t.item<double>();
+}
+
+double TrainingRun::all_reduce_max(double value) const {
+  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
+  comm_->all_reduce(t, {ReduceOp::kMax});
+  return t.item<double>();
+}
+
+std::map<std::string, at::Tensor> TrainingRun::gather_full_weights() const {
+  return sharded_.root.full_state_dict(/*all_ranks=*/true);
+}
+
+namespace {
+
+// --export-hf: config.json + model.safetensors (fp32, or bf16 with --bf16) and, for a
+// HuggingFaceTokenizer, its tokenizer files, so transformers loads the folder as it is.
+void export_hf_folder(const PretrainArgs& a, const LlamaConfig& config,
+                      const std::map<std::string, at::Tensor>& state, std::ostream& log) {
+  namespace fs = std::filesystem;
+  const at::ScalarType dtype = a.bf16 ? at::kBFloat16 : at::kFloat;
+  fs::create_directories(a.export_hf);
+  {
+    std::ofstream out(a.export_hf + "/config.json", std::ios::trunc);
+    if (!out) throw std::runtime_error("--export-hf: cannot write '" + a.export_hf + "/config.json'");
+    out << llama_hf_config(config, dtype).dump(2) << "\n";
+  }
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& [name, t] : state) tensors.emplace_back(name, t.to(dtype));
+  write_safetensors(a.export_hf + "/model.safetensors", tensors, {{"format", "pt"}});
+  if (a.tokenizer_type == "HuggingFaceTokenizer") {
+    const fs::path from = fs::is_directory(a.tokenizer_model) ? fs::path(a.tokenizer_model)
+                                                              : fs::path(a.tokenizer_model).parent_path();
+    for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+      if (fs::exists(from / file))
+        fs::copy_file(from / file, fs::path(a.export_hf) / file, fs::copy_options::overwrite_existing);
+  }
+  log << " Hugging Face export: " << a.export_hf << " (config.json, model.safetensors)\n";
+}
+
+}  // namespace
+
+void TrainingRun::finish_checkpoint(int64_t last) {
+  if (!args_.save.empty() && last_saved_ != last) save(last);
+}
+
+void TrainingRun::finish(int64_t last, const std::string& curve_title) {
+  finish_checkpoint(last);
+  if (print_ && !args_.metrics_file.empty()) {
+    const std::string svg = sibling_path(args_.metrics_file, ".svg");
+    write_loss_curve_svg(svg, history_, curve_title);
+    log_ << " loss curve: " << svg << "\n";
+  }
+  if (!args_.save_final_model.empty() || !args_.export_hf.empty()) {
+    auto state = sharded_.root.full_state_dict(/*all_ranks=*/false);
+    if (!state.empty()) {  // rank 0
+      if (!args_.save_final_model.empty()) {
+        save_final_model(args_.save_final_model, config_, args_.tokenizer_type, state);
+        log_ << " final model: " << args_.save_final_model << " (mfsdp-generate --model "
+             << args_.save_final_model << ")\n";
+      }
+      if (!args_.export_hf.empty()) export_hf_folder(args_, config_, state, log_);
+    }
+  }
+  if (print_) {
+    MemoryReport m = sharded_.root.memory();
+    int64_t state = 0;
+    for (auto& [name, tensors] : optimizer_->state())
+      for (auto& t : tensors) state += t.nbytes();
+    log_ << (is_simulated(*comm_) ? " SIMULATED" : "") << " memory per rank (MiB): model weights "
+         << m.model_weights / 1048576.0 << ", main weights " << m.main_weights / 1048576.0 << ", main grads "
+         << m.main_grads / 1048576.0 << ", optimizer state " << state / 1048576.0 << ", transient peak "
+         << m.transient_peak / 1048576.0 << ", buffer pool " << m.buffer_pool / 1048576.0
+         << ", process peak RSS " << peak_rss_bytes() / 1048576.0;
+    if (comm_->device().is_cuda())
+      log_ << ", " << comm_->device().str() << " peak allocated " << peak_memory_bytes(comm_->device()) / 1048576.0;
+    log_ << "\n";
+  }
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,125 @@
+// What every trainer shares (mfsdp-pretrain, mfsdp-sft, mfsdp-grpo; docs/design.md "Trainers"):
+// the Llama model sharded with fully_shard from Megatron's flags, the distributed optimizer and
+// LR schedule, --load / --save / --exit-interval, the metrics file and its curve picture, and
+// what happens at the end (final checkpoint, --save-final-model, --export-hf, memory report).
+// Each trainer owns only its data and its loss: it calls step() with a function that runs one
+// micro-batch's forward and backward.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "mfsdp/comm.h"
+#include "mfsdp/fully_shard.h"
+#include "mfsdp/llama.h"
+#include "mfsdp/optim.h"
+#include "train/metrics.h"
+#include "train/pretrain_args.h"
+#include "train/trainer_checkpoint.h"
+
+namespace mfsdp {
+
+// The model the flags describe (vocabulary: args.padded_vocab_size).
+LlamaConfig llama_config_from_args(const PretrainArgs& args);
+// fully_shard's options from the sharding, precision and buffer flags. `per_token_loss`: the
+// loss is already divided by the global count (no 1/dp in the gradient reduction).
+FullyShardOptions shard_options_from_args(const PretrainArgs& args, const std::shared_ptr<Communicator>& comm,
+                                          bool per_token_loss);
+
+struct ShardedLlama {
+  LlamaForCausalLM model{nullptr};
+  FsdpHandle root;
+};
+// Builds the model and shards it, layers then the root. With --init-model-with-meta-device every
+// layer is materialised and sharded in turn, so no rank ever holds the whole model.
+ShardedLlama build_sharded_llama(const LlamaConfig& config, const PretrainArgs& args,
+                                 const FullyShardOptions& shard);
+
+// Where fine-tuning starts (mfsdp-sft, mfsdp-grpo): the model config and, from a Hugging Face
+// folder, the weights. In order: --load holding a checkpoint (its model_config; the weights are
+// loaded by TrainingRun::start), `hf_load` (config.json and the weights, fp32 on the CPU), the
+// model flags (args.padded_vocab_size from the tokenizer). Errors name the flag: a tokenizer
+// with more ids than the model's vocabulary, a folder that is not a model.
+struct StartingPoint {
+  LlamaConfig config;
+  std::map<std::string, at::Tensor> weights;  // empty unless from hf_load
+  std::string description;                    // for the log
+};
+// The full weights (by HF name, fp32, CPU) of a Hugging Face folder or a final-model folder.
+std::map<std::string, at::Tensor> load_full_weights(const std::string& path);
+StartingPoint starting_point(const PretrainArgs& args, const std::string& hf_load, int64_t tokenizer_vocab);
+
+// The file next to the metrics file with another extension (metrics.jsonl -> metrics.svg).
+std::string sibling_path(const std::string& metrics_file, const std::string& extension);
+
+class TrainingRun {
+ public:
+  // Builds the sharded model, the optimizer (--optimizer) and the LR schedule. `tool` names the
+  // trainer's own flags (recorded in checkpoints next to Megatron's).
+  TrainingRun(const PretrainArgs& args, const LlamaConfig& config, std::shared_ptr<Communicator> comm,
+              std::ostream& log, bool per_token_loss, ToolFlags tool = {});
+
+  // --load (resume, or --finetune for weights only); else, when `initial` is given, the full
+  // weights (by HF name) of a Hugging Face folder or another model. Collective.
+  ResumePoint start(const std::map<std::string, at::Tensor>* initial = nullptr);
+
+  struct StepStats {
+    double grad_norm = 0;
+    double lr = 0;
+  };
+  // One optimizer step of `iteration` (1-based): micro_batch(m) for m = 0 .. micro_batches - 1
+  // runs that micro-batch's forward and backward (gradients are reduced after the last one
+  // only); then clip (--clip-grad), step at the schedule's lr, zero the gradients.
+  StepStats step(int64_t iteration, int64_t micro_batches, const std::function<void(int64_t)>& micro_batch);
+
+  // Appends to the metrics file (rank 0) and the history the curve is drawn from.
+  void record(const IterationRecord& r);
+  // Saves at --save-interval; true when --exit-interval says to stop here (saved first).
+  bool after_iteration(int64_t iteration);
+  // With --save: the checkpoint of the last iteration, unless it is saved already. Collective.
+  void finish_checkpoint(int64_t last_iteration);
+  // The end: the last checkpoint (when not saved yet), the curve picture (`curve_title` of
+  // lm_loss), --save-final-model, --export-hf, the memory report. Collective.
+  void finish(int64_t last_iteration, const std::string& curve_title = "lm loss");
+
+  // Full weights by HF name on every rank (collective), in fp32.
+  std::map<std::string, at::Tensor> gather_full_weights() const;
+  // Prints on rank 0 only (every rank in a simulated run).
+  bool prints() const { return print_; }
+  double all_reduce_mean(double value) const;
+  double all_reduce_sum(double value) const;
+  double all_reduce_max(double value) const;
+
+  const PretrainArgs& args() const { return args_; }
+  const std::shared_ptr<Communicator>& comm() const { return comm_; }
+  std::ostream& log() const { return log_; }
+  LlamaForCausalLM& model() { return sharded_.model; }
+  FsdpHandle& root() { return sharded_.root; }
+  DistributedOptimizer& optimizer() { return *optimizer_; }
+  const LlamaConfig& config() const { return config_; }
+  const std::vector<IterationRecord>& history() const { return history_; }
+  MetricsWriter& metrics() { return metrics_; }
+
+ private:
+  void save(int64_t iteration);
+
+  PretrainArgs args_;
+  LlamaConfig config_;
+  std::shared_ptr<Communicator> comm_;
+  std::ostream& log_;
+  ToolFlags tool_;
+  bool print_;
+  ShardedLlama sharded_;
+  std::unique_ptr<DistributedOptimizer> optimizer_;
+  LRSchedule schedule_;
+  MetricsWriter metrics_;
+  std::vector<IterationRecord> history_;
+  int64_t last_saved_ = -1;
+};
+
+}  // namespace mfsdp
