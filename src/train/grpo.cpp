@@ -28,17 +28,10 @@ ToolFlags grpo_tool_flags(GrpoArgs& a) {
   t.excluded = {"--data-path", "--split",      "--mock-data",     "--seq-length",          "--vocab-size",
                 "--calculate-per-token-loss",  "--sample-prompt", "--sample-tokens",       "--skip-train",
                 "--simulate-world-size",       "--simulate-rank", "--global-batch-size"};
-  t.extra = {
-      string_flag("--train-files", a.train_files,
-                  "training prompts, verl's JSONL: {\"prompt\": [{\"role\", \"content\"}], \"reward_model\": "
-                  "{\"ground_truth\"}, \"data_source\"} per line"),
-      string_flag("--val-files", a.val_files, "held-out prompts (same format): greedy validation score"),
-      string_flag("--gen-task", a.gen_task, "generate verifiable prompts instead of --train-files / --val-files",
-                  {"arith", "countdown"}),
-      int_flag("--gen-train-size", a.gen_train_size, "generated training prompts"),
-      int_flag("--gen-val-size", a.gen_val_size, "generated held-out prompts (never among the training ones)"),
-      int_flag("--gen-digits", a.gen_digits, "digits of each arith operand"),
-      int_flag("--gen-seed", a.gen_seed, "seed of the generated prompts"),
+  t.extra = task_source_flags(a.data, "prompts",
+                              "verl's {\"prompt\": [{\"role\", \"content\"}], \"reward_model\": "
+                              "{\"ground_truth\"}, \"data_source\"} per line");
+  const std::vector<ToolFlag> own = {
       string_flag("--reward", a.reward, "rule reward (auto: by each prompt's data_source)", reward_names()),
       string_flag("--chat-template", a.chat_template,
                   "conversation format (auto: chatml when the tokenizer has <|im_start|>, else plain)",
@@ -80,6 +73,7 @@ ToolFlags grpo_tool_flags(GrpoArgs& a) {
                   "--hf-load or the --load checkpoint with --finetune)"),
       int_flag("--val-generate-samples", a.val_generate_samples, "held-out prompts scored greedily (0: none)"),
   };
+  t.extra.insert(t.extra.end(), own.begin(), own.end());
   return t;
 }
 
@@ -89,19 +83,12 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   auto positive = [](const char* flag, int64_t v) {
     if (v < 1) flag_error(flag, "must be >= 1, got " + std::to_string(v));
   };
-  if (a.train_files.empty() == a.gen_task.empty())
-    flag_error("--train-files", a.gen_task.empty() ? "is required (or --gen-task)" : "conflicts with --gen-task");
-  if (!a.val_files.empty() && !a.gen_task.empty()) flag_error("--val-files", "conflicts with --gen-task");
+  check_task_source(a.data);
   positive("--max-prompt-length", a.max_prompt_length);
   positive("--max-response-length", a.max_response_length);
   positive("--train-batch-size", a.train_batch_size);
   positive("--rollout-n", a.rollout_n);
   positive("--ppo-epochs", a.ppo_epochs);
-  if (!a.gen_task.empty()) {
-    positive("--gen-train-size", a.gen_train_size);
-    positive("--gen-digits", a.gen_digits);
-    if (a.gen_val_size < 0) flag_error("--gen-val-size", "must be >= 0");
-  }
   if (a.ppo_mini_batch_size == 0) a.ppo_mini_batch_size = a.train_batch_size;
   if (a.ppo_mini_batch_size < 1 || a.train_batch_size % a.ppo_mini_batch_size != 0)
     flag_error("--ppo-mini-batch-size", std::to_string(a.ppo_mini_batch_size) + " does not divide --train-batch-size " +
@@ -259,21 +246,12 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
 
   // Prompts.
   std::vector<RlExample> train, val;
-  if (!g.gen_task.empty()) {
-    TaskGenOptions t;
-    t.task = g.gen_task;
-    t.seed = static_cast<uint64_t>(g.gen_seed);
-    t.digits = static_cast<int>(g.gen_digits);
-    t.count = g.gen_train_size;
-    train = generate_tasks(t);
-    if (g.gen_val_size > 0) {
-      t.split = "test";
-      t.count = g.gen_val_size;
-      val = generate_tasks(t);
-    }
+  if (g.data.generated()) {
+    train = generate_tasks(g.data.generator("train"));
+    if (g.data.gen_val_size > 0) val = generate_tasks(g.data.generator("test"));
   } else {
-    train = read_rl_jsonl(g.train_files);
-    if (!g.val_files.empty()) val = read_rl_jsonl(g.val_files);
+    train = read_rl_jsonl(g.data.train_files);
+    if (!g.data.val_files.empty()) val = read_rl_jsonl(g.data.val_files);
   }
   std::vector<std::vector<int64_t>> train_prompts;
   for (size_t i = 0; i < train.size(); ++i) {
@@ -281,7 +259,7 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
     const auto n = static_cast<int64_t>(ids.size());
     if (n > g.max_prompt_length) {
       if (g.truncation == "error")
-        flag_error("--max-prompt-length", (g.gen_task.empty() ? g.train_files : "--gen-task " + g.gen_task) +
+        flag_error("--max-prompt-length", g.data.describe("train") +
                                               ": prompt " + std::to_string(i + 1) + " has " + std::to_string(n) +
                                               " tokens, more than " + std::to_string(g.max_prompt_length) +
                                               " (--truncation left or right cuts it)");

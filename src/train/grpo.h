@@ -11,19 +11,14 @@
 
 #include "mfsdp/comm.h"
 #include "train/pretrain_args.h"
+#include "train/task_source.h"
 
 namespace mfsdp {
 
 struct GrpoArgs {
   PretrainArgs base;  // --seq-length is --max-prompt-length + --max-response-length here
   // Data: verl's RL JSONL, or generated verifiable tasks.
-  std::string train_files;
-  std::string val_files;
-  std::string gen_task;           // arith | countdown: generate the prompts instead of files
-  int64_t gen_train_size = 2000;  // generated training prompts
-  int64_t gen_val_size = 200;     // generated held-out prompts (a disjoint split)
-  int64_t gen_digits = 2;         // arith operand digits
-  int64_t gen_seed = 0;
+  TaskSource data;
   std::string reward = "auto";    // auto: by data_source
   std::string chat_template = "auto";
   int64_t max_prompt_length = 64;

@@ -14,6 +14,7 @@
 #include "mfsdp/verifiable_tasks.h"
 #include "train/chat_eval.h"
 #include "train/sft_data.h"
+#include "train/task_source.h"
 #include "train/tool_flags.h"
 #include "train/training_run.h"
 
@@ -27,20 +28,9 @@ ToolFlags sft_tool_flags(SftArgs& a) {
   t.excluded = {"--data-path",     "--split",         "--mock-data",          "--seq-length",
                 "--vocab-size",    "--calculate-per-token-loss", "--sample-prompt", "--sample-tokens",
                 "--skip-train",    "--simulate-world-size",      "--simulate-rank"};
-  t.extra = {
-      string_flag("--train-files", a.train_files,
-                  "training conversations, JSONL: {\"messages\": [{\"role\", \"content\"}...]} or "
-                  "{\"prompt\", \"response\"} per line"),
-      string_flag("--val-files", a.val_files, "held-out conversations (same format): validation loss and "
-                                              "greedy exact match of the last assistant message"),
-      string_flag("--gen-task", a.gen_task,
-                  "generate conversations of a verifiable task instead of --train-files / --val-files "
-                  "(held-out ones never among the training ones)",
-                  {"arith", "countdown"}),
-      int_flag("--gen-train-size", a.gen_train_size, "generated training conversations"),
-      int_flag("--gen-val-size", a.gen_val_size, "generated held-out conversations"),
-      int_flag("--gen-digits", a.gen_digits, "digits of each arith operand"),
-      int_flag("--gen-seed", a.gen_seed, "seed of the generated conversations"),
+  t.extra = task_source_flags(a.data, "conversations",
+                              "{\"messages\": [{\"role\", \"content\"}...]} or {\"prompt\", \"response\"} per line");
+  const std::vector<ToolFlag> own = {
       string_flag("--messages-key", a.messages_key, "JSONL key of the message list"),
       string_flag("--prompt-key", a.prompt_key, "JSONL key of the prompt (a string or a message list)"),
       string_flag("--response-key", a.response_key, "JSONL key of the response"),
@@ -64,17 +54,14 @@ ToolFlags sft_tool_flags(SftArgs& a) {
                "held-out conversations answered greedily for exact match at each evaluation (0: none)"),
       int_flag("--max-new-tokens", a.max_new_tokens, "longest generated answer in exact-match evaluation"),
   };
+  t.extra.insert(t.extra.end(), own.begin(), own.end());
   return t;
 }
 
 SftArgs parse_sft_args(const std::vector<std::string>& argv) {
   SftArgs a;
   a.base = parse_pretrain_args(argv, sft_tool_flags(a));
-  if (a.train_files.empty() == a.gen_task.empty())
-    flag_error("--train-files", a.gen_task.empty() ? "is required (or --gen-task)" : "conflicts with --gen-task");
-  if (!a.val_files.empty() && !a.gen_task.empty()) flag_error("--val-files", "conflicts with --gen-task");
-  if (!a.gen_task.empty() && (a.gen_train_size < 1 || a.gen_val_size < 0 || a.gen_digits < 1))
-    flag_error("--gen-train-size", "generated sizes must be >= 1 (held out: >= 0), --gen-digits >= 1");
+  check_task_source(a.data);
   if (a.max_length < 2) flag_error("--max-length", "must be >= 2, got " + std::to_string(a.max_length));
   if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
   if (a.max_new_tokens < 1) flag_error("--max-new-tokens", "must be >= 1");
@@ -94,20 +81,16 @@ struct SftData {
   int64_t target_tokens = 0;
 };
 
-// `path`, or with --gen-task the generated split ("train" or "test").
-SftData load_sft_data(const std::string& path, const SftArgs& a, const Tokenizer& tokenizer,
+// The examples of `split` ("train" or "test"): the file, or the generated split.
+SftData load_sft_data(const std::string& split, const SftArgs& a, const Tokenizer& tokenizer,
                       const std::string& chat_template) {
   SftData d;
-  if (!a.gen_task.empty()) {
-    TaskGenOptions t;
-    t.task = a.gen_task;
-    t.seed = static_cast<uint64_t>(a.gen_seed);
-    t.digits = static_cast<int>(a.gen_digits);
-    t.split = path;
-    t.count = path == "train" ? a.gen_train_size : a.gen_val_size;
+  const TaskSource& source = a.data;
+  if (source.generated()) {
+    const TaskGenOptions t = source.generator(split);
     if (t.count > 0) d.examples = generate_sft_tasks(t);
   } else {
-    d.examples = read_sft_jsonl(path, {a.messages_key, a.prompt_key, a.response_key});
+    d.examples = read_sft_jsonl(source.describe(split), {a.messages_key, a.prompt_key, a.response_key});
   }
   if (d.examples.empty()) return d;
   SftTokenizeOptions o;
@@ -115,8 +98,7 @@ SftData load_sft_data(const std::string& path, const SftArgs& a, const Tokenizer
   o.max_length = a.max_length;
   o.truncation = a.truncation;
   o.loss_on_all = a.loss_on == "all";
-  auto sequences = tokenize_sft_examples(d.examples, tokenizer, o,
-                                         a.gen_task.empty() ? path : "--gen-task " + a.gen_task + " (" + path + ")");
+  auto sequences = tokenize_sft_examples(d.examples, tokenizer, o, source.describe(split));
   for (const auto& s : sequences)
     for (uint8_t m : s.loss_mask) d.target_tokens += m;
   d.rows = make_sft_rows(sequences, a.max_length, a.packing);
@@ -157,11 +139,9 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
                             "HuggingFaceTokenizer");
   const std::string chat_template = resolve_chat_template(args.chat_template, *tokenizer);
   const LossAggMode agg = parse_loss_agg_mode(args.loss_agg_mode);
-  const bool generated = !args.gen_task.empty();
-  const SftData train = load_sft_data(generated ? "train" : args.train_files, args, *tokenizer, chat_template);
+  const SftData train = load_sft_data("train", args, *tokenizer, chat_template);
   SftData val;
-  if (generated || !args.val_files.empty())
-    val = load_sft_data(generated ? "test" : args.val_files, args, *tokenizer, chat_template);
+  if (args.data.generated() || !args.data.val_files.empty()) val = load_sft_data("test", args, *tokenizer, chat_template);
 
   StartingPoint start = starting_point(a, args.hf_load, tokenizer->vocab_size());
   TrainingRun run(a, start.config, comm, log, /*per_token_loss=*/true, sft_tool_flags(args));

@@ -10,18 +10,13 @@
 
 #include "mfsdp/comm.h"
 #include "train/pretrain_args.h"
+#include "train/task_source.h"
 
 namespace mfsdp {
 
 struct SftArgs {
   PretrainArgs base;  // --seq-length is --max-length here
-  std::string train_files;  // JSONL (verl data.train_files)
-  std::string val_files;    // JSONL, held out (verl data.val_files)
-  std::string gen_task;     // arith | countdown: generated conversations instead of files
-  int64_t gen_train_size = 2000;
-  int64_t gen_val_size = 200;
-  int64_t gen_digits = 2;
-  int64_t gen_seed = 0;
+  TaskSource data;  // --train-files / --val-files (verl data.train_files, val_files) or --gen-task
   std::string messages_key = "messages";
   std::string prompt_key = "prompt";
   std::string response_key = "response";

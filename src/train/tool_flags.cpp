@@ -9,12 +9,12 @@ void flag_error(const std::string& flag, const std::string& what) {
   throw std::invalid_argument(flag + ": " + what);
 }
 
-ToolFlag string_flag(const char* name, std::string& field, const char* help, std::vector<std::string> choices) {
+ToolFlag string_flag(const char* name, std::string& field, const std::string& help, std::vector<std::string> choices) {
   return {name, help, true, std::move(choices), [&field](const std::string& v) { field = v; },
           [&field] { return field.empty() ? std::string("unset") : field; }};
 }
 
-ToolFlag int_flag(const char* name, int64_t& field, const char* help) {
+ToolFlag int_flag(const char* name, int64_t& field, const std::string& help) {
   return {name, help, true, {},
           [&field, name](const std::string& v) {
             try {
@@ -31,7 +31,7 @@ ToolFlag int_flag(const char* name, int64_t& field, const char* help) {
           [&field] { return std::to_string(field); }};
 }
 
-ToolFlag double_flag(const char* name, double& field, const char* help) {
+ToolFlag double_flag(const char* name, double& field, const std::string& help) {
   return {name, help, true, {},
           [&field, name](const std::string& v) {
             try {
@@ -52,7 +52,7 @@ ToolFlag double_flag(const char* name, double& field, const char* help) {
           }};
 }
 
-ToolFlag bool_flag(const char* name, bool& field, const char* help) {
+ToolFlag bool_flag(const char* name, bool& field, const std::string& help) {
   return {name, help, false, {}, [&field](const std::string&) { field = true; },
           [&field] { return std::string(field ? "on" : "off"); }};
 }

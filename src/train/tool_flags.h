@@ -13,9 +13,9 @@ namespace mfsdp {
 // Throws std::invalid_argument("<flag>: <what>").
 [[noreturn]] void flag_error(const std::string& flag, const std::string& what);
 
-ToolFlag string_flag(const char* name, std::string& field, const char* help, std::vector<std::string> choices = {});
-ToolFlag int_flag(const char* name, int64_t& field, const char* help);
-ToolFlag double_flag(const char* name, double& field, const char* help);
-ToolFlag bool_flag(const char* name, bool& field, const char* help);
+ToolFlag string_flag(const char* name, std::string& field, const std::string& help, std::vector<std::string> choices = {});
+ToolFlag int_flag(const char* name, int64_t& field, const std::string& help);
+ToolFlag double_flag(const char* name, double& field, const std::string& help);
+ToolFlag bool_flag(const char* name, bool& field, const std::string& help);
 
 }  // namespace mfsdp
