@@ -50,9 +50,10 @@ void export_hf(const std::string& ckpt, const std::string& out_dir, at::ScalarTy
 // saved dtype, model_config = llama_hf_config(config, dtype of embed_tokens), args
 // {"imported_from": hf_dir}: what `mfsdp-pretrain --load OUT --finetune` starts from.
 // Dropped: "*rotary_emb.inv_freq" buffers; "lm_head.weight" of a tied model when it equals
-// model.embed_tokens.weight exactly (otherwise an error). Errors: bias tensors (Qwen2 q/k/v
-// biases; all named), a missing or unexpected tensor, a wrong shape (both shapes), a
-// non-floating-point tensor.
+// model.embed_tokens.weight exactly (otherwise an error). Qwen2's q/k/v biases are imported
+// (reconcile_hf_biases, hf_llama.h: all of them or none). Errors: some biases but not all, or
+// biases under a Llama config (named), a missing or unexpected tensor, a wrong shape (both
+// shapes), a non-floating-point tensor.
 void import_hf(const std::string& hf_dir, const std::string& out_ckpt);
 
 // Name -> shape of every parameter LlamaForCausalLM(cfg) has, in module order (embedding, layers,

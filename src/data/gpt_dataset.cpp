@@ -2,6 +2,8 @@
 // include/mfsdp/gpt_dataset.h).
 #include "mfsdp/gpt_dataset.h"
 
+#include "mfsdp/splitmix64.h"
+
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -55,13 +57,6 @@ class NumpyRandomState {
  private:
   std::mt19937 gen_;
 };
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 }  // namespace
 

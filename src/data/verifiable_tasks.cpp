@@ -7,6 +7,8 @@
 // then on duplicates are accepted.
 #include "mfsdp/verifiable_tasks.h"
 
+#include "mfsdp/splitmix64.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -17,12 +19,6 @@ namespace mfsdp {
 namespace {
 
 constexpr int64_t kExhaustedAfter = 200000;
-
-uint64_t splitmix64_mix(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  return z ^ (z >> 31);
-}
 
 // splitmix64 (Steele, Lea, Flood 2014): the same stream on every compiler and standard library,
 // which std::uniform_int_distribution does not promise.

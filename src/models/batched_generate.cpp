@@ -2,6 +2,8 @@
 // (include/mfsdp/batched_generate.h, docs/model.md).
 #include "mfsdp/batched_generate.h"
 
+#include "mfsdp/splitmix64.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/grad_mode.h>
@@ -15,13 +17,6 @@
 
 namespace mfsdp {
 namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 [[noreturn]] void bad(const std::string& what) { throw std::invalid_argument("generate_batch: " + what); }
 

@@ -1,5 +1,7 @@
 #include "models/param_init.h"
 
+#include "mfsdp/splitmix64.h"
+
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -37,12 +39,6 @@ uint64_t draw_seed() {
 }
 
 namespace {
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 uint64_t fnv1a64(const std::string& s) {
   uint64_t h = 0xCBF29CE484222325ull;
   for (unsigned char c : s) h = (h ^ c) * 0x100000001B3ull;

@@ -282,8 +282,15 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
         << chat_template << "; rollout " << g.rollout_mode << "; model: " << start.description << "\n";
     if (ref) {
       const MemoryReport m = ref->sharded.root.memory();
+      double full_bytes = 0;
+      for (const auto& [name, shape] : llama_parameter_shapes(start.config)) {
+        double numel = 1;
+        for (int64_t d : shape) numel *= static_cast<double>(d);
+        full_bytes += numel * 4;  // fp32
+      }
       log << " reference policy per rank (MiB): weights " << (m.model_weights + m.main_weights) / 1048576.0
-          << " (sharded over " << dp << " ranks; no gradients, no optimizer state)\n";
+          << " of " << full_bytes / 1048576.0 << " for the whole model (sharded over " << dp
+          << " ranks; no gradients, no optimizer state)\n";
     }
   }
 

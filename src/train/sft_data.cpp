@@ -1,5 +1,7 @@
 #include "train/sft_data.h"
 
+#include "mfsdp/splitmix64.h"
+
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -114,13 +116,6 @@ at::Tensor per_sequence(const at::Tensor& values, const at::Tensor& segment_ids)
 }
 
 namespace {
-
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 // Fisher-Yates with splitmix64 draws: the same order on every machine and standard library.
 std::vector<int64_t> epoch_order(int64_t n, uint64_t seed, int64_t epoch) {

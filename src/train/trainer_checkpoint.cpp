@@ -33,7 +33,8 @@ void check_model_config(const nlohmann::json& saved, const LlamaConfig& run, con
       {"num_key_value_heads", "--num-query-groups"},
       {"tie_word_embeddings", "--untie-embeddings-and-output-weights"},
       {"rope_theta", "--rotary-base"},
-      {"rms_norm_eps", "--norm-epsilon"}};
+      {"rms_norm_eps", "--norm-epsilon"},
+      {"attention_bias", "the model (Qwen2's q/k/v biases)"}};
   for (const auto& [field, flag] : fields) {
     if (!saved.contains(field)) continue;
     const nlohmann::json& a = saved[field];

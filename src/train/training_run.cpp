@@ -228,7 +228,10 @@ void export_hf_folder(const PretrainArgs& a, const LlamaConfig& config,
   if (a.tokenizer_type == "HuggingFaceTokenizer") {
     const fs::path from = fs::is_directory(a.tokenizer_model) ? fs::path(a.tokenizer_model)
                                                               : fs::path(a.tokenizer_model).parent_path();
-    for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"})
+    // transformers 5 keeps the chat template in chat_template.jinja, older ones in
+    // chat_template.json or tokenizer_config.json.
+    for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                             "chat_template.jinja", "chat_template.json"})
       if (fs::exists(from / file))
         fs::copy_file(from / file, fs::path(a.export_hf) / file, fs::copy_options::overwrite_existing);
   }

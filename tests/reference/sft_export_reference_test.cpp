@@ -11,7 +11,9 @@
 //     model's lm_head is the embedding tensor itself);
 //   - the logits transformers gives for the chat-templated ids of a few conversations equal
 //     those of mfsdp::load_model on the same folder (fp32; a bf16 export is read by both sides
-//     as the same bf16 values cast to fp32, so it must agree as tightly).
+//     as the same bf16 values cast to fp32, so it must agree as tightly), and those of the
+//     trained model read from the checkpoint (its weights rounded to bf16 for a bf16 export),
+//     so a config field the export gets wrong cannot hide behind both sides reading it alike.
 // Cases (three, to stay near a minute on a small machine): byte-level untied fp32, byte-level
 // tied bf16, and HuggingFaceTokenizer tied fp32. That last one trains a byte-level BPE with the
 // `tokenizers` library at test time (ChatML special tokens, the template in
@@ -190,6 +192,7 @@ void check_case(const TempDir& dir, const Case& c) {
         << name << " differs from the checkpoint's (max |diff| "
         << (it->second.to(at::kFloat) - t).abs().max().item<double>() << ")";
   }
+  for (const auto& [name, t] : exported) EXPECT_EQ(trained.count(name), 1u) << "the export has an extra tensor " << name;
 
   // The ids of the probe conversations, as mfsdp's training renders them.
   json request = {{"ids", json::array()}};
@@ -236,22 +239,29 @@ void check_case(const TempDir& dir, const Case& c) {
           << "conversation " << i << ": transformers' apply_chat_template vs the ids mfsdp trains on";
   }
 
-  // Logits: mfsdp's loader on the export vs transformers.
-  mfsdp::LoadedModel ours = mfsdp::load_model(hf);
-  ours.model->eval();
+  // Logits. Two mfsdp models against transformers: the trained model from the checkpoint (its
+  // own config and weights, rounded to bf16 for a bf16 export: a config field the export lost or
+  // changed shows here), and mfsdp::load_model's reading of the export itself.
   torch::NoGradGuard no_grad;
+  mfsdp::LoadedModel from_ckpt = mfsdp::load_model(ckpt), from_export = mfsdp::load_model(hf);
+  if (c.bf16)
+    for (auto& p : from_ckpt.model->parameters()) p.copy_(p.to(at::kBFloat16).to(at::kFloat));
   mfsdp::SafetensorsFile theirs(out_dir + "/logits.safetensors");
-  for (size_t i = 0; i < rows.size(); ++i) {
-    const auto n = static_cast<int64_t>(rows[i].size());
-    const at::Tensor mine = ours.model->forward(torch::tensor(rows[i], torch::kLong).view({1, n}))[0];
-    const at::Tensor ref_logits = theirs.load("logits_" + std::to_string(i));
-    ASSERT_EQ(mine.sizes(), ref_logits.sizes()) << "row " << i;
-    const double diff = (mine.to(at::kDouble) - ref_logits.to(at::kDouble)).abs().max().item<double>();
-    const double scale = ref_logits.abs().max().item<double>();
-    std::cout << "row " << i << " (" << n << " tokens): max |mfsdp - transformers| = " << diff
-              << ", max |logit| = " << scale << "\n";
-    EXPECT_GT(scale, 0.5) << "logits near 0 would compare little";
-    EXPECT_LE(diff, kRelTol * std::max(1.0, scale)) << "row " << i;
+  for (auto* ours : {&from_ckpt, &from_export}) {
+    const std::string which = ours == &from_ckpt ? "checkpoint " + ckpt : "export " + hf;
+    ours->model->eval();
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const auto n = static_cast<int64_t>(rows[i].size());
+      const at::Tensor mine = ours->model->forward(torch::tensor(rows[i], torch::kLong).view({1, n}))[0];
+      const at::Tensor ref_logits = theirs.load("logits_" + std::to_string(i));
+      ASSERT_EQ(mine.sizes(), ref_logits.sizes()) << which << ", row " << i;
+      const double diff = (mine.to(at::kDouble) - ref_logits.to(at::kDouble)).abs().max().item<double>();
+      const double scale = ref_logits.abs().max().item<double>();
+      std::cout << "mfsdp from the " << which << ", row " << i << " (" << n
+                << " tokens): max |mfsdp - transformers| = " << diff << ", max |logit| = " << scale << "\n";
+      EXPECT_GT(scale, 0.5) << "logits near 0 would compare little";
+      EXPECT_LE(diff, kRelTol * std::max(1.0, scale)) << which << ", row " << i;
+    }
   }
 }
 
