@@ -607,7 +607,7 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
     write_curve_svg(svg, "reward (train: mean score; validation: greedy)", train_points, val_points);
     log << " reward curve: " << svg << "\n";
   }
-  run.finish(last, "");
+  run.finish(last, /*curve_title=*/"");  // no lm_loss: the reward curve above instead
   return result;
 }
 

@@ -246,7 +246,7 @@ void TrainingRun::finish_checkpoint(int64_t last) {
 
 void TrainingRun::finish(int64_t last, const std::string& curve_title) {
   finish_checkpoint(last);
-  if (print_ && !args_.metrics_file.empty()) {
+  if (print_ && !args_.metrics_file.empty() && !curve_title.empty()) {
     const std::string svg = sibling_path(args_.metrics_file, ".svg");
     write_loss_curve_svg(svg, history_, curve_title);
     log_ << " loss curve: " << svg << "\n";

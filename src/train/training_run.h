@@ -84,7 +84,7 @@ class TrainingRun {
   // With --save: the checkpoint of the last iteration, unless it is saved already. Collective.
   void finish_checkpoint(int64_t last_iteration);
   // The end: the last checkpoint (when not saved yet), the curve picture (`curve_title` of
-  // lm_loss), --save-final-model, --export-hf, the memory report. Collective.
+  // lm_loss; none when empty), --save-final-model, --export-hf, the memory report. Collective.
   void finish(int64_t last_iteration, const std::string& curve_title = "lm loss");
 
   // Full weights by HF name on every rank (collective), in fp32.
