@@ -22,103 +22,6 @@
 
 namespace mfsdp {
 
-ToolFlags grpo_tool_flags(GrpoArgs& a) {
-  ToolFlags t;
-  t.program = "mfsdp-grpo";
-  t.excluded = {"--data-path", "--split",      "--mock-data",     "--seq-length",          "--vocab-size",
-                "--calculate-per-token-loss",  "--sample-prompt", "--sample-tokens",       "--skip-train",
-                "--simulate-world-size",       "--simulate-rank", "--global-batch-size"};
-  t.extra = task_source_flags(a.data, "prompts",
-                              "verl's {\"prompt\": [{\"role\", \"content\"}], \"reward_model\": "
-                              "{\"ground_truth\"}, \"data_source\"} per line");
-  const std::vector<ToolFlag> own = {
-      string_flag("--reward", a.reward, "rule reward (auto: by each prompt's data_source)", reward_names()),
-      string_flag("--chat-template", a.chat_template,
-                  "conversation format (auto: chatml when the tokenizer has <|im_start|>, else plain)",
-                  {"auto", "chatml", "plain"}),
-      int_flag("--max-prompt-length", a.max_prompt_length, "longest prompt in tokens (verl data.max_prompt_length)"),
-      int_flag("--max-response-length", a.max_response_length, "longest response in tokens"),
-      string_flag("--truncation", a.truncation, "a longer prompt is an error, or loses its start (left) or end (right)",
-                  {"error", "left", "right"}),
-      int_flag("--train-batch-size", a.train_batch_size, "prompts per step (verl data.train_batch_size)"),
-      int_flag("--rollout-n", a.rollout_n, "responses sampled per prompt (a group)"),
-      double_flag("--temperature", a.temperature, "sampling temperature of the rollout"),
-      int_flag("--top-k", a.top_k, "rollout top-k (-1: off)"),
-      double_flag("--top-p", a.top_p, "rollout nucleus mass (1: off)"),
-      string_flag("--rollout-mode", a.rollout_mode,
-                  "full: each rank gathers the whole policy (full_state_dict), generates its prompts and frees it; "
-                  "sharded: generate through the shards in lock-step (models that do not fit on one rank)",
-                  {"full", "sharded"}),
-      string_flag("--scale-rewards", a.scale_rewards,
-                  "advantage = (reward - group mean) / std of the group, of the batch, or none (Dr. GRPO)",
-                  {"group", "batch", "none"}),
-      int_flag("--ppo-epochs", a.ppo_epochs, "passes over each step's responses"),
-      int_flag("--ppo-mini-batch-size", a.ppo_mini_batch_size,
-               "prompts per optimizer step (their --rollout-n responses each; 0: --train-batch-size)"),
-      double_flag("--clip-ratio-low", a.clip_ratio_low, "ratio clip below 1"),
-      double_flag("--clip-ratio-high", a.clip_ratio_high, "ratio clip above 1"),
-      double_flag("--clip-ratio-c", a.clip_ratio_c, "dual clip of negative advantages (<= 1: off)"),
-      string_flag("--loss-agg-mode", a.loss_agg_mode, "how token losses become the loss (verl's agg_loss)",
-                  {"token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"}),
-      bool_flag("--use-kl-loss", a.use_kl_loss, "add a KL loss to a frozen reference policy (sharded, forward only)"),
-      double_flag("--kl-loss-coef", a.kl_loss_coef, "weight of the KL loss"),
-      string_flag("--kl-loss-type", a.kl_loss_type, "KL estimator (low_var_kl is k3)",
-                  {"k1", "kl", "abs", "k2", "mse", "k3", "low_var_kl", "k3+", "low_var_kl+"}),
-      double_flag("--entropy-coeff", a.entropy_coeff, "weight of the entropy bonus"),
-      bool_flag("--mask-truncated-completions", a.mask_truncated_completions,
-                "responses cut at --max-response-length get no loss"),
-      string_flag("--hf-load", a.hf_load, "start from this Hugging Face model folder"),
-      string_flag("--ref-load", a.ref_load,
-                  "the reference policy: a checkpoint or Hugging Face folder (default: where training started, "
-                  "--hf-load or the --load checkpoint with --finetune)"),
-      int_flag("--val-generate-samples", a.val_generate_samples, "held-out prompts scored greedily (0: none)"),
-  };
-  t.extra.insert(t.extra.end(), own.begin(), own.end());
-  return t;
-}
-
-GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
-  GrpoArgs a;
-  a.base = parse_pretrain_args(argv, grpo_tool_flags(a));
-  auto positive = [](const char* flag, int64_t v) {
-    if (v < 1) flag_error(flag, "must be >= 1, got " + std::to_string(v));
-  };
-  check_task_source(a.data);
-  positive("--max-prompt-length", a.max_prompt_length);
-  positive("--max-response-length", a.max_response_length);
-  positive("--train-batch-size", a.train_batch_size);
-  positive("--rollout-n", a.rollout_n);
-  positive("--ppo-epochs", a.ppo_epochs);
-  if (a.ppo_mini_batch_size == 0) a.ppo_mini_batch_size = a.train_batch_size;
-  if (a.ppo_mini_batch_size < 1 || a.train_batch_size % a.ppo_mini_batch_size != 0)
-    flag_error("--ppo-mini-batch-size", std::to_string(a.ppo_mini_batch_size) + " does not divide --train-batch-size " +
-                                            std::to_string(a.train_batch_size));
-  if (!(a.temperature > 0)) flag_error("--temperature", "must be > 0");
-  if (!(a.top_p > 0 && a.top_p <= 1)) flag_error("--top-p", "must be in (0, 1]");
-  if (a.clip_ratio_low < 0 || a.clip_ratio_high < 0) flag_error("--clip-ratio-low", "clip ratios must be >= 0");
-  if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
-  if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load");
-  if (a.use_kl_loss && a.ref_load.empty() && a.hf_load.empty() && !a.base.finetune)
-    flag_error("--use-kl-loss", "needs the reference policy: --ref-load, --hf-load, or --load with --finetune");
-  a.base.seq_length = a.max_prompt_length + a.max_response_length;
-  a.base.calculate_per_token_loss = true;
-  return a;
-}
-
-void validate_grpo_args(GrpoArgs& a, int dp, int64_t tokenizer_vocab) {
-  if (a.train_batch_size % dp != 0)
-    flag_error("--train-batch-size", std::to_string(a.train_batch_size) + " prompts do not split over " +
-                                         std::to_string(dp) + " ranks");
-  const int64_t sequences = a.ppo_mini_batch_size * a.rollout_n;
-  if (sequences % (a.base.micro_batch_size * dp) != 0)
-    flag_error("--ppo-mini-batch-size", std::to_string(a.ppo_mini_batch_size) + " prompts x --rollout-n " +
-                                            std::to_string(a.rollout_n) + " responses is not a multiple of "
-                                            "--micro-batch-size x ranks = " +
-                                            std::to_string(a.base.micro_batch_size) + " x " + std::to_string(dp));
-  a.base.global_batch_size = sequences;
-  validate_training_args(a.base, dp, tokenizer_vocab);
-}
-
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -172,6 +75,8 @@ struct RolloutBatch {
   at::Tensor mask;           // [B, L] float: labels that are response tokens
   at::Tensor attention_mask; // [B, L]
   at::Tensor advantages;     // [B]
+  at::Tensor response;           // [B, L] float: labels that are response tokens, trained or not
+  at::Tensor rollout_log_probs;  // [B, L] the rollout's log-probs of those labels (0 elsewhere)
 };
 RolloutBatch collate_rollouts(const std::vector<Rollout>& rollouts, const std::vector<size_t>& rows,
                               const at::Tensor& advantages, int64_t pad, bool mask_truncated) {
@@ -186,9 +91,13 @@ RolloutBatch collate_rollouts(const std::vector<Rollout>& rollouts, const std::v
   out.mask = at::zeros({b, length}, at::kFloat);
   out.attention_mask = at::zeros({b, length}, i64);
   out.advantages = at::empty({b}, at::kFloat);
+  out.response = at::zeros({b, length}, at::kFloat);
+  out.rollout_log_probs = at::zeros({b, length}, at::kFloat);
   auto ids = out.input_ids.accessor<int64_t, 2>();
   auto labels = out.labels.accessor<int64_t, 2>();
   auto mask = out.mask.accessor<float, 2>();
+  auto response = out.response.accessor<float, 2>();
+  auto rollout_lp = out.rollout_log_probs.accessor<float, 2>();
   auto attn = out.attention_mask.accessor<int64_t, 2>();
   for (int64_t i = 0; i < b; ++i) {
     const Rollout& r = rollouts[rows[static_cast<size_t>(i)]];
@@ -202,6 +111,8 @@ RolloutBatch collate_rollouts(const std::vector<Rollout>& rollouts, const std::v
     for (int64_t t = p - 1; t + 1 < n; ++t) {
       labels[i][t] = ids[i][t + 1];
       mask[i][t] = trained ? 1.f : 0.f;
+      response[i][t] = 1.f;
+      rollout_lp[i][t] = r.rollout_log_probs[static_cast<size_t>(t - p + 1)];
     }
     out.advantages[i] = advantages[static_cast<int64_t>(rows[static_cast<size_t>(i)])];
   }
@@ -334,7 +245,6 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
   const int64_t local_sequences = prompts_per_rank * g.rollout_n;
   const int64_t mini_batches = g.train_batch_size / g.ppo_mini_batch_size;
   const int64_t local_per_mini = local_sequences / mini_batches;
-  std::vector<CurvePoints> reward_curve(2);
 
   int64_t it = resume.iteration + 1;
   for (; it <= a.train_iters; ++it) {
@@ -432,27 +342,14 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
       torch::NoGradGuard no_grad;
       for (size_t k = 0; k < micro.size(); ++k) {
         old_log_probs.push_back(policy_outputs(*run.model(), micro[k], g.temperature, device, false).log_probs);
-        // The rollout's log-probs of the same tokens: how far generation and training disagree.
-        at::Tensor rollout_lp = at::zeros_like(micro[k].mask);
-        for (size_t i = 0; i < micro_rows[k].size(); ++i) {
-          const Rollout& r = rollouts[micro_rows[k][i]];
-          const auto p = static_cast<int64_t>(r.prompt_ids.size());
-          for (size_t t = 0; t < r.rollout_log_probs.size(); ++t)
-            rollout_lp[static_cast<int64_t>(i)][p - 1 + static_cast<int64_t>(t)] = r.rollout_log_probs[t];
-        }
-        at::Tensor in_response = at::zeros_like(micro[k].mask);
-        for (size_t i = 0; i < micro_rows[k].size(); ++i) {
-          const Rollout& r = rollouts[micro_rows[k][i]];
-          in_response.narrow(0, static_cast<int64_t>(i), 1)
-              .narrow(1, static_cast<int64_t>(r.prompt_ids.size()) - 1, static_cast<int64_t>(r.response_ids.size()))
-              .fill_(1);
-        }
-        const at::Tensor old_lp = old_log_probs.back().cpu();
-        const at::Tensor diff = (old_lp.exp() - rollout_lp.exp()).abs() * in_response;
-        log_diff_max = std::max(log_diff_max, ((old_lp - rollout_lp).abs() * in_response).max().item<double>());
+        // How far generation and training disagree on the same tokens.
+        const at::Tensor old_lp = old_log_probs.back().cpu(), rollout_lp = micro[k].rollout_log_probs;
+        const at::Tensor response = micro[k].response;
+        const at::Tensor diff = (old_lp.exp() - rollout_lp.exp()).abs() * response;
+        log_diff_max = std::max(log_diff_max, ((old_lp - rollout_lp).abs() * response).max().item<double>());
         diff_sum += diff.sum().item<double>();
         diff_max = std::max(diff_max, diff.max().item<double>());
-        diff_tokens += in_response.sum().item<double>();
+        diff_tokens += response.sum().item<double>();
       }
     }
     const double old_log_prob_s = seconds_since(t0);
