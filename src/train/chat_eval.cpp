@@ -42,7 +42,7 @@ std::pair<double, int64_t> answer_share(TrainingRun& run, int64_t count,
                                         const Tokenizer& tokenizer, const ChatEvalOptions& o,
                                         const std::function<double(int64_t, const std::string&)>& score) {
   const int rank = run.comm()->rank(), dp = run.comm()->size();
-  RolloutModel rollout(run.config(), run.comm()->device(), run.args().attention_backend != "unfused");
+  RolloutModel& rollout = run.rollout_model();
   rollout.load_from(run.root());
   const int64_t end_of_turn = chat_end_of_turn_id(tokenizer, o.chat_template);
   SamplingOptions sampling;

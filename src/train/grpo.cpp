@@ -240,7 +240,7 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
   sampling.top_p = g.top_p;
   sampling.stop_ids = {end_of_turn};
   sampling.pad_id = pad;
-  RolloutModel rollout_copy(start.config, device, a.attention_backend != "unfused");
+  RolloutModel& rollout_copy = run.rollout_model();
   const int64_t prompts_per_rank = g.train_batch_size / dp;
   const int64_t local_sequences = prompts_per_rank * g.rollout_n;
   const int64_t mini_batches = g.train_batch_size / g.ppo_mini_batch_size;

@@ -137,18 +137,12 @@ SftSampler::SftSampler(int64_t num_rows, int64_t micro_batch_size, int64_t dp, i
 }
 
 int64_t SftSampler::row_at(int64_t position) const {
-  // One epoch's order at a time is enough: batches read positions in increasing order.
-  thread_local std::vector<int64_t> order;
-  thread_local int64_t cached_epoch = -1, cached_rows = -1;
-  thread_local uint64_t cached_seed = 0;
   const int64_t epoch = position / num_rows_;
-  if (epoch != cached_epoch || cached_rows != num_rows_ || cached_seed != seed_) {
-    order = epoch_order(num_rows_, seed_, epoch);
-    cached_epoch = epoch;
-    cached_rows = num_rows_;
-    cached_seed = seed_;
+  if (epoch != order_epoch_) {
+    order_ = epoch_order(num_rows_, seed_, epoch);
+    order_epoch_ = epoch;
   }
-  return order[static_cast<size_t>(position % num_rows_)];
+  return order_[static_cast<size_t>(position % num_rows_)];
 }
 
 std::vector<int64_t> SftSampler::rows(int64_t iteration, int64_t m, int64_t rank) const {

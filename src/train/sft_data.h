@@ -77,6 +77,9 @@ class SftSampler {
   int64_t row_at(int64_t position) const;  // position in the endless shuffled stream
   int64_t num_rows_, mbs_, dp_, micro_batches_;
   uint64_t seed_;
+  // One epoch's order at a time is enough: batches read positions in increasing order.
+  mutable std::vector<int64_t> order_;
+  mutable int64_t order_epoch_ = -1;
 };
 
 }  // namespace mfsdp

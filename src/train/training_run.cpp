@@ -204,6 +204,12 @@ double TrainingRun::all_reduce_max(double value) const {
   return t.item<double>();
 }
 
+RolloutModel& TrainingRun::rollout_model() {
+  if (!rollout_)
+    rollout_ = std::make_unique<RolloutModel>(config_, comm_->device(), args_.attention_backend != "unfused");
+  return *rollout_;
+}
+
 std::map<std::string, at::Tensor> TrainingRun::gather_full_weights() const {
   return sharded_.root.full_state_dict(/*all_ranks=*/true);
 }

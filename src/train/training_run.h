@@ -20,6 +20,7 @@
 #include "mfsdp/optim.h"
 #include "train/metrics.h"
 #include "train/pretrain_args.h"
+#include "train/rollout_model.h"
 #include "train/trainer_checkpoint.h"
 
 namespace mfsdp {
@@ -87,6 +88,10 @@ class TrainingRun {
   // lm_loss; none when empty), --save-final-model, --export-hf, the memory report. Collective.
   void finish(int64_t last_iteration, const std::string& curve_title = "lm loss");
 
+  // The plain copy generation runs on (GRPO's rollout, greedy evaluation), built once per run on
+  // first use; load_from() / release() it around each use.
+  RolloutModel& rollout_model();
+
   // Full weights by HF name on every rank (collective), in fp32.
   std::map<std::string, at::Tensor> gather_full_weights() const;
   // Prints on rank 0 only (every rank in a simulated run).
@@ -119,6 +124,7 @@ class TrainingRun {
   LRSchedule schedule_;
   MetricsWriter metrics_;
   std::vector<IterationRecord> history_;
+  std::unique_ptr<RolloutModel> rollout_;
   int64_t last_saved_ = -1;
 };
 
