@@ -1,7 +1,7 @@
 // mfsdp-ckpt end to end (the binary) plus its library side (include/mfsdp/hf_interop.h).
 // Checkpoints are built in this process with write_checkpoint from a tiny seeded
 // LlamaForCausalLM; exported folders are checked with a safetensors header parser written here,
-// independent of src/checkpoint/safetensors.cpp.
+// independent of src/checkpoint/formats/safetensors.cpp.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 

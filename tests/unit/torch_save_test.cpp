@@ -1,4 +1,4 @@
-// torch.save reader (src/checkpoint/torch_save.cpp). The fixtures are real torch.save output,
+// torch.save reader (src/checkpoint/formats/torch_save.cpp). The fixtures are real torch.save output,
 // written by the pinned torch when ctest runs (scripts/make_torch_save_fixtures.py, the
 // TorchSaveFixtures setup test); the expected tensors are recomputed here from the script's
 // arange formulas, never read back through the code under test. Broken and unusual archives are
