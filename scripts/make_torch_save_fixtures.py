@@ -19,6 +19,9 @@ in the test in sync.
   evil.pt        a torch-layout zip whose hand-written data.pkl calls os.system (GLOBAL 'os
                  system' + REDUCE). Never load it with pickle/torch.load.
   legacy.pt      state_dict.pt's content in the pre-1.6 (non-zip) format.
+  dcp/           a PyTorch Distributed Checkpoint (torch.distributed.checkpoint.save, one
+                 process) of dcp_state_dict(): nested dicts, fp32/bf16/int64/0-d tensors, bytes
+                 and plain Python values (for tests/unit/dcp_test.cpp).
 """
 import io
 import os
@@ -99,6 +102,31 @@ def write_evil(path):
             z.writestr(zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0)), data)
 
 
+def dcp_state_dict():
+    """Values the C++ test recomputes: w = arange(12).reshape(3, 4) / 4, b = arange(5) bf16 - 2,
+    steps = arange(6) int64 * 3, scalar = 2.5."""
+    return {
+        "model": {
+            "module.layer.w": torch.arange(12, dtype=torch.float32).reshape(3, 4) / 4,
+            "module.layer.b": (torch.arange(5, dtype=torch.float32) - 2).to(torch.bfloat16),
+        },
+        "optimizer": {"state": {"module.layer.w": {"step": torch.tensor(2.5)}}},
+        "steps": torch.arange(6, dtype=torch.int64) * 3,
+        "iteration": 7,
+        "blob": io.BytesIO(b"raw bytes"),
+    }
+
+
+def write_dcp(out):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(dcp_state_dict(), checkpoint_id=out, no_dist=True)
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit("usage: make_torch_save_fixtures.py OUT_DIR")
@@ -111,8 +139,11 @@ def main():
         f.write(buf.getvalue())
     write_evil(os.path.join(OUT, "evil.pt"))
     torch.save(tiny_state_dict(), os.path.join(OUT, "legacy.pt"), _use_new_zipfile_serialization=False)
+    write_dcp(os.path.join(OUT, "dcp"))
     for name in sorted(os.listdir(OUT)):
-        print(f"{name}: {os.path.getsize(os.path.join(OUT, name))} bytes (torch {torch.__version__})")
+        path = os.path.join(OUT, name)
+        if os.path.isfile(path):
+            print(f"{name}: {os.path.getsize(path)} bytes (torch {torch.__version__})")
 
 
 if __name__ == "__main__":

@@ -35,6 +35,20 @@
 
 namespace mfsdp {
 
+namespace dcp {
+class Reader;
+}
+
+// How a checkpoint is stored (docs/checkpoints.md). Loading reads either, whatever was asked.
+enum class CheckpointFormat {
+  kFsdpDtensor,  // Megatron-FSDP's fsdp_dtensor: a PyTorch Distributed Checkpoint (dcp.h) with
+                 // Megatron's key names, which torch.distributed.checkpoint loads
+  kMfsdp,        // mfsdp's earlier format: metadata.json + rank_NNNNN.safetensors (kept one release)
+};
+
+// "fsdp_dtensor" or "mfsdp" (--ckpt-format); anything else is std::invalid_argument.
+CheckpointFormat checkpoint_format_from_name(const std::string& name);
+
 // The format this build writes; it reads this and older versions.
 constexpr int kCheckpointFormatVersion = 1;
 constexpr const char* kCheckpointFormatName = "mfsdp.fsdp_dtensor";
@@ -56,7 +70,7 @@ struct CheckpointInfo {
 // `optimizer` may be null (model only). Replaces an existing checkpoint of the same iteration.
 void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
                      const FsdpHandle& model, const DistributedOptimizer* optimizer,
-                     const CheckpointInfo& info);
+                     const CheckpointInfo& info, CheckpointFormat format = CheckpointFormat::kFsdpDtensor);
 
 struct CheckpointLoadOptions {
   std::optional<int64_t> iteration;  // unset: latest_checkpointed_iteration.txt
@@ -98,13 +112,18 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir,
 // Whole-tensor access to a checkpoint from one process (mfsdp-ckpt, tests).
 class CheckpointReader {
  public:
-  // `path`: a SAVE folder (its latest iteration) or an iter_NNNNNNN folder. Validates the
-  // metadata (format, version, chunk lists that tile every tensor); a shard file's header is
-  // validated against the metadata when the file is first read. Errors are
-  // std::invalid_argument naming the file and, where one is at fault, the tensor.
+  // `path`: a SAVE folder (its latest iteration) or an iter_NNNNNNN folder, in either format.
+  // Tensors have canonical names in both ("model.<fqn>", "optimizer.state.<fqn>.<key>",
+  // "rng_state.rank<r>.cpu"; a DCP checkpoint's Megatron keys are mapped, see docs/checkpoints.md),
+  // and metadata() is metadata.json's content (for DCP: the "mfsdp_metadata" entry, or what
+  // Megatron's or PyTorch's entries say, plus "tensors" with each tensor's "key" on disk).
+  // Validates the metadata (format, version, chunks inside every tensor); a shard file is
+  // validated against the metadata when it is first read. Errors are std::invalid_argument
+  // naming the file and, where one is at fault, the tensor.
   explicit CheckpointReader(const std::string& path);
 
   const std::string& dir() const { return dir_; }  // the iter_NNNNNNN folder
+  CheckpointFormat format() const { return dcp_ ? CheckpointFormat::kFsdpDtensor : CheckpointFormat::kMfsdp; }
   const nlohmann::json& metadata() const { return metadata_; }
   std::vector<std::string> tensor_names() const;  // sorted
   bool contains(const std::string& name) const;
@@ -124,12 +143,15 @@ class CheckpointReader {
   nlohmann::json metadata_;
   std::vector<std::string> files_;
   mutable std::map<int, SafetensorsFile> open_files_;
+  // A DCP checkpoint: its reader, and each canonical tensor name's key on disk.
+  std::shared_ptr<const dcp::Reader> dcp_;
+  std::map<std::string, std::string> dcp_keys_;
 };
 
 // Writes a complete checkpoint from whole tensors in one process (converters, HF import):
 // "model.<name>" for every entry of `model_tensors`, no optimizer state or RNG, as one shard file.
 // Atomic like save_checkpoint.
 void write_checkpoint(const std::string& save_dir, const std::map<std::string, at::Tensor>& model_tensors,
-                      const CheckpointInfo& info);
+                      const CheckpointInfo& info, CheckpointFormat format = CheckpointFormat::kFsdpDtensor);
 
 }  // namespace mfsdp

@@ -25,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <map>
 #include <string>
 
@@ -40,5 +41,20 @@ namespace mfsdp {
 // torch._utils._rebuild_tensor_v2 and _rebuild_parameter, and torch.{Float,Double,Half,BFloat16,
 // Long,Int,Short,Char,Byte,Bool}Storage; any other is an error naming it.
 std::map<std::string, at::Tensor> read_torch_save(const std::string& path);
+
+// The one tensor of a torch.save archive that lies at bytes [offset, offset + length) of `path`
+// (a PyTorch Distributed Checkpoint's .distcp file holds one archive per chunk). `what` starts
+// every error message.
+at::Tensor read_torch_save_tensor(const std::string& path, uint64_t offset, uint64_t length, const std::string& what);
+
+// The data.pkl of the torch.save archive at bytes [offset, offset + length) of `path`, for a
+// caller that unpickles a plain object from it (DCP stores non-tensor values that way).
+std::string read_torch_save_pickle(const std::string& path, uint64_t offset, uint64_t length, const std::string& what);
+
+// A torch.save archive whose data.pkl is `data_pkl` (an object without tensors).
+std::string torch_save_pickle(const std::string& data_pkl);
+
+// torch.save(tensor) in memory: a contiguous CPU copy of `tensor` as the archive torch.load reads.
+std::string torch_save_tensor(const at::Tensor& tensor);
 
 }  // namespace mfsdp

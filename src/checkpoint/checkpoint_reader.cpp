@@ -7,7 +7,9 @@
 #include <stdexcept>
 
 #include "checkpoint/checkpoint_files.h"
+#include "checkpoint/dcp_checkpoint.h"
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/dcp.h"
 
 namespace fs = std::filesystem;
 
@@ -19,10 +21,10 @@ namespace {
 }
 
 std::string resolve_iteration_dir(const std::string& path) {
-  if (fs::exists(path + "/" + checkpoint::kMetadataFile)) return path;
+  if (fs::exists(path + "/" + checkpoint::kMetadataFile) || dcp::is_dcp_directory(path)) return path;
   if (auto it = latest_checkpoint_iteration(path)) return checkpoint_iteration_dir(path, *it);
-  throw std::invalid_argument("checkpoint: '" + path + "' is not a checkpoint (no " + checkpoint::kMetadataFile +
-                              " and no " + checkpoint::kLatestFile + ")");
+  throw std::invalid_argument("checkpoint: '" + path + "' is not a checkpoint (no " + dcp::kMetadataFile + ", no " +
+                              checkpoint::kMetadataFile + " and no " + checkpoint::kLatestFile + ")");
 }
 
 nlohmann::json read_json(const std::string& file) {
@@ -81,7 +83,27 @@ void check_tensor_entry(const std::string& file, const std::string& name, const 
 
 }  // namespace
 
+CheckpointFormat checkpoint_format_from_name(const std::string& name) {
+  if (name == "fsdp_dtensor") return CheckpointFormat::kFsdpDtensor;
+  if (name == "mfsdp") return CheckpointFormat::kMfsdp;
+  throw std::invalid_argument("unknown checkpoint format '" + name + "' (fsdp_dtensor or mfsdp)");
+}
+
 CheckpointReader::CheckpointReader(const std::string& path) : dir_(resolve_iteration_dir(path)) {
+  if (dcp::is_dcp_directory(dir_)) {
+    checkpoint::OpenedDcp opened = checkpoint::open_dcp_checkpoint(dir_);
+    dcp_ = std::move(opened.reader);
+    dcp_keys_ = std::move(opened.keys);
+    metadata_ = std::move(opened.metadata);
+    const std::string file = dir_ + "/" + dcp::kMetadataFile;
+    for (const char* key : {"iteration", "consumed_samples"})
+      if (!metadata_.contains(key) || !metadata_[key].is_number_integer() || metadata_[key].get<int64_t>() < 0)
+        bad(file, std::string("needs a non-negative integer \"") + key + "\"");
+    if (metadata_.value("version", 1) > kCheckpointFormatVersion)
+      bad(file, "was written in format version " + metadata_["version"].dump() + ", newer than this build reads (" +
+                    std::to_string(kCheckpointFormatVersion) + "); update mfsdp");
+    return;
+  }
   const std::string file = dir_ + "/" + checkpoint::kMetadataFile;
   metadata_ = read_json(file);
   if (!metadata_.is_object() || metadata_.value("format", "") != kCheckpointFormatName)
@@ -156,6 +178,7 @@ const SafetensorsFile& CheckpointReader::file(int index) const {
 
 void CheckpointReader::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
   const nlohmann::json& t = entry(name);
+  if (dcp_) return dcp_->read_range(dcp_keys_.at(name), offset, dst);
   int64_t numel = 1;
   for (const auto& s : t["shape"]) numel *= s.get<int64_t>();
   const int64_t count = dst.numel();

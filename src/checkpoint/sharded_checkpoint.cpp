@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "checkpoint/checkpoint_files.h"
+#include "checkpoint/dcp_checkpoint.h"
 #include "mfsdp/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -16,6 +17,7 @@ namespace mfsdp {
 namespace {
 
 using checkpoint::ChunkRecord;
+using Piece = checkpoint::TensorPiece;
 
 // Every rank's string, in rank order. Collective; carries chunk lists and errors.
 std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {
@@ -70,14 +72,6 @@ std::pair<int64_t, int64_t> replica_share(int64_t numel, int replicas, int repli
   const int64_t begin = numel * replica / replicas, end = numel * (replica + 1) / replicas;
   return {begin, end - begin};
 }
-
-// A tensor's piece this rank writes: the elements [offset, offset + data.numel()) of `tensor`.
-struct Piece {
-  std::string tensor;
-  std::vector<int64_t> shape;
-  int64_t offset = 0;
-  at::Tensor data;  // 1-D
-};
 
 std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer, int world_rank) {
   std::vector<std::pair<std::string, std::vector<at::Tensor>>> state;
@@ -135,7 +129,13 @@ nlohmann::json records_to_json(const std::vector<ChunkRecord>& records) {
   return out;
 }
 
-nlohmann::json base_metadata(const CheckpointInfo& info, int world_size) {
+nlohmann::json base_metadata(const CheckpointInfo& info, int world_size, const DistributedOptimizer* optimizer) {
+  nlohmann::json optimizer_json = nullptr;
+  if (optimizer != nullptr) {
+    nlohmann::json keys = nlohmann::json::array();
+    for (const auto& [key, tensors] : optimizer->state()) keys.push_back(key);
+    optimizer_json = {{"name", optimizer->name()}, {"step", optimizer->steps()}, {"state", keys}};
+  }
   return {{"format", kCheckpointFormatName},
           {"version", kCheckpointFormatVersion},
           {"iteration", info.iteration},
@@ -144,7 +144,7 @@ nlohmann::json base_metadata(const CheckpointInfo& info, int world_size) {
           {"args", info.args},
           {"model_config", info.model_config},
           {"scheduler", info.scheduler},
-          {"optimizer", nullptr}};
+          {"optimizer", optimizer_json}};
 }
 
 // Rank 0's preparation of SAVE/iter_N.tmp (a leftover from a crashed save is discarded).
@@ -159,7 +159,8 @@ std::string prepare_tmp_dir(const std::string& save_dir, int64_t iteration) {
 }  // namespace
 
 void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
-                     const FsdpHandle& model, const DistributedOptimizer* optimizer, const CheckpointInfo& info) {
+                     const FsdpHandle& model, const DistributedOptimizer* optimizer, const CheckpointInfo& info,
+                     CheckpointFormat format) {
   if (!world) throw std::invalid_argument("save_checkpoint: the communicator is null");
   if (info.iteration < 0) throw std::invalid_argument("save_checkpoint: negative iteration");
   at::NoGradGuard no_grad;
@@ -170,35 +171,44 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
   raise_first_error(all_gather_strings(*world, error), rank, "save_checkpoint: creating '" + tmp + "'");
 
   // Every rank: its own file. The outcome travels with the chunk list.
+  const nlohmann::json meta = base_metadata(info, size, optimizer);
   nlohmann::json report;
   error = capture_error([&] {
-    const std::string file = tmp + "/" + checkpoint::rank_file_name(rank);
-    report = {{"chunks", records_to_json(write_pieces(file, pieces_to_save(model, optimizer, rank)))}};
+    const std::vector<Piece> pieces = pieces_to_save(model, optimizer, rank);
+    if (format == CheckpointFormat::kFsdpDtensor) {
+      report = checkpoint::write_dcp_rank_file(tmp, rank, pieces, meta);
+    } else {
+      const std::string file = tmp + "/" + checkpoint::rank_file_name(rank);
+      report = {{"chunks", records_to_json(write_pieces(file, pieces))}};
+    }
   });
   if (!error.empty()) report = {{"error", error}};
-  std::vector<std::string> reports = all_gather_strings(*world, report.dump());
+  std::vector<std::string> texts = all_gather_strings(*world, report.dump());
+  std::vector<nlohmann::json> reports;
   std::vector<std::string> errors;
-  for (const auto& r : reports) errors.push_back(nlohmann::json::parse(r).value("error", ""));
+  for (const auto& t : texts) {
+    reports.push_back(nlohmann::json::parse(t));
+    errors.push_back(reports.back().value("error", ""));
+  }
   raise_first_error(errors, rank, "save_checkpoint: writing shard files");
 
   error.clear();
   if (rank == 0) {
     error = capture_error([&] {
-      std::vector<std::vector<ChunkRecord>> records;
-      nlohmann::json meta = base_metadata(info, size);
-      for (int r = 0; r < size; ++r) {
-        meta["files"].push_back(checkpoint::rank_file_name(r));
-        records.emplace_back();
-        const nlohmann::json report_r = nlohmann::json::parse(reports[static_cast<size_t>(r)]);
-        for (const auto& c : report_r.at("chunks")) records.back().push_back(checkpoint::chunk_from_json(c));
+      if (format == CheckpointFormat::kFsdpDtensor) {
+        checkpoint::write_dcp_metadata(tmp, reports);
+      } else {
+        std::vector<std::vector<ChunkRecord>> records;
+        nlohmann::json legacy = meta;
+        for (int r = 0; r < size; ++r) {
+          legacy["files"].push_back(checkpoint::rank_file_name(r));
+          records.emplace_back();
+          for (const auto& c : reports[static_cast<size_t>(r)].at("chunks"))
+            records.back().push_back(checkpoint::chunk_from_json(c));
+        }
+        legacy["tensors"] = checkpoint::merge_chunk_records(records);
+        checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, legacy.dump(1));
       }
-      if (optimizer != nullptr) {
-        nlohmann::json keys = nlohmann::json::array();
-        for (const auto& [key, tensors] : optimizer->state()) keys.push_back(key);
-        meta["optimizer"] = {{"name", optimizer->name()}, {"step", optimizer->steps()}, {"state", keys}};
-      }
-      meta["tensors"] = checkpoint::merge_chunk_records(records);
-      checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, meta.dump(1));
       checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration),
                                     info.iteration);
     });
@@ -207,16 +217,21 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
 }
 
 void write_checkpoint(const std::string& save_dir, const std::map<std::string, at::Tensor>& model_tensors,
-                      const CheckpointInfo& info) {
+                      const CheckpointInfo& info, CheckpointFormat format) {
   const std::string tmp = prepare_tmp_dir(save_dir, info.iteration);
   std::vector<Piece> pieces;
   for (const auto& [name, t] : model_tensors)
     pieces.push_back({model_key(name), t.sizes().vec(), 0, t.detach().reshape({-1})});
-  auto records = write_pieces(tmp + "/" + checkpoint::rank_file_name(0), pieces);
-  nlohmann::json meta = base_metadata(info, 1);
-  meta["files"] = {checkpoint::rank_file_name(0)};
-  meta["tensors"] = checkpoint::merge_chunk_records({records});
-  checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, meta.dump(1));
+  const nlohmann::json meta = base_metadata(info, 1, nullptr);
+  if (format == CheckpointFormat::kFsdpDtensor) {
+    checkpoint::write_dcp_metadata(tmp, {checkpoint::write_dcp_rank_file(tmp, 0, pieces, meta)});
+  } else {
+    auto records = write_pieces(tmp + "/" + checkpoint::rank_file_name(0), pieces);
+    nlohmann::json legacy = meta;
+    legacy["files"] = {checkpoint::rank_file_name(0)};
+    legacy["tensors"] = checkpoint::merge_chunk_records({records});
+    checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, legacy.dump(1));
+  }
   checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration), info.iteration);
 }
 
@@ -333,7 +348,7 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
     std::string path = load_dir;
     if (options.iteration) {
       path = checkpoint_iteration_dir(load_dir, *options.iteration);
-    } else if (!fs::exists(load_dir + "/" + checkpoint::kMetadataFile)) {
+    } else if (!fs::exists(load_dir + "/" + checkpoint::kMetadataFile) && !dcp::is_dcp_directory(load_dir)) {
       auto latest = latest_checkpoint_iteration(load_dir);
       if (!latest) throw std::invalid_argument("checkpoint: '" + load_dir + "' has no " + checkpoint::kLatestFile);
       path = checkpoint_iteration_dir(load_dir, *latest);

@@ -1,0 +1,63 @@
+// Internal to src/checkpoint: the fsdp_dtensor format as Megatron-FSDP writes it, a PyTorch
+// Distributed Checkpoint (include/mfsdp/dcp.h) with Megatron's key names (docs/checkpoints.md).
+//
+// Inside mfsdp a checkpoint's tensors have *canonical* names, whatever the file format
+// ("model.<fqn>", "optimizer.state.<fqn>.<key>", "rng_state.rank<r>.cpu"; checkpoint.h). On disk
+// they are Megatron-FSDP's keys:
+//
+//   model.<fqn>                   <->  model.module.<fqn>
+//   optimizer.state.<fqn>.<key>   <->  optimizer.state.module.module.module.<fqn>.<key>
+//   rng_state.rank<r>.cpu / .cuda <->  rng_state.(0, 0).<r>.torch_rng_state / .cuda_rng_state
+//
+// Reading also accepts PyTorch's plain names ("model.<fqn>" of dcp.save({"model":
+// model.state_dict()}), "optimizer.state.<fqn>.<key>" of get_optimizer_state_dict).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "mfsdp/dcp.h"
+
+namespace mfsdp::checkpoint {
+
+std::string to_dcp_key(const std::string& canonical);
+std::string from_dcp_key(const std::string& key);
+// The key's path in the nested state dict Megatron builds ({"model": {"module.<fqn>": ...}}).
+std::vector<std::string> dcp_path(const std::string& key);
+
+// One tensor's piece a rank writes: elements [offset, offset + data.numel()) of the flattened
+// tensor `tensor` (a canonical name) of global `shape`.
+struct TensorPiece {
+  std::string tensor;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+  at::Tensor data;  // 1-D
+};
+
+// Writes this rank's __<rank>_0.distcp into `dir`: every piece as DCP chunks (boxes of the
+// global tensor), and on rank 0 also the non-tensor entries of `metadata` (mfsdp's metadata.json
+// content as "mfsdp_metadata", and Megatron's "iteration", "checkpoint_version" and per-parameter
+// optimizer step). Returns the rank's report for write_dcp_metadata.
+nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::vector<TensorPiece>& pieces,
+                                   const nlohmann::json& metadata);
+
+// Rank 0: `dir`/.metadata from every rank's report (reports[r] from rank r). Throws
+// std::logic_error if ranks disagree on a tensor or its chunks do not add up to it (a bug).
+void write_dcp_metadata(const std::string& dir, const std::vector<nlohmann::json>& reports);
+
+// A DCP checkpoint opened for CheckpointReader: the metadata.json-shaped JSON (from
+// "mfsdp_metadata", or made up from Megatron's or PyTorch's entries for a checkpoint mfsdp did not
+// write) with "tensors" and "files" under canonical names, and the on-disk key of each name.
+struct OpenedDcp {
+  std::shared_ptr<const dcp::Reader> reader;
+  nlohmann::json metadata;
+  std::map<std::string, std::string> keys;  // canonical -> on-disk key
+};
+OpenedDcp open_dcp_checkpoint(const std::string& dir);
+
+}  // namespace mfsdp::checkpoint

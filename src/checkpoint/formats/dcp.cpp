@@ -1,0 +1,631 @@
+// PyTorch Distributed Checkpoint directories: include/mfsdp/dcp.h.
+#include "mfsdp/dcp.h"
+
+#include <ATen/ATen.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "checkpoint/formats/pickle.h"
+#include "mfsdp/torch_save.h"
+
+namespace fs = std::filesystem;
+
+namespace mfsdp::dcp {
+namespace {
+
+using pickle::Value;
+
+const char* const kMetadataModule = "torch.distributed.checkpoint.metadata";
+const char* const kFilesystemModule = "torch.distributed.checkpoint.filesystem";
+
+// torch's dtype names, as the metadata pickles them ("torch.float32").
+const std::pair<const char*, at::ScalarType> kDtypes[] = {
+    {"float32", at::kFloat}, {"float64", at::kDouble}, {"float16", at::kHalf}, {"bfloat16", at::kBFloat16},
+    {"int64", at::kLong},    {"int32", at::kInt},      {"int16", at::kShort},  {"int8", at::kChar},
+    {"uint8", at::kByte},    {"bool", at::kBool},
+};
+
+const std::set<std::string>& allowed_globals() {
+  static const std::set<std::string> allowed = [] {
+    std::set<std::string> a;
+    for (const char* cls : {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"})
+      a.insert(std::string(kMetadataModule) + "." + cls);
+    a.insert(std::string(kFilesystemModule) + "._StorageInfo");
+    // Values only: never called here. PosixPath is StorageMeta.checkpoint_id's type.
+    for (const char* g : {"torch.Size", "torch.serialization._get_layout", "torch.strided", "collections.OrderedDict",
+                          "pathlib.PosixPath"})
+      a.insert(g);
+    for (const auto& [name, dtype] : kDtypes) a.insert(std::string("torch.") + name);
+    return a;
+  }();
+  return allowed;
+}
+
+std::string quote(const std::string& s) { return "'" + s + "'"; }
+
+std::string box_str(const std::vector<int64_t>& v) { return c10::str(at::IntArrayRef(v)); }
+
+// Interprets the unpickled tree, failing with the file named.
+class MetadataParser {
+ public:
+  explicit MetadataParser(std::string where) : where_(std::move(where)) {}
+
+  Metadata parse(const Value& root) {
+    const auto fields = object_state(root, "Metadata");
+    Metadata out;
+    const Value* sdm = field(fields, "state_dict_metadata", "Metadata");
+    for (const auto& [k, v] : dict(*sdm, "state_dict_metadata")) {
+      const std::string name = string(*k, "a state_dict_metadata key");
+      if (is_object(*v, kMetadataModule, "BytesStorageMetadata")) {
+        out.bytes[name];
+      } else {
+        out.tensors[name] = tensor_entry(*v, name);
+      }
+    }
+    if (const Value* pd = optional_field(fields, "planner_data"); pd != nullptr && pd->kind != Value::kNone) {
+      for (const auto& [k, v] : dict(*pd, "planner_data")) {
+        std::vector<std::string>& path = out.paths[string(*k, "a planner_data key")];
+        if (v->kind != Value::kTuple && v->kind != Value::kList) fail("planner_data of " + quote(k->s) + " is not a tuple");
+        for (const Value* p : v->items)
+          path.push_back(p->kind == Value::kInt ? std::to_string(p->i) : string(*p, "a planner_data path element"));
+      }
+    }
+    const Value* sd = field(fields, "storage_data", "Metadata");
+    std::map<std::pair<std::string, std::vector<int64_t>>, Location> tensor_storage;
+    for (const auto& [k, v] : dict(*sd, "storage_data")) {
+      const auto index = object_state(*k, "MetadataIndex");
+      const std::string fqn = string(*field(index, "fqn", "MetadataIndex"), "MetadataIndex.fqn");
+      const Value* offset = optional_field(index, "offset");
+      const Location location = storage_info(*v, fqn);
+      if (offset == nullptr || offset->kind == Value::kNone) {
+        auto it = out.bytes.find(fqn);
+        if (it == out.bytes.end()) fail("storage_data has bytes of " + quote(fqn) + ", which state_dict_metadata does not list as bytes");
+        it->second = location;
+      } else {
+        tensor_storage[{fqn, torch_size(*offset, "MetadataIndex.offset of " + quote(fqn))}] = location;
+      }
+    }
+    for (auto& [name, entry] : out.tensors)
+      for (TensorChunk& c : entry.chunks) {
+        auto it = tensor_storage.find({name, c.box.offsets});
+        if (it == tensor_storage.end())
+          fail("tensor " + quote(name) + ": the chunk at offsets " + box_str(c.box.offsets) + " has no storage_data entry");
+        c.location = it->second;
+      }
+    for (const auto& [name, location] : out.bytes)
+      if (location.file.empty()) fail("bytes entry " + quote(name) + " has no storage_data entry");
+    return out;
+  }
+
+ private:
+  using Fields = std::map<std::string, const Value*>;
+
+  [[noreturn]] void fail(const std::string& what) const { throw std::invalid_argument(where_ + ": " + what); }
+
+  static bool is_object(const Value& v, const std::string& module, const std::string& cls) {
+    return v.kind == Value::kCall && v.callee->s == module + "." + cls;
+  }
+
+  // A dataclass instance: NEWOBJ(cls, ()) then BUILD with a dict of its fields.
+  Fields object_state(const Value& v, const std::string& cls, const char* module = kMetadataModule) const {
+    if (!is_object(v, module, cls))
+      fail("expected a " + cls + ", found " +
+           (v.kind == Value::kCall ? "a call of " + quote(v.callee->s) : std::string("a ") + pickle::kind_name(v.kind)));
+    Fields out;
+    if (v.state == nullptr) return out;
+    for (const auto& [k, val] : dict(*v.state, cls + "'s state")) out[string(*k, cls + " field name")] = val;
+    return out;
+  }
+
+  const Value* field(const Fields& f, const std::string& name, const std::string& cls) const {
+    auto it = f.find(name);
+    if (it == f.end()) fail(cls + " has no field " + quote(name));
+    return it->second;
+  }
+  static const Value* optional_field(const Fields& f, const std::string& name) {
+    auto it = f.find(name);
+    return it == f.end() ? nullptr : it->second;
+  }
+
+  const std::vector<std::pair<const Value*, const Value*>>& dict(const Value& v, const std::string& what) const {
+    if (v.kind != Value::kDict) fail(what + " is a " + pickle::kind_name(v.kind) + ", not a dict");
+    return v.dict;
+  }
+  std::string string(const Value& v, const std::string& what) const {
+    if (v.kind != Value::kStr) fail(what + " is a " + std::string(pickle::kind_name(v.kind)) + ", not a str");
+    return v.s;
+  }
+  int64_t non_negative(const Value& v, const std::string& what) const {
+    if (v.kind != Value::kInt || v.huge || v.i < 0) fail(what + " is not a non-negative int");
+    return v.i;
+  }
+
+  // torch.Size((d0, d1, ...)): REDUCE of torch.Size with one tuple of ints.
+  std::vector<int64_t> torch_size(const Value& v, const std::string& what) const {
+    if (v.kind != Value::kCall || v.callee->s != "torch.Size" || v.items.size() != 1 || v.items[0]->kind != Value::kTuple)
+      fail(what + " is not a torch.Size");
+    std::vector<int64_t> out;
+    for (const Value* d : v.items[0]->items) out.push_back(non_negative(*d, what));
+    return out;
+  }
+
+  at::ScalarType dtype(const Value& v, const std::string& name) const {
+    if (v.kind == Value::kGlobal)
+      for (const auto& [n, t] : kDtypes)
+        if (v.s == std::string("torch.") + n) return t;
+    fail("tensor " + quote(name) + " has a dtype this reader does not support" +
+         (v.kind == Value::kGlobal ? " (" + v.s + ")" : ""));
+  }
+
+  // TensorProperties' state is a tuple: (dtype, layout, requires_grad, memory_format, pin_memory
+  // [, strides]).
+  at::ScalarType properties_dtype(const Value& v, const std::string& name) const {
+    if (!is_object(v, kMetadataModule, "TensorProperties")) fail("tensor " + quote(name) + " has no TensorProperties");
+    const Value* st = v.state;
+    if (st == nullptr) fail("tensor " + quote(name) + ": TensorProperties without state");
+    if (st->kind == Value::kTuple) {
+      if (st->items.size() < 5) fail("tensor " + quote(name) + ": TensorProperties has a short state");
+      return dtype(*st->items[0], name);
+    }
+    for (const auto& [k, val] : dict(*st, "TensorProperties' state"))  // older torch: a dict of fields
+      if (k->kind == Value::kStr && k->s == "dtype") return dtype(*val, name);
+    fail("tensor " + quote(name) + ": TensorProperties has no dtype");
+  }
+
+  TensorEntry tensor_entry(const Value& v, const std::string& name) const {
+    const auto f = object_state(v, "TensorStorageMetadata");
+    TensorEntry e;
+    e.dtype = properties_dtype(*field(f, "properties", "TensorStorageMetadata"), name);
+    e.shape = torch_size(*field(f, "size", "TensorStorageMetadata"), "the size of tensor " + quote(name));
+    const Value* chunks = field(f, "chunks", "TensorStorageMetadata");
+    if (chunks->kind != Value::kList) fail("tensor " + quote(name) + ": chunks is not a list");
+    for (const Value* c : chunks->items) {
+      const auto cf = object_state(*c, "ChunkStorageMetadata");
+      TensorChunk chunk;
+      chunk.box.offsets = torch_size(*field(cf, "offsets", "ChunkStorageMetadata"), "a chunk offset of " + quote(name));
+      chunk.box.sizes = torch_size(*field(cf, "sizes", "ChunkStorageMetadata"), "a chunk size of " + quote(name));
+      if (chunk.box.offsets.size() != e.shape.size() || chunk.box.sizes.size() != e.shape.size())
+        fail("tensor " + quote(name) + " of size " + box_str(e.shape) + " has a chunk of another rank");
+      for (size_t d = 0; d < e.shape.size(); ++d)
+        if (chunk.box.offsets[d] > e.shape[d] || chunk.box.sizes[d] > e.shape[d] - chunk.box.offsets[d])
+          fail("tensor " + quote(name) + " of size " + box_str(e.shape) + " has a chunk at offsets " +
+               box_str(chunk.box.offsets) + " of size " + box_str(chunk.box.sizes) + " that lies outside it");
+      e.chunks.push_back(std::move(chunk));
+    }
+    return e;
+  }
+
+  Location storage_info(const Value& v, const std::string& fqn) const {
+    const auto f = object_state(v, "_StorageInfo", kFilesystemModule);
+    Location l;
+    l.file = string(*field(f, "relative_path", "_StorageInfo"), "relative_path of " + quote(fqn));
+    if (l.file.empty() || l.file.find('/') != std::string::npos || l.file == "." || l.file == "..")
+      fail("the storage of " + quote(fqn) + " is in " + quote(l.file) + ", not a plain file name in the directory");
+    l.offset = static_cast<uint64_t>(non_negative(*field(f, "offset", "_StorageInfo"), "offset of " + quote(fqn)));
+    l.length = static_cast<uint64_t>(non_negative(*field(f, "length", "_StorageInfo"), "length of " + quote(fqn)));
+    if (const Value* t = optional_field(f, "transform_descriptors");
+        t != nullptr && t->kind != Value::kNone && !t->items.empty())
+      fail("the storage of " + quote(fqn) + " has transforms (compression or an extension), which this reader does not support");
+    return l;
+  }
+
+  std::string where_;
+};
+
+// ---- encoding ----------------------------------------------------------------------------------
+
+void new_object(pickle::Writer& w, const char* module, const char* cls) {
+  w.global(module, cls);
+  w.mark();
+  w.tuple();
+  w.new_obj();
+}
+
+void torch_size(pickle::Writer& w, const std::vector<int64_t>& v) {
+  w.global("torch", "Size");
+  w.mark();
+  w.tuple_of(v);
+  w.tuple();
+  w.reduce();
+}
+
+const char* dtype_name(at::ScalarType t) {
+  for (const auto& [name, dtype] : kDtypes)
+    if (dtype == t) return name;
+  throw std::invalid_argument(std::string("DCP: dtype ") + c10::toString(t) + " is not supported");
+}
+
+void tensor_storage_metadata(pickle::Writer& w, const TensorEntry& e) {
+  new_object(w, kMetadataModule, "TensorStorageMetadata");
+  w.empty_dict();
+  w.mark();
+  w.str("properties");
+  new_object(w, kMetadataModule, "TensorProperties");
+  // The 5-tuple state every torch since 2.0 reads (2.15 also writes strides as a sixth).
+  w.mark();
+  w.global("torch", dtype_name(e.dtype));
+  w.global("torch.serialization", "_get_layout");
+  w.mark();
+  w.str("torch.strided");
+  w.tuple();
+  w.reduce();
+  w.boolean(false);  // requires_grad
+  w.global(kMetadataModule, "_MEM_FORMAT_ENCODING");
+  w.mark();
+  w.integer(0);  // TORCH_CONTIGUOUS_FORMAT
+  w.tuple();
+  w.reduce();
+  w.boolean(false);  // pin_memory
+  w.tuple();
+  w.build();
+  w.str("size");
+  torch_size(w, e.shape);
+  w.str("chunks");
+  w.empty_list();
+  w.mark();
+  for (const TensorChunk& c : e.chunks) {
+    new_object(w, kMetadataModule, "ChunkStorageMetadata");
+    w.empty_dict();
+    w.mark();
+    w.str("offsets");
+    torch_size(w, c.box.offsets);
+    w.str("sizes");
+    torch_size(w, c.box.sizes);
+    w.set_items();
+    w.build();
+  }
+  w.append_items();
+  w.set_items();
+  w.build();
+}
+
+void storage_entry(pickle::Writer& w, const std::string& fqn, const std::vector<int64_t>* offsets,
+                   std::optional<int64_t> index, const Location& l) {
+  new_object(w, kMetadataModule, "MetadataIndex");
+  w.empty_dict();
+  w.mark();
+  w.str("fqn");
+  w.str(fqn);
+  w.str("offset");
+  if (offsets) torch_size(w, *offsets); else w.none();
+  w.str("index");
+  if (index) w.integer(*index); else w.none();
+  w.set_items();
+  w.build();
+  new_object(w, kFilesystemModule, "_StorageInfo");
+  w.empty_dict();
+  w.mark();
+  w.str("relative_path");
+  w.str(l.file);
+  w.str("offset");
+  w.integer(static_cast<int64_t>(l.offset));
+  w.str("length");
+  w.integer(static_cast<int64_t>(l.length));
+  w.set_items();
+  w.build();
+}
+
+void pickle_json(pickle::Writer& w, const nlohmann::json& v) {
+  switch (v.type()) {
+    case nlohmann::json::value_t::null: w.none(); break;
+    case nlohmann::json::value_t::boolean: w.boolean(v.get<bool>()); break;
+    case nlohmann::json::value_t::number_integer: w.integer(v.get<int64_t>()); break;
+    case nlohmann::json::value_t::number_unsigned: w.integer(static_cast<int64_t>(v.get<uint64_t>())); break;
+    case nlohmann::json::value_t::number_float: w.real(v.get<double>()); break;
+    case nlohmann::json::value_t::string: w.str(v.get<std::string>()); break;
+    case nlohmann::json::value_t::array:
+      w.empty_list();
+      w.mark();
+      for (const auto& x : v) pickle_json(w, x);
+      w.append_items();
+      break;
+    case nlohmann::json::value_t::object:
+      w.empty_dict();
+      w.mark();
+      for (const auto& [k, x] : v.items()) {
+        w.str(k);
+        pickle_json(w, x);
+      }
+      w.set_items();
+      break;
+    default: throw std::invalid_argument("DCP: cannot store a JSON " + std::string(v.type_name()));
+  }
+}
+
+// A plain unpickled value as JSON (depth-limited: a hostile file may nest or cycle).
+nlohmann::json plain_value(const Value& v, const std::string& where, int depth = 0) {
+  if (depth > 64) throw std::invalid_argument(where + ": nested deeper than 64 levels");
+  switch (v.kind) {
+    case Value::kNone: return nullptr;
+    case Value::kBool: return v.i != 0;
+    case Value::kInt:
+      if (v.huge) throw std::invalid_argument(where + ": an integer beyond 64 bits");
+      return v.i;
+    case Value::kFloat: return v.f;
+    case Value::kStr: return v.s;
+    case Value::kTuple:
+    case Value::kList: {
+      nlohmann::json out = nlohmann::json::array();
+      for (const Value* x : v.items) out.push_back(plain_value(*x, where, depth + 1));
+      return out;
+    }
+    case Value::kDict: {
+      nlohmann::json out = nlohmann::json::object();
+      for (const auto& [k, x] : v.dict) {
+        if (k->kind != Value::kStr && (k->kind != Value::kInt || k->huge))
+          throw std::invalid_argument(where + ": a dict key of type " + pickle::kind_name(k->kind));
+        out[k->kind == Value::kStr ? k->s : std::to_string(k->i)] = plain_value(*x, where, depth + 1);
+      }
+      return out;
+    }
+    default:
+      throw std::invalid_argument(where + ": holds " +
+                                  (v.kind == Value::kCall ? "an object of " + v.callee->s
+                                                          : std::string("a ") + pickle::kind_name(v.kind)) +
+                                  ", not a plain value");
+  }
+}
+
+}  // namespace
+
+std::string rank_file_name(int rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
+
+int64_t Box::numel() const {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
+}
+
+std::vector<Box> flat_range_boxes(const std::vector<int64_t>& shape, int64_t begin, int64_t end) {
+  std::vector<Box> out;
+  if (begin >= end) return out;
+  if (shape.empty()) return {Box{}};
+  std::vector<int64_t> inner_shape(shape.begin() + 1, shape.end());
+  int64_t inner = 1;
+  for (int64_t s : inner_shape) inner *= s;
+  // Boxes of the sub-tensor `row`, placed at that row.
+  auto in_row = [&](int64_t row, int64_t b, int64_t e) {
+    for (Box sub : flat_range_boxes(inner_shape, b, e)) {
+      sub.offsets.insert(sub.offsets.begin(), row);
+      sub.sizes.insert(sub.sizes.begin(), 1);
+      out.push_back(std::move(sub));
+    }
+  };
+  int64_t first = begin / inner;
+  const int64_t last = end / inner;  // rows [first, last) may be whole
+  if (first == (end - 1) / inner && (begin % inner != 0 || end % inner != 0)) {
+    in_row(first, begin - first * inner, end - first * inner);  // within one row
+    return out;
+  }
+  if (begin % inner != 0) in_row(first++, begin % inner, inner);
+  if (last > first) {
+    Box whole;
+    whole.offsets.assign(shape.size(), 0);
+    whole.offsets[0] = first;
+    whole.sizes = shape;
+    whole.sizes[0] = last - first;
+    out.push_back(std::move(whole));
+  }
+  if (end % inner != 0) in_row(last, 0, end % inner);
+  return out;
+}
+
+Metadata parse_metadata(const std::string& pickled, const std::string& where) {
+  const auto tree = pickle::unpickle(pickled, allowed_globals(), where);
+  return MetadataParser(where).parse(tree->root());
+}
+
+std::string encode_metadata(const Metadata& m) {
+  pickle::Writer w;
+  new_object(w, kMetadataModule, "Metadata");
+  w.empty_dict();
+  w.mark();
+  w.str("state_dict_metadata");
+  w.empty_dict();
+  w.mark();
+  for (const auto& [name, e] : m.tensors) {
+    w.str(name);
+    tensor_storage_metadata(w, e);
+  }
+  for (const auto& [name, l] : m.bytes) {
+    w.str(name);
+    new_object(w, kMetadataModule, "BytesStorageMetadata");
+  }
+  w.set_items();
+  w.str("planner_data");
+  w.empty_dict();
+  w.mark();
+  for (const auto& [name, path] : m.paths) {
+    w.str(name);
+    w.mark();
+    for (const std::string& p : path) w.str(p);
+    w.tuple();
+  }
+  w.set_items();
+  w.str("storage_data");
+  w.empty_dict();
+  w.mark();
+  for (const auto& [name, e] : m.tensors)
+    for (size_t i = 0; i < e.chunks.size(); ++i)
+      storage_entry(w, name, &e.chunks[i].box.offsets, static_cast<int64_t>(i), e.chunks[i].location);
+  for (const auto& [name, l] : m.bytes) storage_entry(w, name, nullptr, std::nullopt, l);
+  w.set_items();
+  w.str("storage_meta");
+  w.none();
+  w.str("version");
+  w.str("1.0.0");
+  w.set_items();
+  w.build();
+  return w.finish();
+}
+
+bool is_dcp_directory(const std::string& dir) { return fs::is_regular_file(fs::path(dir) / kMetadataFile); }
+
+// ---- Reader --------------------------------------------------------------------------------------
+
+Reader::Reader(const std::string& dir) : dir_(dir) {
+  const std::string file = (fs::path(dir) / kMetadataFile).string();
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw std::invalid_argument("checkpoint file '" + file + "' cannot be read");
+  std::stringstream buf;
+  buf << in.rdbuf();
+  metadata_ = parse_metadata(buf.str(), "checkpoint file '" + file + "'");
+}
+
+const TensorEntry& Reader::tensor(const std::string& name) const {
+  auto it = metadata_.tensors.find(name);
+  if (it == metadata_.tensors.end()) throw std::invalid_argument("checkpoint '" + dir_ + "': no tensor '" + name + "'");
+  return it->second;
+}
+
+at::Tensor Reader::read_chunk(const std::string& name, const TensorChunk& chunk) const {
+  const Location& l = chunk.location;
+  const std::string what = "checkpoint file '" + (fs::path(dir_) / l.file).string() + "', bytes [" +
+                           std::to_string(l.offset) + ", " + std::to_string(l.offset + l.length) + ") (tensor '" +
+                           name + "', chunk at offsets " + box_str(chunk.box.offsets) + ")";
+  at::Tensor t = read_torch_save_tensor((fs::path(dir_) / l.file).string(), l.offset, l.length, what);
+  const TensorEntry& e = tensor(name);
+  if (t.sizes().vec() != chunk.box.sizes || t.scalar_type() != e.dtype)
+    throw std::invalid_argument(what + ": holds a " + std::string(c10::toString(t.scalar_type())) + " tensor of size " +
+                                box_str(t.sizes().vec()) + ", the metadata says " + c10::toString(e.dtype) + " of size " +
+                                box_str(chunk.box.sizes));
+  return t;
+}
+
+void Reader::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
+  const TensorEntry& e = tensor(name);
+  int64_t numel = 1;
+  for (int64_t s : e.shape) numel *= s;
+  const int64_t count = dst.numel();
+  if (dst.dim() != 1 || offset < 0 || offset > numel || count > numel - offset)
+    throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "': cannot read elements [" +
+                                std::to_string(offset) + ", " + std::to_string(offset + count) + ") of " +
+                                std::to_string(numel));
+  at::NoGradGuard no_grad;
+  std::map<size_t, at::Tensor> loaded;  // chunks read for this call, by index
+  int64_t flat = offset;
+  for (const Box& want : flat_range_boxes(e.shape, offset, offset + count)) {
+    at::Tensor dview = dst.narrow(0, flat - offset, want.numel()).view(want.sizes);
+    flat += want.numel();
+    int64_t covered = 0;
+    for (size_t i = 0; i < e.chunks.size(); ++i) {
+      const Box& have = e.chunks[i].box;
+      at::Tensor src, part = dview;
+      bool empty = false;
+      std::vector<std::pair<int64_t, int64_t>> src_ranges;  // per dimension: start, length
+      for (size_t d = 0; d < want.sizes.size() && !empty; ++d) {
+        const int64_t lo = std::max(want.offsets[d], have.offsets[d]);
+        const int64_t hi = std::min(want.offsets[d] + want.sizes[d], have.offsets[d] + have.sizes[d]);
+        if (hi <= lo) empty = true;
+        else {
+          src_ranges.emplace_back(lo - have.offsets[d], hi - lo);
+          part = part.narrow(static_cast<int64_t>(d), lo - want.offsets[d], hi - lo);
+        }
+      }
+      if (empty || have.numel() == 0) continue;
+      auto it = loaded.find(i);
+      if (it == loaded.end()) it = loaded.emplace(i, read_chunk(name, e.chunks[i])).first;
+      src = it->second;
+      for (size_t d = 0; d < src_ranges.size(); ++d)
+        src = src.narrow(static_cast<int64_t>(d), src_ranges[d].first, src_ranges[d].second);
+      part.copy_(src);
+      covered += part.numel();
+    }
+    if (covered != want.numel())
+      throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "': the chunks " +
+                                  (covered < want.numel() ? "do not cover" : "overlap in") + " the box at offsets " +
+                                  box_str(want.offsets) + " of size " + box_str(want.sizes));
+  }
+}
+
+at::Tensor Reader::read(const std::string& name) const {
+  const TensorEntry& e = tensor(name);
+  at::Tensor out = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  read_range(name, 0, out.view({-1}));
+  return out;
+}
+
+std::string Reader::read_bytes(const std::string& name) const {
+  auto it = metadata_.bytes.find(name);
+  if (it == metadata_.bytes.end()) throw std::invalid_argument("checkpoint '" + dir_ + "': no bytes entry '" + name + "'");
+  const Location& l = it->second;
+  const std::string path = (fs::path(dir_) / l.file).string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument("checkpoint file '" + path + "' cannot be read (bytes entry '" + name + "')");
+  in.seekg(0, std::ios::end);
+  const uint64_t size = static_cast<uint64_t>(in.tellg());
+  if (l.offset > size || l.length > size - l.offset)
+    throw std::invalid_argument("checkpoint file '" + path + "' is " + std::to_string(size) + " bytes; bytes entry '" +
+                                name + "' lies at [" + std::to_string(l.offset) + ", " +
+                                std::to_string(l.offset + l.length) + ") (truncated?)");
+  std::string out(l.length, '\0');
+  in.seekg(static_cast<std::streamoff>(l.offset));
+  in.read(out.data(), static_cast<std::streamsize>(l.length));
+  return out;
+}
+
+nlohmann::json Reader::read_object(const std::string& name) const {
+  auto it = metadata_.bytes.find(name);
+  if (it == metadata_.bytes.end()) throw std::invalid_argument("checkpoint '" + dir_ + "': no bytes entry '" + name + "'");
+  const Location& l = it->second;
+  const std::string path = (fs::path(dir_) / l.file).string();
+  const std::string where = "checkpoint file '" + path + "', bytes [" + std::to_string(l.offset) + ", " +
+                            std::to_string(l.offset + l.length) + ") (entry '" + name + "')";
+  const std::string data = read_torch_save_pickle(path, l.offset, l.length, where);
+  static const std::set<std::string> kPlainOnly = {"collections.OrderedDict"};
+  const auto tree = pickle::unpickle(data, kPlainOnly, where + ": data.pkl");
+  return plain_value(tree->root(), where);
+}
+
+// ---- FileWriter ------------------------------------------------------------------------------------
+
+FileWriter::FileWriter(const std::string& dir, const std::string& file_name)
+    : path_((fs::path(dir) / file_name).string()), name_(file_name) {
+  fd_ = ::open(path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw std::runtime_error("cannot create '" + path_ + "': " + std::strerror(errno));
+}
+
+FileWriter::~FileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Location FileWriter::write_bytes(const std::string& bytes) {
+  if (fd_ < 0) throw std::logic_error("FileWriter: '" + path_ + "' is closed");
+  for (size_t done = 0; done < bytes.size();) {
+    const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw std::runtime_error("writing '" + path_ + "' failed: " + std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+  Location l{name_, size_, bytes.size()};
+  size_ += bytes.size();
+  return l;
+}
+
+Location FileWriter::write_tensor(const at::Tensor& chunk) { return write_bytes(torch_save_tensor(chunk)); }
+
+Location FileWriter::write_object(const nlohmann::json& value) {
+  pickle::Writer w;
+  pickle_json(w, value);
+  return write_bytes(torch_save_pickle(w.finish()));
+}
+
+void FileWriter::close() {
+  if (fd_ < 0) return;
+  const int fd = fd_;
+  fd_ = -1;
+  if (::fsync(fd) != 0 || ::close(fd) != 0)
+    throw std::runtime_error("writing '" + path_ + "' failed: " + std::strerror(errno));
+}
+
+}  // namespace mfsdp::dcp

@@ -1,0 +1,75 @@
+// Internal to src/checkpoint/formats: uncompressed ("stored") zip archives, the container of
+// torch.save files, which PyTorch Distributed Checkpoints embed in their .distcp files.
+//
+//   ZipReader zip(path, "torch.save file 'x.pt'");            // a whole file, or
+//   ZipReader zip(path, what, offset, length);                 // an archive inside a file
+//   std::string pkl = zip.read("archive/data.pkl");
+//
+//   std::string bytes = write_stored_zip({{"archive/data.pkl", pkl}, {"archive/data/0", data}});
+//
+// Reading checks every offset and length against the window before allocating for it; errors
+// are std::invalid_argument starting with `what`. Compressed or encrypted entries are refused
+// (torch.save never writes them).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace mfsdp::zip {
+
+// A read-only window [offset, offset + length) of a file, read with pread.
+class FileWindow {
+ public:
+  FileWindow(const std::string& path, const std::string& what);  // the whole file
+  FileWindow(const std::string& path, const std::string& what, uint64_t offset, uint64_t length);
+  ~FileWindow();
+  FileWindow(const FileWindow&) = delete;
+  FileWindow& operator=(const FileWindow&) = delete;
+
+  uint64_t size() const { return length_; }
+  const std::string& what() const { return what_; }
+  [[noreturn]] void fail(const std::string& detail) const;
+  // Throws unless [at, at + n) lies in the window (`item` names what is read there).
+  void check(uint64_t at, uint64_t n, const std::string& item) const;
+  void read(uint64_t at, void* dst, uint64_t n, const std::string& item) const;
+  std::string read(uint64_t at, uint64_t n, const std::string& item) const;
+
+ private:
+  void open(const std::string& path);
+  std::string what_;
+  int fd_ = -1;
+  uint64_t offset_ = 0, length_ = 0;
+};
+
+class ZipReader {
+ public:
+  ZipReader(const std::string& path, const std::string& what);
+  ZipReader(const std::string& path, const std::string& what, uint64_t offset, uint64_t length);
+
+  const FileWindow& window() const { return file_; }
+  bool contains(const std::string& name) const { return entries_.count(name) > 0; }
+  std::vector<std::string> names() const;
+  uint64_t size(const std::string& name) const;
+  // Where the entry's bytes start in the window (after its local header).
+  uint64_t data_offset(const std::string& name) const;
+  std::string read(const std::string& name) const;
+
+ private:
+  void read_directory();
+  struct Entry {
+    uint64_t header = 0;  // offset of the local file header
+    uint64_t size = 0;
+  };
+  const Entry& entry(const std::string& name) const;
+  FileWindow file_;
+  std::map<std::string, Entry> entries_;
+};
+
+// A zip archive of `entries` (name, bytes), stored, each entry's data aligned to 64 bytes as
+// torch.save aligns storages. Throws std::invalid_argument past the non-zip64 limits (4 GiB).
+std::string write_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries);
+
+}  // namespace mfsdp::zip

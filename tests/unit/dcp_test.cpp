@@ -1,0 +1,226 @@
+// PyTorch Distributed Checkpoint directories (include/mfsdp/dcp.h): the box decomposition against
+// element-by-element enumeration, reading what the pinned torch's dcp.save wrote
+// (scripts/make_torch_save_fixtures.py), a write/read round trip, damaged files, and a fuzzed
+// .metadata that must never crash, hang or load wrong values. (tests/reference/dcp_reference_test
+// checks that torch loads what mfsdp writes.)
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "harness/expect_error.h"
+#include "harness/temp_dir.h"
+#include "mfsdp/dcp.h"
+
+namespace {
+
+using mfsdp::testing::error_of;
+using mfsdp::testing::expect_contains;
+using mfsdp::testing::TempDir;
+namespace dcp = mfsdp::dcp;
+namespace fs = std::filesystem;
+
+std::string fixture(const std::string& name) { return std::string(MFSDP_FIXTURES_DIR) + "/torch_save/" + name; }
+
+std::string slurp(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+void put(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+
+// Row-major flat index of a multi-index.
+int64_t flat_index(const std::vector<int64_t>& shape, const std::vector<int64_t>& idx) {
+  int64_t f = 0;
+  for (size_t d = 0; d < shape.size(); ++d) f = f * shape[d] + idx[d];
+  return f;
+}
+
+TEST(DcpBoxes, CoverExactlyTheFlatRangeInOrder) {
+  std::mt19937 rng(7);
+  const std::vector<std::vector<int64_t>> shapes = {{10}, {3, 4}, {2, 3, 5}, {4, 1, 3}, {2, 2, 2, 3}, {}, {1}};
+  for (const auto& shape : shapes) {
+    int64_t numel = 1;
+    for (int64_t s : shape) numel *= s;
+    for (int trial = 0; trial < 200; ++trial) {
+      int64_t a = std::uniform_int_distribution<int64_t>(0, numel)(rng);
+      int64_t b = std::uniform_int_distribution<int64_t>(0, numel)(rng);
+      if (a > b) std::swap(a, b);
+      // Enumerate each box's elements in row-major order: they must be a, a+1, ..., b-1.
+      int64_t next = a;
+      for (const dcp::Box& box : dcp::flat_range_boxes(shape, a, b)) {
+        ASSERT_EQ(box.offsets.size(), shape.size());
+        ASSERT_GT(box.numel(), 0);
+        std::vector<int64_t> idx(shape.size(), 0);
+        for (int64_t k = 0; k < box.numel(); ++k) {
+          int64_t rest = k;
+          for (size_t d = shape.size(); d-- > 0;) {
+            idx[d] = box.offsets[d] + rest % box.sizes[d];
+            rest /= box.sizes[d];
+          }
+          ASSERT_EQ(flat_index(shape, idx), next++) << "shape " << shape.size() << "-d, range " << a << ".." << b;
+        }
+      }
+      EXPECT_EQ(next, b);
+    }
+  }
+  // A range inside one row of a matrix is one box; whole rows are one box.
+  EXPECT_EQ(dcp::flat_range_boxes({3, 4}, 5, 7).size(), 1u);
+  EXPECT_EQ(dcp::flat_range_boxes({3, 4}, 4, 12).size(), 1u);
+  EXPECT_EQ(dcp::flat_range_boxes({3, 4}, 2, 10).size(), 3u);
+}
+
+TEST(DcpReader, ReadsWhatTorchWrote) {
+  dcp::Reader r(fixture("dcp"));
+  const auto& m = r.metadata();
+  EXPECT_TRUE(at::equal(r.read("model.module.layer.w"), at::arange(12, at::kFloat).reshape({3, 4}) / 4));
+  EXPECT_TRUE(at::equal(r.read("model.module.layer.b"), (at::arange(5, at::kFloat) - 2).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(r.read("steps"), at::arange(6, at::kLong) * 3));
+  at::Tensor step = r.read("optimizer.state.module.layer.w.step");
+  EXPECT_EQ(step.dim(), 0);
+  EXPECT_EQ(step.item<float>(), 2.5f);
+  EXPECT_EQ(r.read_object("iteration"), 7);  // a torch.save'd int
+  // An io.BytesIO is pickled as an object: refused, never constructed.
+  expect_contains(error_of([&] { r.read_object("blob"); }), {"'blob'", "'_io.BytesIO'", "not allowed"});
+  EXPECT_TRUE(m.bytes.count("blob"));
+  EXPECT_EQ(m.paths.at("model.module.layer.w"), (std::vector<std::string>{"model", "module.layer.w"}));
+  // A range that starts mid-row.
+  at::Tensor part = at::empty({7});
+  r.read_range("model.module.layer.w", 3, part);
+  EXPECT_TRUE(at::equal(part, at::arange(3, 10, at::kFloat) / 4));
+}
+
+// A directory with two "ranks" writing uneven flat shards of the same tensors, as FSDP does.
+struct Written {
+  std::map<std::string, at::Tensor> tensors;
+  dcp::Metadata meta;
+};
+
+Written write_sharded(const std::string& dir, int ranks) {
+  Written w;
+  w.tensors["model.module.a.weight"] = at::randn({5, 7});
+  w.tensors["model.module.a.bias"] = at::randn({7}).to(at::kBFloat16);
+  w.tensors["model.module.scalar"] = at::full({}, 3.0);
+  w.tensors["optimizer.state.module.a.weight.exp_avg"] = at::randn({5, 7}, at::kDouble);
+  w.tensors["count"] = at::arange(9, at::kLong).reshape({3, 3});
+  for (int r = 0; r < ranks; ++r) {
+    dcp::FileWriter file(dir, dcp::rank_file_name(r));
+    for (const auto& [name, t] : w.tensors) {
+      dcp::TensorEntry& e = w.meta.tensors[name];
+      e.dtype = t.scalar_type();
+      e.shape = t.sizes().vec();
+      // Uneven: rank r holds [numel * r^2 / ranks^2, numel * (r+1)^2 / ranks^2).
+      const int64_t n = t.numel();
+      const int64_t b = n * r * r / (ranks * ranks), end = n * (r + 1) * (r + 1) / (ranks * ranks);
+      int64_t flat = b;
+      for (const dcp::Box& box : dcp::flat_range_boxes(e.shape, b, end)) {
+        at::Tensor piece = t.reshape({-1}).narrow(0, flat, box.numel()).view(box.sizes);
+        flat += box.numel();
+        e.chunks.push_back({box, file.write_tensor(piece)});
+      }
+    }
+    if (r == 0) w.meta.bytes["note"] = file.write_bytes("hello");
+    file.close();
+  }
+  for (const auto& [name, t] : w.tensors) w.meta.paths[name] = {name};
+  put(dir + "/" + dcp::kMetadataFile, dcp::encode_metadata(w.meta));
+  return w;
+}
+
+TEST(DcpReader, RoundTripsUnevenShardsAndAnyRange) {
+  TempDir dir;
+  Written w = write_sharded(dir.path().string(), 3);
+  dcp::Reader r(dir.path().string());
+  ASSERT_EQ(r.metadata().tensors.size(), w.tensors.size());
+  for (const auto& [name, t] : w.tensors) {
+    EXPECT_TRUE(at::equal(r.read(name), t)) << name;
+    EXPECT_EQ(r.tensor(name).dtype, t.scalar_type());
+    if (t.numel() > 4) {  // another rank's cut: elements [2, numel - 1) into fp32
+      at::Tensor part = at::empty({t.numel() - 3}, at::kDouble);
+      r.read_range(name, 2, part);
+      EXPECT_TRUE(at::equal(part, t.reshape({-1}).narrow(0, 2, t.numel() - 3).to(at::kDouble))) << name;
+    }
+  }
+  EXPECT_EQ(r.read_bytes("note"), "hello");
+}
+
+TEST(DcpReader, DamagedFilesAreErrorsNamingFileOffsetAndKey) {
+  TempDir dir;
+  const std::string d = dir.path().string();
+  Written w = write_sharded(d, 2);
+  // A .distcp shorter than the metadata says: cut in the middle of a chunk of rank 1.
+  const std::string file = d + "/" + dcp::rank_file_name(1);
+  const dcp::TensorChunk& last = w.meta.tensors.at("model.module.a.weight").chunks.back();
+  ASSERT_EQ(last.location.file, dcp::rank_file_name(1));
+  put(file, slurp(file).substr(0, last.location.offset + last.location.length / 2));
+  dcp::Reader r(d);
+  const std::string err = error_of([&] { r.read("model.module.a.weight"); });
+  expect_contains(err, {"__1_0.distcp", "model.module.a.weight", "bytes [", "truncated"});
+  // Not a pickle, a foreign class, a missing file.
+  put(d + "/" + dcp::kMetadataFile, "not a pickle");
+  expect_contains(error_of([&] { dcp::Reader bad(d); }), {".metadata", "opcode"});
+  put(d + "/" + dcp::kMetadataFile, std::string("\x80\x02" "cos\nsystem\n(X\x02\0\0\0lst" "R.", 22));
+  expect_contains(error_of([&] { dcp::Reader bad(d); }), {".metadata", "'os.system'", "not allowed"});
+  fs::remove(d + "/" + dcp::kMetadataFile);
+  expect_contains(error_of([&] { dcp::Reader bad(d); }), {".metadata", "cannot be read"});
+}
+
+// Random byte mutations of a valid .metadata (ours and torch's): each one is refused with
+// std::invalid_argument, or loads exactly the original tensors. Never a crash or a hang.
+void fuzz(const std::string& dir, const std::map<std::string, at::Tensor>& expected, int rounds, unsigned seed) {
+  const std::string original = slurp(dir + "/" + dcp::kMetadataFile);
+  std::mt19937 rng(seed);
+  int refused = 0, loaded = 0;
+  for (int round = 0; round < rounds; ++round) {
+    std::string m = original;
+    const int edits = 1 + static_cast<int>(rng() % 3);
+    for (int e = 0; e < edits; ++e) {
+      const size_t at = rng() % m.size();
+      switch (rng() % 4) {
+        case 0: m[at] = static_cast<char>(rng()); break;                      // overwrite
+        case 1: m[at] = static_cast<char>(m[at] ^ (1 << (rng() % 8))); break;  // flip a bit
+        case 2: m.erase(at, 1 + rng() % 4); break;                              // delete
+        default: m.insert(at, 1, static_cast<char>(rng())); break;              // insert
+      }
+      if (m.empty()) m = "x";
+    }
+    put(dir + "/" + dcp::kMetadataFile, m);
+    try {
+      dcp::Reader r(dir);
+      for (const auto& [name, t] : expected) {
+        at::Tensor got = r.read(name);
+        ASSERT_TRUE(got.sizes() == t.sizes() && got.scalar_type() == t.scalar_type() && at::equal(got, t))
+            << "round " << round << ": '" << name << "' loaded silently with other values";
+      }
+      ++loaded;
+    } catch (const std::invalid_argument&) {
+      ++refused;
+    }
+  }
+  put(dir + "/" + dcp::kMetadataFile, original);
+  EXPECT_GT(refused, rounds / 2);
+  std::printf("fuzzed %d mutations: %d refused, %d loaded the original values\n", rounds, refused, loaded);
+}
+
+TEST(DcpFuzz, MutatedMetadataNeverLoadsWrongValues) {
+  TempDir dir;
+  Written w = write_sharded(dir.path().string(), 2);
+  fuzz(dir.path().string(), w.tensors, 2000, 1);
+}
+
+TEST(DcpFuzz, MutatedTorchMetadataNeverLoadsWrongValues) {
+  TempDir dir;
+  fs::copy(fixture("dcp"), dir.path(), fs::copy_options::recursive);
+  std::map<std::string, at::Tensor> expected = {
+      {"model.module.layer.w", at::arange(12, at::kFloat).reshape({3, 4}) / 4},
+      {"steps", at::arange(6, at::kLong) * 3}};
+  fuzz(dir.path().string(), expected, 1000, 2);
+}
+
+}  // namespace
