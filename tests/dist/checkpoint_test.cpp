@@ -2,17 +2,20 @@
 // N ranks under strategy S, saved, and loaded with M ranks under S' has the saved weights (bit
 // for bit), the optimizer state and step of single-process torch::optim::AdamW after 2 steps,
 // and a third step lands where torch's third step does. Bad checkpoints fail with an error
-// naming the file and tensor and leave the model and optimizer untouched on every rank.
+// naming the file and tensor and leave the model and optimizer untouched on every rank, in the
+// fsdp_dtensor format (PyTorch DCP) and in the earlier mfsdp format.
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "harness/dist_test.h"
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "harness/uneven_net.h"
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/dcp.h"
 #include "mfsdp/device_mesh.h"
 #include "mfsdp/fully_shard.h"
 #include "mfsdp/optim.h"
@@ -256,6 +259,17 @@ nlohmann::json read_json(const std::string& path) {
 }
 void write_json(const std::string& path, const nlohmann::json& j) { std::ofstream(path) << j.dump(1); }
 
+// Rewrites a DCP checkpoint's .metadata (parsed and re-encoded by include/mfsdp/dcp.h).
+void edit_dcp(const std::string& ckpt, const std::function<void(mfsdp::dcp::Metadata&)>& edit) {
+  const std::string path = ckpt + "/iter_0000002/" + mfsdp::dcp::kMetadataFile;
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream bytes;
+  bytes << in.rdbuf();
+  mfsdp::dcp::Metadata m = mfsdp::dcp::parse_metadata(bytes.str(), path);
+  edit(m);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << mfsdp::dcp::encode_metadata(m);
+}
+
 void edit_metadata(const std::string& ckpt, const std::function<void(nlohmann::json&)>& edit) {
   const std::string path = ckpt + "/iter_0000002/metadata.json";
   nlohmann::json j = read_json(path);
@@ -265,7 +279,7 @@ void edit_metadata(const std::string& ckpt, const std::function<void(nlohmann::j
 
 }  // namespace
 
-MFSDP_DIST_TEST(Checkpoint, BadCheckpointsAreRejectedAndChangeNothing, {2}) {
+MFSDP_DIST_TEST(Checkpoint, BadDcpCheckpointsAreRejectedAndChangeNothing, {2}) {
   auto world = borrow(comm);
   const std::string dir = mfsdp::testing::shared_temp_dir();
   const std::string good = dir + "/good";
@@ -275,7 +289,47 @@ MFSDP_DIST_TEST(Checkpoint, BadCheckpointsAreRejectedAndChangeNothing, {2}) {
     mfsdp::CheckpointInfo info;
     info.iteration = 2;
     mfsdp::save_checkpoint(good, world, saved.root, saved.opt.get(), info);
-    mfsdp::save_checkpoint(dir + "/no_optimizer", world, saved.root, nullptr, info);
+  }
+  Sharded m = make_sharded(world, ShardingStrategy::kOptimGradsParams);
+  train(comm, m, 0, 1);  // a state that differs from the checkpoint's
+  using mfsdp::dcp::Metadata;
+  const std::string it = "/iter_0000002/";
+  expect_rejected(comm, m, good, "dcp_truncated", [&](const std::string& c) {
+    fs::resize_file(c + it + "__1_0.distcp", fs::file_size(c + it + "__1_0.distcp") - 10);
+  }, {"__1_0.distcp", "truncated"});
+  expect_rejected(comm, m, good, "dcp_foreign_class", [&](const std::string& c) {
+    std::ofstream(c + it + ".metadata", std::ios::binary | std::ios::trunc) << "\x80\x02" "cos\nsystem\n.";
+  }, {".metadata", "'os.system'", "not allowed"});
+  expect_rejected(comm, m, good, "dcp_shape", [&](const std::string& c) {
+    edit_dcp(c, [](Metadata& md) { md.tensors["model.module.head.weight"].shape = {3, 11}; });
+  }, {"model.head.weight", "[3, 11]", "[3, 10]"});
+  expect_rejected(comm, m, good, "dcp_missing", [&](const std::string& c) {
+    edit_dcp(c, [](Metadata& md) { md.tensors.erase("model.module.block1.fc1.bias"); });
+  }, {"no tensor 'model.block1.fc1.bias'"});
+  expect_rejected(comm, m, good, "dcp_missing_optimizer_tensor", [&](const std::string& c) {
+    edit_dcp(c, [](Metadata& md) { md.tensors.erase("optimizer.state.module.module.module.tiny.exp_avg_sq"); });
+  }, {"optimizer.state.tiny.exp_avg_sq", "--no-load-optim"});
+  expect_rejected(comm, m, good, "dcp_uncovered", [&](const std::string& c) {
+    edit_dcp(c, [](Metadata& md) { md.tensors["model.module.embed.weight"].chunks.pop_back(); });
+  }, {"model.module.embed.weight", "do not cover"});
+  expect_rejected(comm, m, good, "dcp_moved_bytes", [&](const std::string& c) {
+    edit_dcp(c, [](Metadata& md) {
+      for (auto& chunk : md.tensors["model.module.embed.weight"].chunks) chunk.location.offset += 4;
+    });
+  }, {"model.module.embed.weight", ".distcp", "not a zip archive"});
+}
+
+MFSDP_DIST_TEST(Checkpoint, BadCheckpointsAreRejectedAndChangeNothing, {2}) {
+  auto world = borrow(comm);
+  const std::string dir = mfsdp::testing::shared_temp_dir();
+  const std::string good = dir + "/good";
+  {  // the earlier format (--ckpt-format mfsdp): metadata.json + safetensors
+    Sharded saved = make_sharded(world, ShardingStrategy::kOptimGradsParams);
+    train(comm, saved, 0, 2);
+    mfsdp::CheckpointInfo info;
+    info.iteration = 2;
+    mfsdp::save_checkpoint(good, world, saved.root, saved.opt.get(), info, mfsdp::CheckpointFormat::kMfsdp);
+    mfsdp::save_checkpoint(dir + "/no_optimizer", world, saved.root, nullptr, info, mfsdp::CheckpointFormat::kMfsdp);
   }
   Sharded m = make_sharded(world, ShardingStrategy::kOptimGradsParams);
   train(comm, m, 0, 1);  // a state that differs from the checkpoint's
