@@ -35,8 +35,8 @@
 
 namespace mfsdp {
 
-namespace dcp {
-class Reader;
+namespace checkpoint {
+struct OpenedDcp;
 }
 
 // How a checkpoint is stored (docs/checkpoints.md). Loading reads either, whatever was asked.
@@ -143,9 +143,8 @@ class CheckpointReader {
   nlohmann::json metadata_;
   std::vector<std::string> files_;
   mutable std::map<int, SafetensorsFile> open_files_;
-  // A DCP checkpoint: its reader, and each canonical tensor name's key on disk.
-  std::shared_ptr<const dcp::Reader> dcp_;
-  std::map<std::string, std::string> dcp_keys_;
+  // A DCP checkpoint: its reader, and where each canonical tensor's elements are on disk.
+  std::shared_ptr<const checkpoint::OpenedDcp> dcp_;
 };
 
 // Writes a complete checkpoint from whole tensors in one process (converters, HF import):

@@ -30,6 +30,8 @@
 #include <string>
 #include <vector>
 
+#include "mfsdp/torch_save.h"
+
 namespace mfsdp::dcp {
 
 constexpr const char* kMetadataFile = ".metadata";
@@ -102,10 +104,10 @@ class Reader {
   void read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const;
   at::Tensor read(const std::string& name) const;  // the whole tensor, on CPU
   std::string read_bytes(const std::string& name) const;
-  // A bytes entry that holds a torch.save'd plain value (None, bool, int, float, str, list,
-  // tuple, dict with str or int keys: what dcp.save writes for "iteration": 7), as JSON. Other
-  // objects are an error naming the entry.
-  nlohmann::json read_object(const std::string& name) const;
+  // A bytes entry that holds a torch.save'd value (what dcp.save writes for "iteration": 7), as
+  // JSON (read_torch_save_value, torch_save.h): plain values only, or with kDescribeObjects also
+  // objects such as Megatron's pickled argparse.Namespace "args", described, never constructed.
+  nlohmann::json read_object(const std::string& name, ObjectPolicy policy = ObjectPolicy::kPlainOnly) const;
 
  private:
   std::string dir_;

@@ -27,6 +27,7 @@
 
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 
 namespace mfsdp {
@@ -53,6 +54,22 @@ std::string read_torch_save_pickle(const std::string& path, uint64_t offset, uin
 
 // A torch.save archive whose data.pkl is `data_pkl` (an object without tensors).
 std::string torch_save_pickle(const std::string& data_pkl);
+
+enum class ObjectPolicy {
+  kPlainOnly,        // None, bool, int, float, str, list, tuple, dict; any other object is an error
+  kDescribeObjects,  // also objects, never constructed: one built from a dict state (an
+                     // argparse.Namespace) becomes that dict, any other global or call its name
+                     // in angle brackets ("<torch.bfloat16>")
+};
+
+// The value a torch.save archive (bytes [offset, offset + length) of `path`) holds, as JSON
+// (tuples become arrays, int dict keys strings). Tensors are not read: they are described
+// ("<tensor>") under kDescribeObjects and refused otherwise.
+nlohmann::json read_torch_save_value(const std::string& path, uint64_t offset, uint64_t length,
+                                     const std::string& what, ObjectPolicy policy = ObjectPolicy::kPlainOnly);
+
+// torch.save(value) of a plain value (objects become dicts, arrays lists), in memory.
+std::string torch_save_value(const nlohmann::json& value);
 
 // torch.save(tensor) in memory: a contiguous CPU copy of `tensor` as the archive torch.load reads.
 std::string torch_save_tensor(const at::Tensor& tensor);

@@ -91,10 +91,9 @@ CheckpointFormat checkpoint_format_from_name(const std::string& name) {
 
 CheckpointReader::CheckpointReader(const std::string& path) : dir_(resolve_iteration_dir(path)) {
   if (dcp::is_dcp_directory(dir_)) {
-    checkpoint::OpenedDcp opened = checkpoint::open_dcp_checkpoint(dir_);
-    dcp_ = std::move(opened.reader);
-    dcp_keys_ = std::move(opened.keys);
-    metadata_ = std::move(opened.metadata);
+    auto opened = std::make_shared<checkpoint::OpenedDcp>(checkpoint::open_dcp_checkpoint(dir_));
+    metadata_ = std::move(opened->metadata);
+    dcp_ = std::move(opened);
     const std::string file = dir_ + "/" + dcp::kMetadataFile;
     for (const char* key : {"iteration", "consumed_samples"})
       if (!metadata_.contains(key) || !metadata_[key].is_number_integer() || metadata_[key].get<int64_t>() < 0)
@@ -178,7 +177,7 @@ const SafetensorsFile& CheckpointReader::file(int index) const {
 
 void CheckpointReader::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
   const nlohmann::json& t = entry(name);
-  if (dcp_) return dcp_->read_range(dcp_keys_.at(name), offset, dst);
+  if (dcp_) return checkpoint::read_rows(*dcp_->reader, dcp_->sources.at(name), offset, dst);
   int64_t numel = 1;
   for (const auto& s : t["shape"]) numel *= s.get<int64_t>();
   const int64_t count = dst.numel();

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "checkpoint/checkpoint_files.h"
+#include "checkpoint/megatron_gpt_names.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/safetensors.h"
 
@@ -158,7 +159,7 @@ namespace {
 
 // metadata.json's fields for a checkpoint mfsdp did not write: the iteration Megatron and
 // PyTorch users store, and the optimizer that the state entries imply.
-nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string, std::string>& keys) {
+nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string, RowSource>& sources) {
   const dcp::Metadata& m = r.metadata();
   nlohmann::json meta = {{"format", "torch.distributed.checkpoint"}, {"version", 1},
                          {"iteration", 0}, {"consumed_samples", 0}, {"world_size", -1},
@@ -171,7 +172,7 @@ nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string
     meta["iteration"] = it;
   }
   std::set<std::string> states;
-  for (const auto& [name, key] : keys)
+  for (const auto& [name, src] : sources)
     if (starts_with(name, kOptimizerState)) states.insert(split_state_key(name.substr(kOptimizerState.size())).second);
   std::optional<int64_t> step;
   auto agree = [&](int64_t s, const std::string& where) {
@@ -186,10 +187,10 @@ nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string
       if (!s.is_number()) throw std::invalid_argument("checkpoint '" + r.dir() + "': '" + key + "' is not a number");
       agree(static_cast<int64_t>(s.get<double>()), key);
     }
-  for (const auto& [name, key] : keys)  // PyTorch's optimizers keep a 0-d step per parameter
+  for (const auto& [name, src] : sources)  // PyTorch's optimizers keep a 0-d step per parameter
     if (starts_with(name, kOptimizerState) && split_state_key(name).second == "step" &&
-        m.tensors.at(key).shape.empty())
-      agree(static_cast<int64_t>(r.read(key).item<double>()), key);
+        m.tensors.at(src.key).shape.empty())
+      agree(static_cast<int64_t>(r.read(src.key).item<double>()), src.key);
   if (states.count("exp_avg") && states.count("exp_avg_sq"))
     meta["optimizer"] = {{"name", "AdamW"}, {"step", step.value_or(0)}, {"state", {"exp_avg", "exp_avg_sq"}}};
   else if (states.count("momentum_buffer"))
@@ -197,38 +198,87 @@ nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string
   return meta;
 }
 
+
+// Query heads and key/value groups from the model_config (Hugging Face names), or from
+// Megatron's pickled args (num_attention_heads, num_query_groups): needed to split linear_qkv.
+std::pair<int64_t, int64_t> attention_heads(const dcp::Reader& r, const nlohmann::json& model_config) {
+  if (model_config.is_object() && model_config.contains("num_attention_heads")) {
+    const int64_t heads = model_config["num_attention_heads"].get<int64_t>();
+    return {heads, model_config.value("num_key_value_heads", heads)};
+  }
+  if (r.metadata().bytes.count("args")) {
+    const nlohmann::json args = r.read_object("args", ObjectPolicy::kDescribeObjects);
+    if (args.contains("num_attention_heads") && args["num_attention_heads"].is_number_integer()) {
+      const int64_t heads = args["num_attention_heads"].get<int64_t>();
+      const bool gqa = args.value("group_query_attention", false) && args.contains("num_query_groups") &&
+                       args["num_query_groups"].is_number_integer();
+      return {heads, gqa ? args["num_query_groups"].get<int64_t>() : heads};
+    }
+  }
+  throw std::invalid_argument("checkpoint '" + r.dir() + "' has Megatron GPT tensors (fused linear_qkv) but neither a "
+                              "model_config nor Megatron args with num_attention_heads to split them");
+}
+
 }  // namespace
+
+RowSource whole_tensor(const std::string& key, const std::vector<int64_t>& shape) {
+  int64_t numel = 1;
+  for (int64_t s : shape) numel *= s;
+  if (shape.empty() || shape[0] == 0) return {key, numel, {{0, 1}}};
+  return {key, numel / shape[0], {{0, shape[0]}}};
+}
+
+void read_rows(const dcp::Reader& reader, const RowSource& source, int64_t offset, const at::Tensor& dst) {
+  if (source.runs.size() == 1 && source.runs[0].first == 0) return reader.read_range(source.key, offset, dst);
+  const int64_t end = offset + dst.numel();
+  int64_t at = 0;  // flat position of the current run in the mapped tensor
+  for (const auto& [first, rows] : source.runs) {
+    const int64_t run_begin = at, run_end = at + rows * source.row_numel;
+    at = run_end;
+    const int64_t lo = std::max(offset, run_begin), hi = std::min(end, run_end);
+    if (hi <= lo) continue;
+    reader.read_range(source.key, first * source.row_numel + (lo - run_begin), dst.narrow(0, lo - offset, hi - lo));
+  }
+}
 
 OpenedDcp open_dcp_checkpoint(const std::string& dir) {
   OpenedDcp out;
   auto reader = std::make_shared<dcp::Reader>(dir);
   const dcp::Metadata& m = reader->metadata();
+  std::map<std::string, MappedTensor> tensors;
   for (const auto& [key, e] : m.tensors) {
     const std::string name = from_dcp_key(key);
-    if (!out.keys.emplace(name, key).second)
-      throw std::invalid_argument("checkpoint '" + dir + "': entries '" + out.keys[name] + "' and '" + key +
+    auto [it, fresh] = tensors.try_emplace(name, MappedTensor{e.shape, e.dtype, whole_tensor(key, e.shape)});
+    if (!fresh)
+      throw std::invalid_argument("checkpoint '" + dir + "': entries '" + it->second.source.key + "' and '" + key +
                                   "' are the same tensor '" + name + "'");
   }
   if (m.bytes.count(kMetadataEntry)) {
     out.metadata = reader->read_object(kMetadataEntry);
     if (!out.metadata.is_object())
       throw std::invalid_argument("checkpoint '" + dir + "': '" + kMetadataEntry + "' is not a dict");
-  } else {
-    out.metadata = made_up_metadata(*reader, out.keys);
   }
-  nlohmann::json tensors = nlohmann::json::object();
+  if (has_megatron_gpt_names(tensors)) {
+    const auto [heads, kv_heads] = attention_heads(*reader, out.metadata.value("model_config", nlohmann::json()));
+    tensors = megatron_gpt_to_llama(tensors, heads, kv_heads);
+  }
+  for (const auto& [name, t] : tensors) out.sources[name] = t.source;
+  if (!m.bytes.count(kMetadataEntry)) out.metadata = made_up_metadata(*reader, out.sources);
+  nlohmann::json described = nlohmann::json::object();
   std::set<std::string> files;
-  for (const auto& [name, key] : out.keys) {
-    const dcp::TensorEntry& e = m.tensors.at(key);
+  for (const auto& [name, t] : tensors) {
+    const dcp::TensorEntry& e = m.tensors.at(t.source.key);
     nlohmann::json chunks = nlohmann::json::array();
     for (const auto& c : e.chunks) {
       chunks.push_back({{"file", c.location.file}, {"offsets", c.box.offsets}, {"sizes", c.box.sizes},
                         {"bytes", {c.location.offset, c.location.offset + c.location.length}}});
       files.insert(c.location.file);
     }
-    tensors[name] = {{"key", key}, {"dtype", safetensors_dtype_name(e.dtype)}, {"shape", e.shape}, {"chunks", chunks}};
+    described[name] = {{"key", t.source.key}, {"dtype", safetensors_dtype_name(t.dtype)}, {"shape", t.shape},
+                       {"chunks", chunks}};
+    if (t.shape != e.shape) described[name]["rows"] = t.source.runs;  // a part of the stored tensor
   }
-  out.metadata["tensors"] = tensors;
+  out.metadata["tensors"] = described;
   out.metadata["files"] = files;
   out.reader = std::move(reader);
   return out;

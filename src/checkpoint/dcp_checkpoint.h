@@ -50,13 +50,29 @@ nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::
 // std::logic_error if ranks disagree on a tensor or its chunks do not add up to it (a bug).
 void write_dcp_metadata(const std::string& dir, const std::vector<nlohmann::json>& reports);
 
+// A tensor of mfsdp's view made of rows of a tensor on disk: the source viewed as [rows,
+// row_numel], rows taken run by run and concatenated. A stored tensor is one run of all its rows;
+// a Megatron layer's q_proj is every query group's q rows of the fused linear_qkv
+// (megatron_gpt_names.h), a torch_dist layer is one index of the stacked layer axis.
+struct RowSource {
+  std::string key;
+  int64_t row_numel = 1;
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first source row, rows)
+};
+
+// The whole of `key` (of `shape`) as a RowSource.
+RowSource whole_tensor(const std::string& key, const std::vector<int64_t>& shape);
+
+// Elements [offset, offset + dst.numel()) of the tensor `source` describes, into the 1-D `dst`.
+void read_rows(const dcp::Reader& reader, const RowSource& source, int64_t offset, const at::Tensor& dst);
+
 // A DCP checkpoint opened for CheckpointReader: the metadata.json-shaped JSON (from
 // "mfsdp_metadata", or made up from Megatron's or PyTorch's entries for a checkpoint mfsdp did not
 // write) with "tensors" and "files" under canonical names, and the on-disk key of each name.
 struct OpenedDcp {
   std::shared_ptr<const dcp::Reader> reader;
   nlohmann::json metadata;
-  std::map<std::string, std::string> keys;  // canonical -> on-disk key
+  std::map<std::string, RowSource> sources;  // canonical name -> where its elements are
 };
 OpenedDcp open_dcp_checkpoint(const std::string& dir);
 

@@ -315,67 +315,6 @@ void storage_entry(pickle::Writer& w, const std::string& fqn, const std::vector<
   w.build();
 }
 
-void pickle_json(pickle::Writer& w, const nlohmann::json& v) {
-  switch (v.type()) {
-    case nlohmann::json::value_t::null: w.none(); break;
-    case nlohmann::json::value_t::boolean: w.boolean(v.get<bool>()); break;
-    case nlohmann::json::value_t::number_integer: w.integer(v.get<int64_t>()); break;
-    case nlohmann::json::value_t::number_unsigned: w.integer(static_cast<int64_t>(v.get<uint64_t>())); break;
-    case nlohmann::json::value_t::number_float: w.real(v.get<double>()); break;
-    case nlohmann::json::value_t::string: w.str(v.get<std::string>()); break;
-    case nlohmann::json::value_t::array:
-      w.empty_list();
-      w.mark();
-      for (const auto& x : v) pickle_json(w, x);
-      w.append_items();
-      break;
-    case nlohmann::json::value_t::object:
-      w.empty_dict();
-      w.mark();
-      for (const auto& [k, x] : v.items()) {
-        w.str(k);
-        pickle_json(w, x);
-      }
-      w.set_items();
-      break;
-    default: throw std::invalid_argument("DCP: cannot store a JSON " + std::string(v.type_name()));
-  }
-}
-
-// A plain unpickled value as JSON (depth-limited: a hostile file may nest or cycle).
-nlohmann::json plain_value(const Value& v, const std::string& where, int depth = 0) {
-  if (depth > 64) throw std::invalid_argument(where + ": nested deeper than 64 levels");
-  switch (v.kind) {
-    case Value::kNone: return nullptr;
-    case Value::kBool: return v.i != 0;
-    case Value::kInt:
-      if (v.huge) throw std::invalid_argument(where + ": an integer beyond 64 bits");
-      return v.i;
-    case Value::kFloat: return v.f;
-    case Value::kStr: return v.s;
-    case Value::kTuple:
-    case Value::kList: {
-      nlohmann::json out = nlohmann::json::array();
-      for (const Value* x : v.items) out.push_back(plain_value(*x, where, depth + 1));
-      return out;
-    }
-    case Value::kDict: {
-      nlohmann::json out = nlohmann::json::object();
-      for (const auto& [k, x] : v.dict) {
-        if (k->kind != Value::kStr && (k->kind != Value::kInt || k->huge))
-          throw std::invalid_argument(where + ": a dict key of type " + pickle::kind_name(k->kind));
-        out[k->kind == Value::kStr ? k->s : std::to_string(k->i)] = plain_value(*x, where, depth + 1);
-      }
-      return out;
-    }
-    default:
-      throw std::invalid_argument(where + ": holds " +
-                                  (v.kind == Value::kCall ? "an object of " + v.callee->s
-                                                          : std::string("a ") + pickle::kind_name(v.kind)) +
-                                  ", not a plain value");
-  }
-}
-
 }  // namespace
 
 std::string rank_file_name(int rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
@@ -574,17 +513,14 @@ std::string Reader::read_bytes(const std::string& name) const {
   return out;
 }
 
-nlohmann::json Reader::read_object(const std::string& name) const {
+nlohmann::json Reader::read_object(const std::string& name, ObjectPolicy policy) const {
   auto it = metadata_.bytes.find(name);
   if (it == metadata_.bytes.end()) throw std::invalid_argument("checkpoint '" + dir_ + "': no bytes entry '" + name + "'");
   const Location& l = it->second;
   const std::string path = (fs::path(dir_) / l.file).string();
   const std::string where = "checkpoint file '" + path + "', bytes [" + std::to_string(l.offset) + ", " +
                             std::to_string(l.offset + l.length) + ") (entry '" + name + "')";
-  const std::string data = read_torch_save_pickle(path, l.offset, l.length, where);
-  static const std::set<std::string> kPlainOnly = {"collections.OrderedDict"};
-  const auto tree = pickle::unpickle(data, kPlainOnly, where + ": data.pkl");
-  return plain_value(tree->root(), where);
+  return read_torch_save_value(path, l.offset, l.length, where, policy);
 }
 
 // ---- FileWriter ------------------------------------------------------------------------------------
@@ -614,11 +550,7 @@ Location FileWriter::write_bytes(const std::string& bytes) {
 
 Location FileWriter::write_tensor(const at::Tensor& chunk) { return write_bytes(torch_save_tensor(chunk)); }
 
-Location FileWriter::write_object(const nlohmann::json& value) {
-  pickle::Writer w;
-  pickle_json(w, value);
-  return write_bytes(torch_save_pickle(w.finish()));
-}
+Location FileWriter::write_object(const nlohmann::json& value) { return write_bytes(torch_save_value(value)); }
 
 void FileWriter::close() {
   if (fd_ < 0) return;

@@ -25,8 +25,8 @@ const char* kind_name(Value::Kind k) {
 
 class Unpickler {
  public:
-  Unpickler(const std::string& data, const std::set<std::string>& allowed, const std::string& where)
-      : data_(data), allowed_(allowed), where_(where), out_(std::make_unique<Unpickled>()) {}
+  Unpickler(const std::string& data, const std::set<std::string>& allowed, const std::string& where, bool any_global)
+      : data_(data), allowed_(allowed), any_global_(any_global), where_(where), out_(std::make_unique<Unpickled>()) {}
 
   std::unique_ptr<Unpickled> load() {
     while (true) {
@@ -198,7 +198,7 @@ class Unpickler {
   Value* global(const std::string& module, const std::string& name) {
     Value* g = make(Value::kGlobal);
     g->s = module + "." + name;
-    if (!allowed_.count(g->s))
+    if (!any_global_ && !allowed_.count(g->s))
       fail("uses global '" + g->s + "', which is not allowed (this reader never runs code from the file)");
     return g;
   }
@@ -219,6 +219,7 @@ class Unpickler {
 
   const std::string& data_;
   const std::set<std::string>& allowed_;
+  const bool any_global_;
   std::string where_;
   std::unique_ptr<Unpickled> out_;
   size_t pos_ = 0;
@@ -229,8 +230,8 @@ class Unpickler {
 };
 
 std::unique_ptr<Unpickled> unpickle(const std::string& data, const std::set<std::string>& allowed,
-                                    const std::string& where) {
-  return Unpickler(data, allowed, where).load();
+                                    const std::string& where, bool any_global) {
+  return Unpickler(data, allowed, where, any_global).load();
 }
 
 // ---- Writer --------------------------------------------------------------------------------------

@@ -49,11 +49,12 @@ class Unpickled {
 
 // Unpickles `data` (protocols 0-5 as far as the opcodes below go: the binary opcodes of
 // protocols 2-4 that torch.save and dcp.save emit, plus PROTO/FRAME/MEMOIZE). `allowed` holds the
-// globals ("module.name") the data may name. `collections.OrderedDict()` becomes a kDict. Errors
-// are std::invalid_argument: "<where> <what is wrong> (at byte N)", naming a refused global or an
-// unsupported opcode.
+// globals ("module.name") the data may name; with `any_global`, every global is recorded (still
+// never imported or called: for describing objects such as Megatron's argparse.Namespace).
+// `collections.OrderedDict()` becomes a kDict. Errors are std::invalid_argument: "<where> <what
+// is wrong> (at byte N)", naming a refused global or an unsupported opcode.
 std::unique_ptr<Unpickled> unpickle(const std::string& data, const std::set<std::string>& allowed,
-                                    const std::string& where);
+                                    const std::string& where, bool any_global = false);
 
 // Emits a pickle value by value. Each method pushes one value (or, for the container ones, adds
 // to the container on top); finish() appends STOP and returns the bytes.

@@ -195,6 +195,74 @@ void flatten(const Value& v, const std::string& name, int depth, TensorBuilder& 
   }
 }
 
+void pickle_json(pickle::Writer& w, const nlohmann::json& v) {
+  switch (v.type()) {
+    case nlohmann::json::value_t::null: w.none(); break;
+    case nlohmann::json::value_t::boolean: w.boolean(v.get<bool>()); break;
+    case nlohmann::json::value_t::number_integer: w.integer(v.get<int64_t>()); break;
+    case nlohmann::json::value_t::number_unsigned: w.integer(static_cast<int64_t>(v.get<uint64_t>())); break;
+    case nlohmann::json::value_t::number_float: w.real(v.get<double>()); break;
+    case nlohmann::json::value_t::string: w.str(v.get<std::string>()); break;
+    case nlohmann::json::value_t::array:
+      w.empty_list();
+      w.mark();
+      for (const auto& x : v) pickle_json(w, x);
+      w.append_items();
+      break;
+    case nlohmann::json::value_t::object:
+      w.empty_dict();
+      w.mark();
+      for (const auto& [k, x] : v.items()) {
+        w.str(k);
+        pickle_json(w, x);
+      }
+      w.set_items();
+      break;
+    default: throw std::invalid_argument("DCP: cannot store a JSON " + std::string(v.type_name()));
+  }
+}
+
+// An unpickled value as JSON (depth-limited: a hostile file may nest or cycle).
+nlohmann::json json_value(const Value& v, const std::string& where, ObjectPolicy policy, int depth = 0) {
+  if (depth > 64) throw std::invalid_argument(where + ": nested deeper than 64 levels");
+  switch (v.kind) {
+    case Value::kNone: return nullptr;
+    case Value::kBool: return v.i != 0;
+    case Value::kInt:
+      if (v.huge) throw std::invalid_argument(where + ": an integer beyond 64 bits");
+      return v.i;
+    case Value::kFloat: return v.f;
+    case Value::kStr: return v.s;
+    case Value::kTuple:
+    case Value::kList: {
+      nlohmann::json out = nlohmann::json::array();
+      for (const Value* x : v.items) out.push_back(json_value(*x, where, policy, depth + 1));
+      return out;
+    }
+    case Value::kDict: {
+      nlohmann::json out = nlohmann::json::object();
+      for (const auto& [k, x] : v.dict) {
+        if (k->kind != Value::kStr && (k->kind != Value::kInt || k->huge))
+          throw std::invalid_argument(where + ": a dict key of type " + pickle::kind_name(k->kind));
+        out[k->kind == Value::kStr ? k->s : std::to_string(k->i)] = json_value(*x, where, policy, depth + 1);
+      }
+      return out;
+    }
+    default:
+      if (policy == ObjectPolicy::kDescribeObjects) {
+        if (v.kind == Value::kCall && v.state != nullptr && v.state->kind == Value::kDict)
+          return json_value(*v.state, where, policy, depth + 1);
+        if (v.kind == Value::kCall && v.callee->s == "torch._utils._rebuild_tensor_v2") return "<tensor>";
+        if (v.kind == Value::kCall || v.kind == Value::kGlobal)
+          return "<" + (v.kind == Value::kCall ? v.callee->s : v.s) + ">";
+      }
+      throw std::invalid_argument(where + ": holds " +
+                                  (v.kind == Value::kCall ? "an object of " + v.callee->s
+                                                          : std::string("a ") + pickle::kind_name(v.kind)) +
+                                  ", not a plain value");
+  }
+}
+
 void check_little_endian_host() {
   const uint16_t one = 1;
   if (*reinterpret_cast<const unsigned char*>(&one) != 1)
@@ -237,6 +305,20 @@ std::string read_torch_save_pickle(const std::string& path, uint64_t offset, uin
 std::string torch_save_pickle(const std::string& data_pkl) {
   return zip::write_stored_zip(
       {{"archive/data.pkl", data_pkl}, {"archive/byteorder", "little"}, {"archive/version", "3\n"}});
+}
+
+nlohmann::json read_torch_save_value(const std::string& path, uint64_t offset, uint64_t length,
+                                     const std::string& what, ObjectPolicy policy) {
+  const std::string data = read_torch_save_pickle(path, offset, length, what);
+  static const std::set<std::string> kPlainOnly = {"collections.OrderedDict"};
+  const auto tree = pickle::unpickle(data, kPlainOnly, what + ": data.pkl", policy == ObjectPolicy::kDescribeObjects);
+  return json_value(tree->root(), what, policy);
+}
+
+std::string torch_save_value(const nlohmann::json& value) {
+  pickle::Writer w;
+  pickle_json(w, value);
+  return torch_save_pickle(w.finish());
 }
 
 std::string torch_save_tensor(const at::Tensor& tensor) {
