@@ -97,6 +97,9 @@ struct LoadedCheckpoint {
 // (nothing saved yet). Throws naming the file when its content is not an iteration number or
 // its folder is missing.
 std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
+// The iteration folder `path` names: itself when it holds a checkpoint (.metadata or
+// metadata.json), else its latest iteration's folder. Throws std::invalid_argument otherwise.
+std::string resolve_checkpoint_dir(const std::string& path);
 // "<dir>/iter_0000100".
 std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration);
 

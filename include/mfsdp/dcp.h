@@ -85,6 +85,9 @@ Metadata parse_metadata(const std::string& pickled, const std::string& where);
 // The .metadata pickle of `metadata` (protocol 2; the classes of torch.distributed.checkpoint).
 std::string encode_metadata(const Metadata& metadata);
 
+// torch's name of a dtype ("torch.float32"), as Megatron's tools print it.
+std::string torch_dtype_name(at::ScalarType dtype);
+
 // True when `dir` holds a .metadata file.
 bool is_dcp_directory(const std::string& dir);
 
@@ -133,6 +136,24 @@ class FileWriter {
   std::string path_, name_;
   int fd_ = -1;
   uint64_t size_ = 0;
+};
+
+// A whole checkpoint written from one process: every entry into __0_0.distcp, then .metadata
+// (what conversions and edits of a checkpoint write). `path`: the entry's nested state-dict path
+// (default: the key alone).
+class DirectoryWriter {
+ public:
+  explicit DirectoryWriter(const std::string& dir);  // creates `dir`
+  void tensor(const std::string& key, const at::Tensor& value, std::vector<std::string> path = {});
+  void bytes(const std::string& key, const std::string& torch_saved, std::vector<std::string> path = {});
+  void object(const std::string& key, const nlohmann::json& value, std::vector<std::string> path = {});
+  void finish();  // writes .metadata; throws std::invalid_argument for a key written twice
+
+ private:
+  void add_path(const std::string& key, std::vector<std::string> path);
+  std::string dir_;
+  FileWriter file_;
+  Metadata metadata_;
 };
 
 }  // namespace mfsdp::dcp

@@ -70,6 +70,8 @@ nlohmann::json read_torch_save_value(const std::string& path, uint64_t offset, u
 
 // torch.save(value) of a plain value (objects become dicts, arrays lists), in memory.
 std::string torch_save_value(const nlohmann::json& value);
+// torch.save(argparse.Namespace(**fields)) of plain fields (Megatron's "args").
+std::string torch_save_namespace(const nlohmann::json& fields);
 
 // torch.save(tensor) in memory: a contiguous CPU copy of `tensor` as the archive torch.load reads.
 std::string torch_save_tensor(const at::Tensor& tensor);

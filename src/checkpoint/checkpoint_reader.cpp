@@ -83,6 +83,8 @@ void check_tensor_entry(const std::string& file, const std::string& name, const 
 
 }  // namespace
 
+std::string resolve_checkpoint_dir(const std::string& path) { return resolve_iteration_dir(path); }
+
 CheckpointFormat checkpoint_format_from_name(const std::string& name) {
   if (name == "fsdp_dtensor") return CheckpointFormat::kFsdpDtensor;
   if (name == "mfsdp") return CheckpointFormat::kMfsdp;

@@ -241,6 +241,14 @@ void read_rows(const dcp::Reader& reader, const RowSource& source, int64_t offse
   }
 }
 
+dcp::Reader open_dcp_folder(const std::string& path) {
+  const std::string dir = resolve_checkpoint_dir(path);
+  if (!dcp::is_dcp_directory(dir))
+    throw std::invalid_argument("'" + dir + "' is not a PyTorch Distributed Checkpoint (no .metadata); an mfsdp-format "
+                                "checkpoint converts with `mfsdp-ckpt convert`");
+  return dcp::Reader(dir);
+}
+
 OpenedDcp open_dcp_checkpoint(const std::string& dir) {
   OpenedDcp out;
   auto reader = std::make_shared<dcp::Reader>(dir);

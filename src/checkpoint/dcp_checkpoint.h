@@ -66,6 +66,10 @@ RowSource whole_tensor(const std::string& key, const std::vector<int64_t>& shape
 // Elements [offset, offset + dst.numel()) of the tensor `source` describes, into the 1-D `dst`.
 void read_rows(const dcp::Reader& reader, const RowSource& source, int64_t offset, const at::Tensor& dst);
 
+// The DCP checkpoint `path` names (an iteration folder, or a save folder's latest); an mfsdp
+// format checkpoint or anything else is std::invalid_argument saying so.
+dcp::Reader open_dcp_folder(const std::string& path);
+
 // A DCP checkpoint opened for CheckpointReader: the metadata.json-shaped JSON (from
 // "mfsdp_metadata", or made up from Megatron's or PyTorch's entries for a checkpoint mfsdp did not
 // write) with "tensors" and "files" under canonical names, and the on-disk key of each name.

@@ -408,6 +408,8 @@ std::string encode_metadata(const Metadata& m) {
   return w.finish();
 }
 
+std::string torch_dtype_name(at::ScalarType dtype) { return std::string("torch.") + dtype_name(dtype); }
+
 bool is_dcp_directory(const std::string& dir) { return fs::is_regular_file(fs::path(dir) / kMetadataFile); }
 
 // ---- Reader --------------------------------------------------------------------------------------
@@ -558,6 +560,48 @@ void FileWriter::close() {
   fd_ = -1;
   if (::fsync(fd) != 0 || ::close(fd) != 0)
     throw std::runtime_error("writing '" + path_ + "' failed: " + std::strerror(errno));
+}
+
+// ---- DirectoryWriter -------------------------------------------------------------------------------
+
+namespace {
+std::string created(const std::string& dir) {
+  fs::create_directories(dir);
+  return dir;
+}
+}  // namespace
+
+DirectoryWriter::DirectoryWriter(const std::string& dir) : dir_(dir), file_(created(dir), rank_file_name(0)) {}
+
+void DirectoryWriter::add_path(const std::string& key, std::vector<std::string> path) {
+  if (metadata_.paths.count(key)) throw std::invalid_argument("checkpoint '" + dir_ + "': entry '" + key + "' written twice");
+  metadata_.paths[key] = path.empty() ? std::vector<std::string>{key} : std::move(path);
+}
+
+void DirectoryWriter::tensor(const std::string& key, const at::Tensor& value, std::vector<std::string> path) {
+  add_path(key, std::move(path));
+  TensorEntry& e = metadata_.tensors[key];
+  e.dtype = value.scalar_type();
+  e.shape = value.sizes().vec();
+  Box whole{std::vector<int64_t>(e.shape.size(), 0), e.shape};
+  e.chunks.push_back({whole, file_.write_tensor(value)});
+}
+
+void DirectoryWriter::bytes(const std::string& key, const std::string& torch_saved, std::vector<std::string> path) {
+  add_path(key, std::move(path));
+  metadata_.bytes[key] = file_.write_bytes(torch_saved);
+}
+
+void DirectoryWriter::object(const std::string& key, const nlohmann::json& value, std::vector<std::string> path) {
+  bytes(key, torch_save_value(value), std::move(path));
+}
+
+void DirectoryWriter::finish() {
+  file_.close();
+  std::ofstream out(fs::path(dir_) / kMetadataFile, std::ios::binary | std::ios::trunc);
+  out << encode_metadata(metadata_);
+  out.flush();
+  if (!out) throw std::runtime_error("writing '" + (fs::path(dir_) / kMetadataFile).string() + "' failed");
 }
 
 }  // namespace mfsdp::dcp

@@ -321,6 +321,17 @@ std::string torch_save_value(const nlohmann::json& value) {
   return torch_save_pickle(w.finish());
 }
 
+std::string torch_save_namespace(const nlohmann::json& fields) {
+  pickle::Writer w;
+  w.global("argparse", "Namespace");
+  w.mark();
+  w.tuple();
+  w.new_obj();
+  pickle_json(w, fields.is_object() ? fields : nlohmann::json::object());
+  w.build();
+  return torch_save_pickle(w.finish());
+}
+
 std::string torch_save_tensor(const at::Tensor& tensor) {
   check_little_endian_host();
   const at::Tensor t = tensor.detach().to(at::kCPU).contiguous();

@@ -1,0 +1,232 @@
+// checkpoint_inspector.py's read-only commands and modify-state-dict on DCP checkpoints
+// (include/mfsdp/checkpoint_inspector.h); convert-torch-dist-to-fsdp-dtensor is in
+// src/checkpoint/torch_dist_conversion.cpp.
+#include "mfsdp/checkpoint_inspector.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+
+#include "checkpoint/dcp_checkpoint.h"
+#include "mfsdp/checkpoint.h"
+#include "mfsdp/dcp.h"
+
+namespace fs = std::filesystem;
+
+namespace mfsdp {
+namespace {
+
+void header(std::ostream& out, const std::string& title) {
+  std::string upper = title;
+  for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  out << "\n" << std::string(50, '=') << "\n=== " << upper << " ===\n" << std::string(50, '=') << "\n\n";
+}
+
+std::string shape_tuple(const std::vector<int64_t>& shape) {
+  std::string s = "(";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + (shape.size() == 1 ? ",)" : ")");
+}
+
+std::string torch_size(const std::vector<int64_t>& shape) {
+  std::string s = "torch.Size([";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "])";
+}
+
+dcp::Reader open(const std::string& path) { return checkpoint::open_dcp_folder(path); }
+
+// common.pt of a torch_dist checkpoint, described (objects never constructed).
+nlohmann::json read_common(const std::string& dir) {
+  const std::string path = dir + "/common.pt";
+  return read_torch_save_value(path, 0, fs::file_size(path), "common state '" + path + "'",
+                               ObjectPolicy::kDescribeObjects);
+}
+
+// A tensor as nested JSON lists.
+nlohmann::json tensor_json(const at::Tensor& t) {
+  if (t.dim() == 0) return t.scalar_type() == at::kBool ? nlohmann::json(t.item<bool>())
+                           : at::isFloatingType(t.scalar_type()) ? nlohmann::json(t.item<double>())
+                                                                 : nlohmann::json(t.item<int64_t>());
+  nlohmann::json out = nlohmann::json::array();
+  for (int64_t i = 0; i < t.size(0); ++i) out.push_back(tensor_json(t[i]));
+  return out;
+}
+
+std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  return s;
+}
+
+}  // namespace
+
+void inspect_dcp_checkpoint(const std::string& path, bool show_param_to_group_meta, std::ostream& out) {
+  const dcp::Reader r = open(path);
+  const std::string dir = r.dir();
+  if (fs::exists(dir + "/metadata.json")) {
+    header(out, "checkpoint metadata");
+    std::ifstream in(dir + "/metadata.json");
+    out << nlohmann::json::parse(in).dump(2) << "\n";
+  } else {
+    out << "Metadata file not found in the checkpoint directory.\n";
+  }
+  if (fs::exists(dir + "/common.pt")) {
+    const nlohmann::json common = read_common(dir);
+    header(out, "common state (" + std::to_string(common.size()) + " items)");
+    for (const auto& [k, v] : common.items()) out << "  \u2022 " << k << ": " << v.dump() << "\n";
+  }
+  const dcp::Metadata& m = r.metadata();
+  std::map<std::string, std::string> lines;  // sorted by key
+  double elements = 0;
+  int ignored = 0;
+  for (const auto& [key, e] : m.tensors) {
+    double n = 1;
+    for (int64_t s : e.shape) n *= static_cast<double>(s);
+    elements += n;
+    lines[key] = "[" + dcp::torch_dtype_name(e.dtype) + ", shape=" + shape_tuple(e.shape) + "]";
+  }
+  for (const auto& [key, l] : m.bytes) {
+    if (!show_param_to_group_meta && key.rfind("optimizer.param_to_group_meta.", 0) == 0) {
+      ++ignored;
+      continue;
+    }
+    lines[key] = "[BYTES]";
+  }
+  header(out, "sharded tensors metadata");
+  std::ostringstream total;
+  total << std::fixed << std::setprecision(2) << elements / 1e9;
+  out << "Total Tensors: " << m.tensors.size() << " | Total Elements: " << total.str() << "B\n\n";
+  for (const auto& [key, what] : lines) out << "  \u25ba " << key << " " << what << "\n";
+  if (!show_param_to_group_meta) out << "Ignored parameter-to-group metadata: " << ignored << "\n";
+}
+
+void print_dcp_tensor(const std::string& path, const std::string& key, std::ostream& out) {
+  const dcp::Reader r = open(path);
+  header(out, "tensor metadata");
+  if (r.contains_tensor(key)) {
+    const dcp::TensorEntry& e = r.tensor(key);
+    out << "Key: " << key << "\nShape: " << torch_size(e.shape) << "\nDtype: " << dcp::torch_dtype_name(e.dtype) << "\n";
+    out << r.read(key) << "\n";
+  } else if (r.metadata().bytes.count(key)) {
+    out << "Key: " << key << " (Bytes Storage)\n" << r.read_object(key, ObjectPolicy::kDescribeObjects).dump(2) << "\n";
+  } else {
+    out << "Key '" << key << "' not found in checkpoint metadata.\n";
+    throw std::invalid_argument("checkpoint '" + r.dir() + "' has no entry '" + key + "'");
+  }
+}
+
+int compare_two_checkpoints(const std::string& a, const std::string& b, std::ostream& out) {
+  const dcp::Reader ra = open(a), rb = open(b);
+  auto keys = [](const dcp::Reader& r) {
+    std::set<std::string> k;
+    for (const auto& kv : r.metadata().tensors) k.insert(kv.first);
+    for (const auto& kv : r.metadata().bytes) k.insert(kv.first);
+    return k;
+  };
+  const std::set<std::string> ka = keys(ra), kb = keys(rb);
+  int differences = 0;
+  out << "Comparing checkpoints...\nKeys missing in checkpoint 1:\n";
+  for (const auto& k : kb)
+    if (!ka.count(k)) out << " - " << k << "\n", ++differences;
+  out << "Keys missing in checkpoint 2:\n";
+  for (const auto& k : ka)
+    if (!kb.count(k)) out << " - " << k << "\n", ++differences;
+  out << "Common keys in both checkpoints:\n";
+  for (const auto& k : ka) {
+    if (!kb.count(k) || !ra.contains_tensor(k) || !rb.contains_tensor(k)) continue;
+    const dcp::TensorEntry &ea = ra.tensor(k), &eb = rb.tensor(k);
+    if (ea.shape != eb.shape || ea.dtype != eb.dtype) {
+      out << " - " << k << " (metadata differ) meta_1: " << dcp::torch_dtype_name(ea.dtype) << " " << torch_size(ea.shape)
+          << ", meta_2: " << dcp::torch_dtype_name(eb.dtype) << " " << torch_size(eb.shape) << "\n";
+      ++differences;
+      continue;
+    }
+    const at::Tensor ta = ra.read(k), tb = rb.read(k);
+    const bool same = at::isFloatingType(ta.scalar_type()) ? at::allclose(ta, tb, 1e-5, 1e-8) : at::equal(ta, tb);
+    if (!same) {
+      const double diff = (ta.to(at::kDouble) - tb.to(at::kDouble)).abs().max().item<double>();
+      out << " - " << k << " (values differ) max |diff| " << diff << "\n";
+      ++differences;
+    }
+  }
+  out << "Comparison between " << a << " and " << b << " completed.\n";
+  return differences;
+}
+
+std::string print_dcp_in_json(const std::string& path, std::ostream& out) {
+  const dcp::Reader r = open(path);
+  const dcp::Metadata& m = r.metadata();
+  nlohmann::json all = nlohmann::json::object();
+  auto put = [&](const std::string& key, nlohmann::json value) {
+    std::vector<std::string> p = m.paths.count(key) ? m.paths.at(key) : std::vector<std::string>{key};
+    nlohmann::json* at = &all;
+    for (size_t i = 0; i + 1 < p.size(); ++i) at = &(*at)[replace_all(p[i], "module.module", "model.module")];
+    (*at)[replace_all(p.back(), "module.module", "model.module")] = std::move(value);
+  };
+  for (const auto& [key, e] : m.tensors) put(key, tensor_json(r.read(key)));
+  for (const auto& [key, l] : m.bytes) put(key, r.read_object(key, ObjectPolicy::kDescribeObjects));
+  out << "torch dcp content: " << all.dump() << "\n";
+  const std::string file = r.dir() + "/param_to_param_group_map.json";
+  std::ofstream(file) << all.dump(2) << "\n";
+  out << "Saved converted param_to_param_group_map to: " << file << "\n";
+  return file;
+}
+
+void modify_dcp_state_dict(const std::string& in, const std::string& out_dir, const std::vector<std::string>& ops,
+                           std::ostream& out) {
+  const dcp::Reader r = open(in);
+  std::vector<std::regex> removes;
+  std::vector<std::pair<std::regex, std::string>> renames;
+  for (const std::string& op : ops) {
+    std::istringstream words(op);
+    std::string verb, a, b, extra;
+    words >> verb >> a >> b >> extra;
+    try {
+      if (verb == "remove" && !a.empty() && b.empty()) removes.emplace_back(a);
+      else if (verb == "rename" && !b.empty() && extra.empty()) renames.emplace_back(std::regex(a), b);
+      else throw std::invalid_argument("--op '" + op + "': expected \"remove REGEX\" or \"rename OLD NEW\"");
+    } catch (const std::regex_error& e) {
+      throw std::invalid_argument("--op '" + op + "': bad regular expression: " + e.what());
+    }
+  }
+  if (fs::exists(out_dir)) throw std::invalid_argument("'" + out_dir + "' exists; choose a new output folder");
+  const std::string tmp = out_dir + ".tmp";
+  fs::remove_all(tmp);
+  dcp::DirectoryWriter w(tmp);
+  const dcp::Metadata& m = r.metadata();
+  std::set<std::string> keys;
+  for (const auto& kv : m.tensors) keys.insert(kv.first);
+  for (const auto& kv : m.bytes) keys.insert(kv.first);
+  for (const std::string& key : keys) {
+    bool remove = false;
+    for (const auto& re : removes) remove |= std::regex_search(key, re);
+    if (remove) {
+      out << "Removing key '" << key << "'\n";
+      continue;
+    }
+    std::string name = key;
+    std::vector<std::string> path = m.paths.count(key) ? m.paths.at(key) : std::vector<std::string>{};
+    for (const auto& [re, to] : renames)
+      if (std::regex_search(key, re)) {
+        name = std::regex_replace(key, re, to);
+        out << "Renaming key '" << key << "' to '" << name << "'\n";
+        path = {name};
+        break;
+      }
+    if (r.contains_tensor(key)) w.tensor(name, r.read(key), path);
+    else w.bytes(name, r.read_bytes(key), path);
+  }
+  w.finish();
+  for (const char* f : {"metadata.json", "common.pt"})
+    if (fs::exists(r.dir() + "/" + f)) fs::copy_file(r.dir() + "/" + f, tmp + "/" + f);
+  fs::rename(tmp, out_dir);
+  out << "State dict items modified and saved to " << out_dir << ".\n";
+}
+
+}  // namespace mfsdp
