@@ -49,6 +49,24 @@ enum class CheckpointFormat {
 // "fsdp_dtensor" or "mfsdp" (--ckpt-format); anything else is std::invalid_argument.
 CheckpointFormat checkpoint_format_from_name(const std::string& name);
 
+// The file-system steps that commit a save (docs/checkpoints.md, "Atomic saves"). The default
+// does the real thing; tests substitute a subclass that fails at a chosen step, as LevelDB's
+// fault-injecting Env does, to check that a save that dies there leaves the previous checkpoint.
+class CheckpointFileSystem {
+ public:
+  virtual ~CheckpointFileSystem() = default;
+  // `path` gets `bytes` through a temporary file, fsync and rename (.metadata, metadata.json,
+  // latest_checkpointed_iteration.txt).
+  virtual void write_file_atomically(const std::string& path, const std::string& bytes);
+  // The finished `tmp_dir` becomes `final_dir`, replacing one that exists.
+  virtual void rename_directory(const std::string& tmp_dir, const std::string& final_dir);
+};
+
+// The file system saves commit through (one per process). Passing nullptr restores the default.
+// Set it before saving, not while a save runs.
+CheckpointFileSystem& checkpoint_file_system();
+void set_checkpoint_file_system(std::shared_ptr<CheckpointFileSystem> file_system);
+
 // The format this build writes; it reads this and older versions.
 constexpr int kCheckpointFormatVersion = 1;
 constexpr const char* kCheckpointFormatName = "mfsdp.fsdp_dtensor";

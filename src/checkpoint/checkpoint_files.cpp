@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <stdexcept>
 
 #include "mfsdp/checkpoint.h"
@@ -107,6 +108,10 @@ void fsync_path(const std::string& path, int flags) {
 }  // namespace
 
 void write_file_atomically(const std::string& path, const std::string& text) {
+  checkpoint_file_system().write_file_atomically(path, text);
+}
+
+void write_posix_file_atomically(const std::string& path, const std::string& text) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) io_error("cannot create", tmp);
@@ -134,15 +139,13 @@ void write_file_atomically(const std::string& path, const std::string& text) {
 void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
                        const std::string& final_dir, int64_t iteration) {
   fsync_path(tmp_dir, O_RDONLY | O_DIRECTORY);
-  // Test hook: "before_commit" crashes every save, "before_commit@N" the save of iteration N.
-  if (const char* hook = std::getenv("MFSDP_TEST_CHECKPOINT_CRASH");
-      hook != nullptr && (std::string(hook) == "before_commit" ||
-                          std::string(hook) == "before_commit@" + std::to_string(iteration))) {
-    std::fprintf(stderr, "MFSDP_TEST_CHECKPOINT_CRASH=before_commit: exiting before renaming %s\n",
-                 tmp_dir.c_str());
-    std::fflush(stderr);
-    ::_exit(86);
-  }
+  checkpoint_file_system().rename_directory(tmp_dir, final_dir);
+  fsync_path(save_dir, O_RDONLY | O_DIRECTORY);
+  write_file_atomically(save_dir + "/" + kLatestFile, std::to_string(iteration) + "\n");
+  fsync_path(save_dir, O_RDONLY | O_DIRECTORY);
+}
+
+void rename_posix_directory(const std::string& tmp_dir, const std::string& final_dir) {
   std::error_code ec;
   const std::string old_dir = final_dir + ".old";
   const bool replacing = fs::exists(final_dir);
@@ -153,15 +156,32 @@ void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
   }
   fs::rename(tmp_dir, final_dir, ec);
   if (ec) throw std::runtime_error("checkpoint: cannot rename '" + tmp_dir + "' to '" + final_dir + "': " + ec.message());
-  fsync_path(save_dir, O_RDONLY | O_DIRECTORY);
-  write_file_atomically(save_dir + "/" + kLatestFile, std::to_string(iteration) + "\n");
-  fsync_path(save_dir, O_RDONLY | O_DIRECTORY);
   if (replacing) fs::remove_all(old_dir, ec);
 }
 
 }  // namespace mfsdp::checkpoint
 
 namespace mfsdp {
+namespace {
+std::shared_ptr<CheckpointFileSystem>& installed_file_system() {
+  static std::shared_ptr<CheckpointFileSystem> fs = std::make_shared<CheckpointFileSystem>();
+  return fs;
+}
+}  // namespace
+
+void CheckpointFileSystem::write_file_atomically(const std::string& path, const std::string& bytes) {
+  checkpoint::write_posix_file_atomically(path, bytes);
+}
+
+void CheckpointFileSystem::rename_directory(const std::string& tmp_dir, const std::string& final_dir) {
+  checkpoint::rename_posix_directory(tmp_dir, final_dir);
+}
+
+CheckpointFileSystem& checkpoint_file_system() { return *installed_file_system(); }
+
+void set_checkpoint_file_system(std::shared_ptr<CheckpointFileSystem> file_system) {
+  installed_file_system() = file_system ? std::move(file_system) : std::make_shared<CheckpointFileSystem>();
+}
 
 std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration) {
   char buf[32];

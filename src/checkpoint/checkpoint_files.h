@@ -33,12 +33,17 @@ ChunkRecord chunk_from_json(const nlohmann::json& j);
 // tile a tensor exactly (a bug in the writer, never bad input).
 nlohmann::json merge_chunk_records(const std::vector<std::vector<ChunkRecord>>& records);
 
-// Writes `text` to `path` via a temporary file, fsync and rename. Throws std::runtime_error.
+// Writes `text` to `path` via a temporary file, fsync and rename, through the installed
+// CheckpointFileSystem (checkpoint.h). Throws std::runtime_error.
 void write_file_atomically(const std::string& path, const std::string& text);
 
-// Rank 0's commit: `tmp_dir` (complete, with metadata.json) becomes `final_dir` (an existing one
-// is replaced), then `save_dir`/latest_checkpointed_iteration.txt names `iteration`. Honors the
-// test hook MFSDP_TEST_CHECKPOINT_CRASH=before_commit[@iteration] (_exit(86) before the rename).
+// What the default CheckpointFileSystem does.
+void write_posix_file_atomically(const std::string& path, const std::string& text);
+void rename_posix_directory(const std::string& tmp_dir, const std::string& final_dir);
+
+// Rank 0's commit, through the installed CheckpointFileSystem: `tmp_dir` (complete, with its
+// metadata) becomes `final_dir` (an existing one is replaced), then
+// `save_dir`/latest_checkpointed_iteration.txt names `iteration`.
 void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
                        const std::string& final_dir, int64_t iteration);
 

@@ -279,6 +279,48 @@ void edit_metadata(const std::string& ckpt, const std::function<void(nlohmann::j
 
 }  // namespace
 
+// A file system whose commit of one iteration dies before the folder rename (the injected
+// failure stands for a crash there: nothing after it runs).
+class CrashBeforeCommit : public mfsdp::CheckpointFileSystem {
+ public:
+  explicit CrashBeforeCommit(std::string tmp_suffix) : suffix_(std::move(tmp_suffix)) {}
+  void rename_directory(const std::string& tmp_dir, const std::string& final_dir) override {
+    if (tmp_dir.size() >= suffix_.size() && tmp_dir.compare(tmp_dir.size() - suffix_.size(), suffix_.size(), suffix_) == 0)
+      throw std::runtime_error("injected crash before renaming " + tmp_dir);
+    CheckpointFileSystem::rename_directory(tmp_dir, final_dir);
+  }
+
+ private:
+  std::string suffix_;
+};
+
+MFSDP_DIST_TEST(Checkpoint, SaveThatDiesBeforeCommitKeepsThePreviousCheckpoint, {2}) {
+  auto world = borrow(comm);
+  const std::string ckpt = mfsdp::testing::shared_temp_dir() + "/ckpt";
+  Sharded m = make_sharded(world, ShardingStrategy::kOptimGradsParams);
+  train(comm, m, 0, 2);
+  mfsdp::CheckpointInfo info;
+  info.iteration = 2;
+  mfsdp::save_checkpoint(ckpt, world, m.root, m.opt.get(), info);
+  train(comm, m, 2, 2);
+  info.iteration = 4;
+  mfsdp::set_checkpoint_file_system(std::make_shared<CrashBeforeCommit>("iter_0000004.tmp"));
+  expect_contains(error_of([&] { mfsdp::save_checkpoint(ckpt, world, m.root, m.opt.get(), info); }),
+                  {"injected crash before renaming", "iter_0000004.tmp"});
+  mfsdp::set_checkpoint_file_system(nullptr);
+  std::ifstream latest(ckpt + "/latest_checkpointed_iteration.txt");
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(latest), {}), "2\n");
+  EXPECT_TRUE(fs::exists(ckpt + "/iter_0000004.tmp/.metadata")) << "the save got that far";
+  EXPECT_FALSE(fs::exists(ckpt + "/iter_0000004"));
+  comm.barrier();
+  Sharded fresh = make_sharded(world, ShardingStrategy::kOptimGradsParams);
+  EXPECT_EQ(mfsdp::load_checkpoint(ckpt, world, fresh.root, fresh.opt.get()).iteration, 2);
+  // The next save of that iteration replaces the leftover and commits.
+  mfsdp::save_checkpoint(ckpt, world, m.root, m.opt.get(), info);
+  EXPECT_EQ(mfsdp::latest_checkpoint_iteration(ckpt), 4);
+  EXPECT_FALSE(fs::exists(ckpt + "/iter_0000004.tmp"));
+}
+
 MFSDP_DIST_TEST(Checkpoint, BadDcpCheckpointsAreRejectedAndChangeNothing, {2}) {
   auto world = borrow(comm);
   const std::string dir = mfsdp::testing::shared_temp_dir();
