@@ -40,6 +40,11 @@ std::string print_dcp_in_json(const std::string& path, std::ostream& out);
 void modify_dcp_state_dict(const std::string& in, const std::string& out_dir, const std::vector<std::string>& ops,
                            std::ostream& out);
 
+// What Megatron-LM's --dump-param-to-param-group-map writes: a DCP folder of {name: group id}
+// (pickled ints), names as Megatron's DDP-wrapped model has them ("module.module.<fqn>"), which
+// print-torch-dcp-in-json turns into the JSON convert-torch-dist-to-fsdp-dtensor takes.
+void write_param_to_param_group_map(const std::string& dir, const std::map<std::string, int>& group_of_fqn);
+
 struct TorchDistConversion {
   bool swiglu = false;                       // split every mlp.linear_fc1 into _w / _v
   std::vector<std::string> swiglu_modules;   // or only those under these modules

@@ -178,6 +178,17 @@ std::string print_dcp_in_json(const std::string& path, std::ostream& out) {
   return file;
 }
 
+void write_param_to_param_group_map(const std::string& dir, const std::map<std::string, int>& group_of_fqn) {
+  const std::string tmp = dir + ".tmp";
+  fs::remove_all(tmp);
+  dcp::DirectoryWriter w(tmp);
+  for (const auto& [fqn, group] : group_of_fqn) w.object("module.module." + fqn, group);
+  w.finish();
+  std::error_code ec;
+  fs::remove_all(dir, ec);
+  fs::rename(tmp, dir);
+}
+
 void modify_dcp_state_dict(const std::string& in, const std::string& out_dir, const std::vector<std::string>& ops,
                            std::ostream& out) {
   const dcp::Reader r = open(in);
