@@ -44,7 +44,7 @@ std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
 // The fixture and its conversion, made once by the parent process into `dir`.
 void make_fixture(const std::string& dir) {
   const auto outcome = mfsdp::testing::run_command("env OMP_NUM_THREADS=1 '" + kPython + "' '" + kScript + "' '" +
-                                                   dir + "/fixture'");
+                                                   dir + "/fixture' --megatron-common-optimizer");
   std::cout << outcome.output;
   ASSERT_EQ(outcome.exit_code, 0) << outcome.output;
   std::ostringstream log;
