@@ -3,8 +3,8 @@
 # English corpus (Debian's `fortunes`), then generate text with it.
 #   1. set up and build;  2. corpus -> Megatron indexed dataset (mfsdp-preprocess, byte-level);
 #   3. mfsdp-run --nproc-per-node 2 mfsdp-pretrain (Megatron flags, optim_grads_params);
-#   4. mfsdp-generate from the trained model;  5. the sharded checkpoint exported to a Hugging
-#      Face folder (mfsdp-ckpt export-hf);  6. a summary.
+#   4. mfsdp-generate from the sharded checkpoint it saved;  5. that checkpoint exported to a
+#      Hugging Face folder (mfsdp-ckpt export-hf);  6. a summary.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -16,7 +16,7 @@ fi
 echo "demo: building the tools (first time: a few minutes)"
 scripts/build.sh --target mfsdp-run mfsdp-preprocess mfsdp-pretrain mfsdp-generate mfsdp-ckpt >/dev/null
 out=build/demo
-rm -rf "$out/ckpt" "$out/hf"
+rm -rf "$out/ckpt" "$out/hf" "$out/model"  # model: what older versions of this demo wrote
 mkdir -p "$out"
 
 echo "== corpus: Debian fortunes (one document per fortune)"
@@ -42,12 +42,13 @@ build/mfsdp-run --nproc-per-node 2 build/mfsdp-pretrain \
   --lr-decay-style cosine --lr-warmup-iters 40 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
   --log-interval 25 --eval-interval 200 --eval-iters 4 --metrics-file "$out/metrics.jsonl" \
   --fsdp-double-buffer --save "$out/ckpt" --save-interval 200 \
-  --save-final-model "$out/model" --sample-prompt "The secret of life is" --sample-tokens 120 \
+  --sample-prompt "The secret of life is" --sample-tokens 120 \
   | tee "$out/train.log"
 train_seconds=$(( $(date +%s) - start ))
 
-echo "== generation: mfsdp-generate --model $out/model"
-sample=$(build/mfsdp-generate --model "$out/model" --prompt "A programmer " --max-new-tokens 120 \
+# The checkpoint as both ranks wrote it: mfsdp-generate assembles the shards in one process.
+echo "== generation: mfsdp-generate --model $out/ckpt"
+sample=$(build/mfsdp-generate --model "$out/ckpt" --prompt "A programmer " --max-new-tokens 120 \
   --temperature 0.8 --top-k 20 --seed 7)
 echo "$sample"
 
@@ -67,7 +68,8 @@ cat <<SUMMARY
 - training lm loss ${first} -> ${last}, validation ${val} (byte-level; ln 257 = 5.55 knows
   nothing); ${tps} tokens/s
 - ${mem}
-- metrics: $out/metrics.jsonl, loss curve: $out/metrics.svg, model: $out/model, log: $out/train.log
-- sharded checkpoint: $out/ckpt (resume: add --load $out/ckpt, at any number of ranks);
+- metrics: $out/metrics.jsonl, loss curve: $out/metrics.svg, log: $out/train.log
+- sharded checkpoint: $out/ckpt (resume: add --load $out/ckpt, at any number of ranks;
+  generate: build/mfsdp-generate --model $out/ckpt --prompt TEXT);
   Hugging Face export: $out/hf (config.json + model.safetensors, LlamaForCausalLM)
 SUMMARY

@@ -5,7 +5,7 @@
 //   mfsdp-ckpt print-tensor CKPT NAME [--max-elements N]
 //   mfsdp-ckpt compare A B [--atol X] [--model-only] [--device cpu|cuda|auto]
 //   mfsdp-ckpt convert IN OUT [--swiglu] [--rename OLD=NEW]... [--remove REGEX]... [--iteration N]
-//   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
+//   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]   (default: CKPT's dtype)
 //   mfsdp-ckpt import-hf HF_DIR OUT_CKPT
 //
 // Exit status: 0 success (compare: no differences), 1 failure or differences, 2 bad usage.
@@ -13,13 +13,16 @@
 
 #include <cstring>
 #include <iostream>
+#include <optional>
 #include <regex>
 #include <string>
 #include <vector>
 
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/ckpt_operations.h"
 #include "mfsdp/comm.h"
 #include "mfsdp/hf_interop.h"
+#include "mfsdp/tensor_source.h"
 
 namespace {
 
@@ -49,10 +52,16 @@ std::string check_size(const std::string& s) {
   return "";
 }
 
-at::ScalarType dtype_of(const std::string& s) {
+// --dtype's value; unset: the checkpoint's dtype (export_hf decides).
+std::optional<at::ScalarType> dtype_of(const std::string& s) {
+  if (s.empty()) return std::nullopt;
   if (s == "fp32" || s == "float32") return at::kFloat;
   if (s == "fp16" || s == "float16") return at::kHalf;
   return at::kBFloat16;
+}
+
+const char* dtype_name(at::ScalarType t) {
+  return t == at::kFloat ? "fp32" : t == at::kHalf ? "fp16" : "bf16";
 }
 
 }  // namespace
@@ -61,7 +70,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Inspect, compare and convert mfsdp checkpoints (fsdp_dtensor) and Hugging Face folders",
                "mfsdp-ckpt"};
   app.require_subcommand(1, 1);
-  std::string a, b, name, dtype = "bf16", max_shard = "5GB", device = "cpu";
+  std::string a, b, name, dtype, max_shard = "5GB", device = "cpu";
   bool chunks = false, model_only = false;
   int64_t max_elements = 64, iteration = 0;
   double atol = 0;
@@ -106,7 +115,8 @@ int main(int argc, char** argv) {
   auto* export_hf = app.add_subcommand("export-hf", "Write a Hugging Face LlamaForCausalLM folder from a checkpoint");
   export_hf->add_option("CKPT", a, "Checkpoint save folder or iter_NNNNNNN folder")->required();
   export_hf->add_option("OUT", b, "Folder to write config.json and *.safetensors into")->required();
-  export_hf->add_option("--dtype", dtype, "Weight dtype: bf16 (default), fp16 or fp32")
+  export_hf->add_option("--dtype", dtype,
+                        "Weight dtype: bf16, fp16 or fp32 (default: the checkpoint's, its embedding's dtype)")
       ->check(CLI::IsMember({"bf16", "fp16", "fp32", "bfloat16", "float16", "float32"}));
   export_hf->add_option("--max-shard-size", max_shard, "Largest safetensors file, e.g. 500MB, 2GB or bytes (default 5GB)")
       ->check(check_size);
@@ -152,8 +162,8 @@ int main(int argc, char** argv) {
                 << " (stored as model.<name>):\n";
       for (const std::string& n : names) std::cout << "  model." << n << "\n";
     } else if (export_hf->parsed()) {
-      mfsdp::export_hf(a, b, dtype_of(dtype), mfsdp::parse_byte_size(max_shard));
-      std::cout << "wrote Hugging Face folder " << b << " (config.json, " << dtype << " safetensors) from "
+      const at::ScalarType written = mfsdp::export_hf(a, b, dtype_of(dtype), mfsdp::parse_byte_size(max_shard));
+      std::cout << "wrote Hugging Face folder " << b << " (config.json, " << dtype_name(written) << " safetensors) from "
                 << mfsdp::CheckpointReader(a).dir() << "\n";
     } else if (import_hf->parsed()) {
       mfsdp::import_hf(a, b);

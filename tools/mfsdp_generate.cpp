@@ -4,13 +4,14 @@
 //       [--greedy | --temperature 0.8 --top-k 20 --top-p 0.95] [--seed 0] [--print-ids]
 //       [--logits-out FILE] [--vocab-file V --merge-file M]   (GPT2BPETokenizer models)
 //
-// DIR is what mfsdp::load_model (include/mfsdp/generate.h) reads: the folder of
-// `mfsdp-pretrain --save-final-model`, a checkpoint (`mfsdp-pretrain --save`, `mfsdp-ckpt
-// import-hf`; a save folder or an iter_NNNNNNN folder) or a Hugging Face Llama or Qwen2 folder. Text in
-// and out needs the model's tokenizer to be ByteLevelTokenizer or GPT2BPETokenizer; any model
-// works with token ids. --logits-out writes the fp32 logits of one forward over the prompt
-// ([1, T, vocab], tensor "logits", safetensors) so they can be compared with another
-// implementation's (tests/reference/).
+// DIR is what mfsdp::load_model (include/mfsdp/generate.h) reads: a checkpoint (`--save` of
+// mfsdp-pretrain, -sft or -grpo at any world size, `mfsdp-ckpt import-hf`; a save folder or an
+// iter_NNNNNNN folder) or a Hugging Face Llama or Qwen2 folder (`--export-hf`, `mfsdp-ckpt
+// export-hf`, transformers' save_pretrained). Text in and out needs the model's tokenizer to be
+// ByteLevelTokenizer or GPT2BPETokenizer (a checkpoint records it; an HF folder does not, so use
+// --prompt-ids there); any model works with token ids. --logits-out writes the fp32 logits of
+// one forward over the prompt ([1, T, vocab], tensor "logits", safetensors) so they can be
+// compared with another implementation's (tests/reference/).
 #include <torch/torch.h>
 
 #include <iostream>
@@ -68,10 +69,10 @@ int main(int argc, char** argv) {
             << "usage: mfsdp-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
                "           [--greedy] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--print-ids]\n"
                "           [--logits-out FILE] [--vocab-file V --merge-file M] [--device auto|cpu|cuda]\n"
-               "  --model DIR        a final model (mfsdp-pretrain --save-final-model), a checkpoint\n"
-               "                     (mfsdp-pretrain --save, mfsdp-ckpt import-hf: the save folder, read at its\n"
-               "                     latest iteration, or an iter_NNNNNNN folder) or a Hugging Face Llama or\n"
-               "                     Qwen2 folder (config.json + model.safetensors or model.safetensors.index.json)\n"
+               "  --model DIR        a checkpoint (--save of mfsdp-pretrain, -sft, -grpo; mfsdp-ckpt import-hf:\n"
+               "                     the save folder, read at its latest iteration, or an iter_NNNNNNN folder) or\n"
+               "                     a Hugging Face Llama or Qwen2 folder (--export-hf, mfsdp-ckpt export-hf:\n"
+               "                     config.json + model.safetensors or model.safetensors.index.json)\n"
                "  --device D         where the model runs: auto (the GPU when there is one), cpu or cuda\n"
                "  --print-ids        print the generated token ids (comma-separated) instead of text\n"
                "  --logits-out FILE  also write the fp32 logits of one forward over the prompt, shape\n"

@@ -1,10 +1,10 @@
 // Text generation with a trained (unsharded) Llama model: greedy or top-k / top-p sampling with a
-// KV cache; the "final model" folder the trainer writes (config.json + model.pt); and load_model,
-// which reads that folder, a sharded checkpoint or a Hugging Face Llama folder for mfsdp-generate.
+// KV cache; and load_model, which reads a sharded checkpoint (any world size) or a Hugging Face
+// Llama folder for mfsdp-generate. There is no model format of its own: a run's weights reach
+// generation as its `--save` checkpoint or its `--export-hf` folder.
 #pragma once
 
 #include <cstdint>
-#include <map>
 #include <string>
 #include <vector>
 
@@ -29,23 +29,12 @@ struct GenerateOptions {
 std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt,
                               const GenerateOptions& options);
 
-// Writes `dir`/config.json (llama_hf_config of `config` (hf_llama.h) plus "tokenizer_type") and
-// `dir`/model.pt (a plain dict of full tensors by HF name, loadable with Python's torch.load).
-void save_final_model(const std::string& dir, const LlamaConfig& config,
-                      const std::string& tokenizer_type,
-                      const std::map<std::string, at::Tensor>& state);
-
 struct LoadedModel {
   LlamaForCausalLM model{nullptr};  // fp32, on CPU
   std::string tokenizer_type;       // "" when the source does not say (HF folders, imports)
 };
-// Reads what save_final_model wrote. config.json goes through llama_config_from_hf (a folder from
-// before it carried "model_type" is read as "llama"); the tensors must be exactly the model's
-// (check_llama_tensors). Errors (std::invalid_argument) name the file and what is wrong.
-LoadedModel load_final_model(const std::string& dir);
 
-// What mfsdp-generate --model accepts, tried in this order:
-//   a final-model folder (config.json + model.pt: load_final_model);
+// What mfsdp-generate --model accepts:
 //   a sharded checkpoint (is_checkpoint: a save folder, read at its latest iteration, or an
 //     iter_NNNNNNN folder): its metadata's model_config and its "model." tensors; the
 //     tokenizer is the checkpoint's "--tokenizer-type" argument, if any;
@@ -53,7 +42,8 @@ LoadedModel load_final_model(const std::string& dir);
 //     index with shards), as import_hf accepts it: "rotary_emb.inv_freq" buffers are ignored, a
 //     tied model's "lm_head.weight" must equal the embedding, bias tensors are an error unless
 //     the config has Qwen2's q/k/v biases (then exactly those are required).
-// Tensors are read through TensorSource (hf_interop.h) and cast to fp32. Errors
+// Tensors are read through TensorSource (tensor_source.h) and cast to fp32; the set of tensors is
+// checked with check_llama_tensors (hf_interop.h) before any is read. Errors
 // (std::invalid_argument) name `path` and what was wrong: not one of these, a config that is not
 // a supported Llama config, missing / unexpected / misshapen / non-floating-point tensors.
 LoadedModel load_model(const std::string& path);

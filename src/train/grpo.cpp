@@ -12,6 +12,7 @@
 #include "mfsdp/hf_interop.h"
 #include "mfsdp/policy_loss.h"
 #include "mfsdp/rewards.h"
+#include "mfsdp/tensor_source.h"
 #include "mfsdp/token_stats.h"
 #include "mfsdp/verifiable_tasks.h"
 #include "train/chat_eval.h"

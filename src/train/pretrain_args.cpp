@@ -118,8 +118,6 @@ const std::vector<Flag>& flags() {
       INT_FLAG("--eval-interval", eval_interval, "iterations between evaluations"),
       INT_FLAG("--eval-iters", eval_iters, "batches per evaluation"),
       STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
-      STRING_FLAG("--save-final-model", save_final_model,
-                  "(mfsdp) write the trained model for mfsdp-generate to this folder"),
       STRING_FLAG("--export-hf", export_hf,
                   "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
                   "the tokenizer files of a HuggingFaceTokenizer) here"),
@@ -189,6 +187,15 @@ std::vector<ToolFlag> tool_flags(PretrainArgs& args, const ToolFlags& tool) {
   return out;
 }
 
+// Flags mfsdp once had, with what replaces them, so an old command line says what to do instead
+// of only "unknown flag". "" for any other name.
+std::string retired_flag_hint(const std::string& name) {
+  if (name == "--save-final-model")
+    return "was removed with its pickled model.pt format; save a checkpoint with --save DIR or a Hugging Face "
+           "folder with --export-hf DIR, then run mfsdp-generate --model DIR (it reads both)";
+  return "";
+}
+
 }  // namespace
 
 PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const ToolFlags& tool) {
@@ -205,7 +212,10 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const Too
       inline_value = true;
     }
     auto it = by_name.find(token);
-    if (it == by_name.end()) bad(token, "unknown flag (" + tool.program + " --help lists them)");
+    if (it == by_name.end()) {
+      if (auto retired = retired_flag_hint(token); !retired.empty()) bad(token, retired);
+      bad(token, "unknown flag (" + tool.program + " --help lists them)");
+    }
     const ToolFlag& f = *it->second;
     if (f.takes_value && !inline_value) {
       if (i + 1 >= argv.size()) bad(f.name, "needs a value");
@@ -291,9 +301,9 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
     bad("--simulate-rank", std::to_string(a.simulate_rank) + " is not a rank of --simulate-world-size " +
                                std::to_string(a.simulate_world_size));
   if (a.simulate_world_size == 0 && a.simulate_rank != 0) bad("--simulate-rank", "needs --simulate-world-size");
-  if (a.simulate_world_size > 0 && (!a.save.empty() || !a.load.empty() || !a.save_final_model.empty() ||
-                                    !a.sample_prompt.empty() || !a.export_hf.empty()))
-    bad("--simulate-world-size", "cannot --save, --load, --save-final-model, --export-hf or --sample-prompt: a simulated run "
+  if (a.simulate_world_size > 0 && (!a.save.empty() || !a.load.empty() || !a.sample_prompt.empty() ||
+                                    !a.export_hf.empty()))
+    bad("--simulate-world-size", "cannot --save, --load, --export-hf or --sample-prompt: a simulated run "
                                  "holds one rank's shard only");
   if (a.fsdp_double_buffer && a.fsdp_trace_pool) bad("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
   if (a.override_opt_param_scheduler && a.use_checkpoint_opt_param_scheduler)

@@ -68,9 +68,8 @@ struct PretrainArgs {
   int64_t eval_interval = 1000;
   int64_t eval_iters = 100;
   std::string metrics_file;
-  std::string save_final_model;  // ours: folder for mfsdp-generate (config.json + model.pt)
-  std::string sample_prompt;     // ours: print a generated sample after training
-  std::string export_hf;         // ours: write a Hugging Face folder at the end
+  std::string sample_prompt;  // ours: print a generated sample after training
+  std::string export_hf;      // ours: write a Hugging Face folder at the end
   int64_t sample_tokens = 64;
 
   // Checkpoints (fsdp_dtensor).

@@ -6,10 +6,10 @@
 
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/generate.h"
-#include "mfsdp/hf_interop.h"
 #include "mfsdp/hf_llama.h"
 #include "mfsdp/safetensors.h"
 #include "mfsdp/simulated_comm.h"
+#include "mfsdp/tensor_source.h"
 
 namespace mfsdp {
 
@@ -257,16 +257,9 @@ void TrainingRun::finish(int64_t last, const std::string& curve_title) {
     write_loss_curve_svg(svg, history_, curve_title);
     log_ << " loss curve: " << svg << "\n";
   }
-  if (!args_.save_final_model.empty() || !args_.export_hf.empty()) {
+  if (!args_.export_hf.empty()) {
     auto state = sharded_.root.full_state_dict(/*all_ranks=*/false);
-    if (!state.empty()) {  // rank 0
-      if (!args_.save_final_model.empty()) {
-        save_final_model(args_.save_final_model, config_, args_.tokenizer_type, state);
-        log_ << " final model: " << args_.save_final_model << " (mfsdp-generate --model "
-             << args_.save_final_model << ")\n";
-      }
-      if (!args_.export_hf.empty()) export_hf_folder(args_, config_, state, log_);
-    }
+    if (!state.empty()) export_hf_folder(args_, config_, state, log_);  // rank 0
   }
   if (print_) {
     MemoryReport m = sharded_.root.memory();

@@ -1,7 +1,7 @@
 // What every trainer shares (mfsdp-pretrain, mfsdp-sft, mfsdp-grpo; docs/design.md "Trainers"):
 // the Llama model sharded with fully_shard from Megatron's flags, the distributed optimizer and
 // LR schedule, --load / --save / --exit-interval, the metrics file and its curve picture, and
-// what happens at the end (final checkpoint, --save-final-model, --export-hf, memory report).
+// what happens at the end (final checkpoint, --export-hf, memory report).
 // Each trainer owns only its data and its loss: it calls step() with a function that runs one
 // micro-batch's forward and backward.
 #pragma once
@@ -51,7 +51,7 @@ struct StartingPoint {
   std::map<std::string, at::Tensor> weights;  // empty unless from hf_load
   std::string description;                    // for the log
 };
-// The full weights (by HF name, fp32, CPU) of a Hugging Face folder or a final-model folder.
+// The full weights (by HF name, fp32, CPU) of a Hugging Face folder or a checkpoint (load_model).
 std::map<std::string, at::Tensor> load_full_weights(const std::string& path);
 StartingPoint starting_point(const PretrainArgs& args, const std::string& hf_load, int64_t tokenizer_vocab);
 
@@ -85,7 +85,7 @@ class TrainingRun {
   // With --save: the checkpoint of the last iteration, unless it is saved already. Collective.
   void finish_checkpoint(int64_t last_iteration);
   // The end: the last checkpoint (when not saved yet), the curve picture (`curve_title` of
-  // lm_loss; none when empty), --save-final-model, --export-hf, the memory report. Collective.
+  // lm_loss; none when empty), --export-hf, the memory report. Collective.
   void finish(int64_t last_iteration, const std::string& curve_title = "lm loss");
 
   // The plain copy generation runs on (GRPO's rollout, greedy evaluation), built once per run on

@@ -119,9 +119,9 @@ TEST(Grpo, RolloutLogProbsEqualTheTrainingForward) {
 TEST(Grpo, ResumeIsBitExact) {
   TempDir dir("mfsdp-grpo-resume");
   const std::string flags = "--micro-batch-size 4 --train-iters 4 --optimizer adam --lr 1e-3";
-  GrpoRun straight = grpo(dir, 2, flags + " --save-final-model " + dir.file("straight"), "straight");
+  GrpoRun straight = grpo(dir, 2, flags + " --save " + dir.file("straight"), "straight");
   GrpoRun first = grpo(dir, 2, flags + " --save " + dir.file("ckpt") + " --exit-interval 2", "first");
-  GrpoRun second = grpo(dir, 2, flags + " --load " + dir.file("ckpt") + " --save-final-model " + dir.file("resumed"), "second");
+  GrpoRun second = grpo(dir, 2, flags + " --load " + dir.file("ckpt") + " --save " + dir.file("resumed"), "second");
   ASSERT_EQ(straight.steps.size(), 4u) << straight.output;
   ASSERT_EQ(first.steps.size(), 2u) << first.output;
   ASSERT_EQ(second.steps.size(), 2u) << second.output;
@@ -158,4 +158,5 @@ TEST(Grpo, BadFlagsAreNamed) {
   expect_error("--train-iters 1 --kl-loss-type k9", "--kl-loss-type");
   expect_error("--train-iters 1 --global-batch-size 8", "--global-batch-size: unknown flag");
   expect_error("--train-iters 1 --top-p 0", "--top-p");
+  expect_error("--train-iters 1 --save-final-model x", "--save-final-model: was removed");
 }

@@ -152,7 +152,7 @@ TEST(Sft, FirstLossEqualsAPlainForwardForEverySplitAndStrategy) {
       const std::string tag = mode + "_" + std::to_string(s.ranks) + "x" + std::to_string(s.micro_batch) + "_" + s.strategy;
       RunResult r = sft(dir, s.ranks, common + " --micro-batch-size " + std::to_string(s.micro_batch) +
                                           " --data-parallel-sharding-strategy " + s.strategy +
-                                          " --save-final-model " + dir.file(tag),
+                                          " --save " + dir.file(tag),
                         tag);
       ASSERT_EQ(r.train.size(), 2u) << r.output;
       EXPECT_NEAR(r.train[0]["lm_loss"].get<double>(), expected, 1e-5 * expected) << tag;
@@ -179,9 +179,9 @@ TEST(Sft, PackedLossEqualsUnpacked) {
     const double expected = reference_loss(examples, mode == "token-mean");
     const std::string common = " --train-files " + dir.file("train.jsonl") + " --loss-agg-mode " + mode +
                                " --train-iters 1 --optimizer sgd --lr 0.5 --sgd-momentum 0 --clip-grad 0";
-    RunResult plain = sft(dir, 2, common + " --micro-batch-size 2 --global-batch-size 8 --save-final-model " +
+    RunResult plain = sft(dir, 2, common + " --micro-batch-size 2 --global-batch-size 8 --save " +
                                       dir.file("plain"), mode + "_plain");
-    RunResult packed = sft(dir, 2, common + " --packing --micro-batch-size 1 --global-batch-size 4 --save-final-model " +
+    RunResult packed = sft(dir, 2, common + " --packing --micro-batch-size 1 --global-batch-size 4 --save " +
                                        dir.file("packed"), mode + "_packed");
     ASSERT_EQ(plain.train.size(), 1u);
     ASSERT_EQ(packed.train.size(), 1u);
@@ -214,9 +214,13 @@ TEST(Sft, LearnsValidatesAndExports) {
   EXPECT_TRUE(std::filesystem::exists(dir.file("hf/config.json")));
   EXPECT_TRUE(std::filesystem::exists(dir.file("hf/model.safetensors")));
   EXPECT_TRUE(std::filesystem::exists(dir.file("ckpt/latest_checkpointed_iteration.txt")));
-  // The export holds the same model as the checkpoint: mfsdp-generate's loader reads both.
+  // The export holds the same model as the checkpoint (fp32: the same values): mfsdp-generate's
+  // loader reads both.
   auto exported = final_weights(dir.file("hf"));
   EXPECT_EQ(exported.size(), mfsdp::LlamaForCausalLM(model_config())->named_parameters().size());
+  auto saved = final_weights(dir.file("ckpt"));
+  ASSERT_EQ(saved.size(), exported.size());
+  for (const auto& [name, t] : saved) EXPECT_TRUE(torch::equal(t, exported.at(name))) << name;
 }
 
 TEST(Sft, BadInputIsNamed) {
@@ -230,6 +234,7 @@ TEST(Sft, BadInputIsNamed) {
   expect_error(" --train-iters 1", 2, "--train-files: is required");
   expect_error(" --train-iters 1 --train-files x --data-path y", 2, "--data-path: unknown flag");
   expect_error(" --train-iters 1 --train-files x --loss-agg-mode seq-mean", 2, "--loss-agg-mode");
+  expect_error(" --train-iters 1 --train-files x --save-final-model y", 2, "--save-final-model: was removed");
   {
     std::ofstream(dir.file("broken.jsonl")) << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, "
                                                "{\"role\": \"assistant\", \"content\": \"yo\"}]}\n{not json\n";

@@ -1,5 +1,8 @@
-// Hugging Face export/import and the mfsdp-ckpt operations: see include/mfsdp/hf_interop.h.
-#include "mfsdp/hf_interop.h"
+// mfsdp-ckpt's inspect, print-tensor, compare and convert (include/mfsdp/ckpt_operations.h). The
+// readers go through TensorSource a block at a time, so they work on models larger than memory;
+// convert builds the whole state dict because its transforms (swiglu splits, renames that must
+// not collide) need every name at once.
+#include "mfsdp/ckpt_operations.h"
 
 #include <ATen/ATen.h>
 
@@ -7,7 +10,6 @@
 #include <cctype>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <limits>
 #include <regex>
@@ -15,8 +17,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "checkpoint/checkpoint_files.h"
-#include "mfsdp/hf_llama.h"
+#include "checkpoint/interop_util.h"
 #include "mfsdp/torch_save.h"
 
 namespace fs = std::filesystem;
@@ -26,46 +27,17 @@ namespace {
 
 using json = nlohmann::json;
 using ojson = nlohmann::ordered_json;
+using interop::ends_with;
+using interop::kConfigFile;
+using interop::kIndexFile;
+using interop::kModelPrefix;
+using interop::kSingleFile;
+using interop::read_json_file;
+using interop::shape_str;
+using interop::starts_with;
 
-const std::string kModelPrefix = "model.";
-constexpr const char* kIndexFile = "model.safetensors.index.json";
-constexpr const char* kSingleFile = "model.safetensors";
-constexpr const char* kConfigFile = "config.json";
 // Elements read at a time by compare and print-tensor (32 MiB of fp64 per side).
 constexpr int64_t kBlockElements = int64_t{1} << 22;
-
-bool starts_with(const std::string& s, const std::string& prefix) {
-  return s.size() >= prefix.size() && s.compare(0, prefix.size(), prefix) == 0;
-}
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
-std::string shape_str(const std::vector<int64_t>& s) { return c10::str(at::IntArrayRef(s)); }
-
-std::string quoted_list(const std::vector<std::string>& names, size_t limit = 8) {
-  std::string out;
-  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", '" : "'") + names[i] + "'";
-  if (names.size() > limit) out += " and " + std::to_string(names.size() - limit) + " more";
-  return out;
-}
-
-json read_json_file(const std::string& path, const std::string& what) {
-  std::ifstream in(path);
-  if (!in) throw std::invalid_argument(what + " '" + path + "' cannot be read");
-  try {
-    return json::parse(in);
-  } catch (const json::exception& e) {
-    throw std::invalid_argument(what + " '" + path + "' is not valid JSON: " + e.what());
-  }
-}
-
-bool is_output_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
-
-// A plain file name inside a folder (no path components).
-bool plain_file_name(const std::string& f) {
-  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos && f.find('\\') == std::string::npos;
-}
 
 std::string replace_all(std::string s, const std::string& from, const std::string& to) {
   if (from.empty()) return s;
@@ -106,254 +78,6 @@ std::string format_number(double v, int precision) {
 }
 
 }  // namespace
-
-// ---- Hugging Face export / import ------------------------------------------------------------
-
-std::vector<std::pair<std::string, std::vector<int64_t>>> llama_parameter_shapes(const LlamaConfig& cfg) {
-  LlamaOptions options;
-  options.deferred_init = true;  // full shapes, no storage
-  options.init_seed = 0;         // leave the default generator alone
-  LlamaForCausalLM model(cfg, options);
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-  for (const auto& p : model->named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value().sizes().vec());
-  return out;
-}
-
-void check_llama_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const LlamaConfig& cfg,
-                         const std::string& where) {
-  std::vector<std::string> missing, unexpected, wrong;
-  std::set<std::string> expected_names;
-  for (const auto& [name, shape] : llama_parameter_shapes(cfg)) {
-    expected_names.insert(name);
-    auto it = shapes.find(name);
-    if (it == shapes.end())
-      missing.push_back(name);
-    else if (it->second != shape)
-      wrong.push_back("'" + name + "' has shape " + shape_str(it->second) + ", the config expects " + shape_str(shape));
-  }
-  for (const auto& [name, shape] : shapes)
-    if (!expected_names.count(name)) unexpected.push_back(name);
-  if (missing.empty() && unexpected.empty() && wrong.empty()) return;
-  std::string msg = where + ": the tensors do not match the model config (" + std::to_string(cfg.num_layers) +
-                    " layers, hidden " + std::to_string(cfg.hidden_size) + ", vocab " +
-                    std::to_string(cfg.vocab_size) + (cfg.tie_word_embeddings ? ", tied embeddings" : "") + "):";
-  if (!missing.empty()) msg += " missing tensor(s) " + quoted_list(missing) + ";";
-  if (!unexpected.empty()) msg += " unexpected tensor(s) " + quoted_list(unexpected) + ";";
-  for (size_t i = 0; i < wrong.size() && i < 8; ++i) msg += " tensor " + wrong[i] + ";";
-  if (wrong.size() > 8) msg += " and " + std::to_string(wrong.size() - 8) + " more misshapen tensors;";
-  msg.pop_back();
-  throw std::invalid_argument(msg);
-}
-
-void export_hf(const std::string& ckpt, const std::string& out_dir, at::ScalarType dtype,
-               uint64_t max_shard_bytes) {
-  if (!is_output_float(dtype))
-    throw std::invalid_argument(std::string("export_hf: the dtype must be float32, bfloat16 or float16, not ") +
-                                c10::toString(dtype));
-  CheckpointReader reader(ckpt);
-  const std::string where = "checkpoint '" + reader.dir() + "'";
-  const json& meta = reader.metadata();
-  if (!meta.contains("model_config") || !meta["model_config"].is_object() || meta["model_config"].empty())
-    throw std::invalid_argument(where + " has no model_config in its metadata.json; export needs the model's "
-                                "configuration to write config.json");
-  LlamaConfig cfg;
-  try {
-    cfg = llama_config_from_hf(meta["model_config"]);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(where + ": model_config: " + e.what());
-  }
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const std::string& name : reader.tensor_names())
-    if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = reader.shape(name);
-  check_llama_tensors(shapes, cfg, where);
-  for (const auto& [name, shape] : shapes)
-    if (!at::isFloatingType(reader.dtype(kModelPrefix + name)))
-      throw std::invalid_argument(where + ": tensor '" + kModelPrefix + name + "' is " +
-                                  safetensors_dtype_name(reader.dtype(kModelPrefix + name)) +
-                                  ", not a floating-point tensor");
-  const json config = llama_hf_config(cfg, dtype);
-
-  std::vector<std::pair<std::string, at::Tensor>> tensors;  // module order: shards fill layer by layer
-  for (const auto& [name, shape] : llama_parameter_shapes(cfg))
-    tensors.emplace_back(name, reader.read(kModelPrefix + name).to(dtype));
-  fs::create_directories(out_dir);
-  write_safetensors_sharded(out_dir, tensors, max_shard_bytes);
-  checkpoint::write_file_atomically((fs::path(out_dir) / kConfigFile).string(), config.dump(2) + "\n");
-}
-
-void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
-  const std::string where = "HF folder '" + hf_dir + "'";
-  if (!fs::is_directory(hf_dir)) throw std::invalid_argument(where + " does not exist or is not a folder");
-  const std::string config_path = (fs::path(hf_dir) / kConfigFile).string();
-  if (!fs::exists(config_path)) throw std::invalid_argument(where + " has no config.json");
-  const json hf_config = read_json_file(config_path, "HF config");
-  LlamaConfig cfg;
-  try {
-    cfg = llama_config_from_hf(hf_config);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(config_path + ": " + e.what());
-  }
-  std::map<std::string, at::Tensor> tensors = read_safetensors_folder(hf_dir);
-
-  std::vector<std::string> names;
-  for (const auto& kv : tensors) names.push_back(kv.first);
-  // Qwen2's q/k/v biases: all or none (none: the model without them); others are named.
-  reconcile_hf_biases(cfg, names, where);
-  for (auto it = tensors.begin(); it != tensors.end();)
-    it = ends_with(it->first, "rotary_emb.inv_freq") ? tensors.erase(it) : std::next(it);
-  if (cfg.tie_word_embeddings && tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight")) {
-    const at::Tensor& head = tensors["lm_head.weight"];
-    const at::Tensor& embed = tensors["model.embed_tokens.weight"];
-    if (head.scalar_type() != embed.scalar_type() || head.sizes() != embed.sizes() || !at::equal(head, embed))
-      throw std::invalid_argument(where + ": config.json has tie_word_embeddings true, but 'lm_head.weight' differs "
-                                  "from 'model.embed_tokens.weight' (set tie_word_embeddings to false to keep both)");
-    tensors.erase("lm_head.weight");
-  }
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& [name, t] : tensors) shapes[name] = t.sizes().vec();
-  check_llama_tensors(shapes, cfg, where);
-  for (const auto& [name, t] : tensors)
-    if (!at::isFloatingType(t.scalar_type()))
-      throw std::invalid_argument(where + ": tensor '" + name + "' is " + safetensors_dtype_name(t.scalar_type()) +
-                                  ", not a floating-point tensor");
-  const at::ScalarType dtype = tensors.at("model.embed_tokens.weight").scalar_type();
-  if (!is_output_float(dtype))
-    throw std::invalid_argument(where + ": tensor 'model.embed_tokens.weight' is " + safetensors_dtype_name(dtype) +
-                                "; weights must be float32, bfloat16 or float16");
-
-  CheckpointInfo info;
-  info.iteration = 0;
-  info.consumed_samples = 0;
-  info.model_config = llama_hf_config(cfg, dtype);
-  info.args = {{"imported_from", hf_dir}};
-  write_checkpoint(out_ckpt, tensors, info);
-}
-
-// ---- Where tensors come from -------------------------------------------------------------------
-
-bool is_hf_folder(const std::string& path) {
-  const fs::path p(path);
-  return fs::is_directory(p) && fs::is_regular_file(p / kConfigFile) &&
-         (fs::is_regular_file(p / kSingleFile) || fs::is_regular_file(p / kIndexFile));
-}
-
-bool is_checkpoint(const std::string& path) {
-  const fs::path p(path);
-  return fs::is_directory(p) &&
-         (fs::is_regular_file(p / checkpoint::kMetadataFile) || fs::is_regular_file(p / checkpoint::kLatestFile));
-}
-
-TensorSource::TensorSource(const std::string& path) : path_(path) {
-  if (mfsdp::is_checkpoint(path)) {
-    reader_ = std::make_unique<CheckpointReader>(path);
-    names_ = reader_->tensor_names();
-    return;
-  }
-  if (!is_hf_folder(path))
-    throw std::invalid_argument("'" + path + "' is neither a checkpoint (a folder with " +
-                                checkpoint::kLatestFile + " or " + checkpoint::kMetadataFile +
-                                ") nor a Hugging Face folder (config.json with " + kSingleFile + " or " +
-                                kIndexFile + ")");
-  const fs::path dir(path);
-  std::map<std::string, std::string> weight_map;  // HF name -> file
-  const std::string index_path = (dir / kIndexFile).string();
-  if (fs::exists(index_path)) {
-    const json index = read_json_file(index_path, "safetensors index");
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw std::invalid_argument("safetensors index '" + index_path + "' has no \"weight_map\" object");
-    for (const auto& [name, file] : index["weight_map"].items()) {
-      if (!file.is_string() || !plain_file_name(file.get<std::string>()))
-        throw std::invalid_argument("safetensors index '" + index_path + "': tensor '" + name +
-                                    "' maps to " + file.dump() + ", not a plain file name in the folder");
-      weight_map[name] = file.get<std::string>();
-    }
-  } else {
-    files_.emplace_back((dir / kSingleFile).string());
-    for (const std::string& n : files_[0].names()) weight_map[n] = kSingleFile;
-  }
-  std::map<std::string, size_t> file_index;
-  if (!files_.empty()) file_index[kSingleFile] = 0;
-  for (const auto& [name, file] : weight_map) {
-    auto it = file_index.find(file);
-    if (it == file_index.end()) {
-      const std::string file_path = (dir / file).string();
-      if (!fs::exists(file_path))
-        throw std::invalid_argument("safetensors index '" + index_path + "' names '" + file + "', which is missing");
-      files_.emplace_back(file_path);
-      it = file_index.emplace(file, files_.size() - 1).first;
-    }
-    if (!files_[it->second].contains(name))
-      throw std::invalid_argument("safetensors file '" + files_[it->second].path() + "' has no tensor '" + name +
-                                  "' (the index maps it there)");
-    hf_[kModelPrefix + name] = {it->second, name};
-  }
-  for (const auto& [file, i] : file_index)
-    for (const std::string& n : files_[i].names())
-      if (!weight_map.count(n) || weight_map.at(n) != file)
-        throw std::invalid_argument("safetensors file '" + files_[i].path() + "' holds tensor '" + n + "', which " +
-                                    (weight_map.count(n) ? "the index maps to '" + weight_map.at(n) + "'"
-                                                         : std::string("the index does not list")));
-  for (const auto& kv : hf_) names_.push_back(kv.first);
-}
-
-std::string TensorSource::description() const {
-  return reader_ ? "checkpoint '" + reader_->dir() + "'" : "Hugging Face folder '" + path_ + "'";
-}
-
-bool TensorSource::contains(const std::string& name) const {
-  return reader_ ? reader_->contains(name) : hf_.count(name) != 0;
-}
-
-namespace {
-[[noreturn]] void no_tensor(const TensorSource& s, const std::string& name) {
-  throw std::invalid_argument("no tensor '" + name + "' in " + s.description());
-}
-}  // namespace
-
-std::vector<int64_t> TensorSource::shape(const std::string& name) const {
-  if (!contains(name)) no_tensor(*this, name);
-  if (reader_) return reader_->shape(name);
-  const auto& [file, n] = hf_.at(name);
-  return files_[file].shape(n);
-}
-
-at::ScalarType TensorSource::dtype(const std::string& name) const {
-  if (!contains(name)) no_tensor(*this, name);
-  if (reader_) return reader_->dtype(name);
-  const auto& [file, n] = hf_.at(name);
-  return files_[file].dtype(n);
-}
-
-int64_t TensorSource::numel(const std::string& name) const {
-  int64_t n = 1;
-  for (int64_t s : shape(name)) n *= s;
-  return n;
-}
-
-at::Tensor TensorSource::read(const std::string& name) const {
-  if (!contains(name)) no_tensor(*this, name);
-  if (reader_) return reader_->read(name);
-  const auto& [file, n] = hf_.at(name);
-  return files_[file].load(n);
-}
-
-at::Tensor TensorSource::read_elements(const std::string& name, int64_t offset, int64_t count) const {
-  if (!contains(name)) no_tensor(*this, name);
-  if (reader_) {
-    at::Tensor out = at::empty({count}, at::TensorOptions().dtype(reader_->dtype(name)));
-    if (count > 0) reader_->read_range(name, offset, out);
-    return out;
-  }
-  const auto& [file, n] = hf_.at(name);
-  return files_[file].load_elements(n, offset, count);
-}
-
-json TensorSource::model_config() const {
-  if (reader_) return reader_->metadata().value("model_config", json::object());
-  return read_json_file((fs::path(path_) / kConfigFile).string(), "HF config");
-}
-
-// ---- The tool's operations ---------------------------------------------------------------------
 
 ojson inspect_checkpoint(const CheckpointReader& reader, bool chunks) {
   const json& meta = reader.metadata();

@@ -1,0 +1,92 @@
+// The library side of `mfsdp-ckpt`'s inspect, print-tensor, compare and convert (docs/mfsdp_ckpt.md),
+// so that tests call what the tool runs; export-hf and import-hf are hf_interop.h.
+//
+// Errors are std::invalid_argument naming the file or folder and, where one is at fault, the
+// tensor. compare, inspect and print-tensor read piece by piece (TensorSource, tensor_source.h);
+// convert holds the whole model in memory.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mfsdp/checkpoint.h"
+#include "mfsdp/tensor_source.h"
+
+namespace mfsdp {
+
+// ---- inspect, print-tensor ---------------------------------------------------------------------
+
+// `mfsdp-ckpt inspect`: the metadata (format, version, iteration, consumed_samples, world_size,
+// args, model_config, scheduler, optimizer, files) and "tensors": {name: {dtype, shape, chunks:
+// count}}; with `chunks`, "chunks" is the metadata's list (file, key, offset, numel, bytes).
+// Plus "summary": {tensors, model_parameters, total_bytes}.
+nlohmann::ordered_json inspect_checkpoint(const CheckpointReader& reader, bool chunks);
+
+// `mfsdp-ckpt print-tensor`: dtype, shape, the first `max_elements` values (row-major) and
+// min/max/mean (over every element, in fp64). `name` may omit the leading "model." of a
+// model tensor.
+std::string describe_tensor(const TensorSource& source, const std::string& name, int64_t max_elements);
+
+// ---- compare -----------------------------------------------------------------------------------
+
+// One row of `mfsdp-ckpt compare`.
+struct TensorComparison {
+  std::string name;
+  enum class Status { kEqual, kDifferent, kShapeMismatch, kOnlyInA, kOnlyInB } status = Status::kEqual;
+  double max_abs_diff = 0;  // fp64; NaN where one side is NaN and the other not (same-position
+                            // NaNs and equal infinities count as equal)
+  std::vector<int64_t> shape_a, shape_b;
+  at::ScalarType dtype_a = at::kFloat, dtype_b = at::kFloat;
+};
+struct ComparisonReport {
+  std::vector<TensorComparison> rows;  // every name of A and B, sorted
+  double atol = 0;
+  bool same = true;  // every tensor in both, same shape, max |a-b| <= atol (dtypes may differ)
+  std::string table() const;  // the text the tool prints
+};
+// Compares element by element in fp64, a bounded number of elements at a time, on `device`
+// (blocks are read on the CPU and moved there). With `model_only`, only names starting with
+// "model." are compared.
+ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only = false,
+                                 const at::Device& device = at::kCPU);
+
+// ---- convert: state-dict transforms ------------------------------------------------------------
+
+struct StateTransform {
+  std::vector<std::string> remove;                            // ECMAScript regexes (full match)
+  bool swiglu = false;                                        // split fused fc1 into gate/up
+  std::vector<std::pair<std::string, std::string>> rename;    // OLD -> NEW, substring, in order
+};
+
+// Applies, in this order: `remove` (drops every name fully matching one of the regexes);
+// `swiglu` (every tensor whose last-but-one name component is "fc1" or "linear_fc1", e.g.
+// "decoder.layers.0.mlp.linear_fc1.weight", is split along dim 0 into its first half, named with
+// "gate_proj" in place of that component, and its second half, named with "up_proj"; Megatron's
+// fused [gate; up] layout); `rename` (every occurrence of OLD in every name becomes NEW, one
+// rule after the other). Throws std::invalid_argument naming the tensor for an fc1 weight with an
+// odd or missing dim 0, naming both source tensors when two end up with one name, and for an
+// invalid regex.
+std::map<std::string, at::Tensor> apply_state_transform(std::map<std::string, at::Tensor> tensors,
+                                                        const StateTransform& transform);
+
+// `mfsdp-ckpt convert IN OUT`: IN is an HF folder (its tensors by HF name, model_config = its
+// config.json), a torch.save file (read_torch_save: flattened keys; model_config empty) or a
+// checkpoint (its "model." tensors without the prefix; model_config copied). The transform is
+// applied, then OUT is written by write_checkpoint as "model.<name>" tensors, model weights only,
+// at `iteration`, args {"converted_from": IN}. Returns the names written (without "model.").
+std::vector<std::string> convert_to_checkpoint(const std::string& in, const std::string& out,
+                                               const StateTransform& transform, int64_t iteration);
+
+// ---- flag values -------------------------------------------------------------------------------
+
+// "500MB", "2GB", "1.5GB", "64KiB", "123" (bytes): decimal units K/M/G/T(B) = 10^3.., binary
+// KiB/MiB/GiB/TiB = 2^10..; case-insensitive. Throws std::invalid_argument naming the text.
+uint64_t parse_byte_size(const std::string& text);
+
+}  // namespace mfsdp

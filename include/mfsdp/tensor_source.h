@@ -1,0 +1,72 @@
+// Where tensors come from when a tool reads a model it did not train: a sharded checkpoint or a
+// Hugging Face folder, behind one read-only interface, so mfsdp-ckpt (compare, print-tensor) and
+// mfsdp-generate (load_model, generate.h) take either without caring which.
+//
+//   mfsdp::TensorSource src("hf_folder");                          // or a checkpoint
+//   at::Tensor w = src.read("model.model.norm.weight");            // HF "model.norm.weight"
+//
+// Names: a checkpoint's tensors keep their names ("model.<fqn>", "optimizer.state....",
+// "rng_state...."; include/mfsdp/checkpoint.h). An HF folder's tensor "<name>" is read as
+// "model.<name>", the name the same parameter has in a checkpoint (the fqns of LlamaForCausalLM
+// are transformers' names, include/mfsdp/llama.h), so a checkpoint and its export compare tensor
+// by tensor.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mfsdp/checkpoint.h"
+#include "mfsdp/safetensors.h"
+
+namespace mfsdp {
+
+// True when `path` is a folder with config.json and model.safetensors or
+// model.safetensors.index.json (a Hugging Face model folder).
+bool is_hf_folder(const std::string& path);
+// True when `path` is a checkpoint save folder (latest_checkpointed_iteration.txt) or an
+// iter_NNNNNNN folder (metadata.json, or a PyTorch Distributed Checkpoint's .metadata). Whether
+// it can be read is CheckpointReader's to say.
+bool is_checkpoint(const std::string& path);
+
+// Read-only, whole-tensor or element-range access to the tensors of a checkpoint (every tensor:
+// model, optimizer state, RNG) or of an HF folder (names "model.<HF name>", see above). Only
+// headers are read when opening, so a large model is read piece by piece; an HF folder's index
+// and shard headers are validated as read_safetensors_folder does (every tensor the index maps
+// is in its file, every file's tensors are in the index). Errors are std::invalid_argument
+// naming the folder or file and, where one is at fault, the tensor.
+class TensorSource {
+ public:
+  // A checkpoint or an HF folder (is_checkpoint / is_hf_folder); anything else throws.
+  explicit TensorSource(const std::string& path);
+
+  bool is_checkpoint() const { return reader_ != nullptr; }
+  // "checkpoint '<iter dir>'" or "Hugging Face folder '<dir>'".
+  std::string description() const;
+  const std::vector<std::string>& names() const { return names_; }  // sorted
+  bool contains(const std::string& name) const;
+  std::vector<int64_t> shape(const std::string& name) const;
+  at::ScalarType dtype(const std::string& name) const;
+  int64_t numel(const std::string& name) const;
+  at::Tensor read(const std::string& name) const;
+  // Elements [offset, offset + count) of the flattened tensor, as a 1-D CPU tensor.
+  at::Tensor read_elements(const std::string& name, int64_t offset, int64_t count) const;
+  // The checkpoint's model_config, or the HF folder's config.json (an empty object if none).
+  nlohmann::json model_config() const;
+  const CheckpointReader* checkpoint() const { return reader_.get(); }
+
+ private:
+  std::string path_;
+  std::unique_ptr<CheckpointReader> reader_;
+  std::vector<SafetensorsFile> files_;                        // HF folder: its safetensors files
+  std::map<std::string, std::pair<size_t, std::string>> hf_;  // "model.<n>" -> (file, "<n>")
+  std::vector<std::string> names_;
+};
+
+}  // namespace mfsdp

@@ -1,0 +1,175 @@
+// Hugging Face import and export (include/mfsdp/hf_interop.h): the checkpoint's model as a folder
+// transformers loads, and a transformers Llama folder as a checkpoint. Both check the tensors
+// against the model the config describes (check_llama_tensors) before writing anything, so a
+// folder that would not load is refused here rather than at the first training step.
+#include "mfsdp/hf_interop.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <optional>
+#include <set>
+#include <stdexcept>
+
+#include "checkpoint/checkpoint_files.h"
+#include "checkpoint/interop_util.h"
+#include "mfsdp/checkpoint.h"
+#include "mfsdp/hf_llama.h"
+#include "mfsdp/safetensors.h"
+
+namespace fs = std::filesystem;
+
+namespace mfsdp {
+namespace {
+
+using json = nlohmann::json;
+using interop::ends_with;
+using interop::kConfigFile;
+using interop::kModelPrefix;
+using interop::read_json_file;
+using interop::shape_str;
+using interop::starts_with;
+
+std::string quoted_list(const std::vector<std::string>& names, size_t limit = 8) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < limit; ++i) out += (i ? ", '" : "'") + names[i] + "'";
+  if (names.size() > limit) out += " and " + std::to_string(names.size() - limit) + " more";
+  return out;
+}
+
+// The dtypes an export writes and an import accepts for weights (what transformers' Llama
+// configs name as torch_dtype).
+bool is_output_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> llama_parameter_shapes(const LlamaConfig& cfg) {
+  LlamaOptions options;
+  options.deferred_init = true;  // full shapes, no storage
+  options.init_seed = 0;         // leave the default generator alone
+  LlamaForCausalLM model(cfg, options);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+  for (const auto& p : model->named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value().sizes().vec());
+  return out;
+}
+
+void check_llama_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const LlamaConfig& cfg,
+                         const std::string& where) {
+  std::vector<std::string> missing, unexpected, wrong;
+  std::set<std::string> expected_names;
+  for (const auto& [name, shape] : llama_parameter_shapes(cfg)) {
+    expected_names.insert(name);
+    auto it = shapes.find(name);
+    if (it == shapes.end())
+      missing.push_back(name);
+    else if (it->second != shape)
+      wrong.push_back("'" + name + "' has shape " + shape_str(it->second) + ", the config expects " + shape_str(shape));
+  }
+  for (const auto& [name, shape] : shapes)
+    if (!expected_names.count(name)) unexpected.push_back(name);
+  if (missing.empty() && unexpected.empty() && wrong.empty()) return;
+  std::string msg = where + ": the tensors do not match the model config (" + std::to_string(cfg.num_layers) +
+                    " layers, hidden " + std::to_string(cfg.hidden_size) + ", vocab " +
+                    std::to_string(cfg.vocab_size) + (cfg.tie_word_embeddings ? ", tied embeddings" : "") + "):";
+  if (!missing.empty()) msg += " missing tensor(s) " + quoted_list(missing) + ";";
+  if (!unexpected.empty()) msg += " unexpected tensor(s) " + quoted_list(unexpected) + ";";
+  for (size_t i = 0; i < wrong.size() && i < 8; ++i) msg += " tensor " + wrong[i] + ";";
+  if (wrong.size() > 8) msg += " and " + std::to_string(wrong.size() - 8) + " more misshapen tensors;";
+  msg.pop_back();
+  throw std::invalid_argument(msg);
+}
+
+at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir,
+                         std::optional<at::ScalarType> requested, uint64_t max_shard_bytes) {
+  if (requested && !is_output_float(*requested))
+    throw std::invalid_argument(std::string("export_hf: the dtype must be float32, bfloat16 or float16, not ") +
+                                c10::toString(*requested));
+  CheckpointReader reader(ckpt);
+  const std::string where = "checkpoint '" + reader.dir() + "'";
+  const json& meta = reader.metadata();
+  if (!meta.contains("model_config") || !meta["model_config"].is_object() || meta["model_config"].empty())
+    throw std::invalid_argument(where + " has no model_config in its metadata.json; export needs the model's "
+                                "configuration to write config.json");
+  LlamaConfig cfg;
+  try {
+    cfg = llama_config_from_hf(meta["model_config"]);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(where + ": model_config: " + e.what());
+  }
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const std::string& name : reader.tensor_names())
+    if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = reader.shape(name);
+  check_llama_tensors(shapes, cfg, where);
+  for (const auto& [name, shape] : shapes)
+    if (!at::isFloatingType(reader.dtype(kModelPrefix + name)))
+      throw std::invalid_argument(where + ": tensor '" + kModelPrefix + name + "' is " +
+                                  safetensors_dtype_name(reader.dtype(kModelPrefix + name)) +
+                                  ", not a floating-point tensor");
+  // Without a requested dtype, the checkpoint's: an export then holds exactly the checkpoint's
+  // values (an fp32 checkpoint imported from an fp32 folder exports that folder's bytes). The
+  // embedding decides when the model's tensors disagree, as it does for import_hf's torch_dtype.
+  const std::string embedding = kModelPrefix + "model.embed_tokens.weight";
+  const at::ScalarType dtype = requested ? *requested : reader.dtype(embedding);
+  if (!is_output_float(dtype))
+    throw std::invalid_argument(where + ": tensor '" + embedding + "' is " + safetensors_dtype_name(dtype) +
+                                "; give an export dtype (mfsdp-ckpt export-hf --dtype fp32, bf16 or fp16)");
+  const json config = llama_hf_config(cfg, dtype);
+
+  std::vector<std::pair<std::string, at::Tensor>> tensors;  // module order: shards fill layer by layer
+  for (const auto& [name, shape] : llama_parameter_shapes(cfg))
+    tensors.emplace_back(name, reader.read(kModelPrefix + name).to(dtype));
+  fs::create_directories(out_dir);
+  write_safetensors_sharded(out_dir, tensors, max_shard_bytes);
+  checkpoint::write_file_atomically((fs::path(out_dir) / kConfigFile).string(), config.dump(2) + "\n");
+  return dtype;
+}
+
+void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
+  const std::string where = "HF folder '" + hf_dir + "'";
+  if (!fs::is_directory(hf_dir)) throw std::invalid_argument(where + " does not exist or is not a folder");
+  const std::string config_path = (fs::path(hf_dir) / kConfigFile).string();
+  if (!fs::exists(config_path)) throw std::invalid_argument(where + " has no config.json");
+  const json hf_config = read_json_file(config_path, "HF config");
+  LlamaConfig cfg;
+  try {
+    cfg = llama_config_from_hf(hf_config);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(config_path + ": " + e.what());
+  }
+  std::map<std::string, at::Tensor> tensors = read_safetensors_folder(hf_dir);
+
+  std::vector<std::string> names;
+  for (const auto& kv : tensors) names.push_back(kv.first);
+  // Qwen2's q/k/v biases: all or none (none: the model without them); others are named.
+  reconcile_hf_biases(cfg, names, where);
+  for (auto it = tensors.begin(); it != tensors.end();)
+    it = ends_with(it->first, "rotary_emb.inv_freq") ? tensors.erase(it) : std::next(it);
+  if (cfg.tie_word_embeddings && tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight")) {
+    const at::Tensor& head = tensors["lm_head.weight"];
+    const at::Tensor& embed = tensors["model.embed_tokens.weight"];
+    if (head.scalar_type() != embed.scalar_type() || head.sizes() != embed.sizes() || !at::equal(head, embed))
+      throw std::invalid_argument(where + ": config.json has tie_word_embeddings true, but 'lm_head.weight' differs "
+                                  "from 'model.embed_tokens.weight' (set tie_word_embeddings to false to keep both)");
+    tensors.erase("lm_head.weight");
+  }
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (const auto& [name, t] : tensors) shapes[name] = t.sizes().vec();
+  check_llama_tensors(shapes, cfg, where);
+  for (const auto& [name, t] : tensors)
+    if (!at::isFloatingType(t.scalar_type()))
+      throw std::invalid_argument(where + ": tensor '" + name + "' is " + safetensors_dtype_name(t.scalar_type()) +
+                                  ", not a floating-point tensor");
+  const at::ScalarType dtype = tensors.at("model.embed_tokens.weight").scalar_type();
+  if (!is_output_float(dtype))
+    throw std::invalid_argument(where + ": tensor 'model.embed_tokens.weight' is " + safetensors_dtype_name(dtype) +
+                                "; weights must be float32, bfloat16 or float16");
+
+  CheckpointInfo info;
+  info.iteration = 0;
+  info.consumed_samples = 0;
+  info.model_config = llama_hf_config(cfg, dtype);
+  info.args = {{"imported_from", hf_dir}};
+  write_checkpoint(out_ckpt, tensors, info);
+}
+
+}  // namespace mfsdp

@@ -1,0 +1,164 @@
+// TensorSource (include/mfsdp/tensor_source.h): a checkpoint or a Hugging Face folder behind one
+// read-only interface. Opening reads headers only; tensors are read when asked for, whole or as
+// an element range, so compare and print-tensor never hold a whole model.
+#include "mfsdp/tensor_source.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <stdexcept>
+
+#include "checkpoint/checkpoint_files.h"
+#include "checkpoint/interop_util.h"
+
+namespace fs = std::filesystem;
+
+namespace mfsdp {
+namespace {
+
+using json = nlohmann::json;
+using interop::kConfigFile;
+using interop::kIndexFile;
+using interop::kModelPrefix;
+using interop::kSingleFile;
+using interop::read_json_file;
+
+// The metadata file of a PyTorch Distributed Checkpoint folder (torch.distributed.checkpoint's
+// FileSystemWriter names it so).
+constexpr const char* kDcpMetadataFile = ".metadata";
+
+// A plain file name inside a folder (no path components): an index must not point outside it.
+bool plain_file_name(const std::string& f) {
+  return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos && f.find('\\') == std::string::npos;
+}
+
+}  // namespace
+
+bool is_hf_folder(const std::string& path) {
+  const fs::path p(path);
+  return fs::is_directory(p) && fs::is_regular_file(p / kConfigFile) &&
+         (fs::is_regular_file(p / kSingleFile) || fs::is_regular_file(p / kIndexFile));
+}
+
+bool is_checkpoint(const std::string& path) {
+  // Only what marks the folder: whether its content can be read is CheckpointReader's to say (with
+  // a message naming what is wrong), not a reason to call it "neither" here. An iteration folder
+  // holds metadata.json (mfsdp's layout) or .metadata (a PyTorch Distributed Checkpoint's).
+  const fs::path p(path);
+  return fs::is_directory(p) && (fs::is_regular_file(p / checkpoint::kLatestFile) ||
+                                 fs::is_regular_file(p / checkpoint::kMetadataFile) ||
+                                 fs::is_regular_file(p / kDcpMetadataFile));
+}
+
+TensorSource::TensorSource(const std::string& path) : path_(path) {
+  if (mfsdp::is_checkpoint(path)) {
+    reader_ = std::make_unique<CheckpointReader>(path);
+    names_ = reader_->tensor_names();
+    return;
+  }
+  if (!is_hf_folder(path))
+    throw std::invalid_argument("'" + path + "' is neither a checkpoint (a folder with " +
+                                checkpoint::kLatestFile + ", or an iteration folder with " +
+                                checkpoint::kMetadataFile + " or " + kDcpMetadataFile +
+                                ") nor a Hugging Face folder (config.json with " + kSingleFile + " or " +
+                                kIndexFile + ")");
+  const fs::path dir(path);
+  std::map<std::string, std::string> weight_map;  // HF name -> file
+  const std::string index_path = (dir / kIndexFile).string();
+  if (fs::exists(index_path)) {
+    const json index = read_json_file(index_path, "safetensors index");
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      throw std::invalid_argument("safetensors index '" + index_path + "' has no \"weight_map\" object");
+    for (const auto& [name, file] : index["weight_map"].items()) {
+      if (!file.is_string() || !plain_file_name(file.get<std::string>()))
+        throw std::invalid_argument("safetensors index '" + index_path + "': tensor '" + name +
+                                    "' maps to " + file.dump() + ", not a plain file name in the folder");
+      weight_map[name] = file.get<std::string>();
+    }
+  } else {
+    files_.emplace_back((dir / kSingleFile).string());
+    for (const std::string& n : files_[0].names()) weight_map[n] = kSingleFile;
+  }
+  std::map<std::string, size_t> file_index;
+  if (!files_.empty()) file_index[kSingleFile] = 0;
+  for (const auto& [name, file] : weight_map) {
+    auto it = file_index.find(file);
+    if (it == file_index.end()) {
+      const std::string file_path = (dir / file).string();
+      if (!fs::exists(file_path))
+        throw std::invalid_argument("safetensors index '" + index_path + "' names '" + file + "', which is missing");
+      files_.emplace_back(file_path);
+      it = file_index.emplace(file, files_.size() - 1).first;
+    }
+    if (!files_[it->second].contains(name))
+      throw std::invalid_argument("safetensors file '" + files_[it->second].path() + "' has no tensor '" + name +
+                                  "' (the index maps it there)");
+    hf_[kModelPrefix + name] = {it->second, name};
+  }
+  for (const auto& [file, i] : file_index)
+    for (const std::string& n : files_[i].names())
+      if (!weight_map.count(n) || weight_map.at(n) != file)
+        throw std::invalid_argument("safetensors file '" + files_[i].path() + "' holds tensor '" + n + "', which " +
+                                    (weight_map.count(n) ? "the index maps to '" + weight_map.at(n) + "'"
+                                                         : std::string("the index does not list")));
+  for (const auto& kv : hf_) names_.push_back(kv.first);
+}
+
+std::string TensorSource::description() const {
+  return reader_ ? "checkpoint '" + reader_->dir() + "'" : "Hugging Face folder '" + path_ + "'";
+}
+
+bool TensorSource::contains(const std::string& name) const {
+  return reader_ ? reader_->contains(name) : hf_.count(name) != 0;
+}
+
+namespace {
+[[noreturn]] void no_tensor(const TensorSource& s, const std::string& name) {
+  throw std::invalid_argument("no tensor '" + name + "' in " + s.description());
+}
+}  // namespace
+
+std::vector<int64_t> TensorSource::shape(const std::string& name) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) return reader_->shape(name);
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].shape(n);
+}
+
+at::ScalarType TensorSource::dtype(const std::string& name) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) return reader_->dtype(name);
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].dtype(n);
+}
+
+int64_t TensorSource::numel(const std::string& name) const {
+  int64_t n = 1;
+  for (int64_t s : shape(name)) n *= s;
+  return n;
+}
+
+at::Tensor TensorSource::read(const std::string& name) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) return reader_->read(name);
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].load(n);
+}
+
+at::Tensor TensorSource::read_elements(const std::string& name, int64_t offset, int64_t count) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) {
+    at::Tensor out = at::empty({count}, at::TensorOptions().dtype(reader_->dtype(name)));
+    if (count > 0) reader_->read_range(name, offset, out);
+    return out;
+  }
+  const auto& [file, n] = hf_.at(name);
+  return files_[file].load_elements(n, offset, count);
+}
+
+json TensorSource::model_config() const {
+  if (reader_) return reader_->metadata().value("model_config", json::object());
+  return read_json_file((fs::path(path_) / kConfigFile).string(), "HF config");
+}
+
+}  // namespace mfsdp
