@@ -1,12 +1,19 @@
 // mfsdp-ckpt: inspect, compare and convert fsdp_dtensor checkpoints and Hugging Face folders, the
 // counterpart of Megatron-LM's tools/checkpoint/checkpoint_inspector.py. See docs/mfsdp_ckpt.md.
 //
-//   mfsdp-ckpt inspect CKPT [--chunks]
+//   mfsdp-ckpt inspect CKPT [--not-ignore-param-to-group-meta] [--json [--chunks]]
 //   mfsdp-ckpt print-tensor CKPT NAME [--max-elements N]
 //   mfsdp-ckpt compare A B [--atol X] [--model-only] [--device cpu|cuda|auto]
 //   mfsdp-ckpt convert IN OUT [--swiglu] [--rename OLD=NEW]... [--remove REGEX]... [--iteration N]
 //   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]   (default: CKPT's dtype)
 //   mfsdp-ckpt import-hf HF_DIR OUT_CKPT
+// and the rest of checkpoint_inspector.py's commands, for any PyTorch Distributed Checkpoint:
+//   mfsdp-ckpt compare-two-checkpoint CKPT1 CKPT2
+//   mfsdp-ckpt print-torch-dcp-in-json TORCH_DCP_DIR
+//   mfsdp-ckpt modify-state-dict IN OUT --op "remove REGEX" --op "rename OLD NEW" ...
+//   mfsdp-ckpt convert-torch-dist-to-fsdp-dtensor IN OUT [--swiglu | --swiglu-modules M,N]
+//       [--param-to-param-group-map-json FILE] [--output-model-weight-prefix P]
+//       [--output-optimizer-state-prefix P]
 //
 // Exit status: 0 success (compare: no differences), 1 failure or differences, 2 bad usage.
 #include <CLI/CLI.hpp>
@@ -19,14 +26,42 @@
 #include <vector>
 
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/checkpoint_inspector.h"
 #include "mfsdp/ckpt_operations.h"
+#include "mfsdp/dcp.h"
 #include "mfsdp/comm.h"
 #include "mfsdp/hf_interop.h"
 #include "mfsdp/tensor_source.h"
 
 namespace {
 
-constexpr const char* kSubcommands = "inspect, print-tensor, compare, convert, export-hf, import-hf";
+constexpr const char* kSubcommands =
+    "inspect, print-tensor, compare, convert, export-hf, import-hf, compare-two-checkpoint, print-torch-dcp-in-json, "
+    "modify-state-dict, convert-torch-dist-to-fsdp-dtensor";
+
+// True when `path` names a PyTorch DCP checkpoint that has the entry `key` (checkpoint_inspector
+// keys), so print-tensor shows it as Megatron's tool does.
+bool is_dcp_entry(const std::string& path, const std::string& key) {
+  try {
+    const mfsdp::dcp::Reader r(mfsdp::resolve_checkpoint_dir(path));
+    return r.contains_tensor(key) || r.metadata().bytes.count(key);
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  size_t start = 0;
+  while (start <= s.size()) {
+    const size_t comma = s.find(',', start);
+    const std::string part = s.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    if (!part.empty()) out.push_back(part);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  return out;
+}
 
 std::string check_rename(const std::string& s) {
   const size_t eq = s.find('=');
@@ -71,15 +106,23 @@ int main(int argc, char** argv) {
                "mfsdp-ckpt"};
   app.require_subcommand(1, 1);
   std::string a, b, name, dtype, max_shard = "5GB", device = "cpu";
-  bool chunks = false, model_only = false;
+  bool chunks = false, model_only = false, json = false, show_group_meta = false;
+  std::vector<std::string> ops;
+  std::string swiglu_modules;
+  mfsdp::TorchDistConversion conversion;
   int64_t max_elements = 64, iteration = 0;
   double atol = 0;
   std::vector<std::string> renames;
   mfsdp::StateTransform transform;
 
-  auto* inspect = app.add_subcommand("inspect", "Print a checkpoint's metadata and tensor list as JSON");
+  auto* inspect = app.add_subcommand(
+      "inspect", "Print a checkpoint's entries as checkpoint_inspector.py does (--json: mfsdp's JSON report)");
   inspect->add_option("CKPT", a, "Checkpoint save folder (latest iteration) or iter_NNNNNNN folder")->required();
-  inspect->add_flag("--chunks", chunks, "List every tensor's chunks (file, key, offset, numel, bytes)");
+  inspect->add_flag("--not-ignore-param-to-group-meta", show_group_meta,
+                    "Also list Megatron's optimizer.param_to_group_meta.* entries");
+  inspect->add_flag("--json", json, "Print metadata and tensors (canonical names) as JSON; an mfsdp-format checkpoint "
+                                    "always prints this");
+  inspect->add_flag("--chunks", chunks, "With --json: list every tensor's chunks");
 
   auto* print = app.add_subcommand("print-tensor", "Print one tensor: dtype, shape, min/max/mean, values");
   print->add_option("CKPT", a, "Checkpoint (or Hugging Face folder)")->required();
@@ -121,6 +164,35 @@ int main(int argc, char** argv) {
   export_hf->add_option("--max-shard-size", max_shard, "Largest safetensors file, e.g. 500MB, 2GB or bytes (default 5GB)")
       ->check(check_size);
 
+  auto* compare_two = app.add_subcommand(
+      "compare-two-checkpoint", "checkpoint_inspector.py's comparison of two DCP checkpoints (exit 1 on a difference)");
+  compare_two->add_option("CKPT1", a, "DCP checkpoint")->required();
+  compare_two->add_option("CKPT2", b, "DCP checkpoint")->required();
+
+  auto* to_json = app.add_subcommand(
+      "print-torch-dcp-in-json",
+      "Print a DCP folder as JSON and write it to <dir>/param_to_param_group_map.json ('module.module' read as "
+      "'model.module')");
+  to_json->add_option("TORCH_DCP_DIR", a, "DCP folder, e.g. what --dump-param-to-param-group-map wrote")->required();
+
+  auto* modify = app.add_subcommand("modify-state-dict", "Copy a DCP checkpoint, removing and renaming entries");
+  modify->add_option("INPUT_DIR", a, "DCP checkpoint")->required();
+  modify->add_option("OUTPUT_DIR", b, "Folder to write (must not exist)")->required();
+  modify->add_option("--op", ops, "\"remove REGEX\" or \"rename OLD NEW\" (repeatable)")->required()->allow_extra_args(false);
+
+  auto* torch_dist = app.add_subcommand("convert-torch-dist-to-fsdp-dtensor",
+                                        "Convert a Megatron-LM torch_dist checkpoint to fsdp_dtensor (docs/checkpoints.md)");
+  torch_dist->add_option("INPUT_DIR", a, "torch_dist iter_NNNNNNN folder (or its save folder)")->required();
+  torch_dist->add_option("OUTPUT_DIR", b, "Folder to write; named iter_NNNNNNN, its parent gets "
+                                          "latest_checkpointed_iteration.txt")->required();
+  torch_dist->add_flag("--swiglu", conversion.swiglu, "Split every mlp.linear_fc1 into weight_w (gate) and weight_v (up)");
+  torch_dist->add_option("--swiglu-modules", swiglu_modules, "Comma-separated modules to split fc1 in (overrides --swiglu)");
+  torch_dist->add_option("--param-to-param-group-map-json", conversion.param_to_param_group_map_json,
+                         "JSON from print-torch-dcp-in-json: each parameter's optimizer group");
+  torch_dist->add_option("--output-model-weight-prefix", conversion.model_prefix, "Default model.module");
+  torch_dist->add_option("--output-optimizer-state-prefix", conversion.optimizer_prefix,
+                         "Default optimizer.state.module.module.module");
+
   auto* import_hf = app.add_subcommand("import-hf", "Write a weights-only checkpoint from a Hugging Face Llama folder");
   import_hf->add_option("HF_DIR", a, "Folder with config.json and model.safetensors (or an index and shards)")
       ->required();
@@ -140,9 +212,23 @@ int main(int argc, char** argv) {
 
   try {
     if (inspect->parsed()) {
-      std::cout << mfsdp::inspect_checkpoint(mfsdp::CheckpointReader(a), chunks).dump(2) << "\n";
+      const mfsdp::CheckpointReader reader(a);
+      if (json || chunks || reader.format() != mfsdp::CheckpointFormat::kFsdpDtensor)
+        std::cout << mfsdp::inspect_checkpoint(reader, chunks).dump(2) << "\n";
+      else
+        mfsdp::inspect_dcp_checkpoint(a, show_group_meta, std::cout);
     } else if (print->parsed()) {
-      std::cout << mfsdp::describe_tensor(mfsdp::TensorSource(a), name, max_elements);
+      if (is_dcp_entry(a, name)) mfsdp::print_dcp_tensor(a, name, std::cout);
+      else std::cout << mfsdp::describe_tensor(mfsdp::TensorSource(a), name, max_elements);
+    } else if (compare_two->parsed()) {
+      return mfsdp::compare_two_checkpoints(a, b, std::cout) == 0 ? 0 : 1;
+    } else if (to_json->parsed()) {
+      mfsdp::print_dcp_in_json(a, std::cout);
+    } else if (modify->parsed()) {
+      mfsdp::modify_dcp_state_dict(a, b, ops, std::cout);
+    } else if (torch_dist->parsed()) {
+      if (!swiglu_modules.empty()) conversion.swiglu_modules = split_commas(swiglu_modules);
+      mfsdp::convert_torch_dist_to_fsdp_dtensor(a, b, conversion, std::cout);
     } else if (compare->parsed()) {
       const mfsdp::TensorSource sa(a), sb(b);
       std::cout << "A: " << sa.description() << "\nB: " << sb.description() << "\n";

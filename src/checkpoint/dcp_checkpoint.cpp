@@ -201,22 +201,27 @@ nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string
 
 // Query heads and key/value groups from the model_config (Hugging Face names), or from
 // Megatron's pickled args (num_attention_heads, num_query_groups): needed to split linear_qkv.
-std::pair<int64_t, int64_t> attention_heads(const dcp::Reader& r, const nlohmann::json& model_config) {
+std::optional<std::pair<int64_t, int64_t>> attention_heads(const dcp::Reader& r, const nlohmann::json& model_config) {
   if (model_config.is_object() && model_config.contains("num_attention_heads")) {
     const int64_t heads = model_config["num_attention_heads"].get<int64_t>();
-    return {heads, model_config.value("num_key_value_heads", heads)};
+    return std::make_pair(heads, model_config.value("num_key_value_heads", heads));
   }
   if (r.metadata().bytes.count("args")) {
-    const nlohmann::json args = r.read_object("args", ObjectPolicy::kDescribeObjects);
+    nlohmann::json args;
+    try {
+      args = r.read_object("args", ObjectPolicy::kDescribeObjects);
+    } catch (const std::invalid_argument&) {
+      return std::nullopt;  // args we cannot read as data: linear_qkv stays fused
+    }
+    if (!args.is_object()) return std::nullopt;
     if (args.contains("num_attention_heads") && args["num_attention_heads"].is_number_integer()) {
       const int64_t heads = args["num_attention_heads"].get<int64_t>();
       const bool gqa = args.value("group_query_attention", false) && args.contains("num_query_groups") &&
                        args["num_query_groups"].is_number_integer();
-      return {heads, gqa ? args["num_query_groups"].get<int64_t>() : heads};
+      return std::make_pair(heads, gqa ? args["num_query_groups"].get<int64_t>() : heads);
     }
   }
-  throw std::invalid_argument("checkpoint '" + r.dir() + "' has Megatron GPT tensors (fused linear_qkv) but neither a "
-                              "model_config nor Megatron args with num_attention_heads to split them");
+  return std::nullopt;  // linear_qkv stays fused
 }
 
 }  // namespace
@@ -267,8 +272,7 @@ OpenedDcp open_dcp_checkpoint(const std::string& dir) {
       throw std::invalid_argument("checkpoint '" + dir + "': '" + kMetadataEntry + "' is not a dict");
   }
   if (has_megatron_gpt_names(tensors)) {
-    const auto [heads, kv_heads] = attention_heads(*reader, out.metadata.value("model_config", nlohmann::json()));
-    tensors = megatron_gpt_to_llama(tensors, heads, kv_heads);
+    tensors = megatron_gpt_to_llama(tensors, attention_heads(*reader, out.metadata.value("model_config", nlohmann::json())));
   }
   for (const auto& [name, t] : tensors) out.sources[name] = t.source;
   if (!m.bytes.count(kMetadataEntry)) out.metadata = made_up_metadata(*reader, out.sources);

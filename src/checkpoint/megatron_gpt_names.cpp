@@ -38,9 +38,9 @@ std::vector<int64_t> with_rows(std::vector<int64_t> shape, int64_t rows) {
 }
 
 // The Llama tensors of one GPT parameter `fqn` (empty when it is not a GPT name).
-std::vector<std::pair<std::string, MappedTensor>> llama_tensors(const std::string& fqn, const MappedTensor& t,
-                                                                 int64_t heads, int64_t kv_heads,
-                                                                 const std::string& name) {
+std::vector<std::pair<std::string, MappedTensor>> llama_tensors(
+    const std::string& fqn, const MappedTensor& t, std::optional<std::pair<int64_t, int64_t>> head_counts,
+    const std::string& name) {
   static const std::map<std::string, std::string> kWhole = {
       {"embedding.word_embeddings.weight", "model.embed_tokens.weight"},
       {"decoder.final_layernorm.weight", "model.norm.weight"},
@@ -69,6 +69,8 @@ std::vector<std::pair<std::string, MappedTensor>> llama_tensors(const std::strin
   }
   for (const char* kind : {"weight", "bias"}) {
     if (rest != std::string("self_attention.linear_qkv.") + kind) continue;
+    if (!head_counts) return {};  // cannot split without the head counts: keeps its name
+    const auto [heads, kv_heads] = *head_counts;
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || rows % (heads + 2 * kv_heads))
       throw std::invalid_argument("checkpoint tensor '" + name + "' has " + std::to_string(rows) +
                                   " rows, which do not split into " + std::to_string(heads) + " query heads and " +
@@ -111,12 +113,11 @@ bool has_megatron_gpt_names(const std::map<std::string, MappedTensor>& tensors) 
 }
 
 std::map<std::string, MappedTensor> megatron_gpt_to_llama(const std::map<std::string, MappedTensor>& tensors,
-                                                          int64_t heads, int64_t kv_heads) {
+                                                          std::optional<std::pair<int64_t, int64_t>> heads) {
   std::map<std::string, MappedTensor> out;
   for (const auto& [name, t] : tensors) {
     const auto [fqn, state] = parameter_of(name);
-    auto mapped = fqn.empty() ? decltype(llama_tensors(fqn, t, heads, kv_heads, name)){}
-                              : llama_tensors(fqn, t, heads, kv_heads, name);
+    auto mapped = fqn.empty() ? decltype(llama_tensors(fqn, t, heads, name)){} : llama_tensors(fqn, t, heads, name);
     if (mapped.empty()) mapped.emplace_back(name, t);  // not a GPT parameter: as it is
     else
       for (auto& [llama, m] : mapped) llama = state.empty() ? "model." + llama : "optimizer.state." + llama + "." + state;

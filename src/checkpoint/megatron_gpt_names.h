@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -37,9 +38,10 @@ struct MappedTensor {
 bool has_megatron_gpt_names(const std::map<std::string, MappedTensor>& tensors);
 
 // Renames (and splits) every "model.<fqn>" and "optimizer.state.<fqn>.<key>" whose fqn is a
-// Megatron GPT name; other entries stay. `heads` and `kv_heads` (query heads and key/value groups)
-// split linear_qkv. Throws std::invalid_argument naming the tensor whose shape does not fit them.
+// Megatron GPT name; other entries stay. `heads` (query heads and key/value groups) split
+// linear_qkv; without them linear_qkv keeps its name (a Llama then misses q/k/v_proj, named).
+// Throws std::invalid_argument naming the tensor whose shape does not fit them.
 std::map<std::string, MappedTensor> megatron_gpt_to_llama(const std::map<std::string, MappedTensor>& tensors,
-                                                          int64_t heads, int64_t kv_heads);
+                                                          std::optional<std::pair<int64_t, int64_t>> heads);
 
 }  // namespace mfsdp::checkpoint

@@ -124,7 +124,7 @@ const std::vector<Flag>& flags() {
       STRING_FLAG("--sample-prompt", sample_prompt, "(mfsdp) print a sample continuing this text after training"),
       INT_FLAG("--sample-tokens", sample_tokens, "(mfsdp) tokens of that sample"),
       // Megatron-FSDP.
-      STRING_FLAG("--save", save, "checkpoint folder to save into (--ckpt-format fsdp_dtensor)"),
+      STRING_FLAG("--save", save, "checkpoint folder to save into (in --ckpt-format)"),
       INT_FLAG("--save-interval", save_interval, "iterations between checkpoints (0: only at the end)"),
       STRING_FLAG("--load", load, "checkpoint folder to resume from (its latest iteration)"),
       BOOL_FLAG("--finetune", finetune, "with --load: weights only, iteration and optimizer start afresh"),
@@ -144,7 +144,13 @@ const std::vector<Flag>& flags() {
                 "no fused weight-gradient accumulation"),
       BOOL_FLAG("--use-distributed-optimizer", use_distributed_optimizer,
                 "shard the optimizer (always on here)"),
-      STRING_FLAG("--ckpt-format", ckpt_format, "checkpoint format", "fsdp_dtensor"),
+      STRING_FLAG("--ckpt-format", ckpt_format,
+                  "checkpoint format to save: fsdp_dtensor (PyTorch DCP with Megatron-FSDP's keys) or mfsdp (the "
+                  "earlier metadata.json + safetensors); --load reads either",
+                  "fsdp_dtensor", "mfsdp"),
+      STRING_FLAG("--dump-param-to-param-group-map", dump_param_to_param_group_map,
+                  "write Megatron's {parameter: optimizer group} map into this folder (a DCP folder; "
+                  "mfsdp-ckpt print-torch-dcp-in-json turns it into the JSON the torch_dist conversion takes)"),
       BOOL_FLAG("--calculate-per-token-loss", calculate_per_token_loss,
                 "loss = sum over tokens / tokens in the global batch (no 1/dp gradient scaling)"),
       BOOL_FLAG("--init-model-with-meta-device", init_model_with_meta_device,

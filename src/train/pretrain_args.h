@@ -89,7 +89,8 @@ struct PretrainArgs {
   std::string data_parallel_sharding_strategy = "optim_grads_params";
   bool no_gradient_accumulation_fusion = false;
   bool use_distributed_optimizer = false;
-  std::string ckpt_format = "fsdp_dtensor";
+  std::string ckpt_format = "fsdp_dtensor";  // or "mfsdp" (the earlier format)
+  std::string dump_param_to_param_group_map;  // folder for Megatron's parameter -> group map
   bool calculate_per_token_loss = false;
   bool init_model_with_meta_device = false;
   bool grad_reduce_in_bf16 = false;

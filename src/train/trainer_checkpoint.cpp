@@ -133,7 +133,8 @@ void save_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
   info.model_config = llama_hf_config(config, a.bf16 ? at::kBFloat16 : at::kFloat);
   info.scheduler = schedule_json(schedule);
   const auto start = std::chrono::steady_clock::now();
-  save_checkpoint(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info);
+  save_checkpoint(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info,
+                  checkpoint_format_from_name(a.ckpt_format));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (world->rank() == 0) {
     log << " saved checkpoint at iteration " << iteration << " to " << checkpoint_iteration_dir(a.save, iteration)

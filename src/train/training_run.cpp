@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/checkpoint_inspector.h"
 #include "mfsdp/generate.h"
 #include "mfsdp/hf_llama.h"
 #include "mfsdp/safetensors.h"
@@ -134,6 +135,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, st
     o.weight_decay = args.weight_decay;
     optimizer_ = make_sgd(sharded_.root, o);
   }
+  if (!args.dump_param_to_param_group_map.empty()) write_param_group_map();
   schedule_.max_lr = args.lr;
   schedule_.min_lr = args.min_lr;
   schedule_.warmup_steps = args.lr_warmup_iters;
@@ -169,6 +171,20 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
 void TrainingRun::record(const IterationRecord& r) {
   metrics_.write(r);
   history_.push_back(r);
+}
+
+// Megatron's two groups: weight decay (matrices) and none (biases, norms: 1-D), the policy of
+// the optimizers (include/mfsdp/optim.h). Rank 0 writes; every rank waits for it.
+void TrainingRun::write_param_group_map() {
+  if (comm_->rank() == 0) {
+    std::map<std::string, int> groups;
+    for (const LocalShard& s : sharded_.root.local_shards()) groups[s.name] = s.global_shape.size() >= 2 ? 0 : 1;
+    write_param_to_param_group_map(args_.dump_param_to_param_group_map, groups);
+    if (print_)
+      log_ << " wrote the parameter -> optimizer group map of " << groups.size() << " parameters to "
+           << args_.dump_param_to_param_group_map << "\n";
+  }
+  comm_->barrier();
 }
 
 void TrainingRun::save(int64_t iteration) {

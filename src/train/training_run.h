@@ -112,6 +112,7 @@ class TrainingRun {
 
  private:
   void save(int64_t iteration);
+  void write_param_group_map();  // --dump-param-to-param-group-map
 
   PretrainArgs args_;
   LlamaConfig config_;

@@ -663,8 +663,14 @@ TEST(CkptTool, InspectPrintsTheMetadataAndTensorsAsJson) {
   const auto cfg = tiny_config(false);
   const Tensors original = model_tensors(cfg);
   mfsdp::write_checkpoint(tmp.file("ckpt"), original, info_for(cfg, 7));
+  // checkpoint_inspector.py's report: DCP keys, torch dtypes and shapes.
+  Outcome text = ckpt("inspect " + tmp.file("ckpt"), false);
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  expect_contains(text.output, {"=== SHARDED TENSORS METADATA ===", "Total Tensors: " + std::to_string(original.size()),
+                                "model.module.model.norm.weight [torch.float32, shape=(16,)]",
+                                "mfsdp_metadata [BYTES]", "iteration [BYTES]"});
   for (const std::string& path : {tmp.file("ckpt"), tmp.file("ckpt/iter_0000007")}) {
-    Outcome r = ckpt("inspect " + path, /*with_stderr=*/false);
+    Outcome r = ckpt("inspect --json " + path, /*with_stderr=*/false);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const json j = json::parse(r.output);
     EXPECT_EQ(j["format"], "mfsdp.fsdp_dtensor");
@@ -687,7 +693,7 @@ TEST(CkptTool, InspectPrintsTheMetadataAndTensorsAsJson) {
     EXPECT_EQ(j["summary"]["model_parameters"], params);
     EXPECT_EQ(r.output.find("\"bytes\""), std::string::npos) << "byte offsets without --chunks";
   }
-  Outcome r = ckpt("inspect --chunks " + tmp.file("ckpt"), false);
+  Outcome r = ckpt("inspect --json --chunks " + tmp.file("ckpt"), false);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const json chunks = json::parse(r.output)["tensors"]["model.model.norm.weight"]["chunks"];
   ASSERT_TRUE(chunks.is_array() && chunks.size() == 1) << chunks;

@@ -14,6 +14,7 @@
 #include "harness/file_bytes.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
+#include "mfsdp/dcp.h"
 
 namespace {
 
@@ -87,6 +88,36 @@ void expect_exact_resume(const std::string& strategy) {
 
 TEST(PretrainCheckpoint, ResumeIsBitExactUnderZero3) { expect_exact_resume("optim_grads_params"); }
 TEST(PretrainCheckpoint, ResumeIsBitExactUnderNoShard) { expect_exact_resume("no_shard"); }
+
+// --ckpt-format mfsdp still saves the earlier format; resuming from it (saving fsdp_dtensor) is
+// bit exact. --dump-param-to-param-group-map writes Megatron's map (weight-decay group 0, 1-D 1).
+TEST(PretrainCheckpoint, ResumesFromTheEarlierFormatAndDumpsTheGroupMap) {
+  TempDir dir("mfsdp-format");
+  CommandOutcome whole = pretrain(2, " --metrics-file " + dir.file("whole.jsonl"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  CommandOutcome first = pretrain(2, " --save " + dir.file("ckpt") + " --exit-interval 4 --ckpt-format mfsdp" +
+                                         " --dump-param-to-param-group-map " + dir.file("map"));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  EXPECT_TRUE(fs::exists(dir.file("ckpt/iter_0000004/metadata.json")));
+  EXPECT_TRUE(fs::exists(dir.file("ckpt/iter_0000004/rank_00001.safetensors")));
+  CommandOutcome second = pretrain(2, " --load " + dir.file("ckpt") + " --save " + dir.file("ckpt") +
+                                          " --metrics-file " + dir.file("second.jsonl"));
+  ASSERT_EQ(second.exit_code, 0) << second.output;
+  EXPECT_TRUE(fs::exists(dir.file("ckpt/iter_0000008/.metadata")));
+  auto a = steps_of(dir.file("whole.jsonl")), b = steps_of(dir.file("second.jsonl"));
+  ASSERT_EQ(b.size(), 4u);
+  for (auto& [it, step] : b) EXPECT_EQ(step.loss, a.at(it).loss) << "iteration " << it;
+
+  mfsdp::dcp::Reader map(dir.file("map"));
+  EXPECT_EQ(map.read_object("module.module.model.layers.0.self_attn.q_proj.weight"), 0);
+  EXPECT_EQ(map.read_object("module.module.model.embed_tokens.weight"), 0);
+  EXPECT_EQ(map.read_object("module.module.model.layers.1.post_attention_layernorm.weight"), 1);
+  EXPECT_EQ(map.read_object("module.module.model.norm.weight"), 1);
+  EXPECT_EQ(map.metadata().bytes.size(), 2u * 9 + 2);  // 9 per layer, embedding, norm (tied head)
+  CommandOutcome bad = pretrain(1, " --ckpt-format torch_dist --train-iters 1");
+  EXPECT_NE(bad.exit_code, 0) << bad.output;
+  EXPECT_NE(bad.output.find("--ckpt-format"), std::string::npos) << bad.output;
+}
 
 TEST(PretrainCheckpoint, ResumesOnOneRankWithAnotherStrategy) {
   TempDir dir("mfsdp-reshard");

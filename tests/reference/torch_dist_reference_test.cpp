@@ -47,15 +47,19 @@ void make_fixture(const std::string& dir) {
                                                    dir + "/fixture' --megatron-common-optimizer");
   std::cout << outcome.output;
   ASSERT_EQ(outcome.exit_code, 0) << outcome.output;
-  std::ostringstream log;
-  const std::string map = mfsdp::print_dcp_in_json(dir + "/fixture/param_to_param_group_map", log);
-  EXPECT_TRUE(fs::exists(map));
-  mfsdp::TorchDistConversion options;
-  options.swiglu = true;
-  options.param_to_param_group_map_json = map;
-  mfsdp::convert_torch_dist_to_fsdp_dtensor(dir + "/fixture/torch_dist/iter_0000003", dir + "/converted/iter_0000003",
-                                            options, log);
-  expect_contains(log.str(), {"Converted checkpoint saved to"});
+  // The README's commands, through the tool.
+  const std::string ckpt = MFSDP_CKPT_BIN_PATH;
+  const auto json = mfsdp::testing::run_command(ckpt + " print-torch-dcp-in-json " + dir + "/fixture/param_to_param_group_map");
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  expect_contains(json.output, {"\"model.module.decoder.layers.1.mlp.linear_fc1.weight\":0",
+                                "Saved converted param_to_param_group_map to:"});
+  const std::string map = dir + "/fixture/param_to_param_group_map/param_to_param_group_map.json";
+  const auto converted = mfsdp::testing::run_command(
+      ckpt + " convert-torch-dist-to-fsdp-dtensor --swiglu " + dir + "/fixture/torch_dist/iter_0000003 " + dir +
+      "/converted/iter_0000003 --param-to-param-group-map-json " + map);
+  ASSERT_EQ(converted.exit_code, 0) << converted.output;
+  expect_contains(converted.output, {"Converted checkpoint saved to"});
+  EXPECT_EQ(mfsdp::latest_checkpoint_iteration(dir + "/converted"), 3);
 }
 
 std::map<std::string, at::Tensor> hf_weights(const std::string& dir) {
