@@ -2,6 +2,7 @@
 #include "mfsdp/dcp.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <fcntl.h>
 #include <unistd.h>
 
