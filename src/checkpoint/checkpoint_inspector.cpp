@@ -14,6 +14,7 @@
 #include <stdexcept>
 
 #include "checkpoint/dcp_checkpoint.h"
+#include "checkpoint/interop_util.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/dcp.h"
 
@@ -21,6 +22,8 @@ namespace fs = std::filesystem;
 
 namespace mfsdp {
 namespace {
+
+using interop::replace_all;
 
 void header(std::ostream& out, const std::string& title) {
   std::string upper = title;
@@ -57,11 +60,6 @@ nlohmann::json tensor_json(const at::Tensor& t) {
   nlohmann::json out = nlohmann::json::array();
   for (int64_t i = 0; i < t.size(0); ++i) out.push_back(tensor_json(t[i]));
   return out;
-}
-
-std::string replace_all(std::string s, const std::string& from, const std::string& to) {
-  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
-  return s;
 }
 
 }  // namespace

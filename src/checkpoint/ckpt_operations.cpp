@@ -33,18 +33,12 @@ using interop::kIndexFile;
 using interop::kModelPrefix;
 using interop::kSingleFile;
 using interop::read_json_file;
+using interop::replace_all;
 using interop::shape_str;
 using interop::starts_with;
 
 // Elements read at a time by compare and print-tensor (32 MiB of fp64 per side).
 constexpr int64_t kBlockElements = int64_t{1} << 22;
-
-std::string replace_all(std::string s, const std::string& from, const std::string& to) {
-  if (from.empty()) return s;
-  for (size_t pos = s.find(from); pos != std::string::npos; pos = s.find(from, pos + to.size()))
-    s.replace(pos, from.size(), to);
-  return s;
-}
 
 // For "a.b.linear_fc1.weight": true, with the name before and after the fc1 component.
 bool split_fc1_name(const std::string& name, std::string& head, std::string& tail) {

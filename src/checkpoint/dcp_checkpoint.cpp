@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "checkpoint/checkpoint_files.h"
+#include "checkpoint/interop_util.h"
 #include "checkpoint/megatron_gpt_names.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/safetensors.h"
@@ -17,6 +18,8 @@ namespace fs = std::filesystem;
 namespace mfsdp::checkpoint {
 namespace {
 
+using interop::starts_with;
+
 const std::string kModel = "model.";
 const std::string kMegatronModel = "model.module.";
 const std::string kOptimizerState = "optimizer.state.";
@@ -25,8 +28,6 @@ const std::string kMegatronGroupMeta = "optimizer.param_to_group_meta.module.mod
 const std::string kRngPrefix = "rng_state.rank";
 const std::string kMegatronRng = "rng_state.(0, 0).";
 const std::string kMetadataEntry = "mfsdp_metadata";
-
-bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
 
 // The generator label of our name and Megatron's, both ways.
 const std::pair<const char*, const char*> kGenerators[] = {{"cpu", "torch_rng_state"}, {"cuda", "cuda_rng_state"}};

@@ -1,6 +1,7 @@
 // Internal to the library: what the Hugging Face import/export (hf_folder_io.cpp), TensorSource
-// (tensor_source.cpp), mfsdp-ckpt's operations (ckpt_operations.cpp) and mfsdp-generate's loader
-// (src/models/generate.cpp) share, defined once so that they cannot drift apart: the names a
+// (tensor_source.cpp), mfsdp-ckpt's operations (ckpt_operations.cpp, checkpoint_inspector.cpp,
+// torch_dist_conversion.cpp), the DCP key mapping (dcp_checkpoint.cpp, megatron_gpt_names.cpp)
+// and mfsdp-generate's loader (src/models/generate.cpp) share, defined once so that they cannot drift apart: the names a
 // checkpoint and an HF folder use, and small string helpers (C++17's std::string has no
 // starts_with / ends_with).
 #pragma once
@@ -32,6 +33,13 @@ inline bool starts_with(const std::string& s, const std::string& prefix) {
 }
 inline bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// `s` with every `from` replaced by `to` (unchanged for an empty `from`).
+inline std::string replace_all(std::string s, const std::string& from, const std::string& to) {
+  if (from.empty()) return s;
+  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
+  return s;
 }
 
 // "[16, 32]", as torch prints sizes; error messages name shapes this way.

@@ -1,13 +1,15 @@
 // Megatron-Core GPT names as Llama names: src/checkpoint/megatron_gpt_names.h.
 #include "checkpoint/megatron_gpt_names.h"
 
+#include "checkpoint/interop_util.h"
+
 #include <regex>
 #include <stdexcept>
 
 namespace mfsdp::checkpoint {
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
+using interop::starts_with;
 
 // Rows [first, first + count) of `t`'s row space.
 MappedTensor rows_of(const MappedTensor& t, int64_t first, int64_t count, std::vector<int64_t> shape) {

@@ -10,6 +10,7 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
+#include "checkpoint/interop_util.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/checkpoint_inspector.h"
 #include "mfsdp/dcp.h"
@@ -21,12 +22,8 @@ namespace fs = std::filesystem;
 namespace mfsdp {
 namespace {
 
-bool starts_with(const std::string& s, const std::string& p) { return s.rfind(p, 0) == 0; }
-
-std::string replace_all(std::string s, const std::string& from, const std::string& to) {
-  for (size_t at = s.find(from); at != std::string::npos; at = s.find(from, at + to.size())) s.replace(at, from.size(), to);
-  return s;
-}
+using interop::replace_all;
+using interop::starts_with;
 
 // Dicts and lists flattened with "." (as the script flattens common.pt).
 void flatten(const nlohmann::json& v, const std::string& name, std::map<std::string, nlohmann::json>& out) {
