@@ -6,6 +6,7 @@
 #include <iostream>
 #include <thread>
 
+#include "mfsdp/cpu_malloc.h"
 #include "mfsdp/rendezvous.h"
 #include "mfsdp/simulated_comm.h"
 #include "mfsdp/tokenizer.h"
@@ -44,6 +45,7 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
     return 2;
   }
   try {
+    keep_freed_cpu_memory();  // steps reuse freed CPU blocks instead of faulting in fresh pages
     // ranks x threads <= cores on this node, unless OMP_NUM_THREADS says otherwise.
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     const char* omp = std::getenv("OMP_NUM_THREADS");
