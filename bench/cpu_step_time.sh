@@ -1,30 +1,45 @@
 #!/usr/bin/env bash
-# CPU step time of mfsdp-pretrain against itself on 1 rank and against PyTorch DDP, same model,
-# global batch, sequence length and threads per rank, on this machine.
+# CPU step time of mfsdp-pretrain side by side with PyTorch FSDP2 and DDP of the project's torch:
+# the same Llama, global batch, micro-batches, sequence length and threads per rank, in fp32 and
+# in bf16, interleaved round after round, with per-rank peak RSS and model FLOPs utilisation
+# against this machine's measured matmul peak.
 #
-#   bench/cpu_step_time.sh                                  # default model (below)
-#   LAYERS=1 HIDDEN=64 FFN=176 HEADS=4 ITERS=6 WARMUP=2 bench/cpu_step_time.sh   # smoke test
+#   bench/cpu_step_time.sh                                          # default model (below)
+#   LAYERS=12 HIDDEN=768 FFN=2048 HEADS=12 ITERS=8 WARMUP=2 bench/cpu_step_time.sh   # compute-bound
+#   LAYERS=1 HIDDEN=64 FFN=176 HEADS=4 ITERS=6 WARMUP=2 bench/cpu_step_time.sh       # smoke test
+#   RUNS="a b c d f g h k e p q" bench/cpu_step_time.sh                              # every run
 #
-# Runs (NPROC ranks, THREADS threads per rank; defaults 2 and 1):
+# Runs (RUNS picks them; NPROC ranks, THREADS threads per rank; defaults 2 and 1):
 #   a  mfsdp, 1 rank x THREADS threads, BASELINE_STRATEGY (optim_grads_params): scaling baseline
 #   b  mfsdp, ZeRO-3 (optim_grads_params), prefetch on (the default)
 #   c  mfsdp, ZeRO-3, --no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync (no overlap)
-#   d  mfsdp, no_shard (DDP-like), for reference
-#   e  PyTorch DDP over gloo (bench/torch_ddp_llama.py), same model and batch layout
+#   d  mfsdp, no_shard (DDP-like)
 #   f  mfsdp, ZeRO-3, --fsdp-trace-pool;  g  mfsdp, ZeRO-3, --fsdp-double-buffer
 #   h  mfsdp, ZeRO-3 with MFSDP_SHM=0: collectives over loopback TCP instead of shared memory
-# Each run trains ITERS iterations on mock data; the first WARMUP are left out and the median
-# iter_time_s of the rest is reported (mfsdp: --metrics-file with --log-interval 1). With
-# ROUNDS > 1 the five runs are repeated round after round (interleaved) and the timed
-# iterations of all rounds are pooled. tokens/s = global batch x seq / median iteration time.
+#   k  mfsdp, ZeRO-3 with MFSDP_KEEP_FREED_MEMORY=0: glibc's default of returning freed blocks
+#   e  PyTorch DDP over gloo (bench/torch_llama.py --impl ddp); bf16: torch.autocast
+#   p  PyTorch FSDP2 over gloo (bench/torch_llama.py --impl fsdp2: fully_shard per block and the
+#      root, reshard_after_forward=True); bf16: MixedPrecisionPolicy(bf16 params, fp32 reduce)
+#   q  as p, with glibc keeping freed memory as mfsdp does (GLIBC_TUNABLES; include/mfsdp/cpu_malloc.h)
+# Precisions (PRECISIONS): fp32; bf16 = bf16 parameters and compute with fp32 main weights,
+# gradients, reductions and AdamW state on every side (mfsdp --bf16).
+# Each run trains ITERS iterations on random tokens; the first WARMUP are left out; all rounds'
+# timed iterations are pooled and their median reported (mfsdp: iter_time_s of --metrics-file
+# with --log-interval 1). tokens/s = global batch x seq / median iteration time. TFLOP/s per rank
+# is Megatron's formula (bench/llama_flops.py, as mfsdp's metrics); MFU divides it by the matmul
+# peak measured first (bench/matmul_speed.py --peak: NPROC concurrent processes x THREADS threads,
+# torch.matmul in the precision of the run, from the libtorch_cpu.so mfsdp links).
+# Peak RSS per rank: mfsdp ranks run under bench/peak_rss.py (getrusage of the rank process);
+# torch_llama.py measures its ranks itself. The runtimes' own buffer figures follow the table.
 #
 # Environment (defaults in brackets):
 #   LAYERS [4] HIDDEN [256] FFN [704] HEADS [8] QUERY_GROUPS [HEADS] (--group-query-attention is
 #   passed only when QUERY_GROUPS < HEADS; GROUPS is a bash builtin, hence the name)
 #   SEQ [128] MBS [4] GBS [16] VOCAB [1024] VOCAB_DIVISIBLE [128] UNTIE [0] ITERS [30]
-#   WARMUP [5] LR [1e-4] NPROC [2] THREADS [1] ROUNDS [1] BASELINE_STRATEGY [optim_grads_params]
-#   BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python] OUT [a new temporary folder; kept]
-#   MFSDP_EXTRA_ARGS [] (appended to every mfsdp-pretrain command line)
+#   WARMUP [5] LR [1e-4] NPROC [2] THREADS [1] ROUNDS [1] RUNS [a b d e p] PRECISIONS [fp32 bf16]
+#   BASELINE_STRATEGY [optim_grads_params] BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python]
+#   OUT [a new temporary folder; kept] MFSDP_EXTRA_ARGS [] (appended to every mfsdp-pretrain
+#   command line)
 # Exit status: 0 when every run that was not skipped succeeded; 1 when one failed (its output
 # is shown); 2 on bad settings or missing binaries.
 set -uo pipefail
@@ -49,32 +64,32 @@ LR=${LR:-1e-4}
 NPROC=${NPROC:-2}
 THREADS=${THREADS:-1}
 ROUNDS=${ROUNDS:-1}
+RUNS=${RUNS:-a b d e p}
+PRECISIONS=${PRECISIONS:-fp32 bf16}
 BASELINE_STRATEGY=${BASELINE_STRATEGY:-optim_grads_params}
 MFSDP_EXTRA_ARGS=${MFSDP_EXTRA_ARGS:-}
 OUT=${OUT:-}
+# What include/mfsdp/cpu_malloc.h sets with mallopt, as glibc tunables for the Python peer (q).
+KEEP_FREED_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647
 
 die() { echo "cpu_step_time.sh: $*" >&2; exit 2; }
 # shellcheck source=bench/step_time_model.sh
 source "$ROOT/bench/step_time_model.sh"
 check_step_time_settings
 ((NPROC >= 2)) || die "NPROC=$NPROC: the comparison needs at least 2 ranks"
+for r in $RUNS; do
+  [[ $r =~ ^[abcdfghkepq]$ ]] || die "RUNS: unknown run '$r' (known: a b c d f g h k e p q)"
+done
+for p in $PRECISIONS; do
+  [[ $p == fp32 || $p == bf16 ]] || die "PRECISIONS: unknown precision '$p' (fp32, bf16)"
+done
 step_time_out_dir cpu_step_time
 MFSDP_ARGS=("${MODEL_ARGS[@]}" --mock-data --eval-iters 0 --eval-interval 1000 --log-interval 1)
 # shellcheck disable=SC2206  # word splitting of the extra flags is intended
 MFSDP_ARGS+=($MFSDP_EXTRA_ARGS)
-
-# Which runs can happen.
 NO_OVERLAP_FLAGS=(--no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync)
-SKIP_C="" missing=""
-help_text=$("$BUILD/mfsdp-pretrain" --help 2>&1)
-for f in "${NO_OVERLAP_FLAGS[@]}"; do
-  grep -q -- "$f" <<<"$help_text" || missing+=" $f"
-done
-[[ -n $missing ]] &&
-  SKIP_C="skipped: $BUILD/mfsdp-pretrain does not know$missing yet (rebuild, then rerun)"
-SKIP_E=""
 TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
-  SKIP_E="skipped: $PYTHON cannot import torch; run scripts/setup.sh (it installs the pinned torch into .venv)"
+  die "$PYTHON cannot import torch; run scripts/setup.sh (it installs the pinned torch into .venv)"
 
 fail() {  # label log
   echo "cpu_step_time.sh: run $1 failed; its output ($2):" >&2
@@ -82,149 +97,62 @@ fail() {  # label log
   exit 1
 }
 
-run_mfsdp() {  # label round nproc strategy [flags...]
-  local label=$1 round=$2 n=$3 strategy=$4
-  shift 4
-  local base="$OUT/$label.r$round"
-  echo "  [$label] round $round: mfsdp $n rank(s) x $THREADS thread(s), $strategy $*" >&2
-  env ${RUN_ENV:-} OMP_NUM_THREADS="$THREADS" "$BUILD/mfsdp-run" --nproc-per-node "$n" "$BUILD/mfsdp-pretrain" \
-    "${MFSDP_ARGS[@]}" --data-parallel-sharding-strategy "$strategy" "$@" \
+run_mfsdp() {  # label round precision nproc strategy [flags...]
+  local label=$1 round=$2 precision=$3 n=$4 strategy=$5
+  shift 5
+  local base="$OUT/$label.$precision.r$round" flags=()
+  [[ $precision == bf16 ]] && flags=(--bf16)
+  echo "  [$label] $precision round $round: mfsdp $n rank(s) x $THREADS thread(s), $strategy $*" >&2
+  env ${RUN_ENV:-} OMP_NUM_THREADS="$THREADS" "$BUILD/mfsdp-run" --nproc-per-node "$n" \
+    "$PYTHON" "$ROOT/bench/peak_rss.py" "$BUILD/mfsdp-pretrain" \
+    "${MFSDP_ARGS[@]}" "${flags[@]}" --data-parallel-sharding-strategy "$strategy" "$@" \
     --metrics-file "$base.jsonl" >"$base.log" 2>&1 || fail "$label" "$base.log"
   [[ -s $base.jsonl ]] || fail "$label (no metrics written)" "$base.log"
 }
 
-run_torch() {  # label round
-  local label=$1 round=$2 base="$OUT/$1.r$2"
-  echo "  [$label] round $round: PyTorch DDP $NPROC ranks x $THREADS thread(s)" >&2
-  OMP_NUM_THREADS=$THREADS "$PYTHON" "$ROOT/bench/torch_ddp_llama.py" "${TORCH_ARGS[@]}" \
-    >"$base.json" 2>"$base.log" || { cat "$base.json" >>"$base.log"; fail "$label" "$base.log"; }
-  grep -q '"impl": "torch_ddp"' "$base.json" || fail "$label (no result line)" "$base.json"
+run_torch() {  # label round precision impl
+  local label=$1 round=$2 precision=$3 impl=$4 base="$OUT/$1.$3.r$2" flags=()
+  [[ $precision == bf16 ]] && flags=(--bf16)
+  echo "  [$label] $precision round $round: PyTorch $impl $NPROC ranks x $THREADS thread(s) ${RUN_ENV:-}" >&2
+  env ${RUN_ENV:-} OMP_NUM_THREADS="$THREADS" "$PYTHON" "$ROOT/bench/torch_llama.py" --impl "$impl" \
+    "${TORCH_ARGS[@]}" "${flags[@]}" >"$base.json" 2>"$base.log" ||
+    { cat "$base.json" >>"$base.log"; fail "$label" "$base.log"; }
+  grep -q '"iter_times_s"' "$base.json" || fail "$label (no result line)" "$base.json"
+}
+
+run() {  # label round precision
+  local label=$1 round=$2 precision=$3 zero3=optim_grads_params
+  case $label in
+    a) run_mfsdp a "$round" "$precision" 1 "$BASELINE_STRATEGY" ;;
+    b) run_mfsdp b "$round" "$precision" "$NPROC" $zero3 ;;
+    c) run_mfsdp c "$round" "$precision" "$NPROC" $zero3 "${NO_OVERLAP_FLAGS[@]}" ;;
+    d) run_mfsdp d "$round" "$precision" "$NPROC" no_shard ;;
+    f) run_mfsdp f "$round" "$precision" "$NPROC" $zero3 --fsdp-trace-pool ;;
+    g) run_mfsdp g "$round" "$precision" "$NPROC" $zero3 --fsdp-double-buffer ;;
+    h) RUN_ENV=MFSDP_SHM=0 run_mfsdp h "$round" "$precision" "$NPROC" $zero3 ;;
+    k) RUN_ENV=MFSDP_KEEP_FREED_MEMORY=0 run_mfsdp k "$round" "$precision" "$NPROC" $zero3 ;;
+    e) run_torch e "$round" "$precision" ddp ;;
+    p) run_torch p "$round" "$precision" fsdp2 ;;
+    q) RUN_ENV=GLIBC_TUNABLES=$KEEP_FREED_TUNABLES run_torch q "$round" "$precision" fsdp2 ;;
+  esac
 }
 
 echo "cpu_step_time.sh: outputs in $OUT" >&2
+echo "  matmul peak: $NPROC processes x $THREADS thread(s)" >&2
+OMP_NUM_THREADS=$THREADS "$PYTHON" "$ROOT/bench/matmul_speed.py" --peak --nproc "$NPROC" \
+  --threads "$THREADS" >"$OUT/peak.json" 2>"$OUT/peak.log" || fail "matmul peak" "$OUT/peak.log"
 for ((r = 1; r <= ROUNDS; ++r)); do
-  run_mfsdp a "$r" 1 "$BASELINE_STRATEGY"
-  run_mfsdp b "$r" "$NPROC" optim_grads_params
-  [[ -z $SKIP_C ]] && run_mfsdp c "$r" "$NPROC" optim_grads_params "${NO_OVERLAP_FLAGS[@]}"
-  run_mfsdp d "$r" "$NPROC" no_shard
-  run_mfsdp f "$r" "$NPROC" optim_grads_params --fsdp-trace-pool
-  run_mfsdp g "$r" "$NPROC" optim_grads_params --fsdp-double-buffer
-  RUN_ENV=MFSDP_SHM=0 run_mfsdp h "$r" "$NPROC" optim_grads_params
-  [[ -z $SKIP_E ]] && run_torch e "$r"
+  for precision in $PRECISIONS; do
+    for label in $RUNS; do run "$label" "$r" "$precision"; done
+  done
 done
 
-# Summary: pooled timed iterations per run -> table and ratios.
 cpu_model=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | sed 's/^[^:]*: *//')
 commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 git -C "$ROOT" diff --quiet HEAD 2>/dev/null || commit="$commit (+ uncommitted changes)"
-export OUT WARMUP ITERS GBS SEQ NPROC THREADS BASELINE_STRATEGY SKIP_C SKIP_E ROUNDS
-MACHINE_NPROC=$(nproc)
-DATE=$(date -u '+%Y-%m-%d %H:%M UTC')
-LOADAVG=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
-CPU_MODEL=${cpu_model:-unknown}
-COMMIT=$commit
-export MACHINE_NPROC CPU_MODEL DATE LOADAVG COMMIT
-export TORCH_VERSION="${TORCH_VERSION:-none}" MODEL_DESC="${MODEL_ARGS[*]}"
-"$PYTHON" - <<'EOF' || exit 1
-import glob, json, os, statistics
-
-env = os.environ
-out, warmup = env["OUT"], int(env["WARMUP"])
-tokens = int(env["GBS"]) * int(env["SEQ"])
-n, t = int(env["NPROC"]), int(env["THREADS"])
-
-# Each returns (timed iterations of all rounds, final loss, median of each round).
-def mfsdp_times(label):
-    times, last, rounds = [], None, []
-    for path in sorted(glob.glob(os.path.join(out, label + ".r*.jsonl"))):
-        recs = [json.loads(l) for l in open(path) if l.strip()]
-        train = [r for r in recs if not r.get("eval")]
-        timed = [r["iter_time_s"] for r in train if r["iteration"] > warmup]
-        times += timed
-        rounds += [statistics.median(timed)] if timed else []
-        last = train[-1]["lm_loss"] if train else last
-    return times, last, rounds
-
-def torch_times(label):
-    times, last, rounds = [], None, []
-    for path in sorted(glob.glob(os.path.join(out, label + ".r*.json"))):
-        line = [l for l in open(path) if l.startswith("{")][-1]
-        res = json.loads(line)
-        times += res["iter_times_s"]
-        rounds += [statistics.median(res["iter_times_s"])] if res["iter_times_s"] else []
-        last = res["final_loss"]
-    return times, last, rounds
-
-runs = [
-    ("a", "mfsdp 1 rank (%s), scaling baseline" % env["BASELINE_STRATEGY"], "1 x %d" % t, None, mfsdp_times),
-    ("b", "mfsdp ZeRO-3 (optim_grads_params), prefetch on", "%d x %d" % (n, t), None, mfsdp_times),
-    ("c", "mfsdp ZeRO-3, --no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync",
-     "%d x %d" % (n, t), env["SKIP_C"], mfsdp_times),
-    ("d", "mfsdp no_shard (DDP-like)", "%d x %d" % (n, t), None, mfsdp_times),
-    ("f", "mfsdp ZeRO-3, prefetch, --fsdp-trace-pool", "%d x %d" % (n, t), None, mfsdp_times),
-    ("g", "mfsdp ZeRO-3, prefetch, --fsdp-double-buffer", "%d x %d" % (n, t), None, mfsdp_times),
-    ("h", "mfsdp ZeRO-3, prefetch, MFSDP_SHM=0 (loopback TCP)", "%d x %d" % (n, t), None, mfsdp_times),
-    ("e", "PyTorch DDP, gloo" + (" (torch %s)" % env["TORCH_VERSION"] if env["TORCH_VERSION"] != "none" else ""), "%d x %d" % (n, t), env["SKIP_E"], torch_times),
-]
-
-print("# CPU step time: mfsdp vs 1 rank and vs PyTorch DDP")
-print()
-print("- machine: %s cores, %s, load average before summary %s" % (env["MACHINE_NPROC"], env["CPU_MODEL"], env["LOADAVG"]))
-print("- date: %s; mfsdp commit %s" % (env["DATE"], env["COMMIT"]))
-print("- model: fp32, %s" % env["MODEL_DESC"])
-print("- timing: median iter_time_s over iterations %d..%s of %s round(s) (first %d are warm-up); "
-      "tokens/s = %d tokens per global batch / median" % (warmup + 1, env["ITERS"], env["ROUNDS"], warmup, tokens))
-print()
-# Round medians show the machine's drift between rounds (compare runs within one round first).
-print("| run | what | ranks x threads | median ms | min ms | max ms | round medians ms | tokens/s | final loss |")
-print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-res = {}
-for label, what, shape, skip, get in runs:
-    if skip:
-        print("| %s | %s | %s | - | - | - | - | - | %s |" % (label, what, shape, skip))
-        continue
-    times, last, rounds = get(label)
-    if not times:
-        raise SystemExit("cpu_step_time.sh: run %s has no timed iterations in %s" % (label, out))
-    med = statistics.median(times)
-    res[label] = med
-    print("| %s | %s | %s | %.1f | %.1f | %.1f | %s | %.0f | %.4f |"
-          % (label, what, shape, med * 1e3, min(times) * 1e3, max(times) * 1e3,
-             " / ".join("%.0f" % (m * 1e3) for m in rounds), tokens / med, last))
-
-def ratio(name, num, den, text):
-    if num in res and den in res:
-        print("- %s: %.3f  (%s)" % (name, res[den] / res[num] if text.startswith("tokens") else res[num] / res[den], text))
-    else:
-        print("- %s: n/a (run %s skipped)" % (name, num if num not in res else den))
-
-print()
-print("Ratios:")
-ratio("scaling b/a", "b", "a", "tokens/s(b) / tokens/s(a); ideal %.1f" % n)
-ratio("overlap gain c/b", "c", "b", "iter_time(c) / iter_time(b); > 1: prefetch and early all-gather help")
-ratio("ZeRO-3 vs PyTorch DDP b/e", "b", "e", "tokens/s(b) / tokens/s(e); > 1: mfsdp faster")
-ratio("no_shard vs PyTorch DDP d/e", "d", "e", "tokens/s(d) / tokens/s(e); > 1: mfsdp faster")
-ratio("shared memory vs TCP h/b", "h", "b", "iter_time(h) / iter_time(b); > 1: the shared-memory path helps")
-ratio("trace pool gain b/f", "b", "f", "iter_time(b) / iter_time(f); > 1: the pool helps")
-ratio("double buffer gain b/g", "b", "g", "iter_time(b) / iter_time(g); > 1: double buffers help")
-ratio("ZeRO-3 + trace pool vs PyTorch DDP f/e", "f", "e", "tokens/s(f) / tokens/s(e); > 1: mfsdp faster")
-
-# Per-rank buffer memory of the ZeRO-3 runs, from rank 0's end-of-run report.
-print()
-print("Memory per rank (rank 0, MiB; mfsdp-pretrain's end-of-run report):")
-print()
-print("| run | model weights | main grads | optimizer state | transient peak | buffer pool | process peak RSS |")
-print("|---|---:|---:|---:|---:|---:|---:|")
-import re
-for label in ("b", "f", "g", "d"):
-    logs = sorted(glob.glob(os.path.join(out, label + ".r*.log")))
-    text = open(logs[-1]).read() if logs else ""
-    m = re.search(r"memory per rank \(MiB\): model weights ([0-9.e+-]+), main weights [0-9.e+-]+, main grads ([0-9.e+-]+), "
-                  r"optimizer state ([0-9.e+-]+), transient peak ([0-9.e+-]+), buffer pool ([0-9.e+-]+), process peak RSS ([0-9.e+-]+)", text)
-    if m:
-        print("| %s | %s |" % (label, " | ".join("%.2f" % float(v) for v in m.groups())))
-for label, _, _, skip, _ in runs:
-    if skip:
-        print()
-        print("Note: run %s %s" % (label, skip))
-EOF
+export OUT WARMUP ITERS GBS SEQ NPROC THREADS BASELINE_STRATEGY ROUNDS RUNS PRECISIONS
+export LAYERS HIDDEN FFN HEADS QUERY_GROUPS VOCAB VOCAB_DIVISIBLE UNTIE
+export MACHINE_NPROC=$(nproc) CPU_MODEL=${cpu_model:-unknown} COMMIT=$commit
+export DATE=$(date -u '+%Y-%m-%d %H:%M UTC') LOADAVG=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
+export TORCH_VERSION MODEL_DESC="${MODEL_ARGS[*]}"
+"$PYTHON" "$ROOT/bench/cpu_step_time_summary.py" || exit 1

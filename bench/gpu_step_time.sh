@@ -9,7 +9,7 @@
 # Runs (NPROC ranks, one per GPU, THREADS CPU threads per rank):
 #   m  mfsdp-pretrain --device cuda under mfsdp-run, --data-parallel-sharding-strategy STRATEGY
 #      (optim_grads_params: ZeRO-3), --bf16 when BF16=1 (bf16 compute, fp32 main weights/grads)
-#   t  PyTorch DDP over nccl (bench/torch_ddp_llama.py --device cuda), same model and batch
+#   t  PyTorch DDP over nccl (bench/torch_llama.py --device cuda), same model and batch
 #      layout; --bf16 there is torch.autocast(bfloat16) with fp32 parameters
 # Each run trains ITERS iterations on random tokens; the first WARMUP are left out and the
 # median iteration time of the rest is reported (mfsdp: iter_time_s of --metrics-file with
@@ -107,7 +107,7 @@ run_mfsdp() {  # round
 run_torch() {  # round
   local base="$OUT/t.r$1"
   echo "  [t] round $1: PyTorch DDP $NPROC rank(s), one GPU each, nccl, bf16 $BF16" >&2
-  OMP_NUM_THREADS=$THREADS "$PYTHON" "$ROOT/bench/torch_ddp_llama.py" "${TORCH_ARGS[@]}" \
+  OMP_NUM_THREADS=$THREADS "$PYTHON" "$ROOT/bench/torch_llama.py" "${TORCH_ARGS[@]}" \
     >"$base.json" 2>"$base.log" || { cat "$base.json" >>"$base.log"; fail t "$base.log"; }
   grep -q '"impl": "torch_ddp"' "$base.json" || fail "t (no result line)" "$base.json"
 }

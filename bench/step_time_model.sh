@@ -4,7 +4,7 @@
 # SEQ MBS GBS VOCAB VOCAB_DIVISIBLE UNTIE ITERS WARMUP LR NPROC THREADS ROUNDS, set by the caller)
 # and the binaries, and builds the flags of that model:
 #   MODEL_ARGS  mfsdp-pretrain's model, batch and schedule flags
-#   TORCH_ARGS  bench/torch_ddp_llama.py's flags for the same model and batch
+#   TORCH_ARGS  bench/torch_llama.py's flags for the same model and batch
 # The caller defines die() (message, exit 2) and sets BUILD and PYTHON first.
 
 check_step_time_settings() {

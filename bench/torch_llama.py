@@ -1,19 +1,33 @@
 #!/usr/bin/env python3
-"""PyTorch DDP baseline for mfsdp-pretrain: the same Llama, optimizer and batch layout.
+"""PyTorch peers of mfsdp-pretrain (DDP and FSDP2): the same Llama, optimizer and batch layout.
 
-    .venv/bin/python bench/torch_ddp_llama.py --nproc 2 --threads 1 \
+    .venv/bin/python bench/torch_llama.py --impl fsdp2 --nproc 2 --threads 1 \
         --num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
         --num-query-groups 8 --seq-length 128 --micro-batch-size 4 --global-batch-size 16 \
         --vocab-size 1024 --train-iters 30 --warmup-iters 5
 
-    python3 bench/torch_ddp_llama.py --device cuda --bf16 --nproc 1 ...   # GPUs (bench/gpu_step_time.sh)
+    python3 bench/torch_llama.py --device cuda --bf16 --nproc 1 ...   # GPUs (bench/gpu_step_time.sh)
+    .venv/bin/python bench/torch_llama.py --check-hf --num-layers 2 ...  # the model is HF's Llama
+
+--impl ddp (default): DistributedDataParallel; no_sync() on all micro-batches but the last.
+--impl fsdp2: torch.distributed.fsdp.fully_shard on every decoder layer, then on the root, with
+FSDP2's defaults (reshard_after_forward=True, its own implicit prefetching); gradients are
+reduce-scattered after every micro-batch (FSDP2's default, as mfsdp's ZeRO-3 does). --bf16 is
+MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=--reduce-dtype): fp32 sharded parameters
+(the main weights), fp32 gradients and AdamW state, bf16 compute; no autocast.
+
+--adamw-impl auto is fused=True on CPU: 4 layers x d256, 2 ranks x 1 thread, global batch 8,
+median of iterations 3-8 on the 2-vCPU VM: FSDP2 282 ms fused vs 331 ms foreach, DDP 194 ms vs
+256 ms. On GPUs auto leaves torch's default (foreach).
 
 Spawns --nproc processes itself (torch.multiprocessing, rendezvous over tcp://127.0.0.1:PORT; no
 torchrun), each with torch.set_num_threads(--threads), trains on uniform random tokens and prints
 one JSON line at the end (rank 0):
 
-    {"impl": "torch_ddp", "nproc": 2, "threads": 1, "iter_time_s": <median of the timed
-     iterations>, "tokens_per_sec": <global batch x seq / iter_time_s>, ...}
+    {"impl": "torch_ddp" | "torch_fsdp2", "nproc": 2, "threads": 1, "iter_time_s": <median of
+     the timed iterations>, "tokens_per_sec": <global batch x seq / iter_time_s>,
+     "tflops_per_rank": <Megatron's formula, bench/llama_flops.py>, "peak_rss_mib": [per rank],
+     "memory_mib": {"params", "grads", "optimizer"} (rank 0's local tensors), ...}
 
 --device cpu (the default): gloo, CPU tensors. --device cuda: rank r runs on cuda:r (one process
 per GPU, --nproc <= GPUs) and DDP reduces over nccl; the tokens are still drawn on the CPU (the
@@ -39,8 +53,11 @@ What it mirrors from mfsdp (src/models/*.cpp, src/train/trainer.cpp):
 """
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import resource
 import socket
 import statistics
 import sys
@@ -52,12 +69,16 @@ try:
     import torch.multiprocessing as mp
     import torch.nn as nn
     import torch.nn.functional as F
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError as e:  # pragma: no cover - reported to the caller
     sys.stderr.write(
-        "torch_ddp_llama.py: PyTorch is not importable by %s (%s).\n"
+        "torch_llama.py: PyTorch is not importable by %s (%s).\n"
         "Install Debian's build with: sudo apt-get install python3-torch\n" % (sys.executable, e))
     sys.exit(3)
 
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from llama_flops import megatron_flops_per_iteration  # noqa: E402
 
 # ---- model ----------------------------------------------------------------------------------
 
@@ -204,6 +225,52 @@ def lr_at(a, step):
     return a.min_lr + coeff * (a.lr - a.min_lr)
 
 
+def wrap(model, a, rank, device):
+    """(callable model, autocast context factory, sync context factory(last micro-batch))."""
+    if a.impl == "fsdp2":
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if a.bf16 else None,
+            reduce_dtype=(torch.bfloat16 if a.reduce_dtype == "bf16" else torch.float32) if a.bf16 else None)
+        for layer in model.layers:
+            fully_shard(layer, mp_policy=mp_policy)
+        fully_shard(model, mp_policy=mp_policy)
+        return model, contextlib.nullcontext, lambda last: contextlib.nullcontext()
+    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if a.device == "cuda" else None)
+
+    def autocast():  # bf16 compute with fp32 parameters (--bf16), else a no-op
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16)
+
+    return ddp, autocast, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
+
+
+def adamw_impl_kwargs(a):
+    # auto: what measured fastest on CPU (the docstring of --adamw-impl), torch's default on GPUs.
+    impl = a.adamw_impl
+    if impl == "auto":
+        impl = "fused" if a.device == "cpu" else "default"
+    return {"fused": {"fused": True}, "foreach": {"foreach": True}, "for_loop": {"foreach": False},
+            "default": {}}[impl]
+
+
+def precision_text(a):
+    if not a.bf16:
+        return "fp32"
+    if a.impl == "fsdp2":
+        return "bf16 params/compute, fp32 sharded params and grads, %s reduce" % a.reduce_dtype
+    return "autocast bf16 compute, fp32 params and grads, fp32 reduce"
+
+
+def local_memory_mib(model, optimizer):
+    """Bytes this rank holds in parameters, gradients and AdamW state (DTensor: its shard)."""
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+    params = sum(local(p).nbytes for p in model.parameters())
+    grads = sum(local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
+    state = sum(local(v).nbytes for s in optimizer.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)
+    return {"params": params / 2**20, "grads": grads / 2**20, "optimizer": state / 2**20}
+
+
 def worker(rank, a):
     torch.set_num_threads(a.threads)
     init = "tcp://127.0.0.1:%d" % a.port
@@ -217,16 +284,13 @@ def worker(rank, a):
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=a.nproc)
     torch.manual_seed(a.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
     model = LlamaForCausalLM(a).to(device)
-    ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if a.device == "cuda" else None)
-
-    def autocast():  # bf16 compute with fp32 parameters (--bf16), else a no-op
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16)
-
+    wrapped, autocast, sync_context = wrap(model, a, rank, device)
+    # Decay groups by shape, as mfsdp: >= 2-D parameters (FSDP2's DTensors keep their global shape).
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps)
+        lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, **adamw_impl_kwargs(a))
     data_gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # different tokens per rank
 
     times, losses = [], []
@@ -238,15 +302,10 @@ def worker(rank, a):
                                    generator=data_gen).to(device)
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
             last = m == a.num_micro_batches - 1
-            if last:
+            with sync_context(last):
                 with autocast():
-                    loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
+                    loss = lm_loss(wrapped(inputs), labels) / a.num_micro_batches
                 loss.backward()
-            else:
-                with ddp.no_sync():
-                    with autocast():
-                        loss = lm_loss(ddp(inputs), labels) / a.num_micro_batches
-                    loss.backward()
             step_loss += loss.item()
         if a.clip_grad > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)
@@ -265,16 +324,27 @@ def worker(rank, a):
             print("iteration %d/%d | iter time (ms): %.1f | lm loss: %.6E"
                   % (it, a.train_iters, elapsed * 1e3, losses[-1]), file=sys.stderr, flush=True)
 
+    peak_rss = [None] * a.nproc  # every rank's own peak (KiB on Linux)
+    dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+    peak_gpu = [None] * a.nproc
+    dist.all_gather_object(peak_gpu, torch.cuda.max_memory_allocated(device) / 2**20
+                           if device.type == "cuda" else None)
     if rank == 0:
         timed = times[a.warmup_iters:]
         median = statistics.median(timed)
         tokens = a.global_batch_size * a.seq_length
+        flops = megatron_flops_per_iteration(
+            a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads,
+            a.num_query_groups, a.seq_length, a.padded_vocab_size, a.global_batch_size)
         print(json.dumps({
-            "impl": "torch_ddp", "nproc": a.nproc, "threads": a.threads,
+            "impl": "torch_" + a.impl, "nproc": a.nproc, "threads": a.threads,
             "device": a.device, "bf16": a.bf16,
-            "peak_gpu_mib": (torch.cuda.max_memory_allocated(device) / 2**20
-                             if device.type == "cuda" else None),
+            "precision": precision_text(a),
+            "peak_gpu_mib": peak_gpu if device.type == "cuda" else None,
+            "peak_rss_mib": peak_rss, "memory_mib": local_memory_mib(model, optimizer),
+            "adamw": adamw_impl_kwargs(a),
             "iter_time_s": median, "tokens_per_sec": tokens / median,
+            "tflops_per_rank": flops / median / a.nproc / 1e12,
             "timed_iters": len(timed), "iter_times_s": timed,
             "first_loss": losses[0], "final_loss": losses[-1],
             "torch": torch.__version__,
@@ -328,8 +398,20 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo; cuda: rank r on cuda:r, nccl")
+    p.add_argument("--impl", choices=("ddp", "fsdp2"), default="ddp",
+                   help="ddp: DistributedDataParallel; fsdp2: fully_shard per layer and the root")
     p.add_argument("--bf16", action="store_true",
-                   help="forward and loss under torch.autocast(bfloat16); fp32 parameters")
+                   help="ddp: forward and loss under torch.autocast(bfloat16); fsdp2: "
+                        "MixedPrecisionPolicy(param_dtype=bf16); fp32 parameters either way")
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="fsdp2 --bf16: MixedPrecisionPolicy.reduce_dtype")
+    p.add_argument("--adamw-impl", choices=("auto", "fused", "foreach", "for_loop", "default"),
+                   default="auto", help="torch.optim.AdamW's kernel; auto: fused on CPU (measured "
+                   "fastest there, bench/torch_llama.py docstring), torch's default on GPUs")
+    p.add_argument("--check-hf", action="store_true",
+                   help="no training: compare this model's logits with transformers' LlamaForCausalLM "
+                        "holding the same weights; exit 1 above --check-tolerance")
+    p.add_argument("--check-tolerance", type=float, default=1e-4)
     p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
     p.add_argument("--verbose", action="store_true", help="rank 0 logs every iteration to stderr")
     a = p.parse_args(argv)
@@ -368,8 +450,42 @@ def parse_args(argv=None):
     return a
 
 
+def check_hf(a):
+    """This model and transformers' LlamaForCausalLM with the same weights give the same logits."""
+    from transformers import LlamaConfig, LlamaForCausalLM as HfLlama
+    torch.manual_seed(a.seed)
+    ours = LlamaForCausalLM(a).eval()
+    config = LlamaConfig(
+        vocab_size=a.padded_vocab_size, hidden_size=a.hidden_size, intermediate_size=a.ffn_hidden_size,
+        num_hidden_layers=a.num_layers, num_attention_heads=a.num_attention_heads,
+        num_key_value_heads=a.num_query_groups, rms_norm_eps=a.norm_epsilon, rope_theta=a.rotary_base,
+        max_position_embeddings=a.seq_length, tie_word_embeddings=not a.untie, attention_bias=False,
+        mlp_bias=False, hidden_act="silu", attn_implementation="eager")
+    hf = HfLlama(config).eval()
+    # Ours has no "model." prefix: embed_tokens, layers.N..., norm, lm_head.
+    ours_state = ours.state_dict()
+    loaded = {}
+    for name in hf.state_dict():
+        key = name[len("model."):] if name.startswith("model.") else name
+        if key == "lm_head.weight" and not a.untie:
+            key = "embed_tokens.weight"
+        if key not in ours_state:
+            raise SystemExit("check-hf: transformers' %s has no counterpart here" % name)
+        loaded[name] = ours_state[key]
+    hf.load_state_dict(loaded, strict=True)
+    tokens = torch.randint(0, a.vocab_size, (2, a.seq_length), generator=torch.Generator().manual_seed(a.seed))
+    with torch.no_grad():
+        diff = (ours(tokens) - hf(tokens).logits).abs().max().item()
+    ok = diff <= a.check_tolerance
+    print("check-hf: max |logits - transformers' logits| = %.3g (tolerance %.1g): %s"
+          % (diff, a.check_tolerance, "same model" if ok else "DIFFERENT"))
+    sys.exit(0 if ok else 1)
+
+
 def main():
     a = parse_args()
+    if a.check_hf:
+        return check_hf(a)
     mp.spawn(worker, args=(a,), nprocs=a.nproc, join=True)
 
 
