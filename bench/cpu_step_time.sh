@@ -21,6 +21,11 @@
 #   p  PyTorch FSDP2 over gloo (bench/torch_llama.py --impl fsdp2: fully_shard per block and the
 #      root, reshard_after_forward=True); bf16: MixedPrecisionPolicy(bf16 params, fp32 reduce)
 #   q  as p, with glibc keeping freed memory as mfsdp does (GLIBC_TUNABLES; include/mfsdp/cpu_malloc.h)
+#   r  Megatron-FSDP itself (bench/torch_llama.py --impl megatron_fsdp, the megatron-fsdp package;
+#      DEVICE=cuda only: it cannot run without CUDA; skipped with a note when it is not importable)
+# DEVICE=cuda (bench/gpu_step_time.sh sets it) runs the same on GPUs, one rank per GPU, nccl;
+# the peak is then PEAK_TFLOPS (bf16 dense, from the GPU's datasheet) and the memory column is
+# the peak allocated by the CUDA caching allocator (mfsdp: rank 0's; PyTorch: every rank's).
 # Precisions (PRECISIONS): fp32; bf16 = bf16 parameters and compute with fp32 main weights,
 # gradients, reductions and AdamW state on every side (mfsdp --bf16).
 # Each run trains ITERS iterations on random tokens; the first WARMUP are left out; all rounds'
@@ -38,6 +43,7 @@
 #   SEQ [128] MBS [4] GBS [16] VOCAB [1024] VOCAB_DIVISIBLE [128] UNTIE [0] ITERS [30]
 #   WARMUP [5] LR [1e-4] NPROC [2] THREADS [1] ROUNDS [1] RUNS [a b d e p] PRECISIONS [fp32 bf16]
 #   BASELINE_STRATEGY [optim_grads_params] BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python]
+#   DEVICE [cpu] PEAK_TFLOPS [DEVICE=cuda: required] PEAK_TFLOPS_FP32 [PEAK_TFLOPS / 2]
 #   OUT [a new temporary folder; kept] MFSDP_EXTRA_ARGS [] (appended to every mfsdp-pretrain
 #   command line)
 # Exit status: 0 when every run that was not skipped succeeded; 1 when one failed (its output
@@ -69,6 +75,7 @@ PRECISIONS=${PRECISIONS:-fp32 bf16}
 BASELINE_STRATEGY=${BASELINE_STRATEGY:-optim_grads_params}
 MFSDP_EXTRA_ARGS=${MFSDP_EXTRA_ARGS:-}
 OUT=${OUT:-}
+DEVICE=${DEVICE:-cpu}
 # What include/mfsdp/cpu_malloc.h sets with mallopt, as glibc tunables for the Python peer (q).
 KEEP_FREED_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647
 
@@ -76,9 +83,9 @@ die() { echo "cpu_step_time.sh: $*" >&2; exit 2; }
 # shellcheck source=bench/step_time_model.sh
 source "$ROOT/bench/step_time_model.sh"
 check_step_time_settings
-((NPROC >= 2)) || die "NPROC=$NPROC: the comparison needs at least 2 ranks"
+[[ $DEVICE == cpu || $DEVICE == cuda ]] || die "DEVICE=$DEVICE: expected cpu or cuda"
 for r in $RUNS; do
-  [[ $r =~ ^[abcdfghkepq]$ ]] || die "RUNS: unknown run '$r' (known: a b c d f g h k e p q)"
+  [[ $r =~ ^[abcdfghkepqr]$ ]] || die "RUNS: unknown run '$r' (known: a b c d f g h k e p q r)"
 done
 for p in $PRECISIONS; do
   [[ $p == fp32 || $p == bf16 ]] || die "PRECISIONS: unknown precision '$p' (fp32, bf16)"
@@ -87,6 +94,17 @@ step_time_out_dir cpu_step_time
 MFSDP_ARGS=("${MODEL_ARGS[@]}" --mock-data --eval-iters 0 --eval-interval 1000 --log-interval 1)
 # shellcheck disable=SC2206  # word splitting of the extra flags is intended
 MFSDP_ARGS+=($MFSDP_EXTRA_ARGS)
+if [[ $DEVICE == cuda ]]; then
+  [[ ${PEAK_TFLOPS:-} =~ ^[0-9.]+$ ]] || die "DEVICE=cuda needs PEAK_TFLOPS (the GPU's dense bf16 peak)"
+  MFSDP_ARGS+=(--device cuda)
+  TORCH_ARGS+=(--device cuda)
+fi
+SKIP_R=""
+if [[ $DEVICE != cuda ]]; then
+  SKIP_R="megatron-fsdp cannot run without CUDA (MegatronFSDP.__init__ calls torch.cuda.current_device())"
+elif ! "$PYTHON" -c 'import megatron_fsdp' 2>/dev/null; then
+  SKIP_R="$PYTHON cannot import megatron_fsdp (pip install megatron-fsdp; scripts/gpu_check.sh carries it)"
+fi
 NO_OVERLAP_FLAGS=(--no-fsdp-prefetch --no-fsdp-all-gather-in-start-param-sync)
 TORCH_VERSION=$("$PYTHON" -c 'import torch; print(torch.__version__)' 2>/dev/null) ||
   die "$PYTHON cannot import torch; run scripts/setup.sh (it installs the pinned torch into .venv)"
@@ -134,13 +152,20 @@ run() {  # label round precision
     e) run_torch e "$round" "$precision" ddp ;;
     p) run_torch p "$round" "$precision" fsdp2 ;;
     q) RUN_ENV=GLIBC_TUNABLES=$KEEP_FREED_TUNABLES run_torch q "$round" "$precision" fsdp2 ;;
+    r) [[ -z $SKIP_R ]] && run_torch r "$round" "$precision" megatron_fsdp ;;
   esac
 }
 
 echo "cpu_step_time.sh: outputs in $OUT" >&2
-echo "  matmul peak: $NPROC processes x $THREADS thread(s)" >&2
-OMP_NUM_THREADS=$THREADS "$PYTHON" "$ROOT/bench/matmul_speed.py" --peak --nproc "$NPROC" \
-  --threads "$THREADS" >"$OUT/peak.json" 2>"$OUT/peak.log" || fail "matmul peak" "$OUT/peak.log"
+if [[ $DEVICE == cuda ]]; then
+  printf '{"what": "%s", "bf16_gflops": %s, "fp32_gflops": %s}\n' \
+    "dense peak per GPU from its datasheet (PEAK_TFLOPS)" "$(awk "BEGIN{print $PEAK_TFLOPS * 1000}")" \
+    "$(awk "BEGIN{print ${PEAK_TFLOPS_FP32:-$PEAK_TFLOPS / 2} * 1000}")" >"$OUT/peak.json"
+else
+  echo "  matmul peak: $NPROC processes x $THREADS thread(s)" >&2
+  OMP_NUM_THREADS=$THREADS "$PYTHON" "$ROOT/bench/matmul_speed.py" --peak --nproc "$NPROC" \
+    --threads "$THREADS" >"$OUT/peak.json" 2>"$OUT/peak.log" || fail "matmul peak" "$OUT/peak.log"
+fi
 for ((r = 1; r <= ROUNDS; ++r)); do
   for precision in $PRECISIONS; do
     for label in $RUNS; do run "$label" "$r" "$precision"; done
@@ -148,9 +173,12 @@ for ((r = 1; r <= ROUNDS; ++r)); do
 done
 
 cpu_model=$(grep -m1 '^model name' /proc/cpuinfo 2>/dev/null | sed 's/^[^:]*: *//')
+if [[ $DEVICE == cuda ]]; then
+  cpu_model="$NPROC x $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -1) (host: $cpu_model)"
+fi
 commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 git -C "$ROOT" diff --quiet HEAD 2>/dev/null || commit="$commit (+ uncommitted changes)"
-export OUT WARMUP ITERS GBS SEQ NPROC THREADS BASELINE_STRATEGY ROUNDS RUNS PRECISIONS
+export OUT WARMUP ITERS GBS SEQ NPROC THREADS BASELINE_STRATEGY ROUNDS RUNS PRECISIONS DEVICE SKIP_R
 export LAYERS HIDDEN FFN HEADS QUERY_GROUPS VOCAB VOCAB_DIVISIBLE UNTIE
 export MACHINE_NPROC=$(nproc) CPU_MODEL=${cpu_model:-unknown} COMMIT=$commit
 export DATE=$(date -u '+%Y-%m-%d %H:%M UTC') LOADAVG=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)

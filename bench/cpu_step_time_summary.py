@@ -38,7 +38,9 @@ WHAT = {
     "e": ("PyTorch DDP, gloo", n),
     "p": ("PyTorch FSDP2 (fully_shard), gloo", n),
     "q": ("PyTorch FSDP2, glibc keeping freed memory (GLIBC_TUNABLES)", n),
+    "r": ("Megatron-FSDP (megatron-fsdp package), optim_grads_params", n),
 }
+cuda = env.get("DEVICE", "cpu") == "cuda"
 MEMORY_RE = re.compile(
     r"memory per rank \(MiB\): model weights ([0-9.e+-]+), main weights ([0-9.e+-]+), main grads "
     r"([0-9.e+-]+), optimizer state ([0-9.e+-]+), transient peak ([0-9.e+-]+)")
@@ -56,7 +58,10 @@ def mfsdp_result(label, precision):
         rounds += [statistics.median(timed)] if timed else []
         last = train[-1]["lm_loss"] if train else last
         log = open(path[:-len(".jsonl")] + ".log").read()
-        for rank, mib in re.findall(r"\[rank(\d+)\]:\s*peak_rss_mib ([0-9.]+)", log):
+        # CPU: every rank's RSS (bench/peak_rss.py); CUDA: rank 0's caching-allocator peak.
+        pattern = (r"\[rank(\d+)\]:.* cuda:\d+ peak allocated ([0-9.]+)" if cuda
+                   else r"\[rank(\d+)\]:\s*peak_rss_mib ([0-9.]+)")
+        for rank, mib in re.findall(pattern, log):
             rss[int(rank)] = max(rss.get(int(rank), 0.0), float(mib))
         m = MEMORY_RE.search(log)
         if m:
@@ -72,12 +77,14 @@ def torch_result(label, precision):
         times += res["iter_times_s"]
         rounds += [statistics.median(res["iter_times_s"])] if res["iter_times_s"] else []
         last = res["final_loss"]
-        rss = [max(a, b) for a, b in zip(rss, res["peak_rss_mib"])] if rss else list(res["peak_rss_mib"])
+        peaks = res["peak_gpu_mib"] if cuda else res["peak_rss_mib"]
+        rss = [max(a, b) for a, b in zip(rss, peaks)] if rss else list(peaks)
         memory = res.get("memory_mib")
     return times, rounds, last, rss, memory
 
 
-print("# CPU step time: mfsdp side by side with PyTorch FSDP2 and DDP (torch %s)" % env["TORCH_VERSION"])
+print("# %s step time: mfsdp side by side with PyTorch FSDP2 and DDP (torch %s)"
+      % ("GPU" if cuda else "CPU", env["TORCH_VERSION"]))
 print()
 print("- machine: %s cores, %s; load average before summary %s"
       % (env["MACHINE_NPROC"], env["CPU_MODEL"], env["LOADAVG"]))
@@ -87,9 +94,13 @@ print("- model: %s" % env["MODEL_DESC"])
 print("- timing: median iter_time over iterations %d..%s of %s round(s), runs interleaved; "
       "tokens/s = %d tokens per global batch / median" % (warmup + 1, env["ITERS"], env["ROUNDS"], tokens))
 print("- FLOPs per iteration (Megatron's formula, bench/llama_flops.py): %.4g" % flops)
-print("- matmul peak per rank (%d processes x %d thread(s), torch.matmul n=%d, best of 3, %s): "
-      "fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s"
-      % (peak["nproc"], peak["threads"], peak["n"], peak["cpu_capability"], peak["fp32_gflops"], peak["bf16_gflops"]))
+what = peak.get("what") or ("matmul peak per rank (%d processes x %d thread(s), torch.matmul n=%d, best of 3, %s)"
+                             % (peak["nproc"], peak["threads"], peak["n"], peak["cpu_capability"]))
+print("- MFU peak: %s: fp32 %.1f GFLOP/s, bf16 %.1f GFLOP/s" % (what, peak["fp32_gflops"], peak["bf16_gflops"]))
+memory_what = ("peak GPU memory allocated MiB (mfsdp: rank 0)" if cuda else "peak RSS per rank MiB")
+if env.get("SKIP_R") and "r" in runs_wanted:
+    print("- run r skipped: %s" % env["SKIP_R"])
+    runs_wanted.remove("r")
 
 res = {}  # (label, precision) -> dict
 for precision in precisions:
@@ -97,11 +108,11 @@ for precision in precisions:
     print("## %s" % precision)
     print()
     print("| run | what | ranks x threads | median ms | round medians ms | tokens/s | TFLOP/s per rank "
-          "| MFU | peak RSS per rank MiB | final loss |")
+          "| MFU | %s | final loss |" % memory_what)
     print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for label in runs_wanted:
         what, ranks = WHAT[label]
-        get = torch_result if label in "epq" else mfsdp_result
+        get = torch_result if label in "epqr" else mfsdp_result
         times, rounds, last, rss, memory = get(label, precision)
         if not times:
             sys.exit("cpu_step_time.sh: run %s (%s) has no timed iterations in %s" % (label, precision, out))
@@ -135,12 +146,14 @@ def ratio(name, num, den, precision, text, kind="speed"):
 
 
 print()
-print("Ratios (tokens/s of the first over the second; RSS: peak RSS per rank, max over ranks):")
+print("Ratios (tokens/s of the first over the second; memory: %s, max over ranks):" % memory_what)
 for precision in precisions:
     ratio("ZeRO-3 vs FSDP2 b/p", "b", "p", precision, "target >= 1.3")
     ratio("ZeRO-3 vs FSDP2 with the same malloc setting b/q", "b", "q", precision, "> 1: mfsdp faster")
     ratio("ZeRO-3 peak RSS vs FSDP2 b/p", "b", "p", precision, "target <= 0.9", kind="rss")
     ratio("ZeRO-3 vs DDP b/e", "b", "e", precision, "target >= 1.2")
+    ratio("ZeRO-3 vs Megatron-FSDP b/r", "b", "r", precision, "target >= 1.15 on GPUs")
+    ratio("ZeRO-3 peak memory vs Megatron-FSDP b/r", "b", "r", precision, "target <= 0.9", kind="rss")
     ratio("no_shard vs DDP d/e", "d", "e", precision, "> 1: mfsdp faster")
     ratio("scaling b/a", "b", "a", precision, "ideal %d" % n)
     ratio("overlap gain b/c", "b", "c", precision, "> 1: prefetch and early all-gather help")

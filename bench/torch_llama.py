@@ -16,6 +16,9 @@ reduce-scattered after every micro-batch (FSDP2's default, as mfsdp's ZeRO-3 doe
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=--reduce-dtype): fp32 sharded parameters
 (the main weights), fp32 gradients and AdamW state, bf16 compute; no autocast.
 
+--impl megatron_fsdp: the megatron-fsdp package's fully_shard_model / fully_shard_optimizer,
+ZeRO-3 with every decoder layer a unit (wrap_megatron_fsdp); CUDA only (it cannot run on CPU).
+
 --adamw-impl auto is fused=True on CPU: 4 layers x d256, 2 ranks x 1 thread, global batch 8,
 median of iterations 3-8 on the 2-vCPU VM: FSDP2 282 ms fused vs 331 ms foreach, DDP 194 ms vs
 256 ms. On GPUs auto leaves torch's default (foreach).
@@ -36,8 +39,9 @@ torch.autocast(bfloat16) -- fp32 parameters, gradients and optimizer state, bf16
 usual PyTorch counterpart of mfsdp-pretrain --bf16 (bf16 compute, fp32 main weights and grads).
 
 What it mirrors from mfsdp (src/models/*.cpp, src/train/trainer.cpp):
-  - model: embedding -> N x [RMSNorm -> GQA attention with HF RoPE (rotate_half, theta) and an
-    explicit matmul / masked_fill / softmax(fp32) / matmul causal path -> residual -> RMSNorm ->
+  - model: embedding -> N x [RMSNorm -> GQA attention with HF RoPE (rotate_half, theta) and
+    causal scaled_dot_product_attention (--attention-backend auto, mfsdp's default) or the
+    explicit matmul / masked_fill / softmax(fp32) / matmul path (unfused) -> residual -> RMSNorm ->
     SwiGLU MLP -> residual] -> RMSNorm -> lm_head (tied to the embedding unless --untie); no
     biases; RoPE tables computed once per forward; RMSNorm normalises in fp32 as HF does.
   - init: normal(0, --init-method-std) for projections and the embedding, ones for norms.
@@ -125,9 +129,10 @@ def repeat_kv(x, n_rep):
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden, heads, kv_heads):
+    def __init__(self, hidden, heads, kv_heads, backend):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, hidden // heads
+        self.backend = backend
         self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(hidden, kv_heads * self.head_dim, bias=False)
@@ -142,13 +147,16 @@ class Attention(nn.Module):
         k = apply_rotary(k, cos, sin)
         k = repeat_kv(k, self.heads // self.kv_heads)
         v = repeat_kv(v, self.heads // self.kv_heads)
-        # Explicit causal attention, as src/models/attention.cpp (not scaled_dot_product_attention).
-        scores = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(self.head_dim))
-        s = k.shape[2]
-        future = torch.arange(s, device=x.device).unsqueeze(0) > torch.arange(t, device=x.device).unsqueeze(1)
-        scores = scores.masked_fill(future, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        if self.backend == "auto":  # mfsdp's default: the device's fused kernels
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # explicit causal attention, as src/models/attention.cpp --attention-backend unfused
+            scores = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(self.head_dim))
+            s = k.shape[2]
+            future = torch.arange(s, device=x.device).unsqueeze(0) > torch.arange(t, device=x.device).unsqueeze(1)
+            scores = scores.masked_fill(future, float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(probs, v)
+        out = out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         return self.o_proj(out)
 
 
@@ -166,7 +174,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, a):
         super().__init__()
-        self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_query_groups)
+        self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_query_groups, a.attention_backend)
         self.mlp = MLP(a.hidden_size, a.ffn_hidden_size)
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
@@ -227,6 +235,8 @@ def lr_at(a, step):
 
 def wrap(model, a, rank, device):
     """(callable model, autocast context factory, sync context factory(last micro-batch))."""
+    if a.impl == "megatron_fsdp":
+        return wrap_megatron_fsdp(model, a, device)
     if a.impl == "fsdp2":
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if a.bf16 else None,
@@ -243,6 +253,23 @@ def wrap(model, a, rank, device):
     return ddp, autocast, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
 
 
+def wrap_megatron_fsdp(model, a, device):
+    """Megatron-FSDP's own fully_shard (PyPI megatron-fsdp), ZeRO-3 with every decoder layer a
+    unit, as its README shows. --bf16: bf16 model weights and compute, fp32 main weights and main
+    gradients, --reduce-dtype on the wire: what mfsdp-pretrain --bf16 does. Gradients are reduced
+    after every micro-batch (sync_model_each_microbatch, fully_shard's default). CUDA only:
+    MegatronFSDP.__init__ calls torch.cuda.current_device() even for a CPU device (0.6.1)."""
+    from megatron_fsdp import MixedPrecisionPolicy as MegatronPrecision, fully_shard_model
+    if a.bf16:
+        model.to(torch.bfloat16)
+    policy = MegatronPrecision(
+        main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+        grad_comm_dtype=torch.bfloat16 if a.bf16 and a.reduce_dtype == "bf16" else torch.float32)
+    wrapped = fully_shard_model(model, fsdp_unit_modules=[DecoderLayer], zero_dp_strategy="optim_grads_params",
+                                device=device, mixed_precision_policy=policy)
+    return wrapped, contextlib.nullcontext, lambda last: contextlib.nullcontext()
+
+
 def adamw_impl_kwargs(a):
     # auto: what measured fastest on CPU (the docstring of --adamw-impl), torch's default on GPUs.
     impl = a.adamw_impl
@@ -255,8 +282,8 @@ def adamw_impl_kwargs(a):
 def precision_text(a):
     if not a.bf16:
         return "fp32"
-    if a.impl == "fsdp2":
-        return "bf16 params/compute, fp32 sharded params and grads, %s reduce" % a.reduce_dtype
+    if a.impl in ("fsdp2", "megatron_fsdp"):
+        return "bf16 params/compute, fp32 main params and grads, %s reduce" % a.reduce_dtype
     return "autocast bf16 compute, fp32 params and grads, fp32 reduce"
 
 
@@ -286,11 +313,14 @@ def worker(rank, a):
     model = LlamaForCausalLM(a).to(device)
     wrapped, autocast, sync_context = wrap(model, a, rank, device)
     # Decay groups by shape, as mfsdp: >= 2-D parameters (FSDP2's DTensors keep their global shape).
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    decay = [p for p in wrapped.parameters() if p.dim() >= 2]
+    no_decay = [p for p in wrapped.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, **adamw_impl_kwargs(a))
+    if a.impl == "megatron_fsdp":
+        from megatron_fsdp import fully_shard_optimizer
+        optimizer = fully_shard_optimizer(optimizer)
     data_gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # different tokens per rank
 
     times, losses = [], []
@@ -308,11 +338,13 @@ def worker(rank, a):
                 loss.backward()
             step_loss += loss.item()
         if a.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad)
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), a.clip_grad)
         for g in optimizer.param_groups:
             g["lr"] = lr_at(a, it)
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        if it == a.train_iters:  # gradients still held: the runtime's own figures
+            memory = local_memory_mib(wrapped, optimizer)
+        optimizer.zero_grad()
         reported = torch.tensor([step_loss], device=device)
         dist.all_reduce(reported)  # the logged loss (mfsdp: all_reduce_mean every log interval)
         if device.type == "cuda":
@@ -341,7 +373,7 @@ def worker(rank, a):
             "device": a.device, "bf16": a.bf16,
             "precision": precision_text(a),
             "peak_gpu_mib": peak_gpu if device.type == "cuda" else None,
-            "peak_rss_mib": peak_rss, "memory_mib": local_memory_mib(model, optimizer),
+            "peak_rss_mib": peak_rss, "memory_mib": memory,
             "adamw": adamw_impl_kwargs(a),
             "iter_time_s": median, "tokens_per_sec": tokens / median,
             "tflops_per_rank": flops / median / a.nproc / 1e12,
@@ -398,16 +430,21 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cpu: gloo; cuda: rank r on cuda:r, nccl")
-    p.add_argument("--impl", choices=("ddp", "fsdp2"), default="ddp",
-                   help="ddp: DistributedDataParallel; fsdp2: fully_shard per layer and the root")
+    p.add_argument("--impl", choices=("ddp", "fsdp2", "megatron_fsdp"), default="ddp",
+                   help="ddp: DistributedDataParallel; fsdp2: fully_shard per layer and the root; "
+                        "megatron_fsdp: the megatron-fsdp package's fully_shard (CUDA only)")
     p.add_argument("--bf16", action="store_true",
                    help="ddp: forward and loss under torch.autocast(bfloat16); fsdp2: "
                         "MixedPrecisionPolicy(param_dtype=bf16); fp32 parameters either way")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="fsdp2 --bf16: MixedPrecisionPolicy.reduce_dtype")
+                   help="--bf16: the gradient reduction's dtype (FSDP2 reduce_dtype, "
+                        "Megatron-FSDP grad_comm_dtype)")
     p.add_argument("--adamw-impl", choices=("auto", "fused", "foreach", "for_loop", "default"),
                    default="auto", help="torch.optim.AdamW's kernel; auto: fused on CPU (measured "
                    "fastest there, bench/torch_llama.py docstring), torch's default on GPUs")
+    p.add_argument("--attention-backend", choices=("auto", "unfused"), default="auto",
+                   help="as mfsdp-pretrain's flag: auto = F.scaled_dot_product_attention (causal); "
+                        "unfused = explicit matmul, mask, fp32 softmax, matmul")
     p.add_argument("--check-hf", action="store_true",
                    help="no training: compare this model's logits with transformers' LlamaForCausalLM "
                         "holding the same weights; exit 1 above --check-tolerance")
@@ -431,6 +468,9 @@ def parse_args(argv=None):
         bad("--num-query-groups", "must divide --num-attention-heads")
     if a.nproc < 1 or a.threads < 1:
         bad("--nproc/--threads", "must be >= 1")
+    if a.impl == "megatron_fsdp" and a.device != "cuda":
+        bad("--impl", "megatron_fsdp needs --device cuda: megatron-fsdp 0.6.1's MegatronFSDP.__init__ "
+            "calls torch.cuda.current_device() even when given a CPU device (megatron_fsdp.py:234)")
     if a.device == "cuda":
         if not torch.cuda.is_available():
             bad("--device", "cuda: torch %s sees no GPU" % torch.__version__)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a borrowed GPU machine, inside its 10 minutes: build mfsdp against that machine's
 # own PyTorch (e.g. 2.11 with CUDA 13), run the GPU tests (ctest -L gpu), the GPU benchmarks
-# (bench/collective_bandwidth.sh with BACKEND=nccl, bench/gpu_step_time.sh), then the rest of
+# (bench/collective_bandwidth.sh with BACKEND=nccl, bench/gpu_step_time.sh on 1 GPU and on all:
+# mfsdp vs PyTorch DDP, FSDP2 and Megatron-FSDP), then the rest of
 # the suite while time remains, and leave a summary and the logs in $OUT (build-gpu/results
 # when OUT is unset).
 #
@@ -10,7 +11,8 @@
 #   scripts/gpu_check.sh --configure-only    # unpack + configure only (a check of the recipe)
 #
 # The GPU machine has no internet and none of the Debian packages the build needs beside
-# LibTorch: --fetch-debs downloads them (apt-get download, no dependencies resolved) into
+# LibTorch: --fetch-debs downloads them (apt-get download, no dependencies resolved), and the
+# megatron-fsdp wheels (.device/debs/wheels, unpacked there onto PYTHONPATH), into
 # .device/debs (ignored by git; hand it to the machine, e.g. the device tool's carry). There they
 # are not installed: each .deb is unpacked (dpkg -x, i.e. dpkg-deb -x; ar + tar without dpkg)
 # into DEB_PREFIX and CMake is pointed at it (CMAKE_PREFIX_PATH, CMAKE_LIBRARY_PATH, GTest_DIR,
@@ -39,6 +41,9 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 
 debs=(nlohmann-json3-dev libcli11-dev libsentencepiece-dev libsentencepiece0 libgtest-dev googletest)
+# Megatron-FSDP itself for the side-by-side benchmark (pure Python; its other requirements, torch
+# and packaging, are in the GPU machine's PyTorch environment).
+wheels=(megatron-fsdp==0.6.1 einops==0.8.2)
 DEB_DIR=$ROOT/.device/debs
 MAX_DEB_BYTES=$((60 << 20))
 
@@ -54,9 +59,12 @@ esac
 if [[ $mode == fetch ]]; then
   rm -rf "$DEB_DIR" && mkdir -p "$DEB_DIR" || exit 1
   (cd "$DEB_DIR" && apt-get download "${debs[@]}") || { echo "gpu_check: apt-get download failed" >&2; exit 1; }
+  pip_python=${PYTHON:-$ROOT/.venv/bin/python}
+  "$pip_python" -m pip download -q --no-deps -d "$DEB_DIR/wheels" "${wheels[@]}" ||
+    { echo "gpu_check: pip download ${wheels[*]} failed" >&2; exit 1; }
   ls -l "$DEB_DIR"
-  total=$(du -cb "$DEB_DIR"/*.deb | tail -1 | cut -f1)
-  echo "gpu_check: ${#debs[@]} packages in .device/debs: $total bytes ($(((total + 1048575) >> 20)) MiB)"
+  total=$(du -cb "$DEB_DIR"/*.deb "$DEB_DIR"/wheels/*.whl | tail -1 | cut -f1)
+  echo "gpu_check: ${#debs[@]} packages and ${#wheels[@]} wheels in .device/debs: $total bytes ($(((total + 1048575) >> 20)) MiB)"
   ((total < MAX_DEB_BYTES)) || { echo "gpu_check: over $((MAX_DEB_BYTES >> 20)) MiB" >&2; exit 1; }
   exit 0
 fi
@@ -246,17 +254,27 @@ if ((GPU_BENCH)); then
   else
     log "collective bandwidth: skipped, $t s left for it"
   fi
-  t=$(allow 180 60)
-  if ((t >= 60)); then
-    start=$SECONDS
-    BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/step_time timeout -k 5 "$t" bench/gpu_step_time.sh \
-      >"$out/bench_step_time.txt" 2>&1
-    rc=$?
-    log "step time, mfsdp-pretrain vs PyTorch DDP on CUDA: exit $rc, $((SECONDS - start)) s (bench_step_time.txt)"
-    sed -n '/^| run/,$p' "$out/bench_step_time.txt" | tee -a "$summary"
-  else
-    log "step time: skipped, $t s left for it"
-  fi
+  # Megatron-FSDP for the side-by-side run: the carried wheels unpacked onto PYTHONPATH.
+  site=$work/site
+  for whl in .device/debs/wheels/*.whl; do
+    [[ -e $whl ]] && "$python" -m zipfile -e "$whl" "$site"
+  done
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+  nprocs=(1)
+  ((gpus > 1)) && nprocs+=("$gpus")
+  for n in "${nprocs[@]}"; do
+    t=$(allow 240 60)
+    if ((t >= 60)); then
+      start=$SECONDS
+      NPROC=$n BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/step_time_$n PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} \
+        timeout -k 5 "$t" bench/gpu_step_time.sh >>"$out/bench_step_time.txt" 2>&1
+      rc=$?
+      log "step time on $n GPU(s), mfsdp vs DDP, FSDP2, Megatron-FSDP: exit $rc, $((SECONDS - start)) s (bench_step_time.txt)"
+    else
+      log "step time on $n GPU(s): skipped, $t s left for it"
+    fi
+  done
+  sed -n '/^# GPU step time/,$p' "$out/bench_step_time.txt" >>"$summary"
 else
   log "benchmarks: skipped (GPU_BENCH=0)"
 fi
