@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PyTorch peers of mfsdp-pretrain (DDP and FSDP2): the same Llama, optimizer and batch layout.
+"""PyTorch peers of mfsdp-pretrain (DDP, FSDP2, Megatron-FSDP): the same Llama, optimizer and
+batch layout, one process per rank.
 
     .venv/bin/python bench/torch_llama.py --impl fsdp2 --nproc 2 --threads 1 \
         --num-layers 4 --hidden-size 256 --ffn-hidden-size 704 --num-attention-heads 8 \
@@ -10,33 +11,52 @@
     .venv/bin/python bench/torch_llama.py --check-hf --num-layers 2 ...  # the model is HF's Llama
 
 --impl ddp (default): DistributedDataParallel; no_sync() on all micro-batches but the last.
+--bf16: the forward and the loss under torch.autocast(bfloat16) -- fp32 parameters, gradients,
+reduction and AdamW state, bf16 matmuls.
 --impl fsdp2: torch.distributed.fsdp.fully_shard on every decoder layer, then on the root, with
 FSDP2's defaults (reshard_after_forward=True, its own implicit prefetching); gradients are
 reduce-scattered after every micro-batch (FSDP2's default, as mfsdp's ZeRO-3 does). --bf16 is
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=--reduce-dtype): fp32 sharded parameters
 (the main weights), fp32 gradients and AdamW state, bf16 compute; no autocast.
+--impl megatron_fsdp: the megatron-fsdp package (0.6.1) as its README uses it: fully_shard_model
+with every DecoderLayer an FSDP unit, zero_dp_strategy "optim_grads_params" (ZeRO-3), then
+fully_shard_optimizer; gradients reduce-scattered after every micro-batch. --bf16: bf16 model
+weights and compute, fp32 main weights and main gradients (its MixedPrecisionPolicy),
+--reduce-dtype on the wire. CUDA only: on CPU, MegatronFSDP.__init__ calls
+torch.cuda.current_device() (megatron_fsdp.py:234, "Found no NVIDIA driver"), and past its CUDA
+streams the gradient reduce-scatter uses ReduceOp.PREMUL_SUM, which gloo refuses.
+In every case --bf16 leaves what HF keeps in fp32 in fp32: the RMSNorm arithmetic, the softmax
+of --attention-backend unfused and the cross entropy of the logits.
 
---impl megatron_fsdp: the megatron-fsdp package's fully_shard_model / fully_shard_optimizer,
-ZeRO-3 with every decoder layer a unit (wrap_megatron_fsdp); CUDA only (it cannot run on CPU).
-
---adamw-impl auto is fused=True on CPU: 4 layers x d256, 2 ranks x 1 thread, global batch 8,
-median of iterations 3-8 on the 2-vCPU VM: FSDP2 282 ms fused vs 331 ms foreach, DDP 194 ms vs
-256 ms. On GPUs auto leaves torch's default (foreach).
+--adamw-impl auto is fused=True on CPU for both DDP and FSDP2: optimizer.step() alone at the
+default bench shape (4 layers x d256, vocabulary 1024, 2 ranks x 1 thread, gloo, median of 40
+steps, the 2-vCPU VM): DDP 5.3 ms fused, 14.9 ms foreach, 9.8 ms for_loop; FSDP2 (DTensor
+shards) 3.0 ms fused, 9.6 ms foreach, 12.3 ms for_loop. Whole iterations (global batch 16, two
+runs of 10 timed iterations each) agree within their noise: DDP 424 ms fused, 443 ms foreach,
+454 ms for_loop; FSDP2 587 / 628 / 602 ms. On GPUs auto leaves torch's default (foreach), which
+was not measured against fused.
 
 Spawns --nproc processes itself (torch.multiprocessing, rendezvous over tcp://127.0.0.1:PORT; no
 torchrun), each with torch.set_num_threads(--threads), trains on uniform random tokens and prints
-one JSON line at the end (rank 0):
+one JSON line at the end (rank 0), with these keys:
 
-    {"impl": "torch_ddp" | "torch_fsdp2", "nproc": 2, "threads": 1, "iter_time_s": <median of
-     the timed iterations>, "tokens_per_sec": <global batch x seq / iter_time_s>,
-     "tflops_per_rank": <Megatron's formula, bench/llama_flops.py>, "peak_rss_mib": [per rank],
-     "memory_mib": {"params", "grads", "optimizer"} (rank 0's local tensors), ...}
+    impl             "torch_ddp" | "torch_fsdp2" | "torch_megatron_fsdp"
+    nproc, threads, device, bf16, precision (in words), adamw (AdamW's kernel arguments), torch
+    iter_time_s      median of the timed iterations (after --warmup-iters); iter_times_s: all of them
+    timed_iters      their count
+    tokens_per_sec   global batch x seq / iter_time_s
+    tflops_per_rank  Megatron's model FLOPs per iteration (bench/llama_flops.py, as mfsdp's
+                     metrics) / iter_time_s / nproc / 1e12
+    peak_rss_mib     [every rank's getrusage ru_maxrss, MiB]
+    peak_gpu_mib     [every rank's torch.cuda.max_memory_allocated, MiB] on cuda, else null
+    memory_mib       rank 0's own bytes after the last step, MiB: {"params", "grads", "optimizer"}
+                     (DTensors: the local shard; Megatron-FSDP: its weight buffers, compute and
+                     main, and main-gradient buffer)
+    first_loss, final_loss, config (the model and batch settings)
 
 --device cpu (the default): gloo, CPU tensors. --device cuda: rank r runs on cuda:r (one process
-per GPU, --nproc <= GPUs) and DDP reduces over nccl; the tokens are still drawn on the CPU (the
-same tokens as on the CPU) and copied over. --bf16: the forward and the loss under
-torch.autocast(bfloat16) -- fp32 parameters, gradients and optimizer state, bf16 matmuls -- the
-usual PyTorch counterpart of mfsdp-pretrain --bf16 (bf16 compute, fp32 main weights and grads).
+per GPU, --nproc <= GPUs), nccl; the weights are initialised on the GPU, the tokens drawn on the
+CPU and copied over.
 
 What it mirrors from mfsdp (src/models/*.cpp, src/train/trainer.cpp):
   - model: embedding -> N x [RMSNorm -> GQA attention with HF RoPE (rotate_half, theta) and
@@ -46,17 +66,19 @@ What it mirrors from mfsdp (src/models/*.cpp, src/train/trainer.cpp):
     biases; RoPE tables computed once per forward; RMSNorm normalises in fp32 as HF does.
   - init: normal(0, --init-method-std) for projections and the embedding, ones for norms.
   - vocabulary padded to a multiple of --make-vocab-size-divisible-by (Megatron).
-  - batches: micro-batches per step = global / (micro x ranks); gradients synchronised only on
-    the last one (DDP no_sync() on the others); each micro-batch loss is mean token cross
-    entropy (fp32) / micro-batches; DDP averages over ranks (Megatron's 1/dp).
-  - step: clip_grad_norm_(--clip-grad), AdamW (torch.optim.AdamW, foreach/fused left at their
-    defaults) with weight decay on >= 2-D parameters only, linear LR decay to --min-lr.
+  - batches: micro-batches per step = global / (micro x ranks); each micro-batch loss is mean
+    token cross entropy (fp32) / micro-batches; gradients are averaged over ranks (Megatron's
+    1/dp).
+  - step: gradient norm clipping to --clip-grad (torch's clip_grad_norm_; Megatron-FSDP: over
+    the local shards, clip_disjoint_shards_), AdamW (torch.optim.AdamW) with weight decay on >= 2-D
+    parameters only, linear LR decay to --min-lr.
   - timing: from the start of an iteration to after the optimizer step, zero_grad and the
     all-reduce of the logged loss (mfsdp reduces the loss every --log-interval 1 iteration); on
     a GPU the clock stops after torch.cuda.synchronize().
 """
 
 import argparse
+import collections
 import contextlib
 import json
 import math
@@ -207,8 +229,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         hidden = self.norm(hidden)
-        weight = self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is not None:
+            # Called as a module: Megatron-FSDP all-gathers a non-unit module's weight in that
+            # module's pre-forward hook; a bare F.linear on the weight would get it gathered only
+            # by sharing a bucket with another module's (the final norm's, as it happens).
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.embed_tokens.weight)
 
 
 def lm_loss(logits, labels):
@@ -233,8 +259,17 @@ def lr_at(a, step):
     return a.min_lr + coeff * (a.lr - a.min_lr)
 
 
+# A model under --impl: model(inputs) -> logits; autocast() and sync(last micro-batch) are the
+# contexts of a micro-batch's forward and of its forward and backward; clip() clips the gradients
+# to --clip-grad.
+Wrapped = collections.namedtuple("Wrapped", "model autocast sync clip")
+
+
+def no_context(*_):
+    return contextlib.nullcontext()
+
+
 def wrap(model, a, rank, device):
-    """(callable model, autocast context factory, sync context factory(last micro-batch))."""
     if a.impl == "megatron_fsdp":
         return wrap_megatron_fsdp(model, a, device)
     if a.impl == "fsdp2":
@@ -244,30 +279,58 @@ def wrap(model, a, rank, device):
         for layer in model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
-        return model, contextlib.nullcontext, lambda last: contextlib.nullcontext()
+        return Wrapped(model, no_context, no_context,
+                       lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip_grad))
     ddp = nn.parallel.DistributedDataParallel(model, device_ids=[rank] if a.device == "cuda" else None)
 
     def autocast():  # bf16 compute with fp32 parameters (--bf16), else a no-op
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16)
 
-    return ddp, autocast, lambda last: contextlib.nullcontext() if last else ddp.no_sync()
+    return Wrapped(ddp, autocast, lambda last: contextlib.nullcontext() if last else ddp.no_sync(),
+                   lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), a.clip_grad))
 
 
 def wrap_megatron_fsdp(model, a, device):
     """Megatron-FSDP's own fully_shard (PyPI megatron-fsdp), ZeRO-3 with every decoder layer a
     unit, as its README shows. --bf16: bf16 model weights and compute, fp32 main weights and main
-    gradients, --reduce-dtype on the wire: what mfsdp-pretrain --bf16 does. Gradients are reduced
-    after every micro-batch (sync_model_each_microbatch, fully_shard's default). CUDA only:
-    MegatronFSDP.__init__ calls torch.cuda.current_device() even for a CPU device (0.6.1)."""
+    gradients, --reduce-dtype on the wire: what mfsdp-pretrain --bf16 does; fp32: the model's
+    weights are the main weights (no second copy), as in mfsdp, DDP and FSDP2. Gradients are
+    reduce-scattered after every micro-batch (sync_model_each_microbatch, fully_shard's default).
+    CUDA only: MegatronFSDP.__init__ calls torch.cuda.current_device() even for a CPU device
+    (0.6.1), and its gradient reduce-scatter uses NCCL's PREMUL_SUM, which gloo lacks."""
     from megatron_fsdp import MixedPrecisionPolicy as MegatronPrecision, fully_shard_model
     if a.bf16:
         model.to(torch.bfloat16)
-    policy = MegatronPrecision(
-        main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
-        grad_comm_dtype=torch.bfloat16 if a.bf16 and a.reduce_dtype == "bf16" else torch.float32)
+        policy = MegatronPrecision(
+            main_params_dtype=torch.float32, main_grads_dtype=torch.float32,
+            grad_comm_dtype=torch.bfloat16 if a.reduce_dtype == "bf16" else torch.float32)
+    else:
+        policy = MegatronPrecision(main_params_dtype=None)
     wrapped = fully_shard_model(model, fsdp_unit_modules=[DecoderLayer], zero_dp_strategy="optim_grads_params",
                                 device=device, mixed_precision_policy=policy)
-    return wrapped, contextlib.nullcontext, lambda last: contextlib.nullcontext()
+    return Wrapped(wrapped, no_context, no_context,
+                   lambda: clip_disjoint_shards_(wrapped.parameters(), a.clip_grad, device))
+
+
+def local_tensor(t):
+    """A DTensor's local shard; any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_disjoint_shards_(params, max_norm, device):
+    """clip_grad_norm_ over gradients sharded without overlap, as Megatron-LM clips Megatron-FSDP's:
+    the squares of every rank's local pieces summed over the ranks. Not torch's clip_grad_norm_:
+    Megatron-FSDP leaves the gradient of a parameter with no elements on a rank None, so the
+    ranks' lists differ and its one reduction per DTensor gradient would not match up."""
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
+    squares = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        squares += torch.linalg.vector_norm(g, dtype=torch.float32).square()
+    dist.all_reduce(squares)
+    norm = squares.sqrt()
+    if grads:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
 
 
 def adamw_impl_kwargs(a):
@@ -287,18 +350,31 @@ def precision_text(a):
     return "autocast bf16 compute, fp32 params and grads, fp32 reduce"
 
 
-def local_memory_mib(model, optimizer):
-    """Bytes this rank holds in parameters, gradients and AdamW state (DTensor: its shard)."""
-    def local(t):
-        return t.to_local() if hasattr(t, "to_local") else t
-    params = sum(local(p).nbytes for p in model.parameters())
-    grads = sum(local(p.grad).nbytes for p in model.parameters() if p.grad is not None)
-    state = sum(local(v).nbytes for s in optimizer.state.values() for v in s.values()
+def megatron_fsdp_buffer_bytes(wrapped):
+    """(weights, gradients) bytes of Megatron-FSDP's persistent buffers on this rank: the compute
+    weights' shard (bf16 under --bf16), the fp32 main weights' shard (--bf16 only) and the main
+    gradients' shard; its parameters as the optimizer sees them are the main weights only."""
+    def nbytes(buf):
+        return buf.data.nbytes if buf is not None and buf.data is not None else 0
+    groups = wrapped.param_and_grad_buffer.parameter_groups
+    return (sum(nbytes(g.model_weight_buffer) + nbytes(g.main_weight_buffer) for g in groups),
+            sum(nbytes(g.main_grad_buffer) for g in groups))
+
+
+def local_memory_mib(model, optimizer, impl):
+    """MiB this rank holds in parameters, gradients and AdamW state (DTensor: its shard)."""
+    if impl == "megatron_fsdp":
+        params, grads = megatron_fsdp_buffer_bytes(model)
+    else:
+        params = sum(local_tensor(p).nbytes for p in model.parameters())
+        grads = sum(local_tensor(p.grad).nbytes for p in model.parameters() if p.grad is not None)
+    state = sum(local_tensor(v).nbytes for s in optimizer.state.values() for v in s.values()
                 if torch.is_tensor(v) and v.dim() > 0)
     return {"params": params / 2**20, "grads": grads / 2**20, "optimizer": state / 2**20}
 
 
-def worker(rank, a):
+def init_rank(rank, a):
+    """Joins the process group; returns this rank's device."""
     torch.set_num_threads(a.threads)
     init = "tcp://127.0.0.1:%d" % a.port
     if a.device == "cuda":
@@ -309,20 +385,39 @@ def worker(rank, a):
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=a.nproc)
+    return device
+
+
+def build(a, rank, device):
+    """(Wrapped model, AdamW) for --impl, the same initial weights on every rank."""
     torch.manual_seed(a.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
-    model = LlamaForCausalLM(a).to(device)
-    wrapped, autocast, sync_context = wrap(model, a, rank, device)
-    # Decay groups by shape, as mfsdp: >= 2-D parameters (FSDP2's DTensors keep their global shape).
-    decay = [p for p in wrapped.parameters() if p.dim() >= 2]
-    no_decay = [p for p in wrapped.parameters() if p.dim() < 2]
+    with device:  # initialised where it runs: no host copy of a GPU model per rank
+        model = LlamaForCausalLM(a)
+    wrapped = wrap(model, a, rank, device)
+    # Decay groups by shape, as mfsdp: >= 2-D parameters (FSDP2's and Megatron-FSDP's DTensors
+    # keep their global shape).
+    params = list(wrapped.model.parameters())
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    # lr is set before every step (lr_at); 0 until then keeps fully_shard_optimizer's
+    # state-initialising step (zero gradients) from applying weight decay.
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": a.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=a.lr, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, **adamw_impl_kwargs(a))
+        lr=0.0, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_eps, **adamw_impl_kwargs(a))
     if a.impl == "megatron_fsdp":
         from megatron_fsdp import fully_shard_optimizer
         optimizer = fully_shard_optimizer(optimizer)
-    data_gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # different tokens per rank
+        # Its state-initialising step counted as a step: back to 0, so that AdamW's bias
+        # correction starts as in the other runs (the moments are still 0: zero gradients).
+        for state in optimizer.state.values():
+            state["step"].zero_()
+    return wrapped, optimizer
 
+
+def train(a, rank, device, wrapped, optimizer):
+    """Runs --train-iters steps; returns (iteration times, logged losses, memory_mib after the
+    last step)."""
+    data_gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # different tokens per rank
     times, losses = [], []
     for it in range(1, a.train_iters + 1):
         start = time.perf_counter()
@@ -331,19 +426,18 @@ def worker(rank, a):
             tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1),
                                    generator=data_gen).to(device)
             inputs, labels = tokens[:, :-1], tokens[:, 1:]
-            last = m == a.num_micro_batches - 1
-            with sync_context(last):
-                with autocast():
-                    loss = lm_loss(wrapped(inputs), labels) / a.num_micro_batches
+            with wrapped.sync(m == a.num_micro_batches - 1):
+                with wrapped.autocast():
+                    loss = lm_loss(wrapped.model(inputs), labels) / a.num_micro_batches
                 loss.backward()
             step_loss += loss.item()
         if a.clip_grad > 0:
-            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), a.clip_grad)
+            wrapped.clip()
         for g in optimizer.param_groups:
             g["lr"] = lr_at(a, it)
         optimizer.step()
         if it == a.train_iters:  # gradients still held: the runtime's own figures
-            memory = local_memory_mib(wrapped, optimizer)
+            memory = local_memory_mib(wrapped.model, optimizer, a.impl)
         optimizer.zero_grad()
         reported = torch.tensor([step_loss], device=device)
         dist.all_reduce(reported)  # the logged loss (mfsdp: all_reduce_mean every log interval)
@@ -355,39 +449,58 @@ def worker(rank, a):
         if rank == 0 and a.verbose:
             print("iteration %d/%d | iter time (ms): %.1f | lm loss: %.6E"
                   % (it, a.train_iters, elapsed * 1e3, losses[-1]), file=sys.stderr, flush=True)
+    return times, losses, memory
 
+
+def report(a, rank, device, times, losses, memory):
+    """Gathers every rank's peak memory; rank 0 prints the JSON result line."""
     peak_rss = [None] * a.nproc  # every rank's own peak (KiB on Linux)
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
     peak_gpu = [None] * a.nproc
     dist.all_gather_object(peak_gpu, torch.cuda.max_memory_allocated(device) / 2**20
                            if device.type == "cuda" else None)
-    if rank == 0:
-        timed = times[a.warmup_iters:]
-        median = statistics.median(timed)
-        tokens = a.global_batch_size * a.seq_length
-        flops = megatron_flops_per_iteration(
-            a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads,
-            a.num_query_groups, a.seq_length, a.padded_vocab_size, a.global_batch_size)
-        print(json.dumps({
-            "impl": "torch_" + a.impl, "nproc": a.nproc, "threads": a.threads,
-            "device": a.device, "bf16": a.bf16,
-            "precision": precision_text(a),
-            "peak_gpu_mib": peak_gpu if device.type == "cuda" else None,
-            "peak_rss_mib": peak_rss, "memory_mib": memory,
-            "adamw": adamw_impl_kwargs(a),
-            "iter_time_s": median, "tokens_per_sec": tokens / median,
-            "tflops_per_rank": flops / median / a.nproc / 1e12,
-            "timed_iters": len(timed), "iter_times_s": timed,
-            "first_loss": losses[0], "final_loss": losses[-1],
-            "torch": torch.__version__,
-            "config": {k: getattr(a, k) for k in (
-                "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                "num_query_groups", "seq_length", "micro_batch_size", "global_batch_size",
-                "num_micro_batches", "vocab_size", "padded_vocab_size", "untie", "train_iters",
-                "warmup_iters")},
-        }), flush=True)
+    if rank != 0:
+        return
+    timed = times[a.warmup_iters:]
+    median = statistics.median(timed)
+    tokens = a.global_batch_size * a.seq_length
+    flops = megatron_flops_per_iteration(
+        a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads,
+        a.num_query_groups, a.seq_length, a.padded_vocab_size, a.global_batch_size)
+    print(json.dumps({
+        "impl": "torch_" + a.impl, "nproc": a.nproc, "threads": a.threads,
+        "device": a.device, "bf16": a.bf16,
+        "precision": precision_text(a),
+        "peak_gpu_mib": peak_gpu if device.type == "cuda" else None,
+        "peak_rss_mib": peak_rss, "memory_mib": memory,
+        "adamw": adamw_impl_kwargs(a),
+        "iter_time_s": median, "tokens_per_sec": tokens / median,
+        "tflops_per_rank": flops / median / a.nproc / 1e12,
+        "timed_iters": len(timed), "iter_times_s": timed,
+        "first_loss": losses[0], "final_loss": losses[-1],
+        "torch": torch.__version__,
+        "config": {k: getattr(a, k) for k in (
+            "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+            "num_query_groups", "seq_length", "micro_batch_size", "global_batch_size",
+            "num_micro_batches", "vocab_size", "padded_vocab_size", "untie", "train_iters",
+            "warmup_iters")},
+    }), flush=True)
+
+
+def worker(rank, a):
+    device = init_rank(rank, a)
+    wrapped, optimizer = build(a, rank, device)
+    times, losses, memory = train(a, rank, device, wrapped, optimizer)
+    report(a, rank, device, times, losses, memory)
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: a gloo thread may still be releasing the last
+    # collectives' tensors, and taking the GIL during Py_Finalize aborts the process (std::terminate
+    # in ProcessGroupGloo::runLoop -> ~AsyncBarrierWork -> decref_pyobject; about 1 FSDP2 run in
+    # 20 here with torch 2.15) after the result was printed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port():
@@ -397,7 +510,7 @@ def free_port():
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -437,11 +550,12 @@ def parse_args(argv=None):
                    help="ddp: forward and loss under torch.autocast(bfloat16); fsdp2: "
                         "MixedPrecisionPolicy(param_dtype=bf16); fp32 parameters either way")
     p.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="--bf16: the gradient reduction's dtype (FSDP2 reduce_dtype, "
-                        "Megatron-FSDP grad_comm_dtype)")
+                   help="fsdp2 and megatron_fsdp with --bf16: the gradient reduction's dtype (FSDP2 "
+                        "reduce_dtype, Megatron-FSDP grad_comm_dtype)")
     p.add_argument("--adamw-impl", choices=("auto", "fused", "foreach", "for_loop", "default"),
-                   default="auto", help="torch.optim.AdamW's kernel; auto: fused on CPU (measured "
-                   "fastest there, bench/torch_llama.py docstring), torch's default on GPUs")
+                   default="auto", help="torch.optim.AdamW's kernel (default: torch's own choice); "
+                   "auto: fused on CPU (measured fastest there for DDP and FSDP2, see the module "
+                   "docstring), torch's default on GPUs")
     p.add_argument("--attention-backend", choices=("auto", "unfused"), default="auto",
                    help="as mfsdp-pretrain's flag: auto = F.scaled_dot_product_attention (causal); "
                         "unfused = explicit matmul, mask, fp32 softmax, matmul")
@@ -471,6 +585,9 @@ def parse_args(argv=None):
     if a.impl == "megatron_fsdp" and a.device != "cuda":
         bad("--impl", "megatron_fsdp needs --device cuda: megatron-fsdp 0.6.1's MegatronFSDP.__init__ "
             "calls torch.cuda.current_device() even when given a CPU device (megatron_fsdp.py:234)")
+    if a.reduce_dtype == "bf16" and (a.impl == "ddp" or not a.bf16):
+        bad("--reduce-dtype", "bf16 applies to --impl fsdp2 and megatron_fsdp with --bf16 (DDP and "
+            "fp32 runs reduce their fp32 gradients)")
     if a.device == "cuda":
         if not torch.cuda.is_available():
             bad("--device", "cuda: torch %s sees no GPU" % torch.__version__)
