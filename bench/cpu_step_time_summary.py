@@ -25,6 +25,8 @@ flops = megatron_flops_per_iteration(
 peak = json.load(open(os.path.join(out, "peak.json")))
 runs_wanted = env["RUNS"].split()
 precisions = env["PRECISIONS"].split()
+cuda = env.get("DEVICE", "cpu") == "cuda"
+backend = "nccl" if cuda else "gloo"
 
 WHAT = {
     "a": ("mfsdp 1 rank (%s), scaling baseline" % env["BASELINE_STRATEGY"], 1),
@@ -35,12 +37,11 @@ WHAT = {
     "g": ("mfsdp ZeRO-3, prefetch, --fsdp-double-buffer", n),
     "h": ("mfsdp ZeRO-3, prefetch, MFSDP_SHM=0 (loopback TCP)", n),
     "k": ("mfsdp ZeRO-3, MFSDP_KEEP_FREED_MEMORY=0 (glibc returns freed blocks)", n),
-    "e": ("PyTorch DDP, gloo", n),
-    "p": ("PyTorch FSDP2 (fully_shard), gloo", n),
+    "e": ("PyTorch DDP, %s" % backend, n),
+    "p": ("PyTorch FSDP2 (fully_shard), %s" % backend, n),
     "q": ("PyTorch FSDP2, glibc keeping freed memory (GLIBC_TUNABLES)", n),
     "r": ("Megatron-FSDP (megatron-fsdp package), optim_grads_params", n),
 }
-cuda = env.get("DEVICE", "cpu") == "cuda"
 MEMORY_RE = re.compile(
     r"memory per rank \(MiB\): model weights ([0-9.e+-]+), main weights ([0-9.e+-]+), main grads "
     r"([0-9.e+-]+), optimizer state ([0-9.e+-]+), transient peak ([0-9.e+-]+)")
@@ -83,8 +84,10 @@ def torch_result(label, precision):
     return times, rounds, last, rss, memory
 
 
-print("# %s step time: mfsdp side by side with PyTorch FSDP2 and DDP (torch %s)"
-      % ("GPU" if cuda else "CPU", env["TORCH_VERSION"]))
+peers = ("PyTorch DDP, FSDP2 and Megatron-FSDP" if "r" in runs_wanted and not env.get("SKIP_R")
+         else "PyTorch FSDP2 and DDP")
+print("# %s step time: mfsdp side by side with %s (torch %s)"
+      % ("GPU" if cuda else "CPU", peers, env["TORCH_VERSION"]))
 print()
 print("- machine: %s cores, %s; load average before summary %s"
       % (env["MACHINE_NPROC"], env["CPU_MODEL"], env["LOADAVG"]))
@@ -150,8 +153,9 @@ print("Ratios (tokens/s of the first over the second; memory: %s, max over ranks
 for precision in precisions:
     ratio("ZeRO-3 vs FSDP2 b/p", "b", "p", precision, "target >= 1.3")
     ratio("ZeRO-3 vs FSDP2 with the same malloc setting b/q", "b", "q", precision, "> 1: mfsdp faster")
-    ratio("ZeRO-3 peak RSS vs FSDP2 b/p", "b", "p", precision, "target <= 0.9", kind="rss")
+    ratio("ZeRO-3 peak memory vs FSDP2 b/p", "b", "p", precision, "target <= 0.9", kind="rss")
     ratio("ZeRO-3 vs DDP b/e", "b", "e", precision, "target >= 1.2")
+    ratio("ZeRO-3 peak memory vs DDP b/e", "b", "e", precision, "< 1: mfsdp smaller", kind="rss")
     ratio("ZeRO-3 vs Megatron-FSDP b/r", "b", "r", precision, "target >= 1.15 on GPUs")
     ratio("ZeRO-3 peak memory vs Megatron-FSDP b/r", "b", "r", precision, "target <= 0.9", kind="rss")
     ratio("no_shard vs DDP d/e", "d", "e", precision, "> 1: mfsdp faster")

@@ -12,9 +12,11 @@
 #
 # The GPU machine has no internet and none of the Debian packages the build needs beside
 # LibTorch: --fetch-debs downloads them (apt-get download, no dependencies resolved), and the
-# megatron-fsdp wheels (.device/debs/wheels, unpacked there onto PYTHONPATH), into
-# .device/debs (ignored by git; hand it to the machine, e.g. the device tool's carry). There they
-# are not installed: each .deb is unpacked (dpkg -x, i.e. dpkg-deb -x; ar + tar without dpkg)
+# wheels of Megatron-FSDP for the side-by-side benchmark (.device/debs/wheels), into
+# .device/debs (ignored by git; hand it to the machine, e.g. the device tool's carry). There a
+# wheel is installed only when its module is not importable already (pip install --no-deps
+# --no-index --target, onto PYTHONPATH for the benchmark alone), and the .debs are not
+# installed: each .deb is unpacked (dpkg -x, i.e. dpkg-deb -x; ar + tar without dpkg)
 # into DEB_PREFIX and CMake is pointed at it (CMAKE_PREFIX_PATH, CMAKE_LIBRARY_PATH, GTest_DIR,
 # -isystem for the header-only JSON and the SentencePiece headers); LD_LIBRARY_PATH gets its
 # library folder (libsentencepiece.so.0; the build's RPATH names it too).
@@ -34,16 +36,17 @@
 # Environment: PYTHON [python3: the PyTorch to build against; also MFSDP_PYTHON of the tests]
 #   BUILD_DIR [build-gpu] DEB_PREFIX [.device/root] GPU_CHECK_BUDGET [570] CTEST_JOBS [4]
 #   GPU_BENCH [1; 0 skips the benchmarks] CB_ROUNDS [3] CB_MAX_BYTES [256M] (collectives)
-#   and gpu_step_time.sh's (LAYERS, HIDDEN, BF16, ITERS, ...), which pass through.
+#   and gpu_step_time.sh's (LAYERS, HIDDEN, PRECISIONS, ITERS, ...), which pass through.
 # Exit status: 0 when the build and the GPU tier passed; 1 otherwise; 2 on bad usage.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 
 debs=(nlohmann-json3-dev libcli11-dev libsentencepiece-dev libsentencepiece0 libgtest-dev googletest)
-# Megatron-FSDP itself for the side-by-side benchmark (pure Python; its other requirements, torch
-# and packaging, are in the GPU machine's PyTorch environment).
-wheels=(megatron-fsdp==0.6.1 einops==0.8.2)
+# Megatron-FSDP itself for the side-by-side benchmark, and what it imports beside torch
+# (Requires-Dist: torch, einops, packaging): packaging, in case that environment lacks it; not
+# einops, which it imports only for hybrid sharding (HSDP), unused here. Pure Python, 0.2 MiB.
+wheels=(megatron-fsdp==0.6.1 packaging==26.3)
 DEB_DIR=$ROOT/.device/debs
 MAX_DEB_BYTES=$((60 << 20))
 
@@ -238,6 +241,23 @@ elif ((rc == 0)); then
   grep -m3 -E 'SKIPPED|needs a CUDA GPU' "$out/ctest_gpu.txt" | tee -a "$summary"
 fi
 
+# The carried wheels whose module this Python cannot import yet, into $1 (for PYTHONPATH).
+install_wheels() {  # dir
+  local whl module
+  for whl in "$DEB_DIR"/wheels/*.whl; do
+    [[ -e $whl ]] || continue
+    module=${whl##*/} && module=${module%%-*}  # the distribution name, '-' as '_': the module here
+    if "$python" -c "import $module" 2>/dev/null; then
+      log "wheel ${whl##*/}: not installed, $python imports $module already"
+    elif "$python" -m pip install -q --no-deps --no-index --target "$1" "$whl" >>"$out/system.txt" 2>&1 ||
+         "$python" -m zipfile -e "$whl" "$1"; then  # no pip: a pure-Python wheel is its files
+      log "wheel ${whl##*/}: installed into $1"
+    else
+      log "wheel ${whl##*/}: could not be installed (system.txt)"
+    fi
+  done
+}
+
 # ---- GPU benchmarks ----------------------------------------------------------------------------------
 mkdir -p "$work/raw"
 if ((GPU_BENCH)); then
@@ -254,11 +274,9 @@ if ((GPU_BENCH)); then
   else
     log "collective bandwidth: skipped, $t s left for it"
   fi
-  # Megatron-FSDP for the side-by-side run: the carried wheels unpacked onto PYTHONPATH.
   site=$work/site
-  for whl in .device/debs/wheels/*.whl; do
-    [[ -e $whl ]] && "$python" -m zipfile -e "$whl" "$site"
-  done
+  install_wheels "$site"
+  # One GPU, then all: gpu_step_time.sh once per value, each under what the budget leaves.
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   nprocs=(1)
   ((gpus > 1)) && nprocs+=("$gpus")
@@ -266,15 +284,17 @@ if ((GPU_BENCH)); then
     t=$(allow 240 60)
     if ((t >= 60)); then
       start=$SECONDS
-      NPROC=$n BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/step_time_$n PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} \
-        timeout -k 5 "$t" bench/gpu_step_time.sh >>"$out/bench_step_time.txt" 2>&1
+      # The tables to bench_step_time.txt, the progress and any failure's output to the raw files.
+      NPROC=$n BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/step_time PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} \
+        timeout -k 5 "$t" bench/gpu_step_time.sh >>"$out/bench_step_time.txt" 2>"$work/raw/step_time_$n.log"
       rc=$?
-      log "step time on $n GPU(s), mfsdp vs DDP, FSDP2, Megatron-FSDP: exit $rc, $((SECONDS - start)) s (bench_step_time.txt)"
+      log "step time on $n GPU(s), mfsdp vs DDP, FSDP2, Megatron-FSDP: exit $rc, $((SECONDS - start)) s (bench_step_time.txt; progress: bench_raw.tar.gz raw/step_time_$n.log)"
+      ((rc)) && tail -15 "$work/raw/step_time_$n.log" | cut -c1-400 | tee -a "$summary"
     else
       log "step time on $n GPU(s): skipped, $t s left for it"
     fi
   done
-  sed -n '/^# GPU step time/,$p' "$out/bench_step_time.txt" >>"$summary"
+  cat "$out/bench_step_time.txt" >>"$summary"
 else
   log "benchmarks: skipped (GPU_BENCH=0)"
 fi
