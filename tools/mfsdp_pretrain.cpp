@@ -7,6 +7,7 @@
 // Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.
 #include <iostream>
 
+#include "train/llama_memory_plan.h"
 #include "train/pretrain_args.h"
 #include "train/trainer.h"
 #include "train/trainer_main.h"
@@ -21,6 +22,12 @@ int main(int argc, char** argv) {
     return args;
   };
   tool.validate = mfsdp::validate_pretrain_args;
-  tool.run = [&](const std::shared_ptr<mfsdp::Communicator>& comm) { mfsdp::pretrain(args, comm, std::cout); };
+  tool.run = [&](const std::shared_ptr<mfsdp::Communicator>& comm) {
+    if (args.memory_plan) {
+      mfsdp::print_memory_plan(args, comm, std::cout);
+    } else {
+      mfsdp::pretrain(args, comm, std::cout);
+    }
+  };
   return mfsdp::trainer_main(argc, argv, tool);
 }

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "fsdp/param_group.h"
+#include "fsdp/unit_parameters.h"
 #include "fsdp/unit_state.h"
 #include "mfsdp/device_mesh.h"
 
@@ -52,12 +53,6 @@ std::vector<std::pair<std::string, std::shared_ptr<UnitState>>> units_under(
     if (auto unit = lookup(*item.value())) out.emplace_back(item.key(), unit);
   }
   return out;
-}
-
-// `name` lies under the module path `prefix` ("a.b" is under "a", not under "ab").
-bool has_prefix(const std::string& name, const std::string& prefix) {
-  return name.size() > prefix.size() && name.compare(0, prefix.size(), prefix) == 0 &&
-         name[prefix.size()] == '.';
 }
 
 UnitState* find_unit(const torch::nn::Module& module) { return lookup(module).get(); }
@@ -151,54 +146,24 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& given
           "fully_shard: unit '" + prefix + "' under module '" + module.name() +
           "' was already used as a root (a forward, optimizer or state dict ran on it); apply "
           "fully_shard to every enclosing module before the first use");
-  std::map<const c10::TensorImpl*, std::pair<std::string, const UnitState*>> owner;
-  std::vector<std::pair<std::string, at::Tensor>> own;  // this unit's parameters, in order
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-    const std::string& name = item.key();
-    const UnitState* unit_of = nullptr;
-    size_t best = 0;
-    for (const auto& [prefix, unit] : descendants)
-      if (detail::has_prefix(name, prefix) && prefix.size() >= best) {
-        unit_of = unit.get();
-        best = prefix.size();
-      }
-    const c10::TensorImpl* impl = item.value().unsafeGetTensorImpl();
-    auto [it, inserted] = owner.emplace(impl, std::make_pair(name, unit_of));
-    if (!inserted) {
-      if (it->second.second != unit_of)
-        throw std::invalid_argument(
-            "fully_shard: parameter '" + name + "' is the same tensor as '" + it->second.first +
-            "' but they belong to different units; put both modules in one unit (e.g. tie the "
-            "embedding and output layer in the root) or untie them");
-      continue;  // tied within this unit: one storage, first name wins
-    }
-    if (unit_of == nullptr) own.emplace_back(name, item.value());
-  }
-
-  // Parameter groups by (dtype, requires_grad), in order of first appearance.
-  std::vector<std::pair<std::pair<at::ScalarType, bool>, std::vector<detail::GroupParam>>> buckets;
-  for (auto& [name, p] : own) {
-    auto key = std::make_pair(p.scalar_type(), p.requires_grad());
-    auto it = std::find_if(buckets.begin(), buckets.end(), [&](auto& b) { return b.first == key; });
-    if (it == buckets.end()) {
-      buckets.push_back({key, {}});
-      it = buckets.end() - 1;
-    }
-    it->second.push_back({name, p, p.sizes().vec(), p.scalar_type()});
-  }
+  std::vector<std::string> inner;
+  for (const auto& [prefix, child] : descendants) inner.push_back(prefix);
+  const detail::OwnedParameters owned = detail::owned_parameters(module, inner);
   std::vector<std::unique_ptr<detail::ParamGroup>> groups;
   {
     at::NoGradGuard no_grad;
-    for (auto& [key, params] : buckets)
+    for (const auto& group : detail::parameter_groups(owned.own)) {
+      std::vector<detail::GroupParam> params;
+      for (const auto& [name, p] : group) params.push_back({name, p, p.sizes().vec(), p.scalar_type()});
       groups.push_back(std::make_unique<detail::ParamGroup>(std::move(params), options));
+    }
   }
   auto unit = std::make_shared<UnitState>(module, std::move(groups), options);
 
   // Adopt the units below that have no parent yet; everything under this one belongs to its
   // root from now on and is named relative to this module. The root builds the shared context
   // on first use (root_context.h), so a unit already used as a root cannot be adopted.
-  std::map<const c10::TensorImpl*, std::string> names;
-  for (const auto& [impl, entry] : owner) names[impl] = entry.first;
+  const auto& names = owned.names;
   std::vector<UnitState*> members;
   for (const auto& [prefix, child] : descendants) {
     if (child->parent() == nullptr) child->set_parent(unit.get());

@@ -5,6 +5,7 @@
 
 #include <stdexcept>
 
+#include "fsdp/group_plan.h"
 #include "fsdp/storage.h"
 #include "mfsdp/device_mesh.h"
 
@@ -38,17 +39,16 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
       requires_grad_(params_.at(0).param.requires_grad()),
       rank_(options.comm->rank()),
       device_(options.device.value_or(options.comm->device())) {
-  const MixedPrecisionPolicy& mp = options.mixed_precision;
-  const RolePlacements placement = placements_of(options.strategy);
-  const at::ScalarType original = params_[0].original_dtype;
-  compute_dtype_ = mp.param_dtype && at::isFloatingType(original) ? *mp.param_dtype : original;
-  const at::ScalarType main_dtype = at::isFloatingType(original) ? mp.main_params_dtype : original;
-  grad_dtype_ = mp.main_grads_dtype;
-  comm_dtype_ = mp.grad_comm_dtype.value_or(grad_dtype_);
-
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& p : params_) shapes.push_back(p.shape);
-  layout_ = FlatLayout::build(shapes, comm_->size(), options.align_rows);
+  // Layout, placements and dtypes come from the plan that plan_memory also adds up (group_plan.h).
+  const GroupPlan plan = plan_group(shapes, params_[0].original_dtype, requires_grad_, options, comm_->size());
+  const RolePlacements placement = plan.placement;
+  const at::ScalarType original = params_[0].original_dtype, main_dtype = plan.main_dtype;
+  compute_dtype_ = plan.compute_dtype;
+  grad_dtype_ = plan.grad_dtype;
+  comm_dtype_ = options.mixed_precision.grad_comm_dtype.value_or(grad_dtype_);
+  layout_ = plan.layout;
 
   // The original values, packed (padding zero), in their own dtype on their own device: main
   // weights start from them at full precision, model weights from their cast.
@@ -71,9 +71,9 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
     point_params_at_unsharded();
   }
   if (requires_grad_) {
-    if (placement.main_weights == placement.model_weights && main_dtype == compute_dtype_) {
+    if (!plan.main_weights_own_memory() && placement.main_weights == placement.model_weights) {
       main_weights_ = model_weights_;  // one copy serves both roles
-    } else if (main_dtype == compute_dtype_) {
+    } else if (!plan.main_weights_own_memory()) {
       // Sharded main weights over replicated model weights of the same dtype: this rank's region.
       main_weights_ = FlatBuffer(&layout_, rank_, placement.main_weights, model_weights_.own());
     } else {

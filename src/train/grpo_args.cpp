@@ -12,7 +12,7 @@ ToolFlags grpo_tool_flags(GrpoArgs& a) {
   t.program = "mfsdp-grpo";
   t.excluded = {"--data-path", "--split",      "--mock-data",     "--seq-length",          "--vocab-size",
                 "--calculate-per-token-loss",  "--sample-prompt", "--sample-tokens",       "--skip-train",
-                "--simulate-world-size",       "--simulate-rank", "--global-batch-size"};
+                "--simulate-world-size",       "--simulate-rank", "--global-batch-size", "--memory-plan"};
   t.extra = task_source_flags(a.data, "prompts",
                               "verl's {\"prompt\": [{\"role\", \"content\"}], \"reward_model\": "
                               "{\"ground_truth\"}, \"data_source\"} per line");

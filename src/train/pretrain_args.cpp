@@ -164,6 +164,9 @@ const std::vector<Flag>& flags() {
                "(mfsdp) one process plays --simulate-rank of a job this size: real per-rank memory and "
                "compute, collectives replaced by local copies, losses not meaningful (0: off)"),
       INT_FLAG("--simulate-rank", simulate_rank, "(mfsdp) the rank played with --simulate-world-size"),
+      BOOL_FLAG("--memory-plan", memory_plan,
+                "(mfsdp) print each rank's planned buffer bytes per unit and exit before allocating them "
+                "(with --simulate-world-size N: for N ranks; needs no data or --train-iters)"),
       BOOL_FLAG("--fsdp-double-buffer", fsdp_double_buffer,
                 "unsharded weights and gradients in two persistent buffers per size class"),
       BOOL_FLAG("--fsdp-trace-pool", fsdp_trace_pool,
@@ -241,7 +244,7 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const Too
 }
 
 void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
-  if (a.data_path.empty() && !a.mock_data)
+  if (a.data_path.empty() && !a.mock_data && !a.memory_plan)
     bad("--data-path", "is required (or --mock-data for synthetic tokens)");
   if (!a.data_path.empty() && a.mock_data) bad("--mock-data", "conflicts with --data-path");
   validate_training_args(a, dp, tokenizer_vocab);
@@ -271,7 +274,7 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (a.ffn_hidden_size == 0) a.ffn_hidden_size = 4 * a.hidden_size;
   if (!a.recompute_granularity.empty() && !a.recompute_activations) a.recompute_activations = true;
   if (a.train_iters < 0) bad("--train-iters", "must be >= 0");
-  if (a.train_iters == 0 && !a.skip_train) bad("--train-iters", "is required (or --skip-train)");
+  if (a.train_iters == 0 && !a.skip_train && !a.memory_plan) bad("--train-iters", "is required (or --skip-train)");
   const int64_t per_micro = a.micro_batch_size * dp;
   if (a.global_batch_size == 0) a.global_batch_size = per_micro;
   if (a.global_batch_size % per_micro != 0)

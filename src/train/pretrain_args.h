@@ -105,6 +105,7 @@ struct PretrainArgs {
   // Simulated scale (ours): this single process plays one rank of a larger job.
   int64_t simulate_world_size = 0;  // 0: off
   int64_t simulate_rank = 0;
+  bool memory_plan = false;  // ours: print the per-rank memory plan and exit (mfsdp-pretrain only)
 
   // Derived by validate().
   int64_t num_micro_batches = 1;

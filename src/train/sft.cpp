@@ -27,7 +27,7 @@ ToolFlags sft_tool_flags(SftArgs& a) {
   // always normalised by global counts (--loss-agg-mode).
   t.excluded = {"--data-path",     "--split",         "--mock-data",          "--seq-length",
                 "--vocab-size",    "--calculate-per-token-loss", "--sample-prompt", "--sample-tokens",
-                "--skip-train",    "--simulate-world-size",      "--simulate-rank"};
+                "--skip-train",    "--simulate-world-size",      "--simulate-rank", "--memory-plan"};
   t.extra = task_source_flags(a.data, "conversations",
                               "{\"messages\": [{\"role\", \"content\"}...]} or {\"prompt\", \"response\"} per line");
   const std::vector<ToolFlag> own = {

@@ -115,6 +115,42 @@ TEST(Pretrain, SimulatedRankHoldsTheBytesOfTheRealRank) {
       << bad.output;
 }
 
+// The planned "memory per rank (MiB): ..." line of --memory-plan, in the end-of-run format.
+std::string planned_bytes_line(const std::string& output) {
+  const std::string key = "planned memory per rank (MiB):";
+  const auto begin = output.find(key);
+  const auto end = output.find('\n', begin);
+  return begin == std::string::npos ? "" : output.substr(begin + 8, end - begin - 8);
+}
+
+// --memory-plan prints, before allocating anything, the bytes the end of a real run reports
+// (model weights, main weights, main grads, optimizer state, transient peak), planned for a
+// simulated and for a launched 2-rank job (2 micro-batches per step), ZeRO-3 fp32 and ZeRO-1 bf16.
+TEST(Pretrain, MemoryPlanPrintsWhatTheRunHolds) {
+  const std::string flags = kModel + " --train-iters 3";
+  const std::string launch = bin("MFSDP_RUN_BIN") + " --nproc-per-node 2 " + bin("MFSDP_PRETRAIN_BIN");
+  for (const char* extra : {" --data-parallel-sharding-strategy optim_grads_params",
+                            " --data-parallel-sharding-strategy optim --bf16"}) {
+    Outcome real = run(launch + flags + extra);
+    ASSERT_EQ(real.exit_code, 0) << real.output;
+    std::string measured = buffer_bytes_line(real.output);
+    ASSERT_FALSE(measured.empty()) << real.output;
+    measured = measured.substr(0, measured.find(", buffer pool"));
+    for (const std::string& plan_command :
+         {bin("MFSDP_PRETRAIN_BIN") + flags + extra + " --memory-plan --simulate-world-size 2", launch + flags + extra + " --memory-plan"}) {
+      Outcome plan = run(plan_command);
+      ASSERT_EQ(plan.exit_code, 0) << plan_command << "\n" << plan.output;
+      EXPECT_EQ(plan.output.find("iteration"), std::string::npos) << "training started: " << plan.output;
+      EXPECT_NE(plan.output.find(" model.layers.1 "), std::string::npos) << plan.output;
+      EXPECT_EQ(planned_bytes_line(plan.output), measured) << plan_command << "\n" << plan.output;
+    }
+  }
+  // No data and no --train-iters needed for a plan.
+  Outcome bare = run(bin("MFSDP_PRETRAIN_BIN") + " --vocab-size 64 --memory-plan --simulate-world-size 512");
+  EXPECT_EQ(bare.exit_code, 0) << bare.output;
+  EXPECT_FALSE(planned_bytes_line(bare.output).empty()) << bare.output;
+}
+
 TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
   const std::string pretrain = bin("MFSDP_PRETRAIN_BIN");
   struct Case {

@@ -1,0 +1,153 @@
+#include "mfsdp/memory_plan.h"
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdio>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+
+#include "fsdp/group_plan.h"
+#include "fsdp/transient_schedule.h"
+#include "fsdp/unit_parameters.h"
+
+namespace mfsdp {
+
+using detail::GroupPlan;
+using detail::Placement;
+
+MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
+                       int world) {
+  if (world < 1) throw std::invalid_argument("plan_memory: world size must be >= 1");
+  if (options.mesh) throw std::invalid_argument("plan_memory: plans a 1-D shard group, not an HSDP mesh");
+  if (step.forward_order.empty() || !step.forward_order.front().path.empty())
+    throw std::invalid_argument("plan_memory: the forward order must start with the root (path \"\")");
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : root.named_modules()) modules[item.key()] = item.value();
+
+  MemoryPlan plan;
+  plan.world = world;
+  plan.options = options;
+  plan.options.comm = nullptr;
+  plan.step = step;
+  std::vector<detail::UnitTransients> transients;
+  for (const PlannedUnit& unit : step.forward_order) {
+    auto it = modules.find(unit.path);
+    if (it == modules.end()) throw std::invalid_argument("plan_memory: no module '" + unit.path + "' under the root");
+    // The units below this one, as paths relative to it: fully_shard's ownership rule.
+    std::vector<std::string> inner;
+    for (const PlannedUnit& other : step.forward_order) {
+      if (unit.path.empty() && !other.path.empty()) inner.push_back(other.path);
+      if (!unit.path.empty() && detail::has_prefix(other.path, unit.path))
+        inner.push_back(other.path.substr(unit.path.size() + 1));
+    }
+    detail::UnitTransients t{unit.path, 0, 0, 0, unit.unshard_in_backward};
+    const detail::OwnedParameters owned = detail::owned_parameters(*it->second, inner);
+    for (const auto& group : detail::parameter_groups(owned.own)) {
+      std::vector<std::vector<int64_t>> shapes;
+      for (const auto& [name, p] : group) shapes.push_back(p.sizes().vec());
+      const at::Tensor& first = group.front().second;
+      const GroupPlan g = detail::plan_group(shapes, first.scalar_type(), first.requires_grad(), options, world);
+      GroupMemory m;
+      m.unit = unit.path;
+      m.first_param = unit.path.empty() ? group.front().first : unit.path + "." + group.front().first;
+      m.compute_dtype = g.compute_dtype;
+      m.parameters = static_cast<int64_t>(group.size());
+      m.used = g.layout.used;
+      m.padded = g.layout.total();
+      m.shard = g.layout.shard;
+      m.model_weights = g.model_weight_bytes();
+      m.main_weights = g.main_weight_bytes();
+      m.main_grads = g.main_grad_bytes();
+      m.optimizer_state = step.optimizer_states * g.main_weight_elements() *
+                          static_cast<int64_t>(c10::elementSize(g.main_dtype));
+      m.gathered_weights = g.placement.model_weights == Placement::kSharded ? g.unsharded_bytes() : 0;
+      m.unsharded_grads = g.requires_grad ? g.unsharded_bytes() : 0;
+      m.grad_accumulator = step.micro_batches > 1 ? g.accumulator_bytes() : 0;  // only between micro-batches
+      plan.model_weights += m.model_weights;
+      plan.main_weights += m.main_weights;
+      plan.main_grads += m.main_grads;
+      plan.optimizer_state += m.optimizer_state;
+      t.weights += m.gathered_weights;
+      t.gradients += m.unsharded_grads;
+      t.accumulator += m.grad_accumulator;
+      plan.groups.push_back(std::move(m));
+    }
+    transients.push_back(t);
+  }
+
+  const detail::RolePlacements roles = detail::placements_of(options.strategy);
+  detail::ScheduleOptions schedule;
+  schedule.prefetch = options.prefetch;
+  schedule.reshard_after_forward = options.reshard_after_forward;
+  schedule.all_gather_in_start_param_sync = options.all_gather_in_start_param_sync;
+  schedule.deferred_reduction = roles.main_grads == Placement::kReplicated && roles.main_weights == Placement::kSharded;
+  schedule.micro_batches = step.micro_batches;
+  schedule.root_gradients_after = step.root_gradients_after;
+  const detail::TransientPeak peak = detail::plan_transient_peak(transients, schedule);
+  plan.transient_peak = peak.bytes;
+  plan.transient_peak_at = peak.where;
+  return plan;
+}
+
+namespace {
+
+std::string mib(int64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f", static_cast<double>(bytes) / (1024.0 * 1024.0));
+  return buf;
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "fp32";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kDouble: return "fp64";
+    default: return c10::toString(t);
+  }
+}
+
+}  // namespace
+
+std::string format_memory_plan(const MemoryPlan& plan) {
+  std::ostringstream s;
+  const MixedPrecisionPolicy& mp = plan.options.mixed_precision;
+  s << " memory plan, per rank of " << plan.world << " (every rank holds the same sizes): " << to_string(plan.options.strategy)
+    << ", compute " << (mp.param_dtype ? dtype_name(*mp.param_dtype) : "in the parameters' dtype") << ", main weights "
+    << dtype_name(mp.main_params_dtype) << ", main grads " << dtype_name(mp.main_grads_dtype) << ", "
+    << plan.step.optimizer_states << " optimizer state(s) per main-weight element, " << plan.step.micro_batches
+    << " micro-batch(es) per step, prefetch " << (plan.options.prefetch ? "on" : "off") << "\n";
+  s << " bytes per rank of each parameter group (one per unit and (dtype, requires_grad); P = padded flat "
+       "elements, S = P / ranks). Persistent: model weights, main weights (0: the model weights' memory), main "
+       "grads, optimizer state. Transient, while the unit is gathered or in backward: gathered weights, unsharded "
+       "grads, accumulator of micro-batches without gradient sync\n";
+  char line[512];
+  std::snprintf(line, sizeof line, " %-18s %-26s %-5s %6s %12s %12s %10s | %12s %12s %12s %12s | %12s %12s %12s\n",
+                "unit", "first parameter", "dtype", "params", "elements", "P", "S", "model w.", "main w.",
+                "main grads", "optimizer", "gathered", "grads", "accumulator");
+  s << line;
+  for (const GroupMemory& g : plan.groups) {
+    const std::string unit = g.unit.empty() ? "(root)" : g.unit;
+    const std::string param = g.unit.empty() ? g.first_param : g.first_param.substr(g.unit.size() + 1);
+    std::snprintf(line, sizeof line,
+                  " %-18s %-26s %-5s %6lld %12lld %12lld %10lld | %12lld %12lld %12lld %12lld | %12lld %12lld %12lld\n",
+                  unit.c_str(), param.c_str(), dtype_name(g.compute_dtype).c_str(), static_cast<long long>(g.parameters),
+                  static_cast<long long>(g.used), static_cast<long long>(g.padded), static_cast<long long>(g.shard),
+                  static_cast<long long>(g.model_weights), static_cast<long long>(g.main_weights),
+                  static_cast<long long>(g.main_grads), static_cast<long long>(g.optimizer_state),
+                  static_cast<long long>(g.gathered_weights), static_cast<long long>(g.unsharded_grads),
+                  static_cast<long long>(g.grad_accumulator));
+    s << line;
+  }
+  s << " per rank: model weights " << plan.model_weights << " B (" << mib(plan.model_weights) << " MiB), main weights "
+    << plan.main_weights << " B (" << mib(plan.main_weights) << " MiB), main grads " << plan.main_grads << " B ("
+    << mib(plan.main_grads) << " MiB), optimizer state " << plan.optimizer_state << " B (" << mib(plan.optimizer_state)
+    << " MiB)\n";
+  s << " per rank: persistent " << plan.persistent() << " B (" << mib(plan.persistent()) << " MiB), transient peak "
+    << plan.transient_peak << " B (" << mib(plan.transient_peak) << " MiB, at: "
+    << (plan.transient_peak_at.empty() ? "none" : plan.transient_peak_at) << "), total " << plan.total() << " B (" << mib(plan.total()) << " MiB)\n";
+  return s.str();
+}
+
+}  // namespace mfsdp

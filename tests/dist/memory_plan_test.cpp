@@ -1,0 +1,183 @@
+// The memory plan (include/mfsdp/memory_plan.h; mfsdp-pretrain --memory-plan) against what runs.
+// For every strategy, fp32 and bf16, untied and tied embeddings, one and two micro-batches per
+// step: the planned per-rank bytes of every role equal FsdpHandle::memory() and the optimizer's
+// state after two steps of mfsdp-pretrain's own TrainingRun, and the planned transient peak equals
+// the measured one; on 1-4 real ranks (real processes) and as rank 0 of simulated 8- and 64-rank
+// jobs. The comparison can fail: a plan with one unit too few or one layer too many does not
+// match (MemoryPlan.CatchesAPlanOffByOneUnit).
+#include <torch/torch.h>
+
+#include <sstream>
+
+#include "harness/dist_test.h"
+#include "mfsdp/llama.h"
+#include "mfsdp/memory_plan.h"
+#include "mfsdp/simulated_comm.h"
+#include "train/llama_memory_plan.h"
+#include "train/training_run.h"
+
+namespace {
+
+using mfsdp::MemoryPlan;
+using mfsdp::PretrainArgs;
+
+struct Variant {
+  std::string strategy;
+  bool bf16 = false, tied = false;
+  int64_t micro_batches = 1;
+  std::string describe(int world) const {
+    return strategy + (bf16 ? " bf16" : " fp32") + (tied ? " tied" : " untied") + ", " +
+           std::to_string(micro_batches) + " micro-batch(es), " + std::to_string(world) + " ranks";
+  }
+};
+
+std::vector<Variant> every_variant() {
+  std::vector<Variant> out;
+  for (const char* s : {"no_shard", "optim", "optim_grads", "optim_grads_params"})
+    for (bool bf16 : {false, true})
+      for (bool tied : {false, true})
+        for (int64_t micro : {1, 2}) out.push_back({s, bf16, tied, micro});
+  return out;
+}
+
+// A small Llama whose sizes pad differently on 3, 8 and 64 ranks (vocab 64 x hidden 24).
+PretrainArgs tiny_args(const Variant& v, int world) {
+  PretrainArgs a;
+  a.num_layers = 2;
+  a.hidden_size = 24;
+  a.num_attention_heads = 4;
+  a.group_query_attention = true;
+  a.num_query_groups = 2;
+  a.swiglu = true;
+  a.ffn_hidden_size = 40;
+  a.seq_length = 8;
+  a.vocab_size = 64;
+  a.make_vocab_size_divisible_by = 64;
+  a.micro_batch_size = 1;
+  a.global_batch_size = v.micro_batches * world;
+  a.train_iters = 2;
+  a.untie_embeddings_and_output_weights = !v.tied;
+  a.data_parallel_sharding_strategy = v.strategy;
+  a.bf16 = v.bf16;
+  a.device = "cpu";
+  mfsdp::validate_training_args(a, world, 0);
+  return a;
+}
+
+struct Measured {
+  int64_t model_weights = 0, main_weights = 0, main_grads = 0, optimizer_state = 0, transient_peak = 0;
+};
+
+// Two training steps of the trainer's own run (the plan is of a step from the second on).
+Measured measure(const PretrainArgs& a, const std::shared_ptr<mfsdp::Communicator>& comm) {
+  std::ostringstream log;
+  mfsdp::TrainingRun run(a, mfsdp::llama_config_from_args(a), comm, log, /*per_token_loss=*/false);
+  torch::manual_seed(comm->rank());
+  for (int64_t it = 1; it <= a.train_iters; ++it)
+    run.step(it, a.num_micro_batches, [&](int64_t) {
+      at::Tensor tokens = torch::randint(0, a.vocab_size, {a.micro_batch_size, a.seq_length + 1});
+      at::Tensor logits = run.model()->call(tokens.narrow(1, 0, a.seq_length));
+      (mfsdp::lm_loss(logits, tokens.narrow(1, 1, a.seq_length)) / static_cast<double>(a.num_micro_batches))
+          .backward();
+    });
+  const mfsdp::MemoryReport m = run.root().memory();
+  Measured out{m.model_weights, m.main_weights, m.main_grads, 0, m.transient_peak};
+  for (auto& [name, tensors] : run.optimizer().state())
+    for (auto& t : tensors) out.optimizer_state += t.nbytes();
+  return out;
+}
+
+// "" when the plan says what was measured, else the roles that differ.
+std::string mismatch(const MemoryPlan& plan, const Measured& m) {
+  std::ostringstream s;
+  auto check = [&](const char* role, int64_t planned, int64_t measured) {
+    if (planned != measured) s << role << ": planned " << planned << " B, measured " << measured << " B; ";
+  };
+  check("model weights", plan.model_weights, m.model_weights);
+  check("main weights", plan.main_weights, m.main_weights);
+  check("main grads", plan.main_grads, m.main_grads);
+  check("optimizer state", plan.optimizer_state, m.optimizer_state);
+  check("transient peak", plan.transient_peak, m.transient_peak);
+  return s.str();
+}
+
+void expect_plan_matches(const std::shared_ptr<mfsdp::Communicator>& comm) {
+  for (const Variant& v : every_variant()) {
+    const PretrainArgs a = tiny_args(v, comm->size());
+    const MemoryPlan plan = mfsdp::plan_llama_memory(a, comm->size());
+    const Measured measured = measure(a, comm);
+    EXPECT_GT(measured.transient_peak, 0) << v.describe(comm->size());
+    EXPECT_EQ(mismatch(plan, measured), "") << v.describe(comm->size()) << "\n" << mfsdp::format_memory_plan(plan);
+  }
+}
+
+std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
+  return std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
+}
+
+}  // namespace
+
+MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHold, {1, 2, 3, 4}) { expect_plan_matches(borrow(comm)); }
+
+TEST(MemoryPlan, EqualsWhatASimulatedRankHolds) {
+  for (int world : {8, 64}) expect_plan_matches(mfsdp::make_simulated_communicator(0, world));
+}
+
+// The comparison above fails when the plan is off by one unit: one unit too few (lm_head's
+// parameters planned in the root) or one decoder layer too many.
+TEST(MemoryPlan, CatchesAPlanOffByOneUnit) {
+  auto comm = mfsdp::make_simulated_communicator(0, 4);
+  for (const char* strategy : {"optim", "optim_grads_params"}) {
+    const PretrainArgs a = tiny_args({strategy}, comm->size());
+    const Measured measured = measure(a, comm);
+    ASSERT_EQ(mismatch(mfsdp::plan_llama_memory(a, comm->size()), measured), "") << strategy;
+
+    mfsdp::LlamaOptions deferred;
+    deferred.deferred_init = true;
+    mfsdp::LlamaForCausalLM model(mfsdp::llama_config_from_args(a), deferred);
+    mfsdp::StepShape one_unit_too_few = mfsdp::llama_step_shape(*model, a);
+    one_unit_too_few.forward_order.pop_back();  // lm_head
+    const MemoryPlan too_few = mfsdp::plan_memory(
+        *model, one_unit_too_few, mfsdp::shard_options_from_args(a, nullptr, false), comm->size());
+    EXPECT_NE(mismatch(too_few, measured), "") << strategy;
+
+    PretrainArgs one_more_layer = a;
+    ++one_more_layer.num_layers;
+    EXPECT_NE(mismatch(mfsdp::plan_llama_memory(one_more_layer, comm->size()), measured), "") << strategy;
+  }
+}
+
+// The table names every group and its sizes; the totals are the sums of its rows.
+TEST(MemoryPlan, TableListsEveryGroupAndTheTotals) {
+  const PretrainArgs a = tiny_args({"optim_grads_params", true, false, 1}, 64);
+  const MemoryPlan plan = mfsdp::plan_llama_memory(a, 64);
+  ASSERT_EQ(plan.groups.size(), 5u);  // root (final norm), embed_tokens, 2 layers, lm_head
+  int64_t model = 0, main = 0, grads = 0, state = 0;
+  for (const mfsdp::GroupMemory& g : plan.groups) {
+    EXPECT_EQ(g.padded, g.shard * 64) << g.first_param;
+    EXPECT_GE(g.padded, g.used) << g.first_param;
+    model += g.model_weights;
+    main += g.main_weights;
+    grads += g.main_grads;
+    state += g.optimizer_state;
+  }
+  EXPECT_EQ(model, plan.model_weights);
+  EXPECT_EQ(main, plan.main_weights);
+  EXPECT_EQ(grads, plan.main_grads);
+  EXPECT_EQ(state, plan.optimizer_state);
+  // vocab 64 x hidden 24 = 1536 elements on 64 ranks: 24 each, bf16 model weights, fp32 main
+  // weights, grads and two AdamW states.
+  const mfsdp::GroupMemory& embed = plan.groups[1];
+  EXPECT_EQ(embed.first_param, "model.embed_tokens.weight");
+  EXPECT_EQ(embed.shard, 24);
+  EXPECT_EQ(embed.model_weights, 24 * 2);
+  EXPECT_EQ(embed.main_weights, 24 * 4);
+  EXPECT_EQ(embed.main_grads, 24 * 4);
+  EXPECT_EQ(embed.optimizer_state, 2 * 24 * 4);
+  EXPECT_EQ(embed.gathered_weights, 1536 * 2);
+  const std::string table = mfsdp::format_memory_plan(plan);
+  for (const char* text : {"(root)             model.norm.weight", "model.embed_tokens weight",
+                           "model.layers.1     self_attn.q_proj.weight", "lm_head            weight", "transient peak",
+                           "optim_grads_params"})
+    EXPECT_NE(table.find(text), std::string::npos) << text << "\n" << table;
+}
