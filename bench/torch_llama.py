@@ -15,7 +15,8 @@ batch layout, one process per rank.
 reduction and AdamW state, bf16 matmuls.
 --impl fsdp2: torch.distributed.fsdp.fully_shard on every decoder layer, then on the root, with
 FSDP2's defaults (reshard_after_forward=True, its own implicit prefetching); gradients are
-reduce-scattered after every micro-batch (FSDP2's default, as mfsdp's ZeRO-3 does). --bf16 is
+reduce-scattered after every micro-batch (FSDP2's default; mfsdp's trainers, like Megatron's
+training loop, hold unsharded gradients until the last micro-batch of a step). --bf16 is
 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=--reduce-dtype): fp32 sharded parameters
 (the main weights), fp32 gradients and AdamW state, bf16 compute; no autocast.
 --impl megatron_fsdp: the megatron-fsdp package (0.6.1) as its README uses it: fully_shard_model
