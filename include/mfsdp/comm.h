@@ -133,8 +133,13 @@ class Communicator {
 struct CommOptions {
   // "gloo" (CPU tensors) or "nccl" (CUDA tensors; needs a build against a LibTorch with CUDA).
   std::string backend = "gloo";
-  // Default timeout of every collective and of the rendezvous itself.
+  // Default timeout of every collective (and of creating a sub-group): how long a silent peer
+  // may keep a rank waiting. A peer that exits is named at once, whatever this is.
   std::chrono::milliseconds timeout = std::chrono::minutes(5);
+  // How long start-up may take: every rank waits this long for the others to reach the store
+  // and connect the world communicator. Kept apart from `timeout` so that a short collective
+  // timeout does not fail a job whose ranks start slowly (a loaded machine, a cold file cache).
+  std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
   // CUDA device index for the NCCL backend; -1: LOCAL_RANK.
   int device_index = -1;
 };

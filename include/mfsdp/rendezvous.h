@@ -2,10 +2,14 @@
 // that a launcher sets: torchrun/mfsdp-run, Slurm's srun, or Open MPI's mpirun.
 #pragma once
 
+#include <cstddef>
 #include <functional>
 #include <string>
 
 namespace mfsdp {
+
+// Longest job token the store accepts (it reads no more from a client that has not proved it).
+constexpr size_t kMaxJobTokenBytes = 1024;
 
 struct RendezvousInfo {
   int rank = 0;              // global rank, 0 <= rank < world_size
@@ -15,6 +19,10 @@ struct RendezvousInfo {
   std::string master_addr = "127.0.0.1";  // host of rank 0, where the store server listens
   int master_port = 29500;
   std::string source;        // "torchrun", "slurm", "openmpi" or "explicit"
+  // The job's identity, which every rank proves to the store before it is served
+  // (src/comm/store_server.h): the same on every rank of one job, different between jobs.
+  // Empty: the job has none, and any process that reaches the store can join it.
+  std::string job_token;
 
   // Every rank of the job runs on this node (then the loopback interface carries the traffic).
   bool single_node() const { return local_world_size == world_size; }
@@ -29,8 +37,12 @@ using EnvLookup = std::function<const char*(const char*)>;
 //            MASTER_PORT (else 20000 + SLURM_JOB_ID % 20000)
 //   Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
 //            OMPI_COMM_WORLD_LOCAL_SIZE; MASTER_ADDR (required on several nodes), MASTER_PORT
+// The job token, whatever the launcher: MFSDP_JOB_TOKEN (mfsdp-run makes a random one on a single
+// node), else TORCHELASTIC_RUN_ID (torchrun's --rdzv-id; --standalone makes a random one) unless
+// it is "none", else "slurm:<SLURM_JOB_ID>.<SLURM_STEP_ID>" under Slurm, else empty.
 // Throws std::invalid_argument naming the variable when a required one is missing, is not a
-// number, or is inconsistent with the others (e.g. RANK >= WORLD_SIZE).
+// number, or is inconsistent with the others (e.g. RANK >= WORLD_SIZE), or when the token is
+// longer than 1024 bytes.
 RendezvousInfo rendezvous_from_env(const EnvLookup& getenv_fn = nullptr);
 
 // First host name of a Slurm node list: "node[03-05,9],gpu1" -> "node03".

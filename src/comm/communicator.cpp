@@ -68,13 +68,14 @@ std::shared_ptr<Communicator> init_communicator(const CommOptions& options) {
 
 std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
                                                 const CommOptions& options) {
+  const auto startup = options.rendezvous_timeout;
   if (options.backend == "gloo")
-    return make_cpu_communicator(connect_store(info, options.timeout), info, options.timeout);
+    return make_cpu_communicator(connect_store(info, startup), info, options.timeout, startup);
   if (options.backend == "nccl") {
 #ifdef MFSDP_WITH_CUDA
     int device = options.device_index >= 0 ? options.device_index : info.local_rank;
-    return make_nccl_communicator(connect_store(info, options.timeout), info, device,
-                                  options.timeout);
+    return make_nccl_communicator(connect_store(info, startup), info, device, options.timeout,
+                                  startup);
 #else
     throw std::invalid_argument(
         "communicator backend 'nccl' needs a build against a LibTorch with CUDA (MFSDP_CUDA "

@@ -112,8 +112,11 @@ char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
 class CpuCommunicator : public Communicator {
  public:
+  // `connect_timeout` bounds connecting to the peers (the world's: start-up, see
+  // CommOptions::rendezvous_timeout; a sub-group's: `timeout`), `timeout` every collective.
   CpuCommunicator(c10::intrusive_ptr<c10d::Store> store, std::string bind_host, int rank,
-                  std::vector<int> global_ranks, std::chrono::milliseconds timeout)
+                  std::vector<int> global_ranks, std::chrono::milliseconds timeout,
+                  std::chrono::milliseconds connect_timeout)
       : store_(std::move(store)),
         bind_host_(std::move(bind_host)),
         rank_(rank),
@@ -122,14 +125,15 @@ class CpuCommunicator : public Communicator {
     const int size = static_cast<int>(global_ranks_.size());
     if (size > 1) {
       try {
-        mesh_ = TcpMesh::connect(*store_, rank_, size, bind_host_, timeout_);
+        mesh_ = TcpMesh::connect(*store_, rank_, size, bind_host_, connect_timeout);
       } catch (const std::exception& e) {
         throw CommError("rendezvous: rank " + std::to_string(global_ranks_[rank_]) +
                         " could not connect to its " + std::to_string(size - 1) +
-                        " peers within " + std::to_string(timeout_.count()) + " ms: " + e.what());
+                        " peers within " + std::to_string(connect_timeout.count()) + " ms: " +
+                        e.what());
       }
       // Ranks on one host move the bulk data through shared memory (shm_exchange.h).
-      shm_ = ShmExchange::connect(*store_, rank_, size, timeout_);
+      shm_ = ShmExchange::connect(*store_, rank_, size, connect_timeout);
     }
   }
 
@@ -180,7 +184,7 @@ class CpuCommunicator : public Communicator {
     GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(plan.store_prefix, store_);
     return std::make_shared<CpuCommunicator>(prefixed, bind_host_, plan.my_index,
-                                             std::move(plan.global_ranks), timeout_);
+                                             std::move(plan.global_ranks), timeout_, timeout_);
   }
 
  private:
@@ -488,12 +492,13 @@ int64_t cpu_bytes_sent(const Communicator& comm) {
 
 std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const RendezvousInfo& info,
-                                                    std::chrono::milliseconds timeout) {
+                                                    std::chrono::milliseconds timeout,
+                                                    std::chrono::milliseconds connect_timeout) {
   std::vector<int> globals(info.world_size);
   for (int i = 0; i < info.world_size; ++i) globals[i] = i;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("mfsdp/gloo/world", store);
   return std::make_shared<CpuCommunicator>(prefixed, bind_host(info), info.rank,
-                                           std::move(globals), timeout);
+                                           std::move(globals), timeout, connect_timeout);
 }
 
 }  // namespace mfsdp

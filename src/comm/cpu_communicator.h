@@ -29,11 +29,13 @@
 
 namespace mfsdp {
 
-// Connects every rank of `info` through `store` (see store.h) and returns the world
-// communicator. Its keys live under "mfsdp/gloo/", so the store can be shared.
+// Connects every rank of `info` through `store` (see store.h) within `connect_timeout` and
+// returns the world communicator, whose collectives time out after `timeout`. Its keys live
+// under "mfsdp/gloo/", so the store can be shared.
 std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const RendezvousInfo& info,
-                                                    std::chrono::milliseconds timeout);
+                                                    std::chrono::milliseconds timeout,
+                                                    std::chrono::milliseconds connect_timeout);
 
 // Payload bytes `comm` (a CPU communicator) has put on its links so far: TCP messages plus what
 // it wrote into shared-memory slots for its peers; -1 for any other communicator. For tests and

@@ -122,8 +122,11 @@ class NcclWork : public Work {
 
 class NcclCommunicator : public Communicator {
  public:
+  // `connect_timeout` bounds the wait for rank 0's unique id (the world's: start-up, see
+  // CommOptions::rendezvous_timeout; a sub-group's: `timeout`).
   NcclCommunicator(c10::intrusive_ptr<c10d::Store> store, int rank, std::vector<int> global_ranks,
-                   int device, std::chrono::milliseconds timeout)
+                   int device, std::chrono::milliseconds timeout,
+                   std::chrono::milliseconds connect_timeout)
       : store_(std::move(store)), rank_(rank), global_ranks_(std::move(global_ranks)),
         device_(device), timeout_(timeout) {
     c10::cuda::CUDAGuard guard(device_);
@@ -134,7 +137,7 @@ class NcclCommunicator : public Communicator {
       std::memcpy(bytes.data(), &id, sizeof(id));
       store_->set("nccl_unique_id", bytes);
     } else {
-      store_->wait({"nccl_unique_id"}, timeout_);
+      store_->wait({"nccl_unique_id"}, connect_timeout);
       std::vector<uint8_t> bytes = store_->get("nccl_unique_id");
       if (bytes.size() != sizeof(id))
         throw CommError("nccl rendezvous: unique id of " + std::to_string(bytes.size()) +
@@ -269,7 +272,7 @@ class NcclCommunicator : public Communicator {
     GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
     return std::make_shared<NcclCommunicator>(
         c10::make_intrusive<c10d::PrefixStore>(plan.store_prefix, store_), plan.my_index,
-        std::move(plan.global_ranks), device_, timeout_);
+        std::move(plan.global_ranks), device_, timeout_, timeout_);
   }
 
  private:
@@ -407,12 +410,13 @@ class NcclCommunicator : public Communicator {
 
 std::shared_ptr<Communicator> make_nccl_communicator(const c10::intrusive_ptr<c10d::Store>& store,
                                                      const RendezvousInfo& info, int device_index,
-                                                     std::chrono::milliseconds timeout) {
+                                                     std::chrono::milliseconds timeout,
+                                                     std::chrono::milliseconds connect_timeout) {
   std::vector<int> globals(info.world_size);
   for (int i = 0; i < info.world_size; ++i) globals[i] = i;
   return std::make_shared<NcclCommunicator>(
       c10::make_intrusive<c10d::PrefixStore>("mfsdp/nccl/world", store), info.rank,
-      std::move(globals), device_index, timeout);
+      std::move(globals), device_index, timeout, connect_timeout);
 }
 
 }  // namespace mfsdp

@@ -26,6 +26,7 @@ namespace mfsdp {
 
 std::shared_ptr<Communicator> make_nccl_communicator(const c10::intrusive_ptr<c10d::Store>& store,
                                                      const RendezvousInfo& info, int device_index,
-                                                     std::chrono::milliseconds timeout);
+                                                     std::chrono::milliseconds timeout,
+                                                     std::chrono::milliseconds connect_timeout);
 
 }  // namespace mfsdp

@@ -136,6 +136,23 @@ RendezvousInfo from_openmpi(const EnvReader& env) {
   return info;
 }
 
+// See rendezvous.h: the first job-wide identity the launcher's environment offers.
+std::string job_token(const EnvReader& env) {
+  std::string token;
+  if (auto t = env.text("MFSDP_JOB_TOKEN")) {
+    token = *t;
+  } else if (auto run = env.text("TORCHELASTIC_RUN_ID"); run && *run != "none") {
+    token = "torchrun:" + *run;
+  } else if (auto job = env.text("SLURM_JOB_ID")) {
+    token = "slurm:" + *job + "." + env.text("SLURM_STEP_ID").value_or("");
+  }
+  if (token.size() > kMaxJobTokenBytes)
+    throw std::invalid_argument("rendezvous: the job token (MFSDP_JOB_TOKEN, TORCHELASTIC_RUN_ID or "
+                                "SLURM_JOB_ID) has " + std::to_string(token.size()) +
+                                " bytes, more than " + std::to_string(kMaxJobTokenBytes));
+  return token;
+}
+
 }  // namespace
 
 std::string first_slurm_host(const std::string& nodelist) {
@@ -172,6 +189,7 @@ RendezvousInfo rendezvous_from_env(const EnvLookup& getenv_fn) {
         "MASTER_PORT), or start the program with mfsdp-run, torchrun, srun or mpirun");
   }
   check_consistent(info);
+  info.job_token = job_token(env);
   return info;
 }
 

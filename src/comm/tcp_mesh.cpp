@@ -23,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "comm/socket_fd.h"
 #include "mfsdp/comm.h"
 
 namespace mfsdp {
@@ -40,36 +41,6 @@ constexpr int kMaxIov = 64;                           // iovecs per sendmsg (32 
 constexpr size_t kHoldMin = 64 << 10;                 // early messages this large are held back
 constexpr milliseconds kHoldGrace{2};                 // a wait blocked this long buffers them
 constexpr milliseconds kHoldMax{20};                  // and so does holding them this long
-
-std::string errno_text(int err) {
-  char buf[256];
-  return strerror_r(err, buf, sizeof buf);  // GNU strerror_r: returns the message
-}
-
-// An owned file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
-  Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
-    return *this;
-  }
-  ~Fd() { reset(); }
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  void reset() {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 void set_nodelay(int fd) {
   int one = 1;

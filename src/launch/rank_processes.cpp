@@ -10,6 +10,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -667,6 +668,22 @@ SuperviseResult run_rank_processes(const std::vector<RankProcessSpec>& specs,
   return supervisor.run();
 }
 
+const std::string& launcher_job_token() {
+  static const std::string token = [] {
+    unsigned char bytes[16];
+    if (::getrandom(bytes, sizeof bytes, 0) != static_cast<ssize_t>(sizeof bytes))
+      throw std::runtime_error(errno_text("getrandom"));
+    static const char kHex[] = "0123456789abcdef";
+    std::string hex;
+    for (unsigned char b : bytes) {
+      hex += kHex[b >> 4];
+      hex += kHex[b & 15];
+    }
+    return hex;
+  }();
+  return token;
+}
+
 int pick_free_port() {
   Fd socket_fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!socket_fd.valid()) throw std::runtime_error(errno_text("socket"));
@@ -709,6 +726,12 @@ std::map<std::string, std::string> rank_environment(int node_rank, int nnodes, i
   // Several ranks each with one OpenMP thread per core would oversubscribe the machine.
   if (nproc_per_node > 1 && std::getenv("OMP_NUM_THREADS") == nullptr) {
     env["OMP_NUM_THREADS"] = "1";
+  }
+  // The job's identity, proven to the store before a rank joins (src/comm/store_server.h). On
+  // several nodes every node's launcher would make a different one: there it must come from
+  // the environment (MFSDP_JOB_TOKEN, or Slurm's job id, read by the ranks themselves).
+  if (nnodes == 1 && std::getenv("MFSDP_JOB_TOKEN") == nullptr) {
+    env["MFSDP_JOB_TOKEN"] = launcher_job_token();
   }
   return env;
 }

@@ -71,9 +71,15 @@ SuperviseResult run_rank_processes(const std::vector<RankProcessSpec>& specs,
 // A TCP port on which nothing listens right now (bind to port 0 on 127.0.0.1 and read it back).
 int pick_free_port();
 
+// A random job token (128 bits, hex), made once per process: the same in every call.
+const std::string& launcher_job_token();
+
 // The torchrun-style variables for one rank of a single- or multi-node job: RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT, and, like
-// torchrun, OMP_NUM_THREADS=1 when the parent has none and nproc_per_node > 1.
+// torchrun, OMP_NUM_THREADS=1 when the parent has none and nproc_per_node > 1. On a single node
+// also MFSDP_JOB_TOKEN = launcher_job_token() unless the parent has one (which the ranks then
+// inherit): the job's identity, which each rank proves to the rendezvous store
+// (include/mfsdp/rendezvous.h). Several nodes need a token from the environment.
 std::map<std::string, std::string> rank_environment(int node_rank, int nnodes, int nproc_per_node,
                                                     int local_rank, const std::string& master_addr,
                                                     int master_port);

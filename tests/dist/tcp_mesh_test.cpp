@@ -2,10 +2,9 @@
 // in any order, messages that arrive before their receive, size mismatches, very large and
 // zero-byte messages, pipelined segments, a dead or silent peer, stray connections during the
 // rendezvous and a rendezvous that misses a rank. Each test builds its meshes over the store of
-// the harness's world communicator (a client of the TCPStore that rank 0 serves), under keys of
+// the harness's world communicator (another client of the store that rank 0 serves), under keys of
 // its own. (tests/dist/collectives_test.cpp runs every collective over it with MFSDP_SHM=0.)
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/torch.h>
 
 #include <netdb.h>
@@ -17,6 +16,7 @@
 #include <sstream>
 #include <thread>
 
+#include "comm/store.h"
 #include "comm/tcp_mesh.h"
 #include "harness/dist_test.h"
 #include "harness/expect_error.h"
@@ -34,13 +34,7 @@ constexpr milliseconds kTimeout{60000};
 
 // The harness's store (rank 0 serves it for the world communicator), under `name`.
 c10::intrusive_ptr<c10d::Store> store_for(const std::string& name) {
-  const mfsdp::RendezvousInfo info = mfsdp::rendezvous_from_env();
-  c10d::TCPStoreOptions options;
-  options.port = static_cast<std::uint16_t>(info.master_port);
-  options.isServer = false;
-  options.waitWorkers = false;
-  options.timeout = kTimeout;
-  auto base = c10::make_intrusive<c10d::TCPStore>(info.master_addr, options);
+  auto base = mfsdp::connect_store_client(mfsdp::rendezvous_from_env(), kTimeout);
   return c10::make_intrusive<c10d::PrefixStore>("tcp_mesh_test/" + name, base);
 }
 

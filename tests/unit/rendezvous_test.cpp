@@ -90,3 +90,21 @@ TEST(Rendezvous, FirstSlurmHost) {
   EXPECT_EQ(mfsdp::first_slurm_host("a,b[1-2]"), "a");
   EXPECT_EQ(mfsdp::first_slurm_host("rack1-n[7,9]"), "rack1-n7");
 }
+
+// The job token: MFSDP_JOB_TOKEN first, then torchrun's run id (not its default "none"), then
+// Slurm's job and step; none gives an empty token, and one past the limit is an error.
+TEST(Rendezvous, JobTokenSources) {
+  const std::map<std::string, std::string> base = {{"RANK", "0"}, {"WORLD_SIZE", "2"},
+                                                   {"MASTER_PORT", "1234"}};
+  auto with = [&](std::map<std::string, std::string> extra) {
+    extra.insert(base.begin(), base.end());
+    return read(extra).job_token;
+  };
+  EXPECT_EQ(with({}), "");
+  EXPECT_EQ(with({{"MFSDP_JOB_TOKEN", "abc"}, {"TORCHELASTIC_RUN_ID", "r"}, {"SLURM_JOB_ID", "7"}}), "abc");
+  EXPECT_EQ(with({{"TORCHELASTIC_RUN_ID", "r"}, {"SLURM_JOB_ID", "7"}}), "torchrun:r");
+  EXPECT_EQ(with({{"TORCHELASTIC_RUN_ID", "none"}, {"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "2"}}),
+            "slurm:7.2");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MFSDP_JOB_TOKEN", std::string(1025, 't')}},
+               "MFSDP_JOB_TOKEN");
+}
