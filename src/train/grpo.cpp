@@ -378,6 +378,7 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
     double pg_loss_sum = 0, kl_loss_sum = 0, entropy_sum = 0, clipfrac_sum = 0, clipfrac_lower_sum = 0,
            ppo_kl_sum = 0, token_sum = 0, grad_norm_sum = 0;
     int64_t optimizer_steps = 0;
+    TrainingRun::StepStats last_stats;  // of the step's last optimizer step (num zeros, params norm)
     double lr = 0;
     for (int64_t epoch = 0; epoch < g.ppo_epochs; ++epoch)
       for (int64_t mb = 0; mb < mini_batches; ++mb) {
@@ -411,6 +412,7 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
             loss = loss + g.kl_loss_coef * kl;
             kl_loss_sum += kl.item<double>();
           }
+          const double value = loss.item<double>();
           loss.backward();
           pg_loss_sum += pg.pg_loss.item<double>();
           entropy_sum += entropy.item<double>();
@@ -418,9 +420,11 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
           clipfrac_lower_sum += pg.pg_clipfrac_lower.item<double>() * tokens;
           ppo_kl_sum += pg.ppo_kl.item<double>() * tokens;
           token_sum += tokens;
+          return value;
         });
         grad_norm_sum += stats.grad_norm;
         lr = stats.lr;
+        last_stats = stats;
         ++optimizer_steps;
       }
     const double update_s = seconds_since(t0);
@@ -461,6 +465,7 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
     r.tokens_per_sec = length_sum / step_s;
     r.mem_bytes = peak_memory_bytes(device);
     r.extra = metrics;
+    run.add_norms(r, last_stats);
     run.record(r);
     const double score_mean = scores.mean().item<double>();
     result.last_score_mean = score_mean;
@@ -470,15 +475,16 @@ GrpoResult run_grpo(GrpoArgs g, const std::shared_ptr<Communicator>& comm, std::
           if (k == key) return v;
         return std::nan("");
       };
-      char line[512];
+      char line[640];
       std::snprintf(line, sizeof line,
                     " step %5lld/%5lld | score: %.3f | zero-std groups: %.2f | response length: %.1f (clipped %.2f) | "
-                    "pg_loss: %.4f | pg_clipfrac: %.3f | ppo_kl: %.2E | entropy: %.3f%s | grad norm: %.3f | "
+                    "pg_loss: %.4f | pg_clipfrac: %.3f | ppo_kl: %.2E | entropy: %.3f%s | grad norm: %.3f%s | "
                     "time (s): step %.2f, gen %.2f, update_weights %.3f, update_actor %.2f",
                     (long long)it, (long long)a.train_iters, score_mean, get("frac_reward_zero_std"),
                     get("response_length/mean"), get("response_length/clip_ratio"), get("actor/pg_loss"),
                     get("actor/pg_clipfrac"), get("actor/ppo_kl"), get("actor/entropy"),
-                    ref ? (" | kl_loss: " + std::to_string(get("actor/kl_loss"))).c_str() : "", r.grad_norm, step_s,
+                    ref ? (" | kl_loss: " + std::to_string(get("actor/kl_loss"))).c_str() : "", r.grad_norm,
+                    run.norms_log_text(last_stats).c_str(), step_s,
                     gen_s, update_weights_s, update_s);
       log << line << "\n";
       log.flush();

@@ -3,6 +3,7 @@
 #include "train/grpo.h"
 
 #include "mfsdp/rewards.h"
+#include "mfsdp/tensor_source.h"
 #include "train/tool_flags.h"
 
 namespace mfsdp {
@@ -83,6 +84,10 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   if (a.clip_ratio_low < 0 || a.clip_ratio_high < 0) flag_error("--clip-ratio-low", "clip ratios must be >= 0");
   if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load");
+  if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
+    flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
+  if (!a.ref_load.empty() && !is_hf_folder(a.ref_load) && !is_checkpoint(a.ref_load))
+    flag_error("--ref-load", "'" + a.ref_load + "' is neither a checkpoint nor a Hugging Face model folder");
   if (a.use_kl_loss && a.ref_load.empty() && a.hf_load.empty() && !a.base.finetune)
     flag_error("--use-kl-loss", "needs the reference policy: --ref-load, --hf-load, or --load with --finetune");
   a.base.seq_length = a.max_prompt_length + a.max_response_length;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <stdexcept>
@@ -15,6 +16,10 @@ namespace mfsdp {
 
 MetricsWriter::MetricsWriter(const std::string& path) {
   if (path.empty()) return;
+  if (const auto parent = std::filesystem::path(path).parent_path(); !parent.empty()) {
+    std::error_code ec;  // a failure shows as the open's error below
+    std::filesystem::create_directories(parent, ec);
+  }
   out_.open(path, std::ios::trunc);
   if (!out_) throw std::runtime_error("--metrics-file: cannot open '" + path + "' for writing");
 }

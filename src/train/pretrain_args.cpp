@@ -1,10 +1,18 @@
 #include "train/pretrain_args.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cmath>
+#include <filesystem>
 #include <functional>
+#include <limits>
 #include <map>
 #include <sstream>
 #include <stdexcept>
+
+#include "mfsdp/gpt_dataset.h"
+#include "mfsdp/indexed_dataset.h"
 
 namespace mfsdp {
 namespace {
@@ -32,14 +40,15 @@ int64_t to_int(const std::string& flag, const std::string& v) {
   bad(flag, "expected an integer, got '" + v + "'");
 }
 
+// Finite numbers only: "nan" and "inf" parse as doubles but are no value of any flag here.
 double to_double(const std::string& flag, const std::string& v) {
   try {
     size_t used = 0;
     double x = std::stod(v, &used);
-    if (used == v.size()) return x;
+    if (used == v.size() && std::isfinite(x)) return x;
   } catch (const std::exception&) {
   }
-  bad(flag, "expected a number, got '" + v + "'");
+  bad(flag, "expected a finite number, got '" + v + "'");
 }
 
 #define INT_FLAG(flag, field, help) \
@@ -101,6 +110,12 @@ const std::vector<Flag>& flags() {
       DOUBLE_FLAG("--clip-grad", clip_grad, "global gradient-norm clip (0: off)"),
       INT_FLAG("--seed", seed, "random seed (model init and data order)"),
       BOOL_FLAG("--bf16", bf16, "bf16 compute with fp32 main weights and grads"),
+      BOOL_FLAG("--check-for-nan-in-loss-and-grad", check_for_nan_in_loss_and_grad,
+                "stop when a rank's loss or a reduced gradient is NaN or Inf, naming the iteration and the "
+                "parameters, before the optimizer step (on unless --no-check-for-nan-in-loss-and-grad)"),
+      {"--no-check-for-nan-in-loss-and-grad", "train on through NaN and Inf losses and gradients", false, {},
+       [](PretrainArgs& a, const std::string&) { a.check_for_nan_in_loss_and_grad = false; },
+       [](const PretrainArgs& a) { return std::string(a.check_for_nan_in_loss_and_grad ? "off" : "on"); }},
       STRING_FLAG("--optimizer", optimizer, "optimizer (adam is AdamW)", "adam", "sgd"),
       BOOL_FLAG("--skip-train", skip_train, "evaluate only"),
       // Data.
@@ -117,6 +132,12 @@ const std::vector<Flag>& flags() {
       INT_FLAG("--log-interval", log_interval, "iterations between log lines"),
       INT_FLAG("--eval-interval", eval_interval, "iterations between evaluations"),
       INT_FLAG("--eval-iters", eval_iters, "batches per evaluation"),
+      BOOL_FLAG("--log-params-norm", log_params_norm,
+                "log the L2 norm of all parameters after the optimizer step (' params norm: ', metrics "
+                "params_norm)"),
+      BOOL_FLAG("--log-num-zeros-in-grad", log_num_zeros_in_grad,
+                "log how many gradient elements are zero after reduction and clipping (' num zeros: ', "
+                "metrics num_zeros_in_grad)"),
       STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
       STRING_FLAG("--export-hf", export_hf,
                   "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
@@ -172,6 +193,9 @@ const std::vector<Flag>& flags() {
       BOOL_FLAG("--fsdp-trace-pool", fsdp_trace_pool,
                 "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
       BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU; refused on NCCL: not supported yet)"),
+      DOUBLE_FLAG("--distributed-timeout-minutes", distributed_timeout_minutes,
+                  "timeout of every collective: a rank that stops answering is named in an error after "
+                  "this long (fractions of a minute allowed)"),
       STRING_FLAG("--device", device,
                   "(mfsdp) where to train: auto (CUDA when a GPU is present; LOCAL_RANK picks it, NCCL), "
                   "cpu (the CPU communicator) or cuda", "auto", "cpu", "cuda"),
@@ -243,14 +267,93 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const Too
   return args;
 }
 
+namespace {
+
+std::string number(double v) {
+  std::ostringstream s;
+  s << v;
+  return s.str();
+}
+
+// Where the run will write `path` (a folder with `folder`, else a file): what exists of it must
+// be of that kind, and its nearest existing folder writable, so that a run does not train for
+// hours and then fail to save. Checks only: nothing is created here.
+void check_output_path(const char* flag, const std::string& path, bool folder) {
+  namespace fs = std::filesystem;
+  std::error_code ec;  // the error_code forms: a path we may not look into is "not there"
+  const fs::path p = fs::absolute(path, ec);
+  if (ec) bad(flag, "'" + path + "': " + ec.message());
+  if (folder && fs::exists(p, ec) && !fs::is_directory(p, ec)) bad(flag, "'" + path + "' exists and is not a folder");
+  if (!folder && fs::is_directory(p, ec)) bad(flag, "'" + path + "' is a folder, not a file");
+  fs::path existing = folder ? p : p.parent_path();
+  while (!existing.empty() && existing != existing.root_path() && !fs::exists(existing, ec))
+    existing = existing.parent_path();
+  if (!fs::is_directory(existing, ec))
+    bad(flag, "cannot create '" + path + "': '" + existing.string() + "' is not a folder");
+  if (access(existing.c_str(), W_OK | X_OK) != 0)
+    bad(flag, "cannot write '" + path + "': the folder '" + existing.string() + "' is not writable");
+}
+
+// Values no run can use, found before anything starts (they would otherwise fail inside the
+// model, the optimizer or the schedule, naming their fields instead of the flag).
+void check_values(const PretrainArgs& a) {
+  auto at_least = [](const char* flag, double v, double min) {
+    if (!(v >= min)) bad(flag, "must be >= " + number(min) + ", got " + number(v));
+  };
+  at_least("--ffn-hidden-size", static_cast<double>(a.ffn_hidden_size), 0);
+  at_least("--max-position-embeddings", static_cast<double>(a.max_position_embeddings), 0);
+  at_least("--vocab-size", static_cast<double>(a.vocab_size), 0);
+  at_least("--global-batch-size", static_cast<double>(a.global_batch_size), 0);
+  at_least("--lr-decay-iters", static_cast<double>(a.lr_decay_iters), 0);
+  at_least("--sample-tokens", static_cast<double>(a.sample_tokens), 0);
+  at_least("--init-method-std", a.init_method_std, 0);
+  at_least("--norm-epsilon", a.norm_epsilon, 0);
+  at_least("--lr", a.lr, 0);
+  at_least("--min-lr", a.min_lr, 0);
+  at_least("--weight-decay", a.weight_decay, 0);
+  at_least("--adam-eps", a.adam_eps, 0);
+  at_least("--sgd-momentum", a.sgd_momentum, 0);
+  at_least("--clip-grad", a.clip_grad, 0);
+  if (!(a.rotary_base > 0)) bad("--rotary-base", "must be > 0, got " + number(a.rotary_base));
+  // Learning rates and the like become fp32 scalars of the optimizer's kernels.
+  for (auto [flag, v] : {std::pair{"--lr", a.lr}, {"--min-lr", a.min_lr}, {"--weight-decay", a.weight_decay},
+                         {"--adam-eps", a.adam_eps}, {"--sgd-momentum", a.sgd_momentum}, {"--clip-grad", a.clip_grad},
+                         {"--init-method-std", a.init_method_std}, {"--norm-epsilon", a.norm_epsilon}})
+    if (v > std::numeric_limits<float>::max())
+      bad(flag, number(v) + " is beyond fp32's range (at most " + number(std::numeric_limits<float>::max()) + ")");
+  for (auto [flag, beta] : {std::pair{"--adam-beta1", a.adam_beta1}, {"--adam-beta2", a.adam_beta2}})
+    if (!(beta >= 0 && beta < 1)) bad(flag, "must be in [0, 1), got " + number(beta));
+  // Megatron seeds numpy's RandomState with it, which takes 0 .. 2^32 - 1; so does the data order here.
+  if (a.seed < 0 || a.seed > 4294967295LL)
+    bad("--seed", "must be in [0, 4294967295], got " + std::to_string(a.seed));
+  const double timeout_ms = a.distributed_timeout_minutes * 60000.0;
+  if (!(timeout_ms >= 1 && a.distributed_timeout_minutes <= 1e6))
+    bad("--distributed-timeout-minutes",
+        "must be a positive number of minutes (at most 1000000), got " + number(a.distributed_timeout_minutes));
+  if (!a.save.empty()) check_output_path("--save", a.save, /*folder=*/true);
+  if (!a.export_hf.empty()) check_output_path("--export-hf", a.export_hf, /*folder=*/true);
+  if (!a.dump_param_to_param_group_map.empty())
+    check_output_path("--dump-param-to-param-group-map", a.dump_param_to_param_group_map, /*folder=*/true);
+  if (!a.metrics_file.empty()) check_output_path("--metrics-file", a.metrics_file, /*folder=*/false);
+}
+
+}  // namespace
+
 void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (a.data_path.empty() && !a.mock_data && !a.memory_plan)
     bad("--data-path", "is required (or --mock-data for synthetic tokens)");
   if (!a.data_path.empty() && a.mock_data) bad("--mock-data", "conflicts with --data-path");
+  if (!a.data_path.empty() && !a.memory_plan)
+    for (const std::string& file : {index_file_path(a.data_path), data_file_path(a.data_path)})
+      if (std::error_code ec; !std::filesystem::is_regular_file(file, ec))
+        bad("--data-path", "'" + a.data_path + "': no file '" + file +
+                               "' (the prefix of a .bin/.idx pair, as mfsdp-preprocess writes it)");
+  parse_split(a.split);  // throws naming --split
   validate_training_args(a, dp, tokenizer_vocab);
 }
 
 void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
+  check_values(a);
   auto positive = [](const char* flag, int64_t v) {
     if (v < 1) bad(flag, "must be >= 1, got " + std::to_string(v));
   };
@@ -264,6 +367,9 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
                              std::to_string(a.num_attention_heads));
   if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
   positive("--num-query-groups", a.num_query_groups);
+  if (a.hidden_size / a.num_attention_heads % 2 != 0)
+    bad("--num-attention-heads", "gives an odd head size " + std::to_string(a.hidden_size / a.num_attention_heads) +
+                                     " (--hidden-size / --num-attention-heads); RoPE needs an even one");
   if (a.num_attention_heads % a.num_query_groups != 0)
     bad("--num-query-groups", std::to_string(a.num_query_groups) +
                                   " does not divide --num-attention-heads " +

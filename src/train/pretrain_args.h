@@ -51,6 +51,9 @@ struct PretrainArgs {
   double clip_grad = 1.0;
   int64_t seed = 1234;
   bool bf16 = false;
+  // Megatron's --check-for-nan-in-loss-and-grad (on; --no-check-for-nan-in-loss-and-grad turns
+  // it off): a NaN or Inf loss or gradient stops training before the optimizer step.
+  bool check_for_nan_in_loss_and_grad = true;
   std::string optimizer = "adam";
   bool skip_train = false;
 
@@ -71,6 +74,8 @@ struct PretrainArgs {
   std::string sample_prompt;  // ours: print a generated sample after training
   std::string export_hf;      // ours: write a Hugging Face folder at the end
   int64_t sample_tokens = 64;
+  bool log_params_norm = false;        // " params norm: " (after the step, all parameters)
+  bool log_num_zeros_in_grad = false;  // " num zeros: " (gradient elements == 0, after clipping)
 
   // Checkpoints (fsdp_dtensor).
   std::string save;           // folder to save into
@@ -99,6 +104,9 @@ struct PretrainArgs {
   bool fsdp_double_buffer = false;
   bool fsdp_trace_pool = false;  // ours: trace-then-plan pool for unsharded buffers
   bool use_nccl_ub = false;
+  // Timeout of every collective (Megatron's --distributed-timeout-minutes): how long a silent
+  // peer may keep a rank waiting; fractions of a minute are allowed here.
+  double distributed_timeout_minutes = 10;
   std::string device = "auto";
   std::string attention_backend = "auto";  // auto: SDPA; unfused: the explicit math path  // (mfsdp) auto, cpu or cuda: where the model trains
 

@@ -10,6 +10,7 @@
 #include "mfsdp/batched_generate.h"
 #include "mfsdp/chat_template.h"
 #include "mfsdp/policy_loss.h"
+#include "mfsdp/tensor_source.h"
 #include "mfsdp/token_stats.h"
 #include "mfsdp/verifiable_tasks.h"
 #include "train/chat_eval.h"
@@ -66,6 +67,8 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
   if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
   if (a.max_new_tokens < 1) flag_error("--max-new-tokens", "must be >= 1");
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load (it starts from the folder)");
+  if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
+    flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
   a.base.seq_length = a.max_length;
   a.base.calculate_per_token_loss = true;
   return a;
@@ -256,8 +259,10 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
     const auto stats = run.step(it, a.num_micro_batches, [&](int64_t m) {
       SequenceLosses s = sequence_losses(model, batches[static_cast<size_t>(m)], device);
       at::Tensor loss = agg_loss(s.loss, s.mask, agg, norm);
-      step_loss += loss.item<double>();
+      const double value = loss.item<double>();
+      step_loss += value;
       loss.backward();
+      return value;
     });
     step_loss = run.all_reduce_sum(step_loss);
     window_loss += step_loss;
@@ -276,18 +281,19 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
       r.tokens_per_sec = window_tokens / seconds;  // target tokens
       r.mem_bytes = peak_memory_bytes(device);
       r.extra.emplace_back("train/loss", r.lm_loss);
+      run.add_norms(r, stats);
       run.record(r);
       if (std::isnan(result.first_loss)) result.first_loss = r.lm_loss;
       result.final_loss = r.lm_loss;
       if (run.prints()) {
-        char line[400];
+        char line[512];
         std::snprintf(line, sizeof line,
                       " iteration %6lld/%6lld | consumed samples: %8lld | elapsed time per iteration (ms): %.1f | "
-                      "learning rate: %.6E | global batch size: %4lld | loss: %.6E | grad norm: %.3f | "
+                      "learning rate: %.6E | global batch size: %4lld | loss: %.6E | grad norm: %.3f%s | "
                       "target tokens/s: %.1f | mem (MiB): %.1f",
                       (long long)it, (long long)a.train_iters, (long long)r.consumed_samples, r.iter_time_s * 1e3,
-                      r.lr, (long long)a.global_batch_size, r.lm_loss, r.grad_norm, r.tokens_per_sec,
-                      r.mem_bytes / 1048576.0);
+                      r.lr, (long long)a.global_batch_size, r.lm_loss, r.grad_norm, run.norms_log_text(stats).c_str(),
+                      r.tokens_per_sec, r.mem_bytes / 1048576.0);
         log << line << "\n";
         log.flush();
       }

@@ -1,5 +1,7 @@
 #include "train/task_source.h"
 
+#include <filesystem>
+
 #include "train/tool_flags.h"
 
 namespace mfsdp {
@@ -38,6 +40,9 @@ void check_task_source(const TaskSource& s) {
   if (s.train_files.empty() == s.gen_task.empty())
     flag_error("--train-files", s.gen_task.empty() ? "is required (or --gen-task)" : "conflicts with --gen-task");
   if (!s.val_files.empty() && s.generated()) flag_error("--val-files", "conflicts with --gen-task");
+  for (const auto& [flag, file] : {std::pair{"--train-files", s.train_files}, {"--val-files", s.val_files}})
+    if (std::error_code ec; !file.empty() && !std::filesystem::is_regular_file(file, ec))
+      flag_error(flag, "no such file: '" + file + "'");
   if (!s.generated()) return;
   if (s.gen_train_size < 1) flag_error("--gen-train-size", "must be >= 1, got " + std::to_string(s.gen_train_size));
   if (s.gen_val_size < 0) flag_error("--gen-val-size", "must be >= 0, got " + std::to_string(s.gen_val_size));

@@ -1,5 +1,6 @@
 #include "train/tool_flags.h"
 
+#include <cmath>
 #include <sstream>
 #include <stdexcept>
 
@@ -37,13 +38,13 @@ ToolFlag double_flag(const char* name, double& field, const std::string& help) {
             try {
               size_t used = 0;
               const double x = std::stod(v, &used);
-              if (used == v.size()) {
+              if (used == v.size() && std::isfinite(x)) {  // "nan" and "inf" are no flag's value
                 field = x;
                 return;
               }
             } catch (const std::exception&) {
             }
-            flag_error(name, "expected a number, got '" + v + "'");
+            flag_error(name, "expected a finite number, got '" + v + "'");
           },
           [&field] {
             std::ostringstream s;

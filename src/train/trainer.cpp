@@ -154,9 +154,13 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
         << ": nothing to train\n";
   for (; it <= a.train_iters; ++it) {
     double step_loss = 0;
-    const auto [norm, lr] = run.step(it, a.num_micro_batches, [&](int64_t m) {
-      micro_loss(datasets.train->micro_batch(layout, it - 1, m, rank), &step_loss).backward();
+    const TrainingRun::StepStats stats = run.step(it, a.num_micro_batches, [&](int64_t m) {
+      double loss = 0;
+      micro_loss(datasets.train->micro_batch(layout, it - 1, m, rank), &loss).backward();
+      step_loss += loss;
+      return loss;
     });
+    const double norm = stats.grad_norm, lr = stats.lr;
     if (a.calculate_per_token_loss) step_loss = step_loss * dp / tokens_per_global_batch;
     window_loss += step_loss;
     ++window_iters;
@@ -176,20 +180,22 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
       r.tokens_per_sec = gbs * a.seq_length / iter_s;
       r.tflops_per_rank = flops_per_iter / iter_s / dp / 1e12;
       r.mem_bytes = peak_memory_bytes(comm->device());
+      run.add_norms(r, stats);
       run.record(r);
       if (std::isnan(result.first_loss)) result.first_loss = loss;
       result.final_loss = loss;
       result.tokens_per_sec = r.tokens_per_sec;
       if (print) {
-        char line[512];
+        // Megatron's order: grad norm, num zeros, params norm.
+        char line[640];
         std::snprintf(line, sizeof line,
                       " iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per "
                       "iteration (ms): %.1f | learning rate: %.6E | global batch size: %5lld | "
-                      "lm loss: %.6E | grad norm: %.3f | tokens/s: %.1f | TFLOP/s per rank: %.4f | "
+                      "lm loss: %.6E | grad norm: %.3f%s | tokens/s: %.1f | TFLOP/s per rank: %.4f | "
                       "mem (MiB): %.1f | eta %s",
                       (long long)it, (long long)a.train_iters, (long long)r.consumed_samples,
-                      iter_s * 1e3, lr, (long long)gbs, loss, norm, r.tokens_per_sec,
-                      r.tflops_per_rank, r.mem_bytes / 1048576.0,
+                      iter_s * 1e3, lr, (long long)gbs, loss, norm, run.norms_log_text(stats).c_str(),
+                      r.tokens_per_sec, r.tflops_per_rank, r.mem_bytes / 1048576.0,
                       hms(elapsed / (it - resume.iteration) * (a.train_iters - it)).c_str());
         log << line << "\n";
         log.flush();

@@ -2,6 +2,9 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <iostream>
 #include <thread>
@@ -55,6 +58,12 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
     at::set_num_threads(threads);
     CommOptions comm_options;
     comm_options.backend = backend_for(device);
+    // --distributed-timeout-minutes: every collective's timeout (a silent peer is named after
+    // this long). Start-up may take as long, but never less than the default rendezvous timeout
+    // (include/mfsdp/comm.h): a short timeout must not fail ranks that start slowly.
+    comm_options.timeout =
+        std::chrono::milliseconds(std::llround(args->distributed_timeout_minutes * 60000.0));
+    comm_options.rendezvous_timeout = std::max(comm_options.rendezvous_timeout, comm_options.timeout);
     if (device.is_cuda()) comm_options.device_index = device.index();
     auto comm = args->simulate_world_size > 0
                     ? make_simulated_communicator(static_cast<int>(args->simulate_rank),

@@ -2,7 +2,11 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <filesystem>
+#include <sstream>
 
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/checkpoint_inspector.h"
@@ -154,18 +158,182 @@ ResumePoint TrainingRun::start(const std::map<std::string, at::Tensor>* initial)
   return resume;
 }
 
+namespace {
+
+// Elements converted to fp64 at a time for a sum of squares (as the gradient norm does,
+// src/optim/grad_clip.cpp): fp64 accuracy without a second copy of a whole shard.
+constexpr int64_t kNormChunk = int64_t{1} << 20;
+
+void add_squares(at::Tensor& acc, const at::Tensor& x) {
+  for (int64_t start = 0; start < x.numel(); start += kNormChunk) {
+    at::Tensor chunk = x.narrow(0, start, std::min(kNormChunk, x.numel() - start)).to(at::kDouble);
+    acc.add_(at::dot(chunk, chunk));
+  }
+}
+
+// The slice of `shards`' main gradients that holds parameter slice `s` (undefined for frozen
+// parameters and empty slices).
+at::Tensor grad_of(const LocalShard& s, const std::vector<OptimizerShard>& shards) {
+  if (s.shard_index < 0 || s.local.numel() == 0) return {};
+  return shards[static_cast<size_t>(s.shard_index)].main_grad.narrow(0, s.shard_offset, s.local.numel());
+}
+
+}  // namespace
+
 TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
-                                         const std::function<void(int64_t)>& micro_batch) {
+                                         const std::function<double(int64_t)>& micro_batch) {
+  bool loss_finite = true;
   for (int64_t m = 0; m < micro_batches; ++m) {
     sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
-    micro_batch(m);
+    if (!std::isfinite(micro_batch(m))) loss_finite = false;
   }
   StepStats s;
-  s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);
+  s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);  // a non-finite norm leaves the grads as they are
+  if (args_.check_for_nan_in_loss_and_grad) check_finite(iteration, loss_finite, s.grad_norm);
+  // Megatron's diagnostics, summed over the ranks in one all-reduce, each element counted once
+  // (on its replica 0 under no_shard): zero gradient elements after clipping, before the step;
+  // the sum of squares of the parameters (main weights) after it.
+  const bool norms = args_.log_params_norm || args_.log_num_zeros_in_grad;
+  at::Tensor sums;
+  if (norms) {
+    at::NoGradGuard no_grad;
+    sums = at::zeros({2}, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
+    if (args_.log_num_zeros_in_grad) {
+      const std::vector<OptimizerShard> shards = sharded_.root.optimizer_shards();
+      for (const LocalShard& p : sharded_.root.local_shards())
+        if (at::Tensor g = grad_of(p, shards); g.defined() && p.replica == 0)
+          sums[0].add_(g.numel() - at::count_nonzero(g));
+    }
+  }
   s.lr = schedule_.lr_at(iteration);
   optimizer_->step(s.lr);
   sharded_.root.zero_grad();
+  if (norms) {
+    at::NoGradGuard no_grad;
+    if (args_.log_params_norm) {
+      at::Tensor squares = sums.narrow(0, 1, 1);
+      for (const LocalShard& p : sharded_.root.local_shards())
+        if (p.replica == 0) add_squares(squares, p.local);
+    }
+    comm_->all_reduce(sums, {ReduceOp::kSum});
+    const at::Tensor host = sums.cpu();
+    s.num_zeros_in_grad = static_cast<int64_t>(std::llround(host[0].item<double>()));
+    s.params_norm = std::sqrt(host[1].item<double>());
+  }
   return s;
+}
+
+namespace {
+
+// Per parameter of `params` (local_shards() order, the same on every rank), the NaN and Inf
+// counts of `slice(param)` on this rank into counts[2i] and counts[2i + 1]; each element is
+// counted once over the ranks (on its replica 0).
+void count_non_finite(const std::vector<LocalShard>& params,
+                      const std::function<at::Tensor(const LocalShard&)>& slice, at::Tensor counts) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].replica != 0) continue;
+    const at::Tensor t = slice(params[i]);
+    if (!t.defined() || t.numel() == 0) continue;
+    counts[2 * static_cast<int64_t>(i)] = static_cast<double>(t.isnan().sum().item<int64_t>());
+    counts[2 * static_cast<int64_t>(i) + 1] = static_cast<double>(t.isinf().sum().item<int64_t>());
+  }
+}
+
+// "N parameters: name (a NaN, b Inf of n), ..." of the parameters with non-zero counts (the
+// first 20 named); empty when there are none.
+std::string list_non_finite(const std::vector<LocalShard>& params, const double* counts) {
+  constexpr int kMaxListed = 20;
+  std::ostringstream names;
+  int found = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double nans = counts[2 * i], infs = counts[2 * i + 1];
+    if (nans + infs == 0) continue;
+    if (++found > kMaxListed) continue;
+    int64_t numel = 1;
+    for (int64_t d : params[i].global_shape) numel *= d;
+    names << (found > 1 ? ", " : "") << params[i].name << " (" << static_cast<int64_t>(nans) << " NaN, "
+          << static_cast<int64_t>(infs) << " Inf of " << numel << ")";
+  }
+  if (found == 0) return "";
+  if (found > kMaxListed) names << ", and " << found - kMaxListed << " more";
+  return std::to_string(found) + (found > 1 ? " parameters: " : " parameter: ") + names.str();
+}
+
+const char* const kNanCheckEnd =
+    " (--check-for-nan-in-loss-and-grad; --no-check-for-nan-in-loss-and-grad trains on)";
+
+}  // namespace
+
+void TrainingRun::check_finite(int64_t iteration, bool loss_finite, double grad_norm) {
+  at::NoGradGuard no_grad;
+  const int world = comm_->size();
+  // The norm is all-reduced, so every rank takes the same branch and the all-reduce below has
+  // the same size everywhere: a flag per rank for its loss, then, only when the norm is not
+  // finite, the NaN and Inf counts of every parameter's gradient.
+  const bool grads_finite = std::isfinite(grad_norm);
+  std::vector<LocalShard> params;
+  if (!grads_finite) params = sharded_.root.local_shards();
+  at::Tensor counts = at::zeros({world + 2 * static_cast<int64_t>(params.size())}, at::kDouble);
+  if (!loss_finite) counts[comm_->rank()] = 1.0;
+  if (!grads_finite) {
+    const std::vector<OptimizerShard> shards = sharded_.root.optimizer_shards();
+    count_non_finite(params, [&](const LocalShard& p) { return grad_of(p, shards); },
+                     counts.narrow(0, world, 2 * static_cast<int64_t>(params.size())));
+  }
+  at::Tensor reduced = counts.to(comm_->device());
+  comm_->all_reduce(reduced, {ReduceOp::kSum});
+  reduced = reduced.cpu();
+  const double* c = reduced.data_ptr<double>();
+
+  std::string ranks;
+  for (int r = 0; r < world; ++r)
+    if (c[r] > 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
+  if (ranks.empty() && grads_finite) return;
+  std::ostringstream why;
+  why << "iteration " << iteration << ": ";
+  if (!ranks.empty()) why << "the loss is NaN or Inf on rank " << ranks << " of " << world;
+  if (!grads_finite) {
+    why << (ranks.empty() ? "" : "; ") << "the gradients are not finite (grad norm " << grad_norm << ")";
+    if (const std::string list = list_non_finite(params, c + world); !list.empty())
+      why << " in the shards of " << list;
+  }
+  why << ". Stopped before the optimizer step; nothing of this iteration was saved" << kNanCheckEnd;
+  throw NonFiniteError(why.str());
+}
+
+void TrainingRun::check_finite_weights(int64_t iteration) {
+  at::NoGradGuard no_grad;
+  const std::vector<LocalShard> params = sharded_.root.local_shards();
+  at::Tensor counts = at::zeros({2 * static_cast<int64_t>(params.size())}, at::kDouble);
+  count_non_finite(params, [](const LocalShard& p) { return p.local; }, counts);
+  at::Tensor reduced = counts.to(comm_->device());
+  comm_->all_reduce(reduced, {ReduceOp::kSum});
+  reduced = reduced.cpu();
+  const std::string list = list_non_finite(params, reduced.data_ptr<double>());
+  if (list.empty()) return;
+  throw NonFiniteError("iteration " + std::to_string(iteration) +
+                       ": the weights are not finite after the optimizer step in the shards of " + list +
+                       ". The checkpoint of this iteration was not saved" + kNanCheckEnd);
+}
+
+std::string TrainingRun::norms_log_text(const StepStats& stats) const {
+  std::string text;
+  char buf[96];
+  if (args_.log_num_zeros_in_grad) {
+    std::snprintf(buf, sizeof buf, " | num zeros: %lld", static_cast<long long>(stats.num_zeros_in_grad));
+    text += buf;
+  }
+  if (args_.log_params_norm) {
+    std::snprintf(buf, sizeof buf, " | params norm: %.3f", stats.params_norm);
+    text += buf;
+  }
+  return text;
+}
+
+void TrainingRun::add_norms(IterationRecord& r, const StepStats& stats) const {
+  if (args_.log_num_zeros_in_grad)
+    r.extra.emplace_back("num_zeros_in_grad", static_cast<double>(stats.num_zeros_in_grad));
+  if (args_.log_params_norm) r.extra.emplace_back("params_norm", stats.params_norm);
 }
 
 void TrainingRun::record(const IterationRecord& r) {
@@ -188,6 +356,7 @@ void TrainingRun::write_param_group_map() {
 }
 
 void TrainingRun::save(int64_t iteration) {
+  if (args_.check_for_nan_in_loss_and_grad) check_finite_weights(iteration);
   save_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, iteration, log_, tool_);
   last_saved_ = iteration;
 }

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,13 @@ StartingPoint starting_point(const PretrainArgs& args, const std::string& hf_loa
 // The file next to the metrics file with another extension (metrics.jsonl -> metrics.svg).
 std::string sibling_path(const std::string& metrics_file, const std::string& extension);
 
+// Thrown by TrainingRun::step on every rank when --check-for-nan-in-loss-and-grad finds a NaN
+// or Inf loss or gradient.
+class NonFiniteError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class TrainingRun {
  public:
   // Builds the sharded model, the optimizer (--optimizer) and the LR schedule. `tool` names the
@@ -72,15 +80,27 @@ class TrainingRun {
   struct StepStats {
     double grad_norm = 0;
     double lr = 0;
+    double params_norm = 0;        // with --log-params-norm: L2 norm of every parameter after the step
+    int64_t num_zeros_in_grad = 0;  // with --log-num-zeros-in-grad: gradient elements == 0 after clipping
   };
   // One optimizer step of `iteration` (1-based): micro_batch(m) for m = 0 .. micro_batches - 1
   // runs that micro-batch's forward and backward (gradients are reduced after the last one
-  // only); then clip (--clip-grad), step at the schedule's lr, zero the gradients.
-  StepStats step(int64_t iteration, int64_t micro_batches, const std::function<void(int64_t)>& micro_batch);
+  // only) and returns its loss on this rank (any scale: only its finiteness is looked at); then
+  // clip (--clip-grad), step at the schedule's lr, zero the gradients.
+  // --check-for-nan-in-loss-and-grad: when a rank's loss or a reduced gradient is NaN or Inf,
+  // every rank throws NonFiniteError (the same message: the iteration, the ranks of the losses,
+  // the parameters whose shards hold the values) before the optimizer step. Collective.
+  StepStats step(int64_t iteration, int64_t micro_batches, const std::function<double(int64_t)>& micro_batch);
+  // The " | num zeros: N | params norm: X" of the log line (empty when neither flag is given),
+  // and the same values into a metrics record (num_zeros_in_grad, params_norm).
+  std::string norms_log_text(const StepStats& stats) const;
+  void add_norms(IterationRecord& record, const StepStats& stats) const;
 
   // Appends to the metrics file (rank 0) and the history the curve is drawn from.
   void record(const IterationRecord& r);
-  // Saves at --save-interval; true when --exit-interval says to stop here (saved first).
+  // Saves at --save-interval; true when --exit-interval says to stop here (saved first). With
+  // --check-for-nan-in-loss-and-grad, a checkpoint of NaN or Inf weights is refused
+  // (NonFiniteError naming the parameters) before anything is written.
   bool after_iteration(int64_t iteration);
   // With --save: the checkpoint of the last iteration, unless it is saved already. Collective.
   void finish_checkpoint(int64_t last_iteration);
@@ -112,6 +132,12 @@ class TrainingRun {
 
  private:
   void save(int64_t iteration);
+  // --check-for-nan-in-loss-and-grad after clipping (`grad_norm`: the global norm, the same on
+  // every rank). Throws NonFiniteError. Collective.
+  void check_finite(int64_t iteration, bool loss_finite, double grad_norm);
+  // --check-for-nan-in-loss-and-grad before a checkpoint is written: no NaN or Inf weights (a
+  // step with finite gradients can still overflow them). Throws NonFiniteError. Collective.
+  void check_finite_weights(int64_t iteration);
   void write_param_group_map();  // --dump-param-to-param-group-map
 
   PretrainArgs args_;

@@ -77,8 +77,9 @@ Measured measure(const PretrainArgs& a, const std::shared_ptr<mfsdp::Communicato
     run.step(it, a.num_micro_batches, [&](int64_t) {
       at::Tensor tokens = torch::randint(0, a.vocab_size, {a.micro_batch_size, a.seq_length + 1});
       at::Tensor logits = run.model()->call(tokens.narrow(1, 0, a.seq_length));
-      (mfsdp::lm_loss(logits, tokens.narrow(1, 1, a.seq_length)) / static_cast<double>(a.num_micro_batches))
-          .backward();
+      at::Tensor loss = mfsdp::lm_loss(logits, tokens.narrow(1, 1, a.seq_length)) / static_cast<double>(a.num_micro_batches);
+      loss.backward();
+      return loss.item<double>();
     });
   const mfsdp::MemoryReport m = run.root().memory();
   Measured out{m.model_weights, m.main_weights, m.main_grads, 0, m.transient_peak};

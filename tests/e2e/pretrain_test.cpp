@@ -1,18 +1,32 @@
 // mfsdp-pretrain end to end, through mfsdp-run: the same 20 iterations with 1, 2 and 4 ranks
 // (same global batch) give the same losses under ZeRO-3 and no_shard; recompute and deferred
-// init do not change them; bad flags stop before any work, naming the flag.
+// init do not change them; bad flags and values stop before any work, naming the flag; NaN
+// losses and gradients stop every rank naming the iteration and the parameters, and no
+// checkpoint of NaN weights is written; --distributed-timeout-minutes bounds how long a stopped
+// rank keeps the others waiting; --log-params-norm and --log-num-zeros-in-grad agree across
+// rank counts and with the exported weights.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <gtest/gtest.h>
 
+#include <torch/torch.h>
+
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "harness/run_command.h"
+#include "mfsdp/safetensors.h"
 
 namespace {
 
@@ -151,8 +165,13 @@ TEST(Pretrain, MemoryPlanPrintsWhatTheRunHolds) {
   EXPECT_FALSE(planned_bytes_line(bare.output).empty()) << bare.output;
 }
 
+// Every bad value exits 2 before the communicator, model or data exist (the " device:" line is
+// printed once the communicator is up), naming the flag and the value, never an internal field
+// of the model, optimizer or schedule.
 TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
   const std::string pretrain = bin("MFSDP_PRETRAIN_BIN");
+  std::string on_data = kModel;
+  on_data.replace(on_data.find(" --mock-data"), 12, " --data-path /nonexistent/mfsdp_corpus_text_document");
   struct Case {
     std::string flags, expected;
   } cases[] = {
@@ -163,11 +182,247 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --num-attention-heads 5", "--hidden-size"},
       {kModel + " --device tpu", "--device"},
       {kModel + " --attention-backend flash", "--attention-backend"},
+      // Values that used to pass parsing and fail (or do nothing) later.
+      {kModel + " --clip-grad -1", "--clip-grad: must be >= 0, got -1"},
+      {kModel + " --seed -1", "--seed: must be in [0, 4294967295], got -1"},
+      {kModel + " --seed 4294967296", "--seed"},
+      {kModel + " --adam-beta1 1.5", "--adam-beta1: must be in [0, 1), got 1.5"},
+      {kModel + " --adam-beta2 -0.1", "--adam-beta2"},
+      {kModel + " --adam-eps -1e-8", "--adam-eps"},
+      {kModel + " --weight-decay -0.1", "--weight-decay"},
+      {kModel + " --optimizer sgd --sgd-momentum -0.5", "--sgd-momentum"},
+      {kModel + " --lr -0.001", "--lr: must be >= 0"},
+      {kModel + " --lr nan", "--lr: expected a finite number, got 'nan'"},
+      {kModel + " --lr inf", "--lr"},
+      {kModel + " --lr 1e39", "--lr: 1e+39 is beyond fp32's range"},
+      {kModel + " --min-lr -1", "--min-lr"},
+      {kModel + " --lr-decay-iters -5", "--lr-decay-iters"},
+      {kModel + " --ffn-hidden-size -1", "--ffn-hidden-size: must be >= 0, got -1"},
+      {kModel + " --rotary-base 0", "--rotary-base"},
+      {kModel + " --init-method-std -0.02", "--init-method-std"},
+      {kModel + " --norm-epsilon -1", "--norm-epsilon"},
+      {kModel + " --global-batch-size -8", "--global-batch-size"},
+      {kModel + " --vocab-size -5", "--vocab-size"},
+      {kModel + " --max-position-embeddings -1", "--max-position-embeddings"},
+      {kModel + " --hidden-size 36", "--num-attention-heads: gives an odd head size 9"},
+      {kModel + " --sample-prompt hi --sample-tokens -1", "--sample-tokens"},
+      {kModel + " --split abc", "--split"},
+      {on_data, "--data-path"},
+      {kModel + " --distributed-timeout-minutes 0", "--distributed-timeout-minutes"},
+      {kModel + " --distributed-timeout-minutes -1", "--distributed-timeout-minutes"},
+      {kModel + " --save /etc/passwd/ckpt", "--save"},
+      {kModel + " --export-hf /etc/passwd/hf", "--export-hf"},
+      {kModel + " --metrics-file /etc/passwd/metrics.jsonl", "--metrics-file"},
+      {kModel + " --check-for-nan-in-loss-and-grad=1", "--check-for-nan-in-loss-and-grad: takes no value"},
   };
   for (const auto& c : cases) {
     Outcome r = run("env RANK=0 WORLD_SIZE=1 " + pretrain + c.flags);
     EXPECT_EQ(r.exit_code, 2) << c.flags << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.flags << "\n" << r.output;
+    EXPECT_EQ(r.output.find(" device:"), std::string::npos) << "the run started: " << r.output;
     EXPECT_EQ(r.output.find("iteration"), std::string::npos) << "training started: " << r.output;
+    for (const char* internal : {"AdamWOptions", "SGDOptions", "LlamaConfig", "LRSchedule"})
+      EXPECT_EQ(r.output.find(internal), std::string::npos) << c.flags << "\n" << r.output;
   }
+}
+
+// The metrics records of training iterations (not evaluations).
+std::vector<nlohmann::json> train_records(const std::string& metrics) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (!j.contains("eval")) out.push_back(j);
+  }
+  return out;
+}
+
+// --log-params-norm and --log-num-zeros-in-grad: Megatron's " num zeros: N | params norm: X"
+// after the grad norm, the same numbers with 1 rank and 2 ZeRO-3 ranks, the last params norm
+// that of the exported weights (computed here from model.safetensors), and at least the zeros
+// of the embedding's padding rows (--untie: no output layer sums into them), which no token hits.
+TEST(Pretrain, ParamsNormAndNumZerosOverShards) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / "mfsdp_pretrain_norms";
+  fs::remove_all(dir);
+  const std::string flags = kModel + " --train-iters 4 --untie-embeddings-and-output-weights"
+                                     " --make-vocab-size-divisible-by 128 --log-params-norm --log-num-zeros-in-grad";
+  std::vector<std::vector<nlohmann::json>> runs;
+  for (int ranks : {1, 2}) {
+    const fs::path out = dir / std::to_string(ranks);
+    Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node " + std::to_string(ranks) + " " +
+                    bin("MFSDP_PRETRAIN_BIN") + flags + " --metrics-file " + (out / "metrics.jsonl").string() +
+                    " --export-hf " + (out / "hf").string());
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find(" | grad norm: "), std::string::npos) << r.output;
+    const auto zeros_at = r.output.find(" | num zeros: "), norm_at = r.output.find(" | params norm: ");
+    EXPECT_TRUE(zeros_at != std::string::npos && norm_at != std::string::npos && zeros_at < norm_at) << r.output;
+    runs.push_back(train_records((out / "metrics.jsonl").string()));
+    ASSERT_EQ(runs.back().size(), 4u) << r.output;
+
+    double squares = 0;
+    for (const auto& [name, t] : mfsdp::read_safetensors_folder((out / "hf").string()))
+      squares += t.to(at::kDouble).square().sum().item<double>();
+    const double last = runs.back().back()["params_norm"].get<double>();
+    EXPECT_NEAR(last, std::sqrt(squares), 1e-6 * last) << ranks << " ranks";
+  }
+  const int64_t padding_zeros = (128 - 64) * 32;  // padded rows x hidden size
+  for (size_t i = 0; i < runs[0].size(); ++i) {
+    const double norm1 = runs[0][i]["params_norm"].get<double>(), norm2 = runs[1][i]["params_norm"].get<double>();
+    EXPECT_NEAR(norm2, norm1, 1e-6 * norm1) << "iteration " << i + 1;
+    EXPECT_EQ(runs[1][i]["num_zeros_in_grad"].get<int64_t>(), runs[0][i]["num_zeros_in_grad"].get<int64_t>())
+        << "iteration " << i + 1;
+    EXPECT_GE(runs[0][i]["num_zeros_in_grad"].get<int64_t>(), padding_zeros);
+  }
+  fs::remove_all(dir);
+}
+
+namespace {
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Starts `command` through sh (exec'd, so the pid is the command's), output into `log`.
+pid_t spawn(const std::string& command, const std::string& log) {
+  const std::string line = "exec " + command + " > " + log + " 2>&1";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  return pid;
+}
+
+// The child of `parent` whose environment holds `entry` (e.g. "RANK=1"); -1 when none (yet).
+pid_t child_with_env(pid_t parent, const std::string& entry) {
+  for (const auto& proc : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = proc.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string stat = read_text(proc.path() / "stat");
+    const auto paren = stat.rfind(')');
+    if (paren == std::string::npos) continue;
+    std::istringstream fields(stat.substr(paren + 2));
+    std::string state;
+    long ppid = 0;
+    fields >> state >> ppid;
+    if (ppid != parent) continue;
+    const std::string env = read_text(proc.path() / "environ");
+    for (size_t begin = 0; begin < env.size();) {
+      const size_t end = env.find('\0', begin);
+      if (env.compare(begin, (end == std::string::npos ? env.size() : end) - begin, entry) == 0 &&
+          (end == std::string::npos ? env.size() : end) - begin == entry.size())
+        return static_cast<pid_t>(std::stol(name));
+      if (end == std::string::npos) break;
+      begin = end + 1;
+    }
+  }
+  return -1;
+}
+
+// waitpid with a deadline; the exit status, or -1 when `pid` still runs after `seconds`.
+int wait_for_exit(pid_t pid, double seconds) {
+  const auto end = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  for (;;) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (std::chrono::steady_clock::now() > end) return -1;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+}  // namespace
+
+// --distributed-timeout-minutes reaches the communicator: a rank stopped (SIGSTOP) in the middle
+// of training is named by the other one after 0.2 minutes (12000 ms), not after the default 10.
+TEST(Pretrain, DistributedTimeoutNamesAStoppedRank) {
+  namespace fs = std::filesystem;
+  const fs::path log = fs::temp_directory_path() / ("mfsdp_pretrain_timeout_" + std::to_string(getpid()) + ".log");
+  const pid_t launcher = spawn(bin("MFSDP_RUN_BIN") + " --nproc-per-node 2 " + bin("MFSDP_PRETRAIN_BIN") + kModel +
+                                   " --train-iters 100000 --distributed-timeout-minutes 0.2",
+                               log.string());
+  ASSERT_GT(launcher, 0);
+  // Training runs once rank 0 logs an iteration.
+  pid_t rank1 = -1;
+  const auto start_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (std::chrono::steady_clock::now() < start_deadline) {
+    if (rank1 < 0) rank1 = child_with_env(launcher, "RANK=1");
+    if (rank1 > 0 && read_text(log.string()).find(" iteration ") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  if (rank1 <= 0 || read_text(log.string()).find(" iteration ") == std::string::npos) {
+    kill(launcher, SIGTERM);
+    wait_for_exit(launcher, 30);
+    FAIL() << "training did not start (rank 1 pid " << rank1 << "):\n" << read_text(log.string());
+  }
+  ASSERT_EQ(kill(rank1, SIGSTOP), 0);
+  const auto stopped = std::chrono::steady_clock::now();
+  // Rank 0's own error names the silent peer and the flag's timeout.
+  double named = -1;
+  while (std::chrono::steady_clock::now() < stopped + std::chrono::seconds(120)) {
+    if (read_text(log.string()).find("12000 ms") != std::string::npos) {
+      named = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped).count();
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const int code = wait_for_exit(launcher, 60);
+  const double ended = std::chrono::duration<double>(std::chrono::steady_clock::now() - stopped).count();
+  kill(rank1, SIGKILL);  // already gone when the launcher stopped it
+  if (code == -1) {
+    kill(launcher, SIGKILL);
+    wait_for_exit(launcher, 30);
+  }
+  const std::string output = read_text(log.string());
+  fs::remove(log);
+  std::printf("stopped rank named after %.1f s, job ended after %.1f s\n", named, ended);
+  EXPECT_GE(named, 0) << "rank 1 not named within 120 s of stopping it:\n" << output;
+  EXPECT_LT(named, 60) << output;  // the default timeout would take 10 minutes
+  EXPECT_NE(output.find("rank 1"), std::string::npos) << output;
+  EXPECT_NE(code, -1) << "the job did not end:\n" << output;
+  EXPECT_NE(code, 0) << output;
+}
+
+// --check-for-nan-in-loss-and-grad (on by default), through the binary: every rank stops at the
+// iteration whose loss or gradients are not finite, naming it (and the parameters), exit 1, and
+// that iteration is neither stepped nor saved; --no-check-for-nan-in-loss-and-grad trains on.
+TEST(Pretrain, NanLossOrGradientStopsNamingTheIteration) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::temp_directory_path() / ("mfsdp_pretrain_nan_" + std::to_string(getpid()));
+  fs::remove_all(dir);
+  const std::string launch = bin("MFSDP_RUN_BIN") + " --nproc-per-node 2 " + bin("MFSDP_PRETRAIN_BIN") + kModel;
+
+  // Weights of std 1e18: attention scores overflow, the loss of iteration 1 is NaN (on rank 1,
+  // whose samples hit it; rank 0 stops all the same).
+  Outcome loss = run(launch + " --train-iters 4 --init-method-std 1e18");
+  EXPECT_EQ(loss.exit_code, 1) << loss.output;
+  EXPECT_NE(loss.output.find("[rank0]: mfsdp-pretrain: iteration 1: the loss is NaN or Inf on rank 1 of 2"),
+            std::string::npos)
+      << loss.output;
+  EXPECT_EQ(loss.output.find(" iteration        1/"), std::string::npos) << "trained on: " << loss.output;
+
+  // An --lr of 1e30 (5e29 at step 1, in warmup) leaves finite but huge weights: RMSNorm's squares
+  // overflow, so iteration 2's loss is finite and its gradients are not. Checkpoint 1 is saved,
+  // iteration 2 is not.
+  const fs::path save = dir / "ckpt";
+  Outcome grads = run(launch + " --train-iters 4 --lr 1e30 --save " + save.string() + " --save-interval 1");
+  EXPECT_EQ(grads.exit_code, 1) << grads.output;
+  EXPECT_NE(grads.output.find("iteration 2: the gradients are not finite (grad norm "), std::string::npos)
+      << grads.output;
+  EXPECT_NE(grads.output.find("model.layers.1.mlp.down_proj.weight ("), std::string::npos) << grads.output;
+  EXPECT_EQ(grads.output.find("the loss is"), std::string::npos) << grads.output;
+  EXPECT_TRUE(fs::exists(save / "iter_0000001")) << grads.output;
+  EXPECT_FALSE(fs::exists(save / "iter_0000002")) << grads.output;
+
+  // The check off: the old behaviour, NaN to the end.
+  Outcome off = run(launch + " --train-iters 3 --lr 1e30 --no-check-for-nan-in-loss-and-grad");
+  EXPECT_EQ(off.exit_code, 0) << off.output;
+  EXPECT_NE(off.output.find(" iteration        3/"), std::string::npos) << off.output;
+  EXPECT_NE(off.output.find("nan"), std::string::npos) << off.output;  // grad norm: -nan
+  fs::remove_all(dir);
 }
