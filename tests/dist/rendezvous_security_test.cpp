@@ -202,10 +202,12 @@ std::string describe(const launch::SuperviseResult& result, const std::string& o
   return s + output;
 }
 
-int64_t rss_kib(pid_t pid) {
+// A field of /proc/<pid>/status in KiB: "VmRSS" (resident now), "VmHWM" (the peak, which also
+// sees memory that was taken and given back while a client was connected).
+int64_t status_kib(pid_t pid, const std::string& field) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/status");
   for (std::string line; std::getline(in, line);)
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6));
+    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1));
   return -1;
 }
 
@@ -307,8 +309,8 @@ mfsdp::RendezvousInfo client_info(int port, const std::string& token, int rank =
 }  // namespace
 
 // Requests that claim or send far more than a greeting, from strangers and from a client with
-// the token: rank 0 reads none of it into memory (its RSS grows by less than 4 MiB; c10d's
-// TCPStore allocated the claimed 1 GiB), and the job goes on.
+// the token: rank 0 reads none of it into memory (its RSS, and its peak RSS, grow by less than
+// 4 MiB; c10d's TCPStore allocated the claimed 1 GiB), and the job goes on.
 TEST(RendezvousSecurity, OversizedRequestsDoNotGrowRankZero) {
   if (in_rank()) return rank_program();
   TempDir dir("mfsdp-rdzv");
@@ -317,7 +319,7 @@ TEST(RendezvousSecurity, OversizedRequestsDoNotGrowRankZero) {
   Job job(job_specs(2, port, token, dir.path().string(), {{0, {{kHold, "1"}}}, {1, {{kHold, "1"}}}}));
   ASSERT_TRUE(wait_for_file(dir.file("ready"), kBound)) << job.output();
   const pid_t rank0 = std::stoi(read_file(dir.file("ready")));
-  const int64_t before = rss_kib(rank0);
+  const int64_t before = status_kib(rank0, "VmRSS"), peak_before = status_kib(rank0, "VmHWM");
 
   {  // c10d TCPStore's shape: a query byte and an 8-byte key length of 1 GiB
     RawClient c(port);
@@ -357,12 +359,16 @@ TEST(RendezvousSecurity, OversizedRequestsDoNotGrowRankZero) {
     store->set("small", std::vector<uint8_t>(16, 1));  // and the connection still serves
     EXPECT_EQ(store->get("small").size(), 16u);
   }
-  const int64_t after = rss_kib(rank0);
+  const int64_t after = status_kib(rank0, "VmRSS"), peak_after = status_kib(rank0, "VmHWM");
   std::cout << "rank 0 RSS: " << before << " KiB before the oversized clients, " << after
-            << " KiB after (+" << (after - before) << " KiB)" << std::endl;
+            << " KiB after (+" << (after - before) << " KiB); peak RSS " << peak_before
+            << " KiB before, " << peak_after << " KiB after (+" << (peak_after - peak_before)
+            << " KiB)" << std::endl;
   RecordProperty("rank0_rss_growth_kib", std::to_string(after - before));
   EXPECT_GT(before, 0);
   EXPECT_LT(after - before, 4 << 10) << "rank 0 grew by " << (after - before) << " KiB";
+  EXPECT_LT(peak_after - peak_before, 4 << 10)
+      << "rank 0's peak grew by " << (peak_after - peak_before) << " KiB";
 
   write_file(dir.file("finish"), "");
   const auto& result = job.finish();
