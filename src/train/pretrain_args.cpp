@@ -330,6 +330,10 @@ void check_values(const PretrainArgs& a) {
   if (!(timeout_ms >= 1 && a.distributed_timeout_minutes <= 1e6))
     bad("--distributed-timeout-minutes",
         "must be a positive number of minutes (at most 1000000), got " + number(a.distributed_timeout_minutes));
+  // A missing --load starts afresh (Megatron's behaviour, with a warning); a file cannot be loaded.
+  if (std::error_code ec; !a.load.empty() && std::filesystem::exists(a.load, ec) &&
+                          !std::filesystem::is_directory(a.load, ec))
+    bad("--load", "'" + a.load + "' is not a folder (a checkpoint folder, or one of its iter_NNNNNNN)");
   if (!a.save.empty()) check_output_path("--save", a.save, /*folder=*/true);
   if (!a.export_hf.empty()) check_output_path("--export-hf", a.export_hf, /*folder=*/true);
   if (!a.dump_param_to_param_group_map.empty())
@@ -397,6 +401,7 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   positive("--eval-interval", a.eval_interval);
   if (a.eval_iters < 0) bad("--eval-iters", "must be >= 0");
   int64_t vocab = tokenizer_vocab > 0 ? tokenizer_vocab : a.vocab_size;
+  if (tokenizer_vocab <= 0 && a.vocab_size == 1) bad("--vocab-size", "must be >= 2, got 1");
   if (vocab < 2)
     bad(a.tokenizer_type.empty() ? "--tokenizer-type" : "--vocab-size",
         "no vocabulary: give --tokenizer-type (and its files), or --vocab-size with --mock-data");

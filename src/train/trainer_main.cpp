@@ -75,6 +75,10 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
     }
     tool.run(comm);
     return 0;
+  } catch (const c10::Error& e) {
+    // LibTorch's message without its C++ backtrace, which names nothing a user can act on.
+    std::cerr << tool.program << ": " << e.what_without_backtrace() << std::endl;
+    return 1;
   } catch (const std::exception& e) {
     std::cerr << tool.program << ": " << e.what() << std::endl;
     return 1;

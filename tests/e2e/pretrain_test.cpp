@@ -203,6 +203,8 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --norm-epsilon -1", "--norm-epsilon"},
       {kModel + " --global-batch-size -8", "--global-batch-size"},
       {kModel + " --vocab-size -5", "--vocab-size"},
+      {kModel + " --vocab-size 1", "--vocab-size: must be >= 2, got 1"},
+      {kModel + " --load /etc/passwd", "--load: '/etc/passwd' is not a folder"},
       {kModel + " --max-position-embeddings -1", "--max-position-embeddings"},
       {kModel + " --hidden-size 36", "--num-attention-heads: gives an odd head size 9"},
       {kModel + " --sample-prompt hi --sample-tokens -1", "--sample-tokens"},
