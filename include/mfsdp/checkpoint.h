@@ -49,17 +49,25 @@ enum class CheckpointFormat {
 // "fsdp_dtensor" or "mfsdp" (--ckpt-format); anything else is std::invalid_argument.
 CheckpointFormat checkpoint_format_from_name(const std::string& name);
 
-// The file-system steps that commit a save (docs/checkpoints.md, "Atomic saves"). The default
-// does the real thing; tests substitute a subclass that fails at a chosen step, as LevelDB's
-// fault-injecting Env does, to check that a save that dies there leaves the previous checkpoint.
+// The file-system steps that commit a save (docs/checkpoints.md, "Atomic saves"), one call per
+// step. The default does the real thing; tests substitute a subclass that dies at a chosen step,
+// as LevelDB's fault-injecting Env does, to check that a save dying between any two steps leaves
+// a checkpoint that loads.
 class CheckpointFileSystem {
  public:
   virtual ~CheckpointFileSystem() = default;
   // `path` gets `bytes` through a temporary file, fsync and rename (.metadata, metadata.json,
   // latest_checkpointed_iteration.txt).
   virtual void write_file_atomically(const std::string& path, const std::string& bytes);
-  // The finished `tmp_dir` becomes `final_dir`, replacing one that exists.
-  virtual void rename_directory(const std::string& tmp_dir, const std::string& final_dir);
+  // Renames `from` to `to`, which does not exist.
+  virtual void rename(const std::string& from, const std::string& to);
+  // Swaps two existing folders in one atomic step (Linux renameat2 RENAME_EXCHANGE). Returns
+  // false, changing nothing, where the file system cannot (the commit then moves the old folder
+  // aside first; readers fall back to it, see readable_iteration_dir in src/checkpoint).
+  virtual bool exchange(const std::string& a, const std::string& b);
+  virtual void remove_all(const std::string& path);
+  // fsync of a folder, so the renames inside it are on disk.
+  virtual void sync_directory(const std::string& dir);
 };
 
 // The file system saves commit through (one per process). Passing nullptr restores the default.

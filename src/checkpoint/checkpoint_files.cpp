@@ -138,25 +138,32 @@ void write_posix_file_atomically(const std::string& path, const std::string& tex
 
 void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
                        const std::string& final_dir, int64_t iteration) {
-  fsync_path(tmp_dir, O_RDONLY | O_DIRECTORY);
-  checkpoint_file_system().rename_directory(tmp_dir, final_dir);
-  fsync_path(save_dir, O_RDONLY | O_DIRECTORY);
-  write_file_atomically(save_dir + "/" + kLatestFile, std::to_string(iteration) + "\n");
-  fsync_path(save_dir, O_RDONLY | O_DIRECTORY);
+  CheckpointFileSystem& files = checkpoint_file_system();
+  const std::string aside = final_dir + ".old";
+  // An earlier replacement died with the old folder aside: put it back before anything else.
+  if (!fs::exists(final_dir) && fs::exists(aside)) files.rename(aside, final_dir);
+  files.remove_all(aside);
+  files.sync_directory(tmp_dir);
+  if (!fs::exists(final_dir)) {
+    files.rename(tmp_dir, final_dir);
+  } else if (files.exchange(tmp_dir, final_dir)) {
+    files.sync_directory(save_dir);
+    files.remove_all(tmp_dir);  // now the replaced save
+  } else {
+    files.rename(final_dir, aside);  // from here to the next rename, readers use `aside`
+    files.rename(tmp_dir, final_dir);
+    files.sync_directory(save_dir);
+    files.remove_all(aside);
+  }
+  files.sync_directory(save_dir);
+  files.write_file_atomically(save_dir + "/" + kLatestFile, std::to_string(iteration) + "\n");
+  files.sync_directory(save_dir);
 }
 
-void rename_posix_directory(const std::string& tmp_dir, const std::string& final_dir) {
-  std::error_code ec;
-  const std::string old_dir = final_dir + ".old";
-  const bool replacing = fs::exists(final_dir);
-  if (replacing) {
-    fs::remove_all(old_dir, ec);
-    fs::rename(final_dir, old_dir, ec);
-    if (ec) throw std::runtime_error("checkpoint: cannot move aside '" + final_dir + "': " + ec.message());
-  }
-  fs::rename(tmp_dir, final_dir, ec);
-  if (ec) throw std::runtime_error("checkpoint: cannot rename '" + tmp_dir + "' to '" + final_dir + "': " + ec.message());
-  if (replacing) fs::remove_all(old_dir, ec);
+std::string readable_iteration_dir(const std::string& dir, int64_t iteration) {
+  const std::string path = checkpoint_iteration_dir(dir, iteration);
+  if (!fs::exists(path) && fs::exists(path + ".old")) return path + ".old";
+  return path;
 }
 
 }  // namespace mfsdp::checkpoint
@@ -173,8 +180,25 @@ void CheckpointFileSystem::write_file_atomically(const std::string& path, const 
   checkpoint::write_posix_file_atomically(path, bytes);
 }
 
-void CheckpointFileSystem::rename_directory(const std::string& tmp_dir, const std::string& final_dir) {
-  checkpoint::rename_posix_directory(tmp_dir, final_dir);
+void CheckpointFileSystem::rename(const std::string& from, const std::string& to) {
+  if (::rename(from.c_str(), to.c_str()) != 0)
+    throw std::runtime_error("checkpoint: cannot rename '" + from + "' to '" + to + "': " + std::strerror(errno));
+}
+
+bool CheckpointFileSystem::exchange(const std::string& a, const std::string& b) {
+  if (::renameat2(AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), RENAME_EXCHANGE) == 0) return true;
+  if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) return false;  // not on this file system
+  throw std::runtime_error("checkpoint: cannot swap '" + a + "' and '" + b + "': " + std::strerror(errno));
+}
+
+void CheckpointFileSystem::remove_all(const std::string& path) {
+  std::error_code ec;
+  fs::remove_all(path, ec);
+  if (ec) throw std::runtime_error("checkpoint: cannot remove '" + path + "': " + ec.message());
+}
+
+void CheckpointFileSystem::sync_directory(const std::string& dir) {
+  checkpoint::fsync_path(dir, O_RDONLY | O_DIRECTORY);
 }
 
 CheckpointFileSystem& checkpoint_file_system() { return *installed_file_system(); }
@@ -206,7 +230,7 @@ std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir) {
   if (!digits)
     throw std::invalid_argument("checkpoint: '" + path + "' should hold an iteration number, found '" + text + "'");
   const int64_t iteration = std::stoll(text);
-  const std::string iter_dir = checkpoint_iteration_dir(dir, iteration);
+  const std::string iter_dir = checkpoint::readable_iteration_dir(dir, iteration);
   if (!fs::is_directory(iter_dir))
     throw std::invalid_argument("checkpoint: '" + path + "' names iteration " + text + " but '" + iter_dir +
                                 "' does not exist");

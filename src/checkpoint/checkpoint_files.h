@@ -37,14 +37,19 @@ nlohmann::json merge_chunk_records(const std::vector<std::vector<ChunkRecord>>& 
 // CheckpointFileSystem (checkpoint.h). Throws std::runtime_error.
 void write_file_atomically(const std::string& path, const std::string& text);
 
-// What the default CheckpointFileSystem does.
+// What the default CheckpointFileSystem::write_file_atomically does.
 void write_posix_file_atomically(const std::string& path, const std::string& text);
-void rename_posix_directory(const std::string& tmp_dir, const std::string& final_dir);
 
-// Rank 0's commit, through the installed CheckpointFileSystem: `tmp_dir` (complete, with its
-// metadata) becomes `final_dir` (an existing one is replaced), then
-// `save_dir`/latest_checkpointed_iteration.txt names `iteration`.
+// Rank 0's commit, through the installed CheckpointFileSystem, one step per call: `tmp_dir`
+// (complete, with its metadata) becomes `final_dir`, then `save_dir`/latest_checkpointed_iteration.txt
+// names `iteration`. An existing `final_dir` (a second save of one iteration) is swapped with
+// `tmp_dir` in one step where the file system can, else moved aside to `final_dir`.old first. A
+// crash between any two steps leaves `latest` naming a folder that loads (readable_iteration_dir).
 void commit_checkpoint(const std::string& save_dir, const std::string& tmp_dir,
                        const std::string& final_dir, int64_t iteration);
+
+// Where iteration `iteration` of `dir` is read from: iter_NNNNNNN, or iter_NNNNNNN.old when a
+// replacement of it died after moving it aside and before its successor took its name.
+std::string readable_iteration_dir(const std::string& dir, int64_t iteration);
 
 }  // namespace mfsdp::checkpoint

@@ -22,7 +22,7 @@ namespace {
 
 std::string resolve_iteration_dir(const std::string& path) {
   if (fs::exists(path + "/" + checkpoint::kMetadataFile) || dcp::is_dcp_directory(path)) return path;
-  if (auto it = latest_checkpoint_iteration(path)) return checkpoint_iteration_dir(path, *it);
+  if (auto it = latest_checkpoint_iteration(path)) return checkpoint::readable_iteration_dir(path, *it);
   throw std::invalid_argument("checkpoint: '" + path + "' is not a checkpoint (no " + dcp::kMetadataFile + ", no " +
                               checkpoint::kMetadataFile + " and no " + checkpoint::kLatestFile + ")");
 }

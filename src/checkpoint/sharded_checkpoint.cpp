@@ -347,11 +347,11 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
   std::string error = capture_error([&] {
     std::string path = load_dir;
     if (options.iteration) {
-      path = checkpoint_iteration_dir(load_dir, *options.iteration);
+      path = checkpoint::readable_iteration_dir(load_dir, *options.iteration);
     } else if (!fs::exists(load_dir + "/" + checkpoint::kMetadataFile) && !dcp::is_dcp_directory(load_dir)) {
       auto latest = latest_checkpoint_iteration(load_dir);
       if (!latest) throw std::invalid_argument("checkpoint: '" + load_dir + "' has no " + checkpoint::kLatestFile);
-      path = checkpoint_iteration_dir(load_dir, *latest);
+      path = checkpoint::readable_iteration_dir(load_dir, *latest);
     }
     CheckpointReader reader(path);
     result.path = reader.dir();

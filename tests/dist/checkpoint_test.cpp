@@ -284,10 +284,10 @@ void edit_metadata(const std::string& ckpt, const std::function<void(nlohmann::j
 class CrashBeforeCommit : public mfsdp::CheckpointFileSystem {
  public:
   explicit CrashBeforeCommit(std::string tmp_suffix) : suffix_(std::move(tmp_suffix)) {}
-  void rename_directory(const std::string& tmp_dir, const std::string& final_dir) override {
-    if (tmp_dir.size() >= suffix_.size() && tmp_dir.compare(tmp_dir.size() - suffix_.size(), suffix_.size(), suffix_) == 0)
-      throw std::runtime_error("injected crash before renaming " + tmp_dir);
-    CheckpointFileSystem::rename_directory(tmp_dir, final_dir);
+  void rename(const std::string& from, const std::string& to) override {
+    if (from.size() >= suffix_.size() && from.compare(from.size() - suffix_.size(), suffix_.size(), suffix_) == 0)
+      throw std::runtime_error("injected crash before renaming " + from);
+    CheckpointFileSystem::rename(from, to);
   }
 
  private:
