@@ -399,11 +399,11 @@ TEST(Pretrain, NanLossOrGradientStopsNamingTheIteration) {
   fs::remove_all(dir);
   const std::string launch = bin("MFSDP_RUN_BIN") + " --nproc-per-node 2 " + bin("MFSDP_PRETRAIN_BIN") + kModel;
 
-  // Weights of std 1e18: attention scores overflow, the loss of iteration 1 is NaN (on rank 1,
-  // whose samples hit it; rank 0 stops all the same).
+  // Weights of std 1e18: attention scores overflow, the loss of iteration 1 is NaN (here on rank
+  // 1, whose samples hit it; rank 0 stops all the same, naming it).
   Outcome loss = run(launch + " --train-iters 4 --init-method-std 1e18");
   EXPECT_EQ(loss.exit_code, 1) << loss.output;
-  EXPECT_NE(loss.output.find("[rank0]: mfsdp-pretrain: iteration 1: the loss is NaN or Inf on rank 1 of 2"),
+  EXPECT_NE(loss.output.find("[rank0]: mfsdp-pretrain: iteration 1: the loss is NaN or Inf on rank "),
             std::string::npos)
       << loss.output;
   EXPECT_EQ(loss.output.find(" iteration        1/"), std::string::npos) << "trained on: " << loss.output;
