@@ -150,6 +150,23 @@ struct GPTDatasets {
   std::shared_ptr<GPTDataset> train, valid, test;
 };
 
+// A source whose reads throw std::invalid_argument, naming the file, the sequence, the position
+// and the id, when a token is outside [0, vocab_size): ids beyond the model's embedding would
+// fail deep inside LibTorch, and ids between the tokenizer's vocabulary and its padded size
+// would train silently on rows no tokenizer produces.
+class VocabCheckedSource : public SequenceSource {
+ public:
+  VocabCheckedSource(std::shared_ptr<const SequenceSource> source, int64_t vocab_size);
+  int64_t num_sequences() const override { return source_->num_sequences(); }
+  int64_t sequence_length(int64_t i) const override { return source_->sequence_length(i); }
+  void read(int64_t i, int64_t offset, int64_t length, int64_t* out) const override;
+  std::string describe() const override { return source_->describe(); }
+
+ private:
+  std::shared_ptr<const SequenceSource> source_;
+  int64_t vocab_size_;
+};
+
 struct GPTDatasetOptions {
   std::string data_prefix;          // --data-path (one prefix; ignored with mock)
   bool mock = false;                // --mock-data
@@ -157,6 +174,7 @@ struct GPTDatasetOptions {
   std::string split = "969,30,1";   // --split (Megatron's default)
   int64_t seq_length = 1024;        // --seq-length
   uint32_t seed = 1234;             // --seed
+  int64_t vocab_size = 0;           // > 0: token ids must lie in [0, vocab_size) (VocabCheckedSource)
 };
 
 GPTDatasets build_gpt_datasets(const GPTDatasetOptions& options,

@@ -361,6 +361,7 @@ GPTDatasets build_gpt_datasets(const GPTDatasetOptions& options,
     }
     source = std::make_shared<IndexedDataset>(options.data_prefix);
   }
+  if (options.vocab_size > 0) source = std::make_shared<VocabCheckedSource>(source, options.vocab_size);
   return build_gpt_datasets(source, options.split, options.seq_length, options.seed, num_samples);
 }
 

@@ -407,6 +407,7 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
         "no vocabulary: give --tokenizer-type (and its files), or --vocab-size with --mock-data");
   positive("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by);
   const int64_t m = a.make_vocab_size_divisible_by;
+  a.real_vocab_size = vocab;
   a.padded_vocab_size = (vocab + m - 1) / m * m;
   if (a.grad_reduce_in_bf16 && !a.bf16) bad("--grad-reduce-in-bf16", "needs --bf16");
   if (a.save_interval < 0) bad("--save-interval", "must be >= 0");

@@ -117,7 +117,8 @@ struct PretrainArgs {
 
   // Derived by validate().
   int64_t num_micro_batches = 1;
-  int64_t padded_vocab_size = 0;
+  int64_t real_vocab_size = 0;    // the tokenizer's (or --vocab-size): token ids must be below it
+  int64_t padded_vocab_size = 0;  // real_vocab_size rounded up (--make-vocab-size-divisible-by)
 };
 
 // The other trainers (mfsdp-sft, mfsdp-grpo) take Megatron's model, optimizer, sharding,

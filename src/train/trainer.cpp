@@ -71,6 +71,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   data.split = a.split;
   data.seq_length = a.seq_length;
   data.seed = static_cast<uint32_t>(a.seed);
+  if (!a.mock_data) data.vocab_size = a.real_vocab_size;  // ids the tokenizer cannot produce are errors
   if (a.mock_data) {
     data.mock_options.vocab_size = a.vocab_size > 0 ? a.vocab_size : a.padded_vocab_size;
     data.mock_options.eod = data.mock_options.vocab_size - 1;

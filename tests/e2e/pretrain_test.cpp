@@ -26,6 +26,8 @@
 #include <vector>
 
 #include "harness/run_command.h"
+#include "harness/temp_dir.h"
+#include "mfsdp/indexed_dataset.h"
 #include "mfsdp/safetensors.h"
 
 namespace {
@@ -427,4 +429,28 @@ TEST(Pretrain, NanLossOrGradientStopsNamingTheIteration) {
   EXPECT_NE(off.output.find(" iteration        3/"), std::string::npos) << off.output;
   EXPECT_NE(off.output.find("nan"), std::string::npos) << off.output;  // grad norm: -nan
   fs::remove_all(dir);
+}
+
+// A corpus holding an id the tokenizer cannot produce (between the real vocabulary, 60, and the
+// padded one, 64: it would train silently on an embedding row no tokenizer emits) stops the run
+// with the file, the sequence, the position and the id named.
+TEST(Pretrain, TokenIdOutsideTheVocabularyNamesFileSequenceAndPosition) {
+  mfsdp::testing::TempDir dir("mfsdp_pretrain_vocab");
+  const std::string prefix = dir.file("corpus_text_document");
+  {
+    mfsdp::IndexedDatasetWriter w(prefix, mfsdp::TokenDType::kUInt16);
+    for (int64_t d = 0; d < 20; ++d) {
+      std::vector<int64_t> doc;
+      for (int64_t k = 0; k < 30; ++k) doc.push_back((d * 7 + k) % 60);
+      if (d == 5) doc[3] = 61;
+      w.add_document(doc);
+    }
+    w.finalize();
+  }
+  std::string model = kModel;
+  model.replace(model.find(" --mock-data --vocab-size 64"), 28, " --data-path " + prefix + " --split 1,0,0 --vocab-size 60");
+  const Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node 1 " + bin("MFSDP_PRETRAIN_BIN") + model + " --eval-iters 0");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  for (const std::string part : {prefix, std::string("token id 61 at position 3 of sequence 5"), std::string("[0, 60)")})
+    EXPECT_NE(r.output.find(part), std::string::npos) << "no '" << part << "' in:\n" << r.output;
 }

@@ -333,6 +333,33 @@ TEST(GPTDataset, BuildsFromAnIndexedDataset) {
   expect_contains(error_of([&] { build_gpt_datasets(options, {1, 1, 1}); }), {"--data-path", "missing"});
 }
 
+// Token ids are checked against the vocabulary as they are read, naming the file, the sequence,
+// the position and the id (without the check an id past the embedding fails inside LibTorch with
+// no name, and one below the padded size trains silently).
+TEST(GPTDataset, TokenIdsOutsideTheVocabularyNameFileSequenceAndPosition) {
+  TempDir dir;
+  const std::string prefix = dir.file("corpus_text_document");
+  {
+    IndexedDatasetWriter w(prefix, TokenDType::kUInt16);
+    for (const Ids& doc : corpus()) w.add_document(doc);
+    w.finalize();
+  }
+  GPTDatasetOptions options;
+  options.data_prefix = prefix;
+  options.split = "8,1,1";
+  options.seq_length = 4;
+  options.vocab_size = 905;  // the corpus's largest id is 904
+  GPTDatasets sets = build_gpt_datasets(options, {20, 5, -1});
+  for (const auto& set : {sets.train, sets.valid, sets.test})
+    for (int64_t i = 0; i < set->size(); ++i) set->sample(i);
+
+  options.vocab_size = 904;
+  sets = build_gpt_datasets(options, {20, 5, -1});
+  EXPECT_NO_THROW(sets.train->sample(0));  // ids 200-207
+  expect_contains(error_of([&] { sets.test->sample(0); }),
+                  {prefix, "token id 904", "position 4 of sequence 9", "[0, 904)"});
+}
+
 TEST(MockData, IsDeterministicAndLearnable) {
   MockDataOptions o;
   o.num_sequences = 50;
