@@ -11,6 +11,7 @@
 #include "mfsdp/gpt_dataset.h"
 #include "mfsdp/simulated_comm.h"
 #include "mfsdp/tokenizer.h"
+#include "train/llama_memory_plan.h"
 #include "train/training_run.h"
 
 namespace mfsdp {
@@ -83,6 +84,10 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
       data, {a.train_iters * gbs, evals * a.eval_iters * gbs, a.eval_iters * gbs});
   BatchLayout layout{a.micro_batch_size, dp, a.num_micro_batches};
 
+  // Every buffer each unit will hold on this rank, before any is allocated (as llm.c prints its
+  // buffers): the plan is fully_shard's own layout, equal to what the run holds
+  // (tests/dist/memory_plan_test.cpp), and the end-of-run report measures it again.
+  if (print) log << format_memory_plan(plan_llama_memory(a, dp));
   TrainingRun run(a, llama_config_from_args(a), comm, log, a.calculate_per_token_loss);
   LlamaForCausalLM& model = run.model();
   const ResumePoint resume = run.start();

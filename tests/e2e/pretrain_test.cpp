@@ -151,6 +151,11 @@ TEST(Pretrain, MemoryPlanPrintsWhatTheRunHolds) {
     ASSERT_EQ(real.exit_code, 0) << real.output;
     std::string measured = buffer_bytes_line(real.output);
     ASSERT_FALSE(measured.empty()) << real.output;
+    // The run prints every unit's buffers at start-up, before its first iteration.
+    const size_t table = real.output.find("bytes per rank of each parameter group");
+    const size_t row = real.output.find(" model.layers.1 ");
+    EXPECT_TRUE(table != std::string::npos && row != std::string::npos && row < real.output.find(" iteration "))
+        << real.output;
     measured = measured.substr(0, measured.find(", buffer pool"));
     for (const std::string& plan_command :
          {bin("MFSDP_PRETRAIN_BIN") + flags + extra + " --memory-plan --simulate-world-size 2", launch + flags + extra + " --memory-plan"}) {
