@@ -139,6 +139,10 @@ const std::vector<Flag>& flags() {
                 "log how many gradient elements are zero after reduction and clipping (' num zeros: ', "
                 "metrics num_zeros_in_grad)"),
       STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
+      STRING_FLAG("--tensorboard-dir", tensorboard_dir,
+                  "write TensorBoard event files of the training scalars (lm loss, learning-rate, grad-norm, "
+                  "throughput, tokens-per-sec, mem-bytes, ...) here"),
+      INT_FLAG("--tensorboard-log-interval", tensorboard_log_interval, "iterations between TensorBoard scalars"),
       STRING_FLAG("--export-hf", export_hf,
                   "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
                   "the tokenizer files of a HuggingFaceTokenizer) here"),
@@ -339,6 +343,9 @@ void check_values(const PretrainArgs& a) {
   if (!a.dump_param_to_param_group_map.empty())
     check_output_path("--dump-param-to-param-group-map", a.dump_param_to_param_group_map, /*folder=*/true);
   if (!a.metrics_file.empty()) check_output_path("--metrics-file", a.metrics_file, /*folder=*/false);
+  if (!a.tensorboard_dir.empty()) check_output_path("--tensorboard-dir", a.tensorboard_dir, /*folder=*/true);
+  if (a.tensorboard_log_interval < 1)
+    bad("--tensorboard-log-interval", "must be >= 1, got " + std::to_string(a.tensorboard_log_interval));
 }
 
 }  // namespace

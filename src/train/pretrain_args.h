@@ -71,6 +71,8 @@ struct PretrainArgs {
   int64_t eval_interval = 1000;
   int64_t eval_iters = 100;
   std::string metrics_file;
+  std::string tensorboard_dir;           // TensorBoard event files (src/train/tensorboard_writer.h)
+  int64_t tensorboard_log_interval = 1;
   std::string sample_prompt;  // ours: print a generated sample after training
   std::string export_hf;      // ours: write a Hugging Face folder at the end
   int64_t sample_tokens = 64;

@@ -125,7 +125,8 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, st
       tool_(std::move(tool)),
       print_(comm_->rank() == 0 || is_simulated(*comm_)),
       sharded_(build_sharded_llama(config, args, shard_options_from_args(args, comm_, per_token_loss))),
-      metrics_(print_ ? args.metrics_file : "") {
+      metrics_(print_ ? args.metrics_file : ""),
+      tensorboard_(print_ ? args.tensorboard_dir : "") {
   if (args.optimizer == "adam") {
     AdamWOptions o;
     o.beta1 = args.adam_beta1;
@@ -338,6 +339,7 @@ void TrainingRun::add_norms(IterationRecord& r, const StepStats& stats) const {
 
 void TrainingRun::record(const IterationRecord& r) {
   metrics_.write(r);
+  tensorboard_.write(r, args_.tensorboard_log_interval);
   history_.push_back(r);
 }
 

@@ -20,6 +20,7 @@
 #include "mfsdp/llama.h"
 #include "mfsdp/optim.h"
 #include "train/metrics.h"
+#include "train/tensorboard_writer.h"
 #include "train/pretrain_args.h"
 #include "train/rollout_model.h"
 #include "train/trainer_checkpoint.h"
@@ -150,6 +151,7 @@ class TrainingRun {
   std::unique_ptr<DistributedOptimizer> optimizer_;
   LRSchedule schedule_;
   MetricsWriter metrics_;
+  TensorBoardWriter tensorboard_;
   std::vector<IterationRecord> history_;
   std::unique_ptr<RolloutModel> rollout_;
   int64_t last_saved_ = -1;
