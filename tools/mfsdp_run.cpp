@@ -2,6 +2,7 @@
 // set, tags their output with the rank, stops them all when one fails, and exits with the failed
 // rank's status. See docs/launcher.md.
 #include <charconv>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <optional>
@@ -18,8 +19,9 @@ constexpr const char* kUsage = R"(usage: mfsdp-run [OPTIONS] PROGRAM [ARGS...]
 Runs PROGRAM once per local rank with the torchrun variables set (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 when unset
 and more than one process runs per node). Each output line is prefixed with "[rankN]: ". When a
-rank fails, the others are stopped (SIGTERM, then SIGKILL after 5 s) and mfsdp-run exits with the
-failed rank's exit code (128+N for signal N).
+rank fails, the others get 3 s to exit on their own (with their own error lines), then are stopped
+(SIGTERM, then SIGKILL after 5 s), and mfsdp-run exits with the failed rank's exit code (128+N for
+signal N). The job's /dev/shm segments are removed once every rank has exited.
 
 options (also --flag=value, and torchrun's spellings with '_'):
   --nproc-per-node N   processes on this node (default 1)
@@ -40,6 +42,7 @@ example: mfsdp-run --nproc-per-node 4 ./build/mfsdp-pretrain --micro-batch-size 
 
 constexpr int kDefaultMultiNodePort = 29500;  // torchrun's default
 constexpr int kUsageExitCode = 2;
+constexpr int kFailureGraceMs = 3000;  // docs/launcher.md
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -196,6 +199,11 @@ int run(const Arguments& args) {
 
   launch::SuperviseOptions options;
   options.forward_signals = true;
+  // Ranks that notice the failed one exit on their own with an error line naming it: let them
+  // (docs/launcher.md, "Security and failures").
+  options.failure_grace = std::chrono::milliseconds(kFailureGraceMs);
+  // Every /dev/shm segment of the job is removed once the ranks have exited, however they died.
+  options.shm_tag = launch::launcher_shm_tag();
   if (!args.tag) options.on_line = write_raw_line;
   const launch::SuperviseResult result = launch::run_rank_processes(specs, options);
   if (result.ok()) return 0;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -43,6 +44,17 @@ bool process_gone(pid_t pid) {
   if (!std::getline(stat, line)) return false;
   const auto paren = line.rfind(')');
   return paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z';
+}
+
+// "TAG-" from MFSDP_SHM_TAG when it is 1..64 letters and digits, else "" (a name stays valid).
+std::string shm_tag() {
+  const char* env = std::getenv("MFSDP_SHM_TAG");
+  if (env == nullptr) return "";
+  const std::string tag = env;
+  if (tag.empty() || tag.size() > 64) return "";
+  for (char c : tag)
+    if (!std::isalnum(static_cast<unsigned char>(c))) return "";
+  return tag + "-";
 }
 
 }  // namespace
@@ -82,7 +94,10 @@ std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, int rank, 
     if (wanted) {
       nonce = std::random_device{}() * 0x9e3779b97f4a7c15ULL ^ static_cast<uint64_t>(getpid());
       std::ostringstream s;
-      s << "/mfsdp-" << getpid() << "-" << std::hex << nonce;
+      // "/mfsdp-[TAG-]PID-NONCE": TAG (MFSDP_SHM_TAG, set by mfsdp-run per job) lets the launcher
+      // unlink every segment of its job after its ranks exited, whenever they died
+      // (src/launch/rank_processes.h, remove_shm_segments).
+      s << "/mfsdp-" << shm_tag() << getpid() << "-" << std::hex << nonce;
       name = s.str();
       int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
       // posix_fallocate reserves the pages now: a tmpfs short of room fails here instead of

@@ -5,10 +5,12 @@
 #include "launch/rank_processes.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/prctl.h>
 #include <sys/random.h>
 #include <sys/resource.h>
@@ -335,7 +337,7 @@ struct Child {
   StreamReader out;
   StreamReader err;
   bool reaped = false;
-  bool signalled = false;  // was running when the stop procedure started
+  bool signalled = false;  // was running when a rank failed or the stop procedure started
 };
 
 enum class ReadResult { kMore, kClosed };
@@ -358,6 +360,9 @@ class Supervisor {
       while (waitpid(child.exit.pid, &status, 0) < 0 && errno == EINTR) {
       }
     }
+    // Every rank has exited: what a rank killed before it unlinked its segment left in /dev/shm
+    // goes now.
+    remove_shm_segments(options_.shm_tag);
   }
 
   Supervisor(const Supervisor&) = delete;
@@ -377,7 +382,7 @@ class Supervisor {
     for (size_t i = 0; i < specs_.size(); ++i) spawn(specs_[i], plans[i], dev_null.get());
     supervise();
     drain_after_exit();
-    if (stopping_) {
+    if (stopping_ || result_.first_failed_rank) {
       // Whatever survived in the stopped groups (a grandchild that ignored the stop signal while
       // its parent exited) is killed now rather than orphaned.
       for (const Child& child : children_) {
@@ -481,6 +486,8 @@ class Supervisor {
              std::chrono::milliseconds(1);  // round up: waking early would just spin once more
     };
     if (!stopping_ && options_.deadline) timeout = std::min(timeout, until(start_ + *options_.deadline));
+    if (!stopping_ && result_.first_failed_rank)
+      timeout = std::min(timeout, until(failure_time_ + options_.failure_grace));
     if (stopping_ && !killed_) timeout = std::min(timeout, until(stop_start_ + options_.kill_grace));
     return static_cast<int>(std::max<std::chrono::milliseconds::rep>(timeout.count(), 0));
   }
@@ -536,11 +543,18 @@ class Supervisor {
       if (child.reaped || !try_reap(child)) continue;
       if (child.exit.failed() && first_failure == nullptr) first_failure = &child;
     }
-    if (!stopping_ && first_failure != nullptr) {
+    const auto now = Clock::now();
+    if (!result_.first_failed_rank && !stopping_ && first_failure != nullptr) {
       result_.first_failed_rank = first_failure->exit.rank;
+      failure_time_ = now;
+      // What these ranks started is killed at the end, also when they exit during the grace.
+      for (Child& child : children_) child.signalled = child.signalled || !child.reaped;
+    }
+    // The others may still exit on their own (with their own error lines) during failure_grace.
+    if (!stopping_ && result_.first_failed_rank && now >= failure_time_ + options_.failure_grace &&
+        std::any_of(children_.begin(), children_.end(), [](const Child& c) { return !c.reaped; })) {
       start_stop(SIGTERM);
     }
-    const auto now = Clock::now();
     if (!stopping_ && options_.deadline && now >= start_ + *options_.deadline) {
       result_.timed_out = true;
       start_stop(SIGTERM);
@@ -624,6 +638,7 @@ class Supervisor {
   bool stopping_ = false;
   bool killed_ = false;  // SIGKILL sent after the grace period
   Clock::time_point stop_start_;
+  Clock::time_point failure_time_;  // when first_failed_rank was reaped
 };
 
 }  // namespace
@@ -668,20 +683,49 @@ SuperviseResult run_rank_processes(const std::vector<RankProcessSpec>& specs,
   return supervisor.run();
 }
 
+namespace {
+std::string random_hex(size_t bytes_count) {
+  unsigned char bytes[32];
+  if (bytes_count > sizeof bytes ||
+      ::getrandom(bytes, bytes_count, 0) != static_cast<ssize_t>(bytes_count))
+    throw std::runtime_error(errno_text("getrandom"));
+  static const char kHex[] = "0123456789abcdef";
+  std::string hex;
+  for (size_t i = 0; i < bytes_count; ++i) {
+    hex += kHex[bytes[i] >> 4];
+    hex += kHex[bytes[i] & 15];
+  }
+  return hex;
+}
+}  // namespace
+
 const std::string& launcher_job_token() {
-  static const std::string token = [] {
-    unsigned char bytes[16];
-    if (::getrandom(bytes, sizeof bytes, 0) != static_cast<ssize_t>(sizeof bytes))
-      throw std::runtime_error(errno_text("getrandom"));
-    static const char kHex[] = "0123456789abcdef";
-    std::string hex;
-    for (unsigned char b : bytes) {
-      hex += kHex[b >> 4];
-      hex += kHex[b & 15];
-    }
-    return hex;
-  }();
+  static const std::string token = random_hex(16);
   return token;
+}
+
+const std::string& launcher_shm_tag() {
+  // Independent of the job token: segment names are visible to every user of the host.
+  static const std::string tag = random_hex(8);
+  return tag;
+}
+
+std::vector<std::string> remove_shm_segments(const std::string& tag) {
+  std::vector<std::string> removed;
+  if (tag.empty()) return removed;
+  const std::string prefix = "mfsdp-" + tag + "-";
+  DIR* dir = ::opendir("/dev/shm");
+  if (dir == nullptr) return removed;
+  std::vector<std::string> names;
+  while (const dirent* entry = ::readdir(dir)) {
+    std::string name = entry->d_name;
+    if (name.compare(0, prefix.size(), prefix) == 0) names.push_back(std::move(name));
+  }
+  ::closedir(dir);
+  for (const std::string& name : names) {
+    if (::shm_unlink(("/" + name).c_str()) == 0) removed.push_back(name);
+  }
+  return removed;
 }
 
 int pick_free_port() {
@@ -733,6 +777,9 @@ std::map<std::string, std::string> rank_environment(int node_rank, int nnodes, i
   if (nnodes == 1 && std::getenv("MFSDP_JOB_TOKEN") == nullptr) {
     env["MFSDP_JOB_TOKEN"] = launcher_job_token();
   }
+  // Names this node's shared-memory segments, so the launcher can remove them after the ranks
+  // exited (remove_shm_segments).
+  env["MFSDP_SHM_TAG"] = launcher_shm_tag();
   return env;
 }
 

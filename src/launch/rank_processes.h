@@ -30,6 +30,10 @@ struct SuperviseOptions {
   // Called from the supervising thread for every complete line (without '\n') a child writes.
   // Default: writes "[rankN]: line" to the parent's stdout or stderr.
   std::function<void(int rank, OutputStream stream, const std::string& line)> on_line;
+  // After the first failure, how long the others may run on before they are stopped: a rank
+  // that notices its dead peer exits on its own with its error line, which a SIGTERM would cut
+  // (mfsdp-run gives 3 s). A forwarded signal or the deadline stops them at once.
+  std::chrono::milliseconds failure_grace{0};
   // After the first failure, how long the others get between SIGTERM and SIGKILL.
   std::chrono::milliseconds kill_grace{5000};
   // Whole-run limit; when reached every child is stopped and the result says timed_out.
@@ -37,6 +41,9 @@ struct SuperviseOptions {
   // Forward SIGINT/SIGTERM received by the parent to the children (mfsdp-run sets this), then
   // stop them as after a failure. Handlers are process-wide: one such run at a time.
   bool forward_signals = false;
+  // When not empty: once every child has exited (whatever happened, also when the run throws),
+  // remove_shm_segments(shm_tag) unlinks the segments the job's ranks left in /dev/shm.
+  std::string shm_tag;
 };
 
 struct RankExit {
@@ -74,12 +81,23 @@ int pick_free_port();
 // A random job token (128 bits, hex), made once per process: the same in every call.
 const std::string& launcher_job_token();
 
+// A random tag (64 bits, hex, letters and digits only), made once per process. mfsdp-run gives it
+// to its ranks as MFSDP_SHM_TAG; the communicator names its /dev/shm segments
+// "mfsdp-TAG-PID-NONCE" with it (src/comm/shm_exchange.cpp).
+const std::string& launcher_shm_tag();
+
+// Unlinks every /dev/shm entry named "mfsdp-TAG-..." and returns the names removed. Ranks unlink
+// their segment as soon as every rank mapped it; this removes what a rank killed before that
+// point left behind. Mapped segments stay usable by whoever has them mapped.
+std::vector<std::string> remove_shm_segments(const std::string& tag);
+
 // The torchrun-style variables for one rank of a single- or multi-node job: RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT, and, like
 // torchrun, OMP_NUM_THREADS=1 when the parent has none and nproc_per_node > 1. On a single node
 // also MFSDP_JOB_TOKEN = launcher_job_token() unless the parent has one (which the ranks then
 // inherit): the job's identity, which each rank proves to the rendezvous store
-// (include/mfsdp/rendezvous.h). Several nodes need a token from the environment.
+// (include/mfsdp/rendezvous.h). Several nodes need a token from the environment. Always
+// MFSDP_SHM_TAG = launcher_shm_tag(), this node's tag for its ranks' /dev/shm segments.
 std::map<std::string, std::string> rank_environment(int node_rank, int nnodes, int nproc_per_node,
                                                     int local_rank, const std::string& master_addr,
                                                     int master_port);
