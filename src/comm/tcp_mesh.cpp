@@ -356,6 +356,9 @@ struct RecvOp {
   size_t nbytes = 0;
   Status status = Status::kPending;
   std::string error;
+  // post_recv is copying its message (which arrived whole) out of the buffer, outside the lock:
+  // the receive has its bytes, so the peer's stream ending meanwhile must not fail it.
+  bool delivering = false;
 };
 
 struct SendOp {
@@ -459,10 +462,13 @@ struct TcpMesh::State {
       if (u->nbytes != nbytes) {
         fail_op(*op, size_mismatch(peer, slot, nbytes, u->nbytes));
       } else if (u->complete) {
-        // Copy on post; the buffer is ours alone now, the destination the caller's.
+        // Copy on post; the buffer is ours alone now, the destination the caller's. The peer
+        // may close meanwhile (fail_peer): `delivering` keeps it from failing this receive.
+        op->delivering = true;
         lock.unlock();
         if (nbytes > 0) std::memcpy(dst, u->data.get(), nbytes);
         lock.lock();
+        op->delivering = false;
         if (op->status == Status::kPending) op->status = Status::kDone;
         cv_.notify_all();
       } else if (!p.open) {
@@ -619,13 +625,14 @@ struct TcpMesh::State {
   }
 
   // Peer `peer`'s connection ended: its unfinished operations fail with `why` (messages that
-  // completed before stay deliverable).
+  // completed before stay deliverable, also one post_recv is copying out right now).
   void fail_peer(int peer, const std::string& why) {
     Peer& p = peers_[peer];
     if (!p.open) return;
     p.open = false;
     p.error = why;
-    for (auto& op : p.recvs) fail_op(*op, why);
+    for (auto& op : p.recvs)
+      if (!op->delivering) fail_op(*op, why);
     if (!p.writing)  // else the writer fails them once it has counted what it wrote
       for (size_t i = p.unsent; i < p.sends.size(); ++i) fail_op(*p.sends[i], why);
     p.unmatched.clear();

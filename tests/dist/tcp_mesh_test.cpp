@@ -300,6 +300,39 @@ MFSDP_DIST_TEST(TcpMesh, PeerExitIsDetectedQuickly, {2, 3}) {
   expect_contains(error_of([&] { mesh->post_send(last, 3, &got, 8); }), {"broken"});
 }
 
+// A message that arrived whole before its receive is posted is delivered even when the peer
+// closes its mesh while the receive copies it out of its buffer (the copy runs outside the lock;
+// the end of the stream must not fail a receive whose message is already here). Rank 0 posts the
+// receive of a buffered 64 MiB message right after asking rank 1 to close, so the end of the
+// stream arrives during the copy.
+MFSDP_DIST_TEST(TcpMesh, BufferedMessageSurvivesThePeerClosingDuringItsCopy, {2}) {
+  const size_t big = 64 << 20;
+  auto sent = payload(1, 0, 1, big);
+  for (int round = 0; round < 5; ++round) {
+    SCOPED_TRACE("round " + std::to_string(round));
+    auto mesh = mesh_for(comm, "close_during_copy_" + std::to_string(round));
+    uint64_t go = 7;
+    if (comm.rank() == 1) {
+      mesh->post_send(0, 1, sent.data(), big);
+      mesh->wait_send(0, kTimeout);
+      comm.barrier();
+      mesh->post_recv(0, 2, &go, 8);
+      mesh->wait_recv(0, kTimeout);
+      mesh.reset();  // closes the connection while rank 0 copies the message
+    } else {
+      comm.barrier();
+      std::this_thread::sleep_for(milliseconds(100));  // all of it is buffered by now
+      std::vector<uint8_t> got(big, 0xEE);
+      mesh->post_send(1, 2, &go, 8);
+      mesh->post_recv(1, 1, got.data(), big);
+      mesh->wait_recv(1, kTimeout);
+      mesh->wait_send(1, kTimeout);
+      EXPECT_TRUE(got == sent);
+    }
+    comm.barrier();
+  }
+}
+
 // A peer that is alive but sends nothing: the wait fails at its timeout, naming slot and peer.
 MFSDP_DIST_TEST(TcpMesh, SilentPeerTimesOut, {2}) {
   auto mesh = mesh_for(comm, "silent");
