@@ -1,4 +1,5 @@
-// An owned file descriptor and errno's text: what the socket code of src/comm/ shares.
+// An owned file descriptor and errno's text: what the socket code of src/comm/ and the launcher
+// (src/launch/) share. Torch-free.
 #pragma once
 
 #include <unistd.h>
@@ -14,17 +15,14 @@ inline std::string errno_text(int err) {
   return strerror_r(err, buf, sizeof buf);  // GNU strerror_r: returns the message
 }
 
-// Closes its descriptor when it goes away.
+// Closes its descriptor when it goes away (also the launcher's pipes, src/launch/).
 class Fd {
  public:
   Fd() = default;
   explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  Fd(Fd&& o) noexcept : fd_(o.release()) {}
   Fd& operator=(Fd&& o) noexcept {
-    if (this != &o) {
-      reset();
-      fd_ = std::exchange(o.fd_, -1);
-    }
+    if (this != &o) reset(o.release());
     return *this;
   }
   Fd(const Fd&) = delete;
@@ -32,9 +30,10 @@ class Fd {
   ~Fd() { reset(); }
   int get() const { return fd_; }
   bool valid() const { return fd_ >= 0; }
-  void reset() {
+  int release() { return std::exchange(fd_, -1); }
+  void reset(int fd = -1) {
     if (fd_ >= 0) ::close(fd_);
-    fd_ = -1;
+    fd_ = fd;
   }
 
  private:

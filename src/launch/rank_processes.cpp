@@ -4,6 +4,8 @@
 // first failure, the deadline or a forwarded signal. Plain POSIX: no torch headers here.
 #include "launch/rank_processes.h"
 
+#include "comm/socket_fd.h"
+
 #include <arpa/inet.h>
 #include <dirent.h>
 #include <fcntl.h>
@@ -57,31 +59,6 @@ std::string signal_text(int sig) {
   return std::to_string(sig) + " (" + (name != nullptr ? name : "unknown signal") + ")";
 }
 
-// Owns one file descriptor.
-class Fd {
- public:
-  Fd() = default;
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(other.release()) {}
-  Fd& operator=(Fd&& other) noexcept {
-    reset(other.release());
-    return *this;
-  }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  ~Fd() { reset(); }
-
-  int get() const { return fd_; }
-  bool valid() const { return fd_ >= 0; }
-  int release() { return std::exchange(fd_, -1); }
-  void reset(int fd = -1) {
-    if (fd_ >= 0) ::close(fd_);
-    fd_ = fd;
-  }
-
- private:
-  int fd_ = -1;
-};
 
 // Moves `fd` above 0/1/2 (keeping O_CLOEXEC): when the parent runs with a closed stdin or stdout,
 // a new pipe can land on 0-2, and the child's dup2() onto 0-2 would then clobber it.
