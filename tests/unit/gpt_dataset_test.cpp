@@ -307,14 +307,18 @@ TEST(BatchLayout, OrderIsMicroStepThenRank) {
 
 // ---- from files and mock -----------------------------------------------------------------------
 
+// corpus() as an indexed dataset in `dir`; returns its prefix.
+std::string write_corpus(const TempDir& dir) {
+  const std::string prefix = dir.file("corpus_text_document");
+  IndexedDatasetWriter w(prefix, TokenDType::kUInt16);
+  for (const Ids& doc : corpus()) w.add_document(doc);
+  w.finalize();
+  return prefix;
+}
+
 TEST(GPTDataset, BuildsFromAnIndexedDataset) {
   TempDir dir;
-  const std::string prefix = dir.file("corpus_text_document");
-  {
-    IndexedDatasetWriter w(prefix, TokenDType::kUInt16);
-    for (const Ids& doc : corpus()) w.add_document(doc);
-    w.finalize();
-  }
+  const std::string prefix = write_corpus(dir);
   GPTDatasetOptions options;
   options.data_prefix = prefix;
   options.split = "8,1,1";
@@ -338,12 +342,7 @@ TEST(GPTDataset, BuildsFromAnIndexedDataset) {
 // no name, and one below the padded size trains silently).
 TEST(GPTDataset, TokenIdsOutsideTheVocabularyNameFileSequenceAndPosition) {
   TempDir dir;
-  const std::string prefix = dir.file("corpus_text_document");
-  {
-    IndexedDatasetWriter w(prefix, TokenDType::kUInt16);
-    for (const Ids& doc : corpus()) w.add_document(doc);
-    w.finalize();
-  }
+  const std::string prefix = write_corpus(dir);
   GPTDatasetOptions options;
   options.data_prefix = prefix;
   options.split = "8,1,1";
