@@ -522,10 +522,15 @@ TEST(RendezvousSecurity, UnresolvableMasterAddressFailsWithOneLine) {
 // mfsdp-run (through rank_environment) gives every rank of a single-node job the same random
 // token, and none on several nodes, where each node's launcher would make a different one.
 TEST(RendezvousSecurity, LauncherGivesEachSingleNodeJobAToken) {
-  if (std::getenv("MFSDP_JOB_TOKEN") != nullptr) GTEST_SKIP() << "MFSDP_JOB_TOKEN is set";
+  // A token the user exported is passed on as it is; this checks the one mfsdp-run makes.
+  const char* exported_value = std::getenv("MFSDP_JOB_TOKEN");
+  const bool exported = exported_value != nullptr;
+  const std::string saved = exported ? exported_value : "";
+  ::unsetenv("MFSDP_JOB_TOKEN");
   auto a = launch::rank_environment(0, 1, 2, 0, "127.0.0.1", 29500);
   auto b = launch::rank_environment(0, 1, 2, 1, "127.0.0.1", 29500);
   EXPECT_EQ(a["MFSDP_JOB_TOKEN"].size(), 32u);
   EXPECT_EQ(a["MFSDP_JOB_TOKEN"], b["MFSDP_JOB_TOKEN"]);
   EXPECT_EQ(launch::rank_environment(0, 2, 2, 0, "node0", 29500).count("MFSDP_JOB_TOKEN"), 0u);
+  if (exported) ::setenv("MFSDP_JOB_TOKEN", saved.c_str(), 1);
 }
