@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "mfsdp/dataset_checksums.h"
 #include "mfsdp/indexed_dataset.h"
 #include "mfsdp/tokenizer.h"
 
@@ -294,9 +295,38 @@ void run(Args args) {
   }
 }
 
+// mfsdp-preprocess --add-checksums PREFIX...: PREFIX.checksums.json for datasets written by
+// other tools (Megatron's preprocess_data.py), after checking that each one opens.
+int add_checksums_main(int argc, char** argv) {
+  std::vector<std::string> prefixes;
+  CLI::App app{"Add PREFIX.checksums.json (CRC-32C of the .idx and of each 1 MiB block of the .bin) to "
+               "existing indexed datasets", "mfsdp-preprocess --add-checksums"};
+  app.add_option("--add-checksums", prefixes, "Dataset path prefixes (without .bin/.idx)")->required();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);
+    std::cerr << "mfsdp-preprocess: error: " << e.what() << "\nRun with --add-checksums --help for the options.\n";
+    return 2;
+  }
+  try {
+    for (const std::string& prefix : prefixes) {
+      const mfsdp::IndexedDataset opened(prefix);  // its index and bounds are checked first
+      mfsdp::write_dataset_checksums(prefix);
+      std::cout << "wrote " << mfsdp::dataset_checksums_path(prefix) << " (" << opened.size() << " sequences)\n";
+    }
+  } catch (const std::exception& e) {
+    std::cerr << "mfsdp-preprocess: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--add-checksums") return add_checksums_main(argc, argv);
   Args args;
   CLI::App app{"Tokenize text or JSONL into a Megatron indexed dataset (PREFIX_KEY_document.bin/.idx)",
                "mfsdp-preprocess"};

@@ -25,6 +25,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -167,11 +168,14 @@ class CheckpointReader {
  private:
   const SafetensorsFile& file(int index) const;  // opened and checked on first use
   const nlohmann::json& entry(const std::string& name) const;
+  // Throws unless the chunk's bytes match the CRC-32C metadata.json gives them (if it does).
+  void verify_chunk(const std::string& name, const nlohmann::json& chunk) const;
 
   std::string dir_;
   nlohmann::json metadata_;
   std::vector<std::string> files_;
   mutable std::map<int, SafetensorsFile> open_files_;
+  mutable std::set<std::string> verified_chunks_;  // chunk keys
   // A DCP checkpoint: its reader, and where each canonical tensor's elements are on disk.
   std::shared_ptr<const checkpoint::OpenedDcp> dcp_;
 };

@@ -17,6 +17,13 @@
 //   mfsdp::dcp::Reader ckpt("ckpt/iter_0000010");
 //   at::Tensor w = ckpt.read("model.module.model.norm.weight");
 //
+// Checksums: what mfsdp writes also holds DIR/.checksums.json, the CRC-32C (crc32c.h) of
+// .metadata and of every entry's bytes, bound to the entry (tensor and chunk offsets, or bytes
+// key) and its location. torch ignores the file. The Reader checks .metadata against it when
+// opening, and each entry's bytes before parsing them, so a changed byte anywhere is an error
+// naming the file, entry and byte range. Folders without the file (written by torch) are read
+// unverified.
+//
 // Errors are std::invalid_argument naming the directory or file and, where one is at fault, the
 // entry (and for a chunk its offsets and byte range).
 #pragma once
@@ -27,6 +34,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,6 +43,7 @@
 namespace mfsdp::dcp {
 
 constexpr const char* kMetadataFile = ".metadata";
+constexpr const char* kChecksumsFile = ".checksums.json";
 
 // "__3_0.distcp": the file rank 3 writes (FileSystemWriter's naming with one file per rank).
 std::string rank_file_name(int rank);
@@ -44,6 +53,7 @@ struct Location {
   std::string file;
   uint64_t offset = 0;
   uint64_t length = 0;
+  std::optional<uint32_t> crc32c;  // of those bytes: set by FileWriter, and by Reader from .checksums.json
 };
 
 // A box of a tensor: elements [offsets[d], offsets[d] + sizes[d]) along every dimension d.
@@ -85,6 +95,10 @@ Metadata parse_metadata(const std::string& pickled, const std::string& where);
 // The .metadata pickle of `metadata` (protocol 2; the classes of torch.distributed.checkpoint).
 std::string encode_metadata(const Metadata& metadata);
 
+// .checksums.json for `metadata` (every location must carry its crc32c) and the bytes of the
+// .metadata file written with it. Throws std::logic_error for a location without one.
+std::string encode_checksums(const Metadata& metadata, const std::string& metadata_bytes);
+
 // torch's name of a dtype ("torch.float32"), as Megatron's tools print it.
 std::string torch_dtype_name(at::ScalarType dtype);
 
@@ -93,14 +107,16 @@ bool is_dcp_directory(const std::string& dir);
 
 class Reader {
  public:
-  explicit Reader(const std::string& dir);
+  explicit Reader(const std::string& dir);  // verifies .metadata against .checksums.json, if any
 
   const std::string& dir() const { return dir_; }
   const Metadata& metadata() const { return metadata_; }
   bool contains_tensor(const std::string& name) const { return metadata_.tensors.count(name) > 0; }
   const TensorEntry& tensor(const std::string& name) const;  // throws naming `name`
-  // One chunk, as stored (size chunk.box.sizes, the entry's dtype): the archive is checked
-  // against the metadata (size, dtype; bytes inside the file).
+  bool has_checksums() const { return has_checksums_; }
+  // One chunk, as stored (size chunk.box.sizes, the entry's dtype): its bytes are checked
+  // against their checksum, if any, and the archive against the metadata (size, dtype; bytes
+  // inside the file).
   at::Tensor read_chunk(const std::string& name, const TensorChunk& chunk) const;
   // Elements [offset, offset + dst.numel()) of the flattened tensor into the 1-D `dst` (any
   // dtype and device: converted). Throws if any of them is in no chunk.
@@ -113,8 +129,12 @@ class Reader {
   nlohmann::json read_object(const std::string& name, ObjectPolicy policy = ObjectPolicy::kPlainOnly) const;
 
  private:
+  void attach_checksums(const std::string& metadata_bytes);
+  // Throws unless the bytes of `l` match its crc32c (if it has one and the file holds them).
+  void verify(const Location& l, const std::string& what) const;
   std::string dir_;
   Metadata metadata_;
+  bool has_checksums_ = false;
 };
 
 // Appends entries to one .distcp file; close() flushes and fsyncs. Not thread-safe.

@@ -25,10 +25,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <vector>
 
 namespace mfsdp {
+
+class DatasetChecksums;
 
 // Megatron's DType codes (indexed_dataset.py, class DType). The code is what the .idx stores.
 enum class TokenDType : uint8_t {
@@ -123,12 +126,14 @@ class IndexedDataset : public SequenceSource {
   int64_t num_tokens_ = 0;
   const unsigned char* data_ = nullptr;     // PREFIX.bin, mapped (null when the file is empty)
   size_t data_size_ = 0;
+  std::unique_ptr<DatasetChecksums> checksums_;  // PREFIX.checksums.json, when there is one
 };
 
 // Writes PREFIX.bin and PREFIX.idx, as Megatron's IndexedDatasetBuilder.
 //
-// Tokens go to PREFIX.bin.tmp as they are added; finalize() writes PREFIX.idx.tmp and renames
-// both into place (.bin first, .idx last), so a reader never sees a half-written dataset. A writer
+// Tokens go to PREFIX.bin.tmp as they are added; finalize() writes PREFIX.idx.tmp and the
+// checksums of both (dataset_checksums.h) and renames all three into place (.bin first, the
+// checksums last), so a reader never sees a half-written dataset. A writer
 // destroyed before finalize() deletes its temporary files. Each token must be representable in
 // the dtype (std::out_of_range otherwise, naming the token and the dtype). Not thread-safe.
 class IndexedDatasetWriter {

@@ -34,8 +34,10 @@ std::string rng_tensor_name(int rank, const std::string& generator) {
 }
 
 nlohmann::json to_json(const ChunkRecord& c) {
-  return {{"tensor", c.tensor}, {"dtype", c.dtype},     {"shape", c.shape},
-          {"offset", c.offset}, {"numel", c.numel},     {"bytes", {c.byte_begin, c.byte_end}}};
+  nlohmann::json j = {{"tensor", c.tensor}, {"dtype", c.dtype}, {"shape", c.shape},
+                      {"offset", c.offset}, {"numel", c.numel}, {"bytes", {c.byte_begin, c.byte_end}}};
+  if (c.crc32c) j["crc32c"] = *c.crc32c;
+  return j;
 }
 
 ChunkRecord chunk_from_json(const nlohmann::json& j) {
@@ -47,6 +49,7 @@ ChunkRecord chunk_from_json(const nlohmann::json& j) {
   c.numel = j.at("numel").get<int64_t>();
   c.byte_begin = j.at("bytes").at(0).get<uint64_t>();
   c.byte_end = j.at("bytes").at(1).get<uint64_t>();
+  if (j.contains("crc32c")) c.crc32c = j.at("crc32c").get<uint32_t>();
   return c;
 }
 
@@ -82,6 +85,7 @@ nlohmann::json merge_chunk_records(const std::vector<std::vector<ChunkRecord>>& 
                         {"offset", c.offset},
                         {"numel", c.numel},
                         {"bytes", {c.byte_begin, c.byte_end}}});
+      if (c.crc32c) chunks.back()["crc32c"] = *c.crc32c;
     }
     if (next != numel)
       throw std::logic_error("checkpoint save: chunks of '" + name + "' cover " + std::to_string(next) + " of " +

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@ struct ChunkRecord {
   int64_t offset = 0;           // first element (of the flattened tensor)
   int64_t numel = 0;            // 0: the rank only declares the tensor (it holds none of it)
   uint64_t byte_begin = 0, byte_end = 0;  // in its file
+  std::optional<uint32_t> crc32c;         // of those bytes (absent in files of older builds)
 };
 nlohmann::json to_json(const ChunkRecord& c);
 ChunkRecord chunk_from_json(const nlohmann::json& j);

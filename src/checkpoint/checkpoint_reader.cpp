@@ -9,6 +9,7 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/crc32c.h"
 #include "mfsdp/dcp.h"
 
 namespace fs = std::filesystem;
@@ -66,6 +67,8 @@ void check_tensor_entry(const std::string& file, const std::string& name, const 
                     c.contains("bytes") && c["bytes"].is_array() && c["bytes"].size() == 2 &&
                     c["bytes"][0].is_number_unsigned() && c["bytes"][1].is_number_unsigned();
     if (!ok) fail("a chunk needs file, key, offset, numel and bytes [begin, end]");
+    if (c.contains("crc32c") && !(c["crc32c"].is_number_unsigned() && c["crc32c"].get<uint64_t>() <= 0xffffffffu))
+      fail("a chunk's crc32c is not a 32-bit unsigned number");
     if (c["file"].get<size_t>() >= num_files)
       fail("a chunk names file " + std::to_string(c["file"].get<size_t>()) + " of " + std::to_string(num_files));
     const int64_t offset = c["offset"].get<int64_t>(), n = c["numel"].get<int64_t>();
@@ -177,6 +180,20 @@ const SafetensorsFile& CheckpointReader::file(int index) const {
   return open_files_.emplace(index, std::move(f)).first->second;
 }
 
+void CheckpointReader::verify_chunk(const std::string& name, const nlohmann::json& chunk) const {
+  const std::string key = chunk["key"].get<std::string>();
+  if (!chunk.contains("crc32c") || verified_chunks_.count(key)) return;
+  const std::string path = file(chunk["file"].get<int>()).path();  // opened: the byte range lies in the file
+  const uint64_t begin = chunk["bytes"][0].get<uint64_t>(), end = chunk["bytes"][1].get<uint64_t>();
+  const uint32_t saved = chunk["crc32c"].get<uint32_t>(), found = crc32c_of_file_range(path, begin, end - begin);
+  if (found != saved)
+    bad(path, "bytes [" + std::to_string(begin) + ", " + std::to_string(end) + ") (tensor '" + name + "', chunk '" +
+                  key + "') do not match their checksum (CRC-32C " + crc32c_hex(saved) + " in " +
+                  checkpoint::kMetadataFile + ", " + crc32c_hex(found) + " read): the file was changed or damaged " +
+                  "after the save");
+  verified_chunks_.insert(key);
+}
+
 void CheckpointReader::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
   const nlohmann::json& t = entry(name);
   if (dcp_) return checkpoint::read_rows(*dcp_->reader, dcp_->sources.at(name), offset, dst);
@@ -192,6 +209,7 @@ void CheckpointReader::read_range(const std::string& name, int64_t offset, const
     const int64_t begin = c["offset"].get<int64_t>(), end = begin + c["numel"].get<int64_t>();
     const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + count);
     if (hi <= lo) continue;
+    verify_chunk(name, c);
     at::Tensor part = file(c["file"].get<int>()).load_elements(c["key"].get<std::string>(), lo - begin, hi - lo);
     dst.narrow(0, lo - offset, hi - lo).copy_(part);
   }

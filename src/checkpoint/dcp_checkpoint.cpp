@@ -93,7 +93,8 @@ nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::
     for (const dcp::Box& box : dcp::flat_range_boxes(p.shape, p.offset, p.offset + p.data.numel())) {
       const dcp::Location l = file.write_tensor(p.data.narrow(0, flat - p.offset, box.numel()).view(box.sizes));
       flat += box.numel();
-      chunks.push_back({{"offsets", box.offsets}, {"sizes", box.sizes}, {"offset", l.offset}, {"length", l.length}});
+      chunks.push_back({{"offsets", box.offsets}, {"sizes", box.sizes}, {"offset", l.offset}, {"length", l.length},
+                        {"crc32c", *l.crc32c}});
     }
     tensors.push_back({{"key", to_dcp_key(p.tensor)},
                        {"dtype", safetensors_dtype_name(p.data.scalar_type())},
@@ -103,7 +104,7 @@ nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::
   if (rank == 0) {
     auto add = [&](const std::string& key, const nlohmann::json& value) {
       const dcp::Location l = file.write_object(value);
-      bytes.push_back({{"key", key}, {"offset", l.offset}, {"length", l.length}});
+      bytes.push_back({{"key", key}, {"offset", l.offset}, {"length", l.length}, {"crc32c", *l.crc32c}});
     };
     add(kMetadataEntry, metadata);
     add("iteration", metadata.at("iteration"));
@@ -138,10 +139,12 @@ void write_dcp_metadata(const std::string& dir, const std::vector<nlohmann::json
       }
       for (const auto& c : t.at("chunks"))
         e.chunks.push_back({{c.at("offsets").get<std::vector<int64_t>>(), c.at("sizes").get<std::vector<int64_t>>()},
-                            {file, c.at("offset").get<uint64_t>(), c.at("length").get<uint64_t>()}});
+                            {file, c.at("offset").get<uint64_t>(), c.at("length").get<uint64_t>(),
+                             c.at("crc32c").get<uint32_t>()}});
     }
     for (const auto& b : report.at("bytes"))
-      m.bytes[b.at("key").get<std::string>()] = {file, b.at("offset").get<uint64_t>(), b.at("length").get<uint64_t>()};
+      m.bytes[b.at("key").get<std::string>()] = {file, b.at("offset").get<uint64_t>(), b.at("length").get<uint64_t>(),
+                                                 b.at("crc32c").get<uint32_t>()};
   }
   for (const auto& [key, e] : m.tensors) {
     int64_t numel = 1, chunked = 0;
@@ -153,7 +156,9 @@ void write_dcp_metadata(const std::string& dir, const std::vector<nlohmann::json
   }
   for (const auto& [key, e] : m.tensors) m.paths[key] = dcp_path(key);
   for (const auto& [key, l] : m.bytes) m.paths[key] = dcp_path(key);
-  write_file_atomically((fs::path(dir) / dcp::kMetadataFile).string(), dcp::encode_metadata(m));
+  const std::string encoded = dcp::encode_metadata(m);
+  write_file_atomically((fs::path(dir) / dcp::kMetadataFile).string(), encoded);
+  write_file_atomically((fs::path(dir) / dcp::kChecksumsFile).string(), dcp::encode_checksums(m, encoded));
 }
 
 namespace {

@@ -46,7 +46,7 @@ struct TensorPiece {
 nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::vector<TensorPiece>& pieces,
                                    const nlohmann::json& metadata);
 
-// Rank 0: `dir`/.metadata from every rank's report (reports[r] from rank r). Throws
+// Rank 0: `dir`/.metadata and .checksums.json from every rank's report (reports[r] from rank r). Throws
 // std::logic_error if ranks disagree on a tensor or its chunks do not add up to it (a bug).
 void write_dcp_metadata(const std::string& dir, const std::vector<nlohmann::json>& reports);
 

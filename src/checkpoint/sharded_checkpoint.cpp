@@ -10,6 +10,7 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
 #include "mfsdp/checkpoint.h"
+#include "mfsdp/crc32c.h"
 
 namespace fs = std::filesystem;
 
@@ -117,7 +118,10 @@ std::vector<ChunkRecord> write_pieces(const std::string& file, const std::vector
     c.shape = p.shape;
     c.offset = p.offset;
     c.numel = p.data.numel();
-    if (c.numel > 0) std::tie(c.byte_begin, c.byte_end) = written.file_byte_range(checkpoint::chunk_key(p.tensor, p.offset));
+    if (c.numel > 0) {
+      std::tie(c.byte_begin, c.byte_end) = written.file_byte_range(checkpoint::chunk_key(p.tensor, p.offset));
+      c.crc32c = crc32c_of_file_range(file, c.byte_begin, c.byte_end - c.byte_begin);  // just written: cached
+    }
     records.push_back(c);
   }
   return records;

@@ -2,6 +2,8 @@
 // and docs/data.md).
 #include "mfsdp/indexed_dataset.h"
 
+#include "mfsdp/dataset_checksums.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -154,7 +156,8 @@ std::string data_file_path(const std::string& path_prefix) { return path_prefix 
 
 // ---- reader -------------------------------------------------------------------------------------
 
-IndexedDataset::IndexedDataset(std::string path_prefix) : path_prefix_(std::move(path_prefix)) {
+IndexedDataset::IndexedDataset(std::string path_prefix)
+    : path_prefix_(std::move(path_prefix)), checksums_(DatasetChecksums::load(path_prefix_)) {
   load_index();
   map_data();
 }
@@ -172,6 +175,7 @@ bool IndexedDataset::exists(const std::string& path_prefix) {
 void IndexedDataset::load_index() {
   const std::string path = index_file_path(path_prefix_);
   const std::string bytes = read_whole_file(path);
+  if (checksums_) checksums_->verify_index(bytes);  // before parsing: a changed index is named as such
   const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
   const size_t size = bytes.size();
 
@@ -278,6 +282,14 @@ void IndexedDataset::map_data() {
     throw std::runtime_error(path + ": cannot stat: " + err);
   }
   data_size_ = static_cast<size_t>(st.st_size);
+  if (checksums_) {
+    try {
+      checksums_->verify_data_size(data_size_);
+    } catch (...) {
+      ::close(fd);
+      throw;
+    }
+  }
   if (data_size_ > 0) {
     void* m = mmap(nullptr, data_size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (m == MAP_FAILED) {
@@ -327,6 +339,10 @@ void IndexedDataset::read(int64_t i, int64_t offset, int64_t length, int64_t* ou
   const size_t itemsize = token_dtype_size(dtype_);
   const unsigned char* p =
       data_ + sequence_pointers_[static_cast<size_t>(i)] + static_cast<size_t>(offset) * itemsize;
+  if (checksums_) {
+    const uint64_t begin = static_cast<uint64_t>(p - data_);
+    checksums_->verify_data(data_, begin, begin + static_cast<uint64_t>(length) * itemsize, i, offset, length);
+  }
   switch (dtype_) {  // the common integer types without the per-token switch
     case TokenDType::kUInt16:
       for (int64_t k = 0; k < length; ++k) out[k] = load<uint16_t>(p + 2 * k);
@@ -502,6 +518,7 @@ void IndexedDatasetWriter::finalize() {
     throw std::runtime_error(idx_tmp + ": cannot rename to " + index_file_path(path_prefix_) +
                              ": " + errno_text());
   }
+  write_dataset_checksums(path_prefix_);  // re-reads the files just written, from the page cache
   finalized_ = true;
 }
 

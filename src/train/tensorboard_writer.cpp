@@ -1,8 +1,9 @@
 #include "train/tensorboard_writer.h"
 
+#include "mfsdp/crc32c.h"
+
 #include <unistd.h>
 
-#include <array>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -70,22 +71,6 @@ std::string host_name() {
 }
 
 }  // namespace
-
-uint32_t crc32c(const void* data, size_t size) {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82f63b78u : c >> 1;  // reflected 0x1EDC6F41
-      t[i] = c;
-    }
-    return t;
-  }();
-  uint32_t crc = 0xffffffffu;
-  const auto* p = static_cast<const unsigned char*>(data);
-  for (size_t i = 0; i < size; ++i) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
-  return crc ^ 0xffffffffu;
-}
 
 TensorBoardWriter::TensorBoardWriter(const std::string& dir) {
   if (dir.empty()) return;

@@ -16,9 +16,6 @@ namespace mfsdp {
 
 struct IterationRecord;
 
-// CRC-32C (Castagnoli), as TFRecord framing uses it.
-uint32_t crc32c(const void* data, size_t size);
-
 class TensorBoardWriter {
  public:
   // Creates `dir` and events.out.tfevents.<seconds>.<host>.<pid>.0 in it; a no-op writer when

@@ -259,8 +259,10 @@ nlohmann::json read_json(const std::string& path) {
 }
 void write_json(const std::string& path, const nlohmann::json& j) { std::ofstream(path) << j.dump(1); }
 
-// Rewrites a DCP checkpoint's .metadata (parsed and re-encoded by include/mfsdp/dcp.h).
-void edit_dcp(const std::string& ckpt, const std::function<void(mfsdp::dcp::Metadata&)>& edit) {
+// Rewrites a DCP checkpoint's .metadata (parsed and re-encoded by include/mfsdp/dcp.h) as
+// another tool would: without mfsdp's .checksums.json (which would refuse the edit at once).
+void edit_dcp(const std::string& ckpt, const std::function<void(mfsdp::dcp::Metadata&)>& edit, bool keep_checksums = false) {
+  if (!keep_checksums) fs::remove(ckpt + "/iter_0000002/" + mfsdp::dcp::kChecksumsFile);
   const std::string path = ckpt + "/iter_0000002/" + mfsdp::dcp::kMetadataFile;
   std::ifstream in(path, std::ios::binary);
   std::stringstream bytes;
@@ -340,8 +342,20 @@ MFSDP_DIST_TEST(Checkpoint, BadDcpCheckpointsAreRejectedAndChangeNothing, {2}) {
     fs::resize_file(c + it + "__1_0.distcp", fs::file_size(c + it + "__1_0.distcp") - 10);
   }, {"__1_0.distcp", "truncated"});
   expect_rejected(comm, m, good, "dcp_foreign_class", [&](const std::string& c) {
+    fs::remove(c + it + mfsdp::dcp::kChecksumsFile);
     std::ofstream(c + it + ".metadata", std::ios::binary | std::ios::trunc) << "\x80\x02" "cos\nsystem\n.";
   }, {".metadata", "'os.system'", "not allowed"});
+  // With mfsdp's checksums: a flipped byte in rank 1's file, a .metadata edited in place.
+  expect_rejected(comm, m, good, "dcp_flipped_byte", [&](const std::string& c) {
+    std::fstream f(c + it + "__1_0.distcp", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(700);
+    const char byte = static_cast<char>(f.get() ^ 0x20);
+    f.seekp(700);
+    f.put(byte);
+  }, {"__1_0.distcp", "bytes [", "tensor '", "do not match their checksum", ".checksums.json"});
+  expect_rejected(comm, m, good, "dcp_edited_metadata", [&](const std::string& c) {
+    edit_dcp(c, [](Metadata& md) { md.tensors["model.module.head.weight"].shape = {3, 11}; }, /*keep_checksums=*/true);
+  }, {".metadata", "does not match its checksum"});
   expect_rejected(comm, m, good, "dcp_shape", [&](const std::string& c) {
     edit_dcp(c, [](Metadata& md) { md.tensors["model.module.head.weight"].shape = {3, 11}; });
   }, {"model.head.weight", "[3, 11]", "[3, 10]"});

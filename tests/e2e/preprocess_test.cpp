@@ -7,6 +7,7 @@
 
 #include <gtest/gtest.h>
 
+#include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 
 #include <cstdlib>
@@ -28,6 +29,8 @@ namespace {
 namespace fs = std::filesystem;
 using Ids = std::vector<int64_t>;
 
+using mfsdp::testing::error_of;
+using mfsdp::testing::expect_contains;
 using mfsdp::testing::TempDir;
 
 void write_text(const std::string& path, const std::string& text) {
@@ -82,12 +85,6 @@ Result run_tool(const TempDir& dir, const std::vector<std::string>& args) {
   r.out = read_file(out_path);
   r.err = read_file(err_path);
   return r;
-}
-
-void expect_contains(const std::string& text, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts) {
-    EXPECT_NE(text.find(part), std::string::npos) << "expected \"" << part << "\" in: " << text;
-  }
 }
 
 Ids bytes_plus_eod(const std::string& text) {
@@ -270,6 +267,33 @@ TEST(Preprocess, ErrorsNameTheFlagOrFile) {
   // A failed run leaves no partial dataset behind.
   EXPECT_FALSE(fs::exists(dir.file("o_text_document.bin")));
   EXPECT_FALSE(fs::exists(dir.file("o_text_document.bin.tmp")));
+}
+
+// A dataset from another tool (here: ours with its checksums removed) gains them; a damaged one
+// gains none; a bad prefix is named.
+TEST(Preprocess, AddChecksumsToAnExistingDataset) {
+  TempDir dir;
+  write_text(dir.file("in.txt"), kText);
+  ASSERT_EQ(run_tool(dir, {"--input", dir.file("in.txt"), "--output-prefix", dir.file("out"),
+                           "--tokenizer-type", "ByteLevelTokenizer"}).exit_code, 0);
+  const std::string prefix = dir.file("out_text_document");
+  ASSERT_TRUE(fs::exists(prefix + ".checksums.json"));  // the tool writes them itself
+  fs::remove(prefix + ".checksums.json");
+  Result r = run_tool(dir, {"--add-checksums", prefix});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  expect_contains(r.out, {prefix + ".checksums.json", "3 sequences"});
+  std::string bin = read_file(prefix + ".bin");
+  bin[0] = static_cast<char>(bin[0] ^ 1);
+  write_text(prefix + ".bin", bin);
+  expect_contains(error_of([&] { IndexedDataset(prefix).get(0); }), {prefix + ".bin", "checksum"});
+
+  r = run_tool(dir, {"--add-checksums", dir.file("missing")});
+  EXPECT_EQ(r.exit_code, 1);
+  expect_contains(r.err, {dir.file("missing") + ".idx"});
+  EXPECT_FALSE(fs::exists(dir.file("missing.checksums.json")));
+  r = run_tool(dir, {"--add-checksums"});
+  EXPECT_EQ(r.exit_code, 2);
+  expect_contains(r.err, {"--add-checksums"});
 }
 
 }  // namespace

@@ -456,6 +456,6 @@ TEST(Pretrain, TokenIdOutsideTheVocabularyNamesFileSequenceAndPosition) {
   model.replace(model.find(" --mock-data --vocab-size 64"), 28, " --data-path " + prefix + " --split 1,0,0 --vocab-size 60");
   const Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node 1 " + bin("MFSDP_PRETRAIN_BIN") + model + " --eval-iters 0");
   EXPECT_NE(r.exit_code, 0) << r.output;
-  for (const std::string part : {prefix, std::string("token id 61 at position 3 of sequence 5"), std::string("[0, 60)")})
+  for (const std::string& part : {prefix, std::string("token id 61 at position 3 of sequence 5"), std::string("[0, 60)")})
     EXPECT_NE(r.output.find(part), std::string::npos) << "no '" << part << "' in:\n" << r.output;
 }

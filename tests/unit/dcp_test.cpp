@@ -13,6 +13,8 @@
 
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
+#include "checkpoint/formats/zip_archive.h"
+#include "mfsdp/crc32c.h"
 #include "mfsdp/dcp.h"
 
 namespace {
@@ -221,6 +223,102 @@ TEST(DcpFuzz, MutatedTorchMetadataNeverLoadsWrongValues) {
       {"model.module.layer.w", at::arange(12, at::kFloat).reshape({3, 4}) / 4},
       {"steps", at::arange(6, at::kLong) * 3}};
   fuzz(dir.path().string(), expected, 1000, 2);
+}
+
+// ---- checksums ------------------------------------------------------------------------------------
+
+// write_sharded's folder with the .checksums.json an mfsdp save writes.
+Written write_checksummed(const std::string& dir) {
+  Written w = write_sharded(dir, 2);
+  put(dir + "/" + dcp::kChecksumsFile, dcp::encode_checksums(w.meta, slurp(dir + "/" + dcp::kMetadataFile)));
+  return w;
+}
+
+// Where the tensor's raw bytes ("<archive>/data/0") start in the .distcp file.
+uint64_t tensor_data_offset(const std::string& dir, const dcp::Location& l) {
+  mfsdp::zip::ZipReader zip(dir + "/" + l.file, "chunk", l.offset, l.length);
+  for (const std::string& name : zip.names())
+    if (name.size() > 7 && name.compare(name.size() - 7, 7, "/data/0") == 0) return l.offset + zip.data_offset(name);
+  ADD_FAILURE() << "no data/0 entry";
+  return 0;
+}
+
+TEST(DcpChecksums, WrittenForEveryEntryAndVerifiedOnRead) {
+  TempDir dir;
+  const std::string d = dir.path().string();
+  Written w = write_checksummed(d);
+  const auto j = nlohmann::json::parse(slurp(d + "/" + dcp::kChecksumsFile));
+  // Each recorded CRC is that of the entry's bytes in its file, computed here from the file.
+  for (const auto& [name, e] : w.meta.tensors)
+    for (size_t i = 0; i < e.chunks.size(); ++i) {
+      const dcp::Location& l = e.chunks[i].location;
+      const std::string bytes = slurp(d + "/" + l.file).substr(l.offset, l.length);
+      EXPECT_EQ(j["tensors"][name][i]["crc32c"].get<uint32_t>(), mfsdp::crc32c(bytes.data(), bytes.size())) << name;
+    }
+  const std::string meta = slurp(d + "/" + dcp::kMetadataFile);
+  EXPECT_EQ(j["metadata"]["crc32c"].get<uint32_t>(), mfsdp::crc32c(meta.data(), meta.size()));
+  dcp::Reader r(d);
+  EXPECT_TRUE(r.has_checksums());
+  for (const auto& [name, t] : w.tensors) EXPECT_TRUE(at::equal(r.read(name), t)) << name;
+  EXPECT_EQ(r.read_bytes("note"), "hello");
+  // DirectoryWriter (conversions) writes them too.
+  TempDir out;
+  dcp::DirectoryWriter dw(out.path().string());
+  dw.tensor("x", at::arange(4.0));
+  dw.finish();
+  EXPECT_TRUE(dcp::Reader(out.path().string()).has_checksums());
+  EXPECT_TRUE(at::equal(dcp::Reader(out.path().string()).read("x"), at::arange(4.0)));
+}
+
+TEST(DcpChecksums, AFlippedTensorByteIsAnErrorNamingFileTensorAndRange) {
+  TempDir dir;
+  const std::string d = dir.path().string();
+  Written w = write_checksummed(d);
+  const dcp::TensorChunk& c = w.meta.tensors.at("model.module.a.weight").chunks.back();
+  const std::string file = d + "/" + c.location.file;
+  std::string bytes = slurp(file);
+  const uint64_t at = tensor_data_offset(d, c.location) + 2;  // a float's middle byte: still a float
+  bytes[at] = static_cast<char>(bytes[at] ^ 0x04);
+  put(file, bytes);
+  dcp::Reader r(d);
+  const std::string range = "bytes [" + std::to_string(c.location.offset) + ", " +
+                            std::to_string(c.location.offset + c.location.length) + ")";
+  expect_contains(error_of([&] { r.read("model.module.a.weight"); }),
+                  {c.location.file, range, "'model.module.a.weight'", "checksum", "changed or damaged"});
+  EXPECT_TRUE(at::equal(r.read("model.module.a.bias"), w.tensors.at("model.module.a.bias")));  // other chunks read
+  // Without the checksums the same byte loads silently: what the file is for.
+  fs::remove(d + "/" + dcp::kChecksumsFile);
+  EXPECT_FALSE(at::equal(dcp::Reader(d).read("model.module.a.weight"), w.tensors.at("model.module.a.weight")));
+}
+
+TEST(DcpChecksums, AChangedMetadataOrChecksumsFileIsAnErrorWhenOpening) {
+  TempDir dir;
+  const std::string d = dir.path().string();
+  Written w = write_checksummed(d);
+  const std::string sums = slurp(d + "/" + dcp::kChecksumsFile), meta = slurp(d + "/" + dcp::kMetadataFile);
+  // Two chunks trade places in .metadata: it still parses.
+  dcp::Metadata swapped = w.meta;
+  auto& chunks = swapped.tensors.at("model.module.a.weight").chunks;
+  ASSERT_GE(chunks.size(), 2u);
+  std::swap(chunks[0].location, chunks[1].location);
+  put(d + "/" + dcp::kMetadataFile, dcp::encode_metadata(swapped));
+  expect_contains(error_of([&] { dcp::Reader r(d); }), {".metadata", "does not match its checksum", ".checksums.json"});
+  put(d + "/" + dcp::kMetadataFile, meta);
+  // The checksums file itself: cut, another version, a record placing a chunk elsewhere.
+  put(d + "/" + dcp::kChecksumsFile, sums.substr(0, sums.size() / 2));
+  expect_contains(error_of([&] { dcp::Reader r(d); }), {".checksums.json", "not valid JSON"});
+  auto j = nlohmann::json::parse(sums);
+  j["version"] = 2;
+  put(d + "/" + dcp::kChecksumsFile, j.dump());
+  expect_contains(error_of([&] { dcp::Reader r(d); }), {".checksums.json", "version 2", "update mfsdp"});
+  j = nlohmann::json::parse(sums);
+  j["tensors"]["count"][0]["offset"] = 1;
+  put(d + "/" + dcp::kChecksumsFile, j.dump());
+  expect_contains(error_of([&] { dcp::Reader r(d); }), {".checksums.json", "tensor 'count'", "elsewhere"});
+  j = nlohmann::json::parse(sums);
+  j["bytes"]["note"]["crc32c"] = j["bytes"]["note"]["crc32c"].get<uint32_t>() ^ 1u;
+  put(d + "/" + dcp::kChecksumsFile, j.dump());
+  expect_contains(error_of([&] { dcp::Reader(d).read_bytes("note"); }), {"bytes entry 'note'", "checksum"});
 }
 
 }  // namespace

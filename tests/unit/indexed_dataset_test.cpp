@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include "mfsdp/crc32c.h"
+#include "mfsdp/dataset_checksums.h"
 #include "mfsdp/indexed_dataset.h"
 
 namespace mfsdp {
@@ -342,6 +344,90 @@ TEST(IndexedDatasetWriter, AnAbandonedWriterLeavesNoFiles) {
   EXPECT_FALSE(fs::exists(prefix + ".idx"));
   expect_contains(error_of([&] { IndexedDatasetWriter w(dir.file("no/such/dir/x"), TokenDType::kInt32); }),
                   {"no/such/dir/x.bin.tmp", "cannot open"});
+}
+
+// ---- checksums (include/mfsdp/dataset_checksums.h) -----------------------------------------------
+
+// Three documents of int32 tokens: 200,000 (bytes [0, 800000), block 0), 100,000 (bytes
+// [800000, 1200000), across blocks 0 and 1) and 10 (block 1).
+std::string write_checksummed(TempDir& dir, std::vector<std::vector<int64_t>>& docs) {
+  const std::string prefix = dir.file("sums");
+  docs = {std::vector<int64_t>(200000), std::vector<int64_t>(100000), std::vector<int64_t>(10)};
+  int64_t k = 0;
+  for (auto& d : docs)
+    for (auto& t : d) t = (k++ * 7919) % 100000;
+  IndexedDatasetWriter w(prefix, TokenDType::kInt32);
+  for (const auto& d : docs) w.add_document(d);
+  w.finalize();
+  return prefix;
+}
+
+void flip(const std::string& path, size_t at) {
+  Bytes b = read_file(path);
+  b.at(at) ^= 0x01;
+  write_file(path, b);
+}
+
+TEST(IndexedDatasetChecksums, WriterRecordsTheIndexAndEveryBlock) {
+  TempDir dir;
+  std::vector<std::vector<int64_t>> docs;
+  const std::string prefix = write_checksummed(dir, docs);
+  std::ifstream in(dataset_checksums_path(prefix));
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const Bytes idx = read_file(prefix + ".idx"), bin = read_file(prefix + ".bin");
+  ASSERT_EQ(bin.size(), 1200040u);
+  // Each CRC where the format says, computed here from the file's bytes.
+  EXPECT_NE(text.find("\"length\":" + std::to_string(idx.size()) + "}"), std::string::npos) << text;
+  const uint32_t block0 = crc32c(bin.data(), 1 << 20), block1 = crc32c(bin.data() + (1 << 20), bin.size() - (1 << 20));
+  EXPECT_NE(text.find("[" + std::to_string(block0) + "," + std::to_string(block1) + "]"), std::string::npos) << text;
+  EXPECT_NE(text.find("\"crc32c\":" + std::to_string(crc32c(idx.data(), idx.size()))), std::string::npos) << text;
+  IndexedDataset ds(prefix);
+  for (size_t i = 0; i < docs.size(); ++i) EXPECT_EQ(ds.get(static_cast<int64_t>(i)), docs[i]);
+}
+
+TEST(IndexedDatasetChecksums, AChangedBinByteIsAnErrorWhenItsBlockIsRead) {
+  TempDir dir;
+  std::vector<std::vector<int64_t>> docs;
+  const std::string prefix = write_checksummed(dir, docs);
+  flip(prefix + ".bin", (1 << 20) + 100);  // in block 1: document 1's tokens
+  IndexedDataset ds(prefix);
+  EXPECT_EQ(ds.get(0), docs[0]);           // block 0 only
+  EXPECT_EQ(ds.get(1, 0, 1000), std::vector<int64_t>(docs[1].begin(), docs[1].begin() + 1000));
+  expect_contains(error_of([&] { ds.get(1); }),
+                  {prefix + ".bin", "bytes [1048576, 1200040)", "checksum", prefix + ".checksums.json",
+                   "tokens [0, 100000) of sequence 1", "changed or damaged"});
+  expect_contains(error_of([&] { ds.get(2); }), {"bytes [1048576, 1200040)", "sequence 2"});
+}
+
+TEST(IndexedDatasetChecksums, AChangedIndexOrSizeIsAnErrorWhenOpening) {
+  TempDir dir;
+  std::vector<std::vector<int64_t>> docs;
+  const std::string prefix = write_checksummed(dir, docs);
+  const Bytes idx = read_file(prefix + ".idx"), bin = read_file(prefix + ".bin");
+  flip(prefix + ".idx", 40);  // a sequence length: still a well-formed index
+  expect_contains(error_of([&] { IndexedDataset ds(prefix); }),
+                  {prefix + ".idx", "does not match its checksum", prefix + ".checksums.json"});
+  write_file(prefix + ".idx", idx);
+  Bytes longer = bin;
+  longer.push_back(0);
+  write_file(prefix + ".bin", longer);
+  expect_contains(error_of([&] { IndexedDataset ds(prefix); }), {prefix + ".bin", "1200041 bytes", "1200040"});
+  write_file(prefix + ".bin", bin);
+  std::ofstream(dataset_checksums_path(prefix)) << "{\"format\": \"mfsdp.indexed_dataset_checksums\"";
+  expect_contains(error_of([&] { IndexedDataset ds(prefix); }), {prefix + ".checksums.json", "malformed"});
+  // Without the file (Megatron's tools write none) the dataset is read unverified, as before.
+  fs::remove(dataset_checksums_path(prefix));
+  flip(prefix + ".bin", 0);
+  EXPECT_NE(IndexedDataset(prefix).get(0), docs[0]);
+}
+
+TEST(IndexedDatasetChecksums, AddedToADatasetWrittenByHand) {
+  TempDir dir;
+  const std::string prefix = write_pair(dir, hand_built());
+  write_dataset_checksums(prefix);
+  EXPECT_NO_THROW(IndexedDataset(prefix).get(0));
+  flip(prefix + ".bin", 0);
+  expect_contains(error_of([&] { IndexedDataset(prefix).get(0); }), {prefix + ".bin", "bytes [0, 28)", "checksum"});
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 #include <stdexcept>
 
 #include "checkpoint/formats/pickle.h"
+#include "mfsdp/crc32c.h"
 #include "mfsdp/torch_save.h"
 
 namespace fs = std::filesystem;
@@ -409,6 +410,33 @@ std::string encode_metadata(const Metadata& m) {
   return w.finish();
 }
 
+namespace {
+constexpr const char* kChecksumsFormat = "mfsdp.dcp_checksums";
+
+nlohmann::json checksum_record(const Location& l) {
+  if (!l.crc32c) throw std::logic_error("dcp::encode_checksums: the entry at '" + l.file + "' has no crc32c");
+  return {{"file", l.file}, {"offset", l.offset}, {"length", l.length}, {"crc32c", *l.crc32c}};
+}
+}  // namespace
+
+std::string encode_checksums(const Metadata& m, const std::string& metadata_bytes) {
+  nlohmann::json tensors = nlohmann::json::object(), bytes = nlohmann::json::object();
+  for (const auto& [name, e] : m.tensors) {
+    nlohmann::json& chunks = tensors[name] = nlohmann::json::array();
+    for (const TensorChunk& c : e.chunks) {
+      nlohmann::json r = checksum_record(c.location);
+      r["offsets"] = c.box.offsets;
+      chunks.push_back(std::move(r));
+    }
+  }
+  for (const auto& [name, l] : m.bytes) bytes[name] = checksum_record(l);
+  const nlohmann::json out = {
+      {"format", kChecksumsFormat}, {"version", 1}, {"algorithm", "crc32c"},
+      {"metadata", {{"length", metadata_bytes.size()}, {"crc32c", crc32c(metadata_bytes.data(), metadata_bytes.size())}}},
+      {"tensors", tensors}, {"bytes", bytes}};
+  return out.dump() + "\n";
+}
+
 std::string torch_dtype_name(at::ScalarType dtype) { return std::string("torch.") + dtype_name(dtype); }
 
 bool is_dcp_directory(const std::string& dir) { return fs::is_regular_file(fs::path(dir) / kMetadataFile); }
@@ -421,7 +449,85 @@ Reader::Reader(const std::string& dir) : dir_(dir) {
   if (!in) throw std::invalid_argument("checkpoint file '" + file + "' cannot be read");
   std::stringstream buf;
   buf << in.rdbuf();
-  metadata_ = parse_metadata(buf.str(), "checkpoint file '" + file + "'");
+  const std::string bytes = buf.str();
+  if (fs::exists(fs::path(dir) / kChecksumsFile)) {
+    has_checksums_ = true;
+    attach_checksums(bytes);  // first: a changed .metadata is named as such, not parsed
+  } else {
+    metadata_ = parse_metadata(bytes, "checkpoint file '" + file + "'");
+  }
+}
+
+void Reader::attach_checksums(const std::string& metadata_bytes) {
+  const std::string path = (fs::path(dir_) / kChecksumsFile).string();
+  const std::string meta_path = (fs::path(dir_) / kMetadataFile).string();
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buf;
+  buf << in.rdbuf();
+  if (!in) throw std::invalid_argument("checkpoint file '" + path + "' cannot be read");
+  auto bad = [&](const std::string& what) -> std::invalid_argument {
+    return std::invalid_argument("checkpoint file '" + path + "' " + what);
+  };
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(buf.str());
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(std::string("is not valid JSON (") + e.what() + ")");
+  }
+  try {
+    if (!j.is_object() || j.value("format", "") != kChecksumsFormat || j.value("algorithm", "") != "crc32c")
+      throw bad("is not an mfsdp checksums file (format '" + std::string(kChecksumsFormat) + "', algorithm crc32c)");
+    if (j.at("version").get<int>() != 1)
+      throw bad("has version " + j.at("version").dump() + "; this build reads version 1 (update mfsdp)");
+    const uint64_t length = j.at("metadata").at("length").get<uint64_t>();
+    const uint32_t expected = j.at("metadata").at("crc32c").get<uint32_t>();
+    const uint32_t found = crc32c(metadata_bytes.data(), metadata_bytes.size());
+    if (length != metadata_bytes.size() || expected != found)
+      throw std::invalid_argument("checkpoint file '" + meta_path + "' does not match its checksum in '" + path + "' (" +
+                                  std::to_string(length) + " bytes with CRC-32C " + crc32c_hex(expected) +
+                                  " saved; " + std::to_string(metadata_bytes.size()) + " bytes with " +
+                                  crc32c_hex(found) + " now): it was changed or damaged after the save");
+    metadata_ = parse_metadata(metadata_bytes, "checkpoint file '" + meta_path + "'");
+    // Each entry's record must describe the location .metadata gives it; then it lends its CRC.
+    auto attach = [&](Location& l, const nlohmann::json& r, const std::string& entry) {
+      if (r.at("file").get<std::string>() != l.file || r.at("offset").get<uint64_t>() != l.offset ||
+          r.at("length").get<uint64_t>() != l.length)
+        throw bad("places " + entry + " elsewhere than '" + meta_path + "' does");
+      l.crc32c = r.at("crc32c").get<uint32_t>();
+    };
+    const nlohmann::json& tensors = j.at("tensors");
+    const nlohmann::json& bytes = j.at("bytes");
+    if (tensors.size() != metadata_.tensors.size() || bytes.size() != metadata_.bytes.size())
+      throw bad("lists other entries than '" + meta_path + "'");
+    for (auto& [name, e] : metadata_.tensors) {
+      const nlohmann::json& records = tensors.at(name);
+      if (records.size() != e.chunks.size())
+        throw bad("lists " + std::to_string(records.size()) + " chunks of tensor '" + name + "', '" + meta_path + "' " +
+                  std::to_string(e.chunks.size()));
+      for (size_t i = 0; i < e.chunks.size(); ++i) {
+        const std::string entry = "the chunk of tensor '" + name + "' at offsets " + box_str(e.chunks[i].box.offsets);
+        if (records[i].at("offsets").get<std::vector<int64_t>>() != e.chunks[i].box.offsets)
+          throw bad("does not list " + entry + " where '" + meta_path + "' does");
+        attach(e.chunks[i].location, records[i], entry);
+      }
+    }
+    for (auto& [name, l] : metadata_.bytes) attach(l, bytes.at(name), "bytes entry '" + name + "'");
+  } catch (const nlohmann::json::exception& e) {
+    throw bad(std::string("is malformed (") + e.what() + ")");
+  }
+}
+
+void Reader::verify(const Location& l, const std::string& what) const {
+  if (!l.crc32c) return;
+  const std::string path = (fs::path(dir_) / l.file).string();
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec || l.offset > size || l.length > size - l.offset) return;  // the reader names what is missing
+  const uint32_t found = crc32c_of_file_range(path, l.offset, l.length);
+  if (found != *l.crc32c)
+    throw std::invalid_argument(what + ": the bytes do not match their checksum (CRC-32C " + crc32c_hex(*l.crc32c) +
+                                " in '" + (fs::path(dir_) / kChecksumsFile).string() + "', " + crc32c_hex(found) +
+                                " read): the file was changed or damaged after the save");
 }
 
 const TensorEntry& Reader::tensor(const std::string& name) const {
@@ -435,6 +541,7 @@ at::Tensor Reader::read_chunk(const std::string& name, const TensorChunk& chunk)
   const std::string what = "checkpoint file '" + (fs::path(dir_) / l.file).string() + "', bytes [" +
                            std::to_string(l.offset) + ", " + std::to_string(l.offset + l.length) + ") (tensor '" +
                            name + "', chunk at offsets " + box_str(chunk.box.offsets) + ")";
+  verify(l, what);
   at::Tensor t = read_torch_save_tensor((fs::path(dir_) / l.file).string(), l.offset, l.length, what);
   const TensorEntry& e = tensor(name);
   if (t.sizes().vec() != chunk.box.sizes || t.scalar_type() != e.dtype)
@@ -502,6 +609,8 @@ std::string Reader::read_bytes(const std::string& name) const {
   if (it == metadata_.bytes.end()) throw std::invalid_argument("checkpoint '" + dir_ + "': no bytes entry '" + name + "'");
   const Location& l = it->second;
   const std::string path = (fs::path(dir_) / l.file).string();
+  verify(l, "checkpoint file '" + path + "', bytes [" + std::to_string(l.offset) + ", " +
+                std::to_string(l.offset + l.length) + ") (bytes entry '" + name + "')");
   std::ifstream in(path, std::ios::binary);
   if (!in) throw std::invalid_argument("checkpoint file '" + path + "' cannot be read (bytes entry '" + name + "')");
   in.seekg(0, std::ios::end);
@@ -523,6 +632,7 @@ nlohmann::json Reader::read_object(const std::string& name, ObjectPolicy policy)
   const std::string path = (fs::path(dir_) / l.file).string();
   const std::string where = "checkpoint file '" + path + "', bytes [" + std::to_string(l.offset) + ", " +
                             std::to_string(l.offset + l.length) + ") (entry '" + name + "')";
+  verify(l, where);
   return read_torch_save_value(path, l.offset, l.length, where, policy);
 }
 
@@ -546,7 +656,7 @@ Location FileWriter::write_bytes(const std::string& bytes) {
     if (n < 0) throw std::runtime_error("writing '" + path_ + "' failed: " + std::strerror(errno));
     done += static_cast<size_t>(n);
   }
-  Location l{name_, size_, bytes.size()};
+  Location l{name_, size_, bytes.size(), crc32c(bytes.data(), bytes.size())};
   size_ += bytes.size();
   return l;
 }
@@ -599,10 +709,14 @@ void DirectoryWriter::object(const std::string& key, const nlohmann::json& value
 
 void DirectoryWriter::finish() {
   file_.close();
-  std::ofstream out(fs::path(dir_) / kMetadataFile, std::ios::binary | std::ios::trunc);
-  out << encode_metadata(metadata_);
-  out.flush();
-  if (!out) throw std::runtime_error("writing '" + (fs::path(dir_) / kMetadataFile).string() + "' failed");
+  const std::string meta = encode_metadata(metadata_);
+  for (const auto& [name, bytes] : {std::pair<const char*, std::string>{kMetadataFile, meta},
+                                    {kChecksumsFile, encode_checksums(metadata_, meta)}}) {
+    std::ofstream out(fs::path(dir_) / name, std::ios::binary | std::ios::trunc);
+    out << bytes;
+    out.flush();
+    if (!out) throw std::runtime_error("writing '" + (fs::path(dir_) / name).string() + "' failed");
+  }
 }
 
 }  // namespace mfsdp::dcp
