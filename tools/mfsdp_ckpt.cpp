@@ -7,6 +7,7 @@
 //   mfsdp-ckpt convert IN OUT [--swiglu] [--rename OLD=NEW]... [--remove REGEX]... [--iteration N]
 //   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]   (default: CKPT's dtype)
 //   mfsdp-ckpt import-hf HF_DIR OUT_CKPT
+//   mfsdp-ckpt verify CKPT
 // and the rest of checkpoint_inspector.py's commands, for any PyTorch Distributed Checkpoint:
 //   mfsdp-ckpt compare-two-checkpoint CKPT1 CKPT2
 //   mfsdp-ckpt print-torch-dcp-in-json TORCH_DCP_DIR
@@ -36,7 +37,8 @@
 namespace {
 
 constexpr const char* kSubcommands =
-    "inspect, print-tensor, compare, convert, export-hf, import-hf, compare-two-checkpoint, print-torch-dcp-in-json, "
+    "inspect, print-tensor, compare, convert, export-hf, import-hf, verify, compare-two-checkpoint, "
+    "print-torch-dcp-in-json, "
     "modify-state-dict, convert-torch-dist-to-fsdp-dtensor";
 
 // True when `path` names a PyTorch DCP checkpoint that has the entry `key` (checkpoint_inspector
@@ -198,6 +200,9 @@ int main(int argc, char** argv) {
       ->required();
   import_hf->add_option("OUT_CKPT", b, "Checkpoint save folder to write")->required();
 
+  auto* verify = app.add_subcommand("verify", "Check every stored byte against the checksums the save recorded");
+  verify->add_option("CKPT", a, "Checkpoint save folder (latest iteration) or iter_NNNNNNN folder")->required();
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -251,6 +256,10 @@ int main(int argc, char** argv) {
       const at::ScalarType written = mfsdp::export_hf(a, b, dtype_of(dtype), mfsdp::parse_byte_size(max_shard));
       std::cout << "wrote Hugging Face folder " << b << " (config.json, " << dtype_name(written) << " safetensors) from "
                 << mfsdp::CheckpointReader(a).dir() << "\n";
+    } else if (verify->parsed()) {
+      const mfsdp::CheckpointReader reader(a);
+      const auto [entries, bytes] = reader.verify_checksums();
+      std::cout << reader.dir() << ": " << entries << " entries, " << bytes << " bytes match their CRC-32C\n";
     } else if (import_hf->parsed()) {
       mfsdp::import_hf(a, b);
       std::cout << "wrote checkpoint " << mfsdp::checkpoint_iteration_dir(b, 0)

@@ -287,7 +287,7 @@ void run(Args args) {
 
   for (size_t k = 0; k < writers.size(); ++k) {
     writers[k]->finalize();
-    std::cout << "wrote " << prefixes[k] << ".bin/.idx: " << writers[k]->num_documents()
+    std::cout << "wrote " << prefixes[k] << ".bin/.idx/.checksums.json: " << writers[k]->num_documents()
               << " documents, " << writers[k]->num_sequences() << " sequences, "
               << writers[k]->num_tokens() << " tokens (" << mfsdp::token_dtype_name(dtype)
               << ", " << tokenizer->name() << ", vocabulary " << tokenizer->vocab_size()

@@ -164,6 +164,10 @@ class CheckpointReader {
   // Elements [offset, offset + dst.numel()) of the flattened tensor into the 1-D `dst`
   // (converted to dst's dtype and device).
   void read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const;
+  // Every stored byte against the checksums the save recorded (docs/checkpoints.md, "Checksums"),
+  // without loading tensors: throws std::invalid_argument naming the first file, tensor and byte
+  // range that differ, or a checkpoint saved without checksums. Returns {entries, bytes} checked.
+  std::pair<int64_t, uint64_t> verify_checksums() const;
 
  private:
   const SafetensorsFile& file(int index) const;  // opened and checked on first use

@@ -6,8 +6,8 @@
 // write_dataset_checksums adds one to such a dataset (mfsdp-preprocess --add-checksums PREFIX).
 //
 //   {"format": "mfsdp.indexed_dataset_checksums", "version": 1, "algorithm": "crc32c",
-//    "idx": {"length": 1234, "crc32c": 305419896},
-//    "bin": {"length": 5000000, "block_bytes": 1048576, "crc32c": [..one per block..]}}
+//    "idx": {"length": 60042, "crc32c": 1609686051},
+//    "bin": {"length": 5100146, "block_bytes": 1048576, "crc32c": [140467384, ...one per block]}}
 #pragma once
 
 #include <atomic>

@@ -114,6 +114,10 @@ class Reader {
   bool contains_tensor(const std::string& name) const { return metadata_.tensors.count(name) > 0; }
   const TensorEntry& tensor(const std::string& name) const;  // throws naming `name`
   bool has_checksums() const { return has_checksums_; }
+  // Every entry's bytes against .checksums.json, without parsing them (constant memory): throws
+  // naming the first entry that differs or is missing from its file, or a folder without
+  // checksums. Returns the number of entries and bytes checked.
+  std::pair<int64_t, uint64_t> verify_checksums() const;
   // One chunk, as stored (size chunk.box.sizes, the entry's dtype): its bytes are checked
   // against their checksum, if any, and the archive against the metadata (size, dtype; bytes
   // inside the file).

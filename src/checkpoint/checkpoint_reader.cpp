@@ -194,6 +194,22 @@ void CheckpointReader::verify_chunk(const std::string& name, const nlohmann::jso
   verified_chunks_.insert(key);
 }
 
+std::pair<int64_t, uint64_t> CheckpointReader::verify_checksums() const {
+  if (dcp_) return dcp_->reader->verify_checksums();
+  int64_t entries = 0;
+  uint64_t bytes = 0;
+  for (const auto& [name, t] : metadata_["tensors"].items())
+    for (const auto& c : t["chunks"]) {
+      if (!c.contains("crc32c"))
+        bad(dir_ + "/" + checkpoint::kMetadataFile, "has no checksum for tensor '" + name + "' (written by an older "
+                                                    "mfsdp): its bytes cannot be verified");
+      verify_chunk(name, c);
+      ++entries;
+      bytes += c["bytes"][1].get<uint64_t>() - c["bytes"][0].get<uint64_t>();
+    }
+  return {entries, bytes};
+}
+
 void CheckpointReader::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
   const nlohmann::json& t = entry(name);
   if (dcp_) return checkpoint::read_rows(*dcp_->reader, dcp_->sources.at(name), offset, dst);

@@ -1,5 +1,6 @@
-// CRC-32C (include/mfsdp/crc32c.h): the SSE4.2 crc32 instruction 8 bytes at a time where the
-// CPU has it (checked once at run time, so one binary runs everywhere), else a byte table.
+// CRC-32C (include/mfsdp/crc32c.h): the SSE4.2 crc32 instruction 8 bytes at a time, three
+// streams at once, where the CPU has it (checked once at run time, so one binary runs
+// everywhere), else a byte table.
 #include "mfsdp/crc32c.h"
 
 #include <fcntl.h>
@@ -34,13 +35,62 @@ uint32_t extend_table(uint32_t crc, const unsigned char* p, size_t n) {
 }
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) uint32_t extend_sse42(uint32_t crc, const unsigned char* p, size_t n) {
-  uint64_t c = crc;
-  for (; n >= 8; p += 8, n -= 8) {
+__attribute__((target("sse4.2"))) uint64_t extend_words(uint64_t c, const unsigned char* p, size_t words) {
+  for (size_t i = 0; i < words; ++i, p += 8) {
     uint64_t word;
     std::memcpy(&word, p, 8);
     c = _mm_crc32_u64(c, word);
   }
+  return c;
+}
+
+// The crc32 instruction has a latency of 3 cycles and a throughput of 1: three independent
+// streams over three consecutive segments of kStride bytes run about 3x faster than one. Their
+// CRCs are joined with the linear map "append kStride zero bytes" (for the raw, uninverted CRC,
+// crc(s, A || B) = shift(s, |B|) ^ crc(0, B)), applied through four byte tables.
+constexpr size_t kStride = 8192;
+
+struct ShiftTables {
+  uint32_t t[4][256];
+};
+
+__attribute__((target("sse4.2"))) ShiftTables make_shift_tables() {
+  static const unsigned char zeros[kStride] = {};
+  uint32_t basis[32];
+  for (int b = 0; b < 32; ++b) basis[b] = static_cast<uint32_t>(extend_words(1u << b, zeros, kStride / 8));
+  ShiftTables s{};
+  for (int k = 0; k < 4; ++k)
+    for (uint32_t v = 0; v < 256; ++v)
+      for (int b = 0; b < 8; ++b)
+        if (v & (1u << b)) s.t[k][v] ^= basis[8 * k + b];
+  return s;
+}
+
+uint32_t shift_stride(const ShiftTables& s, uint32_t crc) {
+  return s.t[0][crc & 0xff] ^ s.t[1][(crc >> 8) & 0xff] ^ s.t[2][(crc >> 16) & 0xff] ^ s.t[3][crc >> 24];
+}
+
+__attribute__((target("sse4.2"))) uint32_t extend_sse42(uint32_t crc, const unsigned char* p, size_t n) {
+  static const ShiftTables tables = make_shift_tables();
+  uint64_t c = crc;
+  for (; n >= 3 * kStride; p += 3 * kStride, n -= 3 * kStride) {
+    uint64_t c1 = 0, c2 = 0;
+    const unsigned char* q = p;
+    for (size_t i = 0; i < kStride / 8; ++i, q += 8) {
+      uint64_t w0, w1, w2;
+      std::memcpy(&w0, q, 8);
+      std::memcpy(&w1, q + kStride, 8);
+      std::memcpy(&w2, q + 2 * kStride, 8);
+      c = _mm_crc32_u64(c, w0);
+      c1 = _mm_crc32_u64(c1, w1);
+      c2 = _mm_crc32_u64(c2, w2);
+    }
+    c = shift_stride(tables, static_cast<uint32_t>(c)) ^ c1;
+    c = shift_stride(tables, static_cast<uint32_t>(c)) ^ c2;
+  }
+  c = extend_words(c, p, n / 8);
+  p += n / 8 * 8;
+  n %= 8;
   uint32_t c32 = static_cast<uint32_t>(c);
   for (; n > 0; ++p, --n) c32 = _mm_crc32_u8(c32, *p);
   return c32;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "harness/expect_error.h"
+#include "harness/file_bytes.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint.h"
@@ -702,6 +703,35 @@ TEST(CkptTool, InspectPrintsTheMetadataAndTensorsAsJson) {
   const json& c = chunks[0];
   EXPECT_TRUE(c.contains("numel") ? c["numel"] == 16 : c["sizes"] == json::array({16})) << c;
   EXPECT_TRUE(c.contains("bytes")) << c;
+}
+
+// verify: every byte against the save's checksums, both formats; a flipped byte anywhere fails
+// naming the file and range; a checkpoint without checksums cannot pass.
+TEST(CkptTool, VerifyChecksEveryByteAgainstTheSavedChecksums) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  const Tensors original = model_tensors(cfg);
+  for (auto format : {mfsdp::CheckpointFormat::kFsdpDtensor, mfsdp::CheckpointFormat::kMfsdp}) {
+    const bool dcp = format == mfsdp::CheckpointFormat::kFsdpDtensor;
+    const std::string dir = tmp.file(dcp ? "dcp" : "old");
+    mfsdp::write_checkpoint(dir, original, info_for(cfg, 0), format);
+    Outcome good = ckpt("verify " + dir);
+    ASSERT_EQ(good.exit_code, 0) << good.output;
+    // DCP: every tensor plus the non-tensor entries; the earlier format: one chunk per tensor.
+    expect_contains(good.output, {"iter_0000000: ", " bytes match their CRC-32C"});
+    const std::string file = dir + "/iter_0000000/" + (dcp ? "__0_0.distcp" : "rank_00000.safetensors");
+    std::string bytes = mfsdp::testing::slurp(file);
+    const size_t at = bytes.size() / 2;
+    bytes[at] = static_cast<char>(bytes[at] ^ 0x40);
+    mfsdp::testing::put(file, bytes);
+    Outcome bad = ckpt("verify " + dir);
+    EXPECT_EQ(bad.exit_code, 1);
+    expect_contains(bad.output, {file, "bytes [", "tensor '", "do not match their checksum"});
+  }
+  fs::remove(tmp.file("dcp/iter_0000000/.checksums.json"));
+  Outcome none = ckpt("verify " + tmp.file("dcp"));
+  EXPECT_EQ(none.exit_code, 1);
+  expect_contains(none.output, {".checksums.json", "cannot be verified"});
 }
 
 TEST(CkptTool, PrintTensorShowsValuesAndStatistics) {

@@ -37,6 +37,18 @@ TEST(Crc32c, ExtendingEqualsOneCallAtEverySplit) {
     EXPECT_EQ(mfsdp::crc32c_extend(mfsdp::crc32c(s.data(), split), s.data() + split, s.size() - split), whole);
 }
 
+// Long inputs take the three-stream path (24 KiB steps); 7-byte pieces never do. Both must agree,
+// at lengths around the step.
+TEST(Crc32c, LongInputsEqualTheSamePiecesFedSevenBytesAtATime) {
+  std::string s(3 * 24576 + 1000, '\0');
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>(i * 2246822519u >> 25);
+  for (size_t n : {size_t{24575}, size_t{24576}, size_t{24577}, size_t{2 * 24576 + 9}, s.size()}) {
+    uint32_t piecewise = 0;
+    for (size_t at = 0; at < n; at += 7) piecewise = mfsdp::crc32c_extend(piecewise, s.data() + at, std::min<size_t>(7, n - at));
+    EXPECT_EQ(mfsdp::crc32c(s.data(), n), piecewise) << n << " bytes";
+  }
+}
+
 TEST(Crc32c, FileRangesAndTheirErrors) {
   mfsdp::testing::TempDir dir;
   const std::string path = dir.file("f");

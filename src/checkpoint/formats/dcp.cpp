@@ -517,6 +517,31 @@ void Reader::attach_checksums(const std::string& metadata_bytes) {
   }
 }
 
+std::pair<int64_t, uint64_t> Reader::verify_checksums() const {
+  if (!has_checksums_)
+    throw std::invalid_argument("checkpoint '" + dir_ + "' has no " + kChecksumsFile +
+                                " (written by torch, Megatron-FSDP or an older mfsdp): its bytes cannot be verified");
+  int64_t entries = 0;
+  uint64_t bytes = 0;
+  auto check = [&](const Location& l, const std::string& entry) {
+    const std::string path = (fs::path(dir_) / l.file).string();
+    const std::string what = "checkpoint file '" + path + "', bytes [" + std::to_string(l.offset) + ", " +
+                             std::to_string(l.offset + l.length) + ") (" + entry + ")";
+    std::error_code ec;
+    const uint64_t size = fs::file_size(path, ec);
+    if (ec) throw std::invalid_argument(what + ": the file cannot be read (" + ec.message() + ")");
+    if (l.offset > size || l.length > size - l.offset)
+      throw std::invalid_argument(what + ": beyond the end of the " + std::to_string(size) + "-byte file (truncated?)");
+    verify(l, what);
+    ++entries;
+    bytes += l.length;
+  };
+  for (const auto& [name, e] : metadata_.tensors)
+    for (const TensorChunk& c : e.chunks) check(c.location, "tensor '" + name + "', chunk at offsets " + box_str(c.box.offsets));
+  for (const auto& [name, l] : metadata_.bytes) check(l, "bytes entry '" + name + "'");
+  return {entries, bytes};
+}
+
 void Reader::verify(const Location& l, const std::string& what) const {
   if (!l.crc32c) return;
   const std::string path = (fs::path(dir_) / l.file).string();
