@@ -1,12 +1,11 @@
 // CRC-32C (include/mfsdp/crc32c.h): the SSE4.2 crc32 instruction 8 bytes at a time, three
 // streams at once, where the CPU has it (checked once at run time, so one binary runs
-// everywhere), else a byte table.
+// everywhere), else tables, 8 bytes at a time.
 #include "mfsdp/crc32c.h"
 
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <array>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -20,17 +19,35 @@
 namespace mfsdp {
 namespace {
 
+// Slicing by 8 (Intel's method, as in zlib): eight tables, one per byte position of a 64-bit
+// word, so one lookup per byte without the byte-serial dependency (~4x the one-table loop).
+struct SliceTables {
+  uint32_t t[8][256];
+};
+
+SliceTables make_slice_tables() {
+  SliceTables s{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82f63b78u : c >> 1;  // reflected 0x1EDC6F41
+    s.t[0][i] = c;
+  }
+  for (int k = 1; k < 8; ++k)
+    for (uint32_t i = 0; i < 256; ++i) s.t[k][i] = (s.t[k - 1][i] >> 8) ^ s.t[0][s.t[k - 1][i] & 0xff];
+  return s;
+}
+
 uint32_t extend_table(uint32_t crc, const unsigned char* p, size_t n) {
-  static const std::array<uint32_t, 256> table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82f63b78u : c >> 1;  // reflected 0x1EDC6F41
-      t[i] = c;
-    }
-    return t;
-  }();
-  for (size_t i = 0; i < n; ++i) crc = table[(crc ^ p[i]) & 0xff] ^ (crc >> 8);
+  static const SliceTables s = make_slice_tables();
+  for (; n >= 8; p += 8, n -= 8) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p, 4);
+    std::memcpy(&hi, p + 4, 4);
+    lo ^= crc;
+    crc = s.t[7][lo & 0xff] ^ s.t[6][(lo >> 8) & 0xff] ^ s.t[5][(lo >> 16) & 0xff] ^ s.t[4][lo >> 24] ^
+          s.t[3][hi & 0xff] ^ s.t[2][(hi >> 8) & 0xff] ^ s.t[1][(hi >> 16) & 0xff] ^ s.t[0][hi >> 24];
+  }
+  for (; n > 0; ++p, --n) crc = s.t[0][(crc ^ *p) & 0xff] ^ (crc >> 8);
   return crc;
 }
 
@@ -103,6 +120,10 @@ bool has_sse42() {
 #endif
 
 }  // namespace
+
+uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t size) {
+  return ~extend_table(~crc, static_cast<const unsigned char*>(data), size);
+}
 
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t size) {
   const auto* p = static_cast<const unsigned char*>(data);

@@ -13,6 +13,7 @@
 namespace {
 
 uint32_t of(const std::vector<uint8_t>& v) { return mfsdp::crc32c(v.data(), v.size()); }
+uint32_t portable(const std::vector<uint8_t>& v) { return mfsdp::crc32c_extend_portable(0, v.data(), v.size()); }
 
 TEST(Crc32c, MatchesPublishedValues) {
   EXPECT_EQ(mfsdp::crc32c("123456789", 9), 0xe3069283u);
@@ -26,6 +27,12 @@ TEST(Crc32c, MatchesPublishedValues) {
   }
   EXPECT_EQ(of(up), 0x46dd794eu);
   EXPECT_EQ(of(down), 0x113fdb5cu);
+  // The table path (other CPUs) on the same values.
+  EXPECT_EQ(mfsdp::crc32c_extend_portable(0, "123456789", 9), 0xe3069283u);
+  EXPECT_EQ(portable(std::vector<uint8_t>(32, 0x00)), 0x8a9136aau);
+  EXPECT_EQ(portable(std::vector<uint8_t>(32, 0xff)), 0x62a8ab43u);
+  EXPECT_EQ(portable(up), 0x46dd794eu);
+  EXPECT_EQ(portable(down), 0x113fdb5cu);
   EXPECT_EQ(mfsdp::crc32c_hex(0xe3069283u), "0xe3069283");
 }
 
@@ -46,6 +53,7 @@ TEST(Crc32c, LongInputsEqualTheSamePiecesFedSevenBytesAtATime) {
     uint32_t piecewise = 0;
     for (size_t at = 0; at < n; at += 7) piecewise = mfsdp::crc32c_extend(piecewise, s.data() + at, std::min<size_t>(7, n - at));
     EXPECT_EQ(mfsdp::crc32c(s.data(), n), piecewise) << n << " bytes";
+    EXPECT_EQ(mfsdp::crc32c_extend_portable(0, s.data(), n), piecewise) << n << " bytes, table path";
   }
 }
 
