@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs every build and run dependency of mfsdp:
-#   - Debian packages: compiler, CMake, Ninja, JSON, CLI11, SentencePiece, GoogleTest;
+#   - Debian packages: compiler, CMake, Ninja, JSON, CLI11, SentencePiece, GoogleTest (and on
+#     amd64 an aarch64 cross compiler and qemu, for one test);
 #   - a project-local Python virtual environment, .venv (ignored by git), holding the exactly
 #     pinned wheels of scripts/requirements.txt: torch, whose LibTorch every target is built
 #     against (CMakeLists.txt finds it there), and the test/benchmark references.
@@ -15,6 +16,10 @@ packages=(
   libsentencepiece-dev  # SentencePiece tokenizer
   libgtest-dev googletest
 )
+# On amd64: a cross compiler and qemu, to build and run the aarch64 CRC-32C path in a test.
+if [ "$(dpkg --print-architecture 2>/dev/null)" = amd64 ]; then
+  packages+=(g++-aarch64-linux-gnu qemu-user-static)
+fi
 sudo=""
 [ "$(id -u)" -ne 0 ] && sudo="sudo"
 

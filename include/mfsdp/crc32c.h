@@ -1,7 +1,8 @@
 // CRC-32C (Castagnoli, the polynomial of iSCSI, ext4 and TFRecord framing): the checksum that
 // checkpoint chunks (docs/checkpoints.md) and indexed-dataset blocks (docs/data.md) carry, and
-// that TensorBoard event records use. Uses the CPU's crc32 instruction where there is one
-// (x86-64 SSE4.2: about memcpy speed), else tables (slicing by 8: about 1-2 GB/s).
+// that TensorBoard event records use. Uses the CPU's crc32 instructions where there are some
+// (x86-64 SSE4.2, three streams: about memcpy speed; ARMv8 crc32c), else tables (slicing by 8:
+// about 1-2 GB/s).
 //
 //   uint32_t c = mfsdp::crc32c(bytes.data(), bytes.size());
 //   c = mfsdp::crc32c_extend(c, more.data(), more.size());   // == crc32c of bytes + more
