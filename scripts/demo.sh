@@ -52,7 +52,9 @@ sample=$(build/mfsdp-generate --model "$out/ckpt" --prompt "A programmer " --max
   --temperature 0.8 --top-k 20 --seed 7)
 echo "$sample"
 
-echo "== checkpoint: $out/ckpt (each rank wrote its shard) -> Hugging Face folder $out/hf"
+echo "== checkpoint: $out/ckpt (each rank wrote its shard), every byte against its CRC-32C"
+build/mfsdp-ckpt verify "$out/ckpt"
+echo "== checkpoint -> Hugging Face folder $out/hf"
 build/mfsdp-ckpt export-hf "$out/ckpt" "$out/hf" --dtype bf16
 ls -l "$out/hf"
 
