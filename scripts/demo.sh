@@ -5,8 +5,15 @@
 #   3. mfsdp-run --nproc-per-node 2 mfsdp-pretrain (Megatron flags, optim_grads_params);
 #   4. mfsdp-generate from the sharded checkpoint it saved;  5. that checkpoint exported to a
 #      Hugging Face folder (mfsdp-ckpt export-hf);  6. a summary.
+# DEMO_SIZE=ci trains 60 iterations instead of 400 (ctest ReadmeCommands.DemoAtCiSize runs it so);
+# DEMO_OUT moves the output folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case "${DEMO_SIZE:-full}" in
+  full) iters=400; every=200; log_every=25; warmup=40 ;;
+  ci) iters=60; every=30; log_every=10; warmup=10 ;;
+  *) echo "demo: DEMO_SIZE is 'full' or 'ci', not '$DEMO_SIZE'" >&2; exit 2 ;;
+esac
 scripts/setup.sh
 if ! dpkg-query -W -f='${Status}' fortunes 2>/dev/null | grep -q "install ok installed"; then
   sudo=""; [ "$(id -u)" -ne 0 ] && sudo="sudo"
@@ -15,7 +22,7 @@ if ! dpkg-query -W -f='${Status}' fortunes 2>/dev/null | grep -q "install ok ins
 fi
 echo "demo: building the tools (first time: a few minutes)"
 scripts/build.sh --target mfsdp-run mfsdp-preprocess mfsdp-pretrain mfsdp-generate mfsdp-ckpt >/dev/null
-out=build/demo
+out=${DEMO_OUT:-build/demo}
 rm -rf "$out/ckpt" "$out/hf" "$out/model"  # model: what older versions of this demo wrote
 mkdir -p "$out"
 
@@ -38,10 +45,10 @@ build/mfsdp-run --nproc-per-node 2 build/mfsdp-pretrain \
   --num-layers 4 --hidden-size 128 --ffn-hidden-size 352 --num-attention-heads 4 \
   --group-query-attention --num-query-groups 2 --swiglu --normalization RMSNorm \
   --position-embedding-type rope --seq-length 128 --max-position-embeddings 256 \
-  --micro-batch-size 8 --global-batch-size 32 --train-iters 400 --lr 3e-3 --min-lr 3e-4 \
-  --lr-decay-style cosine --lr-warmup-iters 40 --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
-  --log-interval 25 --eval-interval 200 --eval-iters 4 --metrics-file "$out/metrics.jsonl" \
-  --fsdp-double-buffer --save "$out/ckpt" --save-interval 200 \
+  --micro-batch-size 8 --global-batch-size 32 --train-iters "$iters" --lr 3e-3 --min-lr 3e-4 \
+  --lr-decay-style cosine --lr-warmup-iters "$warmup" --weight-decay 0.1 --clip-grad 1.0 --seed 1234 \
+  --log-interval "$log_every" --eval-interval "$every" --eval-iters 4 --metrics-file "$out/metrics.jsonl" \
+  --fsdp-double-buffer --save "$out/ckpt" --save-interval "$every" \
   --sample-prompt "The secret of life is" --sample-tokens 120 \
   | tee "$out/train.log"
 train_seconds=$(( $(date +%s) - start ))

@@ -6,6 +6,7 @@
 //   mfsdp-ckpt compare A B [--atol X] [--model-only] [--device cpu|cuda|auto]
 //   mfsdp-ckpt convert IN OUT [--swiglu] [--rename OLD=NEW]... [--remove REGEX]... [--iteration N]
 //   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]   (default: CKPT's dtype)
+//       [--model-config config.json]   (a checkpoint that records no model: PyTorch's dcp.save)
 //   mfsdp-ckpt import-hf HF_DIR OUT_CKPT
 //   mfsdp-ckpt verify CKPT
 // and the rest of checkpoint_inspector.py's commands, for any PyTorch Distributed Checkpoint:
@@ -107,7 +108,7 @@ int main(int argc, char** argv) {
   CLI::App app{"Inspect, compare and convert mfsdp checkpoints (fsdp_dtensor) and Hugging Face folders",
                "mfsdp-ckpt"};
   app.require_subcommand(1, 1);
-  std::string a, b, name, dtype, max_shard = "5GB", device = "cpu";
+  std::string a, b, name, dtype, max_shard = "5GB", device = "cpu", model_config;
   bool chunks = false, model_only = false, json = false, show_group_meta = false;
   std::vector<std::string> ops;
   std::string swiglu_modules;
@@ -165,6 +166,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "fp16", "fp32", "bfloat16", "float16", "float32"}));
   export_hf->add_option("--max-shard-size", max_shard, "Largest safetensors file, e.g. 500MB, 2GB or bytes (default 5GB)")
       ->check(check_size);
+  export_hf->add_option("--model-config", model_config,
+                        "The model as a Hugging Face config.json, for a checkpoint that records none (PyTorch's "
+                        "dcp.save)")
+      ->check(CLI::ExistingFile);
 
   auto* compare_two = app.add_subcommand(
       "compare-two-checkpoint", "checkpoint_inspector.py's comparison of two DCP checkpoints (exit 1 on a difference)");
@@ -253,7 +258,7 @@ int main(int argc, char** argv) {
                 << " (stored as model.<name>):\n";
       for (const std::string& n : names) std::cout << "  model." << n << "\n";
     } else if (export_hf->parsed()) {
-      const at::ScalarType written = mfsdp::export_hf(a, b, dtype_of(dtype), mfsdp::parse_byte_size(max_shard));
+      const at::ScalarType written = mfsdp::export_hf(a, b, dtype_of(dtype), mfsdp::parse_byte_size(max_shard), model_config);
       std::cout << "wrote Hugging Face folder " << b << " (config.json, " << dtype_name(written) << " safetensors) from "
                 << mfsdp::CheckpointReader(a).dir() << "\n";
     } else if (verify->parsed()) {

@@ -3,6 +3,7 @@
 //   mfsdp-generate --model DIR (--prompt TEXT | --prompt-ids 5,17,99) [--max-new-tokens 64]
 //       [--greedy | --temperature 0.8 --top-k 20 --top-p 0.95] [--seed 0] [--print-ids]
 //       [--logits-out FILE] [--vocab-file V --merge-file M]   (GPT2BPETokenizer models)
+//       [--model-config config.json]   (a checkpoint that records no model: PyTorch's dcp.save)
 //
 // DIR is what mfsdp::load_model (include/mfsdp/generate.h) reads: a checkpoint (`--save` of
 // mfsdp-pretrain, -sft or -grpo at any world size, `mfsdp-ckpt import-hf`; a save folder or an
@@ -14,6 +15,7 @@
 // compared with another implementation's (tests/reference/).
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <iostream>
 #include <sstream>
 
@@ -47,7 +49,7 @@ std::vector<int64_t> parse_ids(const std::string& text) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model_dir, prompt, prompt_ids, vocab_file, merge_file, logits_out, device_choice = "auto";
+  std::string model_dir, model_config, prompt, prompt_ids, vocab_file, merge_file, logits_out, device_choice = "auto";
   bool print_ids = false;
   mfsdp::GenerateOptions g;
   try {
@@ -73,12 +75,15 @@ int main(int argc, char** argv) {
                "                     the save folder, read at its latest iteration, or an iter_NNNNNNN folder) or\n"
                "                     a Hugging Face Llama or Qwen2 folder (--export-hf, mfsdp-ckpt export-hf:\n"
                "                     config.json + model.safetensors or model.safetensors.index.json)\n"
+               "  --model-config F   the model as a Hugging Face config.json, for a checkpoint that records none\n"
+               "                     (a PyTorch dcp.save folder)\n"
                "  --device D         where the model runs: auto (the GPU when there is one), cpu or cuda\n"
                "  --print-ids        print the generated token ids (comma-separated) instead of text\n"
                "  --logits-out FILE  also write the fp32 logits of one forward over the prompt, shape\n"
                "                     [1, prompt tokens, vocab], as tensor \"logits\" of a safetensors file\n";
         return 0;
       } else if (flag == "--model") model_dir = value();
+      else if (flag == "--model-config") model_config = value();
       else if (flag == "--prompt") prompt = value();
       else if (flag == "--prompt-ids") prompt_ids = value();
       else if (flag == "--max-new-tokens") g.max_new_tokens = static_cast<int64_t>(number(value()));
@@ -95,6 +100,8 @@ int main(int argc, char** argv) {
       else usage_error("unknown flag " + flag);
     }
     if (model_dir.empty()) usage_error("--model is required");
+    if (!model_config.empty() && !std::filesystem::is_regular_file(model_config))
+      usage_error("--model-config: '" + model_config + "' is not a file");
     if (prompt.empty() == prompt_ids.empty()) usage_error("give exactly one of --prompt and --prompt-ids");
   } catch (const std::exception& e) {
     std::cerr << "mfsdp-generate: error: " << e.what() << std::endl;
@@ -103,7 +110,7 @@ int main(int argc, char** argv) {
   try {
     torch::set_num_threads(1);
     const at::Device device = mfsdp::resolve_device(device_choice, /*local_rank=*/0);
-    mfsdp::LoadedModel loaded = mfsdp::load_model(model_dir);
+    mfsdp::LoadedModel loaded = mfsdp::load_model(model_dir, model_config);
     loaded.model->to(device);
     auto tokenizer = mfsdp::make_torch_safe_tokenizer({loaded.tokenizer_type, "", vocab_file, merge_file});
     std::vector<int64_t> input;

@@ -124,9 +124,31 @@ struct LoadedCheckpoint {
 // (nothing saved yet). Throws naming the file when its content is not an iteration number or
 // its folder is missing.
 std::optional<int64_t> latest_checkpoint_iteration(const std::string& dir);
-// The iteration folder `path` names: itself when it holds a checkpoint (.metadata or
-// metadata.json), else its latest iteration's folder. Throws std::invalid_argument otherwise.
-std::string resolve_checkpoint_dir(const std::string& path);
+// What a checkpoint path names: the one rule every tool applies to --load, --ref-load,
+// `mfsdp-generate --model` and mfsdp-ckpt's CKPT arguments (docs/checkpoints.md, "What --load
+// takes"). A path names, in this order:
+//   - an iteration folder, when it holds .metadata (fsdp_dtensor, or any PyTorch Distributed
+//     Checkpoint: a bare `dcp.save` folder from FSDP2 has no latest file) or metadata.json (the
+//     earlier format); `step`, if given, must then be that folder's iteration;
+//   - a save folder's iteration: iter_<step> when `step` is given, else the one
+//     latest_checkpointed_iteration.txt names;
+//   - nothing: a path that does not exist, or a folder with neither (an empty save folder, which
+//     is how a resumable job starts). `reason` says which, for the caller's message.
+// Throws std::invalid_argument naming the path for what cannot be meant: a file, a latest file
+// that is not a number or names a missing folder, a `step` with no folder.
+struct CheckpointLocation {
+  std::string dir;     // the iteration folder; empty when the path holds no checkpoint
+  std::string reason;  // when `dir` is empty: "does not exist" / "holds no checkpoint (...)"
+  bool found() const { return !dir.empty(); }
+};
+CheckpointLocation locate_checkpoint(const std::string& path, std::optional<int64_t> step = std::nullopt);
+// locate_checkpoint's iteration folder, or std::invalid_argument naming `path`, why it holds
+// none, and what a checkpoint path is.
+std::string resolve_checkpoint_dir(const std::string& path, std::optional<int64_t> step = std::nullopt);
+// True when `path` holds a checkpoint by locate_checkpoint's rule (without a `step`); false for a
+// missing path, a file (a torch.save file, say) or an empty folder. Whether the checkpoint's
+// content can be read is CheckpointReader's to say. Throws for a folder's broken latest file.
+bool is_checkpoint(const std::string& path);
 // "<dir>/iter_0000100".
 std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration);
 

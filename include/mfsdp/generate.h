@@ -35,8 +35,9 @@ struct LoadedModel {
 };
 
 // What mfsdp-generate --model accepts:
-//   a sharded checkpoint (is_checkpoint: a save folder, read at its latest iteration, or an
-//     iter_NNNNNNN folder): its metadata's model_config and its "model." tensors; the
+//   a sharded checkpoint (locate_checkpoint, checkpoint.h: a save folder, read at its latest
+//     iteration, or an iteration folder of either format, a bare PyTorch dcp.save folder
+//     included): its metadata's model_config (or `model_config_file`) and its "model." tensors; the
 //     tokenizer is the checkpoint's "--tokenizer-type" argument, if any;
 //   a Hugging Face Llama or Qwen2 folder (is_hf_folder: config.json + model.safetensors or an
 //     index with shards), as import_hf accepts it: "rotary_emb.inv_freq" buffers are ignored, a
@@ -46,6 +47,8 @@ struct LoadedModel {
 // checked with check_llama_tensors (hf_interop.h) before any is read. Errors
 // (std::invalid_argument) name `path` and what was wrong: not one of these, a config that is not
 // a supported Llama config, missing / unexpected / misshapen / non-floating-point tensors.
-LoadedModel load_model(const std::string& path);
+// `model_config_file`: the model as a Hugging Face config.json, for a checkpoint that records no
+// model_config (PyTorch's dcp.save; checkpoint_model_config in tensor_source.h).
+LoadedModel load_model(const std::string& path, const std::string& model_config_file = "");
 
 }  // namespace mfsdp

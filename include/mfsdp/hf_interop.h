@@ -39,12 +39,14 @@ namespace mfsdp {
 // else the checkpoint's own: the dtype of its "model.model.embed_tokens.weight" (every tensor
 // is cast to it when the model's tensors disagree, as import_hf records that dtype too), so
 // import_hf followed by export_hf gives back the folder's weights byte for byte. Returns the
-// export dtype. Errors, before anything is written: no model_config in the metadata, a
+// export dtype. Errors, before anything is written: no model_config (recorded or given), a
 // model_config that is not a supported Llama config, tensors that do not match it exactly (a
 // missing or unexpected tensor, a wrong shape: named), a non-floating-point tensor, no `dtype`
 // and a checkpoint dtype that safetensors exports do not take here (float64: pass a dtype).
+// `model_config_file`: the model as a Hugging Face config.json, for a checkpoint that records no
+// model_config (PyTorch's dcp.save; checkpoint_model_config in tensor_source.h).
 at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir, std::optional<at::ScalarType> dtype,
-                         uint64_t max_shard_bytes);
+                         uint64_t max_shard_bytes, const std::string& model_config_file = "");
 
 // Reads an HF folder (config.json of model_type llama, or mistral/qwen2 as llama_config_from_hf
 // accepts; model.safetensors or an index with shards) and writes `out_ckpt` as an fsdp_dtensor

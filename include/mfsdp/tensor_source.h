@@ -30,10 +30,13 @@ namespace mfsdp {
 // True when `path` is a folder with config.json and model.safetensors or
 // model.safetensors.index.json (a Hugging Face model folder).
 bool is_hf_folder(const std::string& path);
-// True when `path` is a checkpoint save folder (latest_checkpointed_iteration.txt) or an
-// iter_NNNNNNN folder (metadata.json, or a PyTorch Distributed Checkpoint's .metadata). Whether
-// it can be read is CheckpointReader's to say.
-bool is_checkpoint(const std::string& path);
+// is_checkpoint(path): include/mfsdp/checkpoint.h.
+
+// The model a checkpoint holds (Hugging Face config.json names): the model_config it records, or,
+// for one that records none (a PyTorch dcp.save folder), the config.json `model_config_file`.
+// std::invalid_argument naming the checkpoint when it has neither, or both (the file is only for
+// checkpoints that record no model, so it can never silently disagree with one that does).
+nlohmann::json checkpoint_model_config(const CheckpointReader& reader, const std::string& model_config_file);
 
 // Read-only, whole-tensor or element-range access to the tensors of a checkpoint (every tensor:
 // model, optimizer state, RNG) or of an HF folder (names "model.<HF name>", see above). Only

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -72,7 +73,20 @@ void inspect_dcp_checkpoint(const std::string& path, bool show_param_to_group_me
     std::ifstream in(dir + "/metadata.json");
     out << nlohmann::json::parse(in).dump(2) << "\n";
   } else {
-    out << "Metadata file not found in the checkpoint directory.\n";
+    // Megatron's tool looks for metadata.json only; a DCP checkpoint keeps its metadata inside
+    // .metadata (mfsdp's "mfsdp_metadata" entry), or has none (what its entries imply is shown).
+    header(out, "checkpoint metadata");
+    try {
+      nlohmann::json meta = CheckpointReader(dir).metadata();
+      meta.erase("tensors");
+      meta.erase("files");
+      out << (r.metadata().bytes.count("mfsdp_metadata")
+                  ? "(the mfsdp_metadata entry of .metadata)\n"
+                  : "(no mfsdp_metadata entry: not written by mfsdp; what its entries imply)\n")
+          << meta.dump(2) << "\n";
+    } catch (const std::exception& e) {
+      out << "(not readable as a model checkpoint: " << e.what() << ")\n";
+    }
   }
   if (fs::exists(dir + "/common.pt")) {
     const nlohmann::json common = read_common(dir);
@@ -97,9 +111,16 @@ void inspect_dcp_checkpoint(const std::string& path, bool show_param_to_group_me
     lines[key] = "[BYTES]";
   }
   header(out, "sharded tensors metadata");
+  // Megatron prints billions only ("0.00B" for any small model); the unit follows the size here.
   std::ostringstream total;
-  total << std::fixed << std::setprecision(2) << elements / 1e9;
-  out << "Total Tensors: " << m.tensors.size() << " | Total Elements: " << total.str() << "B\n\n";
+  const std::pair<double, const char*> units[] = {{1e9, "B"}, {1e6, "M"}, {1e3, "K"}};
+  const auto unit = std::find_if(std::begin(units), std::end(units), [&](const auto& u) { return elements >= u.first; });
+  if (unit == std::end(units))
+    total << static_cast<int64_t>(elements);
+  else
+    total << std::fixed << std::setprecision(2) << elements / unit->first << unit->second;
+  out << "Total Tensors: " << m.tensors.size() << " | Total Elements: " << total.str() << " ("
+      << static_cast<int64_t>(elements) << ")\n\n";
   for (const auto& [key, what] : lines) out << "  \u25ba " << key << " " << what << "\n";
   if (!show_param_to_group_meta) out << "Ignored parameter-to-group metadata: " << ignored << "\n";
 }

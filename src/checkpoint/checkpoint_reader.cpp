@@ -21,13 +21,6 @@ namespace {
   throw std::invalid_argument("checkpoint file '" + file + "': " + what);
 }
 
-std::string resolve_iteration_dir(const std::string& path) {
-  if (fs::exists(path + "/" + checkpoint::kMetadataFile) || dcp::is_dcp_directory(path)) return path;
-  if (auto it = latest_checkpoint_iteration(path)) return checkpoint::readable_iteration_dir(path, *it);
-  throw std::invalid_argument("checkpoint: '" + path + "' is not a checkpoint (no " + dcp::kMetadataFile + ", no " +
-                              checkpoint::kMetadataFile + " and no " + checkpoint::kLatestFile + ")");
-}
-
 nlohmann::json read_json(const std::string& file) {
   std::ifstream in(file);
   if (!in) bad(file, "cannot be read");
@@ -86,15 +79,13 @@ void check_tensor_entry(const std::string& file, const std::string& name, const 
 
 }  // namespace
 
-std::string resolve_checkpoint_dir(const std::string& path) { return resolve_iteration_dir(path); }
-
 CheckpointFormat checkpoint_format_from_name(const std::string& name) {
   if (name == "fsdp_dtensor") return CheckpointFormat::kFsdpDtensor;
   if (name == "mfsdp") return CheckpointFormat::kMfsdp;
   throw std::invalid_argument("unknown checkpoint format '" + name + "' (fsdp_dtensor or mfsdp)");
 }
 
-CheckpointReader::CheckpointReader(const std::string& path) : dir_(resolve_iteration_dir(path)) {
+CheckpointReader::CheckpointReader(const std::string& path) : dir_(resolve_checkpoint_dir(path)) {
   if (dcp::is_dcp_directory(dir_)) {
     auto opened = std::make_shared<checkpoint::OpenedDcp>(checkpoint::open_dcp_checkpoint(dir_));
     metadata_ = std::move(opened->metadata);

@@ -170,7 +170,8 @@ nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string
   nlohmann::json meta = {{"format", "torch.distributed.checkpoint"}, {"version", 1},
                          {"iteration", 0}, {"consumed_samples", 0}, {"world_size", -1},
                          {"args", nlohmann::json::object()}, {"model_config", nlohmann::json::object()},
-                         {"scheduler", nlohmann::json::object()}, {"optimizer", nullptr}};
+                         {"scheduler", nlohmann::json::object()}, {"optimizer", nullptr},
+                         {"iteration_recorded", m.bytes.count("iteration") != 0}};
   if (m.bytes.count("iteration")) {
     const nlohmann::json it = r.read_object("iteration");
     if (!it.is_number_integer() || it.get<int64_t>() < 0)

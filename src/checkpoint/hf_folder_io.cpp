@@ -3,6 +3,7 @@
 // against the model the config describes (check_llama_tensors) before writing anything, so a
 // folder that would not load is refused here rather than at the first training step.
 #include "mfsdp/hf_interop.h"
+#include "mfsdp/tensor_source.h"
 
 #include <ATen/ATen.h>
 
@@ -80,19 +81,16 @@ void check_llama_tensors(const std::map<std::string, std::vector<int64_t>>& shap
 }
 
 at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir,
-                         std::optional<at::ScalarType> requested, uint64_t max_shard_bytes) {
+                         std::optional<at::ScalarType> requested, uint64_t max_shard_bytes,
+                         const std::string& model_config_file) {
   if (requested && !is_output_float(*requested))
     throw std::invalid_argument(std::string("export_hf: the dtype must be float32, bfloat16 or float16, not ") +
                                 c10::toString(*requested));
   CheckpointReader reader(ckpt);
   const std::string where = "checkpoint '" + reader.dir() + "'";
-  const json& meta = reader.metadata();
-  if (!meta.contains("model_config") || !meta["model_config"].is_object() || meta["model_config"].empty())
-    throw std::invalid_argument(where + " has no model_config in its metadata.json; export needs the model's "
-                                "configuration to write config.json");
   LlamaConfig cfg;
   try {
-    cfg = llama_config_from_hf(meta["model_config"]);
+    cfg = llama_config_from_hf(checkpoint_model_config(reader, model_config_file));
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(where + ": model_config: " + e.what());
   }

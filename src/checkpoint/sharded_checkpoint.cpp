@@ -349,15 +349,7 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
   LoadedCheckpoint result;
   Staged staged;
   std::string error = capture_error([&] {
-    std::string path = load_dir;
-    if (options.iteration) {
-      path = checkpoint::readable_iteration_dir(load_dir, *options.iteration);
-    } else if (!fs::exists(load_dir + "/" + checkpoint::kMetadataFile) && !dcp::is_dcp_directory(load_dir)) {
-      auto latest = latest_checkpoint_iteration(load_dir);
-      if (!latest) throw std::invalid_argument("checkpoint: '" + load_dir + "' has no " + checkpoint::kLatestFile);
-      path = checkpoint::readable_iteration_dir(load_dir, *latest);
-    }
-    CheckpointReader reader(path);
+    CheckpointReader reader(resolve_checkpoint_dir(load_dir, options.iteration));
     result.path = reader.dir();
     result.metadata = reader.metadata();
     result.iteration = reader.metadata()["iteration"].get<int64_t>();

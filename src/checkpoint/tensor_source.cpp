@@ -40,16 +40,6 @@ bool is_hf_folder(const std::string& path) {
          (fs::is_regular_file(p / kSingleFile) || fs::is_regular_file(p / kIndexFile));
 }
 
-bool is_checkpoint(const std::string& path) {
-  // Only what marks the folder: whether its content can be read is CheckpointReader's to say (with
-  // a message naming what is wrong), not a reason to call it "neither" here. An iteration folder
-  // holds metadata.json (mfsdp's layout) or .metadata (a PyTorch Distributed Checkpoint's).
-  const fs::path p(path);
-  return fs::is_directory(p) && (fs::is_regular_file(p / checkpoint::kLatestFile) ||
-                                 fs::is_regular_file(p / checkpoint::kMetadataFile) ||
-                                 fs::is_regular_file(p / kDcpMetadataFile));
-}
-
 TensorSource::TensorSource(const std::string& path) : path_(path) {
   if (mfsdp::is_checkpoint(path)) {
     reader_ = std::make_unique<CheckpointReader>(path);
@@ -57,11 +47,10 @@ TensorSource::TensorSource(const std::string& path) : path_(path) {
     return;
   }
   if (!is_hf_folder(path))
-    throw std::invalid_argument("'" + path + "' is neither a checkpoint (a folder with " +
-                                checkpoint::kLatestFile + ", or an iteration folder with " +
-                                checkpoint::kMetadataFile + " or " + kDcpMetadataFile +
-                                ") nor a Hugging Face folder (config.json with " + kSingleFile + " or " +
-                                kIndexFile + ")");
+    throw std::invalid_argument("'" + path + "' is neither a checkpoint (a save folder with " + checkpoint::kLatestFile +
+                                ", or an iteration folder with " + kDcpMetadataFile + " or " +
+                                checkpoint::kMetadataFile + ") nor a Hugging Face folder (config.json with " +
+                                kSingleFile + " or " + kIndexFile + ")");
   const fs::path dir(path);
   std::map<std::string, std::string> weight_map;  // HF name -> file
   const std::string index_path = (dir / kIndexFile).string();
@@ -159,6 +148,22 @@ at::Tensor TensorSource::read_elements(const std::string& name, int64_t offset, 
 json TensorSource::model_config() const {
   if (reader_) return reader_->metadata().value("model_config", json::object());
   return read_json_file((fs::path(path_) / kConfigFile).string(), "HF config");
+}
+
+json checkpoint_model_config(const CheckpointReader& reader, const std::string& model_config_file) {
+  const std::string where = "checkpoint '" + reader.dir() + "'";
+  const json recorded = reader.metadata().value("model_config", json::object());
+  const bool has = recorded.is_object() && !recorded.empty();
+  if (has && !model_config_file.empty())
+    throw std::invalid_argument(where + " records its own model_config; --model-config " + model_config_file +
+                                " is only for checkpoints that record none (such as PyTorch's dcp.save folders)");
+  if (has) return recorded;
+  if (model_config_file.empty())
+    throw std::invalid_argument(where + " records no model_config (a checkpoint PyTorch or Megatron wrote); give the "
+                                "model as a Hugging Face config.json with --model-config FILE");
+  const json config = read_json_file(model_config_file, "--model-config");
+  if (!config.is_object()) throw std::invalid_argument("--model-config " + model_config_file + ": not a JSON object");
+  return config;
 }
 
 }  // namespace mfsdp

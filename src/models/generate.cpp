@@ -76,7 +76,7 @@ std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int
   return generate_batch(model, {prompt}, {o.seed}, s).tokens.front();
 }
 
-LoadedModel load_model(const std::string& path) {
+LoadedModel load_model(const std::string& path, const std::string& model_config_file) {
   namespace fs = std::filesystem;
   if (!is_checkpoint(path) && !is_hf_folder(path))
     throw std::invalid_argument(
@@ -87,10 +87,11 @@ LoadedModel load_model(const std::string& path) {
         "export-hf)");
   const TensorSource source(path);
   const std::string where = source.description();
-  const nlohmann::json model_config = source.model_config();
-  if (source.is_checkpoint() && model_config.empty())
-    throw std::invalid_argument(where + " has no model_config in its metadata.json; generation needs the model's "
-                                "configuration");
+  if (!source.is_checkpoint() && !model_config_file.empty())
+    throw std::invalid_argument(where + " has its own config.json; --model-config is only for checkpoints that "
+                                "record no model_config");
+  const nlohmann::json model_config =
+      source.is_checkpoint() ? checkpoint_model_config(*source.checkpoint(), model_config_file) : source.model_config();
   LlamaConfig c = config_from_hf(model_config, where + (source.is_checkpoint() ? ": model_config" : ": config.json"));
 
   // The model's tensors by HF name: a checkpoint stores them as "model.<HF name>", and

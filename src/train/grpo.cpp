@@ -41,8 +41,8 @@ std::unique_ptr<ReferencePolicy> load_reference(const GrpoArgs& g, const LlamaCo
   a.init_model_with_meta_device = false;
   a.recompute_activations = false;
   ref->sharded = build_sharded_llama(config, a, shard_options_from_args(a, comm, /*per_token_loss=*/true));
-  const std::string from = !g.ref_load.empty() ? g.ref_load : !g.hf_load.empty() ? g.hf_load : g.base.load;
-  if (!g.ref_load.empty() || (from == g.base.load && !from.empty())) {
+  const std::string from = !g.ref_load.empty() ? g.ref_load : !g.hf_load.empty() ? g.hf_load : g.base.load_dir;
+  if (!g.ref_load.empty() || (from == g.base.load_dir && !from.empty())) {
     if (is_checkpoint(from)) {
       CheckpointLoadOptions o;
       o.load_optimizer = false;

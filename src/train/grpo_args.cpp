@@ -86,12 +86,21 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load");
   if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
-  if (!a.ref_load.empty() && !is_hf_folder(a.ref_load) && !is_checkpoint(a.ref_load))
-    flag_error("--ref-load", "'" + a.ref_load + "' is neither a checkpoint nor a Hugging Face model folder");
+  if (!a.ref_load.empty() && !is_hf_folder(a.ref_load)) {
+    bool checkpoint = false;
+    try {
+      checkpoint = is_checkpoint(a.ref_load);
+    } catch (const std::invalid_argument& e) {
+      flag_error("--ref-load", e.what());
+    }
+    if (!checkpoint)
+      flag_error("--ref-load", "'" + a.ref_load + "' is neither a checkpoint nor a Hugging Face model folder");
+  }
   if (a.use_kl_loss && a.ref_load.empty() && a.hf_load.empty() && !a.base.finetune)
     flag_error("--use-kl-loss", "needs the reference policy: --ref-load, --hf-load, or --load with --finetune");
   a.base.seq_length = a.max_prompt_length + a.max_response_length;
   a.base.calculate_per_token_loss = true;
+  a.base.load_requires_checkpoint = true;
   return a;
 }
 

@@ -11,6 +11,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "mfsdp/checkpoint.h"
 #include "mfsdp/gpt_dataset.h"
 #include "mfsdp/indexed_dataset.h"
 
@@ -151,7 +152,11 @@ const std::vector<Flag>& flags() {
       // Megatron-FSDP.
       STRING_FLAG("--save", save, "checkpoint folder to save into (in --ckpt-format)"),
       INT_FLAG("--save-interval", save_interval, "iterations between checkpoints (0: only at the end)"),
-      STRING_FLAG("--load", load, "checkpoint folder to resume from (its latest iteration)"),
+      STRING_FLAG("--load", load,
+                  "checkpoint to start from: a save folder (its latest iteration) or an iteration folder "
+                  "(iter_NNNNNNN, or any torch.distributed.checkpoint folder)"),
+      INT_FLAG("--ckpt-step", ckpt_step, "with --load of a save folder: load this iteration, not the latest "
+                                         "(-1: the latest)"),
       BOOL_FLAG("--finetune", finetune, "with --load: weights only, iteration and optimizer start afresh"),
       BOOL_FLAG("--no-load-optim", no_load_optim, "with --load: do not load the optimizer state"),
       BOOL_FLAG("--no-load-rng", no_load_rng, "with --load: do not restore the random generators"),
@@ -334,10 +339,6 @@ void check_values(const PretrainArgs& a) {
   if (!(timeout_ms >= 1 && a.distributed_timeout_minutes <= 1e6))
     bad("--distributed-timeout-minutes",
         "must be a positive number of minutes (at most 1000000), got " + number(a.distributed_timeout_minutes));
-  // A missing --load starts afresh (Megatron's behaviour, with a warning); a file cannot be loaded.
-  if (std::error_code ec; !a.load.empty() && std::filesystem::exists(a.load, ec) &&
-                          !std::filesystem::is_directory(a.load, ec))
-    bad("--load", "'" + a.load + "' is not a folder (a checkpoint folder, or one of its iter_NNNNNNN)");
   if (!a.save.empty()) check_output_path("--save", a.save, /*folder=*/true);
   if (!a.export_hf.empty()) check_output_path("--export-hf", a.export_hf, /*folder=*/true);
   if (!a.dump_param_to_param_group_map.empty())
@@ -346,6 +347,28 @@ void check_values(const PretrainArgs& a) {
   if (!a.tensorboard_dir.empty()) check_output_path("--tensorboard-dir", a.tensorboard_dir, /*folder=*/true);
   if (a.tensorboard_log_interval < 1)
     bad("--tensorboard-log-interval", "must be >= 1, got " + std::to_string(a.tensorboard_log_interval));
+}
+
+// --load through locate_checkpoint (every rank decides the same: the folder is shared). A path
+// without a checkpoint is an error where something must be loaded (--finetune, mfsdp-sft,
+// mfsdp-grpo); mfsdp-pretrain then starts afresh with a warning, as Megatron does.
+void resolve_load(PretrainArgs& a) {
+  a.load_dir.clear();
+  if (a.load.empty()) return;
+  CheckpointLocation at;
+  try {
+    at = locate_checkpoint(a.load, a.ckpt_step >= 0 ? std::optional<int64_t>(a.ckpt_step) : std::nullopt);
+  } catch (const std::invalid_argument& e) {
+    bad(a.ckpt_step >= 0 ? "--load / --ckpt-step" : "--load", e.what());
+  }
+  if (at.found()) {
+    a.load_dir = at.dir;
+    return;
+  }
+  const std::string expected = "expected a save folder with latest_checkpointed_iteration.txt or an iteration folder "
+                               "(.metadata, or metadata.json of the earlier format)";
+  if (a.finetune) bad("--finetune", "--load " + a.load + " " + at.reason + ": nothing to fine-tune from; " + expected);
+  if (a.load_requires_checkpoint) bad("--load", a.load + " " + at.reason + "; " + expected);
 }
 
 }  // namespace
@@ -421,8 +444,11 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (a.save_interval > 0 && a.save.empty()) bad("--save-interval", "needs --save");
   if (a.exit_interval < 0) bad("--exit-interval", "must be >= 0");
   for (auto [set, flag] : {std::pair{a.finetune, "--finetune"}, {a.no_load_optim, "--no-load-optim"},
-                           {a.no_load_rng, "--no-load-rng"}})
+                           {a.no_load_rng, "--no-load-rng"}, {a.ckpt_step >= 0, "--ckpt-step"}})
     if (set && a.load.empty()) bad(flag, "needs --load");
+  if (a.ckpt_step < -1) bad("--ckpt-step", "must be an iteration >= 0 (or -1: the latest), got " +
+                                               std::to_string(a.ckpt_step));
+  resolve_load(a);
   if (a.no_save_optim && a.save.empty()) bad("--no-save-optim", "needs --save");
   if (a.simulate_world_size < 0) bad("--simulate-world-size", "must be >= 0");
   if (a.simulate_world_size > 0 && (a.simulate_rank < 0 || a.simulate_rank >= a.simulate_world_size))

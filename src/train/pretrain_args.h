@@ -82,7 +82,8 @@ struct PretrainArgs {
   // Checkpoints (fsdp_dtensor).
   std::string save;           // folder to save into
   int64_t save_interval = 0;  // iterations between saves (0: only at the end)
-  std::string load;           // folder to resume from (its latest iteration)
+  std::string load;           // a save folder (its latest iteration) or an iteration folder
+  int64_t ckpt_step = -1;     // --ckpt-step: the save folder's iteration to load (-1: the latest)
   bool finetune = false;      // --load reads model weights only; iteration restarts at 0
   bool no_load_optim = false;
   bool no_load_rng = false;
@@ -117,7 +118,12 @@ struct PretrainArgs {
   int64_t simulate_rank = 0;
   bool memory_plan = false;  // ours: print the per-rank memory plan and exit (mfsdp-pretrain only)
 
+  // Set by the tool before validation: mfsdp-sft and mfsdp-grpo start from what --load names, so
+  // a --load without a checkpoint is an error there (mfsdp-pretrain starts afresh, as Megatron).
+  bool load_requires_checkpoint = false;
+
   // Derived by validate().
+  std::string load_dir;  // the iteration folder --load names (locate_checkpoint); empty: none there
   int64_t num_micro_batches = 1;
   int64_t real_vocab_size = 0;    // the tokenizer's (or --vocab-size): token ids must be below it
   int64_t padded_vocab_size = 0;  // real_vocab_size rounded up (--make-vocab-size-divisible-by)

@@ -71,6 +71,7 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
   a.base.seq_length = a.max_length;
   a.base.calculate_per_token_loss = true;
+  a.base.load_requires_checkpoint = true;
   return a;
 }
 

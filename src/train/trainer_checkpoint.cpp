@@ -73,6 +73,19 @@ void reconcile_schedule(const PretrainArgs& a, const nlohmann::json& saved, LRSc
                                   "--use-checkpoint-opt_param-scheduler to use the checkpoint's)");
 }
 
+// Who wrote the checkpoint and which iteration it records, for the start-up line.
+std::string checkpoint_origin(const LoadedCheckpoint& got) {
+  const nlohmann::json& m = got.metadata;
+  const std::string iteration = "iteration " + std::to_string(got.iteration);
+  if (m.value("format", "") == kCheckpointFormatName) {
+    const bool earlier = std::filesystem::exists(got.path + "/metadata.json");
+    return std::string(earlier ? "mfsdp's earlier format" : "fsdp_dtensor") + " saved by mfsdp on " +
+           std::to_string(m.value("world_size", 0)) + " ranks, " + iteration;
+  }
+  return "a PyTorch Distributed Checkpoint not written by mfsdp, " +
+         (m.value("iteration_recorded", false) ? iteration : "no iteration recorded (taken as 0)");
+}
+
 }  // namespace
 
 ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
@@ -80,13 +93,10 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& c
                                      DistributedOptimizer& optimizer, LRSchedule& schedule,
                                      std::ostream& log) {
   const bool print = world->rank() == 0;
-  // Every rank decides the same: the folder is shared.
-  const std::optional<int64_t> latest = latest_checkpoint_iteration(a.load);
-  const bool iteration_folder = std::filesystem::exists(a.load + "/metadata.json");
-  if (!latest && !iteration_folder) {
+  if (a.load_dir.empty()) {  // validation refused this unless starting afresh is allowed
     if (print)
-      log << " WARNING: --load " << a.load << " holds no checkpoint yet (no latest_checkpointed_iteration.txt);"
-          << " training starts from scratch\n";
+      log << " WARNING: --load " << a.load << " " << locate_checkpoint(a.load).reason
+          << "; training starts from scratch\n";
     return {};
   }
   CheckpointLoadOptions options;
@@ -94,11 +104,11 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& c
   options.load_rng = !a.finetune && !a.no_load_rng;
   // The config is checked before any tensor is read, so a mismatch names the flag, not a shape.
   {
-    CheckpointReader reader(a.load);
+    CheckpointReader reader(a.load_dir);
     check_model_config(reader.metadata().value("model_config", nlohmann::json::object()), config, reader.dir());
   }
   const auto start = std::chrono::steady_clock::now();
-  LoadedCheckpoint got = load_checkpoint(a.load, world, model, &optimizer, options);
+  LoadedCheckpoint got = load_checkpoint(a.load_dir, world, model, &optimizer, options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ResumePoint resume;
   if (!a.finetune) {
@@ -111,11 +121,18 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& c
                                   std::to_string(a.global_batch_size) + ")");
   }
   if (print) {
-    log << " loaded checkpoint " << got.path << " (iteration " << got.iteration << ", "
-        << got.metadata.value("world_size", 0) << " ranks) in " << seconds << " s:"
-        << (a.finetune ? " weights only (--finetune), iteration starts at 0" : "")
-        << (got.optimizer_loaded ? " optimizer state," : options.load_optimizer ? "" : " optimizer not loaded,")
-        << (got.rng_loaded ? " random generators" : options.load_rng ? " random generators NOT restored (other world size)" : "")
+    log << " loaded checkpoint " << got.path << " (" << checkpoint_origin(got) << ") in " << seconds
+        << " s: model weights" << (got.optimizer_loaded ? ", optimizer state" : "")
+        << (got.rng_loaded ? ", random generators" : "")
+        << (a.finetune ? "; weights only (--finetune), iteration starts at 0"
+                       : "; resuming after iteration " + std::to_string(resume.iteration))
+        << (!a.finetune && !got.optimizer_loaded ? "; optimizer not loaded (--no-load-optim)" : "")
+        << (!options.load_rng || got.rng_loaded ? ""
+            : got.metadata.value("world_size", -1) > 0 ? "; random generators NOT restored (other world size)"
+                                                        : "; it holds no random generator states")
+        << (got.metadata.value("model_config", nlohmann::json::object()).empty()
+                ? "; it records no model_config: the model is the one the flags describe"
+                : "")
         << "\n";
     log.flush();
   }

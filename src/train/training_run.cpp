@@ -82,13 +82,14 @@ std::map<std::string, at::Tensor> load_full_weights(const std::string& path) {
 
 StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, int64_t tokenizer_vocab) {
   StartingPoint p;
-  if (!a.load.empty() && is_checkpoint(a.load)) {
-    CheckpointReader reader(a.load);
+  if (!a.load_dir.empty()) {
+    CheckpointReader reader(a.load_dir);
     const nlohmann::json saved = reader.metadata().value("model_config", nlohmann::json::object());
-    if (saved.empty())
-      throw std::invalid_argument("--load " + a.load + ": the checkpoint records no model_config");
-    p.config = llama_config_from_hf(saved);
-    p.description = "checkpoint " + reader.dir();
+    // A checkpoint that records no model (PyTorch's dcp.save) holds the model the flags describe;
+    // loading checks every tensor's shape against it.
+    p.config = saved.empty() ? llama_config_from_args(a) : llama_config_from_hf(saved);
+    p.description = "checkpoint " + reader.dir() + " (iteration " + reader.metadata()["iteration"].dump() +
+                    (saved.empty() ? "; no model_config recorded: the model from the flags)" : ")");
   } else if (!hf_load.empty()) {
     if (!is_hf_folder(hf_load))
       throw std::invalid_argument("--hf-load " + hf_load +
@@ -150,7 +151,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, st
 
 ResumePoint TrainingRun::start(const std::map<std::string, at::Tensor>* initial) {
   ResumePoint resume;
-  if (!args_.load.empty() && (is_checkpoint(args_.load) || initial == nullptr)) {
+  if (!args_.load_dir.empty() || (!args_.load.empty() && initial == nullptr)) {
     resume = load_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_);
   } else if (initial != nullptr) {
     sharded_.root.load_full_state_dict(*initial);

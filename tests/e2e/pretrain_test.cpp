@@ -211,7 +211,7 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --global-batch-size -8", "--global-batch-size"},
       {kModel + " --vocab-size -5", "--vocab-size"},
       {kModel + " --vocab-size 1", "--vocab-size: must be >= 2, got 1"},
-      {kModel + " --load /etc/passwd", "--load: '/etc/passwd' is not a folder"},
+      {kModel + " --load /etc/passwd", "--load: checkpoint '/etc/passwd' is a file, not a folder"},
       {kModel + " --max-position-embeddings -1", "--max-position-embeddings"},
       {kModel + " --hidden-size 36", "--num-attention-heads: gives an odd head size 9"},
       {kModel + " --sample-prompt hi --sample-tokens -1", "--sample-tokens"},
@@ -229,7 +229,7 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
     EXPECT_EQ(r.exit_code, 2) << c.flags << "\n" << r.output;
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.flags << "\n" << r.output;
     EXPECT_EQ(r.output.find(" device:"), std::string::npos) << "the run started: " << r.output;
-    EXPECT_EQ(r.output.find("iteration"), std::string::npos) << "training started: " << r.output;
+    EXPECT_EQ(r.output.find("elapsed time per iteration"), std::string::npos) << "training started: " << r.output;
     for (const char* internal : {"AdamWOptions", "SGDOptions", "LlamaConfig", "LRSchedule"})
       EXPECT_EQ(r.output.find(internal), std::string::npos) << c.flags << "\n" << r.output;
   }

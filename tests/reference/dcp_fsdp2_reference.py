@@ -13,8 +13,9 @@ between mfsdp and torch.distributed.fsdp.fully_shard, both ways, with the optimi
         torch.distributed.checkpoint.save as SAVE_DIR/megatron/iter_0000002 (Megatron's names:
         {"model": {"module.<fqn>"}, "optimizer": {"state": {"module.module.module.<fqn>":
         {exp_avg, exp_avg_sq}}, "param_to_group_meta": {...: {"step"}}}, "iteration": 2}) and as
-        SAVE_DIR/plain/iter_0000002 (PyTorch's own names: {"model": get_model_state_dict,
-        "optimizer": get_optimizer_state_dict}), each with latest_checkpointed_iteration.txt;
+        SAVE_DIR/megatron/latest_checkpointed_iteration.txt, and as the bare folder SAVE_DIR/plain
+        (PyTorch's own names: {"model": get_model_state_dict, "optimizer":
+        get_optimizer_state_dict}; no iteration, no latest file: what dcp.save alone writes);
         then writes EXPECTED: the logits of EVAL_IDS and the weights after a step on batch 2.
 
 The model is transformers' LlamaForCausalLM (fp32, eager attention) built from CONFIG_JSON (the
@@ -143,13 +144,12 @@ def worker(rank, world, port, mode, path, config_path, expected_path, results):
         for k in (0, 1):
             train_step(model, optimizer, k, vocab, rank, world)
         state, msd, osd = megatron_state(model, optimizer, 2)
-        for layout, sd in (("megatron", state), ("plain", {"model": msd, "optimizer": osd})):
-            iter_dir = os.path.join(path, layout, "iter_0000002")
-            dcp.save(sd, checkpoint_id=iter_dir)
-            if rank == 0:
-                with open(os.path.join(path, layout, "latest_checkpointed_iteration.txt"), "w") as f:
-                    f.write("2\n")
-            dist.barrier()
+        dcp.save(state, checkpoint_id=os.path.join(path, "megatron", "iter_0000002"))
+        if rank == 0:
+            with open(os.path.join(path, "megatron", "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write("2\n")
+        dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=os.path.join(path, "plain"))
+        dist.barrier()
     with torch.no_grad():
         logits = model(input_ids=eval_ids(vocab)).logits
     train_step(model, optimizer, 2, vocab, rank, world)

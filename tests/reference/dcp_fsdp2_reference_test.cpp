@@ -8,8 +8,12 @@
 //     ranks loads the checkpoint with dcp.load, and its logits and its weights after one more
 //     step equal mfsdp's (which mfsdp took after saving).
 //   FSDP2 -> mfsdp: FSDP2 on 3 ranks trains two steps and saves with dcp.save, under
-//     Megatron-FSDP's names and under PyTorch's own; mfsdp loads each on 2 ranks (ZeRO-3 and
-//     no_shard), and its logits and weights after one more step equal FSDP2's.
+//     Megatron-FSDP's names (a save folder) and under PyTorch's own (a bare dcp.save folder: no
+//     latest file, no iteration, no model config); mfsdp loads each on 2 ranks (ZeRO-3 and
+//     no_shard), and its logits and weights after one more step equal FSDP2's. The bare folder
+//     through the tools: mfsdp-ckpt inspect shows what it holds, mfsdp-generate (given the
+//     model's config.json) and its mfsdp-ckpt export-hf give FSDP2's logits, mfsdp-pretrain and
+//     mfsdp-sft start from it with the model the flags describe.
 //
 // A missing reference Python, torch or transformers is a failure (not a skip).
 #include <ATen/ATen.h>
@@ -45,7 +49,7 @@ std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
 
 mfsdp::LlamaConfig config() {
   mfsdp::LlamaConfig c;
-  c.vocab_size = 40;
+  c.vocab_size = 320;  // a byte-level tokenizer's 257 ids fit: mfsdp-sft loads FSDP2's checkpoint below
   c.hidden_size = 16;
   c.intermediate_size = 24;
   c.num_layers = 2;
@@ -109,6 +113,72 @@ void write_config(const std::string& path) {
 
 double max_diff(const at::Tensor& a, const at::Tensor& b) {
   return (a.to(at::kDouble) - b.to(at::kDouble)).abs().max().item<double>();
+}
+
+// The logits mfsdp-generate --logits-out writes for the first row of eval_ids.
+at::Tensor generated_logits(const std::string& model_flags, const std::string& out) {
+  std::string ids;
+  for (int64_t i = 0; i < eval_ids().size(1); ++i) {
+    if (i > 0) ids += ",";
+    ids += std::to_string(eval_ids()[0][i].item<int64_t>());
+  }
+  const auto r = mfsdp::testing::run_command(std::string(MFSDP_GENERATE_BIN_PATH) + " --device cpu --greedy " +
+                                             "--max-new-tokens 1 --prompt-ids " + ids + " --logits-out " + out + " " +
+                                             model_flags);
+  EXPECT_EQ(r.exit_code, 0) << model_flags << "\n" << r.output;
+  return r.exit_code == 0 ? mfsdp::SafetensorsFile(out).load("logits") : at::Tensor();
+}
+
+void expect_output(const std::string& command, int exit_code, std::initializer_list<std::string> needles,
+                   std::initializer_list<std::string> absent = {}) {
+  const auto r = mfsdp::testing::run_command(command);
+  EXPECT_EQ(r.exit_code, exit_code) << command << "\n" << r.output;
+  for (const std::string& n : needles) EXPECT_NE(r.output.find(n), std::string::npos) << n << " in\n" << r.output;
+  for (const std::string& n : absent) EXPECT_EQ(r.output.find(n), std::string::npos) << n << " in\n" << r.output;
+}
+
+// What dcp.save alone wrote, through every tool that takes a checkpoint path.
+void expect_tools_read_bare_fsdp2_folder(const std::string& bare, const std::string& config_json,
+                                         const std::string& expected, const mfsdp::testing::TempDir& dir) {
+  ASSERT_TRUE(fs::exists(bare + "/.metadata"));
+  ASSERT_FALSE(fs::exists(bare + "/latest_checkpointed_iteration.txt"));
+  const std::string ckpt = MFSDP_CKPT_BIN_PATH;
+  expect_output(ckpt + " inspect " + bare, 0, {"CHECKPOINT METADATA", "no mfsdp_metadata entry", "K ("},
+                {"Metadata file not found", "Total Elements: 0.00B"});
+
+  // Generation needs the model: the checkpoint records none, so it is given as config.json.
+  expect_output(std::string(MFSDP_GENERATE_BIN_PATH) + " --prompt-ids 1,2 --model " + bare, 1,
+                {"records no model_config", "--model-config"});
+  const at::Tensor want = mfsdp::SafetensorsFile(expected).load("logits")[0];
+  const double scale = std::max(1.0, want.abs().max().item<double>());
+  const at::Tensor from_bare = generated_logits("--model " + bare + " --model-config " + config_json,
+                                                dir.file("bare_logits.safetensors"));
+  ASSERT_TRUE(from_bare.defined());
+  EXPECT_LE(max_diff(from_bare[0], want), kLogitTol * scale) << "mfsdp-generate of the bare FSDP2 folder";
+  const std::string hf = dir.file("bare_hf");
+  expect_output(ckpt + " export-hf " + bare + " " + hf + " --model-config " + config_json, 0, {"wrote"});
+  const at::Tensor from_export = generated_logits("--model " + hf, dir.file("export_logits.safetensors"));
+  ASSERT_TRUE(from_export.defined());
+  EXPECT_LE(max_diff(from_export[0], want), kLogitTol * scale) << "its Hugging Face export";
+
+  // The trainers start from it with the model their flags describe (config(): untied, GQA 4/2).
+  const std::string model = " --device cpu --num-layers 2 --hidden-size 16 --ffn-hidden-size 24"
+                            " --num-attention-heads 4 --group-query-attention --num-query-groups 2"
+                            " --max-position-embeddings 64 --untie-embeddings-and-output-weights --log-interval 1"
+                            " --train-iters 1 --eval-interval 1000 --seed 3";
+  const std::string run = std::string(MFSDP_RUN_BIN_PATH) + " --nproc-per-node 1 ";
+  expect_output(run + MFSDP_PRETRAIN_BIN_PATH + model + " --mock-data --vocab-size 320 "
+                    "--make-vocab-size-divisible-by 1 --seq-length 8 --micro-batch-size 2 --load " + bare,
+                0, {"loaded checkpoint " + bare + " (a PyTorch Distributed Checkpoint not written by mfsdp, no iteration "
+                    "recorded (taken as 0))", "model weights, optimizer state", "resuming after iteration 0"});
+  const std::string sft = run + MFSDP_SFT_BIN_PATH + model +
+                          " --tokenizer-type ByteLevelTokenizer --make-vocab-size-divisible-by 64 --max-length 64"
+                          " --micro-batch-size 4 --gen-task arith --gen-train-size 16 --gen-val-size 0";
+  expect_output(sft + " --load " + bare + " --finetune", 0,
+                {"model: checkpoint " + bare + " (iteration 0; no model_config recorded: the model from the flags)",
+                 "weights only (--finetune)"});
+  // Flags that describe another model fail on the first tensor that differs, naming it.
+  expect_output(sft + " --load " + bare + " --finetune --ffn-hidden-size 32", 1, {"mlp"});
 }
 
 TEST(DcpFsdp2Reference, MfsdpCheckpointLoadsInFsdp2) {
@@ -181,6 +251,8 @@ TEST(DcpFsdp2Reference, Fsdp2CheckpointLoadsInMfsdp) {
                     << worst << "\n";
       });
     }
+  if (mfsdp::testing::is_rank_process()) return;
+  expect_tools_read_bare_fsdp2_folder(save + "/plain", dir.file("config.json"), expected, dir);
 }
 
 }  // namespace
