@@ -21,7 +21,7 @@ case "$which" in
     cat "$out.log"
     [ "$rc" -eq 0 ] || fail "scripts/demo.sh exited $rc"
     line=$(grep 'training lm loss' "$out.log") || fail "no 'training lm loss' line in the summary"
-    first=$(echo "$line" | awk '{ print $4 }') last=$(echo "$line" | awk '{ print $6 }')
+    first=$(echo "$line" | awk '{ print $5 }') last=$(echo "$line" | awk '{ sub(",", "", $7); print $7 }')
     awk -v a="$first" -v b="$last" 'BEGIN { exit !(b < a - 0.5) }' || fail "the loss fell too little: $line"
     grep -q 'match their CRC-32C' "$out.log" || fail "mfsdp-ckpt verify did not report"
     [ -f "$out/hf/config.json" ] && [ -f "$out/hf/model.safetensors" ] || fail "no Hugging Face export in $out/hf"
