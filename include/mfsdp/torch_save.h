@@ -1,8 +1,8 @@
 // Reads PyTorch `torch.save` files (the zip format, torch >= 1.6) without running any code from
 // them: a restricted unpickler that knows only the opcodes and globals torch.save writes for
 // (nested) dicts of tensors. A malicious file can fail to load; it cannot execute anything.
-// (LibTorch's torch::pickle_load cannot read state_dict()'s OrderedDict nor one-entry dicts:
-// research/libtorch_probe.md Q8.)
+// (LibTorch's torch::pickle_load cannot read state_dict()'s OrderedDict, which it maps to None,
+// and, in older versions, one-entry dicts: the SETITEM opcode.)
 //
 //   <archive>/data.pkl     the pickled object (protocol 2; FRAME/MEMOIZE/STACK_GLOBAL of newer
 //                          protocols are understood too). Tensors are

@@ -1,6 +1,7 @@
 // Freeing and re-growing a flat buffer's storage in place, so that parameters viewing it keep
-// their TensorImpl and autograd keeps seeing the same storage (research/libtorch_probe.md Q4):
-// never point a parameter at a new storage between forward and backward; resize the old one.
+// their TensorImpl and autograd keeps seeing the same storage: never point a parameter at a new
+// storage between forward and backward (views autograd saved, such as addmm's weight.t(), keep
+// the old one and the gradients come out wrong); resize the old one.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -19,7 +19,8 @@ struct UnitPointer : torch::CustomClassHolder {
 };
 
 // Identity on a unit's outputs; its backward runs before any of the unit's gradients are
-// computed, which is where the unit must be unsharded again (research/libtorch_probe.md Q1).
+// computed, which is where the unit must be unsharded again (a custom Function's backward may run
+// any code, collectives included; tests/dist/unshard_in_backward_test.cpp).
 struct PreBackward : torch::autograd::Function<PreBackward> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList outputs,

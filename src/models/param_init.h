@@ -1,7 +1,8 @@
 // Parameters that can be created without storage and initialised independently of order.
 //
 // A deferred parameter is a real CPU tensor with its full sizes and a 0-byte storage
-// (research/libtorch_probe.md Q5: meta tensors cannot become CPU tensors in place).
+// (meta tensors cannot become CPU tensors in place: set_data from a meta tensor to a CPU one fails
+// with "incompatible tensor type", since LibTorch counts Meta as no dense backend).
 // materialize() grows that same storage, so the parameter keeps its TensorImpl and autograd
 // identity. Each parameter's initial values come from a generator seeded by (seed, name), so they
 // do not depend on which parameters were initialised before.

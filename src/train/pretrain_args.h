@@ -1,5 +1,5 @@
-// The command line of mfsdp-pretrain: Megatron-LM's flag names (shared/seeds/001_*: the
-// Megatron-FSDP user guide, and Megatron's arguments.py), parsed and validated before any work.
+// The command line of mfsdp-pretrain: Megatron-LM's flag names (the Megatron-FSDP user guide and
+// Megatron-LM's megatron/training/arguments.py), parsed and validated before any work.
 // Every flag is declared once in pretrain_args.cpp with its default and help text; --help and
 // docs/pretrain.md list them from there.
 #pragma once
