@@ -13,10 +13,12 @@
 // --prompt-ids there); any model works with token ids. --logits-out writes the fp32 logits of
 // one forward over the prompt ([1, T, vocab], tensor "logits", safetensors) so they can be
 // compared with another implementation's (tests/reference/).
+#include <CLI/CLI.hpp>
 #include <torch/torch.h>
 
-#include <filesystem>
 #include <iostream>
+#include <limits>
+#include <optional>
 #include <sstream>
 
 #include "mfsdp/comm.h"
@@ -26,23 +28,46 @@
 
 namespace {
 
-[[noreturn]] void usage_error(const std::string& what) {
-  throw std::invalid_argument(what + " (mfsdp-generate --help)");
+// Bounds of the numeric flags, checked before the model is loaded. Generation stops at the
+// model's max_position_embeddings anyway; these keep a typo from allocating or looping.
+constexpr int64_t kMaxNewTokens = int64_t{1} << 20;
+constexpr int64_t kMaxTopK = int64_t{1} << 24;
+// Below this the logits / temperature of a float32 model overflow to inf (a sampling error deep
+// in LibTorch); use --greedy for the most likely token.
+constexpr double kMinTemperature = 1e-4, kMaxTemperature = 1e4;
+
+// --prompt-ids: comma-separated non-negative token ids ("" when they parse, else what is wrong).
+std::string check_ids(const std::string& text) {
+  std::stringstream s(text);
+  std::string item;
+  while (std::getline(s, item, ',')) {
+    size_t used = 0;
+    long long id = -1;
+    try {
+      id = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == 0 || used != item.size() || id < 0) return "'" + item + "' is not a token id";
+  }
+  return text.empty() || text.back() == ',' ? "expected token ids separated by commas, got '" + text + "'" : "";
+}
+
+// The seed, or nullopt unless `text` is a whole decimal integer in 0 .. 2^64 - 1.
+std::optional<uint64_t> parse_seed(const std::string& text) {
+  if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  try {
+    return std::stoull(text);  // out_of_range past 2^64 - 1
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
 }
 
 std::vector<int64_t> parse_ids(const std::string& text) {
   std::vector<int64_t> ids;
   std::stringstream s(text);
   std::string item;
-  while (std::getline(s, item, ',')) {
-    try {
-      size_t used = 0;
-      ids.push_back(std::stoll(item, &used));
-      if (used != item.size()) throw std::invalid_argument(item);
-    } catch (const std::exception&) {
-      usage_error("--prompt-ids: '" + item + "' is not a token id");
-    }
-  }
+  while (std::getline(s, item, ',')) ids.push_back(std::stoll(item));
   return ids;
 }
 
@@ -52,59 +77,57 @@ int main(int argc, char** argv) {
   std::string model_dir, model_config, prompt, prompt_ids, vocab_file, merge_file, logits_out, device_choice = "auto";
   bool print_ids = false;
   mfsdp::GenerateOptions g;
+  CLI::App app{"Continue a prompt with a model trained by mfsdp (a checkpoint) or a Hugging Face Llama/Qwen2 folder",
+               "mfsdp-generate"};
+  app.add_option("--model", model_dir,
+                 "a checkpoint (--save of mfsdp-pretrain, -sft, -grpo; mfsdp-ckpt import-hf: a save folder, read at "
+                 "its latest iteration, or an iteration folder, a bare PyTorch dcp.save folder included) or a "
+                 "Hugging Face Llama or Qwen2 folder (config.json + model.safetensors or its index)")
+      ->required();
+  app.add_option("--model-config", model_config,
+                 "the model as a Hugging Face config.json, for a checkpoint that records none (a PyTorch dcp.save "
+                 "folder)")
+      ->check(CLI::ExistingFile);
+  auto* text = app.add_option("--prompt", prompt, "the prompt as text (needs the model's text tokenizer)");
+  auto* ids = app.add_option("--prompt-ids", prompt_ids, "the prompt as token ids, e.g. 5,17,99")->check(check_ids);
+  text->excludes(ids);
+  app.add_option("--max-new-tokens", g.max_new_tokens, "tokens to generate at most")
+      ->check(CLI::Range(int64_t{0}, kMaxNewTokens))
+      ->capture_default_str();
+  app.add_flag("--greedy", g.greedy, "take the most likely token (else sample)");
+  app.add_option("--temperature", g.temperature, "sampling temperature")
+      ->check(CLI::Range(kMinTemperature, kMaxTemperature))
+      ->capture_default_str();
+  app.add_option("--top-k", g.top_k, "sample among the k most likely tokens (0: all)")
+      ->check(CLI::Range(int64_t{0}, kMaxTopK))
+      ->capture_default_str();
+  app.add_option("--top-p", g.top_p, "sample within the smallest set of tokens of this probability, in (0, 1]")
+      ->check(CLI::Range(std::numeric_limits<double>::min(), 1.0))
+      ->capture_default_str();
+  std::string seed = "0";  // parsed here: CLI11 wraps negative numbers and saturates large ones
+  app.add_option("--seed", seed, "seed of the sampling generator, 0 .. 2^64 - 1")
+      ->check([](const std::string& v) { return parse_seed(v) ? "" : "must be an integer in 0 .. 2^64 - 1"; },
+              "0 .. 2^64 - 1")
+      ->capture_default_str();
+  app.add_flag("--print-ids", print_ids, "print the generated token ids (comma-separated) instead of text");
+  app.add_option("--logits-out", logits_out,
+                 "also write the fp32 logits of one forward over the prompt, shape [1, prompt tokens, vocab], as "
+                 "tensor \"logits\" of a safetensors file");
+  app.add_option("--vocab-file", vocab_file, "GPT2BPETokenizer models: the vocabulary file");
+  app.add_option("--merge-file", merge_file, "GPT2BPETokenizer models: the merges file");
+  app.add_option("--device", device_choice, "where the model runs: auto (the GPU when there is one), cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
   try {
-    for (int i = 1; i < argc; ++i) {
-      std::string flag = argv[i];
-      auto value = [&]() -> std::string {
-        if (i + 1 >= argc) usage_error(flag + " needs a value");
-        return argv[++i];
-      };
-      auto number = [&](const std::string& v) {
-        try {
-          return std::stod(v);
-        } catch (const std::exception&) {
-          usage_error(flag + ": '" + v + "' is not a number");
-        }
-      };
-      if (flag == "--help" || flag == "-h") {
-        std::cout
-            << "usage: mfsdp-generate --model DIR (--prompt TEXT | --prompt-ids 1,2,3) [--max-new-tokens N]\n"
-               "           [--greedy] [--temperature T] [--top-k K] [--top-p P] [--seed S] [--print-ids]\n"
-               "           [--logits-out FILE] [--vocab-file V --merge-file M] [--device auto|cpu|cuda]\n"
-               "  --model DIR        a checkpoint (--save of mfsdp-pretrain, -sft, -grpo; mfsdp-ckpt import-hf:\n"
-               "                     the save folder, read at its latest iteration, or an iter_NNNNNNN folder) or\n"
-               "                     a Hugging Face Llama or Qwen2 folder (--export-hf, mfsdp-ckpt export-hf:\n"
-               "                     config.json + model.safetensors or model.safetensors.index.json)\n"
-               "  --model-config F   the model as a Hugging Face config.json, for a checkpoint that records none\n"
-               "                     (a PyTorch dcp.save folder)\n"
-               "  --device D         where the model runs: auto (the GPU when there is one), cpu or cuda\n"
-               "  --print-ids        print the generated token ids (comma-separated) instead of text\n"
-               "  --logits-out FILE  also write the fp32 logits of one forward over the prompt, shape\n"
-               "                     [1, prompt tokens, vocab], as tensor \"logits\" of a safetensors file\n";
-        return 0;
-      } else if (flag == "--model") model_dir = value();
-      else if (flag == "--model-config") model_config = value();
-      else if (flag == "--prompt") prompt = value();
-      else if (flag == "--prompt-ids") prompt_ids = value();
-      else if (flag == "--max-new-tokens") g.max_new_tokens = static_cast<int64_t>(number(value()));
-      else if (flag == "--greedy") g.greedy = true;
-      else if (flag == "--temperature") g.temperature = number(value());
-      else if (flag == "--top-k") g.top_k = static_cast<int64_t>(number(value()));
-      else if (flag == "--top-p") g.top_p = number(value());
-      else if (flag == "--seed") g.seed = static_cast<uint64_t>(number(value()));
-      else if (flag == "--print-ids") print_ids = true;
-      else if (flag == "--vocab-file") vocab_file = value();
-      else if (flag == "--merge-file") merge_file = value();
-      else if (flag == "--logits-out") logits_out = value();
-      else if (flag == "--device") device_choice = value();
-      else usage_error("unknown flag " + flag);
-    }
-    if (model_dir.empty()) usage_error("--model is required");
-    if (!model_config.empty() && !std::filesystem::is_regular_file(model_config))
-      usage_error("--model-config: '" + model_config + "' is not a file");
-    if (prompt.empty() == prompt_ids.empty()) usage_error("give exactly one of --prompt and --prompt-ids");
-  } catch (const std::exception& e) {
-    std::cerr << "mfsdp-generate: error: " << e.what() << std::endl;
+    app.parse(argc, argv);
+    g.seed = *parse_seed(seed);
+    if (prompt.empty() == prompt_ids.empty())
+      throw CLI::ValidationError("--prompt / --prompt-ids", "give exactly one of them");
+    if (vocab_file.empty() != merge_file.empty())
+      throw CLI::ValidationError("--vocab-file / --merge-file", "give both or neither");
+  } catch (const CLI::ParseError& e) {
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::cerr << "mfsdp-generate: error: " << e.what() << " (mfsdp-generate --help)" << std::endl;
     return 2;
   }
   try {

@@ -81,8 +81,9 @@ LoadedModel load_model(const std::string& path, const std::string& model_config_
   if (!is_checkpoint(path) && !is_hf_folder(path))
     throw std::invalid_argument(
         "'" + path + "' " + (fs::exists(path) ? "is neither" : "does not exist; a model is either") +
-        " a checkpoint (a save folder with latest_checkpointed_iteration.txt, or one iter_NNNNNNN folder of it, "
-        "from --save of mfsdp-pretrain, -sft or -grpo, or mfsdp-ckpt import-hf) nor a Hugging Face Llama folder "
+        " a checkpoint (a save folder with latest_checkpointed_iteration.txt, or one iteration folder with .metadata "
+        "or metadata.json, from --save of mfsdp-pretrain, -sft or -grpo, mfsdp-ckpt import-hf or PyTorch's "
+        "dcp.save) nor a Hugging Face Llama folder "
         "(config.json with model.safetensors or model.safetensors.index.json, from --export-hf or mfsdp-ckpt "
         "export-hf)");
   const TensorSource source(path);
