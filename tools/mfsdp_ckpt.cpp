@@ -155,8 +155,10 @@ int main(int argc, char** argv) {
   convert->add_option("--remove", transform.remove, "Drop tensors whose name fully matches REGEX (repeatable)")
       ->allow_extra_args(false)
       ->check(check_regex);
-  convert->add_option("--iteration", iteration, "Iteration of the written checkpoint (default 0)")
-      ->check(CLI::NonNegativeNumber);
+  // An iteration folder is iter_%07d; CLI11 saturates a number too large for int64 (1e20 would
+  // write iter_9223372036854775807), so the range bounds it.
+  convert->add_option("--iteration", iteration, "Iteration of the written checkpoint, 0 .. 999999999 (default 0)")
+      ->check(CLI::Range(int64_t{0}, int64_t{999999999}));
 
   auto* export_hf = app.add_subcommand("export-hf", "Write a Hugging Face LlamaForCausalLM folder from a checkpoint");
   export_hf->add_option("CKPT", a, "Checkpoint save folder or iter_NNNNNNN folder")->required();

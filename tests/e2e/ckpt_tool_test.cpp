@@ -818,6 +818,8 @@ TEST(CkptTool, BadUsageExitsTwoNamingTheProblem) {
       {"convert a b --rename nothing", "--rename"},
       {"convert a b --remove '('", "--remove"},
       {"convert a b --iteration -3", "--iteration"},
+      {"convert a b --iteration 1e20", "--iteration"},
+      {"convert a b --iteration 1000000000", "--iteration"},
       {"import-hf onlyone", "OUT_CKPT"},
   };
   for (const auto& c : cases) {
