@@ -75,6 +75,7 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   positive("--train-batch-size", a.train_batch_size);
   positive("--rollout-n", a.rollout_n);
   positive("--ppo-epochs", a.ppo_epochs);
+  if (a.ppo_epochs > 1024) flag_error("--ppo-epochs", "must be at most 1024, got " + std::to_string(a.ppo_epochs));
   if (a.ppo_mini_batch_size == 0) a.ppo_mini_batch_size = a.train_batch_size;
   if (a.ppo_mini_batch_size < 1 || a.train_batch_size % a.ppo_mini_batch_size != 0)
     flag_error("--ppo-mini-batch-size", std::to_string(a.ppo_mini_batch_size) + " does not divide --train-batch-size " +

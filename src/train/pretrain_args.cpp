@@ -22,6 +22,14 @@ namespace {
   throw std::invalid_argument(flag + ": " + what);
 }
 
+// Upper bounds where a larger value would allocate or loop without end, not train: ranks a
+// simulated run can play, a vocabulary (the largest of real models are ~256K ids), and the
+// samples the datasets index (train plus validation plus test; 2^32 covers any real run, ~4e12
+// tokens at 1K tokens per sample, and keeps the index arrays' sizes from overflowing).
+constexpr int64_t kMaxSimulatedWorldSize = int64_t{1} << 20;
+constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
+constexpr double kMaxDatasetSamples = 4294967296.0;
+
 struct Flag {
   std::string name;
   std::string help;
@@ -273,6 +281,10 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const Too
     }
     f.set(value);
   }
+  // Checked here, before trainer_main turns it into a rank count (an int).
+  if (args.simulate_world_size > kMaxSimulatedWorldSize)
+    bad("--simulate-world-size", "must be at most " + std::to_string(kMaxSimulatedWorldSize) + ", got " +
+                                     std::to_string(args.simulate_world_size));
   return args;
 }
 
@@ -312,6 +324,8 @@ void check_values(const PretrainArgs& a) {
   at_least("--ffn-hidden-size", static_cast<double>(a.ffn_hidden_size), 0);
   at_least("--max-position-embeddings", static_cast<double>(a.max_position_embeddings), 0);
   at_least("--vocab-size", static_cast<double>(a.vocab_size), 0);
+  if (a.vocab_size > kMaxVocabSize)
+    bad("--vocab-size", "must be at most " + std::to_string(kMaxVocabSize) + ", got " + std::to_string(a.vocab_size));
   at_least("--global-batch-size", static_cast<double>(a.global_batch_size), 0);
   at_least("--lr-decay-iters", static_cast<double>(a.lr_decay_iters), 0);
   at_least("--sample-tokens", static_cast<double>(a.sample_tokens), 0);
@@ -384,6 +398,16 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
                                "' (the prefix of a .bin/.idx pair, as mfsdp-preprocess writes it)");
   parse_split(a.split);  // throws naming --split
   validate_training_args(a, dp, tokenizer_vocab);
+  // The samples the train, validation and test datasets index (trainer.cpp), as doubles: the
+  // int64 products can overflow.
+  const double gbs = static_cast<double>(a.global_batch_size);
+  const double evals = a.skip_train ? 1.0 : static_cast<double>(a.train_iters / a.eval_interval + 1);
+  const double train = static_cast<double>(a.train_iters) * gbs, eval = (evals + 1) * a.eval_iters * gbs;
+  if (train + eval > kMaxDatasetSamples)
+    bad(eval > train ? "--eval-iters" : "--train-iters",
+        number(train) + " training and " + number(eval) + " validation and test samples (iterations x "
+        "--global-batch-size " + std::to_string(a.global_batch_size) + ") exceed the " +
+        number(kMaxDatasetSamples) + " the datasets can index");
 }
 
 void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {

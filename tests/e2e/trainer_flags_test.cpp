@@ -56,6 +56,7 @@ TEST(TrainerFlags, SftAndGrpoRefuseBadValuesBeforeAnyWork) {
   sft_files.replace(sft_files.find(" --gen-task arith"), 17, " --train-files /nonexistent/train.jsonl");
   expect_flag_error(kSft + sft_files, "--train-files: no such file: '/nonexistent/train.jsonl'");
   expect_flag_error(kGrpo + kGrpoFlags + " --temperature inf", "--temperature: expected a finite number");
+  expect_flag_error(kGrpo + kGrpoFlags + " --ppo-epochs 4294967296", "--ppo-epochs: must be at most 1024");
   expect_flag_error(kGrpo + kGrpoFlags + " --ref-load /nonexistent/ref --use-kl-loss", "--ref-load");
 }
 
