@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -142,6 +143,14 @@ struct CommOptions {
   std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
   // CUDA device index for the NCCL backend; -1: LOCAL_RANK.
   int device_index = -1;
+  // CPU backend: move the collectives' bulk data through one /dev/shm segment when every rank is
+  // on this host (docs/comm.md), else over TCP. Unset: on, unless the environment has
+  // MFSDP_SHM=0 (the variable is the fallback, for launch scripts and the tests' TCP runs).
+  std::optional<bool> shared_memory;
+  // CPU backend: the network interface ranks listen on ("eth0"). Empty: MFSDP_SOCKET_IFNAME, else
+  // GLOO_SOCKET_IFNAME (torch's), else loopback when every rank is on this node, else this host's
+  // name.
+  std::string socket_ifname;
 };
 
 // The tools' --device: "auto" (the GPU `local_rank` when this build has CUDA and the node has a

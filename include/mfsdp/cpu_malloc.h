@@ -10,10 +10,13 @@
 // than doubled). The heap is returned only when the process exits.
 #pragma once
 
+#include <optional>
+
 namespace mfsdp {
 
 // Sets glibc's M_MMAP_THRESHOLD to 32 MiB (its maximum) and M_TRIM_THRESHOLD to its maximum. Returns false (and changes
-// nothing) when the environment sets MFSDP_KEEP_FREED_MEMORY=0 or the C library is not glibc.
-bool keep_freed_cpu_memory();
+// nothing) when `keep` is false (unset: the environment's MFSDP_KEEP_FREED_MEMORY=0 says false; the
+// tools' --keep-freed-cpu-memory sets it) or the C library is not glibc.
+bool keep_freed_cpu_memory(std::optional<bool> keep = std::nullopt);
 
 }  // namespace mfsdp

@@ -18,6 +18,8 @@ namespace mfsdp {
 // A config.json that transformers loads as LlamaForCausalLM, or as Qwen2ForCausalLM when
 // cfg.attention_bias (q/k/v biases): architectures, model_type "llama" / "qwen2", the sizes,
 // rope_theta, rms_norm_eps, initializer_range, tie_word_embeddings, hidden_act "silu", head_dim,
+// (for a model without cfg.swiglu: hidden_act "gelu" and gated_mlp false, a checkpoint's
+// model_config only: require_hf_mlp refuses it for an HF folder),
 // attention_bias, rope_scaling null, torch_dtype ("float32", "bfloat16" or "float16"; anything
 // else throws std::invalid_argument); Llama: mlp_bias false; Qwen2: use_sliding_window false,
 // sliding_window null, max_window_layers. No bos/eos token ids: the model has no tokenizer
@@ -32,11 +34,17 @@ nlohmann::json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtyp
 // Required: vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 // max_position_embeddings. Optional with transformers' defaults: num_key_value_heads
 // (= num_attention_heads), rope_theta (10000), rms_norm_eps (1e-6), initializer_range (0.02),
-// tie_word_embeddings (false). Rejected: hidden_act other than "silu", rope_scaling other than
+// tie_word_embeddings (false), gated_mlp (true; false, as llama_hf_config writes it for
+// Megatron's GeLU MLP, with hidden_act "gelu"). Rejected: hidden_act other than "silu" (or
+// "gelu" with gated_mlp false), rope_scaling other than
 // null, attention_bias true on llama/mistral (it would also bias o_proj), mlp_bias true,
 // layer_types other than all "full_attention", head_dim != hidden_size / num_attention_heads.
 // Errors are std::invalid_argument naming the missing or invalid field; the result is validated.
 LlamaConfig llama_config_from_hf(const nlohmann::json& config);
+
+// Throws std::invalid_argument starting with `where` when `cfg` is not a model a Hugging Face
+// folder can hold (Megatron's GeLU MLP, cfg.swiglu false).
+void require_hf_mlp(const LlamaConfig& cfg, const std::string& where);
 
 // The names among `tensor_names` that are bias tensors ("...bias").
 std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_names);

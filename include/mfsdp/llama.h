@@ -15,7 +15,7 @@
 //   model.layers.{i}.self_attn.q_proj.bias        [nh*hd]   (only with attention_bias: Qwen2)
 //   model.layers.{i}.self_attn.{k,v}_proj.bias    [nkv*hd]  (only with attention_bias: Qwen2)
 //   model.layers.{i}.post_attention_layernorm.weight [H]
-//   model.layers.{i}.mlp.{gate,up}_proj.weight    [I, H]
+//   model.layers.{i}.mlp.{gate,up}_proj.weight    [I, H]   (gate_proj only with swiglu)
 //   model.layers.{i}.mlp.down_proj.weight         [H, I]
 //   model.norm.weight                             [H]
 //   lm_head.weight                                [V, H]   (absent when tie_word_embeddings:
@@ -65,6 +65,12 @@ struct LlamaConfig {
   // transformers' LlamaConfig.attention_bias, which also puts one on o_proj: hf_llama.h refuses
   // that.
   bool attention_bias = false;
+  // The MLP: true, Llama's SwiGLU, down_proj(silu(gate_proj(x)) * up_proj(x)); false, the MLP
+  // Megatron builds without --swiglu, down_proj(gelu(up_proj(x))) with the exact (erf) GeLU, no
+  // gate_proj (HF names as in Nemotron's non-gated MLP). Only SwiGLU models are Hugging Face
+  // Llama/Qwen2 models: hf_llama.h writes the other with hidden_act "gelu" and gated_mlp false
+  // for checkpoints and refuses it in an HF folder.
+  bool swiglu = true;
 
   int64_t head_dim() const { return hidden_size / num_attention_heads; }
   // Throws std::invalid_argument naming the field: every size positive, heads divide
@@ -72,6 +78,11 @@ struct LlamaConfig {
   // rope_theta > 0, rms_norm_eps >= 0, init_std >= 0.
   void validate() const;
 };
+
+// Megatron-LM's MLP width when --ffn-hidden-size is not given (its arguments.py): 4 x hidden,
+// or with --swiglu int(4 x hidden x 2/3 / 64) x 64, which keeps the three SwiGLU matrices near
+// the parameters of the two GeLU ones, at a multiple of 64. 0 for a SwiGLU hidden_size under 48.
+int64_t megatron_default_ffn_hidden_size(int64_t hidden_size, bool swiglu);
 
 // How the model is built (not part of the checkpointed config).
 struct LlamaOptions {
@@ -196,7 +207,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaAttention);
 
-// SwiGLU: down(silu(gate(x)) * up(x)).
+// SwiGLU: down(silu(gate(x)) * up(x)); without config.swiglu: down(gelu(up(x))), no gate.
 class LlamaMLPImpl : public torch::nn::Module {
  public:
   LlamaMLPImpl(const LlamaConfig& config, bool deferred);

@@ -94,6 +94,7 @@ at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir,
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(where + ": model_config: " + e.what());
   }
+  require_hf_mlp(cfg, where);
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const std::string& name : reader.tensor_names())
     if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = reader.shape(name);

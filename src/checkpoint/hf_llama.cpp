@@ -86,7 +86,8 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
   j["rms_norm_eps"] = cfg.rms_norm_eps;
   j["initializer_range"] = cfg.init_std;
   j["tie_word_embeddings"] = cfg.tie_word_embeddings;
-  j["hidden_act"] = "silu";
+  j["hidden_act"] = cfg.swiglu ? "silu" : "gelu";
+  if (!cfg.swiglu) j["gated_mlp"] = false;  // mfsdp's own field: no Hugging Face Llama has this MLP
   // Qwen2Config has no attention_bias field (its q/k/v biases are fixed); written anyway so that
   // a config compares field by field with another (transformers keeps unknown fields).
   j["attention_bias"] = cfg.attention_bias;
@@ -102,6 +103,12 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
   j["use_cache"] = true;
   j["torch_dtype"] = dtype;
   return j;
+}
+
+void require_hf_mlp(const LlamaConfig& cfg, const std::string& where) {
+  if (!cfg.swiglu)
+    throw std::invalid_argument(where + ": the model has Megatron's GeLU MLP (trained without --swiglu), which no "
+                                "Hugging Face Llama or Qwen2 has (their MLP is SwiGLU); it has no Hugging Face folder");
 }
 
 LlamaConfig llama_config_from_hf(const json& c) {
@@ -126,8 +133,14 @@ LlamaConfig llama_config_from_hf(const json& c) {
   cfg.init_std = optional_double(c, "initializer_range", 0.02);
   cfg.tie_word_embeddings = optional_bool(c, "tie_word_embeddings", false);
 
+  // gated_mlp false: a checkpoint's model_config of Megatron's GeLU MLP (a model trained without
+  // --swiglu); never in a Hugging Face folder.
+  cfg.swiglu = optional_bool(c, "gated_mlp", true);
+  const std::string act_expected = cfg.swiglu ? "silu" : "gelu";
   if (const json* act = find(c, "hidden_act")) {
-    if (!act->is_string() || act->get<std::string>() != "silu") bad("hidden_act", "only \"silu\" is supported, found " + act->dump());
+    if (!act->is_string() || act->get<std::string>() != act_expected)
+      bad("hidden_act", "only \"" + act_expected + "\" is supported" + (cfg.swiglu ? "" : " with gated_mlp false") +
+                            ", found " + act->dump());
   }
   if (const json* rs = find(c, "rope_scaling")) bad("rope_scaling", "RoPE scaling is not supported, found " + rs->dump());
   // transformers 5 writes the RoPE settings as {"rope_parameters": {"rope_theta": ..,

@@ -52,7 +52,8 @@ nlohmann::json llama_config_from_args(const nlohmann::json& args, std::ostream& 
   LlamaConfig c;
   c.num_layers = static_cast<int64_t>(num("num_layers"));
   c.hidden_size = static_cast<int64_t>(num("hidden_size"));
-  c.intermediate_size = num("ffn_hidden_size") > 0 ? static_cast<int64_t>(num("ffn_hidden_size")) : 4 * c.hidden_size;
+  c.intermediate_size = num("ffn_hidden_size") > 0 ? static_cast<int64_t>(num("ffn_hidden_size"))
+                                                  : megatron_default_ffn_hidden_size(c.hidden_size, /*swiglu=*/true);
   c.num_attention_heads = static_cast<int64_t>(num("num_attention_heads"));
   c.num_key_value_heads = args.value("group_query_attention", false) && num("num_query_groups") > 0
                               ? static_cast<int64_t>(num("num_query_groups"))

@@ -70,7 +70,7 @@ std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
                                                 const CommOptions& options) {
   const auto startup = options.rendezvous_timeout;
   if (options.backend == "gloo")
-    return make_cpu_communicator(connect_store(info, startup), info, options.timeout, startup);
+    return make_cpu_communicator(connect_store(info, startup), info, options);
   if (options.backend == "nccl") {
 #ifdef MFSDP_WITH_CUDA
     int device = options.device_index >= 0 ? options.device_index : info.local_rank;

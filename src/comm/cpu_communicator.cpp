@@ -43,10 +43,12 @@ std::string interface_address(const std::string& name, const char* variable) {
                   ": no network interface of that name with an IPv4 or IPv6 address");
 }
 
-// Where this rank listens for its peers: the interface named by MFSDP_SOCKET_IFNAME or
-// GLOO_SOCKET_IFNAME (torch's variable, so existing job scripts keep working), else loopback
-// when all ranks are on this node (no name resolution needed), else this host's name.
-std::string bind_host(const RendezvousInfo& info) {
+// Where this rank listens for its peers: the interface `ifname` names (CommOptions::socket_ifname),
+// else MFSDP_SOCKET_IFNAME's or GLOO_SOCKET_IFNAME's (torch's variable, so existing job scripts
+// keep working), else loopback when all ranks are on this node (no name resolution needed), else
+// this host's name.
+std::string bind_host(const RendezvousInfo& info, const std::string& ifname) {
+  if (!ifname.empty()) return interface_address(ifname, "socket_ifname");
   for (const char* variable : {"MFSDP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
     const char* ifname = std::getenv(variable);
     if (ifname != nullptr && *ifname != '\0') return interface_address(ifname, variable);
@@ -114,14 +116,17 @@ class CpuCommunicator : public Communicator {
  public:
   // `connect_timeout` bounds connecting to the peers (the world's: start-up, see
   // CommOptions::rendezvous_timeout; a sub-group's: `timeout`), `timeout` every collective.
+  // `shared_memory`: bulk data through /dev/shm (when the ranks share this host); sub-groups
+  // inherit it.
   CpuCommunicator(c10::intrusive_ptr<c10d::Store> store, std::string bind_host, int rank,
                   std::vector<int> global_ranks, std::chrono::milliseconds timeout,
-                  std::chrono::milliseconds connect_timeout)
+                  std::chrono::milliseconds connect_timeout, bool shared_memory)
       : store_(std::move(store)),
         bind_host_(std::move(bind_host)),
         rank_(rank),
         global_ranks_(std::move(global_ranks)),
-        timeout_(timeout) {
+        timeout_(timeout),
+        shared_memory_(shared_memory) {
     const int size = static_cast<int>(global_ranks_.size());
     if (size > 1) {
       try {
@@ -133,7 +138,7 @@ class CpuCommunicator : public Communicator {
                         e.what());
       }
       // Ranks on one host move the bulk data through shared memory (shm_exchange.h).
-      shm_ = ShmExchange::connect(*store_, rank_, size, connect_timeout);
+      shm_ = ShmExchange::connect(*store_, rank_, size, connect_timeout, shared_memory_);
     }
   }
 
@@ -184,7 +189,7 @@ class CpuCommunicator : public Communicator {
     GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(plan.store_prefix, store_);
     return std::make_shared<CpuCommunicator>(prefixed, bind_host_, plan.my_index,
-                                             std::move(plan.global_ranks), timeout_, timeout_);
+                                             std::move(plan.global_ranks), timeout_, timeout_, shared_memory_);
   }
 
  private:
@@ -467,8 +472,9 @@ class CpuCommunicator : public Communicator {
   int rank_;
   std::vector<int> global_ranks_;  // global rank of each rank of this communicator
   std::chrono::milliseconds timeout_;
+  bool shared_memory_;
   std::unique_ptr<TcpMesh> mesh_;     // null when alone
-  std::unique_ptr<ShmExchange> shm_;  // null: not all ranks on one host (or MFSDP_SHM=0)
+  std::unique_ptr<ShmExchange> shm_;  // null: not all ranks on one host, or shared memory off
 
   // Touched only by the caller's thread.
   uint64_t next_seq_ = 1;
@@ -491,14 +497,15 @@ int64_t cpu_bytes_sent(const Communicator& comm) {
 }
 
 std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const RendezvousInfo& info,
-                                                    std::chrono::milliseconds timeout,
-                                                    std::chrono::milliseconds connect_timeout) {
+                                                    const RendezvousInfo& info, const CommOptions& options) {
   std::vector<int> globals(info.world_size);
   for (int i = 0; i < info.world_size; ++i) globals[i] = i;
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("mfsdp/gloo/world", store);
-  return std::make_shared<CpuCommunicator>(prefixed, bind_host(info), info.rank,
-                                           std::move(globals), timeout, connect_timeout);
+  const char* env = std::getenv("MFSDP_SHM");
+  const bool shared_memory = options.shared_memory.value_or(!(env != nullptr && std::string(env) == "0"));
+  return std::make_shared<CpuCommunicator>(prefixed, bind_host(info, options.socket_ifname), info.rank,
+                                           std::move(globals), options.timeout, options.rendezvous_timeout,
+                                           shared_memory);
 }
 
 }  // namespace mfsdp

@@ -13,9 +13,9 @@
 // transport (c10d's ProcessGroupGloo had no reduce-scatter, no flat all-gather and no bf16), and
 // that transport is small enough to own.
 //
-// Addresses: GLOO_SOCKET_IFNAME (or MFSDP_SOCKET_IFNAME, which wins) names the interface whose
-// address ranks listen on; otherwise the loopback address when all ranks are on one node, else
-// this host's name.
+// Addresses: CommOptions::socket_ifname (else MFSDP_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME) names
+// the interface whose address ranks listen on; otherwise the loopback address when all ranks are
+// on one node, else this host's name.
 #pragma once
 
 #include <chrono>
@@ -29,13 +29,13 @@
 
 namespace mfsdp {
 
-// Connects every rank of `info` through `store` (see store.h) within `connect_timeout` and
-// returns the world communicator, whose collectives time out after `timeout`. Its keys live
-// under "mfsdp/gloo/", so the store can be shared.
+// Connects every rank of `info` through `store` (see store.h) within
+// options.rendezvous_timeout and returns the world communicator, whose collectives time out
+// after options.timeout; options.shared_memory and options.socket_ifname as comm.h says (the
+// environment variables only where they are unset). Its keys live under "mfsdp/gloo/", so the
+// store can be shared.
 std::shared_ptr<Communicator> make_cpu_communicator(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const RendezvousInfo& info,
-                                                    std::chrono::milliseconds timeout,
-                                                    std::chrono::milliseconds connect_timeout);
+                                                    const RendezvousInfo& info, const CommOptions& options);
 
 // Payload bytes `comm` (a CPU communicator) has put on its links so far: TCP messages plus what
 // it wrote into shared-memory slots for its peers; -1 for any other communicator. For tests and

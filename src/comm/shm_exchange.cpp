@@ -78,9 +78,8 @@ struct ShmExchange::Header {
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared counters need lock-free atomics");
 
 std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, int rank, int size,
-                                                  std::chrono::milliseconds timeout) {
-  const char* env = std::getenv("MFSDP_SHM");
-  const bool wanted = size > 1 && !(env != nullptr && std::string(env) == "0");
+                                                  std::chrono::milliseconds timeout, bool enabled) {
+  const bool wanted = size > 1 && enabled;
   const int64_t slot_bytes = slot_bytes_for(size);
   const size_t header = Header::bytes(size);
   const size_t total = header + 2 * static_cast<size_t>(size) * static_cast<size_t>(slot_bytes);

@@ -32,9 +32,10 @@ class ShmExchange {
  public:
   // Collective over the `size` ranks sharing `store`: rank 0 creates the segment, the others map
   // it. Returns null on every rank unless every rank mapped the same segment (other hosts or IPC
-  // namespaces, no room in /dev/shm, or MFSDP_SHM=0 in the environment): then TCP carries all.
+  // namespaces, no room in /dev/shm, or !enabled, CommOptions::shared_memory): then TCP carries
+  // all.
   static std::unique_ptr<ShmExchange> connect(c10d::Store& store, int rank, int size,
-                                              std::chrono::milliseconds timeout);
+                                              std::chrono::milliseconds timeout, bool enabled);
   ~ShmExchange();
   ShmExchange(const ShmExchange&) = delete;
   ShmExchange& operator=(const ShmExchange&) = delete;

@@ -1,5 +1,5 @@
 // The building blocks: linear projection (a bias only for Qwen2's q/k/v), token embedding,
-// RMSNorm, SwiGLU MLP.
+// RMSNorm, the MLP (SwiGLU, or Megatron's GeLU MLP without --swiglu).
 #include <ATen/ATen.h>
 
 #include "mfsdp/llama.h"
@@ -36,12 +36,13 @@ at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool deferred) {
-  gate_proj = register_module("gate_proj", LlamaLinear(c.hidden_size, c.intermediate_size, deferred));
+  if (c.swiglu) gate_proj = register_module("gate_proj", LlamaLinear(c.hidden_size, c.intermediate_size, deferred));
   up_proj = register_module("up_proj", LlamaLinear(c.hidden_size, c.intermediate_size, deferred));
   down_proj = register_module("down_proj", LlamaLinear(c.intermediate_size, c.hidden_size, deferred));
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
+  if (!gate_proj) return down_proj(at::gelu(up_proj(x)));  // Megatron's default F.gelu: the erf form
   return down_proj(at::silu(gate_proj(x)) * up_proj(x));
 }
 

@@ -9,9 +9,9 @@
 
 namespace mfsdp {
 
-bool keep_freed_cpu_memory() {
+bool keep_freed_cpu_memory(std::optional<bool> keep) {
   const char* setting = std::getenv("MFSDP_KEEP_FREED_MEMORY");
-  if (setting != nullptr && std::strcmp(setting, "0") == 0) return false;
+  if (!keep.value_or(!(setting != nullptr && std::strcmp(setting, "0") == 0))) return false;
 #if defined(__GLIBC__)
   // Blocks below 32 MiB (glibc's largest mmap threshold; setting it also stops glibc from moving
   // it) come from the heap, where free() keeps them for the next step. Larger ones stay mmap'ed

@@ -14,6 +14,7 @@
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/gpt_dataset.h"
 #include "mfsdp/indexed_dataset.h"
+#include "mfsdp/llama.h"
 
 namespace mfsdp {
 namespace {
@@ -78,14 +79,17 @@ const std::vector<Flag>& flags() {
       // Model.
       INT_FLAG("--num-layers", num_layers, "decoder layers"),
       INT_FLAG("--hidden-size", hidden_size, "model width"),
-      INT_FLAG("--ffn-hidden-size", ffn_hidden_size, "MLP width (0: 4 x hidden)"),
+      INT_FLAG("--ffn-hidden-size", ffn_hidden_size,
+               "MLP width (0: Megatron's default, 4 x hidden, or with --swiglu int(4 x hidden x 2/3 / 64) x 64)"),
       INT_FLAG("--num-attention-heads", num_attention_heads, "attention heads"),
       BOOL_FLAG("--group-query-attention", group_query_attention, "grouped-query attention"),
       INT_FLAG("--num-query-groups", num_query_groups, "key/value heads with --group-query-attention"),
       INT_FLAG("--seq-length", seq_length, "tokens per sample"),
       INT_FLAG("--max-position-embeddings", max_position_embeddings, "longest position (0: --seq-length)"),
       STRING_FLAG("--normalization", normalization, "normalization layer", "RMSNorm"),
-      BOOL_FLAG("--swiglu", swiglu, "SwiGLU MLP (gate_proj, up_proj, down_proj)"),
+      BOOL_FLAG("--swiglu", swiglu,
+                "SwiGLU MLP (gate_proj, up_proj, down_proj), as Llama and Qwen2 have; without it Megatron's GeLU "
+                "MLP (up_proj, down_proj), which has no Hugging Face export"),
       STRING_FLAG("--position-embedding-type", position_embedding_type, "position embedding", "rope"),
       STRING_FLAG("--attention-backend", attention_backend,
                   "auto: at::scaled_dot_product_attention (the device's fused kernels); unfused: explicit "
@@ -216,6 +220,17 @@ const std::vector<Flag>& flags() {
       STRING_FLAG("--device", device,
                   "(mfsdp) where to train: auto (CUDA when a GPU is present; LOCAL_RANK picks it, NCCL), "
                   "cpu (the CPU communicator) or cuda", "auto", "cpu", "cuda"),
+      STRING_FLAG("--cpu-comm-shared-memory", cpu_comm_shared_memory,
+                  "(mfsdp) CPU backend: on, the collectives' bulk data through one /dev/shm segment when every "
+                  "rank is on this host; off, over TCP (unset: on, unless MFSDP_SHM=0)",
+                  "on", "off"),
+      STRING_FLAG("--socket-ifname", socket_ifname,
+                  "(mfsdp) CPU backend: the network interface ranks listen on, e.g. eth0 (unset: "
+                  "MFSDP_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME, else loopback on one node or the host name)"),
+      STRING_FLAG("--keep-freed-cpu-memory", keep_freed_cpu_memory,
+                  "(mfsdp) on: freed CPU blocks under 32 MiB stay in the process for the next step; off: glibc's "
+                  "defaults (unset: on, unless MFSDP_KEEP_FREED_MEMORY=0)",
+                  "on", "off"),
   };
   return table;
 }
@@ -397,6 +412,11 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
         bad("--data-path", "'" + a.data_path + "': no file '" + file +
                                "' (the prefix of a .bin/.idx pair, as mfsdp-preprocess writes it)");
   parse_split(a.split);  // throws naming --split
+  // mfsdp-pretrain's model is the flags' (SFT's and GRPO's may come from a checkpoint:
+  // starting_point checks theirs).
+  if (!a.export_hf.empty() && !a.swiglu)
+    bad("--export-hf", "needs --swiglu: without it the model has Megatron's GeLU MLP, which no Hugging Face Llama "
+                       "has (their MLP is SwiGLU)");
   validate_training_args(a, dp, tokenizer_vocab);
   // The samples the train, validation and test datasets index (trainer.cpp), as doubles: the
   // int64 products can overflow.
@@ -435,7 +455,12 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
   if (a.max_position_embeddings < a.seq_length)
     bad("--max-position-embeddings", "is smaller than --seq-length");
-  if (a.ffn_hidden_size == 0) a.ffn_hidden_size = 4 * a.hidden_size;
+  if (a.ffn_hidden_size == 0) {
+    a.ffn_hidden_size = megatron_default_ffn_hidden_size(a.hidden_size, a.swiglu);
+    if (a.ffn_hidden_size == 0)
+      bad("--ffn-hidden-size", "is needed: Megatron's default with --swiglu, int(4 x --hidden-size " +
+                                   std::to_string(a.hidden_size) + " x 2/3 / 64) x 64, is 0");
+  }
   if (!a.recompute_granularity.empty() && !a.recompute_activations) a.recompute_activations = true;
   if (a.train_iters < 0) bad("--train-iters", "must be >= 0");
   if (a.train_iters == 0 && !a.skip_train && !a.memory_plan) bad("--train-iters", "is required (or --skip-train)");
@@ -483,6 +508,14 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
                                     !a.export_hf.empty()))
     bad("--simulate-world-size", "cannot --save, --load, --export-hf or --sample-prompt: a simulated run "
                                  "holds one rank's shard only");
+  // The sample is written after training: a prompt no tokenizer here can encode must stop the
+  // run before it starts, not after it ends.
+  if (!a.sample_prompt.empty() && a.tokenizer_type != "ByteLevelTokenizer" && a.tokenizer_type != "GPT2BPETokenizer" &&
+      a.tokenizer_type != "HuggingFaceTokenizer")
+    bad("--sample-prompt", "needs a tokenizer that encodes text in this process (--tokenizer-type ByteLevelTokenizer, "
+                           "GPT2BPETokenizer or HuggingFaceTokenizer), not " +
+                               (a.tokenizer_type.empty() ? std::string("none (--vocab-size)") : a.tokenizer_type) +
+                               "; or sample afterwards with mfsdp-generate --prompt-ids");
   if (a.fsdp_double_buffer && a.fsdp_trace_pool) bad("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
   if (a.override_opt_param_scheduler && a.use_checkpoint_opt_param_scheduler)
     bad("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
@@ -519,6 +552,16 @@ std::vector<std::string> pretrain_inert_flag_notices(const PretrainArgs& a, bool
     throw std::invalid_argument(
         "--use-nccl-ub: NCCL user-buffer registration (ncclMemAlloc + ncclCommRegister of the FSDP "
         "buffers) is not supported by mfsdp yet; run without --use-nccl-ub");
+  // Megatron accepts the files of another tokenizer and ignores them; so does mfsdp, saying so.
+  const std::string tokenizer = a.tokenizer_type.empty() ? "none (--vocab-size)" : a.tokenizer_type;
+  for (auto [flag, value] : {std::pair{"--vocab-file", &a.vocab_file}, {"--merge-file", &a.merge_file}})
+    if (!value->empty() && a.tokenizer_type != "GPT2BPETokenizer")
+      notes.push_back(std::string(flag) + " has no effect: only GPT2BPETokenizer reads it (--tokenizer-type is " +
+                      tokenizer + ")");
+  if (!a.tokenizer_model.empty() && a.tokenizer_type != "SentencePieceTokenizer" &&
+      a.tokenizer_type != "HuggingFaceTokenizer")
+    notes.push_back("--tokenizer-model has no effect: only SentencePieceTokenizer and HuggingFaceTokenizer read it "
+                    "(--tokenizer-type is " + tokenizer + ")");
   if (a.no_gradient_accumulation_fusion)
     notes.push_back("--no-gradient-accumulation-fusion has no effect: there is no fused weight-gradient kernel here");
   if (a.use_megatron_fsdp)

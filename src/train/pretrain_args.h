@@ -16,14 +16,14 @@ struct PretrainArgs {
   // Model.
   int64_t num_layers = 2;
   int64_t hidden_size = 64;
-  int64_t ffn_hidden_size = 0;  // 0: 4 x hidden (Megatron), or Llama's 8/3 rounding with --swiglu
+  int64_t ffn_hidden_size = 0;  // 0: Megatron's default, megatron_default_ffn_hidden_size (llama.h)
   int64_t num_attention_heads = 4;
   bool group_query_attention = false;
   int64_t num_query_groups = 1;
   int64_t seq_length = 64;
   int64_t max_position_embeddings = 0;  // 0: seq_length
   std::string normalization = "RMSNorm";
-  bool swiglu = false;
+  bool swiglu = false;  // as in Megatron: off builds the GeLU MLP (LlamaConfig::swiglu)
   std::string position_embedding_type = "rope";
   double rotary_base = 10000;
   bool untie_embeddings_and_output_weights = false;
@@ -111,6 +111,10 @@ struct PretrainArgs {
   // peer may keep a rank waiting; fractions of a minute are allowed here.
   double distributed_timeout_minutes = 10;
   std::string device = "auto";
+  // "on", "off" or "" (unset: the environment variable decides, docs/comm.md).
+  std::string cpu_comm_shared_memory;  // CommOptions::shared_memory (MFSDP_SHM)
+  std::string socket_ifname;           // CommOptions::socket_ifname (MFSDP_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)
+  std::string keep_freed_cpu_memory;   // keep_freed_cpu_memory() (MFSDP_KEEP_FREED_MEMORY)
   std::string attention_backend = "auto";  // auto: SDPA; unfused: the explicit math path  // (mfsdp) auto, cpu or cuda: where the model trains
 
   // Simulated scale (ours): this single process plays one rank of a larger job.

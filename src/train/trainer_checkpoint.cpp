@@ -28,6 +28,7 @@ void check_model_config(const nlohmann::json& saved, const LlamaConfig& run, con
       {"vocab_size", "--vocab-size / tokenizer (padded)"},
       {"hidden_size", "--hidden-size"},
       {"intermediate_size", "--ffn-hidden-size"},
+      {"hidden_act", "--swiglu (silu: SwiGLU; gelu: Megatron's MLP without --swiglu)"},
       {"num_hidden_layers", "--num-layers"},
       {"num_attention_heads", "--num-attention-heads"},
       {"num_key_value_heads", "--num-query-groups"},

@@ -48,7 +48,10 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
     return 2;
   }
   try {
-    keep_freed_cpu_memory();  // steps reuse freed CPU blocks instead of faulting in fresh pages
+    // "on" / "off" / unset (the environment variable decides).
+    auto on_off = [](const std::string& v) { return v.empty() ? std::nullopt : std::optional<bool>(v == "on"); };
+    // Steps reuse freed CPU blocks instead of faulting in fresh pages.
+    keep_freed_cpu_memory(on_off(args->keep_freed_cpu_memory));
     // ranks x threads <= cores on this node, unless OMP_NUM_THREADS says otherwise.
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     const char* omp = std::getenv("OMP_NUM_THREADS");
@@ -65,6 +68,8 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
         std::chrono::milliseconds(std::llround(args->distributed_timeout_minutes * 60000.0));
     comm_options.rendezvous_timeout = std::max(comm_options.rendezvous_timeout, comm_options.timeout);
     if (device.is_cuda()) comm_options.device_index = device.index();
+    comm_options.shared_memory = on_off(args->cpu_comm_shared_memory);
+    comm_options.socket_ifname = args->socket_ifname;
     auto comm = args->simulate_world_size > 0
                     ? make_simulated_communicator(static_cast<int>(args->simulate_rank),
                                                   static_cast<int>(args->simulate_world_size), device)

@@ -31,6 +31,7 @@ LlamaConfig llama_config_from_args(const PretrainArgs& a) {
   c.rms_norm_eps = a.norm_epsilon;
   c.tie_word_embeddings = !a.untie_embeddings_and_output_weights;
   c.init_std = a.init_method_std;
+  c.swiglu = a.swiglu;
   c.validate();
   return c;
 }
@@ -103,6 +104,7 @@ StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, 
     p.description = "new model from the flags (seed " + std::to_string(a.seed) + ")";
     return p;
   }
+  if (!a.export_hf.empty()) require_hf_mlp(p.config, "--export-hf (" + p.description + ")");
   if (tokenizer_vocab > p.config.vocab_size)
     throw std::invalid_argument("--tokenizer-type: the tokenizer has " + std::to_string(tokenizer_vocab) +
                                 " ids but the model (" + p.description + ") only " +
@@ -409,6 +411,7 @@ namespace {
 void export_hf_folder(const PretrainArgs& a, const LlamaConfig& config,
                       const std::map<std::string, at::Tensor>& state, std::ostream& log) {
   namespace fs = std::filesystem;
+  require_hf_mlp(config, "--export-hf");
   const at::ScalarType dtype = a.bf16 ? at::kBFloat16 : at::kFloat;
   fs::create_directories(a.export_hf);
   {

@@ -62,6 +62,26 @@ MFSDP_DIST_TEST(ShmExchange, MappedOnOneHostAndUnlinked, {1, 2, 3}) {
   EXPECT_TRUE(at::equal(t, at::full({8}, comm.size(), at::kFloat)));
 }
 
+// CommOptions::shared_memory wins over MFSDP_SHM: set to the opposite of what the variable says
+// (this test runs with it unset and, as Tcp.ShmExchange.*, with MFSDP_SHM=0).
+static mfsdp::testing::DistOptions option_against_the_variable() {
+  mfsdp::testing::DistOptions o;
+  o.world_sizes = {2};
+  o.shared_memory = shm_disabled();
+  return o;
+}
+
+MFSDP_DIST_TEST_OPTS(ShmExchange, MappedOrNotAsTheOptionSaysWhateverTheVariable, option_against_the_variable()) {
+  at::Tensor t = at::ones({8});
+  comm.all_reduce(t);
+  const std::string line = mapping("/dev/shm/mfsdp-");
+  if (shm_disabled())
+    EXPECT_NE(line, "") << "CommOptions::shared_memory true, MFSDP_SHM=0: no segment mapped";
+  else
+    EXPECT_EQ(line, "") << "CommOptions::shared_memory false: mapped " << line;
+  EXPECT_TRUE(at::equal(t, at::full({8}, 2, at::kFloat)));
+}
+
 MFSDP_DIST_TEST(ShmExchange, LargeUnevenCollectivesSpanManyRounds, {2, 3}) {
   const int world = comm.size(), rank = comm.rank();
   const auto counts = large_counts(world);

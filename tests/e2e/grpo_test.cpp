@@ -30,7 +30,7 @@ const std::string kGrpo = MFSDP_GRPO_BIN_PATH;
 
 const std::string kFlags =
     " --device cpu --tokenizer-type ByteLevelTokenizer --make-vocab-size-divisible-by 1 --num-layers 2"
-    " --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 48 --gen-task arith --gen-train-size 64"
+    " --hidden-size 32 --num-attention-heads 4 --swiglu --ffn-hidden-size 48 --gen-task arith --gen-train-size 64"
     " --gen-val-size 8 --max-prompt-length 32 --max-response-length 8 --train-batch-size 4 --rollout-n 4"
     " --entropy-coeff 0.01 --optimizer sgd --lr 0.1 --sgd-momentum 0 --clip-grad 0 --seed 5 --log-interval 1"
     " --eval-interval 1000";

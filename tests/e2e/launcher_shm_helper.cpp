@@ -16,7 +16,7 @@ int main() {
   std::printf("creating the segment\n");
   std::fflush(stdout);
   try {
-    auto exchange = mfsdp::ShmExchange::connect(*store, 0, 2, std::chrono::seconds(120));
+    auto exchange = mfsdp::ShmExchange::connect(*store, 0, 2, std::chrono::seconds(120), /*enabled=*/true);
   } catch (const std::exception& error) {
     std::printf("gave up: %s\n", error.what());
     return 1;

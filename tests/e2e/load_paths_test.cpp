@@ -37,7 +37,7 @@ const std::string kPretrain =
 
 const std::string kTinyChatModel =
     " --device cpu --tokenizer-type ByteLevelTokenizer --make-vocab-size-divisible-by 1 --num-layers 2"
-    " --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 48 --seed 5 --log-interval 1 --gen-task arith"
+    " --hidden-size 32 --num-attention-heads 4 --swiglu --ffn-hidden-size 48 --seed 5 --log-interval 1 --gen-task arith"
     " --gen-train-size 64 --gen-seed 3";
 const std::string kSft = kRun + MFSDP_SFT_BIN_PATH + kTinyChatModel +
                          " --max-length 64 --micro-batch-size 8 --lr 3e-3 --gen-val-size 16 --eval-iters 1"
@@ -132,6 +132,30 @@ TEST(LoadPaths, PretrainResumesFromEveryPathThatNamesACheckpoint) {
     expect_contains(r, "WARNING: --load " + path, path);
     expect_contains(r, "training starts from scratch", path);
   }
+}
+
+// kPretrain has no --swiglu: Megatron's GeLU MLP (up_proj, down_proj; the math is checked in
+// tests/unit/megatron_model_flags_test.cpp). Its checkpoint says so, a run whose flags describe
+// the SwiGLU model is refused naming --swiglu, and it has no Hugging Face export.
+TEST(LoadPaths, AModelWithoutSwigluKeepsItsGeluMlpThroughItsCheckpoint) {
+  TempDir dir("mfsdp-gelu");
+  const std::string save = dir.file("save");
+  expect_ok(kPretrain + " --train-iters 2 --save " + save);
+  const CommandOutcome listed = expect_ok(std::string(MFSDP_CKPT_BIN_PATH) + " inspect " + save);
+  expect_contains(listed, "model.layers.0.mlp.up_proj.weight", "inspect");
+  expect_contains(listed, "model.layers.0.mlp.down_proj.weight", "inspect");
+  EXPECT_EQ(listed.output.find("gate_proj"), std::string::npos) << listed.output;
+
+  const CommandOutcome swiglu = run_command(kPretrain + " --swiglu --load " + save);
+  EXPECT_NE(swiglu.exit_code, 0) << swiglu.output;
+  expect_contains(swiglu, "model_config.hidden_act is \"gelu\", this run has \"silu\" (--swiglu", "--swiglu");
+
+  const std::string hf = dir.file("hf");
+  const CommandOutcome exported = run_command(std::string(MFSDP_CKPT_BIN_PATH) + " export-hf " + save + " " + hf);
+  EXPECT_NE(exported.exit_code, 0) << exported.output;
+  expect_contains(exported, "Megatron's GeLU MLP (trained without --swiglu)", "export-hf");
+  EXPECT_FALSE(fs::exists(hf)) << "a refused export wrote " << hf;
+  expect_refused(kPretrain + " --export-hf " + hf, "--export-hf: needs --swiglu");
 }
 
 TEST(LoadPaths, SftGrpoGenerateAndCkptTakeIterationFoldersAndRefuseNothingToLoad) {

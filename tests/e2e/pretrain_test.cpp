@@ -102,6 +102,18 @@ TEST(Pretrain, RecomputeAndDeferredInitKeepTheLosses) {
   expect_same(train_losses(2, " --init-model-with-meta-device"), base, "deferred init");
   // SDPA (the default) against the explicit math path.
   expect_same(train_losses(2, " --attention-backend unfused"), base, "unfused attention");
+  // The environment's options as flags: collectives over TCP on the loopback interface, glibc's
+  // malloc defaults.
+  expect_same(train_losses(2, " --cpu-comm-shared-memory off --socket-ifname lo --keep-freed-cpu-memory off"), base,
+              "TCP on lo");
+}
+
+// --socket-ifname reaches the communicator: an interface this host lacks is named.
+TEST(Pretrain, SocketInterfaceFlagNamesAMissingInterface) {
+  Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node 2 " + bin("MFSDP_PRETRAIN_BIN") + kModel +
+                  " --train-iters 2 --socket-ifname nosuch0");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("socket_ifname=nosuch0: no network interface of that name"), std::string::npos) << r.output;
 }
 
 // The per-rank bytes of "memory per rank (MiB): model weights ..., transient peak ..." (without
@@ -175,6 +187,17 @@ TEST(Pretrain, MemoryPlanPrintsWhatTheRunHolds) {
 // Every bad value exits 2 before the communicator, model or data exist (the " device:" line is
 // printed once the communicator is up), naming the flag and the value, never an internal field
 // of the model, optimizer or schedule.
+// Files of a tokenizer the run does not use are accepted, as Megatron does, and said to do nothing.
+TEST(Pretrain, FilesOfAnotherTokenizerAreNotedAsIgnored) {
+  Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node 1 " + bin("MFSDP_PRETRAIN_BIN") + kModel +
+                  " --train-iters 2 --vocab-file /nonexistent/vocab.json --merge-file /nonexistent/merges.txt"
+                  " --tokenizer-model /nonexistent/tokenizer.model");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  for (const char* note : {"note: --vocab-file has no effect: only GPT2BPETokenizer reads it (--tokenizer-type is none",
+                           "note: --merge-file has no effect", "note: --tokenizer-model has no effect"})
+    EXPECT_NE(r.output.find(note), std::string::npos) << note << "\n" << r.output;
+}
+
 TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
   const std::string pretrain = bin("MFSDP_PRETRAIN_BIN");
   std::string on_data = kModel;
@@ -189,6 +212,8 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --num-attention-heads 5", "--hidden-size"},
       {kModel + " --device tpu", "--device"},
       {kModel + " --attention-backend flash", "--attention-backend"},
+      {kModel + " --cpu-comm-shared-memory maybe", "--cpu-comm-shared-memory: 'maybe' is not one of: on, off"},
+      {kModel + " --keep-freed-cpu-memory 0", "--keep-freed-cpu-memory"},
       // Values that used to pass parsing and fail (or do nothing) later.
       {kModel + " --clip-grad -1", "--clip-grad: must be >= 0, got -1"},
       {kModel + " --seed -1", "--seed: must be in [0, 4294967295], got -1"},
@@ -219,6 +244,10 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --max-position-embeddings -1", "--max-position-embeddings"},
       {kModel + " --hidden-size 36", "--num-attention-heads: gives an odd head size 9"},
       {kModel + " --sample-prompt hi --sample-tokens -1", "--sample-tokens"},
+      // Mock data with no tokenizer: the sample would have been skipped after the whole run.
+      {kModel + " --sample-prompt hi", "--sample-prompt: needs a tokenizer that encodes text"},
+      {kModel + " --swiglu --ffn-hidden-size 0 --hidden-size 16 --num-attention-heads 2",
+       "--ffn-hidden-size: is needed: Megatron's default with --swiglu"},
       {kModel + " --split abc", "--split"},
       {on_data, "--data-path"},
       {kModel + " --distributed-timeout-minutes 0", "--distributed-timeout-minutes"},

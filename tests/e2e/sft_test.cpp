@@ -33,7 +33,7 @@ constexpr int64_t kSeed = 11;
 const std::string kModel =
     " --device cpu --tokenizer-type ByteLevelTokenizer --make-vocab-size-divisible-by 1 --num-layers 2"
     " --hidden-size 32 --num-attention-heads 4 --group-query-attention --num-query-groups 2"
-    " --ffn-hidden-size 48 --max-length 64 --seed 11 --log-interval 1 --eval-interval 1000";
+    " --swiglu --ffn-hidden-size 48 --max-length 64 --seed 11 --log-interval 1 --eval-interval 1000";
 
 mfsdp::LlamaConfig model_config() {
   mfsdp::LlamaConfig c;

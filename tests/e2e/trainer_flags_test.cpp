@@ -22,7 +22,7 @@ const std::string kGrpo = MFSDP_GRPO_BIN_PATH;
 
 const std::string kModel =
     " --device cpu --tokenizer-type ByteLevelTokenizer --make-vocab-size-divisible-by 1 --num-layers 2"
-    " --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 48 --seed 5 --log-interval 1"
+    " --hidden-size 32 --num-attention-heads 4 --swiglu --ffn-hidden-size 48 --seed 5 --log-interval 1"
     " --eval-interval 1000 --train-iters 2";
 const std::string kSftFlags = kModel + " --max-length 64 --gen-task arith --gen-train-size 32 --gen-val-size 0";
 const std::string kGrpoFlags = kModel +

@@ -39,7 +39,7 @@ std::vector<nlohmann::json> run_tool(const std::string& binary, const std::strin
 
 const std::string kModel =
     " --tokenizer-type ByteLevelTokenizer --make-vocab-size-divisible-by 1 --num-layers 2 --hidden-size 32"
-    " --num-attention-heads 4 --ffn-hidden-size 48 --seed 3 --log-interval 1 --eval-interval 1000"
+    " --num-attention-heads 4 --swiglu --ffn-hidden-size 48 --seed 3 --log-interval 1 --eval-interval 1000"
     " --gen-task arith --gen-train-size 64 --gen-val-size 8";
 
 TEST(PostTrainingGpu, SftOnCudaFollowsTheCpuRun) {

@@ -32,6 +32,7 @@ void run_as_rank(const DistOptions& options, const std::function<void(Communicat
   CommOptions comm_options;
   comm_options.timeout = options.comm_timeout;
   comm_options.backend = options.backend;  // nccl: device_index -1 picks LOCAL_RANK's GPU
+  comm_options.shared_memory = options.shared_memory;
   auto comm = init_communicator(comm_options);
   body(*comm);
 }

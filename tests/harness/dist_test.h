@@ -17,6 +17,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,6 +39,8 @@ struct DistOptions {
   std::string shared_dir;
   // The ranks' communicator: "gloo" (CPU tensors) or "nccl" (rank r on GPU r; tests/gpu/).
   std::string backend = "gloo";
+  // CommOptions::shared_memory of the ranks' communicator (unset: MFSDP_SHM decides).
+  std::optional<bool> shared_memory;
 };
 
 // Options for tests of failures: these world sizes, collectives time out after 3 s.

@@ -162,7 +162,7 @@ void expect_tools_read_bare_fsdp2_folder(const std::string& bare, const std::str
   EXPECT_LE(max_diff(from_export[0], want), kLogitTol * scale) << "its Hugging Face export";
 
   // The trainers start from it with the model their flags describe (config(): untied, GQA 4/2).
-  const std::string model = " --device cpu --num-layers 2 --hidden-size 16 --ffn-hidden-size 24"
+  const std::string model = " --device cpu --num-layers 2 --hidden-size 16 --swiglu --ffn-hidden-size 24"
                             " --num-attention-heads 4 --group-query-attention --num-query-groups 2"
                             " --max-position-embeddings 64 --untie-embeddings-and-output-weights --log-interval 1"
                             " --train-iters 1 --eval-interval 1000 --seed 3";
