@@ -1,16 +1,22 @@
-// Sharded checkpoints in the fsdp_dtensor format (docs/checkpoints.md; byte-level description
-// in docs/checkpoints.md).
+// Sharded checkpoints (docs/checkpoints.md). The default format, fsdp_dtensor, is a PyTorch
+// Distributed Checkpoint with Megatron-FSDP's keys, which torch.distributed.checkpoint loads:
 //
 //   SAVE/latest_checkpointed_iteration.txt      "100"
-//   SAVE/iter_0000100/metadata.json             format, version, progress, args, and for every
-//                                               tensor its global shape, dtype and chunks
-//   SAVE/iter_0000100/rank_00000.safetensors    this rank's chunks: 1-D element ranges of the
-//   SAVE/iter_0000100/rank_00001.safetensors    flattened global tensors, named "<tensor>@<offset>"
+//   SAVE/iter_0000100/.metadata                 DCP's pickled Metadata: every entry's global
+//                                               shape, dtype and chunks (boxes), and where each
+//                                               chunk lies
+//   SAVE/iter_0000100/__0_0.distcp              what rank 0 wrote (its chunks, and the bytes
+//                                               entry "mfsdp_metadata": progress, args,
+//                                               model_config), __1_0.distcp rank 1's, ...
+//   SAVE/iter_0000100/.checksums.json           mfsdp's CRC-32C of .metadata and every entry
 //
-// Tensors: "model.<fqn>" (main weights, or model weights for frozen parameters),
-// "optimizer.state.<fqn>.<key>" (exp_avg, exp_avg_sq / momentum_buffer) and
-// "rng_state.rank<r>.cpu" (that rank's generator state). Each rank writes only what it holds,
-// each element once (replicas split the writing); loading reads, on every rank, just the element
+// --ckpt-format mfsdp writes the earlier format instead (metadata.json with the same
+// information, and rank_NNNNN.safetensors of 1-D element ranges named "<tensor>@<offset>");
+// every reader takes both. Tensors, by their canonical names: "model.<fqn>" (main weights, or
+// model weights for frozen parameters), "optimizer.state.<fqn>.<key>" (exp_avg, exp_avg_sq /
+// momentum_buffer) and "rng_state.rank<r>.cpu" (that rank's generator state); dcp_checkpoint.cpp
+// maps them to Megatron-FSDP's DCP keys and back. Each rank writes only what it holds, each
+// element once (replicas split the writing); loading reads, on every rank, just the element
 // ranges it owns now, so a checkpoint loads at another world size or with another strategy.
 //
 //   mfsdp::CheckpointInfo info{iteration, consumed_samples, args_json, config_json, sched_json};

@@ -50,8 +50,8 @@ std::string interface_address(const std::string& name, const char* variable) {
 std::string bind_host(const RendezvousInfo& info, const std::string& ifname) {
   if (!ifname.empty()) return interface_address(ifname, "socket_ifname");
   for (const char* variable : {"MFSDP_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"}) {
-    const char* ifname = std::getenv(variable);
-    if (ifname != nullptr && *ifname != '\0') return interface_address(ifname, variable);
+    const char* named = std::getenv(variable);
+    if (named != nullptr && *named != '\0') return interface_address(named, variable);
   }
   if (info.single_node()) return "127.0.0.1";
   char host[256] = {0};
