@@ -10,6 +10,7 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <tuple>
 
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/gpt_dataset.h"
@@ -30,6 +31,15 @@ namespace {
 constexpr int64_t kMaxSimulatedWorldSize = int64_t{1} << 20;
 constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
 constexpr double kMaxDatasetSamples = 4294967296.0;
+// The model's sizes, each far past the largest real model (Llama-3-405B: 126 layers, hidden
+// 16384, MLP 53248; million-token contexts), so that a typo is refused before the model is
+// built instead of ending in an allocator error or the kernel's OOM killer; and the tokens of
+// one micro-batch on a rank (64M; real runs hold at most a few hundred thousand).
+constexpr int64_t kMaxLayers = 1024;
+constexpr int64_t kMaxHiddenSize = int64_t{1} << 17;
+constexpr int64_t kMaxFfnHiddenSize = int64_t{1} << 20;
+constexpr int64_t kMaxSequenceLength = int64_t{1} << 22;
+constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 26;
 
 struct Flag {
   std::string name;
@@ -339,8 +349,13 @@ void check_values(const PretrainArgs& a) {
   at_least("--ffn-hidden-size", static_cast<double>(a.ffn_hidden_size), 0);
   at_least("--max-position-embeddings", static_cast<double>(a.max_position_embeddings), 0);
   at_least("--vocab-size", static_cast<double>(a.vocab_size), 0);
-  if (a.vocab_size > kMaxVocabSize)
-    bad("--vocab-size", "must be at most " + std::to_string(kMaxVocabSize) + ", got " + std::to_string(a.vocab_size));
+  for (auto [flag, value, max] :
+       {std::tuple{"--vocab-size", a.vocab_size, kMaxVocabSize}, {"--num-layers", a.num_layers, kMaxLayers},
+        {"--hidden-size", a.hidden_size, kMaxHiddenSize}, {"--ffn-hidden-size", a.ffn_hidden_size, kMaxFfnHiddenSize},
+        {"--seq-length", a.seq_length, kMaxSequenceLength},
+        {"--max-position-embeddings", a.max_position_embeddings, kMaxSequenceLength},
+        {"--sample-tokens", a.sample_tokens, kMaxSequenceLength}})
+    if (value > max) bad(flag, "must be at most " + std::to_string(max) + ", got " + std::to_string(value));
   at_least("--global-batch-size", static_cast<double>(a.global_batch_size), 0);
   at_least("--lr-decay-iters", static_cast<double>(a.lr_decay_iters), 0);
   at_least("--sample-tokens", static_cast<double>(a.sample_tokens), 0);
@@ -464,6 +479,10 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (!a.recompute_granularity.empty() && !a.recompute_activations) a.recompute_activations = true;
   if (a.train_iters < 0) bad("--train-iters", "must be >= 0");
   if (a.train_iters == 0 && !a.skip_train && !a.memory_plan) bad("--train-iters", "is required (or --skip-train)");
+  if (a.micro_batch_size > kMaxMicroBatchTokens / a.seq_length)
+    bad("--micro-batch-size", std::to_string(a.micro_batch_size) + " x --seq-length " + std::to_string(a.seq_length) +
+                                  " tokens per micro-batch and rank is more than " +
+                                  std::to_string(kMaxMicroBatchTokens));
   const int64_t per_micro = a.micro_batch_size * dp;
   if (a.global_batch_size == 0) a.global_batch_size = per_micro;
   if (a.global_batch_size % per_micro != 0)
@@ -485,9 +504,16 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
     bad(a.tokenizer_type.empty() ? "--tokenizer-type" : "--vocab-size",
         "no vocabulary: give --tokenizer-type (and its files), or --vocab-size with --mock-data");
   positive("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by);
+  if (a.make_vocab_size_divisible_by > kMaxVocabSize)
+    bad("--make-vocab-size-divisible-by", "must be at most " + std::to_string(kMaxVocabSize) + " (the largest "
+                                          "vocabulary), got " + std::to_string(a.make_vocab_size_divisible_by));
   const int64_t m = a.make_vocab_size_divisible_by;
   a.real_vocab_size = vocab;
   a.padded_vocab_size = (vocab + m - 1) / m * m;
+  if (a.padded_vocab_size > kMaxVocabSize)
+    bad("--make-vocab-size-divisible-by", "pads the vocabulary of " + std::to_string(vocab) + " to " +
+                                              std::to_string(a.padded_vocab_size) + ", more than " +
+                                              std::to_string(kMaxVocabSize));
   if (a.grad_reduce_in_bf16 && !a.bf16) bad("--grad-reduce-in-bf16", "needs --bf16");
   if (a.save_interval < 0) bad("--save-interval", "must be >= 0");
   if (a.save_interval > 0 && a.save.empty()) bad("--save-interval", "needs --save");
