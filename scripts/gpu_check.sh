@@ -35,6 +35,7 @@
 #
 # Environment: PYTHON [python3: the PyTorch to build against; also MFSDP_PYTHON of the tests]
 #   BUILD_DIR [build-gpu] DEB_PREFIX [.device/root] GPU_CHECK_BUDGET [570] CTEST_JOBS [4]
+#   REST_TESTS [all; a ctest -R regular expression: the rest of the suite is only those tests]
 #   GPU_BENCH [1; 0 skips the benchmarks] CB_ROUNDS [3] CB_MAX_BYTES [256M] (collectives)
 #   and gpu_step_time.sh's (LAYERS, HIDDEN, PRECISIONS, ITERS, ...), which pass through.
 # Exit status: 0 when the build and the GPU tier passed; 1 otherwise; 2 on bad usage.
@@ -303,9 +304,11 @@ fi
 t=$(allow 100000 10)
 if ((t >= 60)); then
   start=$SECONDS
-  total=$(cd "$BUILD_DIR" && ctest -N -LE gpu | sed -n 's/^Total Tests: //p')
+  only=()
+  [[ -n ${REST_TESTS:-} ]] && only=(-R "$REST_TESTS")
+  total=$(cd "$BUILD_DIR" && ctest -N -LE gpu "${only[@]}" | sed -n 's/^Total Tests: //p')
   stop=$(date -d "@$(($(date +%s) + t - 5))" +%H:%M:%S)
-  (cd "$BUILD_DIR" && timeout -k 5 "$t" ctest -LE gpu -j "$CTEST_JOBS" --timeout 300 --stop-time "$stop" \
+  (cd "$BUILD_DIR" && timeout -k 5 "$t" ctest -LE gpu "${only[@]}" -j "$CTEST_JOBS" --timeout 300 --stop-time "$stop" \
      --output-on-failure) >"$out/ctest_all.txt" 2>&1
   rc=$?
   log "rest of the suite (ctest -LE gpu -j $CTEST_JOBS, $total tests, $t s allowed): $(ctest_result "$out/ctest_all.txt"); $((SECONDS - start)) s, exit $rc"
