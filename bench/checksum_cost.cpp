@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/crc32c.h"
 #include "mfsdp/dataset_checksums.h"
 #include "mfsdp/dcp.h"
@@ -126,7 +127,7 @@ int main(int argc, char** argv) {
   const double t_data_verified = best_seconds(repeats, read_data);
   fs::rename(dsums, dsums + ".away");
   const double t_data_plain = best_seconds(repeats, read_data);
-  fs::remove_all(dir);
+  mfsdp::remove_tree(dir);
 
   const double gb = static_cast<double>(bytes) / 1e9;
   std::printf("checksum cost, %lld MiB, best of %d (1 thread, files %s)\n", static_cast<long long>(mib), repeats,

@@ -7,7 +7,7 @@
 #   bench/cpu_step_time.sh                                          # default model (below)
 #   LAYERS=12 HIDDEN=768 FFN=2048 HEADS=12 ITERS=8 WARMUP=2 bench/cpu_step_time.sh   # compute-bound
 #   LAYERS=1 HIDDEN=64 FFN=176 HEADS=4 ITERS=6 WARMUP=2 bench/cpu_step_time.sh       # smoke test
-#   RUNS="a b c d f g h k e p q" bench/cpu_step_time.sh                              # every run
+#   RUNS="a b c d f g h k x e p q" bench/cpu_step_time.sh                            # every run
 #
 # Runs (RUNS picks them; NPROC ranks, THREADS threads per rank; defaults 2 and 1):
 #   a  mfsdp, 1 rank x THREADS threads, BASELINE_STRATEGY (optim_grads_params): scaling baseline
@@ -17,6 +17,7 @@
 #   f  mfsdp, ZeRO-3, --fsdp-trace-pool;  g  mfsdp, ZeRO-3, --fsdp-double-buffer
 #   h  mfsdp, ZeRO-3 with MFSDP_SHM=0: collectives over loopback TCP instead of shared memory
 #   k  mfsdp, ZeRO-3 with MFSDP_KEEP_FREED_MEMORY=0: glibc's default of returning freed blocks
+#   x  mfsdp, ZeRO-3 with --optimizer-implementation fused (at::_fused_adamw_)
 #   e  PyTorch DDP over gloo (bench/torch_llama.py --impl ddp); bf16: torch.autocast
 #   p  PyTorch FSDP2 over gloo (bench/torch_llama.py --impl fsdp2: fully_shard per block and the
 #      root, reshard_after_forward=True); bf16: MixedPrecisionPolicy(bf16 params, fp32 reduce)
@@ -85,7 +86,7 @@ source "$ROOT/bench/step_time_model.sh"
 check_step_time_settings
 [[ $DEVICE == cpu || $DEVICE == cuda ]] || die "DEVICE=$DEVICE: expected cpu or cuda"
 for r in $RUNS; do
-  [[ $r =~ ^[abcdfghkepqr]$ ]] || die "RUNS: unknown run '$r' (known: a b c d f g h k e p q r)"
+  [[ $r =~ ^[abcdfghkxepqr]$ ]] || die "RUNS: unknown run '$r' (known: a b c d f g h k x e p q r)"
 done
 for p in $PRECISIONS; do
   [[ $p == fp32 || $p == bf16 ]] || die "PRECISIONS: unknown precision '$p' (fp32, bf16)"
@@ -149,6 +150,7 @@ run() {  # label round precision
     g) run_mfsdp g "$round" "$precision" "$NPROC" $zero3 --fsdp-double-buffer ;;
     h) RUN_ENV=MFSDP_SHM=0 run_mfsdp h "$round" "$precision" "$NPROC" $zero3 ;;
     k) RUN_ENV=MFSDP_KEEP_FREED_MEMORY=0 run_mfsdp k "$round" "$precision" "$NPROC" $zero3 ;;
+    x) run_mfsdp x "$round" "$precision" "$NPROC" $zero3 --optimizer-implementation fused ;;
     e) run_torch e "$round" "$precision" ddp ;;
     p) run_torch p "$round" "$precision" fsdp2 ;;
     q) RUN_ENV=GLIBC_TUNABLES=$KEEP_FREED_TUNABLES run_torch q "$round" "$precision" fsdp2 ;;

@@ -37,6 +37,7 @@ WHAT = {
     "g": ("mfsdp ZeRO-3, prefetch, --fsdp-double-buffer", n),
     "h": ("mfsdp ZeRO-3, prefetch, MFSDP_SHM=0 (loopback TCP)", n),
     "k": ("mfsdp ZeRO-3, MFSDP_KEEP_FREED_MEMORY=0 (glibc returns freed blocks)", n),
+    "x": ("mfsdp ZeRO-3, prefetch, --optimizer-implementation fused", n),
     "e": ("PyTorch DDP, %s" % backend, n),
     "p": ("PyTorch FSDP2 (fully_shard), %s" % backend, n),
     "q": ("PyTorch FSDP2, glibc keeping freed memory (GLIBC_TUNABLES)", n),
@@ -165,6 +166,8 @@ for precision in precisions:
     ratio("shared memory vs TCP b/h", "b", "h", precision, "> 1: the shared-memory path helps")
     ratio("trace pool b/f", "b", "f", precision, "> 1: plain allocation faster")
     ratio("double buffer b/g", "b", "g", precision, "> 1: plain allocation faster")
+    ratio("fused AdamW x/b", "x", "b", precision, "> 1: at::_fused_adamw_ faster")
+    ratio("ZeRO-3 with fused AdamW vs FSDP2 x/p", "x", "p", precision, "target >= 1.3")
 if "fp32" in precisions and "bf16" in precisions:
     for label in runs_wanted:
         a, b = res.get((label, "bf16")), res.get((label, "fp32"))

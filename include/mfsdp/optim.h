@@ -42,6 +42,11 @@ struct AdamWOptions {
   double beta2 = 0.999;
   double eps = 1e-8;
   double weight_decay = 0.01;  // decoupled (AdamW), applied to segments with weight_decay=true
+  // false: op for op as torch::optim::AdamW, so a sharded run reproduces single-process LibTorch
+  // training bit for bit. true: at::_fused_adamw_, the kernel of torch.optim.AdamW(fused=True)
+  // (one pass over weights, gradients and moments instead of nine): the same update up to the
+  // rounding of its fused arithmetic, which can differ by an ulp where a shard boundary moves.
+  bool fused = false;
 };
 
 struct SGDOptions {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <stdexcept>
 
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -197,7 +198,7 @@ bool CheckpointFileSystem::exchange(const std::string& a, const std::string& b) 
 
 void CheckpointFileSystem::remove_all(const std::string& path) {
   std::error_code ec;
-  fs::remove_all(path, ec);
+  remove_tree(path, ec);
   if (ec) throw std::runtime_error("checkpoint: cannot remove '" + path + "': " + ec.message());
 }
 

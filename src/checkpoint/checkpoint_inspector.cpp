@@ -1,6 +1,7 @@
 // checkpoint_inspector.py's read-only commands and modify-state-dict on DCP checkpoints
 // (include/mfsdp/checkpoint_inspector.h); convert-torch-dist-to-fsdp-dtensor is in
 // src/checkpoint/torch_dist_conversion.cpp.
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint_inspector.h"
 
 #include <ATen/ATen.h>
@@ -199,12 +200,11 @@ std::string print_dcp_in_json(const std::string& path, std::ostream& out) {
 
 void write_param_to_param_group_map(const std::string& dir, const std::map<std::string, int>& group_of_fqn) {
   const std::string tmp = dir + ".tmp";
-  fs::remove_all(tmp);
+  remove_tree(tmp);
   dcp::DirectoryWriter w(tmp);
   for (const auto& [fqn, group] : group_of_fqn) w.object("module.module." + fqn, group);
   w.finish();
-  std::error_code ec;
-  fs::remove_all(dir, ec);
+  remove_tree(dir);
   fs::rename(tmp, dir);
 }
 
@@ -227,7 +227,7 @@ void modify_dcp_state_dict(const std::string& in, const std::string& out_dir, co
   }
   if (fs::exists(out_dir)) throw std::invalid_argument("'" + out_dir + "' exists; choose a new output folder");
   const std::string tmp = out_dir + ".tmp";
-  fs::remove_all(tmp);
+  remove_tree(tmp);
   dcp::DirectoryWriter w(tmp);
   const dcp::Metadata& m = r.metadata();
   std::set<std::string> keys;

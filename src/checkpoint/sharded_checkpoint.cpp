@@ -9,6 +9,7 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/crc32c.h"
 
@@ -155,7 +156,7 @@ nlohmann::json base_metadata(const CheckpointInfo& info, int world_size, const D
 std::string prepare_tmp_dir(const std::string& save_dir, int64_t iteration) {
   const std::string tmp = checkpoint_iteration_dir(save_dir, iteration) + ".tmp";
   fs::create_directories(save_dir);
-  fs::remove_all(tmp);
+  remove_tree(tmp);
   fs::create_directory(tmp);
   return tmp;
 }

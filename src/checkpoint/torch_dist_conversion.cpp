@@ -11,6 +11,7 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
 #include "checkpoint/interop_util.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/checkpoint_inspector.h"
 #include "mfsdp/dcp.h"
@@ -128,7 +129,7 @@ void convert_torch_dist_to_fsdp_dtensor(const std::string& in, const std::string
   // SwiGLU fc1 keys, and where "_w" / "_v" go in them (after weight/bias: "weight_w.exp_avg").
   static const std::regex fc1(R"(\.mlp\.linear_fc1\.(weight|bias))"), suffix(R"(((?:weight|bias)\d*)(.*))");
   const std::string tmp = out_dir + ".tmp";
-  fs::remove_all(tmp);
+  remove_tree(tmp);
   dcp::DirectoryWriter w(tmp);
   std::set<std::string> model_keys, states;
   size_t index = 0;

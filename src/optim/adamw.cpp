@@ -1,11 +1,14 @@
 // AdamW over flat shards, op for op as torch::optim::AdamW (LibTorch 1.13, amsgrad off), so a
 // sharded run reproduces single-process training: each elementwise op below is the one torch
-// applies per parameter, applied here once per segment run instead.
+// applies per parameter, applied here once per segment run instead. With AdamWOptions::fused,
+// at::_fused_adamw_ (torch.optim.AdamW(fused=True)'s kernel, CPU and CUDA) updates the same runs
+// in one pass: the decay ranges in one call, the rest in another with weight decay 0.
 #include <ATen/ATen.h>
 
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
+#include <vector>
 
 #include "optim/shard_optimizer.h"
 
@@ -47,6 +50,7 @@ class AdamW final : public ShardOptimizer {
 
  private:
   void update(double lr, int64_t step) override {
+    if (options_.fused) return update_fused(lr, step);
     const double beta1 = options_.beta1, beta2 = options_.beta2;
     const double bias_correction1 = 1 - std::pow(beta1, step);
     const double bias_correction2 = 1 - std::pow(beta2, step);
@@ -75,6 +79,46 @@ class AdamW final : public ShardOptimizer {
         p.addcdiv_(m, denom, -step_size);
       }
     }
+  }
+
+  // Views of weights, gradients and moments for one _fused_adamw_ call.
+  struct FusedLists {
+    std::vector<at::Tensor> weights, grads, exp_avgs, exp_avg_sqs;
+    void add(const at::Tensor& w, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v, int64_t offset,
+             int64_t length) {
+      if (length == 0) return;
+      weights.push_back(w.narrow(0, offset, length));
+      grads.push_back(g.narrow(0, offset, length));
+      exp_avgs.push_back(m.narrow(0, offset, length));
+      exp_avg_sqs.push_back(v.narrow(0, offset, length));
+    }
+  };
+
+  void update_fused(double lr, int64_t step) {
+    FusedLists decay, no_decay;
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      const at::Tensor &w = shards_[i].main_weight, &g = shards_[i].main_grad;
+      for (const SegmentRun& run : runs_[i]) {
+        int64_t at = run.offset;  // the decay ranges lie inside the run, ascending
+        for (const ElementRange& r : run.decay) {
+          no_decay.add(w, g, exp_avg_[i], exp_avg_sq_[i], at, r.offset - at);
+          decay.add(w, g, exp_avg_[i], exp_avg_sq_[i], r.offset, r.length);
+          at = r.offset + r.length;
+        }
+        no_decay.add(w, g, exp_avg_[i], exp_avg_sq_[i], at, run.offset + run.length - at);
+      }
+    }
+    auto apply = [&](const FusedLists& lists, double weight_decay) {
+      if (lists.weights.empty()) return;
+      // The step count as torch.optim keeps it for a fused group: a float32 scalar beside the
+      // weights, already counting this step; the kernel only reads it.
+      const at::Tensor count = at::full({}, static_cast<double>(step), lists.weights[0].options().dtype(at::kFloat));
+      at::_fused_adamw_(lists.weights, lists.grads, lists.exp_avgs, lists.exp_avg_sqs, /*max_exp_avg_sqs=*/{},
+                        std::vector<at::Tensor>(lists.weights.size(), count), lr, options_.beta1, options_.beta2,
+                        weight_decay, options_.eps, /*amsgrad=*/false, /*maximize=*/false);
+    };
+    apply(decay, options_.weight_decay);
+    apply(no_decay, 0.0);
   }
 
   const AdamWOptions options_;

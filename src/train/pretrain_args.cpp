@@ -140,6 +140,10 @@ const std::vector<Flag>& flags() {
        [](PretrainArgs& a, const std::string&) { a.check_for_nan_in_loss_and_grad = false; },
        [](const PretrainArgs& a) { return std::string(a.check_for_nan_in_loss_and_grad ? "off" : "on"); }},
       STRING_FLAG("--optimizer", optimizer, "optimizer (adam is AdamW)", "adam", "sgd"),
+      STRING_FLAG("--optimizer-implementation", optimizer_implementation,
+                  "AdamW's kernels: unfused (op for op as torch::optim::AdamW, the bit-exact reference) or fused "
+                  "(at::_fused_adamw_, torch.optim.AdamW(fused=True)'s single pass)",
+                  "unfused", "fused"),
       BOOL_FLAG("--skip-train", skip_train, "evaluate only"),
       // Data.
       STRING_FLAG("--data-path", data_path, "prefix of a Megatron .bin/.idx pair"),
@@ -368,6 +372,8 @@ void check_values(const PretrainArgs& a) {
   at_least("--sgd-momentum", a.sgd_momentum, 0);
   at_least("--clip-grad", a.clip_grad, 0);
   if (!(a.rotary_base > 0)) bad("--rotary-base", "must be > 0, got " + number(a.rotary_base));
+  if (a.optimizer_implementation == "fused" && a.optimizer != "adam")
+    bad("--optimizer-implementation", "fused is AdamW's kernel; --optimizer " + a.optimizer + " has none");
   // Learning rates and the like become fp32 scalars of the optimizer's kernels.
   for (auto [flag, v] : {std::pair{"--lr", a.lr}, {"--min-lr", a.min_lr}, {"--weight-decay", a.weight_decay},
                          {"--adam-eps", a.adam_eps}, {"--sgd-momentum", a.sgd_momentum}, {"--clip-grad", a.clip_grad},

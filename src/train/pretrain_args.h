@@ -55,6 +55,7 @@ struct PretrainArgs {
   // it off): a NaN or Inf loss or gradient stops training before the optimizer step.
   bool check_for_nan_in_loss_and_grad = true;
   std::string optimizer = "adam";
+  std::string optimizer_implementation = "unfused";  // AdamWOptions::fused when "fused"
   bool skip_train = false;
 
   // Data.

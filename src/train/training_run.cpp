@@ -136,6 +136,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, st
     o.beta2 = args.adam_beta2;
     o.eps = args.adam_eps;
     o.weight_decay = args.weight_decay;
+    o.fused = args.optimizer_implementation == "fused";
     optimizer_ = make_adamw(sharded_.root, o);
   } else {
     SGDOptions o;

@@ -14,6 +14,7 @@
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "harness/uneven_net.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/dcp.h"
 #include "mfsdp/device_mesh.h"
@@ -228,7 +229,7 @@ void expect_rejected(mfsdp::Communicator& comm, Sharded& m, const std::string& g
                      bool with_optimizer = true) {
   const std::string bad = mfsdp::testing::shared_temp_dir() + "/" + name;
   if (comm.rank() == 0) {
-    fs::copy(good, bad, fs::copy_options::recursive);
+    mfsdp::copy_tree(good, bad);
     corrupt(bad);
   }
   comm.barrier();
@@ -441,7 +442,7 @@ MFSDP_DIST_TEST(Checkpoint, BadCheckpointsAreRejectedAndChangeNothing, {2}) {
   EXPECT_FALSE(got.optimizer_loaded);
   // Not strict: a missing tensor keeps its value and is reported.
   if (comm.rank() == 0) {
-    fs::copy(good, dir + "/partial", fs::copy_options::recursive);
+    mfsdp::copy_tree(good, dir + "/partial");
     edit_metadata(dir + "/partial", [](nlohmann::json& j) { j["tensors"].erase("model.tiny"); });
   }
   comm.barrier();

@@ -20,6 +20,7 @@
 #include "harness/fork_fuzz.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/dataset_checksums.h"
 #include "mfsdp/dcp.h"
@@ -49,9 +50,8 @@ CommandOutcome pretrain(const std::string& flags) {
 
 std::vector<std::string> files_in(const std::string& dir) {
   std::vector<std::string> out;
-  for (const auto& e : fs::directory_iterator(dir))
-    if (e.is_regular_file()) out.push_back(e.path().string());
-  std::sort(out.begin(), out.end());
+  for (const std::string& name : mfsdp::list_directory(dir))
+    if (fs::is_regular_file(fs::path(dir) / name)) out.push_back((fs::path(dir) / name).string());
   return out;
 }
 

@@ -12,6 +12,7 @@
 
 #include <gtest/gtest.h>
 
+#include "mfsdp/directory_tree.h"
 #include "harness/temp_dir.h"
 
 #include <chrono>
@@ -336,10 +337,8 @@ TEST(RankProcesses, RemovesTheRunsShmSegmentsOnceItsRanksExited) {
        sh_rank(1, ": > /dev/shm/mfsdp-" + tag + "-$$-cd; exit 0")},
       options);
   EXPECT_EQ(exit_of(result, 0).signal, SIGKILL);
-  for (const auto& entry : fs::directory_iterator("/dev/shm")) {
-    EXPECT_NE(entry.path().filename().string().rfind("mfsdp-" + tag + "-", 0), 0u)
-        << entry.path() << " was left behind";
-  }
+  for (const std::string& name : mfsdp::list_directory("/dev/shm"))
+    EXPECT_NE(name.rfind("mfsdp-" + tag + "-", 0), 0u) << "/dev/shm/" << name << " was left behind";
   EXPECT_TRUE(fs::exists(other)) << "another tag's segment was removed";
   fs::remove(other);
   EXPECT_TRUE(remove_shm_segments("").empty());
@@ -693,8 +692,7 @@ struct RankProcess {
 
 std::vector<RankProcess> children_of(pid_t parent) {
   std::vector<RankProcess> found;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename().string();
+  for (const std::string& name : mfsdp::list_directory("/proc")) {
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
     const std::string stat = read_file("/proc/" + name + "/stat");
     const size_t paren = stat.rfind(')');
@@ -719,8 +717,7 @@ std::vector<RankProcess> children_of(pid_t parent) {
 // /dev/shm names of the communicator's segments ("mfsdp-[TAG-]PID-NONCE") made by `pid`.
 std::vector<std::string> shm_segments_of(pid_t pid) {
   std::vector<std::string> names;
-  for (const auto& entry : fs::directory_iterator("/dev/shm")) {
-    const std::string name = entry.path().filename().string();
+  for (const std::string& name : mfsdp::list_directory("/dev/shm")) {
     if (name.rfind("mfsdp-", 0) != 0) continue;
     const size_t last = name.rfind('-');
     const size_t before = name.rfind('-', last - 1);
@@ -826,13 +823,12 @@ TEST(MfsdpRun, PretrainRankKilledAtStartUpOrMidTrainingLeavesNoSegmentAndSurvivo
       ASSERT_TRUE(reached) << "mid_training " << mid_training << "\n" << describe(finished);
       EXPECT_EQ(finished.code(), 128 + SIGKILL) << describe(finished);
       EXPECT_FALSE(rank0.shm_tag.empty()) << "mfsdp-run gave its ranks no MFSDP_SHM_TAG";
-      for (const auto& entry : fs::directory_iterator("/dev/shm")) {
-        const std::string name = entry.path().filename().string();
+      for (const std::string& name : mfsdp::list_directory("/dev/shm")) {
         const bool ours = (!rank0.shm_tag.empty() && name.rfind("mfsdp-" + rank0.shm_tag + "-", 0) == 0) ||
                           !shm_segments_of(rank0.pid).empty();
         if (!ours) continue;
         ADD_FAILURE() << "mid_training " << mid_training << ": /dev/shm/" << name << " outlived its job";
-        fs::remove(entry.path());
+        fs::remove("/dev/shm/" + name);
       }
       if (!mid_training) continue;
       ++mid_training_trials;

@@ -23,6 +23,7 @@
 #include "harness/dist_test.h"
 #include "harness/run_command.h"
 #include "launch/rank_processes.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
 #include "mfsdp/fully_shard.h"
 
@@ -237,7 +238,7 @@ TEST(FsdpGpu, CheckpointReshardsBetweenLayouts) {
       EXPECT_TRUE(at::equal(t.cpu(), saved)) << name;
     }
   });
-  fs::remove_all(dir);
+  mfsdp::remove_tree(dir);
 }
 
 // The first iterations' losses of mfsdp-pretrain on --device `device`.

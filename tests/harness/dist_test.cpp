@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "launch/rank_processes.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/rendezvous.h"
 
 namespace mfsdp::testing {
@@ -68,7 +69,7 @@ void run_world(const DistOptions& options, int world) {
     output[rank].push_back(line);
   };
   launch::SuperviseResult result = launch::run_rank_processes(specs, supervise);
-  if (own_dir) std::filesystem::remove_all(dir);
+  if (own_dir) mfsdp::remove_tree(dir);
   if (result.ok()) return;
 
   std::ostringstream report;

@@ -1,5 +1,5 @@
 // A fresh directory under the system temp dir, removed with everything in it at scope exit.
-// Header-only and torch-free, for every kind of test.
+// Torch-free (mfsdp_data's remove_tree removes it), for every kind of test.
 #pragma once
 
 #include <stdlib.h>
@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 #include <system_error>
+
+#include "mfsdp/directory_tree.h"
 
 namespace mfsdp::testing {
 
@@ -20,7 +22,7 @@ class TempDir {
   }
   ~TempDir() {
     std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
+    mfsdp::remove_tree(path_.string(), ignored);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;

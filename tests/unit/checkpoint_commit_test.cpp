@@ -14,6 +14,7 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "harness/temp_dir.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
 
 namespace fs = std::filesystem;
@@ -132,7 +133,7 @@ Outcome crash_at_every_step(const std::string& root, int64_t previous, int64_t i
     out.seen.insert(state);
 
     // The next save of that iteration (after the trainer's prepare_tmp_dir) recovers.
-    fs::remove_all(final_dir + ".tmp");
+    mfsdp::remove_tree(final_dir + ".tmp");
     make_iteration(final_dir + ".tmp", "again");
     mfsdp::checkpoint::commit_checkpoint(save, final_dir + ".tmp", final_dir, iteration);
     EXPECT_EQ(read_latest(save), std::make_pair(iteration, std::string("again")));

@@ -14,6 +14,7 @@
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "checkpoint/formats/zip_archive.h"
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/crc32c.h"
 #include "mfsdp/dcp.h"
 
@@ -218,7 +219,7 @@ TEST(DcpFuzz, MutatedMetadataNeverLoadsWrongValues) {
 
 TEST(DcpFuzz, MutatedTorchMetadataNeverLoadsWrongValues) {
   TempDir dir;
-  fs::copy(fixture("dcp"), dir.path(), fs::copy_options::recursive);
+  mfsdp::copy_tree(fixture("dcp"), dir.path());
   std::map<std::string, at::Tensor> expected = {
       {"model.module.layer.w", at::arange(12, at::kFloat).reshape({3, 4}) / 4},
       {"steps", at::arange(6, at::kLong) * 3}};

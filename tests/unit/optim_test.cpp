@@ -243,6 +243,69 @@ TEST(AdamW, MatchesTorchAdamWWithDecayGroupsAndPadding) {
   }
 }
 
+// The fused kernel (AdamWOptions::fused) against what torch.optim.AdamW(fused=True) runs: the
+// same at::_fused_adamw_ over each parameter as its own tensor, bit for bit, and against
+// torch::optim::AdamW's separate ops within rounding.
+TEST(AdamW, FusedIsTorchsFusedKernelPerParameter) {
+  Packed packed = pack(3);
+  mfsdp::AdamWOptions options;
+  options.beta1 = 0.8;
+  options.beta2 = 0.95;
+  options.eps = 1e-6;
+  options.weight_decay = 0.1;
+  options.fused = true;
+  auto opt = mfsdp::make_adamw({empty_shard(), packed.shard}, std::make_shared<CountingComm>(), options);
+  Packed unfused_packed = pack(3);
+  mfsdp::AdamWOptions unfused_options = options;
+  unfused_options.fused = false;
+  auto unfused = mfsdp::make_adamw({unfused_packed.shard}, std::make_shared<CountingComm>(), unfused_options);
+
+  // torch.optim.AdamW(fused=True)'s step: the step counts incremented, then one kernel call per
+  // parameter group (decay, no decay) over its parameters.
+  std::vector<at::Tensor> params, exp_avgs, exp_avg_sqs, counts;
+  for (const at::Tensor& p : packed.params) {
+    params.push_back(p.detach());
+    exp_avgs.push_back(at::zeros_like(p));
+    exp_avg_sqs.push_back(at::zeros_like(p));
+    counts.push_back(at::zeros({}, at::kFloat));
+  }
+  auto reference_step = [&](double lr) {
+    for (const bool decay : {true, false}) {
+      std::vector<at::Tensor> p, g, m, v, c;
+      for (size_t i = 0; i < kParams.size(); ++i) {
+        if (kParams[i].weight_decay != decay) continue;
+        counts[i].add_(1);
+        p.push_back(params[i]);
+        g.push_back(packed.params[i].grad());
+        m.push_back(exp_avgs[i]);
+        v.push_back(exp_avg_sqs[i]);
+        c.push_back(counts[i]);
+      }
+      at::_fused_adamw_(p, g, m, v, {}, c, lr, 0.8, 0.95, decay ? 0.1 : 0.0, 1e-6, false, false);
+    }
+  };
+  for (size_t k = 0; k < kLrs.size(); ++k) {
+    set_grads(packed, static_cast<int>(k));
+    set_grads(unfused_packed, static_cast<int>(k));
+    reference_step(kLrs[k]);
+    opt->step(kLrs[k]);
+    unfused->step(kLrs[k]);
+  }
+  for (size_t i = 0; i < kParams.size(); ++i) {
+    const at::Tensor got = packed.shard.main_weight.narrow(0, kParams[i].offset, kParams[i].numel());
+    EXPECT_TRUE(at::equal(got, params[i].flatten())) << "parameter " << i << ": max |diff| "
+                                                     << (got - params[i].flatten()).abs().max().item<double>();
+  }
+  EXPECT_TRUE(at::equal(opt->state()[0].second[1].narrow(0, 0, 561), exp_avgs[0].flatten()));
+  EXPECT_TRUE(at::equal(opt->state()[1].second[1].narrow(0, 0, 561), exp_avg_sqs[0].flatten()));
+  expect_padding(packed.shard.main_weight, packed.padding_mask, 0.f, "fused AdamW weight padding");
+  expect_padding(opt->state()[0].second[1], packed.padding_mask, 0.f, "fused exp_avg padding");
+  // The separate ops of the default path: the same update within rounding, not bit for bit.
+  check_close(packed.shard.main_weight, unfused_packed.shard.main_weight, "fused vs unfused");
+  EXPECT_FALSE(at::equal(packed.shard.main_weight, unfused_packed.shard.main_weight))
+      << "the fused and unfused paths agree bit for bit: is the fused kernel running?";
+}
+
 TEST(AdamW, DefaultOptionsMatchTorchDefaults) {
   // AdamWOptions' defaults are torch's (the lr is step's argument): a single-group torch AdamW with its own defaults must
   // agree (no weight decay split: every segment decays).

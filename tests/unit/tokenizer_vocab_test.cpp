@@ -6,6 +6,7 @@
 #include <fstream>
 #include <unistd.h>
 
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/tokenizer.h"
 
 namespace fs = std::filesystem;
@@ -33,5 +34,5 @@ TEST(TokenizerVocab, SentencePieceCountMatchesTheLibrary) {
                std::invalid_argument);
   EXPECT_EQ(mfsdp::tokenizer_vocab_size({"ByteLevelTokenizer", "", "", ""}), 257);
   EXPECT_THROW(mfsdp::tokenizer_vocab_size({"Nope", "", "", ""}), std::invalid_argument);
-  fs::remove_all(dir);
+  mfsdp::remove_tree(dir);
 }

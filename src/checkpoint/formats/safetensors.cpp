@@ -1,4 +1,5 @@
 // The safetensors format: see include/mfsdp/safetensors.h and docs/safetensors.md.
+#include "mfsdp/directory_tree.h"
 #include "mfsdp/safetensors.h"
 
 #include <ATen/ATen.h>
@@ -488,10 +489,8 @@ std::vector<std::string> write_safetensors_sharded(const std::string& dir,
   // Remove what an earlier write left that would confuse a reader.
   static const std::regex stale(R"(model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?)");
   const std::set<std::string> keep(written.begin(), written.end());
-  for (const auto& de : fs::directory_iterator(dir, ec)) {
-    const std::string fname = de.path().filename().string();
-    if (keep.count(fname) == 0 && std::regex_match(fname, stale)) fs::remove(de.path(), ec);
-  }
+  for (const std::string& fname : list_directory(dir))
+    if (keep.count(fname) == 0 && std::regex_match(fname, stale)) fs::remove(fs::path(dir) / fname, ec);
   return written;
 }
 
