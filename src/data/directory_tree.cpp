@@ -67,6 +67,13 @@ int remove_entry(const std::string& path, std::uintmax_t& removed, std::string& 
   return 0;
 }
 
+// remove_entry of `path`, where a `path` that does not exist is nothing to do (0).
+int remove_path(const std::string& path, std::uintmax_t& removed, std::string& where) {
+  struct stat st{};
+  if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) return 0;
+  return remove_entry(path, removed, where);
+}
+
 }  // namespace
 
 std::vector<std::string> list_directory(const std::string& dir) {
@@ -77,12 +84,10 @@ std::vector<std::string> list_directory(const std::string& dir) {
 
 std::uintmax_t remove_tree(const std::string& path, std::error_code& error) noexcept {
   error.clear();
-  struct stat st{};
-  if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) return 0;
   std::uintmax_t removed = 0;
   std::string where;
   try {
-    if (const int e = remove_entry(path, removed, where)) error.assign(e, std::generic_category());
+    if (const int e = remove_path(path, removed, where)) error.assign(e, std::generic_category());
   } catch (const std::bad_alloc&) {
     error = std::make_error_code(std::errc::not_enough_memory);
   }
@@ -90,11 +95,9 @@ std::uintmax_t remove_tree(const std::string& path, std::error_code& error) noex
 }
 
 std::uintmax_t remove_tree(const std::string& path) {
-  struct stat st{};
-  if (::lstat(path.c_str(), &st) != 0 && errno == ENOENT) return 0;
   std::uintmax_t removed = 0;
   std::string where;
-  if (const int error = remove_entry(path, removed, where)) throw failure("cannot remove", where, error);
+  if (const int error = remove_path(path, removed, where)) throw failure("cannot remove", where, error);
   return removed;
 }
 
