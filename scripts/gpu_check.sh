@@ -2,7 +2,7 @@
 # One call on a borrowed GPU machine, inside its 10 minutes: build mfsdp against that machine's
 # own PyTorch (e.g. 2.11 with CUDA 13), run the GPU tests (ctest -L gpu), the GPU benchmarks
 # (bench/collective_bandwidth.sh with BACKEND=nccl, bench/gpu_step_time.sh on 1 GPU and on all:
-# mfsdp vs PyTorch DDP, FSDP2 and Megatron-FSDP), then the rest of
+# mfsdp vs PyTorch DDP, FSDP2 and Megatron-FSDP; a profile of mfsdp's step), then the rest of
 # the suite while time remains, and leave a summary and the logs in $OUT (build-gpu/results
 # when OUT is unset).
 #
@@ -37,6 +37,8 @@
 #   BUILD_DIR [build-gpu] DEB_PREFIX [.device/root] GPU_CHECK_BUDGET [570] CTEST_JOBS [4]
 #   REST_TESTS [all; a ctest -R regular expression: the rest of the suite is only those tests]
 #   GPU_BENCH [1; 0 skips the benchmarks] CB_ROUNDS [3] CB_MAX_BYTES [256M] (collectives)
+#   GPU_PROFILE [1; 0 skips the profiled run b: --profile --use-pytorch-profiler, summed by
+#   bench/trace_summary.py]
 #   and gpu_step_time.sh's (LAYERS, HIDDEN, PRECISIONS, ITERS, ...), which pass through.
 # Exit status: 0 when the build and the GPU tier passed; 1 otherwise; 2 on bad usage.
 set -uo pipefail
@@ -79,6 +81,7 @@ BUILD_DIR=$(realpath -m "${BUILD_DIR:-build-gpu}")
 DEB_PREFIX=$(realpath -m "${DEB_PREFIX:-.device/root}")
 CTEST_JOBS=${CTEST_JOBS:-4}
 GPU_BENCH=${GPU_BENCH:-1}
+GPU_PROFILE=${GPU_PROFILE:-1}
 python=${PYTHON:-python3}
 python=$(command -v "$python") || { echo "gpu_check: PYTHON=${PYTHON:-python3} not found" >&2; exit 2; }
 [[ $python == /* ]] || python=$ROOT/$python  # absolute (tests run elsewhere); a venv's link kept
@@ -297,6 +300,28 @@ if ((GPU_BENCH)); then
       log "step time on $n GPU(s): skipped, $t s left for it"
     fi
   done
+  # Where run b's step goes: iterations 5..6 of it under --profile --use-pytorch-profiler, the
+  # trace summed by bench/trace_summary.py (into bench_step_time.txt; the trace itself, gzipped,
+  # into bench_raw.tar.gz when under 8 MiB).
+  t=$(allow 120 60)
+  if ((GPU_PROFILE && t >= 60)); then
+    start=$SECONDS
+    trace_dir=$work/raw/profile/trace
+    NPROC=1 RUNS=b ROUNDS=1 ITERS=6 WARMUP=2 BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/profile \
+      MFSDP_EXTRA_ARGS="--profile --use-pytorch-profiler --profile-step-start 4 --profile-step-end 6 --tensorboard-dir $trace_dir" \
+      timeout -k 5 "$t" bench/gpu_step_time.sh >/dev/null 2>"$work/raw/profile.log"
+    rc=$?
+    trace=$(ls "$trace_dir"/*.pt.trace.json 2>/dev/null | head -1)
+    if [[ -n $trace ]]; then
+      { echo; echo "== profile of run b, iterations 5..6 (bench/trace_summary.py)"
+        "$python" bench/trace_summary.py "$trace" --top 30; } >>"$out/bench_step_time.txt" 2>&1
+      gzip -f "$trace" && (($(stat -c %s "$trace.gz") < (8 << 20))) || rm -f "$trace.gz"
+    fi
+    log "profile of run b: exit $rc, $((SECONDS - start)) s, trace ${trace:+written}${trace:-missing} (bench_step_time.txt)"
+    ((rc)) && tail -15 "$work/raw/profile.log" | cut -c1-400 | tee -a "$summary"
+  else
+    log "profile of run b: skipped (GPU_PROFILE=$GPU_PROFILE, $t s left)"
+  fi
   cat "$out/bench_step_time.txt" >>"$summary"
 else
   log "benchmarks: skipped (GPU_BENCH=0)"

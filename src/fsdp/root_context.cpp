@@ -1,6 +1,7 @@
 #include "fsdp/root_context.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
@@ -82,6 +83,7 @@ bool RootContext::among_first_in_backward(const UnitState* unit, size_t count) c
 }
 
 void RootContext::finish_backward() {
+  RECORD_USER_SCOPE("mfsdp::finish_backward");
   note("", "end_of_backward");
   if (!forward_order.empty()) order_fixed = true;  // the first step has shown the order
   for (UnitState* unit : units) unit->finish_backward();

@@ -4,6 +4,7 @@
 
 #include "mfsdp/recompute.h"
 
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -139,6 +140,7 @@ void UnitState::rename_parameters(const std::map<const c10::TensorImpl*, std::st
 }
 
 bool UnitState::start_unshard(const char* why) {
+  RECORD_USER_SCOPE("mfsdp::all_gather");
   RootContext& ctx = context();  // the groups' allocator and counter come from it
   bool gathered = false;
   for (auto& g : groups_) gathered |= g->start_unshard();
@@ -149,6 +151,7 @@ bool UnitState::start_unshard(const char* why) {
 }
 
 void UnitState::wait_unshard() {
+  RECORD_USER_SCOPE("mfsdp::wait_all_gather");
   for (auto& g : groups_) g->wait_unshard();
   prefetched_ = false;
 }
@@ -163,11 +166,13 @@ void UnitState::prefetch() {
 }
 
 void UnitState::reshard() {
+  RECORD_USER_SCOPE("mfsdp::reshard");
   for (auto& g : groups_) g->reshard();
   prefetched_ = false;
 }
 
 void UnitState::pre_forward() {
+  RECORD_USER_SCOPE("mfsdp::pre_forward");
   context().note(path_, "pre_forward");
   if (in_recompute()) {
     // Activation recompute inside backward: this forward's all-gather also serves the unit's
@@ -206,6 +211,7 @@ std::vector<at::Tensor> UnitState::attach_pre_backward(const std::vector<at::Ten
 }
 
 std::vector<at::Tensor> UnitState::post_forward(const std::vector<at::Tensor>& outputs) {
+  RECORD_USER_SCOPE("mfsdp::post_forward");
   context().note(path_, "post_forward");
   std::vector<at::Tensor> result = attach_pre_backward(outputs);
   if (phase_ == Phase::kForward) {
@@ -249,6 +255,7 @@ void UnitState::pre_backward() {
     context().callback_queued = true;
   }
   if (phase_ == Phase::kBackward) return;  // several outputs or several calls: prepared once
+  RECORD_USER_SCOPE("mfsdp::pre_backward");
   context().note(path_, "pre_backward");
   set_phase(Phase::kBackward);
   hooks_fired_ = 0;
@@ -274,6 +281,7 @@ void UnitState::on_gradient_accumulated(size_t group, size_t index) {
 void UnitState::post_backward() {
   if (reduced_this_backward_) return;
   reduced_this_backward_ = true;
+  RECORD_USER_SCOPE("mfsdp::post_backward");
   context().note(path_, "post_backward");
   if (!requires_gradient_sync_) {
     for (auto& g : groups_) g->stash_gradients();

@@ -48,6 +48,7 @@ struct Flag {
   std::vector<std::string> choices;  // empty: any value
   std::function<void(PretrainArgs&, const std::string&)> set;
   std::function<std::string(const PretrainArgs&)> show;
+  bool many_values = false;  // ToolFlag::many_values
 };
 
 int64_t to_int(const std::string& flag, const std::string& v) {
@@ -71,6 +72,21 @@ double to_double(const std::string& flag, const std::string& v) {
   bad(flag, "expected a finite number, got '" + v + "'");
 }
 
+// The space-separated integers of a many-valued flag.
+std::vector<int64_t> to_int_list(const std::string& flag, const std::string& v) {
+  std::vector<int64_t> out;
+  std::istringstream in(v);
+  for (std::string word; in >> word;) out.push_back(to_int(flag, word));
+  if (out.empty()) bad(flag, "needs at least one value");
+  return out;
+}
+
+std::string join_ints(const std::vector<int64_t>& values) {
+  std::string out;
+  for (int64_t v : values) out += (out.empty() ? "" : " ") + std::to_string(v);
+  return out;
+}
+
 #define INT_FLAG(flag, field, help) \
   {flag, help, true, {}, [](PretrainArgs& a, const std::string& v) { a.field = to_int(flag, v); }, \
    [](const PretrainArgs& a) { return std::to_string(a.field); }}
@@ -80,6 +96,10 @@ double to_double(const std::string& flag, const std::string& v) {
 #define STRING_FLAG(flag, field, help, ...) \
   {flag, help, true, {__VA_ARGS__}, [](PretrainArgs& a, const std::string& v) { a.field = v; }, \
    [](const PretrainArgs& a) { return a.field.empty() ? std::string("unset") : a.field; }}
+// nargs='+' of integers: "--flag 0 1 3".
+#define INT_LIST_FLAG(flag, field, help) \
+  {flag, help, true, {}, [](PretrainArgs& a, const std::string& v) { a.field = to_int_list(flag, v); }, \
+   [](const PretrainArgs& a) { return join_ints(a.field); }, true}
 #define BOOL_FLAG(flag, field, help) \
   {flag, help, false, {}, [](PretrainArgs& a, const std::string&) { a.field = true; }, \
    [](const PretrainArgs& a) { return std::string(a.field ? "on" : "off"); }}
@@ -170,6 +190,16 @@ const std::vector<Flag>& flags() {
                   "write TensorBoard event files of the training scalars (lm loss, learning-rate, grad-norm, "
                   "throughput, tokens-per-sec, mem-bytes, ...) here"),
       INT_FLAG("--tensorboard-log-interval", tensorboard_log_interval, "iterations between TensorBoard scalars"),
+      BOOL_FLAG("--profile", profile,
+                "profile iterations --profile-step-start + 1 .. --profile-step-end on --profile-ranks: with "
+                "--use-pytorch-profiler a trace into --tensorboard-dir, else nsys's capture range "
+                "(cudaProfilerStart/Stop and NVTX ranges of every op; nsys profile --capture-range=cudaProfilerApi)"),
+      BOOL_FLAG("--use-pytorch-profiler", use_pytorch_profiler,
+                "with --profile: PyTorch's profiler (Kineto), a <host>_<pid>.<ms>.pt.trace.json per profiled rank "
+                "in --tensorboard-dir (TensorBoard, Perfetto, chrome://tracing)"),
+      INT_FLAG("--profile-step-start", profile_step_start, "with --profile: iterations done before profiling starts"),
+      INT_FLAG("--profile-step-end", profile_step_end, "with --profile: the last iteration profiled"),
+      INT_LIST_FLAG("--profile-ranks", profile_ranks, "with --profile: the global ranks profiled"),
       STRING_FLAG("--export-hf", export_hf,
                   "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
                   "the tokenizer files of a HuggingFaceTokenizer) here"),
@@ -260,7 +290,7 @@ std::vector<ToolFlag> tool_flags(PretrainArgs& args, const ToolFlags& tool) {
     if (std::find(tool.excluded.begin(), tool.excluded.end(), f.name) != tool.excluded.end()) continue;
     out.push_back({f.name, f.help, f.takes_value, f.choices,
                    [&args, set = f.set](const std::string& v) { set(args, v); },
-                   [&args, show = f.show] { return show(args); }});
+                   [&args, show = f.show] { return show(args); }, f.many_values});
   }
   out.insert(out.end(), tool.extra.begin(), tool.extra.end());
   return out;
@@ -296,7 +326,10 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const Too
       bad(token, "unknown flag (" + tool.program + " --help lists them)");
     }
     const ToolFlag& f = *it->second;
-    if (f.takes_value && !inline_value) {
+    if (f.many_values && !inline_value) {
+      while (i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0) value += (value.empty() ? "" : " ") + argv[++i];
+      if (value.empty()) bad(f.name, "needs a value");
+    } else if (f.takes_value && !inline_value) {
       if (i + 1 >= argv.size()) bad(f.name, "needs a value");
       value = argv[++i];
     } else if (!f.takes_value && inline_value) {
@@ -346,6 +379,32 @@ void check_output_path(const char* flag, const std::string& path, bool folder) {
 
 // Values no run can use, found before anything starts (they would otherwise fail inside the
 // model, the optimizer or the schedule, naming their fields instead of the flag).
+// Megatron's profiling flags: they mean something only together.
+void check_profile_flags(const PretrainArgs& a) {
+  if (!a.profile) {
+    if (a.use_pytorch_profiler) bad("--use-pytorch-profiler", "needs --profile (Megatron's: it picks --profile's tool)");
+    return;
+  }
+  if (a.profile_step_start < 0)
+    bad("--profile-step-start", "must be >= 0, got " + std::to_string(a.profile_step_start));
+  if (a.profile_step_end <= a.profile_step_start)
+    bad("--profile-step-end", "must be greater than --profile-step-start (" + std::to_string(a.profile_step_start) +
+                                  "), got " + std::to_string(a.profile_step_end));
+  for (int64_t r : a.profile_ranks)
+    if (r < 0) bad("--profile-ranks", "ranks are >= 0, got " + std::to_string(r));
+  if (a.use_pytorch_profiler && a.tensorboard_dir.empty())
+    bad("--use-pytorch-profiler", "needs --tensorboard-dir, the folder the traces are written into");
+  if (!a.use_pytorch_profiler) {
+#ifndef MFSDP_WITH_CUDA
+    bad("--profile", "without --use-pytorch-profiler is nsys's CUDA capture range, and this build has no CUDA; add "
+                     "--use-pytorch-profiler --tensorboard-dir DIR for a trace");
+#endif
+    if (a.device == "cpu")
+      bad("--profile", "without --use-pytorch-profiler is nsys's CUDA capture range, which --device cpu has none "
+                       "of; add --use-pytorch-profiler --tensorboard-dir DIR for a trace");
+  }
+}
+
 void check_values(const PretrainArgs& a) {
   auto at_least = [](const char* flag, double v, double min) {
     if (!(v >= min)) bad(flag, "must be >= " + number(min) + ", got " + number(v));
@@ -397,6 +456,7 @@ void check_values(const PretrainArgs& a) {
   if (!a.tensorboard_dir.empty()) check_output_path("--tensorboard-dir", a.tensorboard_dir, /*folder=*/true);
   if (a.tensorboard_log_interval < 1)
     bad("--tensorboard-log-interval", "must be >= 1, got " + std::to_string(a.tensorboard_log_interval));
+  check_profile_flags(a);
 }
 
 // --load through locate_checkpoint (every rank decides the same: the folder is shared). A path
@@ -453,6 +513,10 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
 
 void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   check_values(a);
+  if (a.profile)
+    for (int64_t r : a.profile_ranks)
+      if (r >= dp) bad("--profile-ranks", "rank " + std::to_string(r) + " is not in this job of " + std::to_string(dp) +
+                                          " ranks");
   auto positive = [](const char* flag, int64_t v) {
     if (v < 1) bad(flag, "must be >= 1, got " + std::to_string(v));
   };

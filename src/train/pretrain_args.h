@@ -79,6 +79,14 @@ struct PretrainArgs {
   int64_t sample_tokens = 64;
   bool log_params_norm = false;        // " params norm: " (after the step, all parameters)
   bool log_num_zeros_in_grad = false;  // " num zeros: " (gradient elements == 0, after clipping)
+  // Megatron's profiling (src/train/step_profiler.h): iterations profile_step_start + 1 ..
+  // profile_step_end (1-based, as logged) on the ranks in profile_ranks; with
+  // use_pytorch_profiler a Kineto trace into tensorboard_dir, else nsys's capture range.
+  bool profile = false;
+  bool use_pytorch_profiler = false;
+  int64_t profile_step_start = 10;
+  int64_t profile_step_end = 12;
+  std::vector<int64_t> profile_ranks{0};
 
   // Checkpoints (fsdp_dtensor).
   std::string save;           // folder to save into
@@ -144,6 +152,8 @@ struct ToolFlag {
   std::vector<std::string> choices;  // empty: any value
   std::function<void(const std::string&)> set;  // writes the tool's own args (captured)
   std::function<std::string()> show;            // the current value, as --help shows it
+  // argparse's nargs='+': every following token up to the next --flag, joined by spaces.
+  bool many_values = false;
 };
 struct ToolFlags {
   std::string program = "mfsdp-pretrain";

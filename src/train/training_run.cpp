@@ -1,5 +1,6 @@
 #include "train/training_run.h"
 
+#include <ATen/record_function.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -129,7 +130,8 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, st
       print_(comm_->rank() == 0 || is_simulated(*comm_)),
       sharded_(build_sharded_llama(config, args, shard_options_from_args(args, comm_, per_token_loss))),
       metrics_(print_ ? args.metrics_file : ""),
-      tensorboard_(print_ ? args.tensorboard_dir : "") {
+      tensorboard_(print_ ? args.tensorboard_dir : ""),
+      profiler_(args, comm_->rank(), comm_->device().is_cuda(), log) {
   if (args.optimizer == "adam") {
     AdamWOptions o;
     o.beta1 = args.adam_beta1;
@@ -187,13 +189,17 @@ at::Tensor grad_of(const LocalShard& s, const std::vector<OptimizerShard>& shard
 
 TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
                                          const std::function<double(int64_t)>& micro_batch) {
+  profiler_.before_step(iteration);
   bool loss_finite = true;
   for (int64_t m = 0; m < micro_batches; ++m) {
     sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
     if (!std::isfinite(micro_batch(m))) loss_finite = false;
   }
   StepStats s;
-  s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);  // a non-finite norm leaves the grads as they are
+  {
+    RECORD_USER_SCOPE("mfsdp::clip_grad_norm");
+    s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);  // a non-finite norm leaves the grads as they are
+  }
   if (args_.check_for_nan_in_loss_and_grad) check_finite(iteration, loss_finite, s.grad_norm);
   // Megatron's diagnostics, summed over the ranks in one all-reduce, each element counted once
   // (on its replica 0 under no_shard): zero gradient elements after clipping, before the step;
@@ -211,7 +217,10 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
     }
   }
   s.lr = schedule_.lr_at(iteration);
-  optimizer_->step(s.lr);
+  {
+    RECORD_USER_SCOPE("mfsdp::optimizer_step");
+    optimizer_->step(s.lr);
+  }
   sharded_.root.zero_grad();
   if (norms) {
     at::NoGradGuard no_grad;
@@ -225,6 +234,7 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
     s.num_zeros_in_grad = static_cast<int64_t>(std::llround(host[0].item<double>()));
     s.params_norm = std::sqrt(host[1].item<double>());
   }
+  profiler_.after_step(iteration);
   return s;
 }
 
@@ -443,6 +453,7 @@ void TrainingRun::finish_checkpoint(int64_t last) {
 }
 
 void TrainingRun::finish(int64_t last, const std::string& curve_title) {
+  profiler_.finish(last);
   finish_checkpoint(last);
   if (print_ && !args_.metrics_file.empty() && !curve_title.empty()) {
     const std::string svg = sibling_path(args_.metrics_file, ".svg");

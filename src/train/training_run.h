@@ -23,6 +23,7 @@
 #include "train/tensorboard_writer.h"
 #include "train/pretrain_args.h"
 #include "train/rollout_model.h"
+#include "train/step_profiler.h"
 #include "train/trainer_checkpoint.h"
 
 namespace mfsdp {
@@ -87,7 +88,7 @@ class TrainingRun {
   // One optimizer step of `iteration` (1-based): micro_batch(m) for m = 0 .. micro_batches - 1
   // runs that micro-batch's forward and backward (gradients are reduced after the last one
   // only) and returns its loss on this rank (any scale: only its finiteness is looked at); then
-  // clip (--clip-grad), step at the schedule's lr, zero the gradients.
+  // clip (--clip-grad), step at the schedule's lr, zero the gradients. Profiled with --profile.
   // --check-for-nan-in-loss-and-grad: when a rank's loss or a reduced gradient is NaN or Inf,
   // every rank throws NonFiniteError (the same message: the iteration, the ranks of the losses,
   // the parameters whose shards hold the values) before the optimizer step. Collective.
@@ -152,6 +153,7 @@ class TrainingRun {
   LRSchedule schedule_;
   MetricsWriter metrics_;
   TensorBoardWriter tensorboard_;
+  StepProfiler profiler_;  // --profile
   std::vector<IterationRecord> history_;
   std::unique_ptr<RolloutModel> rollout_;
   int64_t last_saved_ = -1;

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -241,19 +242,23 @@ TEST(FsdpGpu, CheckpointReshardsBetweenLayouts) {
   mfsdp::remove_tree(dir);
 }
 
-// The first iterations' losses of mfsdp-pretrain on --device `device`.
-std::vector<double> pretrain_losses(const std::string& device) {
+// The first iterations' losses of mfsdp-pretrain on --device `device` with `extra` flags; its
+// output into *output when given.
+std::vector<double> pretrain_losses(const std::string& device, const std::string& extra = "",
+                                    std::string* output = nullptr) {
   namespace fs = std::filesystem;
-  const fs::path metrics = fs::temp_directory_path() / ("mfsdp_gpu_pretrain_" + device + ".jsonl");
+  const fs::path metrics = fs::temp_directory_path() /
+                           ("mfsdp_gpu_pretrain_" + device + std::to_string(std::hash<std::string>{}(extra)) + ".jsonl");
   const std::string command =
       "env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
       std::to_string(mfsdp::launch::pick_free_port()) + " " + std::string(MFSDP_PRETRAIN_BIN_PATH) + " --device " + device +
       " --mock-data --vocab-size 64 --make-vocab-size-divisible-by 64 --num-layers 2 --hidden-size 32"
       " --num-attention-heads 4 --swiglu --ffn-hidden-size 48 --seq-length 16 --micro-batch-size 2"
       " --global-batch-size 4 --train-iters 6 --lr 3e-3 --log-interval 1 --eval-interval 1000"
-      " --eval-iters 1 --seed 7 --metrics-file " + metrics.string() + " 2>&1";
+      " --eval-iters 1 --seed 7 --metrics-file " + metrics.string() + extra + " 2>&1";
   auto r = mfsdp::testing::run_command(command);
   EXPECT_EQ(r.exit_code, 0) << r.output;
+  if (output) *output = r.output;
   EXPECT_NE(r.output.find(" device: " + std::string(device == "cuda" ? "cuda:0 (nccl)" : "cpu (gloo)")),
             std::string::npos)
       << r.output;
@@ -274,6 +279,40 @@ TEST(FsdpGpu, PretrainOnCudaFollowsTheCpuRun) {
   for (size_t i = 0; i < gpu.size(); ++i)
     EXPECT_NEAR(gpu[i], cpu[i], 1e-3 * std::abs(cpu[i])) << "iteration " << i + 1;
   EXPECT_LT(gpu.back(), gpu.front());
+}
+
+// --profile on CUDA: --use-pytorch-profiler's trace holds the steps' CUDA kernels (CUPTI), and
+// nsys's capture range (cudaProfilerStart/Stop, NVTX) runs; neither changes a loss.
+TEST(FsdpGpu, ProfileRecordsTheStepsKernels) {
+  MFSDP_REQUIRE_GPU();
+  namespace fs = std::filesystem;
+  const auto plain = pretrain_losses("cuda");
+  const std::string tb = (fs::temp_directory_path() / "mfsdp_gpu_profile_tb").string();
+  mfsdp::remove_tree(tb);
+  std::string output;
+  const auto traced = pretrain_losses(
+      "cuda", " --profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 4 --tensorboard-dir " + tb,
+      &output);
+  EXPECT_EQ(traced, plain);
+  EXPECT_NE(output.find("rank 0: profile of iterations 3..4 written to " + tb), std::string::npos) << output;
+  int kernels = 0;
+  std::set<std::string> steps;
+  for (const std::string& name : mfsdp::list_directory(tb)) {
+    if (name.find(".pt.trace.json") == std::string::npos) continue;
+    std::ifstream in(tb + "/" + name);
+    for (const auto& e : nlohmann::json::parse(in)["traceEvents"]) {
+      if (e.value("cat", "") == "kernel") ++kernels;
+      const std::string n = e.value("name", "");
+      if (n.rfind("ProfilerStep#", 0) == 0) steps.insert(n);
+    }
+  }
+  EXPECT_GT(kernels, 0) << "no CUDA kernel in the trace";
+  EXPECT_EQ(steps, (std::set<std::string>{"ProfilerStep#3", "ProfilerStep#4"}));
+  mfsdp::remove_tree(tb);
+
+  const auto nsys = pretrain_losses("cuda", " --profile --profile-step-start 2 --profile-step-end 4", &output);
+  EXPECT_EQ(nsys, plain);
+  EXPECT_NE(output.find("rank 0: nsys capture range of iterations 3..4 ended"), std::string::npos) << output;
 }
 
 }  // namespace
