@@ -53,9 +53,9 @@ const std::string kModel =
 
 std::vector<double> train_losses(int ranks, const std::string& extra) {
   namespace fs = std::filesystem;
-  fs::path metrics = fs::temp_directory_path() /
-                     ("mfsdp_pretrain_" + std::to_string(ranks) + "_" +
-                      std::to_string(std::hash<std::string>{}(extra)) + ".jsonl");
+  // A folder of its own: tests running side by side (ctest -j) train the same flags too.
+  mfsdp::testing::TempDir dir("mfsdp-pretrain");
+  fs::path metrics = dir.path() / "metrics.jsonl";
   Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node " + std::to_string(ranks) + " " +
               bin("MFSDP_PRETRAIN_BIN") + kModel + " --metrics-file " + metrics.string() + extra);
   EXPECT_EQ(r.exit_code, 0) << r.output;

@@ -23,6 +23,7 @@
 
 #include "harness/dist_test.h"
 #include "harness/run_command.h"
+#include "harness/temp_dir.h"
 #include "launch/rank_processes.h"
 #include "mfsdp/directory_tree.h"
 #include "mfsdp/checkpoint.h"
@@ -247,8 +248,8 @@ TEST(FsdpGpu, CheckpointReshardsBetweenLayouts) {
 std::vector<double> pretrain_losses(const std::string& device, const std::string& extra = "",
                                     std::string* output = nullptr) {
   namespace fs = std::filesystem;
-  const fs::path metrics = fs::temp_directory_path() /
-                           ("mfsdp_gpu_pretrain_" + device + std::to_string(std::hash<std::string>{}(extra)) + ".jsonl");
+  mfsdp::testing::TempDir dir("mfsdp-gpu-pretrain");
+  const fs::path metrics = dir.path() / "metrics.jsonl";
   const std::string command =
       "env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" +
       std::to_string(mfsdp::launch::pick_free_port()) + " " + std::string(MFSDP_PRETRAIN_BIN_PATH) + " --device " + device +
@@ -285,10 +286,9 @@ TEST(FsdpGpu, PretrainOnCudaFollowsTheCpuRun) {
 // nsys's capture range (cudaProfilerStart/Stop, NVTX) runs; neither changes a loss.
 TEST(FsdpGpu, ProfileRecordsTheStepsKernels) {
   MFSDP_REQUIRE_GPU();
-  namespace fs = std::filesystem;
   const auto plain = pretrain_losses("cuda");
-  const std::string tb = (fs::temp_directory_path() / "mfsdp_gpu_profile_tb").string();
-  mfsdp::remove_tree(tb);
+  mfsdp::testing::TempDir dir("mfsdp-gpu-profile");
+  const std::string tb = dir.file("tb");
   std::string output;
   const auto traced = pretrain_losses(
       "cuda", " --profile --use-pytorch-profiler --profile-step-start 2 --profile-step-end 4 --tensorboard-dir " + tb,
@@ -300,7 +300,9 @@ TEST(FsdpGpu, ProfileRecordsTheStepsKernels) {
   for (const std::string& name : mfsdp::list_directory(tb)) {
     if (name.find(".pt.trace.json") == std::string::npos) continue;
     std::ifstream in(tb + "/" + name);
-    for (const auto& e : nlohmann::json::parse(in)["traceEvents"]) {
+    const nlohmann::json trace = nlohmann::json::parse(in);  // kept: a range-for over a temporary's member dangles
+    ASSERT_TRUE(trace.contains("traceEvents")) << name;
+    for (const auto& e : trace["traceEvents"]) {
       if (e.value("cat", "") == "kernel") ++kernels;
       const std::string n = e.value("name", "");
       if (n.rfind("ProfilerStep#", 0) == 0) steps.insert(n);
@@ -308,7 +310,6 @@ TEST(FsdpGpu, ProfileRecordsTheStepsKernels) {
   }
   EXPECT_GT(kernels, 0) << "no CUDA kernel in the trace";
   EXPECT_EQ(steps, (std::set<std::string>{"ProfilerStep#3", "ProfilerStep#4"}));
-  mfsdp::remove_tree(tb);
 
   const auto nsys = pretrain_losses("cuda", " --profile --profile-step-start 2 --profile-step-end 4", &output);
   EXPECT_EQ(nsys, plain);

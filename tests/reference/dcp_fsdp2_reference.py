@@ -54,8 +54,9 @@ def eval_ids(vocab):
     return (torch.arange(2 * 8, dtype=torch.long) * 5 + 1).remainder(vocab).view(2, 8)
 
 
-def build(config_path):
+def build(config_path, world):
     import transformers
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     with open(config_path) as f:
@@ -65,9 +66,12 @@ def build(config_path):
     config = transformers.LlamaConfig(**cfg, attn_implementation="eager")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).float()
+    # A CPU mesh, as the gloo group: without one fully_shard takes the accelerator's (CUDA on a
+    # GPU machine) and moves the model there, away from the CPU batches.
+    mesh = init_device_mesh("cpu", (world,))
     for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     decay = [p for _, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -127,7 +131,7 @@ def worker(rank, world, port, mode, path, config_path, expected_path, results):
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    model, optimizer, vocab = build(config_path)
+    model, optimizer, vocab = build(config_path, world)
     ok = True
     if mode == "load":
         state, msd, osd = megatron_state(model, optimizer, 0)
