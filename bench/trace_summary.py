@@ -52,6 +52,23 @@ def union_length(intervals):
     return total
 
 
+def launching_range(kernel, launches, ranges, main_tid):
+    """The innermost user range (an mfsdp:: one) around the CPU call that launched `kernel`; else
+    the thread it was launched from: the step's own (forward, optimizer) or autograd's (backward)."""
+    launch = launches.get(kernel.get("args", {}).get("correlation"))
+    if launch is None:
+        return "(launch not recorded)"
+    inner = None
+    for r in ranges.get(launch["tid"], ()):
+        if r["ts"] > launch["ts"]:
+            break
+        if launch["ts"] < r["ts"] + r["dur"]:
+            inner = r  # a later start that still contains it: nested deeper
+    if inner is not None:
+        return inner["name"]
+    return "(step thread, no range)" if launch["tid"] == main_tid else "(autograd thread, no range)"
+
+
 def short(name, width=90):
     return name if len(name) <= width else name[: width - 3] + "..."
 
@@ -67,10 +84,20 @@ def main():
     except (OSError, ValueError, KeyError) as e:
         sys.exit(f"trace_summary.py: {args.trace}: not a PyTorch profiler trace ({e})")
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e and "ts" in e]
-    steps = sorted((e for e in spans if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    # The CPU's ranges (a GPU trace repeats them on the GPU's timeline as gpu_user_annotation).
+    steps = sorted((e for e in spans if e["name"].startswith("ProfilerStep#") and e.get("cat") == "user_annotation"),
+                   key=lambda e: e["ts"])
     if not steps:
         sys.exit(f"trace_summary.py: {args.trace}: no ProfilerStep#N range (was the run profiled?)")
     gpu = [e for e in spans if e.get("cat") in GPU_CATS]
+    launches = {e["args"]["correlation"]: e for e in spans
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ranges = collections.defaultdict(list)  # tid -> the mfsdp:: ranges on it, by start
+    for e in spans:
+        if e.get("cat") == "user_annotation" and not e["name"].startswith("ProfilerStep#"):
+            ranges[e["tid"]].append(e)
+    for v in ranges.values():
+        v.sort(key=lambda e: e["ts"])
     cpu = [e for e in spans if e.get("cat") == "cpu_op"]
 
     def inside(e, s):
@@ -98,6 +125,12 @@ def main():
         print(f"\nGPU time by kind, ms per step (of {total / 1000 / n:.1f}; kernels may overlap on streams)")
         for kind, t in by_kind.most_common():
             print(f"  {kind:<12} {t / 1000 / n:>9.2f} {t / total:>7.1%}")
+        by_range = collections.Counter()
+        for e in gpu:
+            by_range[launching_range(e, launches, ranges, steps[0]["tid"])] += e["dur"]
+        print("\nGPU time by the range that launched it, ms per step (mfsdp::* ranges; the rest by thread)")
+        for name, t in by_range.most_common():
+            print(f"  {name:<34} {t / 1000 / n:>9.2f} {t / total:>7.1%}")
         print(f"\nkernels by GPU time (top {args.top}): ms per step, calls per step, share")
         for name, t in by_kernel.most_common(args.top):
             print(f"  {t / 1000 / n:>8.2f} {calls[name] / n:>7.1f} {t / total:>7.1%}  {short(name)}")

@@ -35,6 +35,7 @@
 #
 # Environment: PYTHON [python3: the PyTorch to build against; also MFSDP_PYTHON of the tests]
 #   BUILD_DIR [build-gpu] DEB_PREFIX [.device/root] GPU_CHECK_BUDGET [570] CTEST_JOBS [4]
+#   GPU_TESTS [all; a ctest -R regular expression: the GPU tier is only those GPU tests]
 #   REST_TESTS [all; a ctest -R regular expression: the rest of the suite is only those tests]
 #   GPU_BENCH [1; 0 skips the benchmarks] CB_ROUNDS [3] CB_MAX_BYTES [256M] (collectives)
 #   GPU_PROFILE [1; 0 skips the profiled run b: --profile --use-pytorch-profiler, summed by
@@ -88,8 +89,8 @@ python=$(command -v "$python") || { echo "gpu_check: PYTHON=${PYTHON:-python3} n
 for v in BUDGET CTEST_JOBS; do
   [[ ${!v} =~ ^[1-9][0-9]*$ ]] || { echo "gpu_check: $v=${!v}: expected a positive integer" >&2; exit 2; }
 done
-# Configure keeps 300 s back for the build and the GPU tier; under 360 s it would get no time.
-((BUDGET >= 360)) || { echo "gpu_check: GPU_CHECK_BUDGET=$BUDGET: at least 360 s (a 16-core build takes ~150 s)" >&2; exit 2; }
+# A 16-core build takes ~130 s and the GPU tier ~45 s; under 240 s nothing after them would run.
+((BUDGET >= 240)) || { echo "gpu_check: GPU_CHECK_BUDGET=$BUDGET: at least 240 s (a 16-core build takes ~130 s)" >&2; exit 2; }
 
 out=$(realpath -m "${OUT:-$BUILD_DIR/results}")
 mkdir -p "$out" || exit 1
@@ -194,7 +195,7 @@ export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 log "unpacked ${#deb_files[@]} .debs into $DEB_PREFIX"
 
 # ---- configure, build ----------------------------------------------------------------------------
-t=$(allow 180 300)
+t=$(allow 180 200)  # configure takes seconds; an unfinished one means something is wrong
 start=$SECONDS
 echo "== configure (limit $t s)" >>"$build_log"
 timeout -k 10 "$t" cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMFSDP_CUDA=ON \
@@ -231,7 +232,9 @@ fi
 # ---- the GPU tier ----------------------------------------------------------------------------------
 t=$(allow 150 10)
 start=$SECONDS
-(cd "$BUILD_DIR" && timeout -k 5 "$t" ctest -L gpu --no-tests=error -V --timeout "$t") \
+gpu_only=()
+[[ -n ${GPU_TESTS:-} ]] && gpu_only=(-R "$GPU_TESTS")
+(cd "$BUILD_DIR" && timeout -k 5 "$t" ctest -L gpu "${gpu_only[@]}" --no-tests=error -V --timeout "$t") \
   >"$out/ctest_gpu.txt" 2>&1
 rc=$?
 log "GPU tests (ctest -L gpu): $(ctest_result "$out/ctest_gpu.txt"); $((SECONDS - start)) s, exit $rc"
@@ -287,7 +290,7 @@ if ((GPU_BENCH)); then
   nprocs=(1)
   ((gpus > 1)) && nprocs+=("$gpus")
   for n in "${nprocs[@]}"; do
-    t=$(allow 240 60)
+    t=$(allow 240 10)
     if ((t >= 60)); then
       start=$SECONDS
       # The tables to bench_step_time.txt, the progress and any failure's output to the raw files.
@@ -303,8 +306,8 @@ if ((GPU_BENCH)); then
   # Where run b's step goes: iterations 5..6 of it under --profile --use-pytorch-profiler, the
   # trace summed by bench/trace_summary.py (into bench_step_time.txt; the trace itself, gzipped,
   # into bench_raw.tar.gz when under 8 MiB).
-  t=$(allow 120 60)
-  if ((GPU_PROFILE && t >= 60)); then
+  t=$(allow 120 10)
+  if ((GPU_PROFILE && t >= 40)); then
     start=$SECONDS
     trace_dir=$work/raw/profile/trace
     NPROC=1 RUNS=b ROUNDS=1 ITERS=6 WARMUP=2 BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/profile \

@@ -13,17 +13,16 @@
 namespace mfsdp {
 namespace {
 
-// Elements converted to fp64 at a time. An fp32 norm kernel accumulates in fp32 over the whole
-// tensor (relative error grows with the length of a shard), and converting a whole shard to fp64
-// would double its memory; fixed-size fp64 chunks bound both.
-constexpr int64_t kNormChunk = int64_t{1} << 20;
-
-// Adds the sum of squares of `x` to the 1-element fp64 `acc`, without a host sync.
-void add_squared_norm(at::Tensor& acc, const at::Tensor& x) {
-  for (int64_t start = 0; start < x.numel(); start += kNormChunk) {
-    at::Tensor chunk = x.narrow(0, start, std::min(kNormChunk, x.numel() - start)).to(at::kDouble);
-    acc.add_(at::dot(chunk, chunk));
-  }
+// Adds the sum of squares of `runs` to the 1-element fp64 `acc`, without a host sync. As
+// torch's clip_grad_norm_ (and Megatron's multi-tensor L2 norm): one norm per run in the runs'
+// dtype from one multi-tensor kernel (on CUDA; a loop of vector norms on the CPU, which
+// accumulates fp32 in fp64), then the runs' squares added in fp64. Chunked fp64 copies of every
+// gradient, as this file once made, cost a GPU step of a 1.5B model ~20 ms in ~4300 kernels
+// (docs/PERFORMANCE.md, "GPU: where the step goes").
+void add_squared_norms(at::Tensor& acc, const std::vector<at::Tensor>& runs) {
+  if (runs.empty()) return;
+  const std::vector<at::Tensor> norms = at::_foreach_norm(runs, 2);
+  acc.add_(at::stack(norms).to(at::kDouble).square().sum());
 }
 
 }  // namespace
@@ -35,14 +34,14 @@ double ShardOptimizer::clip_grad_norm(double max_norm) {
   // Sharded shards hold disjoint pieces of the model, so their squares add up across ranks.
   // Replicated shards are the same on every rank: all-reducing them would count them world-size
   // times, so they are added once, after the reduction.
+  std::vector<at::Tensor> sharded, replicated;
+  for (size_t i = 0; i < shards_.size(); ++i)
+    for (const SegmentRun& run : runs_[i])
+      (shards_[i].replicated ? replicated : sharded).push_back(shards_[i].main_grad.narrow(0, run.offset, run.length));
   at::Tensor sharded_sq = at::zeros({1}, options);
   at::Tensor replicated_sq = at::zeros({1}, options);
-  for (size_t i = 0; i < shards_.size(); ++i) {
-    at::Tensor& acc = shards_[i].replicated ? replicated_sq : sharded_sq;
-    for (const SegmentRun& run : runs_[i]) {
-      add_squared_norm(acc, shards_[i].main_grad.narrow(0, run.offset, run.length));
-    }
-  }
+  add_squared_norms(sharded_sq, sharded);
+  add_squared_norms(replicated_sq, replicated);
   // Every rank joins exactly one all-reduce per call, also with no elements of its own, so the
   // collective sequence is the same on all ranks.
   comm_->all_reduce(sharded_sq);
@@ -53,11 +52,8 @@ double ShardOptimizer::clip_grad_norm(double max_norm) {
   if (max_norm > 0 && std::isfinite(norm)) {
     const double clip_coef = max_norm / (norm + 1e-6);
     if (clip_coef < 1) {
-      for (size_t i = 0; i < shards_.size(); ++i) {
-        for (const SegmentRun& run : runs_[i]) {
-          shards_[i].main_grad.narrow(0, run.offset, run.length).mul_(clip_coef);
-        }
-      }
+      sharded.insert(sharded.end(), replicated.begin(), replicated.end());
+      if (!sharded.empty()) at::_foreach_mul_(sharded, clip_coef);  // a rank may hold no elements
     }
   }
   return norm;
