@@ -629,7 +629,7 @@ std::string pretrain_usage(const ToolFlags& tool) {
   s << "usage: mfsdp-run --nproc-per-node N " << tool.program << " [flags]\n\nflags (Megatron-LM names):\n";
   PretrainArgs defaults;
   for (const ToolFlag& f : tool_flags(defaults, tool)) {
-    s << "  " << f.name << (f.takes_value ? " VALUE" : "") << "\n      " << f.help;
+    s << "  " << f.name << (f.many_values ? " VALUE [VALUE ...]" : f.takes_value ? " VALUE" : "") << "\n      " << f.help;
     if (!f.choices.empty()) {
       s << " {";
       for (size_t i = 0; i < f.choices.size(); ++i) s << (i ? "," : "") << f.choices[i];
