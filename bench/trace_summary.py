@@ -7,9 +7,10 @@ torch.profiler's tensorboard_trace_handler).
 
 Prints, per ProfilerStep#N range: its wall time, the GPU's busy time (the union of kernel,
 copy and set intervals inside it) and so the idle share; then over all profiled steps the GPU
-time by kind (matmul, attention, NCCL, copies, elementwise and the rest), the kernels with the
-most GPU time, and the CPU ops with the most time (inclusive; a CPU-only trace shows these
-alone). torch.profiler's own key_averages() needs the live profiler object, which a C++ run
+time by kind (matmul, attention, NCCL, copies, elementwise and the rest), by the range that
+launched it, and the kernels with the most GPU time; the CPU time of mfsdp's own ranges
+(mfsdp::all_gather, mfsdp::optimizer_step, ...); and the CPU ops with the most time
+(inclusive). A CPU-only trace shows the CPU tables alone. torch.profiler's own key_averages() needs the live profiler object, which a C++ run
 does not hand to Python; chrome://tracing and Perfetto show one trace but not these sums.
 """
 import argparse
@@ -134,6 +135,17 @@ def main():
         print(f"\nkernels by GPU time (top {args.top}): ms per step, calls per step, share")
         for name, t in by_kernel.most_common(args.top):
             print(f"  {t / 1000 / n:>8.2f} {calls[name] / n:>7.1f} {t / total:>7.1%}  {short(name)}")
+    in_range = collections.Counter()
+    range_calls = collections.Counter()
+    for v in ranges.values():
+        for e in v:
+            if any(inside(e, s) for s in steps):
+                in_range[e["name"]] += e["dur"]
+                range_calls[e["name"]] += 1
+    if in_range:
+        print("\nmfsdp's ranges, CPU ms per step (inclusive), calls per step")
+        for name, t in sorted(in_range.items(), key=lambda kv: -kv[1]):
+            print(f"  {name:<26} {t / 1000 / n:>9.2f} {range_calls[name] / n:>7.1f}")
     by_op = collections.Counter()
     op_calls = collections.Counter()
     for e in cpu:

@@ -83,7 +83,10 @@ std::vector<int64_t> to_int_list(const std::string& flag, const std::string& v) 
 
 std::string join_ints(const std::vector<int64_t>& values) {
   std::string out;
-  for (int64_t v : values) out += (out.empty() ? "" : " ") + std::to_string(v);
+  for (int64_t v : values) {
+    if (!out.empty()) out += ' ';
+    out += std::to_string(v);
+  }
   return out;
 }
 

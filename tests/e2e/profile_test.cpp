@@ -2,7 +2,8 @@
 // ranks in --profile-ranks, and only they, write one PyTorch trace each into --tensorboard-dir;
 // it holds iterations --profile-step-start + 1 .. --profile-step-end as ProfilerStep#N ranges
 // (Megatron's schedule of these flags), the forward and backward ops inside them with their
-// input shapes, mfsdp's own ranges (mfsdp::all_gather, ...), and nothing of the other iterations; profiling changes no loss (against the
+// input shapes, mfsdp's own ranges (mfsdp::all_gather, ...), and nothing of the other iterations
+// (bench/trace_summary.py sums it); profiling changes no loss (against the
 // same run unprofiled). The flags' bad values and combinations are in pretrain_test.cpp's table.
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <set>
 #include <string>
 #include <vector>
@@ -84,6 +86,14 @@ TEST(Profile, PytorchProfilerTracesTheNamedIterationsOnTheNamedRanks) {
     EXPECT_GT(scopes[scope], 0) << scope << " not in the trace";
   EXPECT_EQ(scopes["mfsdp::optimizer_step"], 2) << "one per profiled iteration";
   EXPECT_EQ(scopes["mfsdp::pre_forward"], 2 * 3) << "one per unit and iteration";
+  // bench/trace_summary.py reads the same trace: both steps, and mfsdp's ranges once per step.
+  auto summary = run_command(std::string(MFSDP_PYTHON_PATH) + " " + MFSDP_SOURCE_DIR + "/bench/trace_summary.py " + tb +
+                             "/" + traces[0]);
+  ASSERT_EQ(summary.exit_code, 0) << summary.output;
+  for (const char* row : {"ProfilerStep#3", "ProfilerStep#4", "mfsdp's ranges, CPU ms per step", "aten::mm"})
+    EXPECT_NE(summary.output.find(row), std::string::npos) << row << "\n" << summary.output;
+  EXPECT_TRUE(std::regex_search(summary.output, std::regex(R"(mfsdp::optimizer_step +[0-9.]+ +1\.0\n)")))
+      << summary.output;
   // The backward runs on autograd's threads: recorded too.
   EXPECT_TRUE(std::any_of(ops.begin(), ops.end(), [](const auto& op) {
     return op.first.find("MmBackward0") != std::string::npos;
