@@ -13,8 +13,10 @@
 #   NPROC=1 bench/gpu_step_time.sh                      # one GPU only
 #   LAYERS=2 HIDDEN=256 FFN=704 HEADS=8 QUERY_GROUPS=8 VOCAB=1024 SEQ=256 ITERS=6 WARMUP=2 bench/gpu_step_time.sh
 #
-# Runs (RUNS, default "b x e p r"; the letters of bench/cpu_step_time.sh): b mfsdp ZeRO-3
-# (optim_grads_params), x the same with --optimizer-implementation fused, e PyTorch DDP (autocast bf16, fp32 weights and reduction), p PyTorch
+# Runs (RUNS, default "b e p r"; the letters of bench/cpu_step_time.sh): b mfsdp ZeRO-3
+# (optim_grads_params; its default --optimizer-implementation auto is fused AdamW on CUDA, so x,
+# the same with fused named, is the same run here), e PyTorch DDP (autocast bf16, fp32 weights
+# and reduction), p PyTorch
 # FSDP2 (torch_llama.py --impl fsdp2: MixedPrecisionPolicy bf16 compute, fp32 reduce), r
 # Megatron-FSDP (torch_llama.py --impl megatron_fsdp: bf16 weights, fp32 main weights and
 # grads; skipped with a note when megatron_fsdp is not importable). PEAK_TFLOPS defaults from
@@ -23,7 +25,7 @@
 # Environment: bench/cpu_step_time.sh's, with these defaults: NPROC ["1 <nvidia-smi -L count>",
 #   a list, duplicates dropped] LAYERS [16] HIDDEN [2048] FFN [8192] HEADS [32] QUERY_GROUPS [8]
 #   VOCAB [128256] UNTIE [1] SEQ [2048] MBS [2] GBS [MBS x NPROC, per NPROC value] ITERS [12]
-#   WARMUP [4] THREADS [4, at most the CPU cores per rank] PRECISIONS [bf16] RUNS [b x e p r]
+#   WARMUP [4] THREADS [4, at most the CPU cores per rank] PRECISIONS [bf16] RUNS [b e p r]
 #   OUT [each NPROC value's own temporary folder; if set: OUT/nproc<N>]
 #   PYTHON [<repo>/.venv/bin/python if present, else python3]
 # Memory at the default shape, per GPU on 1 GPU: DDP's fp32 weights, gradients and AdamW state
@@ -66,7 +68,7 @@ export PYTHON PEAK_TFLOPS DEVICE=cuda
 export LAYERS=${LAYERS:-16} HIDDEN=${HIDDEN:-2048} FFN=${FFN:-8192} HEADS=${HEADS:-32}
 export QUERY_GROUPS=${QUERY_GROUPS:-8} VOCAB=${VOCAB:-128256} UNTIE=${UNTIE:-1} SEQ=${SEQ:-2048}
 export MBS=${MBS:-2} ITERS=${ITERS:-12} WARMUP=${WARMUP:-4}
-export PRECISIONS=${PRECISIONS:-bf16} RUNS=${RUNS:-b x e p r}
+export PRECISIONS=${PRECISIONS:-bf16} RUNS=${RUNS:-b e p r}
 cores=$(nproc)
 status=0
 for n in "${nprocs[@]}"; do

@@ -164,9 +164,10 @@ const std::vector<Flag>& flags() {
        [](const PretrainArgs& a) { return std::string(a.check_for_nan_in_loss_and_grad ? "off" : "on"); }},
       STRING_FLAG("--optimizer", optimizer, "optimizer (adam is AdamW)", "adam", "sgd"),
       STRING_FLAG("--optimizer-implementation", optimizer_implementation,
-                  "AdamW's kernels: unfused (op for op as torch::optim::AdamW, the bit-exact reference) or fused "
-                  "(at::_fused_adamw_, torch.optim.AdamW(fused=True)'s single pass)",
-                  "unfused", "fused"),
+                  "AdamW's kernels: unfused (op for op as torch::optim::AdamW, the bit-exact reference), fused "
+                  "(at::_fused_adamw_, torch.optim.AdamW(fused=True)'s single pass) or auto (fused on CUDA, as "
+                  "Megatron's fused Adam; unfused on the CPU)",
+                  "auto", "unfused", "fused"),
       BOOL_FLAG("--skip-train", skip_train, "evaluate only"),
       // Data.
       STRING_FLAG("--data-path", data_path, "prefix of a Megatron .bin/.idx pair"),

@@ -55,7 +55,8 @@ struct PretrainArgs {
   // it off): a NaN or Inf loss or gradient stops training before the optimizer step.
   bool check_for_nan_in_loss_and_grad = true;
   std::string optimizer = "adam";
-  std::string optimizer_implementation = "unfused";  // AdamWOptions::fused when "fused"
+  // AdamWOptions::fused when "fused", or "auto" on CUDA (Megatron trains with a fused Adam there).
+  std::string optimizer_implementation = "auto";
   bool skip_train = false;
 
   // Data.

@@ -138,7 +138,8 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, st
     o.beta2 = args.adam_beta2;
     o.eps = args.adam_eps;
     o.weight_decay = args.weight_decay;
-    o.fused = args.optimizer_implementation == "fused";
+    o.fused = args.optimizer_implementation == "fused" ||
+              (args.optimizer_implementation == "auto" && comm_->device().is_cuda());
     optimizer_ = make_adamw(sharded_.root, o);
   } else {
     SGDOptions o;

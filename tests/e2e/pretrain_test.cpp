@@ -114,6 +114,8 @@ TEST(Pretrain, RecomputeAndDeferredInitKeepTheLosses) {
 TEST(Pretrain, FusedAdamWKeepsTheLosses) {
   auto base = train_losses(2, "");
   ASSERT_FALSE(base.empty());
+  // The default, auto, is the unfused path on the CPU, bit for bit.
+  EXPECT_EQ(train_losses(2, " --optimizer-implementation unfused"), base);
   const auto fused = train_losses(2, " --optimizer-implementation fused");
   expect_same(fused, base, "fused AdamW, 2 ranks");
   // Rounding apart, the same numbers: were they equal to the last bit, the flag did not reach

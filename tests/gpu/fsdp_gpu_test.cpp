@@ -280,6 +280,8 @@ TEST(FsdpGpu, PretrainOnCudaFollowsTheCpuRun) {
   for (size_t i = 0; i < gpu.size(); ++i)
     EXPECT_NEAR(gpu[i], cpu[i], 1e-3 * std::abs(cpu[i])) << "iteration " << i + 1;
   EXPECT_LT(gpu.back(), gpu.front());
+  // The default, --optimizer-implementation auto, is fused AdamW on CUDA, bit for bit.
+  EXPECT_EQ(pretrain_losses("cuda", " --optimizer-implementation fused"), gpu);
 }
 
 // --profile on CUDA: --use-pytorch-profiler's trace holds the steps' CUDA kernels (CUPTI), and
