@@ -85,6 +85,9 @@ class NcclWork : public Work {
     return cudaEventQuery(end_) == cudaSuccess;
   }
 
+  // Finished on the GPU and not failed (a failed work stays for the watchdog to report).
+  bool completed_ok() { return !failed_.load() && cudaEventQuery(end_) == cudaSuccess; }
+
   // Blocks the host until the collective finished, failed, or the watchdog aborted it.
   void synchronize() {
     while (!is_completed()) std::this_thread::sleep_for(std::chrono::microseconds(50));
@@ -344,9 +347,19 @@ class NcclCommunicator : public Communicator {
     cuda_check(cudaEventRecord(work->end_event(), stream_->stream()), op);
     {
       std::lock_guard<std::mutex> lock(mutex_);
+      release_completed();
       pending_.push_back(work);
     }
     return work;
+  }
+
+  // Drops the finished collectives, and with them the tensors they kept alive (a unit's
+  // unsharded gradients and gathered weights). Called at every launch, not only by the
+  // watchdog's 100 ms poll: held until that poll, the buffers of most of a step's units were
+  // alive at once, and the peak memory of a 120 ms step on one H200 grew by up to 10 GiB over
+  // its iterations (docs/PERFORMANCE.md, "GPU: where the step goes"). Needs mutex_.
+  void release_completed() {
+    pending_.remove_if([](const std::shared_ptr<NcclWork>& work) { return work->completed_ok(); });
   }
 
   // Watchdog: fails and aborts on timeout or asynchronous NCCL errors.

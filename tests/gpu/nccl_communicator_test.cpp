@@ -73,6 +73,22 @@ TEST(NcclCommunicator, CollectivesOnCudaTensors) {
   comm->barrier();
 }
 
+// A finished collective lets go of its tensors at the next launch, not at the watchdog's next
+// poll (up to 100 ms later): held until then, every unit's unsharded buffers of a fast step were
+// alive at once. use_count: the test's reference, plus one while a work keeps it. (Without the
+// release at launch this fails unless the watchdog happens to poll in the microseconds between.)
+TEST(NcclCommunicator, FinishedCollectivesReleaseTheirTensorsAtTheNextLaunch) {
+  MFSDP_REQUIRE_GPU();
+  auto comm = single_rank_nccl();
+  at::Tensor first = at::ones({1 << 20}, cuda(at::kFloat));
+  comm->all_reduce_async(first, {mfsdp::ReduceOp::kSum})->wait();
+  torch::cuda::synchronize();
+  at::Tensor second = at::ones({4}, cuda(at::kFloat));
+  comm->all_reduce_async(second, {mfsdp::ReduceOp::kSum})->wait();
+  EXPECT_EQ(first.use_count(), 1) << "a finished collective still holds its tensor";
+  torch::cuda::synchronize();
+}
+
 TEST(NcclCommunicator, RejectsCpuTensors) {
   MFSDP_REQUIRE_GPU();
   auto comm = single_rank_nccl();
