@@ -3,14 +3,14 @@
 //
 //   mfsdp-ckpt inspect CKPT [--not-ignore-param-to-group-meta] [--json [--chunks]]
 //   mfsdp-ckpt print-tensor CKPT NAME [--max-elements N]
-//   mfsdp-ckpt compare A B [--atol X] [--model-only] [--device cpu|cuda|auto]
+//   mfsdp-ckpt compare-two-checkpoint A B [--atol X] [--rtol R] [--model-only] [--device cpu|cuda|auto]
+//       (alias: compare)
 //   mfsdp-ckpt convert IN OUT [--swiglu] [--rename OLD=NEW]... [--remove REGEX]... [--iteration N]
 //   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]   (default: CKPT's dtype)
 //       [--model-config config.json]   (a checkpoint that records no model: PyTorch's dcp.save)
 //   mfsdp-ckpt import-hf HF_DIR OUT_CKPT
 //   mfsdp-ckpt verify CKPT
 // and the rest of checkpoint_inspector.py's commands, for any PyTorch Distributed Checkpoint:
-//   mfsdp-ckpt compare-two-checkpoint CKPT1 CKPT2
 //   mfsdp-ckpt print-torch-dcp-in-json TORCH_DCP_DIR
 //   mfsdp-ckpt modify-state-dict IN OUT --op "remove REGEX" --op "rename OLD NEW" ...
 //   mfsdp-ckpt convert-torch-dist-to-fsdp-dtensor IN OUT [--swiglu | --swiglu-modules M,N]
@@ -38,7 +38,7 @@
 namespace {
 
 constexpr const char* kSubcommands =
-    "inspect, print-tensor, compare, convert, export-hf, import-hf, verify, compare-two-checkpoint, "
+    "inspect, print-tensor, compare-two-checkpoint (compare), convert, export-hf, import-hf, verify, "
     "print-torch-dcp-in-json, "
     "modify-state-dict, convert-torch-dist-to-fsdp-dtensor";
 
@@ -109,12 +109,12 @@ int main(int argc, char** argv) {
                "mfsdp-ckpt"};
   app.require_subcommand(1, 1);
   std::string a, b, name, dtype, max_shard = "5GB", device = "cpu", model_config;
-  bool chunks = false, model_only = false, json = false, show_group_meta = false;
+  bool chunks = false, json = false, show_group_meta = false;
   std::vector<std::string> ops;
   std::string swiglu_modules;
   mfsdp::TorchDistConversion conversion;
   int64_t max_elements = 64, iteration = 0;
-  double atol = 0;
+  mfsdp::CompareOptions compare_options;
   std::vector<std::string> renames;
   mfsdp::StateTransform transform;
 
@@ -134,12 +134,21 @@ int main(int argc, char** argv) {
   print->add_option("--max-elements", max_elements, "Print at most N values (default 64)")
       ->check(CLI::NonNegativeNumber);
 
-  auto* compare = app.add_subcommand("compare", "Compare every tensor of A and B (exit 1 on any difference)");
-  compare->add_option("A", a, "Checkpoint or Hugging Face folder (HF names compare as model.<name>)")->required();
+  // Megatron's name; `compare`, mfsdp's earlier one, is an alias.
+  auto* compare = app.add_subcommand(
+      "compare-two-checkpoint",
+      "Compare every tensor of A and B, and a DCP checkpoint's other entries by key (exit 1 on any difference)");
+  compare->alias("compare");
+  compare->add_option("A", a, "Checkpoint (any DCP folder too) or Hugging Face folder (HF names compare as model.<name>)")
+      ->required();
   compare->add_option("B", b, "Checkpoint or Hugging Face folder")->required();
-  compare->add_option("--atol", atol, "Largest |a-b| still counted as equal (default 0: bit exact values)")
+  compare->add_option("--atol", compare_options.atol, "allclose's absolute tolerance (default 1e-8, Megatron's)")
       ->check(CLI::NonNegativeNumber);
-  compare->add_flag("--model-only", model_only, "Compare only model.* tensors (no optimizer state, no RNG)");
+  compare->add_option("--rtol", compare_options.rtol,
+                      "allclose's relative tolerance (default 1e-5, Megatron's; --atol 0 --rtol 0: bit-exact values)")
+      ->check(CLI::NonNegativeNumber);
+  compare->add_flag("--model-only", compare_options.model_only,
+                    "Compare only model.* tensors (no optimizer state, no RNG, no other entries)");
   compare->add_option("--device", device, "Where the differences are computed: cpu (default), cuda or auto")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
 
@@ -172,11 +181,6 @@ int main(int argc, char** argv) {
                         "The model as a Hugging Face config.json, for a checkpoint that records none (PyTorch's "
                         "dcp.save)")
       ->check(CLI::ExistingFile);
-
-  auto* compare_two = app.add_subcommand(
-      "compare-two-checkpoint", "checkpoint_inspector.py's comparison of two DCP checkpoints (exit 1 on a difference)");
-  compare_two->add_option("CKPT1", a, "DCP checkpoint")->required();
-  compare_two->add_option("CKPT2", b, "DCP checkpoint")->required();
 
   auto* to_json = app.add_subcommand(
       "print-torch-dcp-in-json",
@@ -232,8 +236,6 @@ int main(int argc, char** argv) {
     } else if (print->parsed()) {
       if (is_dcp_entry(a, name)) mfsdp::print_dcp_tensor(a, name, std::cout);
       else std::cout << mfsdp::describe_tensor(mfsdp::TensorSource(a), name, max_elements);
-    } else if (compare_two->parsed()) {
-      return mfsdp::compare_two_checkpoints(a, b, std::cout) == 0 ? 0 : 1;
     } else if (to_json->parsed()) {
       mfsdp::print_dcp_in_json(a, std::cout);
     } else if (modify->parsed()) {
@@ -243,12 +245,12 @@ int main(int argc, char** argv) {
       mfsdp::convert_torch_dist_to_fsdp_dtensor(a, b, conversion, std::cout);
     } else if (compare->parsed()) {
       const mfsdp::TensorSource sa(a), sb(b);
-      std::cout << "A: " << sa.description() << "\nB: " << sb.description() << "\n";
+      std::cout << "Comparing checkpoints...\nA: " << sa.description() << "\nB: " << sb.description() << "\n";
       if (!sa.is_checkpoint() || !sb.is_checkpoint())
         std::cout << "(Hugging Face tensor names are compared as model.<name>)\n";
-      const mfsdp::ComparisonReport report =
-          mfsdp::compare_tensors(sa, sb, atol, model_only, mfsdp::resolve_device(device, /*local_rank=*/0));
-      std::cout << report.table();
+      compare_options.device = mfsdp::resolve_device(device, /*local_rank=*/0);
+      const mfsdp::ComparisonReport report = mfsdp::compare_tensors(sa, sb, compare_options);
+      std::cout << report.table() << "Comparison between " << a << " and " << b << " completed.\n";
       return report.same ? 0 : 1;
     } else if (convert->parsed()) {
       for (const std::string& r : renames) {

@@ -24,9 +24,8 @@ void inspect_dcp_checkpoint(const std::string& path, bool show_param_to_group_me
 // One entry: key, shape and dtype, then its values (a bytes entry: its value as JSON).
 void print_dcp_tensor(const std::string& path, const std::string& key, std::ostream& out);
 
-// Keys only in one checkpoint, then common tensors whose size or dtype differ or whose values
-// are not allclose (atol 1e-8, rtol 1e-5). Returns the number of differences.
-int compare_two_checkpoints(const std::string& a, const std::string& b, std::ostream& out);
+// compare-two-checkpoint (and its alias compare): compare_tensors (include/mfsdp/ckpt_operations.h), for any checkpoint
+// or Hugging Face folder.
 
 // Every entry as JSON (tensors as nested lists, nested as the state dict was), printed and
 // written to `path`/param_to_param_group_map.json with "module.module" read as "model.module",

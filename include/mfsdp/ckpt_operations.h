@@ -35,7 +35,7 @@ std::string describe_tensor(const TensorSource& source, const std::string& name,
 
 // ---- compare -----------------------------------------------------------------------------------
 
-// One row of `mfsdp-ckpt compare`.
+// One row of `mfsdp-ckpt compare-two-checkpoint` (alias `compare`).
 struct TensorComparison {
   std::string name;
   enum class Status { kEqual, kDifferent, kShapeMismatch, kOnlyInA, kOnlyInB } status = Status::kEqual;
@@ -44,17 +44,27 @@ struct TensorComparison {
   std::vector<int64_t> shape_a, shape_b;
   at::ScalarType dtype_a = at::kFloat, dtype_b = at::kFloat;
 };
+// What counts as equal: torch.allclose's |a - b| <= atol + rtol * |b| per element (NaNs at the
+// same place and equal infinities are equal). The defaults are Megatron checkpoint_inspector's
+// compare-two-checkpoint; atol = rtol = 0 asks for the same values bit for bit.
+struct CompareOptions {
+  double atol = 1e-8;
+  double rtol = 1e-5;
+  bool model_only = false;  // only names starting with "model."
+  at::Device device = at::kCPU;  // where the differences are computed
+};
 struct ComparisonReport {
-  std::vector<TensorComparison> rows;  // every name of A and B, sorted
-  double atol = 0;
-  bool same = true;  // every tensor in both, same shape, max |a-b| <= atol (dtypes may differ)
+  std::vector<TensorComparison> rows;  // every tensor name of A and B, sorted
+  CompareOptions options;
+  // Between two DCP checkpoints: non-tensor entries (pickled objects: optimizer groups, RNG
+  // states, ...) whose key is in one checkpoint only; their values are not compared.
+  std::vector<std::string> objects_only_in_a, objects_only_in_b;
+  bool same = true;  // every tensor in both, same shape, allclose (dtypes may differ); no lone object
   std::string table() const;  // the text the tool prints
 };
-// Compares element by element in fp64, a bounded number of elements at a time, on `device`
-// (blocks are read on the CPU and moved there). With `model_only`, only names starting with
-// "model." are compared.
-ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only = false,
-                                 const at::Device& device = at::kCPU);
+// Compares element by element in fp64, a bounded number of elements at a time, on
+// options.device (blocks are read on the CPU and moved there).
+ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, const CompareOptions& options = {});
 
 // ---- convert: state-dict transforms ------------------------------------------------------------
 

@@ -141,44 +141,6 @@ void print_dcp_tensor(const std::string& path, const std::string& key, std::ostr
   }
 }
 
-int compare_two_checkpoints(const std::string& a, const std::string& b, std::ostream& out) {
-  const dcp::Reader ra = open(a), rb = open(b);
-  auto keys = [](const dcp::Reader& r) {
-    std::set<std::string> k;
-    for (const auto& kv : r.metadata().tensors) k.insert(kv.first);
-    for (const auto& kv : r.metadata().bytes) k.insert(kv.first);
-    return k;
-  };
-  const std::set<std::string> ka = keys(ra), kb = keys(rb);
-  int differences = 0;
-  out << "Comparing checkpoints...\nKeys missing in checkpoint 1:\n";
-  for (const auto& k : kb)
-    if (!ka.count(k)) out << " - " << k << "\n", ++differences;
-  out << "Keys missing in checkpoint 2:\n";
-  for (const auto& k : ka)
-    if (!kb.count(k)) out << " - " << k << "\n", ++differences;
-  out << "Common keys in both checkpoints:\n";
-  for (const auto& k : ka) {
-    if (!kb.count(k) || !ra.contains_tensor(k) || !rb.contains_tensor(k)) continue;
-    const dcp::TensorEntry &ea = ra.tensor(k), &eb = rb.tensor(k);
-    if (ea.shape != eb.shape || ea.dtype != eb.dtype) {
-      out << " - " << k << " (metadata differ) meta_1: " << dcp::torch_dtype_name(ea.dtype) << " " << torch_size(ea.shape)
-          << ", meta_2: " << dcp::torch_dtype_name(eb.dtype) << " " << torch_size(eb.shape) << "\n";
-      ++differences;
-      continue;
-    }
-    const at::Tensor ta = ra.read(k), tb = rb.read(k);
-    const bool same = at::isFloatingType(ta.scalar_type()) ? at::allclose(ta, tb, 1e-5, 1e-8) : at::equal(ta, tb);
-    if (!same) {
-      const double diff = (ta.to(at::kDouble) - tb.to(at::kDouble)).abs().max().item<double>();
-      out << " - " << k << " (values differ) max |diff| " << diff << "\n";
-      ++differences;
-    }
-  }
-  out << "Comparison between " << a << " and " << b << " completed.\n";
-  return differences;
-}
-
 std::string print_dcp_in_json(const std::string& path, std::ostream& out) {
   const dcp::Reader r = open(path);
   const dcp::Metadata& m = r.metadata();

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <iomanip>
+#include <iterator>
 #include <limits>
 #include <regex>
 #include <set>
@@ -18,6 +19,7 @@
 #include <stdexcept>
 
 #include "checkpoint/interop_util.h"
+#include "mfsdp/dcp.h"
 #include "mfsdp/torch_save.h"
 
 namespace fs = std::filesystem;
@@ -53,16 +55,44 @@ bool split_fc1_name(const std::string& name, std::string& head, std::string& tai
   return true;
 }
 
-// max |x - y| in fp64 over two 1-D blocks (NaN where one side is NaN and the other not).
-double block_max_abs_diff(const at::Tensor& x, const at::Tensor& y) {
-  if (x.numel() == 0) return 0;
-  if (at::isIntegralType(x.scalar_type(), true) && at::isIntegralType(y.scalar_type(), true))
-    return static_cast<double>((x.to(at::kLong) - y.to(at::kLong)).abs().max().item<int64_t>());
+struct BlockDifference {
+  double max_abs_diff = 0;  // NaN where one side is NaN and the other not
+  bool close = true;        // every element within atol + rtol * |y|
+};
+
+// Two 1-D blocks compared in fp64 (integers exactly, in int64).
+BlockDifference compare_block(const at::Tensor& x, const at::Tensor& y, const CompareOptions& o) {
+  BlockDifference d;
+  if (x.numel() == 0) return d;
+  if (at::isIntegralType(x.scalar_type(), true) && at::isIntegralType(y.scalar_type(), true)) {
+    const at::Tensor diff = (x.to(at::kLong) - y.to(at::kLong)).abs();
+    d.max_abs_diff = static_cast<double>(diff.max().item<int64_t>());
+    d.close = diff.to(at::kDouble).le(y.to(at::kLong).abs().to(at::kDouble).mul(o.rtol).add(o.atol)).all().item<bool>();
+    return d;
+  }
   const at::Tensor a = x.to(at::kDouble), b = y.to(at::kDouble);
   const at::Tensor same = at::eq(a, b).logical_or(at::isnan(a).logical_and(at::isnan(b)));
   const at::Tensor diff = (a - b).abs().masked_fill(same, 0.0);
-  if (at::isnan(diff).any().item<bool>()) return std::numeric_limits<double>::quiet_NaN();
-  return diff.max().item<double>();
+  if (at::isnan(diff).any().item<bool>()) {
+    d.max_abs_diff = std::numeric_limits<double>::quiet_NaN();
+    d.close = false;
+    return d;
+  }
+  d.max_abs_diff = diff.max().item<double>();
+  d.close = diff.le(b.abs().mul(o.rtol).add(o.atol)).all().item<bool>();
+  return d;
+}
+
+bool is_dcp(const TensorSource& s) {
+  return s.checkpoint() != nullptr && s.checkpoint()->format() == CheckpointFormat::kFsdpDtensor;
+}
+
+// The keys of a DCP checkpoint's non-tensor entries.
+std::set<std::string> object_keys(const TensorSource& s) {
+  std::set<std::string> keys;
+  const dcp::Reader reader(s.checkpoint()->dir());
+  for (const auto& entry : reader.metadata().bytes) keys.insert(entry.first);
+  return keys;
 }
 
 std::string format_number(double v, int precision) {
@@ -180,14 +210,23 @@ std::string describe_tensor(const TensorSource& source, const std::string& name,
   return os.str();
 }
 
-ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, double atol, bool model_only,
-                                 const at::Device& device) {
+ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, const CompareOptions& options) {
+  if (!(options.atol >= 0) || !(options.rtol >= 0))
+    throw std::invalid_argument("compare: atol and rtol must be >= 0, got atol " + format_number(options.atol, 6) +
+                                ", rtol " + format_number(options.rtol, 6));
   ComparisonReport report;
-  report.atol = atol;
+  report.options = options;
   std::set<std::string> names;
   for (const auto* s : {&a, &b})
     for (const std::string& n : s->names())
-      if (!model_only || starts_with(n, kModelPrefix)) names.insert(n);
+      if (!options.model_only || starts_with(n, kModelPrefix)) names.insert(n);
+  // Other entries only between two DCP checkpoints: an HF folder or the earlier format has none.
+  if (!options.model_only && is_dcp(a) && is_dcp(b)) {
+    const std::set<std::string> in_a = object_keys(a), in_b = object_keys(b);
+    std::set_difference(in_a.begin(), in_a.end(), in_b.begin(), in_b.end(), std::back_inserter(report.objects_only_in_a));
+    std::set_difference(in_b.begin(), in_b.end(), in_a.begin(), in_a.end(), std::back_inserter(report.objects_only_in_b));
+    if (!report.objects_only_in_a.empty() || !report.objects_only_in_b.empty()) report.same = false;
+  }
   using Status = TensorComparison::Status;
   for (const std::string& name : names) {
     TensorComparison row;
@@ -201,17 +240,19 @@ ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, d
       row.status = Status::kShapeMismatch;
     } else {
       const int64_t numel = a.numel(name);
+      bool close = true;
       for (int64_t off = 0; off < numel; off += kBlockElements) {
         const int64_t n = std::min(kBlockElements, numel - off);
-        const double d = block_max_abs_diff(a.read_elements(name, off, n).to(device),
-                                            b.read_elements(name, off, n).to(device));
-        if (std::isnan(d)) {
-          row.max_abs_diff = d;
+        const BlockDifference d = compare_block(a.read_elements(name, off, n).to(options.device),
+                                                b.read_elements(name, off, n).to(options.device), options);
+        close = close && d.close;
+        if (std::isnan(d.max_abs_diff)) {
+          row.max_abs_diff = d.max_abs_diff;
           break;
         }
-        row.max_abs_diff = std::max(row.max_abs_diff, d);
+        row.max_abs_diff = std::max(row.max_abs_diff, d.max_abs_diff);
       }
-      row.status = row.max_abs_diff <= atol ? Status::kEqual : Status::kDifferent;  // NaN: different
+      row.status = close ? Status::kEqual : Status::kDifferent;
     }
     if (row.status != Status::kEqual) report.same = false;
     report.rows.push_back(std::move(row));
@@ -247,9 +288,15 @@ std::string ComparisonReport::table() const {
         r.status == Status::kEqual || r.status == Status::kDifferent ? format_number(r.max_abs_diff, 6) : "-";
     os << std::left << std::setw(10) << status << std::setw(14) << diff << r.name << detail << "\n";
   }
+  using Lone = std::pair<const char*, const std::vector<std::string>*>;
+  for (const auto& [side, keys] : {Lone{"A", &objects_only_in_a}, Lone{"B", &objects_only_in_b}})
+    for (const std::string& key : *keys) os << std::left << std::setw(10) << (std::string("ONLY-") + side) << std::setw(14) << "-" << key << "  (object)\n";
   os << rows.size() << " tensors: " << counts[0] << " equal, " << counts[1] << " different, " << counts[2]
-     << " with other shapes, " << counts[3] << " only in A, " << counts[4] << " only in B (atol "
-     << format_number(atol, 6) << "): " << (same ? "SAME" : "DIFFERENT") << "\n";
+     << " with other shapes, " << counts[3] << " only in A, " << counts[4] << " only in B";
+  if (!objects_only_in_a.empty() || !objects_only_in_b.empty())
+    os << "; objects: " << objects_only_in_a.size() << " only in A, " << objects_only_in_b.size() << " only in B";
+  os << " (allclose: rtol " << format_number(options.rtol, 6) << ", atol " << format_number(options.atol, 6)
+     << "): " << (same ? "SAME" : "DIFFERENT") << "\n";
   return os.str();
 }
 

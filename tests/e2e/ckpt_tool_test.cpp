@@ -794,12 +794,45 @@ TEST(CkptTool, CompareReportsEveryDifference) {
   expect_contains(shape.output, {"SHAPE", "model.lm_head.weight  shape [64, 16] vs [63, 16]"});
 
   // The library call agrees.
-  const auto report = mfsdp::compare_tensors(mfsdp::TensorSource(tmp.file("a")), mfsdp::TensorSource(tmp.file("b")), 0);
+  mfsdp::CompareOptions exact;
+  exact.atol = exact.rtol = 0;
+  const auto report = mfsdp::compare_tensors(mfsdp::TensorSource(tmp.file("a")), mfsdp::TensorSource(tmp.file("b")), exact);
   EXPECT_FALSE(report.same);
   for (const auto& row : report.rows)
     if (row.name == "model.model.norm.weight") {
       EXPECT_EQ(row.max_abs_diff, 0.5);
     }
+}
+
+// compare-two-checkpoint is Megatron's name and `compare` its alias: one command, one output.
+// Its default is Megatron's allclose (rtol 1e-5, atol 1e-8): a change of one part in 10^7 passes,
+// one in 10^4 does not; --atol 0 --rtol 0 asks for the same bits.
+TEST(CkptTool, CompareTwoCheckpointIsAllcloseAndCompareItsAlias) {
+  TempDir tmp("mfsdp-ckpt");
+  const auto cfg = tiny_config(false);
+  const Tensors original = model_tensors(cfg);
+  mfsdp::write_checkpoint(tmp.file("a"), original, info_for(cfg));
+  for (const auto& [name, scale] : {std::pair{"tiny", 1 + 1e-7}, std::pair{"small", 1 + 1e-4}}) {
+    Tensors changed = original;
+    changed["model.norm.weight"] = (changed["model.norm.weight"].to(at::kDouble) * scale).to(at::kFloat);
+    mfsdp::write_checkpoint(tmp.file(name), changed, info_for(cfg));
+  }
+  Outcome tiny = ckpt("compare-two-checkpoint " + tmp.file("a") + " " + tmp.file("tiny"));
+  EXPECT_EQ(tiny.exit_code, 0) << tiny.output;
+  expect_contains(tiny.output, {"Comparing checkpoints...", "(allclose: rtol 1e-05, atol 1e-08): SAME",
+                                "Comparison between " + tmp.file("a") + " and " + tmp.file("tiny") + " completed."});
+  Outcome alias = ckpt("compare " + tmp.file("a") + " " + tmp.file("tiny"));
+  EXPECT_EQ(alias.exit_code, 0);
+  EXPECT_EQ(alias.output, tiny.output);
+
+  Outcome bits = ckpt("compare " + tmp.file("a") + " " + tmp.file("tiny") + " --atol 0 --rtol 0");
+  EXPECT_EQ(bits.exit_code, 1) << bits.output;
+  expect_contains(bits.output, {"DIFFERENT", "model.model.norm.weight", "1 different"});
+
+  Outcome small = ckpt("compare-two-checkpoint " + tmp.file("a") + " " + tmp.file("small"));
+  EXPECT_EQ(small.exit_code, 1) << small.output;
+  expect_contains(small.output, {"DIFFERENT", "1 different"});
+  EXPECT_EQ(ckpt("compare-two-checkpoint " + tmp.file("a") + " " + tmp.file("small") + " --rtol 1e-3").exit_code, 0);
 }
 
 TEST(CkptTool, BadUsageExitsTwoNamingTheProblem) {
@@ -812,6 +845,8 @@ TEST(CkptTool, BadUsageExitsTwoNamingTheProblem) {
       {"inspect", "CKPT"},
       {"inspect x --bogus", "--bogus"},
       {"compare a", "B"},
+      {"compare-two-checkpoint a b --rtol -1", "--rtol"},
+      {"compare-two-checkpoint a b --atol x", "--atol"},
       {"print-tensor a b --max-elements -1", "--max-elements"},
       {"export-hf a b --dtype int8", "--dtype"},
       {"export-hf a b --max-shard-size lots", "--max-shard-size"},
