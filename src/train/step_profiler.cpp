@@ -10,7 +10,6 @@
 #include <filesystem>
 #include <stdexcept>
 
-
 #ifdef MFSDP_WITH_CUDA
 #include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
@@ -83,8 +82,13 @@ void StepProfiler::finish(int64_t last_iteration) {
   if (running_) {
     stop();
   } else if (enabled_ && recorded_last_ == 0) {
+    // Before the range, or (resumed with --load) after it.
     log_ << " rank " << rank_ << ": --profile: nothing profiled, the run ended at iteration " << last_iteration
-         << ", before iteration " << first_ << " (--profile-step-start " << first_ - 1 << ")\n";
+         << (last_iteration < first_ ? ", before iteration " + std::to_string(first_) + " (--profile-step-start " +
+                                          std::to_string(first_ - 1) + ")"
+                                    : " and ran none of iterations " + std::to_string(first_) + ".." +
+                                          std::to_string(last_))
+         << "\n";
   }
 }
 
