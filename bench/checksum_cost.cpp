@@ -19,11 +19,11 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/crc32c.h"
-#include "mfsdp/dataset_checksums.h"
-#include "mfsdp/dcp.h"
-#include "mfsdp/indexed_dataset.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/data/crc32c.h"
+#include "mfsdp/data/dataset_checksums.h"
+#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/data/indexed_dataset.h"
 
 namespace {
 

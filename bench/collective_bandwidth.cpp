@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 namespace {
 
 struct Args {

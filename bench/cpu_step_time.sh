@@ -21,7 +21,7 @@
 #   e  PyTorch DDP over gloo (bench/torch_llama.py --impl ddp); bf16: torch.autocast
 #   p  PyTorch FSDP2 over gloo (bench/torch_llama.py --impl fsdp2: fully_shard per block and the
 #      root, reshard_after_forward=True); bf16: MixedPrecisionPolicy(bf16 params, fp32 reduce)
-#   q  as p, with glibc keeping freed memory as mfsdp does (GLIBC_TUNABLES; include/mfsdp/cpu_malloc.h)
+#   q  as p, with glibc keeping freed memory as mfsdp does (GLIBC_TUNABLES; include/mfsdp/train/cpu_malloc.h)
 #   r  Megatron-FSDP itself (bench/torch_llama.py --impl megatron_fsdp, the megatron-fsdp package;
 #      DEVICE=cuda only: it cannot run without CUDA; skipped with a note when it is not importable)
 # DEVICE=cuda (bench/gpu_step_time.sh sets it) runs the same on GPUs, one rank per GPU, nccl;
@@ -77,7 +77,7 @@ BASELINE_STRATEGY=${BASELINE_STRATEGY:-optim_grads_params}
 MFSDP_EXTRA_ARGS=${MFSDP_EXTRA_ARGS:-}
 OUT=${OUT:-}
 DEVICE=${DEVICE:-cpu}
-# What include/mfsdp/cpu_malloc.h sets with mallopt, as glibc tunables for the Python peer (q).
+# What include/mfsdp/train/cpu_malloc.h sets with mallopt, as glibc tunables for the Python peer (q).
 KEEP_FREED_TUNABLES=glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=2147483647
 
 die() { echo "cpu_step_time.sh: $*" >&2; exit 2; }

@@ -162,7 +162,7 @@ for precision in precisions:
     ratio("no_shard vs DDP d/e", "d", "e", precision, "> 1: mfsdp faster")
     ratio("scaling b/a", "b", "a", precision, "ideal %d" % n)
     ratio("overlap gain b/c", "b", "c", precision, "> 1: prefetch and early all-gather help")
-    ratio("keeping freed memory b/k", "b", "k", precision, "> 1: include/mfsdp/cpu_malloc.h helps")
+    ratio("keeping freed memory b/k", "b", "k", precision, "> 1: include/mfsdp/train/cpu_malloc.h helps")
     ratio("shared memory vs TCP b/h", "b", "h", precision, "> 1: the shared-memory path helps")
     ratio("trace pool b/f", "b", "f", precision, "> 1: plain allocation faster")
     ratio("double buffer b/g", "b", "g", precision, "> 1: plain allocation faster")

@@ -18,8 +18,8 @@
 #include <cstdio>
 #include <iostream>
 
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

@@ -9,7 +9,7 @@
 #include <cstdio>
 #include <iostream>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 int main(int argc, char** argv) {
   try {

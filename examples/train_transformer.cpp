@@ -21,9 +21,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

@@ -5,14 +5,15 @@
 //   mfsdp-ckpt print-tensor CKPT NAME [--max-elements N]
 //   mfsdp-ckpt compare-two-checkpoint A B [--atol X] [--rtol R] [--model-only] [--device cpu|cuda|auto]
 //       (alias: compare)
-//   mfsdp-ckpt convert IN OUT [--swiglu] [--rename OLD=NEW]... [--remove REGEX]... [--iteration N]
+//   mfsdp-ckpt convert IN OUT [--swiglu] [--op "remove REGEX" | --op "rename PATTERN REPLACEMENT"]...
+//       [--remove REGEX]... [--rename PATTERN=REPLACEMENT]... [--iteration N]
 //   mfsdp-ckpt export-hf CKPT OUT [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]   (default: CKPT's dtype)
 //       [--model-config config.json]   (a checkpoint that records no model: PyTorch's dcp.save)
 //   mfsdp-ckpt import-hf HF_DIR OUT_CKPT
 //   mfsdp-ckpt verify CKPT
 // and the rest of checkpoint_inspector.py's commands, for any PyTorch Distributed Checkpoint:
 //   mfsdp-ckpt print-torch-dcp-in-json TORCH_DCP_DIR
-//   mfsdp-ckpt modify-state-dict IN OUT --op "remove REGEX" --op "rename OLD NEW" ...
+//   mfsdp-ckpt modify-state-dict IN OUT --op "remove REGEX" --op "rename PATTERN REPLACEMENT" ...
 //   mfsdp-ckpt convert-torch-dist-to-fsdp-dtensor IN OUT [--swiglu | --swiglu-modules M,N]
 //       [--param-to-param-group-map-json FILE] [--output-model-weight-prefix P]
 //       [--output-optimizer-state-prefix P]
@@ -23,17 +24,16 @@
 #include <cstring>
 #include <iostream>
 #include <optional>
-#include <regex>
 #include <string>
 #include <vector>
 
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/checkpoint_inspector.h"
-#include "mfsdp/ckpt_operations.h"
-#include "mfsdp/dcp.h"
-#include "mfsdp/comm.h"
-#include "mfsdp/hf_interop.h"
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/checkpoint_inspector.h"
+#include "mfsdp/checkpoint/ckpt_operations.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/hf_interop.h"
+#include "mfsdp/checkpoint/tensor_source.h"
+#include "mfsdp/comm/comm.h"
 
 namespace {
 
@@ -66,19 +66,28 @@ std::vector<std::string> split_commas(const std::string& s) {
   return out;
 }
 
-std::string check_rename(const std::string& s) {
-  const size_t eq = s.find('=');
-  if (eq == std::string::npos || eq == 0) return "expected OLD=NEW with a non-empty OLD, got '" + s + "'";
-  return "";
-}
-
-std::string check_regex(const std::string& s) {
+// CLI11 checks that build the op on a scratch StateDictOps, so a malformed op or a bad regex is a
+// usage error (exit 2) with the engine's own message.
+template <class Add>
+std::string op_error(Add add) {
   try {
-    std::regex re(s, std::regex::ECMAScript);
-  } catch (const std::regex_error& e) {
-    return "'" + s + "' is not a valid regular expression (" + e.what() + ")";
+    mfsdp::StateDictOps scratch;
+    add(scratch);
+  } catch (const std::invalid_argument& e) {
+    return e.what();
   }
   return "";
+}
+std::string check_op(const std::string& s) {
+  return op_error([&](mfsdp::StateDictOps& ops) { ops.add(s, "--op"); });
+}
+std::string check_remove(const std::string& s) {
+  return op_error([&](mfsdp::StateDictOps& ops) { ops.add_remove(s, "--remove '" + s + "'"); });
+}
+std::string check_rename(const std::string& s) {
+  const size_t eq = s.find('=');
+  if (eq == std::string::npos || eq == 0) return "expected PATTERN=REPLACEMENT with a non-empty PATTERN, got '" + s + "'";
+  return op_error([&](mfsdp::StateDictOps& ops) { ops.add_rename(s.substr(0, eq), s.substr(eq + 1), "--rename '" + s + "'"); });
 }
 
 std::string check_size(const std::string& s) {
@@ -115,7 +124,6 @@ int main(int argc, char** argv) {
   mfsdp::TorchDistConversion conversion;
   int64_t max_elements = 64, iteration = 0;
   mfsdp::CompareOptions compare_options;
-  std::vector<std::string> renames;
   mfsdp::StateTransform transform;
 
   auto* inspect = app.add_subcommand(
@@ -158,12 +166,34 @@ int main(int argc, char** argv) {
   convert->add_option("OUT", b, "Checkpoint save folder to write")->required();
   convert->add_flag("--swiglu", transform.swiglu,
                     "Split every fused ...fc1.weight / ...linear_fc1.weight into gate_proj (first half) and up_proj (second)");
-  convert->add_option("--rename", renames, "OLD=NEW: replace OLD by NEW in every name (repeatable, in order)")
+  // One op vocabulary with modify-state-dict (Megatron's); --remove and --rename are shorthands
+  // for one op each, applied in command-line order with the --op ones (the first matching rename
+  // wins). Each is checked as it is parsed, so a bad regex is a usage error naming the option.
+  auto add_op = [&](const std::string& flag) {
+    return [&, flag](const std::string& v) {
+      if (flag == "--op") transform.ops.add(v, flag);
+      else if (flag == "--remove") transform.ops.add_remove(v, flag + " '" + v + "'");
+      else transform.ops.add_rename(v.substr(0, v.find('=')), v.substr(v.find('=') + 1), flag + " '" + v + "'");
+    };
+  };
+  convert->add_option("--op")
+      ->description("\"remove REGEX\" or \"rename PATTERN REPLACEMENT\", as modify-state-dict (repeatable)")
       ->allow_extra_args(false)
-      ->check(check_rename);
-  convert->add_option("--remove", transform.remove, "Drop tensors whose name fully matches REGEX (repeatable)")
+      ->check(check_op)
+      ->trigger_on_parse()
+      ->each(add_op("--op"));
+  convert->add_option("--remove")
+      ->description("REGEX: the same as --op \"remove REGEX\" (repeatable)")
       ->allow_extra_args(false)
-      ->check(check_regex);
+      ->check(check_remove)
+      ->trigger_on_parse()
+      ->each(add_op("--remove"));
+  convert->add_option("--rename")
+      ->description("PATTERN=REPLACEMENT: the same as --op \"rename PATTERN REPLACEMENT\" (repeatable)")
+      ->allow_extra_args(false)
+      ->check(check_rename)
+      ->trigger_on_parse()
+      ->each(add_op("--rename"));
   // An iteration folder is iter_%07d; CLI11 saturates a number too large for int64 (1e20 would
   // write iter_9223372036854775807), so the range bounds it.
   convert->add_option("--iteration", iteration, "Iteration of the written checkpoint, 0 .. 999999999 (default 0)")
@@ -191,7 +221,10 @@ int main(int argc, char** argv) {
   auto* modify = app.add_subcommand("modify-state-dict", "Copy a DCP checkpoint, removing and renaming entries");
   modify->add_option("INPUT_DIR", a, "DCP checkpoint")->required();
   modify->add_option("OUTPUT_DIR", b, "Folder to write (must not exist)")->required();
-  modify->add_option("--op", ops, "\"remove REGEX\" or \"rename OLD NEW\" (repeatable)")->required()->allow_extra_args(false);
+  modify->add_option("--op", ops, "\"remove REGEX\" or \"rename PATTERN REPLACEMENT\" (repeatable)")
+      ->required()
+      ->allow_extra_args(false)
+      ->check(check_op);
 
   auto* torch_dist = app.add_subcommand("convert-torch-dist-to-fsdp-dtensor",
                                         "Convert a Megatron-LM torch_dist checkpoint to fsdp_dtensor (docs/checkpoints.md)");
@@ -253,10 +286,6 @@ int main(int argc, char** argv) {
       std::cout << report.table() << "Comparison between " << a << " and " << b << " completed.\n";
       return report.same ? 0 : 1;
     } else if (convert->parsed()) {
-      for (const std::string& r : renames) {
-        const size_t eq = r.find('=');
-        transform.rename.emplace_back(r.substr(0, eq), r.substr(eq + 1));
-      }
       const auto names = mfsdp::convert_to_checkpoint(a, b, transform, iteration);
       std::cout << "wrote " << names.size() << " tensors to " << mfsdp::checkpoint_iteration_dir(b, iteration)
                 << " (stored as model.<name>):\n";

@@ -5,7 +5,7 @@
 //       [--logits-out FILE] [--vocab-file V --merge-file M]   (GPT2BPETokenizer models)
 //       [--model-config config.json]   (a checkpoint that records no model: PyTorch's dcp.save)
 //
-// DIR is what mfsdp::load_model (include/mfsdp/generate.h) reads: a checkpoint (`--save` of
+// DIR is what mfsdp::load_model (include/mfsdp/checkpoint/load_model.h) reads: a checkpoint (`--save` of
 // mfsdp-pretrain, -sft or -grpo at any world size, `mfsdp-ckpt import-hf`; a save folder or an
 // iter_NNNNNNN folder) or a Hugging Face Llama or Qwen2 folder (`--export-hf`, `mfsdp-ckpt
 // export-hf`, transformers' save_pretrained). Text in and out needs the model's tokenizer to be
@@ -21,10 +21,11 @@
 #include <optional>
 #include <sstream>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/generate.h"
-#include "mfsdp/safetensors.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/checkpoint/load_model.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/data/tokenizer.h"
+#include "mfsdp/models/generate.h"
 
 namespace {
 

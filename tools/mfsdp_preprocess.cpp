@@ -25,9 +25,9 @@
 #include <thread>
 #include <vector>
 
-#include "mfsdp/dataset_checksums.h"
-#include "mfsdp/indexed_dataset.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/dataset_checksums.h"
+#include "mfsdp/data/indexed_dataset.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace {
 

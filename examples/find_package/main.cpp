@@ -6,10 +6,10 @@
 #include <cstdio>
 #include <iostream>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/comm/rendezvous.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/optim/optim.h"
 
 struct BlockImpl : mfsdp::ShardedModule<BlockImpl> {
   torch::nn::Linear fc{nullptr};

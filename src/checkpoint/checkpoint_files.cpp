@@ -13,8 +13,8 @@
 #include <memory>
 #include <stdexcept>
 
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/data/directory_tree.h"
 
 namespace fs = std::filesystem;
 

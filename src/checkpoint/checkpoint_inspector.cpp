@@ -1,8 +1,8 @@
 // checkpoint_inspector.py's read-only commands and modify-state-dict on DCP checkpoints
-// (include/mfsdp/checkpoint_inspector.h); convert-torch-dist-to-fsdp-dtensor is in
+// (include/mfsdp/checkpoint/checkpoint_inspector.h); convert-torch-dist-to-fsdp-dtensor is in
 // src/checkpoint/torch_dist_conversion.cpp.
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint_inspector.h"
+#include "mfsdp/checkpoint/checkpoint_inspector.h"
+#include "mfsdp/data/directory_tree.h"
 
 #include <ATen/ATen.h>
 
@@ -10,15 +10,15 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
-#include <regex>
 #include <set>
 #include <sstream>
 #include <stdexcept>
 
 #include "checkpoint/dcp_checkpoint.h"
 #include "checkpoint/interop_util.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/dcp.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/state_dict_ops.h"
 
 namespace fs = std::filesystem;
 
@@ -173,20 +173,8 @@ void write_param_to_param_group_map(const std::string& dir, const std::map<std::
 void modify_dcp_state_dict(const std::string& in, const std::string& out_dir, const std::vector<std::string>& ops,
                            std::ostream& out) {
   const dcp::Reader r = open(in);
-  std::vector<std::regex> removes;
-  std::vector<std::pair<std::regex, std::string>> renames;
-  for (const std::string& op : ops) {
-    std::istringstream words(op);
-    std::string verb, a, b, extra;
-    words >> verb >> a >> b >> extra;
-    try {
-      if (verb == "remove" && !a.empty() && b.empty()) removes.emplace_back(a);
-      else if (verb == "rename" && !b.empty() && extra.empty()) renames.emplace_back(std::regex(a), b);
-      else throw std::invalid_argument("--op '" + op + "': expected \"remove REGEX\" or \"rename OLD NEW\"");
-    } catch (const std::regex_error& e) {
-      throw std::invalid_argument("--op '" + op + "': bad regular expression: " + e.what());
-    }
-  }
+  StateDictOps state_ops;
+  for (const std::string& op : ops) state_ops.add(op);
   if (fs::exists(out_dir)) throw std::invalid_argument("'" + out_dir + "' exists; choose a new output folder");
   const std::string tmp = out_dir + ".tmp";
   remove_tree(tmp);
@@ -196,21 +184,17 @@ void modify_dcp_state_dict(const std::string& in, const std::string& out_dir, co
   for (const auto& kv : m.tensors) keys.insert(kv.first);
   for (const auto& kv : m.bytes) keys.insert(kv.first);
   for (const std::string& key : keys) {
-    bool remove = false;
-    for (const auto& re : removes) remove |= std::regex_search(key, re);
-    if (remove) {
+    if (state_ops.removes(key)) {
       out << "Removing key '" << key << "'\n";
       continue;
     }
-    std::string name = key;
     std::vector<std::string> path = m.paths.count(key) ? m.paths.at(key) : std::vector<std::string>{};
-    for (const auto& [re, to] : renames)
-      if (std::regex_search(key, re)) {
-        name = std::regex_replace(key, re, to);
-        out << "Renaming key '" << key << "' to '" << name << "'\n";
-        path = {name};
-        break;
-      }
+    bool applied = false;
+    const std::string name = state_ops.renamed(key, &applied);
+    if (applied) {
+      out << "Renaming key '" << key << "' to '" << name << "'\n";
+      path = {name};
+    }
     if (r.contains_tensor(key)) w.tensor(name, r.read(key), path);
     else w.bytes(name, r.read_bytes(key), path);
   }

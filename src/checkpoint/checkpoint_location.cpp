@@ -1,4 +1,4 @@
-// locate_checkpoint (include/mfsdp/checkpoint.h): what a checkpoint path names, decided in one
+// locate_checkpoint (include/mfsdp/checkpoint/checkpoint.h): what a checkpoint path names, decided in one
 // place for every tool, so `--load ITER_FOLDER` cannot mean "a checkpoint" to one tool and "an
 // empty save folder" to another.
 #include <filesystem>
@@ -6,8 +6,8 @@
 #include <string>
 
 #include "checkpoint/checkpoint_files.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/dcp.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/dcp.h"
 
 namespace fs = std::filesystem;
 

@@ -8,9 +8,9 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/crc32c.h"
-#include "mfsdp/dcp.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/data/crc32c.h"
 
 namespace fs = std::filesystem;
 

@@ -1,8 +1,8 @@
-// mfsdp-ckpt's inspect, print-tensor, compare and convert (include/mfsdp/ckpt_operations.h). The
+// mfsdp-ckpt's inspect, print-tensor, compare and convert (include/mfsdp/checkpoint/ckpt_operations.h). The
 // readers go through TensorSource a block at a time, so they work on models larger than memory;
 // convert builds the whole state dict because its transforms (swiglu splits, renames that must
 // not collide) need every name at once.
-#include "mfsdp/ckpt_operations.h"
+#include "mfsdp/checkpoint/ckpt_operations.h"
 
 #include <ATen/ATen.h>
 
@@ -19,8 +19,8 @@
 #include <stdexcept>
 
 #include "checkpoint/interop_util.h"
-#include "mfsdp/dcp.h"
-#include "mfsdp/torch_save.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/torch_save.h"
 
 namespace fs = std::filesystem;
 
@@ -304,26 +304,9 @@ std::string ComparisonReport::table() const {
 
 std::map<std::string, at::Tensor> apply_state_transform(std::map<std::string, at::Tensor> tensors,
                                                         const StateTransform& transform) {
-  std::vector<std::regex> remove;
-  for (const std::string& r : transform.remove) {
-    try {
-      remove.emplace_back(r, std::regex::ECMAScript);
-    } catch (const std::regex_error& e) {
-      throw std::invalid_argument("--remove '" + r + "': not a valid regular expression (" + e.what() + ")");
-    }
-  }
-  for (const auto& [from, to] : transform.rename)
-    if (from.empty()) throw std::invalid_argument("--rename: the text to replace is empty");
-
-  for (auto it = tensors.begin(); it != tensors.end();) {
-    const bool drop = std::any_of(remove.begin(), remove.end(),
-                                  [&](const std::regex& re) { return std::regex_match(it->first, re); });
-    it = drop ? tensors.erase(it) : std::next(it);
-  }
-  auto renamed = [&](std::string name) {
-    for (const auto& [from, to] : transform.rename) name = replace_all(std::move(name), from, to);
-    return name;
-  };
+  for (auto it = tensors.begin(); it != tensors.end();)
+    it = transform.ops.removes(it->first) ? tensors.erase(it) : std::next(it);
+  auto renamed = [&](const std::string& name) { return transform.ops.renamed(name); };
   std::map<std::string, std::pair<std::string, at::Tensor>> out;  // final name -> (source, tensor)
   auto put = [&](const std::string& name, const std::string& source, const at::Tensor& t) {
     auto [it, inserted] = out.emplace(name, std::make_pair(source, t));
@@ -346,7 +329,7 @@ std::map<std::string, at::Tensor> apply_state_transform(std::map<std::string, at
   }
   std::map<std::string, at::Tensor> result;
   for (auto& [name, st] : out) {
-    if (name.empty()) throw std::invalid_argument("--rename leaves tensor '" + st.first + "' with an empty name");
+    if (name.empty()) throw std::invalid_argument("a rename leaves tensor '" + st.first + "' with an empty name");
     result.emplace(name, std::move(st.second));
   }
   return result;
@@ -373,14 +356,12 @@ std::vector<std::string> convert_to_checkpoint(const std::string& in, const std:
   }
   if (tensors.empty()) throw std::invalid_argument("convert: '" + in + "' holds no model tensors");
   tensors = apply_state_transform(std::move(tensors), transform);
-  if (tensors.empty()) throw std::invalid_argument("convert: no tensor of '" + in + "' is left after --remove");
+  if (tensors.empty()) throw std::invalid_argument("convert: no tensor of '" + in + "' is left after the removes");
 
   CheckpointInfo info;
   info.iteration = iteration;
   info.model_config = model_config;
-  json renames = json::array();
-  for (const auto& [from, to] : transform.rename) renames.push_back(from + "=" + to);
-  info.args = {{"converted_from", in}, {"swiglu", transform.swiglu}, {"rename", renames}, {"remove", transform.remove}};
+  info.args = {{"converted_from", in}, {"swiglu", transform.swiglu}, {"ops", transform.ops.texts()}};
   write_checkpoint(out, tensors, info);
   std::vector<std::string> names;
   for (const auto& kv : tensors) names.push_back(kv.first);

@@ -10,8 +10,8 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/interop_util.h"
 #include "checkpoint/megatron_gpt_names.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/safetensors.h"
 
 namespace fs = std::filesystem;
 

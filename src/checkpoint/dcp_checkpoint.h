@@ -1,5 +1,5 @@
 // Internal to src/checkpoint: the fsdp_dtensor format as Megatron-FSDP writes it, a PyTorch
-// Distributed Checkpoint (include/mfsdp/dcp.h) with Megatron's key names (docs/checkpoints.md).
+// Distributed Checkpoint (include/mfsdp/checkpoint/dcp.h) with Megatron's key names (docs/checkpoints.md).
 //
 // Inside mfsdp a checkpoint's tensors have *canonical* names, whatever the file format
 // ("model.<fqn>", "optimizer.state.<fqn>.<key>", "rng_state.rank<r>.cpu"; checkpoint.h). On disk
@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/dcp.h"
+#include "mfsdp/checkpoint/dcp.h"
 
 namespace mfsdp::checkpoint {
 

@@ -1,9 +1,9 @@
-// Hugging Face import and export (include/mfsdp/hf_interop.h): the checkpoint's model as a folder
+// Hugging Face import and export (include/mfsdp/checkpoint/hf_interop.h): the checkpoint's model as a folder
 // transformers loads, and a transformers Llama folder as a checkpoint. Both check the tensors
 // against the model the config describes (check_llama_tensors) before writing anything, so a
 // folder that would not load is refused here rather than at the first training step.
-#include "mfsdp/hf_interop.h"
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/hf_interop.h"
+#include "mfsdp/checkpoint/tensor_source.h"
 
 #include <ATen/ATen.h>
 
@@ -14,9 +14,9 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/interop_util.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/checkpoint/safetensors.h"
 
 namespace fs = std::filesystem;
 

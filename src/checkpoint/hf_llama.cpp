@@ -1,5 +1,5 @@
-// Hugging Face config.json <-> LlamaConfig: see include/mfsdp/hf_llama.h.
-#include "mfsdp/hf_llama.h"
+// Hugging Face config.json <-> LlamaConfig: see include/mfsdp/checkpoint/hf_llama.h.
+#include "mfsdp/checkpoint/hf_llama.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
 // Internal to src/checkpoint: Megatron-Core GPTModel parameter names (Transformer Engine layer
 // spec, as Megatron-FSDP's fsdp_dtensor checkpoints and converted torch_dist checkpoints hold
-// them) read as the Llama names of mfsdp's model (transformers' names, include/mfsdp/llama.h):
+// them) read as the Llama names of mfsdp's model (transformers' names, include/mfsdp/models/llama.h):
 //
 //   embedding.word_embeddings.weight                    model.embed_tokens.weight
 //   decoder.layers.<i>.self_attention.linear_qkv.layer_norm_weight   model.layers.<i>.input_layernorm.weight

@@ -1,5 +1,5 @@
 // save_checkpoint / load_checkpoint / write_checkpoint: every rank writes the element ranges it
-// holds and reads the ones it owns now (include/mfsdp/checkpoint.h).
+// holds and reads the ones it owns now (include/mfsdp/checkpoint/checkpoint.h).
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
 
@@ -9,9 +9,9 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/crc32c.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/data/crc32c.h"
+#include "mfsdp/data/directory_tree.h"
 
 namespace fs = std::filesystem;
 

@@ -1,7 +1,7 @@
-// TensorSource (include/mfsdp/tensor_source.h): a checkpoint or a Hugging Face folder behind one
+// TensorSource (include/mfsdp/checkpoint/tensor_source.h): a checkpoint or a Hugging Face folder behind one
 // read-only interface. Opening reads headers only; tensors are read when asked for, whole or as
 // an element range, so compare and print-tensor never hold a whole model.
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/tensor_source.h"
 
 #include <ATen/ATen.h>
 

@@ -1,4 +1,4 @@
-// Megatron torch_dist -> fsdp_dtensor (include/mfsdp/checkpoint_inspector.h), following
+// Megatron torch_dist -> fsdp_dtensor (include/mfsdp/checkpoint/checkpoint_inspector.h), following
 // Megatron-LM's tools/checkpoint/checkpoint_inspector.py convert-torch-dist-to-fsdp-dtensor.
 #include <ATen/ATen.h>
 
@@ -11,12 +11,12 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
 #include "checkpoint/interop_util.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/checkpoint_inspector.h"
-#include "mfsdp/dcp.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/llama.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/checkpoint_inspector.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/models/llama.h"
 
 namespace fs = std::filesystem;
 

@@ -11,7 +11,7 @@
 #include <mutex>
 #include <thread>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 

@@ -5,8 +5,8 @@
 
 #include "comm/cpu_communicator.h"
 #include "comm/store.h"
-#include "mfsdp/comm.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/comm/rendezvous.h"
 
 #ifdef MFSDP_WITH_CUDA
 #include "comm/nccl_communicator.h"

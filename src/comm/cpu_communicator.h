@@ -22,8 +22,8 @@
 #include <memory>
 #include <string>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/comm/rendezvous.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 

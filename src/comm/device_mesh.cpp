@@ -1,4 +1,4 @@
-#include "mfsdp/device_mesh.h"
+#include "mfsdp/comm/device_mesh.h"
 
 #include <set>
 #include <stdexcept>

@@ -8,7 +8,7 @@
 #include <memory>
 #include <thread>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 

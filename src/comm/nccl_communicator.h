@@ -19,8 +19,8 @@
 #include <chrono>
 #include <memory>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/comm/rendezvous.h"
 
 namespace mfsdp {
 

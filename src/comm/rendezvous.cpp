@@ -1,4 +1,4 @@
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/rendezvous.h"
 
 #include <cstdlib>
 #include <optional>

@@ -24,7 +24,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include "comm/collective_args.h"
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 

@@ -1,5 +1,5 @@
 // make_simulated_communicator: collectives as local copies of the sizes rank `rank` of a real
-// job would move (include/mfsdp/simulated_comm.h).
+// job would move (include/mfsdp/comm/simulated_comm.h).
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
@@ -7,7 +7,7 @@
 #include <stdexcept>
 
 #include "comm/collective_args.h"
-#include "mfsdp/simulated_comm.h"
+#include "mfsdp/comm/simulated_comm.h"
 
 namespace mfsdp {
 namespace {

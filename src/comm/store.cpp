@@ -18,10 +18,10 @@
 #include <thread>
 
 #include "comm/master_address.h"
-#include "comm/socket_fd.h"
 #include "comm/store_protocol.h"
 #include "comm/store_server.h"
-#include "mfsdp/comm.h"
+#include "launch/socket_fd.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 namespace {

@@ -7,7 +7,7 @@
 
 #include <chrono>
 
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/rendezvous.h"
 
 namespace mfsdp {
 

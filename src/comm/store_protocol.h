@@ -14,7 +14,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/rendezvous.h"
 
 namespace mfsdp::store_wire {
 

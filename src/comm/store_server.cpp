@@ -19,7 +19,7 @@
 #include <memory>
 
 #include "comm/store_protocol.h"
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 namespace {

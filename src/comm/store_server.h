@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "comm/master_address.h"
-#include "comm/socket_fd.h"
+#include "launch/socket_fd.h"
 
 namespace mfsdp {
 

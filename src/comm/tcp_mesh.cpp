@@ -23,8 +23,8 @@
 #include <thread>
 #include <vector>
 
-#include "comm/socket_fd.h"
-#include "mfsdp/comm.h"
+#include "launch/socket_fd.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 namespace {

@@ -1,4 +1,4 @@
-// Built-in chat templates (include/mfsdp/chat_template.h, docs/data.md "Chat templates").
+// Built-in chat templates (include/mfsdp/data/chat_template.h, docs/data.md "Chat templates").
 //
 // A conversation is rendered as a list of segments, each either text (encoded on its own) or a
 // special token (inserted by its id from Tokenizer::special_token_id, so the template does not
@@ -7,7 +7,7 @@
 // message's content is a segment of its own. For the usual text (content starting with a letter,
 // digit or space after the header's "\n") this equals encoding the whole rendered string, which
 // tests/unit/hf_tokenizer_test.cpp checks against transformers' apply_chat_template.
-#include "mfsdp/chat_template.h"
+#include "mfsdp/data/chat_template.h"
 
 #include <stdexcept>
 

@@ -1,5 +1,5 @@
-// Indexed-dataset checksums: include/mfsdp/dataset_checksums.h.
-#include "mfsdp/dataset_checksums.h"
+// Indexed-dataset checksums: include/mfsdp/data/dataset_checksums.h.
+#include "mfsdp/data/dataset_checksums.h"
 
 #include <cstdio>
 #include <fstream>
@@ -8,8 +8,8 @@
 #include <stdexcept>
 #include <sys/stat.h>
 
-#include "mfsdp/crc32c.h"
-#include "mfsdp/indexed_dataset.h"
+#include "mfsdp/data/crc32c.h"
+#include "mfsdp/data/indexed_dataset.h"
 
 namespace mfsdp {
 namespace {

@@ -1,8 +1,8 @@
 // GPTDataset: Megatron's document/sample/shuffle indices (see [Note: How samples are drawn] in
-// include/mfsdp/gpt_dataset.h).
-#include "mfsdp/gpt_dataset.h"
+// include/mfsdp/data/gpt_dataset.h).
+#include "mfsdp/data/gpt_dataset.h"
 
-#include "mfsdp/splitmix64.h"
+#include "mfsdp/data/splitmix64.h"
 
 #include <ATen/ops/empty.h>
 

@@ -1,8 +1,8 @@
-// Megatron's MMIDIDX indexed dataset: reader and writer (format in include/mfsdp/indexed_dataset.h
+// Megatron's MMIDIDX indexed dataset: reader and writer (format in include/mfsdp/data/indexed_dataset.h
 // and docs/data.md).
-#include "mfsdp/indexed_dataset.h"
+#include "mfsdp/data/indexed_dataset.h"
 
-#include "mfsdp/dataset_checksums.h"
+#include "mfsdp/data/dataset_checksums.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

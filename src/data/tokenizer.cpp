@@ -1,7 +1,7 @@
 // make_tokenizer: --tokenizer-type and its files -> a Tokenizer.
 #include <stdexcept>
 
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 

@@ -1,7 +1,7 @@
 // The byte-level tokenizer: ids 0..255 are bytes, 256 is EOD.
 #include <stdexcept>
 
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 

@@ -19,7 +19,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 namespace {

@@ -5,7 +5,7 @@
 #include <iterator>
 #include <stdexcept>
 
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 namespace {

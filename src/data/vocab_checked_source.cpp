@@ -1,4 +1,4 @@
-#include "mfsdp/gpt_dataset.h"
+#include "mfsdp/data/gpt_dataset.h"
 
 #include <stdexcept>
 #include <string>

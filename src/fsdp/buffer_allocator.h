@@ -23,7 +23,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp::detail {
 

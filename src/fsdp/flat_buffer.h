@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "fsdp/layout.h"
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp::detail {
 

@@ -1,4 +1,4 @@
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -9,7 +9,7 @@
 #include "fsdp/param_group.h"
 #include "fsdp/unit_parameters.h"
 #include "fsdp/unit_state.h"
-#include "mfsdp/device_mesh.h"
+#include "mfsdp/comm/device_mesh.h"
 
 namespace mfsdp {
 namespace detail {

@@ -2,7 +2,7 @@
 // shapes and dtype and the options alone (docs/fully_shard.md): the flat layout (packing,
 // padding, shard size), each role's placement and dtype, and whether the main weights have memory
 // of their own. ParamGroup allocates exactly what its plan says; plan_memory
-// (include/mfsdp/memory_plan.h) adds plans up without allocating anything, for jobs far larger
+// (include/mfsdp/fsdp/memory_plan.h) adds plans up without allocating anything, for jobs far larger
 // than the machine it runs on. One function decides both, so the two cannot drift apart.
 #pragma once
 
@@ -13,7 +13,7 @@
 
 #include "fsdp/flat_buffer.h"
 #include "fsdp/layout.h"
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp::detail {
 

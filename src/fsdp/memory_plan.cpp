@@ -1,4 +1,4 @@
-#include "mfsdp/memory_plan.h"
+#include "mfsdp/fsdp/memory_plan.h"
 
 #include <c10/core/ScalarType.h>
 

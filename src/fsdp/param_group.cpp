@@ -7,7 +7,7 @@
 
 #include "fsdp/group_plan.h"
 #include "fsdp/storage.h"
-#include "mfsdp/device_mesh.h"
+#include "mfsdp/comm/device_mesh.h"
 
 namespace mfsdp::detail {
 namespace {

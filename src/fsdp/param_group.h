@@ -27,7 +27,7 @@
 #include "fsdp/buffer_allocator.h"
 #include "fsdp/flat_buffer.h"
 #include "fsdp/layout.h"
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp::detail {
 

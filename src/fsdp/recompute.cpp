@@ -1,4 +1,4 @@
-#include "mfsdp/recompute.h"
+#include "mfsdp/fsdp/recompute.h"
 
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>

@@ -19,7 +19,7 @@
 
 #include "fsdp/buffer_allocator.h"
 #include "fsdp/param_group.h"
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp::detail {
 

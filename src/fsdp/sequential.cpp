@@ -1,4 +1,4 @@
-#include "mfsdp/sequential.h"
+#include "mfsdp/fsdp/sequential.h"
 
 namespace mfsdp {
 

@@ -1,7 +1,7 @@
 // Which parameters a unit owns and how it groups them (docs/fully_shard.md): a parameter belongs
 // to the innermost unit whose module path is a prefix of its name; a unit's own parameters form
 // one group per (dtype, requires_grad), groups in order of first appearance, parameters in
-// registration order. fully_shard and plan_memory (include/mfsdp/memory_plan.h) both go through
+// registration order. fully_shard and plan_memory (include/mfsdp/fsdp/memory_plan.h) both go through
 // here, so a plan has the groups the runtime builds.
 #pragma once
 

@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "mfsdp/recompute.h"
+#include "mfsdp/fsdp/recompute.h"
 
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>

@@ -25,7 +25,7 @@
 #include "compat/torch_compat.h"
 #include "fsdp/param_group.h"
 #include "fsdp/root_context.h"
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp::detail {
 

@@ -4,7 +4,7 @@
 // first failure, the deadline or a forwarded signal. Plain POSIX: no torch headers here.
 #include "launch/rank_processes.h"
 
-#include "comm/socket_fd.h"
+#include "launch/socket_fd.h"
 
 #include <arpa/inet.h>
 #include <dirent.h>

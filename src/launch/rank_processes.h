@@ -96,7 +96,7 @@ std::vector<std::string> remove_shm_segments(const std::string& tag);
 // torchrun, OMP_NUM_THREADS=1 when the parent has none and nproc_per_node > 1. On a single node
 // also MFSDP_JOB_TOKEN = launcher_job_token() unless the parent has one (which the ranks then
 // inherit): the job's identity, which each rank proves to the rendezvous store
-// (include/mfsdp/rendezvous.h). Several nodes need a token from the environment. Always
+// (include/mfsdp/comm/rendezvous.h). Several nodes need a token from the environment. Always
 // MFSDP_SHM_TAG = launcher_shm_tag(), this node's tag for its ranks' /dev/shm segments.
 std::map<std::string, std::string> rank_environment(int node_rank, int nnodes, int nproc_per_node,
                                                     int local_rank, const std::string& master_addr,

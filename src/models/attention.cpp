@@ -6,7 +6,7 @@
 #include <limits>
 #include <tuple>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 

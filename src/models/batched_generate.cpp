@@ -1,8 +1,8 @@
 // Batched generation: left-padded prompts, one KV cache for the batch, a generator per row
-// (include/mfsdp/batched_generate.h, docs/model.md).
-#include "mfsdp/batched_generate.h"
+// (include/mfsdp/models/batched_generate.h, docs/model.md).
+#include "mfsdp/models/batched_generate.h"
 
-#include "mfsdp/splitmix64.h"
+#include "mfsdp/data/splitmix64.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -13,7 +13,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 namespace {

@@ -3,7 +3,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 

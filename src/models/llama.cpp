@@ -1,12 +1,12 @@
 // Decoder layer, LlamaModel and LlamaForCausalLM: wiring, initialisation, deferred init.
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 #include <ATen/ATen.h>
 
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/recompute.h"
+#include "mfsdp/fsdp/recompute.h"
 #include "models/param_init.h"
 
 namespace mfsdp {

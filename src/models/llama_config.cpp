@@ -1,7 +1,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 namespace {

@@ -2,7 +2,7 @@
 // RMSNorm, the MLP (SwiGLU, or Megatron's GeLU MLP without --swiglu).
 #include <ATen/ATen.h>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 #include "models/param_init.h"
 
 namespace mfsdp {

@@ -2,7 +2,7 @@
 
 #include <stdexcept>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 namespace {

@@ -1,4 +1,4 @@
-#include "mfsdp/token_stats.h"
+#include "mfsdp/models/token_stats.h"
 
 #include <ATen/ATen.h>
 

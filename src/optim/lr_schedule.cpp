@@ -4,7 +4,7 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "mfsdp/optim.h"
+#include "mfsdp/optim/optim.h"
 
 namespace mfsdp {
 namespace {

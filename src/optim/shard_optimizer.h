@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/optim/optim.h"
 
 namespace mfsdp {
 

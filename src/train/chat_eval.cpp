@@ -4,9 +4,9 @@
 
 #include <functional>
 
-#include "mfsdp/batched_generate.h"
-#include "mfsdp/chat_template.h"
-#include "mfsdp/rewards.h"
+#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/rewards.h"
+#include "mfsdp/models/batched_generate.h"
 #include "train/rollout_model.h"
 
 namespace mfsdp {

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/chat_dataset.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/tokenizer.h"
 #include "train/training_run.h"
 
 namespace mfsdp {

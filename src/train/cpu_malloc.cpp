@@ -1,4 +1,4 @@
-#include "mfsdp/cpu_malloc.h"
+#include "mfsdp/train/cpu_malloc.h"
 
 #include <cstdlib>
 #include <cstring>

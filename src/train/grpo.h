@@ -9,7 +9,7 @@
 #include <ostream>
 #include <string>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 #include "train/pretrain_args.h"
 #include "train/task_source.h"
 

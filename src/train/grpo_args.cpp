@@ -2,8 +2,8 @@
 // that need no data (parse) or the data-parallel size (validate).
 #include "train/grpo.h"
 
-#include "mfsdp/rewards.h"
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/tensor_source.h"
+#include "mfsdp/data/rewards.h"
 #include "train/tool_flags.h"
 
 namespace mfsdp {
@@ -11,9 +11,13 @@ namespace mfsdp {
 ToolFlags grpo_tool_flags(GrpoArgs& a) {
   ToolFlags t;
   t.program = "mfsdp-grpo";
-  t.excluded = {"--data-path", "--split",      "--mock-data",     "--seq-length",          "--vocab-size",
-                "--calculate-per-token-loss",  "--sample-prompt", "--sample-tokens",       "--skip-train",
-                "--simulate-world-size",       "--simulate-rank", "--global-batch-size", "--memory-plan"};
+  // Not the pretraining corpus nor mfsdp-pretrain's own section; a step's batch is
+  // --train-batch-size prompts x --rollout-n responses.
+  t.sections = {Section::kModel,      Section::kTokenizer, Section::kTraining, Section::kOptimizer,
+                Section::kCheckpoint, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
+                Section::kProfiling};
+  t.replaced = {{"--global-batch-size", "a step trains on --train-batch-size prompts x --rollout-n responses"}};
+  t.extra_title = "GRPO: prompts, rollouts, rewards and the policy loss";
   t.extra = task_source_flags(a.data, "prompts",
                               "verl's {\"prompt\": [{\"role\", \"content\"}], \"reward_model\": "
                               "{\"ground_truth\"}, \"data_source\"} per line");

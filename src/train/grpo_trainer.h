@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/batched_generate.h"
-#include "mfsdp/chat_dataset.h"
-#include "mfsdp/policy_loss.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/tokenizer.h"
+#include "mfsdp/models/batched_generate.h"
+#include "mfsdp/train/policy_loss.h"
 #include "train/chat_eval.h"
 #include "train/grpo.h"
 #include "train/sft_data.h"

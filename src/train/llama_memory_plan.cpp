@@ -1,6 +1,6 @@
 #include "train/llama_memory_plan.h"
 
-#include "mfsdp/simulated_comm.h"
+#include "mfsdp/comm/simulated_comm.h"
 #include "train/training_run.h"
 
 namespace mfsdp {

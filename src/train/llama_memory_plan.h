@@ -1,14 +1,14 @@
 // mfsdp-pretrain --memory-plan: the per-rank memory of the Llama the flags describe, planned
-// (include/mfsdp/memory_plan.h) from the model built with deferred parameters (nothing is
+// (include/mfsdp/fsdp/memory_plan.h) from the model built with deferred parameters (nothing is
 // allocated) and the units shard_llama makes, then printed; nothing trains.
 #pragma once
 
 #include <memory>
 #include <ostream>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/memory_plan.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/memory_plan.h"
+#include "mfsdp/models/llama.h"
 #include "train/pretrain_args.h"
 
 namespace mfsdp {

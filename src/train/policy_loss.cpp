@@ -1,7 +1,7 @@
 // Loss math of SFT and GRPO, following verl's definitions (docs/policy_loss.md). Everything here
 // is elementwise or a reduction, so a micro-batch computes its share of the global loss alone; the
 // global denominators come in through LossNormalizer.
-#include "mfsdp/policy_loss.h"
+#include "mfsdp/train/policy_loss.h"
 
 #include <ATen/ATen.h>
 

@@ -12,34 +12,13 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/gpt_dataset.h"
-#include "mfsdp/indexed_dataset.h"
-#include "mfsdp/llama.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/data/gpt_dataset.h"
+#include "mfsdp/data/indexed_dataset.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 namespace {
-
-[[noreturn]] void bad(const std::string& flag, const std::string& what) {
-  throw std::invalid_argument(flag + ": " + what);
-}
-
-// Upper bounds where a larger value would allocate or loop without end, not train: ranks a
-// simulated run can play, a vocabulary (the largest of real models are ~256K ids), and the
-// samples the datasets index (train plus validation plus test; 2^32 covers any real run, ~4e12
-// tokens at 1K tokens per sample, and keeps the index arrays' sizes from overflowing).
-constexpr int64_t kMaxSimulatedWorldSize = int64_t{1} << 20;
-constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
-constexpr double kMaxDatasetSamples = 4294967296.0;
-// The model's sizes, each far past the largest real model (Llama-3-405B: 126 layers, hidden
-// 16384, MLP 53248; million-token contexts), so that a typo is refused before the model is
-// built instead of ending in an allocator error or the kernel's OOM killer; and the tokens of
-// one micro-batch on a rank (64M; real runs hold at most a few hundred thousand).
-constexpr int64_t kMaxLayers = 1024;
-constexpr int64_t kMaxHiddenSize = int64_t{1} << 17;
-constexpr int64_t kMaxFfnHiddenSize = int64_t{1} << 20;
-constexpr int64_t kMaxSequenceLength = int64_t{1} << 22;
-constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 26;
 
 struct Flag {
   std::string name;
@@ -49,6 +28,7 @@ struct Flag {
   std::function<void(PretrainArgs&, const std::string&)> set;
   std::function<std::string(const PretrainArgs&)> show;
   bool many_values = false;  // ToolFlag::many_values
+  Section section = Section::kModel;  // set from the table's grouping
 };
 
 int64_t to_int(const std::string& flag, const std::string& v) {
@@ -58,7 +38,7 @@ int64_t to_int(const std::string& flag, const std::string& v) {
     if (used == v.size()) return x;
   } catch (const std::exception&) {
   }
-  bad(flag, "expected an integer, got '" + v + "'");
+  flag_error(flag, "expected an integer, got '" + v + "'");
 }
 
 // Finite numbers only: "nan" and "inf" parse as doubles but are no value of any flag here.
@@ -69,7 +49,7 @@ double to_double(const std::string& flag, const std::string& v) {
     if (used == v.size() && std::isfinite(x)) return x;
   } catch (const std::exception&) {
   }
-  bad(flag, "expected a finite number, got '" + v + "'");
+  flag_error(flag, "expected a finite number, got '" + v + "'");
 }
 
 // The space-separated integers of a many-valued flag.
@@ -77,7 +57,7 @@ std::vector<int64_t> to_int_list(const std::string& flag, const std::string& v) 
   std::vector<int64_t> out;
   std::istringstream in(v);
   for (std::string word; in >> word;) out.push_back(to_int(flag, word));
-  if (out.empty()) bad(flag, "needs at least one value");
+  if (out.empty()) flag_error(flag, "needs at least one value");
   return out;
 }
 
@@ -108,178 +88,214 @@ std::string join_ints(const std::vector<int64_t>& values) {
    [](const PretrainArgs& a) { return std::string(a.field ? "on" : "off"); }}
 
 const std::vector<Flag>& flags() {
-  static const std::vector<Flag> table = {
-      // Model.
-      INT_FLAG("--num-layers", num_layers, "decoder layers"),
-      INT_FLAG("--hidden-size", hidden_size, "model width"),
-      INT_FLAG("--ffn-hidden-size", ffn_hidden_size,
-               "MLP width (0: Megatron's default, 4 x hidden, or with --swiglu int(4 x hidden x 2/3 / 64) x 64)"),
-      INT_FLAG("--num-attention-heads", num_attention_heads, "attention heads"),
-      BOOL_FLAG("--group-query-attention", group_query_attention, "grouped-query attention"),
-      INT_FLAG("--num-query-groups", num_query_groups, "key/value heads with --group-query-attention"),
-      INT_FLAG("--seq-length", seq_length, "tokens per sample"),
-      INT_FLAG("--max-position-embeddings", max_position_embeddings, "longest position (0: --seq-length)"),
-      STRING_FLAG("--normalization", normalization, "normalization layer", "RMSNorm"),
-      BOOL_FLAG("--swiglu", swiglu,
-                "SwiGLU MLP (gate_proj, up_proj, down_proj), as Llama and Qwen2 have; without it Megatron's GeLU "
-                "MLP (up_proj, down_proj), which has no Hugging Face export"),
-      STRING_FLAG("--position-embedding-type", position_embedding_type, "position embedding", "rope"),
-      STRING_FLAG("--attention-backend", attention_backend,
-                  "auto: at::scaled_dot_product_attention (the device's fused kernels); unfused: explicit "
-                  "matmul, causal mask, fp32 softmax, matmul",
-                  "auto", "unfused"),
-      DOUBLE_FLAG("--rotary-base", rotary_base, "RoPE base (theta)"),
-      BOOL_FLAG("--untie-embeddings-and-output-weights", untie_embeddings_and_output_weights,
-                "separate output layer (lm_head) instead of the embedding"),
-      DOUBLE_FLAG("--init-method-std", init_method_std, "std of the normal weight init"),
-      DOUBLE_FLAG("--norm-epsilon", norm_epsilon, "RMSNorm epsilon"),
-      INT_FLAG("--vocab-size", vocab_size, "vocabulary with --mock-data and no tokenizer"),
-      INT_FLAG("--make-vocab-size-divisible-by", make_vocab_size_divisible_by,
-               "pad the embedding rows to a multiple of this"),
-      BOOL_FLAG("--recompute-activations", recompute_activations, "full activation recompute per layer"),
-      STRING_FLAG("--recompute-granularity", recompute_granularity, "recompute granularity", "full"),
-      // Training.
-      INT_FLAG("--micro-batch-size", micro_batch_size, "samples per rank and micro-batch"),
-      INT_FLAG("--global-batch-size", global_batch_size,
-               "samples per iteration (0: micro-batch x data-parallel size)"),
-      INT_FLAG("--train-iters", train_iters, "iterations"),
-      DOUBLE_FLAG("--lr", lr, "peak learning rate"),
-      DOUBLE_FLAG("--min-lr", min_lr, "learning rate at the end of decay"),
-      STRING_FLAG("--lr-decay-style", lr_decay_style, "decay after warmup", "constant", "linear", "cosine"),
-      INT_FLAG("--lr-warmup-iters", lr_warmup_iters, "linear warmup iterations"),
-      INT_FLAG("--lr-decay-iters", lr_decay_iters, "iteration where decay ends (0: --train-iters)"),
-      DOUBLE_FLAG("--weight-decay", weight_decay, "decoupled weight decay (not on 1-D params)"),
-      DOUBLE_FLAG("--adam-beta1", adam_beta1, "Adam beta1"),
-      DOUBLE_FLAG("--adam-beta2", adam_beta2, "Adam beta2"),
-      DOUBLE_FLAG("--adam-eps", adam_eps, "Adam epsilon"),
-      DOUBLE_FLAG("--sgd-momentum", sgd_momentum, "SGD momentum"),
-      DOUBLE_FLAG("--clip-grad", clip_grad, "global gradient-norm clip (0: off)"),
-      INT_FLAG("--seed", seed, "random seed (model init and data order)"),
-      BOOL_FLAG("--bf16", bf16, "bf16 compute with fp32 main weights and grads"),
-      BOOL_FLAG("--check-for-nan-in-loss-and-grad", check_for_nan_in_loss_and_grad,
-                "stop when a rank's loss or a reduced gradient is NaN or Inf, naming the iteration and the "
-                "parameters, before the optimizer step (on unless --no-check-for-nan-in-loss-and-grad)"),
-      {"--no-check-for-nan-in-loss-and-grad", "train on through NaN and Inf losses and gradients", false, {},
-       [](PretrainArgs& a, const std::string&) { a.check_for_nan_in_loss_and_grad = false; },
-       [](const PretrainArgs& a) { return std::string(a.check_for_nan_in_loss_and_grad ? "off" : "on"); }},
-      STRING_FLAG("--optimizer", optimizer, "optimizer (adam is AdamW)", "adam", "sgd"),
-      STRING_FLAG("--optimizer-implementation", optimizer_implementation,
-                  "AdamW's kernels: unfused (op for op as torch::optim::AdamW, the bit-exact reference), fused "
-                  "(at::_fused_adamw_, torch.optim.AdamW(fused=True)'s single pass) or auto (fused on CUDA, as "
-                  "Megatron's fused Adam; unfused on the CPU)",
-                  "auto", "unfused", "fused"),
-      BOOL_FLAG("--skip-train", skip_train, "evaluate only"),
-      // Data.
-      STRING_FLAG("--data-path", data_path, "prefix of a Megatron .bin/.idx pair"),
-      STRING_FLAG("--split", split, "train,valid,test weights"),
-      STRING_FLAG("--tokenizer-type", tokenizer_type, "tokenizer", "ByteLevelTokenizer",
-                  "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
-      STRING_FLAG("--tokenizer-model", tokenizer_model,
-                  "SentencePiece model file; for HuggingFaceTokenizer a tokenizer.json or its folder"),
-      STRING_FLAG("--vocab-file", vocab_file, "GPT-2 vocab.json"),
-      STRING_FLAG("--merge-file", merge_file, "GPT-2 merges.txt"),
-      BOOL_FLAG("--mock-data", mock_data, "synthetic tokens instead of --data-path"),
-      // Logging.
-      INT_FLAG("--log-interval", log_interval, "iterations between log lines"),
-      INT_FLAG("--eval-interval", eval_interval, "iterations between evaluations"),
-      INT_FLAG("--eval-iters", eval_iters, "batches per evaluation"),
-      BOOL_FLAG("--log-params-norm", log_params_norm,
-                "log the L2 norm of all parameters after the optimizer step (' params norm: ', metrics "
-                "params_norm)"),
-      BOOL_FLAG("--log-num-zeros-in-grad", log_num_zeros_in_grad,
-                "log how many gradient elements are zero after reduction and clipping (' num zeros: ', "
-                "metrics num_zeros_in_grad)"),
-      STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
-      STRING_FLAG("--tensorboard-dir", tensorboard_dir,
-                  "write TensorBoard event files of the training scalars (lm loss, learning-rate, grad-norm, "
-                  "throughput, tokens-per-sec, mem-bytes, ...) here"),
-      INT_FLAG("--tensorboard-log-interval", tensorboard_log_interval, "iterations between TensorBoard scalars"),
-      BOOL_FLAG("--profile", profile,
-                "profile iterations --profile-step-start + 1 .. --profile-step-end on --profile-ranks: with "
-                "--use-pytorch-profiler a trace into --tensorboard-dir, else nsys's capture range "
-                "(cudaProfilerStart/Stop and NVTX ranges of every op; nsys profile --capture-range=cudaProfilerApi)"),
-      BOOL_FLAG("--use-pytorch-profiler", use_pytorch_profiler,
-                "with --profile: PyTorch's profiler (Kineto), a <host>_<pid>.<ms>.pt.trace.json per profiled rank "
-                "in --tensorboard-dir (TensorBoard, Perfetto, chrome://tracing)"),
-      INT_FLAG("--profile-step-start", profile_step_start, "with --profile: iterations done before profiling starts"),
-      INT_FLAG("--profile-step-end", profile_step_end, "with --profile: the last iteration profiled"),
-      INT_LIST_FLAG("--profile-ranks", profile_ranks, "with --profile: the global ranks profiled"),
-      STRING_FLAG("--export-hf", export_hf,
-                  "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
-                  "the tokenizer files of a HuggingFaceTokenizer) here"),
-      STRING_FLAG("--sample-prompt", sample_prompt, "(mfsdp) print a sample continuing this text after training"),
-      INT_FLAG("--sample-tokens", sample_tokens, "(mfsdp) tokens of that sample"),
-      // Megatron-FSDP.
-      STRING_FLAG("--save", save, "checkpoint folder to save into (in --ckpt-format)"),
-      INT_FLAG("--save-interval", save_interval, "iterations between checkpoints (0: only at the end)"),
-      STRING_FLAG("--load", load,
-                  "checkpoint to start from: a save folder (its latest iteration) or an iteration folder "
-                  "(iter_NNNNNNN, or any torch.distributed.checkpoint folder)"),
-      INT_FLAG("--ckpt-step", ckpt_step, "with --load of a save folder: load this iteration, not the latest "
-                                         "(-1: the latest)"),
-      BOOL_FLAG("--finetune", finetune, "with --load: weights only, iteration and optimizer start afresh"),
-      BOOL_FLAG("--no-load-optim", no_load_optim, "with --load: do not load the optimizer state"),
-      BOOL_FLAG("--no-load-rng", no_load_rng, "with --load: do not restore the random generators"),
-      BOOL_FLAG("--no-save-optim", no_save_optim, "save checkpoints without the optimizer state"),
-      INT_FLAG("--exit-interval", exit_interval, "stop (after saving with --save) at a multiple of this iteration"),
-      BOOL_FLAG("--override-opt_param-scheduler", override_opt_param_scheduler,
-                "with --load: use this run's LR schedule flags, not the checkpoint's"),
-      BOOL_FLAG("--use-checkpoint-opt_param-scheduler", use_checkpoint_opt_param_scheduler,
-                "with --load: use the checkpoint's LR schedule, not this run's flags"),
-
-      BOOL_FLAG("--use-megatron-fsdp", use_megatron_fsdp, "shard with mfsdp (always on here)"),
-      STRING_FLAG("--data-parallel-sharding-strategy", data_parallel_sharding_strategy,
-                  "what is sharded", "no_shard", "optim", "optim_grads", "optim_grads_params"),
-      BOOL_FLAG("--no-gradient-accumulation-fusion", no_gradient_accumulation_fusion,
-                "no fused weight-gradient accumulation"),
-      BOOL_FLAG("--use-distributed-optimizer", use_distributed_optimizer,
-                "shard the optimizer (always on here)"),
-      STRING_FLAG("--ckpt-format", ckpt_format,
-                  "checkpoint format to save: fsdp_dtensor (PyTorch DCP with Megatron-FSDP's keys) or mfsdp (the "
-                  "earlier metadata.json + safetensors); --load reads either",
-                  "fsdp_dtensor", "mfsdp"),
-      STRING_FLAG("--dump-param-to-param-group-map", dump_param_to_param_group_map,
-                  "write Megatron's {parameter: optimizer group} map into this folder (a DCP folder; "
-                  "mfsdp-ckpt print-torch-dcp-in-json turns it into the JSON the torch_dist conversion takes)"),
-      BOOL_FLAG("--calculate-per-token-loss", calculate_per_token_loss,
-                "loss = sum over tokens / tokens in the global batch (no 1/dp gradient scaling)"),
-      BOOL_FLAG("--init-model-with-meta-device", init_model_with_meta_device,
-                "materialise and shard one layer at a time"),
-      BOOL_FLAG("--grad-reduce-in-bf16", grad_reduce_in_bf16, "reduce gradients in bf16"),
-      BOOL_FLAG("--no-fsdp-prefetch", no_fsdp_prefetch,
-                "(mfsdp) do not all-gather the next unit while the current one computes"),
-      BOOL_FLAG("--no-fsdp-all-gather-in-start-param-sync", no_fsdp_all_gather_in_start_param_sync,
-                "do not start the first unit's all-gather at the end of the optimizer step"),
-      INT_FLAG("--simulate-world-size", simulate_world_size,
-               "(mfsdp) one process plays --simulate-rank of a job this size: real per-rank memory and "
-               "compute, collectives replaced by local copies, losses not meaningful (0: off)"),
-      INT_FLAG("--simulate-rank", simulate_rank, "(mfsdp) the rank played with --simulate-world-size"),
-      BOOL_FLAG("--memory-plan", memory_plan,
-                "(mfsdp) print each rank's planned buffer bytes per unit and exit before allocating them "
-                "(with --simulate-world-size N: for N ranks; needs no data or --train-iters)"),
-      BOOL_FLAG("--fsdp-double-buffer", fsdp_double_buffer,
-                "unsharded weights and gradients in two persistent buffers per size class"),
-      BOOL_FLAG("--fsdp-trace-pool", fsdp_trace_pool,
-                "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
-      BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU; refused on NCCL: not supported yet)"),
-      DOUBLE_FLAG("--distributed-timeout-minutes", distributed_timeout_minutes,
-                  "timeout of every collective: a rank that stops answering is named in an error after "
-                  "this long (fractions of a minute allowed)"),
-      STRING_FLAG("--device", device,
-                  "(mfsdp) where to train: auto (CUDA when a GPU is present; LOCAL_RANK picks it, NCCL), "
-                  "cpu (the CPU communicator) or cuda", "auto", "cpu", "cuda"),
-      STRING_FLAG("--cpu-comm-shared-memory", cpu_comm_shared_memory,
-                  "(mfsdp) CPU backend: on, the collectives' bulk data through one /dev/shm segment when every "
-                  "rank is on this host; off, over TCP (unset: on, unless MFSDP_SHM=0)",
-                  "on", "off"),
-      STRING_FLAG("--socket-ifname", socket_ifname,
-                  "(mfsdp) CPU backend: the network interface ranks listen on, e.g. eth0 (unset: "
-                  "MFSDP_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME, else loopback on one node or the host name)"),
-      STRING_FLAG("--keep-freed-cpu-memory", keep_freed_cpu_memory,
-                  "(mfsdp) on: freed CPU blocks under 32 MiB stay in the process for the next step; off: glibc's "
-                  "defaults (unset: on, unless MFSDP_KEEP_FREED_MEMORY=0)",
-                  "on", "off"),
-  };
+  static const std::vector<Flag> table = [] {
+    const std::vector<std::pair<Section, std::vector<Flag>>> sections = {
+        {Section::kModel,
+         {
+            INT_FLAG("--num-layers", num_layers, "decoder layers"),
+            INT_FLAG("--hidden-size", hidden_size, "model width"),
+            INT_FLAG("--ffn-hidden-size", ffn_hidden_size,
+                     "MLP width (0: Megatron's default, 4 x hidden, or with --swiglu int(4 x hidden x 2/3 / 64) x 64)"),
+            INT_FLAG("--num-attention-heads", num_attention_heads, "attention heads"),
+            BOOL_FLAG("--group-query-attention", group_query_attention, "grouped-query attention"),
+            INT_FLAG("--num-query-groups", num_query_groups, "key/value heads with --group-query-attention"),
+            INT_FLAG("--max-position-embeddings", max_position_embeddings, "longest position (0: --seq-length)"),
+            STRING_FLAG("--normalization", normalization, "normalization layer", "RMSNorm"),
+            BOOL_FLAG("--swiglu", swiglu,
+                      "SwiGLU MLP (gate_proj, up_proj, down_proj), as Llama and Qwen2 have; without it Megatron's GeLU "
+                      "MLP (up_proj, down_proj), which has no Hugging Face export"),
+            STRING_FLAG("--position-embedding-type", position_embedding_type, "position embedding", "rope"),
+            DOUBLE_FLAG("--rotary-base", rotary_base, "RoPE base (theta)"),
+            BOOL_FLAG("--untie-embeddings-and-output-weights", untie_embeddings_and_output_weights,
+                      "separate output layer (lm_head) instead of the embedding"),
+            DOUBLE_FLAG("--init-method-std", init_method_std, "std of the normal weight init"),
+            DOUBLE_FLAG("--norm-epsilon", norm_epsilon, "RMSNorm epsilon"),
+            INT_FLAG("--make-vocab-size-divisible-by", make_vocab_size_divisible_by,
+                     "pad the embedding rows to a multiple of this"),
+            BOOL_FLAG("--recompute-activations", recompute_activations, "full activation recompute per layer"),
+            STRING_FLAG("--recompute-granularity", recompute_granularity, "recompute granularity", "full"),
+         }},
+        {Section::kTokenizer,
+         {
+            STRING_FLAG("--tokenizer-type", tokenizer_type, "tokenizer", "ByteLevelTokenizer",
+                        "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer"),
+            STRING_FLAG("--tokenizer-model", tokenizer_model,
+                        "SentencePiece model file; for HuggingFaceTokenizer a tokenizer.json or its folder"),
+            STRING_FLAG("--vocab-file", vocab_file, "GPT-2 vocab.json"),
+            STRING_FLAG("--merge-file", merge_file, "GPT-2 merges.txt"),
+         }},
+        {Section::kData,
+         {
+            INT_FLAG("--seq-length", seq_length, "tokens per sample"),
+            INT_FLAG("--vocab-size", vocab_size, "vocabulary with --mock-data and no tokenizer"),
+            STRING_FLAG("--data-path", data_path, "prefix of a Megatron .bin/.idx pair"),
+            STRING_FLAG("--split", split, "train,valid,test weights"),
+            BOOL_FLAG("--mock-data", mock_data, "synthetic tokens instead of --data-path"),
+         }},
+        {Section::kTraining,
+         {
+            INT_FLAG("--micro-batch-size", micro_batch_size, "samples per rank and micro-batch"),
+            INT_FLAG("--global-batch-size", global_batch_size,
+                     "samples per iteration (0: micro-batch x data-parallel size)"),
+            INT_FLAG("--train-iters", train_iters, "iterations"),
+            INT_FLAG("--seed", seed, "random seed (model init and data order)"),
+            BOOL_FLAG("--bf16", bf16, "bf16 compute with fp32 main weights and grads"),
+            BOOL_FLAG("--check-for-nan-in-loss-and-grad", check_for_nan_in_loss_and_grad,
+                      "stop when a rank's loss or a reduced gradient is NaN or Inf, naming the iteration and the "
+                      "parameters, before the optimizer step (on unless --no-check-for-nan-in-loss-and-grad)"),
+            {"--no-check-for-nan-in-loss-and-grad", "train on through NaN and Inf losses and gradients", false, {},
+             [](PretrainArgs& a, const std::string&) { a.check_for_nan_in_loss_and_grad = false; },
+             [](const PretrainArgs& a) { return std::string(a.check_for_nan_in_loss_and_grad ? "off" : "on"); }},
+         }},
+        {Section::kOptimizer,
+         {
+            DOUBLE_FLAG("--lr", lr, "peak learning rate"),
+            DOUBLE_FLAG("--min-lr", min_lr, "learning rate at the end of decay"),
+            STRING_FLAG("--lr-decay-style", lr_decay_style, "decay after warmup", "constant", "linear", "cosine"),
+            INT_FLAG("--lr-warmup-iters", lr_warmup_iters, "linear warmup iterations"),
+            INT_FLAG("--lr-decay-iters", lr_decay_iters, "iteration where decay ends (0: --train-iters)"),
+            DOUBLE_FLAG("--weight-decay", weight_decay, "decoupled weight decay (not on 1-D params)"),
+            DOUBLE_FLAG("--adam-beta1", adam_beta1, "Adam beta1"),
+            DOUBLE_FLAG("--adam-beta2", adam_beta2, "Adam beta2"),
+            DOUBLE_FLAG("--adam-eps", adam_eps, "Adam epsilon"),
+            DOUBLE_FLAG("--sgd-momentum", sgd_momentum, "SGD momentum"),
+            DOUBLE_FLAG("--clip-grad", clip_grad, "global gradient-norm clip (0: off)"),
+            STRING_FLAG("--optimizer", optimizer, "optimizer (adam is AdamW)", "adam", "sgd"),
+            STRING_FLAG("--optimizer-implementation", optimizer_implementation,
+                        "AdamW's kernels: unfused (op for op as torch::optim::AdamW, the bit-exact reference), fused "
+                        "(at::_fused_adamw_, torch.optim.AdamW(fused=True)'s single pass) or auto (fused on CUDA, as "
+                        "Megatron's fused Adam; unfused on the CPU)",
+                        "auto", "unfused", "fused"),
+         }},
+        {Section::kCheckpoint,
+         {
+            STRING_FLAG("--export-hf", export_hf,
+                        "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
+                        "the tokenizer files of a HuggingFaceTokenizer) here"),
+            STRING_FLAG("--save", save, "checkpoint folder to save into (in --ckpt-format)"),
+            INT_FLAG("--save-interval", save_interval, "iterations between checkpoints (0: only at the end)"),
+            STRING_FLAG("--load", load,
+                        "checkpoint to start from: a save folder (its latest iteration) or an iteration folder "
+                        "(iter_NNNNNNN, or any torch.distributed.checkpoint folder)"),
+            INT_FLAG("--ckpt-step", ckpt_step, "with --load of a save folder: load this iteration, not the latest "
+                                               "(-1: the latest)"),
+            BOOL_FLAG("--finetune", finetune, "with --load: weights only, iteration and optimizer start afresh"),
+            BOOL_FLAG("--no-load-optim", no_load_optim, "with --load: do not load the optimizer state"),
+            BOOL_FLAG("--no-load-rng", no_load_rng, "with --load: do not restore the random generators"),
+            BOOL_FLAG("--no-save-optim", no_save_optim, "save checkpoints without the optimizer state"),
+            INT_FLAG("--exit-interval", exit_interval, "stop (after saving with --save) at a multiple of this iteration"),
+            BOOL_FLAG("--override-opt_param-scheduler", override_opt_param_scheduler,
+                      "with --load: use this run's LR schedule flags, not the checkpoint's"),
+            BOOL_FLAG("--use-checkpoint-opt_param-scheduler", use_checkpoint_opt_param_scheduler,
+                      "with --load: use the checkpoint's LR schedule, not this run's flags"),
+            STRING_FLAG("--ckpt-format", ckpt_format,
+                        "checkpoint format to save: fsdp_dtensor (PyTorch DCP with Megatron-FSDP's keys) or mfsdp (the "
+                        "earlier metadata.json + safetensors); --load reads either",
+                        "fsdp_dtensor", "mfsdp"),
+            STRING_FLAG("--dump-param-to-param-group-map", dump_param_to_param_group_map,
+                        "write Megatron's {parameter: optimizer group} map into this folder (a DCP folder; "
+                        "mfsdp-ckpt print-torch-dcp-in-json turns it into the JSON the torch_dist conversion takes)"),
+         }},
+        {Section::kFsdp,
+         {
+            BOOL_FLAG("--use-megatron-fsdp", use_megatron_fsdp, "shard with mfsdp (always on here)"),
+            STRING_FLAG("--data-parallel-sharding-strategy", data_parallel_sharding_strategy,
+                        "what is sharded", "no_shard", "optim", "optim_grads", "optim_grads_params"),
+            BOOL_FLAG("--no-gradient-accumulation-fusion", no_gradient_accumulation_fusion,
+                      "no fused weight-gradient accumulation"),
+            BOOL_FLAG("--use-distributed-optimizer", use_distributed_optimizer,
+                      "shard the optimizer (always on here)"),
+            BOOL_FLAG("--init-model-with-meta-device", init_model_with_meta_device,
+                      "materialise and shard one layer at a time"),
+            BOOL_FLAG("--grad-reduce-in-bf16", grad_reduce_in_bf16, "reduce gradients in bf16"),
+            BOOL_FLAG("--no-fsdp-prefetch", no_fsdp_prefetch,
+                      "(mfsdp) do not all-gather the next unit while the current one computes"),
+            BOOL_FLAG("--no-fsdp-all-gather-in-start-param-sync", no_fsdp_all_gather_in_start_param_sync,
+                      "do not start the first unit's all-gather at the end of the optimizer step"),
+            BOOL_FLAG("--fsdp-double-buffer", fsdp_double_buffer,
+                      "unsharded weights and gradients in two persistent buffers per size class"),
+            BOOL_FLAG("--fsdp-trace-pool", fsdp_trace_pool,
+                      "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
+            BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU; refused on NCCL: not supported yet)"),
+         }},
+        {Section::kRuntime,
+         {
+            STRING_FLAG("--attention-backend", attention_backend,
+                        "auto: at::scaled_dot_product_attention (the device's fused kernels); unfused: explicit "
+                        "matmul, causal mask, fp32 softmax, matmul",
+                        "auto", "unfused"),
+            DOUBLE_FLAG("--distributed-timeout-minutes", distributed_timeout_minutes,
+                        "timeout of every collective: a rank that stops answering is named in an error after "
+                        "this long (fractions of a minute allowed)"),
+            STRING_FLAG("--device", device,
+                        "(mfsdp) where to train: auto (CUDA when a GPU is present; LOCAL_RANK picks it, NCCL), "
+                        "cpu (the CPU communicator) or cuda", "auto", "cpu", "cuda"),
+            STRING_FLAG("--cpu-comm-shared-memory", cpu_comm_shared_memory,
+                        "(mfsdp) CPU backend: on, the collectives' bulk data through one /dev/shm segment when every "
+                        "rank is on this host; off, over TCP (unset: on, unless MFSDP_SHM=0)",
+                        "on", "off"),
+            STRING_FLAG("--socket-ifname", socket_ifname,
+                        "(mfsdp) CPU backend: the network interface ranks listen on, e.g. eth0 (unset: "
+                        "MFSDP_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME, else loopback on one node or the host name)"),
+            STRING_FLAG("--keep-freed-cpu-memory", keep_freed_cpu_memory,
+                        "(mfsdp) on: freed CPU blocks under 32 MiB stay in the process for the next step; off: glibc's "
+                        "defaults (unset: on, unless MFSDP_KEEP_FREED_MEMORY=0)",
+                        "on", "off"),
+         }},
+        {Section::kLogging,
+         {
+            INT_FLAG("--log-interval", log_interval, "iterations between log lines"),
+            INT_FLAG("--eval-interval", eval_interval, "iterations between evaluations"),
+            INT_FLAG("--eval-iters", eval_iters, "batches per evaluation"),
+            BOOL_FLAG("--log-params-norm", log_params_norm,
+                      "log the L2 norm of all parameters after the optimizer step (' params norm: ', metrics "
+                      "params_norm)"),
+            BOOL_FLAG("--log-num-zeros-in-grad", log_num_zeros_in_grad,
+                      "log how many gradient elements are zero after reduction and clipping (' num zeros: ', "
+                      "metrics num_zeros_in_grad)"),
+            STRING_FLAG("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
+            STRING_FLAG("--tensorboard-dir", tensorboard_dir,
+                        "write TensorBoard event files of the training scalars (lm loss, learning-rate, grad-norm, "
+                        "throughput, tokens-per-sec, mem-bytes, ...) here"),
+            INT_FLAG("--tensorboard-log-interval", tensorboard_log_interval, "iterations between TensorBoard scalars"),
+         }},
+        {Section::kProfiling,
+         {
+            BOOL_FLAG("--profile", profile,
+                      "profile iterations --profile-step-start + 1 .. --profile-step-end on --profile-ranks: with "
+                      "--use-pytorch-profiler a trace into --tensorboard-dir, else nsys's capture range "
+                      "(cudaProfilerStart/Stop and NVTX ranges of every op; nsys profile --capture-range=cudaProfilerApi)"),
+            BOOL_FLAG("--use-pytorch-profiler", use_pytorch_profiler,
+                      "with --profile: PyTorch's profiler (Kineto), a <host>_<pid>.<ms>.pt.trace.json per profiled rank "
+                      "in --tensorboard-dir (TensorBoard, Perfetto, chrome://tracing)"),
+            INT_FLAG("--profile-step-start", profile_step_start, "with --profile: iterations done before profiling starts"),
+            INT_FLAG("--profile-step-end", profile_step_end, "with --profile: the last iteration profiled"),
+            INT_LIST_FLAG("--profile-ranks", profile_ranks, "with --profile: the global ranks profiled"),
+         }},
+        {Section::kPretraining,
+         {
+            BOOL_FLAG("--skip-train", skip_train, "evaluate only"),
+            STRING_FLAG("--sample-prompt", sample_prompt, "(mfsdp) print a sample continuing this text after training"),
+            INT_FLAG("--sample-tokens", sample_tokens, "(mfsdp) tokens of that sample"),
+            BOOL_FLAG("--calculate-per-token-loss", calculate_per_token_loss,
+                      "loss = sum over tokens / tokens in the global batch (no 1/dp gradient scaling)"),
+            INT_FLAG("--simulate-world-size", simulate_world_size,
+                     "(mfsdp) one process plays --simulate-rank of a job this size: real per-rank memory and "
+                     "compute, collectives replaced by local copies, losses not meaningful (0: off)"),
+            INT_FLAG("--simulate-rank", simulate_rank, "(mfsdp) the rank played with --simulate-world-size"),
+            BOOL_FLAG("--memory-plan", memory_plan,
+                      "(mfsdp) print each rank's planned buffer bytes per unit and exit before allocating them "
+                      "(with --simulate-world-size N: for N ranks; needs no data or --train-iters)"),
+         }},
+    };
+    std::vector<Flag> all;
+    for (const auto& [section, declared] : sections)
+      for (Flag f : declared) {
+        f.section = section;
+        all.push_back(std::move(f));
+      }
+    return all;
+  }();
   return table;
 }
 
@@ -287,15 +303,21 @@ const std::vector<Flag>& flags() {
 
 namespace {
 
-// The flags `tool` takes: PretrainArgs' own (less the excluded ones) bound to `args`, then its extras.
+bool takes_section(const ToolFlags& tool, Section section) {
+  return std::find(tool.sections.begin(), tool.sections.end(), section) != tool.sections.end();
+}
+
+ToolFlag bound(const Flag& f, PretrainArgs& args) {
+  return {f.name, f.help, f.takes_value, f.choices, [&args, set = f.set](const std::string& v) { set(args, v); },
+          [&args, show = f.show] { return show(args); }, f.many_values};
+}
+
+// The flags `tool` takes: those of its sections (less the ones it replaces) bound to `args`, then
+// its extras.
 std::vector<ToolFlag> tool_flags(PretrainArgs& args, const ToolFlags& tool) {
   std::vector<ToolFlag> out;
-  for (const Flag& f : flags()) {
-    if (std::find(tool.excluded.begin(), tool.excluded.end(), f.name) != tool.excluded.end()) continue;
-    out.push_back({f.name, f.help, f.takes_value, f.choices,
-                   [&args, set = f.set](const std::string& v) { set(args, v); },
-                   [&args, show = f.show] { return show(args); }, f.many_values});
-  }
+  for (const Flag& f : flags())
+    if (takes_section(tool, f.section) && !tool.replaced.count(f.name)) out.push_back(bound(f, args));
   out.insert(out.end(), tool.extra.begin(), tool.extra.end());
   return out;
 }
@@ -326,30 +348,32 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const Too
     }
     auto it = by_name.find(token);
     if (it == by_name.end()) {
-      if (auto retired = retired_flag_hint(token); !retired.empty()) bad(token, retired);
-      bad(token, "unknown flag (" + tool.program + " --help lists them)");
+      if (auto retired = retired_flag_hint(token); !retired.empty()) flag_error(token, retired);
+      if (auto r = tool.replaced.find(token); r != tool.replaced.end())
+        flag_error(token, tool.program + " does not take it: " + r->second);
+      flag_error(token, "unknown flag (" + tool.program + " --help lists them)");
     }
     const ToolFlag& f = *it->second;
     if (f.many_values && !inline_value) {
       while (i + 1 < argv.size() && argv[i + 1].rfind("--", 0) != 0) value += (value.empty() ? "" : " ") + argv[++i];
-      if (value.empty()) bad(f.name, "needs a value");
+      if (value.empty()) flag_error(f.name, "needs a value");
     } else if (f.takes_value && !inline_value) {
-      if (i + 1 >= argv.size()) bad(f.name, "needs a value");
+      if (i + 1 >= argv.size()) flag_error(f.name, "needs a value");
       value = argv[++i];
     } else if (!f.takes_value && inline_value) {
-      bad(f.name, "takes no value");
+      flag_error(f.name, "takes no value");
     }
     if (!f.choices.empty() &&
         std::find(f.choices.begin(), f.choices.end(), value) == f.choices.end()) {
       std::string list;
       for (const auto& c : f.choices) list += (list.empty() ? "" : ", ") + c;
-      bad(f.name, "'" + value + "' is not one of: " + list);
+      flag_error(f.name, "'" + value + "' is not one of: " + list);
     }
     f.set(value);
   }
   // Checked here, before trainer_main turns it into a rank count (an int).
   if (args.simulate_world_size > kMaxSimulatedWorldSize)
-    bad("--simulate-world-size", "must be at most " + std::to_string(kMaxSimulatedWorldSize) + ", got " +
+    flag_error("--simulate-world-size", "must be at most " + std::to_string(kMaxSimulatedWorldSize) + ", got " +
                                      std::to_string(args.simulate_world_size));
   return args;
 }
@@ -362,105 +386,25 @@ std::string number(double v) {
   return s.str();
 }
 
-// Where the run will write `path` (a folder with `folder`, else a file): what exists of it must
-// be of that kind, and its nearest existing folder writable, so that a run does not train for
-// hours and then fail to save. Checks only: nothing is created here.
-void check_output_path(const char* flag, const std::string& path, bool folder) {
-  namespace fs = std::filesystem;
-  std::error_code ec;  // the error_code forms: a path we may not look into is "not there"
-  const fs::path p = fs::absolute(path, ec);
-  if (ec) bad(flag, "'" + path + "': " + ec.message());
-  if (folder && fs::exists(p, ec) && !fs::is_directory(p, ec)) bad(flag, "'" + path + "' exists and is not a folder");
-  if (!folder && fs::is_directory(p, ec)) bad(flag, "'" + path + "' is a folder, not a file");
-  fs::path existing = folder ? p : p.parent_path();
-  while (!existing.empty() && existing != existing.root_path() && !fs::exists(existing, ec))
-    existing = existing.parent_path();
-  if (!fs::is_directory(existing, ec))
-    bad(flag, "cannot create '" + path + "': '" + existing.string() + "' is not a folder");
-  if (access(existing.c_str(), W_OK | X_OK) != 0)
-    bad(flag, "cannot write '" + path + "': the folder '" + existing.string() + "' is not writable");
-}
-
-// Values no run can use, found before anything starts (they would otherwise fail inside the
-// model, the optimizer or the schedule, naming their fields instead of the flag).
-// Megatron's profiling flags: they mean something only together.
-void check_profile_flags(const PretrainArgs& a) {
-  if (!a.profile) {
-    if (a.use_pytorch_profiler) bad("--use-pytorch-profiler", "needs --profile (Megatron's: it picks --profile's tool)");
-    return;
-  }
-  if (a.profile_step_start < 0)
-    bad("--profile-step-start", "must be >= 0, got " + std::to_string(a.profile_step_start));
-  if (a.profile_step_end <= a.profile_step_start)
-    bad("--profile-step-end", "must be greater than --profile-step-start (" + std::to_string(a.profile_step_start) +
-                                  "), got " + std::to_string(a.profile_step_end));
+// The parts of --profile that depend on other sections: where a trace goes, and whether this
+// build and device have nsys's CUDA capture range.
+void check_profile_target(const PretrainArgs& a, int dp) {
+  if (!a.profile) return;
   for (int64_t r : a.profile_ranks)
-    if (r < 0) bad("--profile-ranks", "ranks are >= 0, got " + std::to_string(r));
+    if (r >= dp)
+      flag_error("--profile-ranks", "rank " + std::to_string(r) + " is not in this job of " + std::to_string(dp) +
+                                        " ranks");
   if (a.use_pytorch_profiler && a.tensorboard_dir.empty())
-    bad("--use-pytorch-profiler", "needs --tensorboard-dir, the folder the traces are written into");
+    flag_error("--use-pytorch-profiler", "needs --tensorboard-dir, the folder the traces are written into");
   if (!a.use_pytorch_profiler) {
 #ifndef MFSDP_WITH_CUDA
-    bad("--profile", "without --use-pytorch-profiler is nsys's CUDA capture range, and this build has no CUDA; add "
-                     "--use-pytorch-profiler --tensorboard-dir DIR for a trace");
+    flag_error("--profile", "without --use-pytorch-profiler is nsys's CUDA capture range, and this build has no "
+                            "CUDA; add --use-pytorch-profiler --tensorboard-dir DIR for a trace");
 #endif
     if (a.device == "cpu")
-      bad("--profile", "without --use-pytorch-profiler is nsys's CUDA capture range, which --device cpu has none "
-                       "of; add --use-pytorch-profiler --tensorboard-dir DIR for a trace");
+      flag_error("--profile", "without --use-pytorch-profiler is nsys's CUDA capture range, which --device cpu has "
+                              "none of; add --use-pytorch-profiler --tensorboard-dir DIR for a trace");
   }
-}
-
-void check_values(const PretrainArgs& a) {
-  auto at_least = [](const char* flag, double v, double min) {
-    if (!(v >= min)) bad(flag, "must be >= " + number(min) + ", got " + number(v));
-  };
-  at_least("--ffn-hidden-size", static_cast<double>(a.ffn_hidden_size), 0);
-  at_least("--max-position-embeddings", static_cast<double>(a.max_position_embeddings), 0);
-  at_least("--vocab-size", static_cast<double>(a.vocab_size), 0);
-  for (auto [flag, value, max] :
-       {std::tuple{"--vocab-size", a.vocab_size, kMaxVocabSize}, {"--num-layers", a.num_layers, kMaxLayers},
-        {"--hidden-size", a.hidden_size, kMaxHiddenSize}, {"--ffn-hidden-size", a.ffn_hidden_size, kMaxFfnHiddenSize},
-        {"--seq-length", a.seq_length, kMaxSequenceLength},
-        {"--max-position-embeddings", a.max_position_embeddings, kMaxSequenceLength},
-        {"--sample-tokens", a.sample_tokens, kMaxSequenceLength}})
-    if (value > max) bad(flag, "must be at most " + std::to_string(max) + ", got " + std::to_string(value));
-  at_least("--global-batch-size", static_cast<double>(a.global_batch_size), 0);
-  at_least("--lr-decay-iters", static_cast<double>(a.lr_decay_iters), 0);
-  at_least("--sample-tokens", static_cast<double>(a.sample_tokens), 0);
-  at_least("--init-method-std", a.init_method_std, 0);
-  at_least("--norm-epsilon", a.norm_epsilon, 0);
-  at_least("--lr", a.lr, 0);
-  at_least("--min-lr", a.min_lr, 0);
-  at_least("--weight-decay", a.weight_decay, 0);
-  at_least("--adam-eps", a.adam_eps, 0);
-  at_least("--sgd-momentum", a.sgd_momentum, 0);
-  at_least("--clip-grad", a.clip_grad, 0);
-  if (!(a.rotary_base > 0)) bad("--rotary-base", "must be > 0, got " + number(a.rotary_base));
-  if (a.optimizer_implementation == "fused" && a.optimizer != "adam")
-    bad("--optimizer-implementation", "fused is AdamW's kernel; --optimizer " + a.optimizer + " has none");
-  // Learning rates and the like become fp32 scalars of the optimizer's kernels.
-  for (auto [flag, v] : {std::pair{"--lr", a.lr}, {"--min-lr", a.min_lr}, {"--weight-decay", a.weight_decay},
-                         {"--adam-eps", a.adam_eps}, {"--sgd-momentum", a.sgd_momentum}, {"--clip-grad", a.clip_grad},
-                         {"--init-method-std", a.init_method_std}, {"--norm-epsilon", a.norm_epsilon}})
-    if (v > std::numeric_limits<float>::max())
-      bad(flag, number(v) + " is beyond fp32's range (at most " + number(std::numeric_limits<float>::max()) + ")");
-  for (auto [flag, beta] : {std::pair{"--adam-beta1", a.adam_beta1}, {"--adam-beta2", a.adam_beta2}})
-    if (!(beta >= 0 && beta < 1)) bad(flag, "must be in [0, 1), got " + number(beta));
-  // Megatron seeds numpy's RandomState with it, which takes 0 .. 2^32 - 1; so does the data order here.
-  if (a.seed < 0 || a.seed > 4294967295LL)
-    bad("--seed", "must be in [0, 4294967295], got " + std::to_string(a.seed));
-  const double timeout_ms = a.distributed_timeout_minutes * 60000.0;
-  if (!(timeout_ms >= 1 && a.distributed_timeout_minutes <= 1e6))
-    bad("--distributed-timeout-minutes",
-        "must be a positive number of minutes (at most 1000000), got " + number(a.distributed_timeout_minutes));
-  if (!a.save.empty()) check_output_path("--save", a.save, /*folder=*/true);
-  if (!a.export_hf.empty()) check_output_path("--export-hf", a.export_hf, /*folder=*/true);
-  if (!a.dump_param_to_param_group_map.empty())
-    check_output_path("--dump-param-to-param-group-map", a.dump_param_to_param_group_map, /*folder=*/true);
-  if (!a.metrics_file.empty()) check_output_path("--metrics-file", a.metrics_file, /*folder=*/false);
-  if (!a.tensorboard_dir.empty()) check_output_path("--tensorboard-dir", a.tensorboard_dir, /*folder=*/true);
-  if (a.tensorboard_log_interval < 1)
-    bad("--tensorboard-log-interval", "must be >= 1, got " + std::to_string(a.tensorboard_log_interval));
-  check_profile_flags(a);
 }
 
 // --load through locate_checkpoint (every rank decides the same: the folder is shared). A path
@@ -473,7 +417,7 @@ void resolve_load(PretrainArgs& a) {
   try {
     at = locate_checkpoint(a.load, a.ckpt_step >= 0 ? std::optional<int64_t>(a.ckpt_step) : std::nullopt);
   } catch (const std::invalid_argument& e) {
-    bad(a.ckpt_step >= 0 ? "--load / --ckpt-step" : "--load", e.what());
+    flag_error(a.ckpt_step >= 0 ? "--load / --ckpt-step" : "--load", e.what());
   }
   if (at.found()) {
     a.load_dir = at.dir;
@@ -481,26 +425,26 @@ void resolve_load(PretrainArgs& a) {
   }
   const std::string expected = "expected a save folder with latest_checkpointed_iteration.txt or an iteration folder "
                                "(.metadata, or metadata.json of the earlier format)";
-  if (a.finetune) bad("--finetune", "--load " + a.load + " " + at.reason + ": nothing to fine-tune from; " + expected);
-  if (a.load_requires_checkpoint) bad("--load", a.load + " " + at.reason + "; " + expected);
+  if (a.finetune) flag_error("--finetune", "--load " + a.load + " " + at.reason + ": nothing to fine-tune from; " + expected);
+  if (a.load_requires_checkpoint) flag_error("--load", a.load + " " + at.reason + "; " + expected);
 }
 
 }  // namespace
 
 void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (a.data_path.empty() && !a.mock_data && !a.memory_plan)
-    bad("--data-path", "is required (or --mock-data for synthetic tokens)");
-  if (!a.data_path.empty() && a.mock_data) bad("--mock-data", "conflicts with --data-path");
+    flag_error("--data-path", "is required (or --mock-data for synthetic tokens)");
+  if (!a.data_path.empty() && a.mock_data) flag_error("--mock-data", "conflicts with --data-path");
   if (!a.data_path.empty() && !a.memory_plan)
     for (const std::string& file : {index_file_path(a.data_path), data_file_path(a.data_path)})
       if (std::error_code ec; !std::filesystem::is_regular_file(file, ec))
-        bad("--data-path", "'" + a.data_path + "': no file '" + file +
+        flag_error("--data-path", "'" + a.data_path + "': no file '" + file +
                                "' (the prefix of a .bin/.idx pair, as mfsdp-preprocess writes it)");
   parse_split(a.split);  // throws naming --split
   // mfsdp-pretrain's model is the flags' (SFT's and GRPO's may come from a checkpoint:
   // starting_point checks theirs).
   if (!a.export_hf.empty() && !a.swiglu)
-    bad("--export-hf", "needs --swiglu: without it the model has Megatron's GeLU MLP, which no Hugging Face Llama "
+    flag_error("--export-hf", "needs --swiglu: without it the model has Megatron's GeLU MLP, which no Hugging Face Llama "
                        "has (their MLP is SwiGLU)");
   validate_training_args(a, dp, tokenizer_vocab);
   // The samples the train, validation and test datasets index (trainer.cpp), as doubles: the
@@ -509,116 +453,70 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   const double evals = a.skip_train ? 1.0 : static_cast<double>(a.train_iters / a.eval_interval + 1);
   const double train = static_cast<double>(a.train_iters) * gbs, eval = (evals + 1) * a.eval_iters * gbs;
   if (train + eval > kMaxDatasetSamples)
-    bad(eval > train ? "--eval-iters" : "--train-iters",
+    flag_error(eval > train ? "--eval-iters" : "--train-iters",
         number(train) + " training and " + number(eval) + " validation and test samples (iterations x "
         "--global-batch-size " + std::to_string(a.global_batch_size) + ") exceed the " +
         number(kMaxDatasetSamples) + " the datasets can index");
 }
 
 void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
-  check_values(a);
-  if (a.profile)
-    for (int64_t r : a.profile_ranks)
-      if (r >= dp) bad("--profile-ranks", "rank " + std::to_string(r) + " is not in this job of " + std::to_string(dp) +
-                                          " ranks");
-  auto positive = [](const char* flag, int64_t v) {
-    if (v < 1) bad(flag, "must be >= 1, got " + std::to_string(v));
-  };
-  positive("--num-layers", a.num_layers);
-  positive("--hidden-size", a.hidden_size);
-  positive("--num-attention-heads", a.num_attention_heads);
-  positive("--seq-length", a.seq_length);
-  positive("--micro-batch-size", a.micro_batch_size);
-  if (a.hidden_size % a.num_attention_heads != 0)
-    bad("--hidden-size", std::to_string(a.hidden_size) + " is not divisible by --num-attention-heads " +
-                             std::to_string(a.num_attention_heads));
-  if (!a.group_query_attention) a.num_query_groups = a.num_attention_heads;
-  positive("--num-query-groups", a.num_query_groups);
-  if (a.hidden_size / a.num_attention_heads % 2 != 0)
-    bad("--num-attention-heads", "gives an odd head size " + std::to_string(a.hidden_size / a.num_attention_heads) +
-                                     " (--hidden-size / --num-attention-heads); RoPE needs an even one");
-  if (a.num_attention_heads % a.num_query_groups != 0)
-    bad("--num-query-groups", std::to_string(a.num_query_groups) +
-                                  " does not divide --num-attention-heads " +
-                                  std::to_string(a.num_attention_heads));
+  // Each section's own values first (config/sections.h), then what joins sections.
+  static_cast<ModelSection&>(a).validate();
+  static_cast<const DataSection&>(a).validate();
+  static_cast<const TrainingSection&>(a).validate();
+  static_cast<const OptimizerSection&>(a).validate();
+  static_cast<const CheckpointSection&>(a).validate();
+  static_cast<const FsdpSection&>(a).validate();
+  static_cast<const RuntimeSection&>(a).validate();
+  static_cast<const LoggingSection&>(a).validate();
+  static_cast<const ProfilingSection&>(a).validate();
+  static_cast<const PretrainingSection&>(a).validate();
+
+  check_profile_target(a, dp);
   if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
-  if (a.max_position_embeddings < a.seq_length)
-    bad("--max-position-embeddings", "is smaller than --seq-length");
-  if (a.ffn_hidden_size == 0) {
-    a.ffn_hidden_size = megatron_default_ffn_hidden_size(a.hidden_size, a.swiglu);
-    if (a.ffn_hidden_size == 0)
-      bad("--ffn-hidden-size", "is needed: Megatron's default with --swiglu, int(4 x --hidden-size " +
-                                   std::to_string(a.hidden_size) + " x 2/3 / 64) x 64, is 0");
-  }
-  if (!a.recompute_granularity.empty() && !a.recompute_activations) a.recompute_activations = true;
-  if (a.train_iters < 0) bad("--train-iters", "must be >= 0");
-  if (a.train_iters == 0 && !a.skip_train && !a.memory_plan) bad("--train-iters", "is required (or --skip-train)");
+  if (a.max_position_embeddings < a.seq_length) flag_error("--max-position-embeddings", "is smaller than --seq-length");
+  if (a.train_iters == 0 && !a.skip_train && !a.memory_plan) flag_error("--train-iters", "is required (or --skip-train)");
   if (a.micro_batch_size > kMaxMicroBatchTokens / a.seq_length)
-    bad("--micro-batch-size", std::to_string(a.micro_batch_size) + " x --seq-length " + std::to_string(a.seq_length) +
-                                  " tokens per micro-batch and rank is more than " +
-                                  std::to_string(kMaxMicroBatchTokens));
+    flag_error("--micro-batch-size", std::to_string(a.micro_batch_size) + " x --seq-length " +
+                                         std::to_string(a.seq_length) + " tokens per micro-batch and rank is more than " +
+                                         std::to_string(kMaxMicroBatchTokens));
   const int64_t per_micro = a.micro_batch_size * dp;
   if (a.global_batch_size == 0) a.global_batch_size = per_micro;
   if (a.global_batch_size % per_micro != 0)
-    bad("--global-batch-size", std::to_string(a.global_batch_size) +
-                                   " is not a multiple of --micro-batch-size x data-parallel size = " +
-                                   std::to_string(a.micro_batch_size) + " x " + std::to_string(dp));
+    flag_error("--global-batch-size", std::to_string(a.global_batch_size) +
+                                          " is not a multiple of --micro-batch-size x data-parallel size = " +
+                                          std::to_string(a.micro_batch_size) + " x " + std::to_string(dp));
   a.num_micro_batches = a.global_batch_size / per_micro;
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
-  if (a.min_lr > a.lr) bad("--min-lr", "is larger than --lr");
-  if (a.lr_warmup_iters < 0) bad("--lr-warmup-iters", "must be >= 0");
   if (a.lr_decay_iters > 0 && a.lr_warmup_iters > a.lr_decay_iters)
-    bad("--lr-warmup-iters", "exceeds --lr-decay-iters");
-  positive("--log-interval", a.log_interval);
-  positive("--eval-interval", a.eval_interval);
-  if (a.eval_iters < 0) bad("--eval-iters", "must be >= 0");
+    flag_error("--lr-warmup-iters", "exceeds --lr-decay-iters");
   int64_t vocab = tokenizer_vocab > 0 ? tokenizer_vocab : a.vocab_size;
-  if (tokenizer_vocab <= 0 && a.vocab_size == 1) bad("--vocab-size", "must be >= 2, got 1");
+  if (tokenizer_vocab <= 0 && a.vocab_size == 1) flag_error("--vocab-size", "must be >= 2, got 1");
   if (vocab < 2)
-    bad(a.tokenizer_type.empty() ? "--tokenizer-type" : "--vocab-size",
-        "no vocabulary: give --tokenizer-type (and its files), or --vocab-size with --mock-data");
-  positive("--make-vocab-size-divisible-by", a.make_vocab_size_divisible_by);
-  if (a.make_vocab_size_divisible_by > kMaxVocabSize)
-    bad("--make-vocab-size-divisible-by", "must be at most " + std::to_string(kMaxVocabSize) + " (the largest "
-                                          "vocabulary), got " + std::to_string(a.make_vocab_size_divisible_by));
+    flag_error(a.tokenizer_type.empty() ? "--tokenizer-type" : "--vocab-size",
+               "no vocabulary: give --tokenizer-type (and its files), or --vocab-size with --mock-data");
   const int64_t m = a.make_vocab_size_divisible_by;
   a.real_vocab_size = vocab;
   a.padded_vocab_size = (vocab + m - 1) / m * m;
   if (a.padded_vocab_size > kMaxVocabSize)
-    bad("--make-vocab-size-divisible-by", "pads the vocabulary of " + std::to_string(vocab) + " to " +
-                                              std::to_string(a.padded_vocab_size) + ", more than " +
-                                              std::to_string(kMaxVocabSize));
-  if (a.grad_reduce_in_bf16 && !a.bf16) bad("--grad-reduce-in-bf16", "needs --bf16");
-  if (a.save_interval < 0) bad("--save-interval", "must be >= 0");
-  if (a.save_interval > 0 && a.save.empty()) bad("--save-interval", "needs --save");
-  if (a.exit_interval < 0) bad("--exit-interval", "must be >= 0");
-  for (auto [set, flag] : {std::pair{a.finetune, "--finetune"}, {a.no_load_optim, "--no-load-optim"},
-                           {a.no_load_rng, "--no-load-rng"}, {a.ckpt_step >= 0, "--ckpt-step"}})
-    if (set && a.load.empty()) bad(flag, "needs --load");
-  if (a.ckpt_step < -1) bad("--ckpt-step", "must be an iteration >= 0 (or -1: the latest), got " +
-                                               std::to_string(a.ckpt_step));
+    flag_error("--make-vocab-size-divisible-by", "pads the vocabulary of " + std::to_string(vocab) + " to " +
+                                                     std::to_string(a.padded_vocab_size) + ", more than " +
+                                                     std::to_string(kMaxVocabSize));
+  if (a.grad_reduce_in_bf16 && !a.bf16) flag_error("--grad-reduce-in-bf16", "needs --bf16");
   resolve_load(a);
-  if (a.no_save_optim && a.save.empty()) bad("--no-save-optim", "needs --save");
-  if (a.simulate_world_size < 0) bad("--simulate-world-size", "must be >= 0");
-  if (a.simulate_world_size > 0 && (a.simulate_rank < 0 || a.simulate_rank >= a.simulate_world_size))
-    bad("--simulate-rank", std::to_string(a.simulate_rank) + " is not a rank of --simulate-world-size " +
-                               std::to_string(a.simulate_world_size));
-  if (a.simulate_world_size == 0 && a.simulate_rank != 0) bad("--simulate-rank", "needs --simulate-world-size");
   if (a.simulate_world_size > 0 && (!a.save.empty() || !a.load.empty() || !a.sample_prompt.empty() ||
                                     !a.export_hf.empty()))
-    bad("--simulate-world-size", "cannot --save, --load, --export-hf or --sample-prompt: a simulated run "
-                                 "holds one rank's shard only");
+    flag_error("--simulate-world-size", "cannot --save, --load, --export-hf or --sample-prompt: a simulated run "
+                                        "holds one rank's shard only");
   // The sample is written after training: a prompt no tokenizer here can encode must stop the
   // run before it starts, not after it ends.
   if (!a.sample_prompt.empty() && a.tokenizer_type != "ByteLevelTokenizer" && a.tokenizer_type != "GPT2BPETokenizer" &&
       a.tokenizer_type != "HuggingFaceTokenizer")
-    bad("--sample-prompt", "needs a tokenizer that encodes text in this process (--tokenizer-type ByteLevelTokenizer, "
-                           "GPT2BPETokenizer or HuggingFaceTokenizer), not " +
-                               (a.tokenizer_type.empty() ? std::string("none (--vocab-size)") : a.tokenizer_type) +
-                               "; or sample afterwards with mfsdp-generate --prompt-ids");
-  if (a.fsdp_double_buffer && a.fsdp_trace_pool) bad("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
-  if (a.override_opt_param_scheduler && a.use_checkpoint_opt_param_scheduler)
-    bad("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
+    flag_error("--sample-prompt",
+               "needs a tokenizer that encodes text in this process (--tokenizer-type ByteLevelTokenizer, "
+               "GPT2BPETokenizer or HuggingFaceTokenizer), not " +
+                   (a.tokenizer_type.empty() ? std::string("none (--vocab-size)") : a.tokenizer_type) +
+                   "; or sample afterwards with mfsdp-generate --prompt-ids");
 }
 
 std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args, const ToolFlags& tool) {
@@ -630,9 +528,8 @@ std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args
 
 std::string pretrain_usage(const ToolFlags& tool) {
   std::ostringstream s;
-  s << "usage: mfsdp-run --nproc-per-node N " << tool.program << " [flags]\n\nflags (Megatron-LM names):\n";
-  PretrainArgs defaults;
-  for (const ToolFlag& f : tool_flags(defaults, tool)) {
+  s << "usage: mfsdp-run --nproc-per-node N " << tool.program << " [flags]\n";
+  auto line = [&s](const ToolFlag& f) {
     s << "  " << f.name << (f.many_values ? " VALUE [VALUE ...]" : f.takes_value ? " VALUE" : "") << "\n      " << f.help;
     if (!f.choices.empty()) {
       s << " {";
@@ -640,6 +537,16 @@ std::string pretrain_usage(const ToolFlags& tool) {
       s << "}";
     }
     s << " (default: " << f.show() << ")\n";
+  };
+  PretrainArgs defaults;
+  for (Section section : tool.sections) {
+    s << "\n" << section_title(section) << ":\n";
+    for (const Flag& f : flags())
+      if (f.section == section && !tool.replaced.count(f.name)) line(bound(f, defaults));
+  }
+  if (!tool.extra.empty()) {
+    s << "\n" << (tool.extra_title.empty() ? tool.program + "'s own" : tool.extra_title) << ":\n";
+    for (const ToolFlag& f : tool.extra) line(f);
   }
   return s.str();
 }

@@ -6,8 +6,8 @@
 
 #include <c10/core/Device.h>
 
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/llama.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 

@@ -7,12 +7,12 @@
 #include <cstdio>
 #include <sstream>
 
-#include "mfsdp/batched_generate.h"
-#include "mfsdp/chat_template.h"
-#include "mfsdp/policy_loss.h"
-#include "mfsdp/tensor_source.h"
-#include "mfsdp/token_stats.h"
-#include "mfsdp/verifiable_tasks.h"
+#include "mfsdp/checkpoint/tensor_source.h"
+#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/verifiable_tasks.h"
+#include "mfsdp/models/batched_generate.h"
+#include "mfsdp/models/token_stats.h"
+#include "mfsdp/train/policy_loss.h"
 #include "train/chat_eval.h"
 #include "train/sft_data.h"
 #include "train/task_source.h"
@@ -24,11 +24,12 @@ namespace mfsdp {
 ToolFlags sft_tool_flags(SftArgs& a) {
   ToolFlags t;
   t.program = "mfsdp-sft";
-  // Pretraining data, and what SFT fixes: --max-length is the sequence length, the loss is
-  // always normalised by global counts (--loss-agg-mode).
-  t.excluded = {"--data-path",     "--split",         "--mock-data",          "--seq-length",
-                "--vocab-size",    "--calculate-per-token-loss", "--sample-prompt", "--sample-tokens",
-                "--skip-train",    "--simulate-world-size",      "--simulate-rank", "--memory-plan"};
+  // Not the pretraining corpus (--max-length is the sequence length) nor mfsdp-pretrain's own
+  // section (the loss is always normalised by global counts: --loss-agg-mode).
+  t.sections = {Section::kModel,      Section::kTokenizer, Section::kTraining, Section::kOptimizer,
+                Section::kCheckpoint, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
+                Section::kProfiling};
+  t.extra_title = "SFT: the conversations and the loss";
   t.extra = task_source_flags(a.data, "conversations",
                               "{\"messages\": [{\"role\", \"content\"}...]} or {\"prompt\", \"response\"} per line");
   const std::vector<ToolFlag> own = {

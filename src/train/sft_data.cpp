@@ -1,6 +1,6 @@
 #include "train/sft_data.h"
 
-#include "mfsdp/splitmix64.h"
+#include "mfsdp/data/splitmix64.h"
 
 #include <torch/torch.h>
 
@@ -8,7 +8,7 @@
 #include <numeric>
 #include <stdexcept>
 
-#include "mfsdp/chat_template.h"
+#include "mfsdp/data/chat_template.h"
 
 namespace mfsdp {
 

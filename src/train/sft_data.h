@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/chat_dataset.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 

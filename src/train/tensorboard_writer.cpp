@@ -1,6 +1,6 @@
 #include "train/tensorboard_writer.h"
 
-#include "mfsdp/crc32c.h"
+#include "mfsdp/data/crc32c.h"
 
 #include <unistd.h>
 

@@ -6,10 +6,6 @@
 
 namespace mfsdp {
 
-void flag_error(const std::string& flag, const std::string& what) {
-  throw std::invalid_argument(flag + ": " + what);
-}
-
 ToolFlag string_flag(const char* name, std::string& field, const std::string& help, std::vector<std::string> choices) {
   return {name, help, true, std::move(choices), [&field](const std::string& v) { field = v; },
           [&field] { return field.empty() ? std::string("unset") : field; }};

@@ -10,9 +10,6 @@
 
 namespace mfsdp {
 
-// Throws std::invalid_argument("<flag>: <what>").
-[[noreturn]] void flag_error(const std::string& flag, const std::string& what);
-
 ToolFlag string_flag(const char* name, std::string& field, const std::string& help, std::vector<std::string> choices = {});
 ToolFlag int_flag(const char* name, int64_t& field, const std::string& help);
 ToolFlag double_flag(const char* name, double& field, const std::string& help);

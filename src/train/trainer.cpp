@@ -7,10 +7,10 @@
 #include <cstdio>
 #include <iomanip>
 
-#include "mfsdp/generate.h"
-#include "mfsdp/gpt_dataset.h"
-#include "mfsdp/simulated_comm.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/data/gpt_dataset.h"
+#include "mfsdp/data/tokenizer.h"
+#include "mfsdp/models/generate.h"
 #include "train/llama_memory_plan.h"
 #include "train/training_run.h"
 

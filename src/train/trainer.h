@@ -5,7 +5,7 @@
 #include <memory>
 #include <ostream>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 #include "train/pretrain_args.h"
 
 namespace mfsdp {

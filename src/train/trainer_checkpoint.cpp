@@ -6,8 +6,8 @@
 #include <sstream>
 #include <stdexcept>
 
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/hf_llama.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/hf_llama.h"
 
 namespace mfsdp {
 namespace {

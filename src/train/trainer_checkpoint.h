@@ -6,10 +6,10 @@
 #include <memory>
 #include <ostream>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/llama.h"
+#include "mfsdp/optim/optim.h"
 #include "train/pretrain_args.h"
 
 namespace mfsdp {

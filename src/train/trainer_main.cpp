@@ -9,10 +9,10 @@
 #include <iostream>
 #include <thread>
 
-#include "mfsdp/cpu_malloc.h"
-#include "mfsdp/rendezvous.h"
-#include "mfsdp/simulated_comm.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/comm/rendezvous.h"
+#include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/data/tokenizer.h"
+#include "mfsdp/train/cpu_malloc.h"
 
 namespace mfsdp {
 
@@ -63,7 +63,7 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
     comm_options.backend = backend_for(device);
     // --distributed-timeout-minutes: every collective's timeout (a silent peer is named after
     // this long). Start-up may take as long, but never less than the default rendezvous timeout
-    // (include/mfsdp/comm.h): a short timeout must not fail ranks that start slowly.
+    // (include/mfsdp/comm/comm.h): a short timeout must not fail ranks that start slowly.
     comm_options.timeout =
         std::chrono::milliseconds(std::llround(args->distributed_timeout_minutes * 60000.0));
     comm_options.rendezvous_timeout = std::max(comm_options.rendezvous_timeout, comm_options.timeout);

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 #include "train/pretrain_args.h"
 
 namespace mfsdp {

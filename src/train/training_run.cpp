@@ -9,13 +9,13 @@
 #include <filesystem>
 #include <sstream>
 
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/checkpoint_inspector.h"
-#include "mfsdp/generate.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/safetensors.h"
-#include "mfsdp/simulated_comm.h"
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/checkpoint_inspector.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/checkpoint/load_model.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/checkpoint/tensor_source.h"
+#include "mfsdp/comm/simulated_comm.h"
 
 namespace mfsdp {
 
@@ -359,7 +359,7 @@ void TrainingRun::record(const IterationRecord& r) {
 }
 
 // Megatron's two groups: weight decay (matrices) and none (biases, norms: 1-D), the policy of
-// the optimizers (include/mfsdp/optim.h). Rank 0 writes; every rank waits for it.
+// the optimizers (include/mfsdp/optim/optim.h). Rank 0 writes; every rank waits for it.
 void TrainingRun::write_param_group_map() {
   if (comm_->rank() == 0) {
     std::map<std::string, int> groups;

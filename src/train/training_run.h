@@ -15,15 +15,15 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/llama.h"
+#include "mfsdp/optim/optim.h"
 #include "train/metrics.h"
-#include "train/tensorboard_writer.h"
 #include "train/pretrain_args.h"
 #include "train/rollout_model.h"
 #include "train/step_profiler.h"
+#include "train/tensorboard_writer.h"
 #include "train/trainer_checkpoint.h"
 
 namespace mfsdp {

@@ -14,13 +14,13 @@
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "harness/uneven_net.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/dcp.h"
-#include "mfsdp/device_mesh.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/comm/device_mesh.h"
+#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 
@@ -260,7 +260,7 @@ nlohmann::json read_json(const std::string& path) {
 }
 void write_json(const std::string& path, const nlohmann::json& j) { std::ofstream(path) << j.dump(1); }
 
-// Rewrites a DCP checkpoint's .metadata (parsed and re-encoded by include/mfsdp/dcp.h) as
+// Rewrites a DCP checkpoint's .metadata (parsed and re-encoded by include/mfsdp/checkpoint/dcp.h) as
 // another tool would: without mfsdp's .checksums.json (which would refuse the edit at once).
 void edit_dcp(const std::string& ckpt, const std::function<void(mfsdp::dcp::Metadata&)>& edit, bool keep_checksums = false) {
   if (!keep_checksums) fs::remove(ckpt + "/iter_0000002/" + mfsdp::dcp::kChecksumsFile);

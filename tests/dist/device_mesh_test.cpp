@@ -1,7 +1,7 @@
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
-#include "mfsdp/device_mesh.h"
+#include "mfsdp/comm/device_mesh.h"
 
 namespace {
 std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {

@@ -8,8 +8,8 @@
 
 #include "harness/dist_test.h"
 #include "harness/expect_error.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/sequential.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/fsdp/sequential.h"
 
 namespace {
 

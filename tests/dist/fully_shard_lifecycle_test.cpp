@@ -5,10 +5,10 @@
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
-#include "mfsdp/device_mesh.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
-#include "mfsdp/recompute.h"
+#include "mfsdp/comm/device_mesh.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/fsdp/recompute.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

@@ -5,9 +5,9 @@
 
 #include "harness/dist_test.h"
 #include "harness/uneven_net.h"
-#include "mfsdp/device_mesh.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/comm/device_mesh.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "harness/dist_test.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 #include "train/grpo_trainer.h"
 
 namespace {

@@ -1,4 +1,4 @@
-// The memory plan (include/mfsdp/memory_plan.h; mfsdp-pretrain --memory-plan) against what runs.
+// The memory plan (include/mfsdp/fsdp/memory_plan.h; mfsdp-pretrain --memory-plan) against what runs.
 // For every strategy, fp32 and bf16, untied and tied embeddings, one and two micro-batches per
 // step: the planned per-rank bytes of every role equal FsdpHandle::memory() and the optimizer's
 // state after two steps of mfsdp-pretrain's own TrainingRun, and the planned transient peak equals
@@ -10,9 +10,9 @@
 #include <sstream>
 
 #include "harness/dist_test.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/memory_plan.h"
-#include "mfsdp/simulated_comm.h"
+#include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/fsdp/memory_plan.h"
+#include "mfsdp/models/llama.h"
 #include "train/llama_memory_plan.h"
 #include "train/training_run.h"
 

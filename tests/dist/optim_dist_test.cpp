@@ -10,7 +10,7 @@
 #include <string>
 
 #include "harness/dist_test.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

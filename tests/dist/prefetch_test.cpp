@@ -10,9 +10,9 @@
 #include <algorithm>
 
 #include "harness/dist_test.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
-#include "mfsdp/recompute.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/fsdp/recompute.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

@@ -26,8 +26,8 @@
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "launch/rank_processes.h"
-#include "mfsdp/comm.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/comm/rendezvous.h"
 
 namespace {
 

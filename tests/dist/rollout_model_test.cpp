@@ -5,9 +5,9 @@
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
-#include "mfsdp/batched_generate.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/llama.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/batched_generate.h"
+#include "mfsdp/models/llama.h"
 #include "train/rollout_model.h"
 
 namespace {

@@ -7,10 +7,10 @@
 #include "harness/dist_test.h"
 #include "harness/expect_error.h"
 #include "harness/uneven_net.h"
-#include "mfsdp/device_mesh.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
-#include "mfsdp/simulated_comm.h"
+#include "mfsdp/comm/device_mesh.h"
+#include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

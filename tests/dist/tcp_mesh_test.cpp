@@ -20,7 +20,7 @@
 #include "comm/tcp_mesh.h"
 #include "harness/dist_test.h"
 #include "harness/expect_error.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/rendezvous.h"
 
 namespace {
 

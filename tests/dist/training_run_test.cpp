@@ -15,7 +15,7 @@
 #include <sstream>
 
 #include "harness/dist_test.h"
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 #include "train/training_run.h"
 
 namespace {

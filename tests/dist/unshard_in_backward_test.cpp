@@ -6,9 +6,9 @@
 #include <algorithm>
 
 #include "harness/dist_test.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/llama.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 

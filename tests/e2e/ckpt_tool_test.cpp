@@ -1,4 +1,4 @@
-// mfsdp-ckpt end to end (the binary) plus its library side (include/mfsdp/hf_interop.h,
+// mfsdp-ckpt end to end (the binary) plus its library side (include/mfsdp/checkpoint/hf_interop.h,
 // ckpt_operations.h, tensor_source.h). Checkpoints are built in this process with
 // write_checkpoint from a tiny seeded LlamaForCausalLM; exported folders are checked with a
 // safetensors parser written here, and the folders the lossless round trip starts from with a
@@ -22,13 +22,13 @@
 #include "harness/file_bytes.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/ckpt_operations.h"
-#include "mfsdp/hf_interop.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/safetensors.h"
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/ckpt_operations.h"
+#include "mfsdp/checkpoint/hf_interop.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/checkpoint/tensor_source.h"
+#include "mfsdp/models/llama.h"
 
 namespace {
 
@@ -584,7 +584,8 @@ TEST(CkptTool, ConvertSplitsSwigluRenamesAndRemoves) {
   mfsdp::write_checkpoint(tmp.file("in"), megatron, info, mfsdp::CheckpointFormat::kMfsdp);
 
   Outcome r = ckpt("convert " + tmp.file("in") + " " + tmp.file("out") +
-                   " --swiglu --remove '.*_extra_state' --rename decoder.=model. --rename linear_fc2=down_proj");
+                   " --swiglu --op 'remove _extra_state$' --op 'rename ^decoder\\.(.*)\\.linear_fc2\\. model.\\1.down_proj.'"
+                   " --rename '^decoder\\.=model.'");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const Tensors out = read_model(tmp.file("out"));
   std::set<std::string> names;
@@ -637,16 +638,30 @@ TEST(CkptTool, ConvertSplitsSwigluRenamesAndRemoves) {
 }
 
 TEST(CkptTool, StateTransformLibrary) {
+  // Megatron's modify-state-dict semantics; the expected names are what Python's re gives for the
+  // same ops (re.search to remove; the first rename whose pattern is found, re.sub, then break).
   mfsdp::StateTransform t;
-  t.remove = {"b\\..*"};
-  t.rename = {{"a", "x"}, {"xx", "y"}};  // in order: "aa.w" -> "xx.w" -> "y.w"
-  Tensors in = {{"aa.w", at::zeros({1})}, {"b.w", at::zeros({1})}, {"b.ab", at::zeros({1})}, {"c.ab.w", at::ones({1})}};
+  for (const char* op : {"remove ^b\\.", "rename ^layers\\.(\\d+)\\.fc(\\d) blocks.\\1.mlp\\g<2>0$", "rename a x",
+                         "rename x y"})
+    t.ops.add(op);
+  Tensors in;
+  for (const char* name : {"aa.w", "b.w", "xb.w", "c.ab.w2", "layers.3.fc1.weight", "layers.12.fc2.bias"})
+    in.emplace(name, at::zeros({1}));
   const Tensors out = mfsdp::apply_state_transform(in, t);
   std::set<std::string> names;
   for (const auto& kv : out) names.insert(kv.first);
-  EXPECT_EQ(names, (std::set<std::string>{"y.w", "c.xb.w"}));
-  t.remove = {"("};
-  expect_contains(error_of([&] { mfsdp::apply_state_transform(in, t); }), {"--remove", "'('"});
+  // "aa.w": only the first matching rename applies, though its result "xx.w" matches "x".
+  EXPECT_EQ(names, (std::set<std::string>{"xx.w", "yb.w", "c.xb.w2", "blocks.3.mlp10$.weight", "blocks.12.mlp20$.bias"}));
+
+  mfsdp::StateDictOps ops;
+  expect_contains(error_of([&] { ops.add("remove (", "--op"); }), {"--op 'remove ('", "'('", "not a valid regular"});
+  expect_contains(error_of([&] { ops.add("rename a"); }), {"--op 'rename a'", "expected"});
+  expect_contains(error_of([&] { ops.add("prune a"); }), {"--op 'prune a'", "expected"});
+  expect_contains(error_of([&] { ops.add_rename("a", "\\g<x>", "--rename"); }), {"--rename", "group number"});
+  expect_contains(error_of([&] { ops.add_rename("a", "\\q", "--rename"); }), {"--rename", "bad escape"});
+  EXPECT_TRUE(ops.empty());
+  ops.add_rename("w$", "\\\\$&", "--rename");  // Python: a backslash, then a literal "$&"
+  EXPECT_EQ(ops.renamed("a.w"), "a.\\$&");
 
   EXPECT_EQ(mfsdp::parse_byte_size("500MB"), 500000000u);
   EXPECT_EQ(mfsdp::parse_byte_size("2GB"), 2000000000u);
@@ -852,6 +867,8 @@ TEST(CkptTool, BadUsageExitsTwoNamingTheProblem) {
       {"export-hf a b --max-shard-size lots", "--max-shard-size"},
       {"convert a b --rename nothing", "--rename"},
       {"convert a b --remove '('", "--remove"},
+      {"convert a b --op 'remove'", "--op"},
+      {"convert a b --op 'rename (x y'", "--op"},
       {"convert a b --iteration -3", "--iteration"},
       {"convert a b --iteration 1e20", "--iteration"},
       {"convert a b --iteration 1000000000", "--iteration"},

@@ -20,11 +20,11 @@
 #include "harness/fork_fuzz.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/dataset_checksums.h"
-#include "mfsdp/dcp.h"
-#include "mfsdp/indexed_dataset.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/data/dataset_checksums.h"
+#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/data/indexed_dataset.h"
 
 namespace {
 

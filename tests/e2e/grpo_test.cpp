@@ -18,7 +18,7 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/generate.h"
+#include "mfsdp/checkpoint/load_model.h"
 
 namespace {
 
@@ -156,7 +156,8 @@ TEST(Grpo, BadFlagsAreNamed) {
   expect_error("--train-iters 1 --train-files x.jsonl", "--train-files: conflicts with --gen-task");
   expect_error("--train-iters 1 --use-kl-loss", "--use-kl-loss: needs the reference policy");
   expect_error("--train-iters 1 --kl-loss-type k9", "--kl-loss-type");
-  expect_error("--train-iters 1 --global-batch-size 8", "--global-batch-size: unknown flag");
+  expect_error("--train-iters 1 --global-batch-size 8",
+               "--global-batch-size: mfsdp-grpo does not take it: a step trains on --train-batch-size prompts");
   expect_error("--train-iters 1 --top-p 0", "--top-p");
   expect_error("--train-iters 1 --save-final-model x", "--save-final-model: was removed");
 }

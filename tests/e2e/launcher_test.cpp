@@ -12,8 +12,8 @@
 
 #include <gtest/gtest.h>
 
-#include "mfsdp/directory_tree.h"
 #include "harness/temp_dir.h"
+#include "mfsdp/data/directory_tree.h"
 
 #include <chrono>
 #include <cstdio>

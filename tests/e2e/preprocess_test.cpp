@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/indexed_dataset.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/indexed_dataset.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 namespace {

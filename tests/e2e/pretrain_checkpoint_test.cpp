@@ -14,7 +14,7 @@
 #include "harness/file_bytes.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/dcp.h"
+#include "mfsdp/checkpoint/dcp.h"
 
 namespace {
 

@@ -27,9 +27,9 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/indexed_dataset.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/data/indexed_dataset.h"
 
 namespace {
 

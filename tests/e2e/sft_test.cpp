@@ -15,11 +15,12 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/chat_dataset.h"
-#include "mfsdp/chat_template.h"
-#include "mfsdp/generate.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/checkpoint/load_model.h"
+#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/tokenizer.h"
+#include "mfsdp/models/generate.h"
+#include "mfsdp/models/llama.h"
 
 namespace {
 

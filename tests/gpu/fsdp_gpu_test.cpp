@@ -25,9 +25,9 @@
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "launch/rank_processes.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace {
 

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "launch/rank_processes.h"
-#include "mfsdp/comm.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/comm/rendezvous.h"
 
 namespace {
 

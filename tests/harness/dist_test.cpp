@@ -9,8 +9,8 @@
 #include <sstream>
 
 #include "launch/rank_processes.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/rendezvous.h"
+#include "mfsdp/data/directory_tree.h"
 
 namespace mfsdp::testing {
 namespace {

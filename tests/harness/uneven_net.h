@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp::testing {
 

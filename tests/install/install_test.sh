@@ -16,16 +16,16 @@ step "cmake --install $build --prefix $prefix"
 
 step "public headers: quoted includes resolve in $prefix/include"
 missing=0
-for h in "$prefix"/include/mfsdp/*.h; do
+for h in "$prefix"/include/mfsdp/*/*.h; do
   while read -r inc; do
     [[ -f $prefix/include/$inc ]] || { echo "FAIL: $h includes \"$inc\", not installed"; missing=1; }
   done < <(sed -n 's/^[[:space:]]*#[[:space:]]*include[[:space:]]*"\([^"]*\)".*/\1/p' "$h")
 done
-for h in "$src"/include/mfsdp/*.h; do
-  [[ -f $prefix/include/mfsdp/$(basename "$h") ]] || { echo "FAIL: $h not installed"; missing=1; }
+for h in "$src"/include/mfsdp/*/*.h; do
+  [[ -f $prefix/include/${h#"$src"/include/} ]] || { echo "FAIL: $h not installed"; missing=1; }
 done
 [[ $missing == 0 ]] || exit 1
-for f in lib/cmake/mfsdp/mfsdpConfig.cmake lib/libmfsdp.a; do
+for f in lib/cmake/mfsdp/mfsdpConfig.cmake lib/libmfsdp_comm.a lib/libmfsdp_train.a; do
   [[ -f $prefix/$f ]] || { echo "FAIL: $prefix/$f not installed"; exit 1; }
 done
 

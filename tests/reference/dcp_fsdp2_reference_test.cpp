@@ -27,11 +27,11 @@
 #include "harness/dist_test.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/llama.h"
 
 namespace {
 

@@ -27,7 +27,7 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/safetensors.h"
 
 namespace {
 

@@ -40,11 +40,11 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/chat_dataset.h"
-#include "mfsdp/chat_template.h"
-#include "mfsdp/generate.h"
-#include "mfsdp/safetensors.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/checkpoint/load_model.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace {
 

@@ -21,14 +21,14 @@
 #include "harness/expect_error.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/checkpoint_inspector.h"
-#include "mfsdp/ckpt_operations.h"
-#include "mfsdp/dcp.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/llama.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/checkpoint_inspector.h"
+#include "mfsdp/checkpoint/ckpt_operations.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/llama.h"
 
 namespace {
 

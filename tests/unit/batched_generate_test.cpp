@@ -1,4 +1,4 @@
-// Batched generation (include/mfsdp/batched_generate.h) against independent recomputations:
+// Batched generation (include/mfsdp/models/batched_generate.h) against independent recomputations:
 // every generated token is checked against a full forward (no KV cache, no padding) of its row's
 // prompt and tokens so far: greedy tokens are that forward's argmax, sampled tokens the draw of
 // the row's own generator from softmax(logits / temperature), log-probs its log_softmax at the
@@ -6,7 +6,7 @@
 // ids, truncation (max_new_tokens and max_position_embeddings), top-k 1 == greedy, determinism,
 // bad arguments. Last, the lock-step mode on 2 real processes: a ZeRO-3 model, ranks with
 // different numbers of prompts (one with none), gives the unsharded model's tokens.
-#include "mfsdp/batched_generate.h"
+#include "mfsdp/models/batched_generate.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "harness/dist_test.h"
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace {
 

@@ -1,6 +1,6 @@
 // Built-in chat templates on tokenizers whose ids are the bytes of the text, so every expected id
 // sequence and loss mask is written out by hand from the template's definition
-// (include/mfsdp/chat_template.h): ByteLevelTokenizer for "plain", and for "chatml" a
+// (include/mfsdp/data/chat_template.h): ByteLevelTokenizer for "plain", and for "chatml" a
 // tokenizer.json whose vocabulary is the 256 byte symbols (id = byte, no merges) plus the added
 // tokens <|im_start|> = 256, <|im_end|> = 257, <|endoftext|> = 258. (hf_tokenizer_test compares
 // chatml with transformers' apply_chat_template on trained BPEs.)
@@ -12,8 +12,8 @@
 
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/chat_template.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 namespace {

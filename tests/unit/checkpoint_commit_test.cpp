@@ -1,7 +1,7 @@
 // Crash-safe commits (docs/checkpoints.md, "Atomic saves"): a save that dies between any two
 // file-system steps of its commit leaves `latest` naming a folder that reads whole, the old
 // checkpoint or the new one, and the next save of that iteration recovers. The crash is injected
-// through the CheckpointFileSystem seam (include/mfsdp/checkpoint.h): the step that should run
+// through the CheckpointFileSystem seam (include/mfsdp/checkpoint/checkpoint.h): the step that should run
 // throws instead, and nothing after it runs, as if the process had died there.
 #include <gtest/gtest.h>
 
@@ -14,8 +14,8 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/checkpoint.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/data/directory_tree.h"
 
 namespace fs = std::filesystem;
 

@@ -1,4 +1,4 @@
-// locate_checkpoint (include/mfsdp/checkpoint.h), the one rule for what a checkpoint path names,
+// locate_checkpoint (include/mfsdp/checkpoint/checkpoint.h), the one rule for what a checkpoint path names,
 // on real checkpoints written by write_checkpoint in both formats: every kind of path, what is
 // found or why nothing is, and the errors that name the path. The tools that apply it are
 // tested end to end in tests/e2e/load_paths_test.cpp.
@@ -10,8 +10,8 @@
 #include <string>
 
 #include "harness/temp_dir.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/tensor_source.h"
 
 namespace fs = std::filesystem;
 using mfsdp::testing::TempDir;

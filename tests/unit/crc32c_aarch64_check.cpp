@@ -3,7 +3,7 @@
 #include <cstdio>
 #include <string>
 #include <vector>
-#include "mfsdp/crc32c.h"
+#include "mfsdp/data/crc32c.h"
 int main() {
   int bad = 0;
   auto expect = [&](uint32_t got, uint32_t want, const char* what) {

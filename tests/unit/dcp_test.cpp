@@ -1,4 +1,4 @@
-// PyTorch Distributed Checkpoint directories (include/mfsdp/dcp.h): the box decomposition against
+// PyTorch Distributed Checkpoint directories (include/mfsdp/checkpoint/dcp.h): the box decomposition against
 // element-by-element enumeration, reading what the pinned torch's dcp.save wrote
 // (scripts/make_torch_save_fixtures.py), a write/read round trip, damaged files, and a fuzzed
 // .metadata that must never crash, hang or load wrong values. (tests/reference/dcp_reference_test
@@ -11,12 +11,12 @@
 #include <random>
 #include <sstream>
 
+#include "checkpoint/formats/zip_archive.h"
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
-#include "checkpoint/formats/zip_archive.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/crc32c.h"
-#include "mfsdp/dcp.h"
+#include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/data/crc32c.h"
+#include "mfsdp/data/directory_tree.h"
 
 namespace {
 

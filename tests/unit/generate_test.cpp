@@ -12,9 +12,10 @@
 
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/generate.h"
-#include "mfsdp/hf_llama.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/checkpoint/load_model.h"
+#include "mfsdp/models/generate.h"
 
 namespace {
 mfsdp::LlamaConfig tiny() {

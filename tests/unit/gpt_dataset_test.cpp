@@ -23,8 +23,8 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/gpt_dataset.h"
-#include "mfsdp/indexed_dataset.h"
+#include "mfsdp/data/gpt_dataset.h"
+#include "mfsdp/data/indexed_dataset.h"
 
 namespace mfsdp {
 namespace {

@@ -16,8 +16,8 @@
 #include "harness/expect_error.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/chat_template.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 namespace {

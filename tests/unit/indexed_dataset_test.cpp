@@ -1,5 +1,5 @@
 // Megatron's indexed dataset (.bin/.idx). The references are byte arrays written out by hand from
-// the format description in include/mfsdp/indexed_dataset.h (and Megatron's indexed_dataset.py),
+// the format description in include/mfsdp/data/indexed_dataset.h (and Megatron's indexed_dataset.py),
 // never bytes produced by the writer under test.
 #include <gtest/gtest.h>
 
@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/crc32c.h"
-#include "mfsdp/dataset_checksums.h"
-#include "mfsdp/indexed_dataset.h"
+#include "mfsdp/data/crc32c.h"
+#include "mfsdp/data/dataset_checksums.h"
+#include "mfsdp/data/indexed_dataset.h"
 
 namespace mfsdp {
 namespace {
@@ -346,7 +346,7 @@ TEST(IndexedDatasetWriter, AnAbandonedWriterLeavesNoFiles) {
                   {"no/such/dir/x.bin.tmp", "cannot open"});
 }
 
-// ---- checksums (include/mfsdp/dataset_checksums.h) -----------------------------------------------
+// ---- checksums (include/mfsdp/data/dataset_checksums.h) -----------------------------------------------
 
 // Three documents of int32 tokens: 200,000 (bytes [0, 800000), block 0), 100,000 (bytes
 // [800000, 1200000), across blocks 0 and 1) and 10 (block 1).

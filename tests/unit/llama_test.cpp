@@ -14,7 +14,7 @@
 // The last test runs shard_llama (ZeRO-3; with layer recompute; with bf16 compute) in 1 and 2
 // real processes through the test harness and compares two SGD steps with torch::optim::SGD in
 // one process.
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>
@@ -27,8 +27,8 @@
 #include <vector>
 
 #include "harness/dist_test.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/optim/optim.h"
 
 namespace {
 
@@ -550,7 +550,7 @@ TEST(LlamaModel, PaddedAndPackedBatchesMatchRowsRunAlone) {
   EXPECT_THROW(model->forward(a, wrong), std::invalid_argument);
 }
 
-// Batched decoding (include/mfsdp/batched_generate.h): left-padded rows through one KV cache,
+// Batched decoding (include/mfsdp/models/batched_generate.h): left-padded rows through one KV cache,
 // per-row positions and a key mask over cached and new keys. A prefill of the padded prompts,
 // then single tokens (one row's last step is a masked filler, as for a finished row): every
 // real token's logits equal those of its row's whole sequence run alone without a cache.

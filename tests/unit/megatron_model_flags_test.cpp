@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 #include "train/pretrain_args.h"
 #include "train/training_run.h"
 

@@ -3,7 +3,7 @@
 // torch::nn::utils::clip_grad_norm_. Parameters of uneven sizes are packed into a flat main
 // weight with padding between and after them; padding must come out untouched. The LR schedule
 // is checked against values computed by hand.
-#include "mfsdp/optim.h"
+#include "mfsdp/optim/optim.h"
 
 #include <gtest/gtest.h>
 #include <torch/torch.h>

@@ -1,4 +1,4 @@
-// The loss math of SFT and GRPO (mfsdp/policy_loss.h) against closed forms worked out by hand in
+// The loss math of SFT and GRPO (mfsdp/train/policy_loss.h) against closed forms worked out by hand in
 // the comments, against a second implementation in plain torch written the verl way
 // (tests/reference/policy_loss_reference.py, run with MFSDP_PYTHON_PATH), and for invariance to how
 // the global batch is split into micro-batches and ranks (docs/policy_loss.md).
@@ -20,7 +20,7 @@
 #include "harness/expect_error.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/policy_loss.h"
+#include "mfsdp/train/policy_loss.h"
 
 namespace {
 

@@ -2,7 +2,7 @@
 
 #include <map>
 
-#include "mfsdp/rendezvous.h"
+#include "mfsdp/comm/rendezvous.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
-// Post-training data: the SFT/RL JSONL formats (mfsdp/chat_dataset.h), the rule rewards
-// (mfsdp/rewards.h) and the verifiable-task generator (mfsdp/verifiable_tasks.h). Reward values
+// Post-training data: the SFT/RL JSONL formats (mfsdp/data/chat_dataset.h), the rule rewards
+// (mfsdp/data/rewards.h) and the verifiable-task generator (mfsdp/data/verifiable_tasks.h). Reward values
 // are hand-computed from verl's gsm8k.py and TinyZero's countdown.py rules (docs/post_training_data.md);
 // countdown targets are checked by an exhaustive solver written here, not by the generator's
 // own construction.
@@ -15,9 +15,9 @@
 #include <sstream>
 
 #include "harness/temp_dir.h"
-#include "mfsdp/chat_dataset.h"
-#include "mfsdp/rewards.h"
-#include "mfsdp/verifiable_tasks.h"
+#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/rewards.h"
+#include "mfsdp/data/verifiable_tasks.h"
 
 namespace {
 

@@ -18,9 +18,9 @@
 
 #include "harness/file_bytes.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/hf_llama.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/data/directory_tree.h"
 
 namespace {
 

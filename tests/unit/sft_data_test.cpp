@@ -7,7 +7,7 @@
 
 #include <set>
 
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 #include "train/sft_data.h"
 
 namespace {

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "mfsdp/token_stats.h"
+#include "mfsdp/models/token_stats.h"
 
 namespace {
 

@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 namespace {

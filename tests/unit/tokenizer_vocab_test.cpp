@@ -6,8 +6,8 @@
 #include <fstream>
 #include <unistd.h>
 
-#include "mfsdp/directory_tree.h"
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace fs = std::filesystem;
 

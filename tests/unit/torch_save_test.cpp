@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "harness/file_bytes.h"
 #include "harness/expect_error.h"
+#include "harness/file_bytes.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/torch_save.h"
+#include "mfsdp/checkpoint/torch_save.h"
 
 namespace {
 

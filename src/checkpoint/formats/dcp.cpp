@@ -1,5 +1,5 @@
-// PyTorch Distributed Checkpoint directories: include/mfsdp/dcp.h.
-#include "mfsdp/dcp.h"
+// PyTorch Distributed Checkpoint directories: include/mfsdp/checkpoint/dcp.h.
+#include "mfsdp/checkpoint/dcp.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -16,8 +16,8 @@
 #include <stdexcept>
 
 #include "checkpoint/formats/pickle.h"
-#include "mfsdp/crc32c.h"
-#include "mfsdp/torch_save.h"
+#include "mfsdp/checkpoint/torch_save.h"
+#include "mfsdp/data/crc32c.h"
 
 namespace fs = std::filesystem;
 

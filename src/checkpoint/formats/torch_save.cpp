@@ -1,7 +1,7 @@
 // torch.save's zip format, read without running code and written for single tensors: see
-// include/mfsdp/torch_save.h. The zip container and the pickle VM are shared with PyTorch
+// include/mfsdp/checkpoint/torch_save.h. The zip container and the pickle VM are shared with PyTorch
 // Distributed Checkpoints (src/checkpoint/formats/zip_archive.h, pickle.h).
-#include "mfsdp/torch_save.h"
+#include "mfsdp/checkpoint/torch_save.h"
 
 #include <ATen/ATen.h>
 

@@ -1,14 +1,14 @@
 // Where tensors come from when a tool reads a model it did not train: a sharded checkpoint or a
 // Hugging Face folder, behind one read-only interface, so mfsdp-ckpt (compare, print-tensor) and
-// mfsdp-generate (load_model, generate.h) take either without caring which.
+// mfsdp-generate (load_model.h) take either without caring which.
 //
 //   mfsdp::TensorSource src("hf_folder");                          // or a checkpoint
 //   at::Tensor w = src.read("model.model.norm.weight");            // HF "model.norm.weight"
 //
 // Names: a checkpoint's tensors keep their names ("model.<fqn>", "optimizer.state....",
-// "rng_state...."; include/mfsdp/checkpoint.h). An HF folder's tensor "<name>" is read as
+// "rng_state...."; include/mfsdp/checkpoint/checkpoint.h). An HF folder's tensor "<name>" is read as
 // "model.<name>", the name the same parameter has in a checkpoint (the fqns of LlamaForCausalLM
-// are transformers' names, include/mfsdp/llama.h), so a checkpoint and its export compare tensor
+// are transformers' names, include/mfsdp/models/llama.h), so a checkpoint and its export compare tensor
 // by tensor.
 #pragma once
 
@@ -22,15 +22,15 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/safetensors.h"
 
 namespace mfsdp {
 
 // True when `path` is a folder with config.json and model.safetensors or
 // model.safetensors.index.json (a Hugging Face model folder).
 bool is_hf_folder(const std::string& path);
-// is_checkpoint(path): include/mfsdp/checkpoint.h.
+// is_checkpoint(path): include/mfsdp/checkpoint/checkpoint.h.
 
 // The model a checkpoint holds (Hugging Face config.json names): the model_config it records, or,
 // for one that records none (a PyTorch dcp.save folder), the config.json `model_config_file`.

@@ -24,7 +24,7 @@ void inspect_dcp_checkpoint(const std::string& path, bool show_param_to_group_me
 // One entry: key, shape and dtype, then its values (a bytes entry: its value as JSON).
 void print_dcp_tensor(const std::string& path, const std::string& key, std::ostream& out);
 
-// compare-two-checkpoint (and its alias compare): compare_tensors (include/mfsdp/ckpt_operations.h), for any checkpoint
+// compare-two-checkpoint (and its alias compare): compare_tensors (include/mfsdp/checkpoint/ckpt_operations.h), for any checkpoint
 // or Hugging Face folder.
 
 // Every entry as JSON (tensors as nested lists, nested as the state dict was), printed and
@@ -32,9 +32,9 @@ void print_dcp_tensor(const std::string& path, const std::string& key, std::ostr
 // as Megatron's command does for a --dump-param-to-param-group-map folder. Returns the file.
 std::string print_dcp_in_json(const std::string& path, std::ostream& out);
 
-// Copies a checkpoint without the entries that match any "remove REGEX" op (std::regex_search)
-// and renaming those that match a "rename OLD NEW" op (the first that matches; std::regex_replace),
-// with metadata.json and common.pt if present. (Megatron's version removes every key when only
+// Copies a checkpoint without the entries a "remove REGEX" op drops and with the first matching
+// "rename PATTERN REPLACEMENT" op applied to each key (StateDictOps, state_dict_ops.h), with
+// metadata.json and common.pt if present. (Megatron's version removes every key when only
 // rename ops are given and writes empty tensors; this one copies the values.)
 void modify_dcp_state_dict(const std::string& in, const std::string& out_dir, const std::vector<std::string>& ops,
                            std::ostream& out);

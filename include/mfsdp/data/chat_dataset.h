@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/chat_template.h"
+#include "mfsdp/data/chat_template.h"
 
 namespace mfsdp {
 
@@ -43,7 +43,7 @@ void write_sft_jsonl(const std::string& path, const std::vector<SftExample>& exa
 struct RlExample {
   std::vector<ChatMessage> prompt;
   std::string ground_truth;  // a JSON string's value as is; any other JSON value as its JSON text
-  std::string data_source;   // selects the reward (compute_score in mfsdp/rewards.h)
+  std::string data_source;   // selects the reward (compute_score in mfsdp/data/rewards.h)
   std::string extra_info_json = "{}";  // verl's free-form "extra_info", kept as JSON text
 };
 

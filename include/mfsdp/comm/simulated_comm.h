@@ -12,7 +12,7 @@
 #include <memory>
 #include <string>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 

@@ -35,10 +35,10 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/fully_shard.h"
-#include "mfsdp/optim.h"
-#include "mfsdp/safetensors.h"
+#include "mfsdp/checkpoint/safetensors.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/optim/optim.h"
 
 namespace mfsdp {
 

@@ -44,7 +44,7 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/comm.h"
+#include "mfsdp/comm/comm.h"
 
 namespace mfsdp {
 
@@ -93,7 +93,7 @@ class DistributedOptimizer {
 };
 
 // Over flat shards of your own; `after_step` runs at the end of every step. For a sharded model
-// use make_adamw(root, options) / make_sgd(root, options) (mfsdp/fully_shard.h).
+// use make_adamw(root, options) / make_sgd(root, options) (mfsdp/fsdp/fully_shard.h).
 std::unique_ptr<DistributedOptimizer> make_adamw(std::vector<OptimizerShard> shards,
                                                  std::shared_ptr<Communicator> comm,
                                                  const AdamWOptions& options,

@@ -36,8 +36,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "mfsdp/comm.h"
-#include "mfsdp/optim.h"
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/optim/optim.h"
 
 namespace mfsdp {
 

@@ -27,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 

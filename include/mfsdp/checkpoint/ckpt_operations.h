@@ -15,8 +15,9 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/checkpoint.h"
-#include "mfsdp/tensor_source.h"
+#include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/state_dict_ops.h"
+#include "mfsdp/checkpoint/tensor_source.h"
 
 namespace mfsdp {
 
@@ -69,19 +70,17 @@ ComparisonReport compare_tensors(const TensorSource& a, const TensorSource& b, c
 // ---- convert: state-dict transforms ------------------------------------------------------------
 
 struct StateTransform {
-  std::vector<std::string> remove;                            // ECMAScript regexes (full match)
-  bool swiglu = false;                                        // split fused fc1 into gate/up
-  std::vector<std::pair<std::string, std::string>> rename;    // OLD -> NEW, substring, in order
+  StateDictOps ops;    // Megatron's modify-state-dict ops (state_dict_ops.h)
+  bool swiglu = false;  // split fused fc1 into gate/up
 };
 
-// Applies, in this order: `remove` (drops every name fully matching one of the regexes);
+// Applies, in this order: the remove ops (drops every name in which a remove regex is found);
 // `swiglu` (every tensor whose last-but-one name component is "fc1" or "linear_fc1", e.g.
 // "decoder.layers.0.mlp.linear_fc1.weight", is split along dim 0 into its first half, named with
 // "gate_proj" in place of that component, and its second half, named with "up_proj"; Megatron's
-// fused [gate; up] layout); `rename` (every occurrence of OLD in every name becomes NEW, one
-// rule after the other). Throws std::invalid_argument naming the tensor for an fc1 weight with an
-// odd or missing dim 0, naming both source tensors when two end up with one name, and for an
-// invalid regex.
+// fused [gate; up] layout); the rename ops (the first that matches each name rewrites it).
+// Throws std::invalid_argument naming the tensor for an fc1 weight with an odd or missing dim 0,
+// naming both source tensors when two end up with one name, and for an empty name.
 std::map<std::string, at::Tensor> apply_state_transform(std::map<std::string, at::Tensor> tensors,
                                                         const StateTransform& transform);
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 

@@ -9,7 +9,7 @@
 
 #include <torch/nn/modules/container/sequential.h>
 
-#include "mfsdp/fully_shard.h"
+#include "mfsdp/fsdp/fully_shard.h"
 
 namespace mfsdp {
 

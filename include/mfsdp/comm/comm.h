@@ -161,7 +161,7 @@ at::Device resolve_device(const std::string& choice, int local_rank, int local_w
 // The communicator backend for tensors on `device`: "nccl" for CUDA, "gloo" for the CPU.
 std::string backend_for(const at::Device& device);
 
-struct RendezvousInfo;  // mfsdp/rendezvous.h
+struct RendezvousInfo;  // mfsdp/comm/rendezvous.h
 
 // Creates the world communicator from the launcher's environment (torchrun, Slurm or Open MPI
 // variables; see rendezvous.h).

@@ -1,33 +1,12 @@
-// Text generation with a trained (unsharded) Llama model: greedy or top-k / top-p sampling with a
-// KV cache; and load_model, which reads a sharded checkpoint (any world size) or a Hugging Face
-// Llama folder for mfsdp-generate. There is no model format of its own: a run's weights reach
-// generation as its `--save` checkpoint or its `--export-hf` folder.
+// load_model: an unsharded model for inference (mfsdp-generate, GRPO's rollouts, --hf-load)
+// from a sharded checkpoint of any world size or a Hugging Face Llama folder.
 #pragma once
 
-#include <cstdint>
 #include <string>
-#include <vector>
 
-#include "mfsdp/llama.h"
+#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
-
-struct GenerateOptions {
-  int64_t max_new_tokens = 64;
-  bool greedy = false;       // argmax; else sample
-  double temperature = 1.0;  // > 0
-  int64_t top_k = 0;         // 0: no top-k filter
-  double top_p = 1.0;        // (0, 1]: nucleus filter
-  uint64_t seed = 0;
-  int64_t stop_id = -1;      // stop after generating this id (e.g. EOD); -1: never
-};
-
-// Returns the generated ids (without the prompt, with stop_id when produced): generate_batch
-// (batched_generate.h) on a batch of one with row seed `seed`, so a KV cache, the prompt once,
-// then one token per step, stopping before a token would sit at position max_position_embeddings.
-// Throws std::invalid_argument on bad options or an empty prompt.
-std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt,
-                              const GenerateOptions& options);
 
 struct LoadedModel {
   LlamaForCausalLM model{nullptr};  // fp32, on CPU

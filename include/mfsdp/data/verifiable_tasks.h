@@ -1,4 +1,4 @@
-// Generated tasks whose answers a rule reward can check (mfsdp/rewards.h), for SFT warm starts and
+// Generated tasks whose answers a rule reward can check (mfsdp/data/rewards.h), for SFT warm starts and
 // GRPO on small models: "arith" (two-number addition, exact-match reward) and "countdown"
 // (TinyZero's: reach a target with + - * / using each number once). Deterministic for a seed on
 // every platform (own splitmix64 generator, no std:: distributions); train and test splits are
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/chat_dataset.h"
+#include "mfsdp/data/chat_dataset.h"
 
 namespace mfsdp {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/tokenizer.h"
+#include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
 

@@ -38,7 +38,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/torch_save.h"
+#include "mfsdp/checkpoint/torch_save.h"
 
 namespace mfsdp::dcp {
 

@@ -47,7 +47,7 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/indexed_dataset.h"
+#include "mfsdp/data/indexed_dataset.h"
 
 namespace mfsdp {
 

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Fails when a file of one layer includes a header of a layer above it.
+
+The layers, lowest first (docs/design.md, "Layers"): a file may include headers of its own layer
+and of the layers its entry lists, never one above. Public headers live in
+include/mfsdp/<layer>/, internal ones in src/<layer>/; tools/, tests/, bench/ and examples/ sit
+on top and may include anything. The build runs this check before compiling the library
+(CMakeLists.txt), so an upward include fails the build; tests/layers/check_layers_test.sh shows
+that it catches one.
+
+Usage: check_layers.py ROOT   (prints each upward include as FILE:LINE: ...; exit 1 if any)
+"""
+import os
+import re
+import sys
+
+# Each layer and the layers below it that it may use. launch and data are torch-free (mfsdp-run
+# and mfsdp-preprocess link only them), compat is header-only glue over LibTorch's versions.
+BELOW = {
+    "launch": [],
+    "data": [],
+    "compat": [],
+    "comm": ["launch", "compat"],
+    "optim": ["comm", "launch", "compat"],
+    "fsdp": ["optim", "comm", "launch", "compat"],
+    "models": ["fsdp", "optim", "comm", "launch", "compat", "data"],
+    "checkpoint": ["models", "fsdp", "optim", "comm", "launch", "compat", "data"],
+    "train": ["checkpoint", "models", "fsdp", "optim", "comm", "launch", "compat", "data"],
+}
+TOP = ("tools", "tests", "bench", "examples")
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"]([^>"]+)[>"]', re.M)
+
+
+def layer_of_file(rel):
+    parts = rel.split("/")
+    if parts[0] == "src" and len(parts) > 2:
+        return parts[1]
+    if parts[:2] == ["include", "mfsdp"] and len(parts) > 3:
+        return parts[2]
+    return None
+
+
+def layer_of_include(inc):
+    parts = inc.split("/")
+    if parts[0] == "mfsdp" and len(parts) > 2 and parts[1] in BELOW:
+        return parts[1]
+    if len(parts) > 1 and parts[0] in BELOW:
+        return parts[0]
+    return None
+
+
+def check(root):
+    problems = []
+    for top in ("src", "include"):
+        for folder, _, files in os.walk(os.path.join(root, top)):
+            for name in sorted(files):
+                if not name.endswith((".h", ".cpp")):
+                    continue
+                path = os.path.join(folder, name)
+                rel = os.path.relpath(path, root)
+                layer = layer_of_file(rel)
+                if layer is None:
+                    problems.append(f"{rel}: not inside a layer's folder (src/<layer>/ or include/mfsdp/<layer>/)")
+                    continue
+                if layer not in BELOW:
+                    problems.append(f"{rel}: '{layer}' is not a layer ({', '.join(BELOW)})")
+                    continue
+                text = open(path, encoding="utf-8").read()
+                for m in INCLUDE.finditer(text):
+                    used = layer_of_include(m.group(1))
+                    if used is None or used == layer or used in BELOW[layer]:
+                        continue
+                    line = text.count("\n", 0, m.start()) + 1
+                    problems.append(f"{rel}:{line}: the {layer} layer includes \"{m.group(1)}\" of the {used} "
+                                    f"layer, which is not below it (it may use: {', '.join(BELOW[layer]) or 'none'})")
+    return problems
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit("usage: check_layers.py ROOT")
+    problems = check(sys.argv[1])
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"check_layers: {len(problems)} include(s) break the layering (scripts/check_layers.py)")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

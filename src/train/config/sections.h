@@ -1,0 +1,201 @@
+// The trainers' configuration in sections, as TorchTitan's JobConfig has them: one struct per
+// concern, each with the checks that need only its own values. PretrainArgs
+// (src/train/pretrain_args.h) is all of them together, so `args.lr` reads as before; each tool
+// says which sections it takes (ToolFlags::sections) and --help lists the flags section by
+// section. Flag names and values are Megatron-LM's; the flags themselves are declared once, in
+// pretrain_args.cpp, each under its section.
+//
+// validate() throws std::invalid_argument("<flag>: <what>") for the first bad value and fills
+// the defaults that depend only on the section (e.g. the MLP width from the hidden size). Checks
+// that join sections (batch sizes against the data-parallel size, the vocabulary against the
+// tokenizer, --load against the file system) are validate_training_args' (pretrain_args.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mfsdp {
+
+// Throws std::invalid_argument("<flag>: <what>"), the form every flag error takes.
+[[noreturn]] void flag_error(const std::string& flag, const std::string& what);
+
+// Upper bounds where a larger value would allocate or loop without end, not train: ranks a
+// simulated run can play, a vocabulary (the largest of real models are ~256K ids), and the
+// samples the datasets index (train plus validation plus test; 2^32 covers any real run, ~4e12
+// tokens at 1K tokens per sample, and keeps the index arrays' sizes from overflowing).
+inline constexpr int64_t kMaxSimulatedWorldSize = int64_t{1} << 20;
+inline constexpr int64_t kMaxVocabSize = int64_t{1} << 24;
+inline constexpr double kMaxDatasetSamples = 4294967296.0;
+// The model's sizes, each far past the largest real model (Llama-3-405B: 126 layers, hidden
+// 16384, MLP 53248; million-token contexts), so that a typo is refused before the model is
+// built instead of ending in an allocator error or the kernel's OOM killer; and the tokens of
+// one micro-batch on a rank (64M; real runs hold at most a few hundred thousand).
+inline constexpr int64_t kMaxLayers = 1024;
+inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 17;
+inline constexpr int64_t kMaxFfnHiddenSize = int64_t{1} << 20;
+inline constexpr int64_t kMaxSequenceLength = int64_t{1} << 22;
+inline constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 26;
+
+// The sections in --help order. kPretraining holds what only mfsdp-pretrain does (its corpus,
+// a sample after training, simulated scale).
+enum class Section { kModel, kTokenizer, kData, kTraining, kOptimizer, kCheckpoint, kFsdp, kRuntime, kLogging,
+                     kProfiling, kPretraining };
+const char* section_title(Section s);  // "model: the transformer (Megatron's network size arguments)", ...
+const std::vector<Section>& all_sections();
+
+struct ModelSection {
+  int64_t num_layers = 2;
+  int64_t hidden_size = 64;
+  int64_t ffn_hidden_size = 0;  // 0: Megatron's default, megatron_default_ffn_hidden_size (llama.h)
+  int64_t num_attention_heads = 4;
+  bool group_query_attention = false;
+  int64_t num_query_groups = 1;         // without --group-query-attention: num_attention_heads
+  int64_t max_position_embeddings = 0;  // 0: --seq-length
+  std::string normalization = "RMSNorm";
+  bool swiglu = false;  // as in Megatron: off builds the GeLU MLP (LlamaConfig::swiglu)
+  std::string position_embedding_type = "rope";
+  double rotary_base = 10000;
+  bool untie_embeddings_and_output_weights = false;
+  double init_method_std = 0.02;
+  double norm_epsilon = 1e-5;
+  int64_t make_vocab_size_divisible_by = 128;
+  bool recompute_activations = false;
+  std::string recompute_granularity;  // "full" (only); implies recompute_activations
+  void validate();
+};
+
+struct TokenizerSection {
+  std::string tokenizer_type;
+  std::string tokenizer_model;
+  std::string vocab_file;
+  std::string merge_file;
+};
+
+// The pretraining corpus (Megatron's data arguments); mfsdp-sft and mfsdp-grpo read JSONL
+// instead and set seq_length from their own --max-length flags.
+struct DataSection {
+  std::string data_path;
+  std::string split = "969,30,1";
+  bool mock_data = false;
+  int64_t seq_length = 64;
+  int64_t vocab_size = 0;  // with --mock-data and no tokenizer
+  void validate() const;
+};
+
+struct TrainingSection {
+  int64_t micro_batch_size = 1;
+  int64_t global_batch_size = 0;  // 0: micro_batch_size x data-parallel size
+  int64_t train_iters = 0;
+  int64_t seed = 1234;
+  bool bf16 = false;
+  // Megatron's --check-for-nan-in-loss-and-grad (on; --no-check-for-nan-in-loss-and-grad turns
+  // it off): a NaN or Inf loss or gradient stops training before the optimizer step.
+  bool check_for_nan_in_loss_and_grad = true;
+  void validate() const;
+};
+
+struct OptimizerSection {
+  std::string optimizer = "adam";
+  // AdamWOptions::fused when "fused", or "auto" on CUDA (Megatron trains with a fused Adam there).
+  std::string optimizer_implementation = "auto";
+  double lr = 1e-4;
+  double min_lr = 0.0;
+  std::string lr_decay_style = "linear";
+  int64_t lr_warmup_iters = 0;
+  int64_t lr_decay_iters = 0;  // 0: --train-iters
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.999;
+  double adam_eps = 1e-8;
+  double sgd_momentum = 0.9;
+  double clip_grad = 1.0;
+  void validate() const;
+};
+
+struct CheckpointSection {
+  std::string save;           // folder to save into
+  int64_t save_interval = 0;  // iterations between saves (0: only at the end)
+  std::string load;           // a save folder (its latest iteration) or an iteration folder
+  int64_t ckpt_step = -1;     // --ckpt-step: the save folder's iteration to load (-1: the latest)
+  bool finetune = false;      // --load reads model weights only; iteration restarts at 0
+  bool no_load_optim = false;
+  bool no_load_rng = false;
+  bool no_save_optim = false;
+  int64_t exit_interval = 0;  // stop (after saving) once the iteration is a multiple of this
+  bool override_opt_param_scheduler = false;        // resume with this run's LR schedule
+  bool use_checkpoint_opt_param_scheduler = false;  // resume with the checkpoint's LR schedule
+  std::string ckpt_format = "fsdp_dtensor";         // or "mfsdp" (the earlier format)
+  std::string export_hf;                            // ours: write a Hugging Face folder at the end
+  std::string dump_param_to_param_group_map;        // folder for Megatron's parameter -> group map
+  void validate() const;
+};
+
+// Megatron-FSDP and the distributed optimizer.
+struct FsdpSection {
+  bool use_megatron_fsdp = false;
+  std::string data_parallel_sharding_strategy = "optim_grads_params";
+  bool no_gradient_accumulation_fusion = false;
+  bool use_distributed_optimizer = false;
+  bool init_model_with_meta_device = false;
+  bool grad_reduce_in_bf16 = false;
+  bool no_fsdp_prefetch = false;                        // ours: no all-gather prefetch
+  bool no_fsdp_all_gather_in_start_param_sync = false;  // ours: nothing in flight between steps
+  bool fsdp_double_buffer = false;
+  bool fsdp_trace_pool = false;  // ours: trace-then-plan pool for unsharded buffers
+  bool use_nccl_ub = false;
+  void validate() const;
+};
+
+// Where and how the job runs: device, collectives, host memory, attention kernels.
+struct RuntimeSection {
+  std::string device = "auto";  // auto, cpu or cuda: where the model trains
+  // Timeout of every collective (Megatron's --distributed-timeout-minutes): how long a silent
+  // peer may keep a rank waiting; fractions of a minute are allowed here.
+  double distributed_timeout_minutes = 10;
+  // "on", "off" or "" (unset: the environment variable decides, docs/comm.md).
+  std::string cpu_comm_shared_memory;  // CommOptions::shared_memory (MFSDP_SHM)
+  std::string socket_ifname;           // CommOptions::socket_ifname (MFSDP_SOCKET_IFNAME, GLOO_SOCKET_IFNAME)
+  std::string keep_freed_cpu_memory;   // keep_freed_cpu_memory() (MFSDP_KEEP_FREED_MEMORY)
+  std::string attention_backend = "auto";  // auto: SDPA; unfused: the explicit math path
+  void validate() const;
+};
+
+struct LoggingSection {
+  int64_t log_interval = 100;
+  int64_t eval_interval = 1000;
+  int64_t eval_iters = 100;
+  std::string metrics_file;
+  std::string tensorboard_dir;  // TensorBoard event files (src/train/tensorboard_writer.h)
+  int64_t tensorboard_log_interval = 1;
+  bool log_params_norm = false;        // " params norm: " (after the step, all parameters)
+  bool log_num_zeros_in_grad = false;  // " num zeros: " (gradient elements == 0, after clipping)
+  void validate() const;
+};
+
+// Megatron's profiling (src/train/step_profiler.h): iterations profile_step_start + 1 ..
+// profile_step_end (1-based, as logged) on the ranks in profile_ranks; with
+// use_pytorch_profiler a Kineto trace into --tensorboard-dir, else nsys's capture range.
+struct ProfilingSection {
+  bool profile = false;
+  bool use_pytorch_profiler = false;
+  int64_t profile_step_start = 10;
+  int64_t profile_step_end = 12;
+  std::vector<int64_t> profile_ranks{0};
+  void validate() const;
+};
+
+// What only mfsdp-pretrain does.
+struct PretrainingSection {
+  bool calculate_per_token_loss = false;
+  bool skip_train = false;
+  std::string sample_prompt;  // ours: print a generated sample after training
+  int64_t sample_tokens = 64;
+  // Simulated scale (ours): this single process plays one rank of a larger job.
+  int64_t simulate_world_size = 0;  // 0: off
+  int64_t simulate_rank = 0;
+  bool memory_plan = false;  // ours: print the per-rank memory plan and exit
+  void validate() const;
+};
+
+}  // namespace mfsdp
