@@ -79,6 +79,25 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   positive("--train-batch-size", a.train_batch_size);
   positive("--rollout-n", a.rollout_n);
   positive("--ppo-epochs", a.ppo_epochs);
+  // Each step holds train_batch_size x rollout_n responses of up to max_response_length tokens;
+  // the bounds are far past real runs (verl: 512 prompts x 16 responses, 32K tokens) and keep a
+  // typo from allocating or looping for hours.
+  auto at_most = [](const char* flag, int64_t v, int64_t max) {
+    if (v > max) flag_error(flag, "must be at most " + std::to_string(max) + ", got " + std::to_string(v));
+  };
+  at_most("--max-prompt-length", a.max_prompt_length, kMaxSequenceLength);
+  at_most("--max-response-length", a.max_response_length, kMaxSequenceLength);
+  if (a.max_prompt_length + a.max_response_length > kMaxSequenceLength)
+    flag_error("--max-response-length", "--max-prompt-length " + std::to_string(a.max_prompt_length) + " + " +
+                                            std::to_string(a.max_response_length) + " tokens is more than " +
+                                            std::to_string(kMaxSequenceLength));
+  constexpr int64_t kMaxRolloutsPerStep = int64_t{1} << 20;
+  at_most("--train-batch-size", a.train_batch_size, kMaxRolloutsPerStep);
+  at_most("--rollout-n", a.rollout_n, kMaxRolloutsPerStep);
+  if (a.train_batch_size * a.rollout_n > kMaxRolloutsPerStep)
+    flag_error("--rollout-n", "--train-batch-size " + std::to_string(a.train_batch_size) + " x " +
+                                  std::to_string(a.rollout_n) + " responses per step is more than " +
+                                  std::to_string(kMaxRolloutsPerStep));
   if (a.ppo_epochs > 1024) flag_error("--ppo-epochs", "must be at most 1024, got " + std::to_string(a.ppo_epochs));
   if (a.ppo_mini_batch_size == 0) a.ppo_mini_batch_size = a.train_batch_size;
   if (a.ppo_mini_batch_size < 1 || a.train_batch_size % a.ppo_mini_batch_size != 0)

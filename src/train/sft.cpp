@@ -65,8 +65,14 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
   a.base = parse_pretrain_args(argv, sft_tool_flags(a));
   check_task_source(a.data);
   if (a.max_length < 2) flag_error("--max-length", "must be >= 2, got " + std::to_string(a.max_length));
+  if (a.max_length > kMaxSequenceLength)
+    flag_error("--max-length", "must be at most " + std::to_string(kMaxSequenceLength) + ", got " +
+                                   std::to_string(a.max_length));
   if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
   if (a.max_new_tokens < 1) flag_error("--max-new-tokens", "must be >= 1");
+  if (a.max_new_tokens > kMaxSequenceLength)
+    flag_error("--max-new-tokens", "must be at most " + std::to_string(kMaxSequenceLength) + " (a model's longest "
+                                   "sequence), got " + std::to_string(a.max_new_tokens));
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load (it starts from the folder)");
   if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");

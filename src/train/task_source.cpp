@@ -46,7 +46,15 @@ void check_task_source(const TaskSource& s) {
   if (!s.generated()) return;
   if (s.gen_train_size < 1) flag_error("--gen-train-size", "must be >= 1, got " + std::to_string(s.gen_train_size));
   if (s.gen_val_size < 0) flag_error("--gen-val-size", "must be >= 0, got " + std::to_string(s.gen_val_size));
-  if (s.gen_digits < 1) flag_error("--gen-digits", "must be >= 1, got " + std::to_string(s.gen_digits));
+  // The problems are held in memory (~200 bytes each); 4M is far past any prompt set a run uses
+  // (GSM8K has 7.5K, DAPO's math set 17K), and a typo beyond it is refused, not allocated.
+  constexpr int64_t kMaxGeneratedProblems = int64_t{1} << 22;
+  for (auto [flag, n] : {std::pair{"--gen-train-size", s.gen_train_size}, {"--gen-val-size", s.gen_val_size}})
+    if (n > kMaxGeneratedProblems)
+      flag_error(flag, "must be at most " + std::to_string(kMaxGeneratedProblems) + ", got " + std::to_string(n));
+  // An arith operand is an int64 (verifiable_tasks.h): at most 18 decimal digits.
+  if (s.gen_digits < 1 || s.gen_digits > 18)
+    flag_error("--gen-digits", "must be in 1..18, got " + std::to_string(s.gen_digits));
 }
 
 }  // namespace mfsdp

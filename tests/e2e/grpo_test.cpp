@@ -160,4 +160,10 @@ TEST(Grpo, BadFlagsAreNamed) {
                "--global-batch-size: mfsdp-grpo does not take it: a step trains on --train-batch-size prompts");
   expect_error("--train-iters 1 --top-p 0", "--top-p");
   expect_error("--train-iters 1 --save-final-model x", "--save-final-model: was removed");
+  // Sizes that used to run on for hours or end in an allocator error.
+  expect_error("--train-iters 1 --rollout-n 4294967296", "--rollout-n: must be at most 1048576, got 4294967296");
+  expect_error("--train-iters 1 --train-batch-size 1024 --rollout-n 2048",
+               "--rollout-n: --train-batch-size 1024 x 2048 responses per step is more than 1048576");
+  expect_error("--train-iters 1 --max-response-length 4294967296", "--max-response-length: must be at most 4194304");
+  expect_error("--train-iters 1 --gen-train-size 4294967296", "--gen-train-size: must be at most 4194304");
 }

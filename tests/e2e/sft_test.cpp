@@ -236,6 +236,11 @@ TEST(Sft, BadInputIsNamed) {
   expect_error(" --train-iters 1 --train-files x --data-path y", 2, "--data-path: unknown flag");
   expect_error(" --train-iters 1 --train-files x --loss-agg-mode seq-mean", 2, "--loss-agg-mode");
   expect_error(" --train-iters 1 --train-files x --save-final-model y", 2, "--save-final-model: was removed");
+  // Sizes that used to name --seq-length (not an SFT flag) or end in std::bad_alloc.
+  expect_error(" --train-iters 1 --gen-task arith --max-length 2147483648", 2, "--max-length: must be at most 4194304");
+  expect_error(" --train-iters 1 --gen-task arith --gen-train-size 4294967296", 2,
+               "--gen-train-size: must be at most 4194304");
+  expect_error(" --train-iters 1 --gen-task arith --gen-digits 19", 2, "--gen-digits: must be in 1..18, got 19");
   {
     std::ofstream(dir.file("broken.jsonl")) << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, "
                                                "{\"role\": \"assistant\", \"content\": \"yo\"}]}\n{not json\n";
