@@ -251,7 +251,7 @@ std::unique_ptr<DistributedOptimizer> make_sgd(const FsdpHandle& root, const SGD
 
 void FsdpHandle::zero_grad() {
   for (UnitState* u : state().context().units)
-    for (auto& g : u->groups()) g->zero_main_grads();
+    for (auto& g : u->groups()) g->gradients().zero();
 }
 
 std::vector<LocalShard> FsdpHandle::local_shards() const {

@@ -35,7 +35,6 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
     : params_(std::move(params)),
       comm_(options.comm),
       replicate_(replicate_group(options)),
-      dp_size_(data_parallel_size(options)),
       requires_grad_(params_.at(0).param.requires_grad()),
       rank_(options.comm->rank()),
       device_(options.device.value_or(options.comm->device())) {
@@ -46,8 +45,6 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
   const RolePlacements placement = plan.placement;
   const at::ScalarType original = params_[0].original_dtype, main_dtype = plan.main_dtype;
   compute_dtype_ = plan.compute_dtype;
-  grad_dtype_ = plan.grad_dtype;
-  comm_dtype_ = options.mixed_precision.grad_comm_dtype.value_or(grad_dtype_);
   layout_ = plan.layout;
 
   // The original values, packed (padding zero), in their own dtype on their own device: main
@@ -80,7 +77,20 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
       main_weights_ = FlatBuffer::from_full(&layout_, rank_, placement.main_weights, original_flat,
                                             on_device.dtype(main_dtype));
     }
-    main_grads_ = FlatBuffer::zeros(&layout_, rank_, placement.main_grads, on_device.dtype(grad_dtype_));
+    ReducerSetup setup;
+    setup.params = &params_;
+    setup.layout = &layout_;
+    setup.comm = comm_;
+    setup.replicate = replicate_;
+    setup.dp_size = data_parallel_size(options);
+    setup.rank = rank_;
+    setup.device = device_;
+    setup.compute_dtype = compute_dtype_;
+    setup.grad_dtype = plan.grad_dtype;
+    setup.comm_dtype = options.mixed_precision.grad_comm_dtype.value_or(plan.grad_dtype);
+    FlatBuffer main_grads = FlatBuffer::zeros(&layout_, rank_, placement.main_grads, on_device.dtype(plan.grad_dtype));
+    setup.deferred = !main_grads.sharded() && main_weights_.sharded();
+    gradients_ = GradientReducer(std::move(setup), std::move(main_grads));
   }
 }
 
@@ -88,6 +98,7 @@ void ParamGroup::attach(TransientCounter* transient, BufferAllocator* allocator,
                         const std::string* unit_path) {
   transient_ = transient;
   allocator_ = allocator;
+  gradients_.attach(transient, allocator, this);
   unit_path_ = unit_path;
 }
 
@@ -154,135 +165,6 @@ void ParamGroup::reshard() {
   move_to(ShardState::kSharded);
 }
 
-void ParamGroup::prepare_gradients() {
-  if (!requires_grad_) return;
-  if (!unsharded_grad_.defined()) {
-    const auto options = at::TensorOptions().dtype(compute_dtype_).device(device_);
-    const size_t bytes = static_cast<size_t>(layout_.total()) * c10::elementSize(compute_dtype_);
-    unsharded_grad_ = tensor_in(allocator_->allocate(this, BufferRole::kGradients, bytes, compute_dtype_,
-                                                     device_),
-                                layout_.total(), options)
-                          .zero_();
-    transient_->add(unsharded_grad_.nbytes());
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& e = layout_.entries[i];
-    at::Tensor& grad = params_[i].param.mutable_grad();
-    at::Tensor view = unsharded_grad_.narrow(0, e.offset, e.numel).view(params_[i].shape);
-    if (grad.defined() && grad.data_ptr() == view.data_ptr()) continue;
-    if (grad.defined()) view.add_(grad);  // a gradient the user or autograd left elsewhere
-    grad = view;
-  }
-}
-
-void ParamGroup::adopt_gradient(size_t i) {
-  const auto& e = layout_.entries[i];
-  at::Tensor& grad = params_[i].param.mutable_grad();
-  if (!grad.defined() || !unsharded_grad_.defined()) return;
-  at::Tensor view = unsharded_grad_.narrow(0, e.offset, e.numel).view(params_[i].shape);
-  if (grad.data_ptr() == view.data_ptr()) return;
-  view.add_(grad);  // autograd replaced our view (e.g. it stole a fresh gradient)
-  grad = view;
-}
-
-void ParamGroup::release_unsharded_grad() {
-  if (!unsharded_grad_.defined()) return;
-  for (auto& p : params_) p.param.mutable_grad().reset();
-  transient_->sub(unsharded_grad_.nbytes());
-  unsharded_grad_.reset();
-}
-
-void ParamGroup::drop_unsharded_gradients() {
-  release_unsharded_grad();
-  if (accumulated_.defined()) {
-    transient_->sub(accumulated_.nbytes());
-    accumulated_.reset();
-  }
-}
-
-void ParamGroup::stash_gradients() {
-  if (!requires_grad_ || !unsharded_grad_.defined() || compute_dtype_ == grad_dtype_) return;
-  // Gradient sync is off for this micro-batch. Autograd accumulates in the parameters' dtype;
-  // summing bf16 micro-batches there would lose precision (and saturate), so they are moved
-  // into an accumulator of the main-grad dtype until the synced backward reduces them.
-  if (!accumulated_.defined()) {
-    accumulated_ = at::zeros({layout_.total()}, at::TensorOptions().dtype(grad_dtype_).device(device_));
-    transient_->add(accumulated_.nbytes());
-  }
-  accumulated_.add_(unsharded_grad_);
-  release_unsharded_grad();
-}
-
-PendingReduction ParamGroup::reduce_gradients(Communicator& comm, double divide_factor,
-                                              bool average_in_collective) {
-  if (!requires_grad_ || (!unsharded_grad_.defined() && !accumulated_.defined())) return {};
-  at::Tensor grads = unsharded_grad_;
-  if (accumulated_.defined()) {  // earlier micro-batches, stashed in the main-grad dtype
-    if (unsharded_grad_.defined()) accumulated_.add_(unsharded_grad_);
-    grads = accumulated_;
-  }
-  if (deferred_reduction()) {
-    // ZeRO-1 accumulates unreduced gradients in the full main grads; finish_deferred_reduction
-    // reduces with a plain sum, so the scale (1/world when averaging) is applied here.
-    const double scale = 1.0 / (average_in_collective ? dp_size_ : divide_factor);
-    main_grads_.data().add_(grads.to(grad_dtype_), scale);
-    drop_unsharded_gradients();
-    return {};
-  }
-  const double scale = average_in_collective ? 1.0 : 1.0 / divide_factor;
-  const ReduceOp op = average_in_collective ? ReduceOp::kAvg : ReduceOp::kSum;
-  // The wire dtype (--grad-reduce-in-bf16: bf16); communicators accumulate it in fp32.
-  at::Tensor wire = grads.scalar_type() == comm_dtype_ ? grads : grads.to(comm_dtype_);
-  PendingReduction pending;
-  at::Tensor reduced;  // what this rank receives: the whole buffer or its shard
-  if (!main_grads_.sharded()) {
-    if (scale != 1.0) wire.mul_(scale);
-    pending.work = comm.all_reduce_async(wire, {op});
-    reduced = wire;
-  } else {
-    reduced = at::empty({layout_.shard}, wire.options());
-    ReduceScatterOptions rs;
-    rs.op = op;
-    rs.prescale = scale;
-    pending.work = comm.reduce_scatter_async(reduced, wire, rs);
-  }
-  pending.finish_fn = [this, wire, reduced, op] {
-    if (replicate_) replicate_->all_reduce(reduced, {op});  // HSDP: across replicas
-    main_grads_.data().add_(reduced.to(grad_dtype_));
-    drop_unsharded_gradients();
-  };
-  return pending;
-}
-
-void ParamGroup::finish_deferred_reduction() {
-  if (!deferred_reduction() || !requires_grad_) return;
-  // In place: this rank's region receives the reduction. Other ranks' regions are zeroed, so
-  // that the next sync adds only new local gradients to the value this rank already reduced.
-  const at::Tensor& full = main_grads_.data();
-  at::Tensor own = main_grads_.own();
-  if (!replicate_) {
-    comm_->reduce_scatter(own, full);
-  } else {
-    // HSDP: only gradients new since the last sync may cross replicas, so the value this rank
-    // already holds (identical on every replica) is taken out and put back around the exchange.
-    if (!synced_.defined()) synced_ = at::zeros_like(own);
-    own.sub_(synced_);
-    comm_->reduce_scatter(own, full);
-    replicate_->all_reduce(own);
-    own.add_(synced_);
-    synced_.copy_(own);
-  }
-  const int64_t begin = layout_.shard_begin(rank_), end = begin + layout_.shard;
-  if (begin > 0) full.narrow(0, 0, begin).zero_();
-  if (end < layout_.total()) full.narrow(0, end, layout_.total() - end).zero_();
-}
-
-void ParamGroup::zero_main_grads() {
-  if (main_grads_.defined()) main_grads_.data().zero_();
-  if (synced_.defined()) synced_.zero_();
-  drop_unsharded_gradients();
-}
-
 void ParamGroup::copy_main_to_model_weights() {
   if (!requires_grad_) return;
   wait_unshard();  // an all-gather may still be reading the model weights
@@ -298,7 +180,7 @@ OptimizerShard ParamGroup::optimizer_shard() const {
   OptimizerShard s;
   if (!requires_grad_) return s;
   s.main_weight = main_weights_.data();
-  s.main_grad = main_grads_.range(main_weights_.begin(), main_weights_.data().numel());
+  s.main_grad = gradients_.main_grads().range(main_weights_.begin(), main_weights_.data().numel());
   s.replicated = !main_weights_.sharded();
   for (size_t i = 0; i < params_.size(); ++i) {
     const FlatBuffer::ParamSlice slice = main_weights_.slice_of(i);

@@ -90,7 +90,7 @@ void RootContext::finish_backward() {
   limit_pending(0);
   for (UnitState* unit : units)
     if (unit->requires_gradient_sync())
-      for (auto& group : unit->groups()) group->finish_deferred_reduction();
+      for (auto& group : unit->groups()) group->gradients().finish_deferred();
   for (UnitState* unit : units)
     if (!unit->kept_for_next_forward()) unit->reshard();
   callback_queued = false;

@@ -76,7 +76,7 @@ class Replay {
 
   void post_backward(int i) {
     if (!sync_) {
-      if (u_[i].accumulator > 0 && grad_[i]) {  // stash_gradients: into the main-grad dtype
+      if (u_[i].accumulator > 0 && grad_[i]) {  // GradientReducer::stash: into the main-grad dtype
         if (!accum_[i]) add(u_[i].accumulator, "backward of " + name(i) + " (accumulating a micro-batch)");
         accum_[i] = true;
         grad_[i] = false;

@@ -268,13 +268,13 @@ void UnitState::pre_backward() {
   wait_unshard();
   if (unshard_in_backward_)
     for (auto& g : groups_) g->expect_unsharded("backward");
-  for (auto& g : groups_) g->prepare_gradients();
+  for (auto& g : groups_) g->gradients().prepare();
 }
 
 void UnitState::on_gradient_accumulated(size_t group, size_t index) {
   // A gradient without our pre-backward (the forward bypassed mfsdp::call): adopt it anyway.
   if (phase_ != Phase::kBackward) pre_backward();
-  groups_[group]->adopt_gradient(index);
+  groups_[group]->gradients().adopt(index);
   if (++hooks_fired_ == hooks_expected_) post_backward();
 }
 
@@ -284,13 +284,13 @@ void UnitState::post_backward() {
   RECORD_USER_SCOPE("mfsdp::post_backward");
   context().note(path_, "post_backward");
   if (!requires_gradient_sync_) {
-    for (auto& g : groups_) g->stash_gradients();
+    for (auto& g : groups_) g->gradients().stash();
   } else {
     // One unit's reductions in flight at a time: with the unit computing its gradients next,
     // at most two units' unsharded gradient buffers are alive.
     context().limit_pending(0);
     for (auto& g : groups_) {
-      PendingReduction r = g->reduce_gradients(
+      PendingReduction r = g->gradients().reduce(
           context().comm.reduce_scatter(), context().divide_factor,
           options_.gradient_scaling == GradientScaling::kAverageInCollective);
       if (r.work || r.finish_fn) context().pending.push_back(std::move(r));
@@ -311,7 +311,7 @@ void UnitState::abandon_backward() {
   if (phase_ == Phase::kBackward) set_phase(Phase::kIdle);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
-  for (auto& g : groups_) g->drop_unsharded_gradients();
+  for (auto& g : groups_) g->gradients().drop_unsharded();
   reshard();
 }
 
