@@ -66,24 +66,45 @@ std::shared_ptr<Communicator> init_communicator(const CommOptions& options) {
   return init_communicator(rendezvous_from_env(), options);
 }
 
+namespace {
+
+// Rank 0 serves the store (store.h), and start-up is each rank's last use of it. A rank 0 that
+// leaves start-up first and ends at once (a run that only prints its memory plan) would take the
+// store away from peers still reading their last start-up keys ("Connection reset by peer" on
+// rank 1 in CI). So every rank says when its start-up reads are done, and rank 0 returns only
+// once all have: the server answers a set before it wakes the get waiting for it, so no peer is
+// left without its answer.
+void hold_store_until_start_up_ends(c10d::Store& store, const RendezvousInfo& info) {
+  store.set("mfsdp/start_up_done/" + std::to_string(info.rank), std::vector<uint8_t>{'1'});
+  if (info.rank != 0) return;
+  for (int r = 0; r < info.world_size; ++r) store.get("mfsdp/start_up_done/" + std::to_string(r));
+}
+
+}  // namespace
+
 std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
                                                 const CommOptions& options) {
   const auto startup = options.rendezvous_timeout;
-  if (options.backend == "gloo")
-    return make_cpu_communicator(connect_store(info, startup), info, options);
-  if (options.backend == "nccl") {
-#ifdef MFSDP_WITH_CUDA
-    int device = options.device_index >= 0 ? options.device_index : info.local_rank;
-    return make_nccl_communicator(connect_store(info, startup), info, device, options.timeout,
-                                  startup);
-#else
+  if (options.backend != "gloo" && options.backend != "nccl")
+    throw std::invalid_argument("unknown communicator backend '" + options.backend +
+                                "' (expected 'gloo' or 'nccl')");
+#ifndef MFSDP_WITH_CUDA
+  if (options.backend == "nccl")
     throw std::invalid_argument(
         "communicator backend 'nccl' needs a build against a LibTorch with CUDA (MFSDP_CUDA "
         "AUTO or ON, docs/building.md); this build has only 'gloo'");
 #endif
+  c10::intrusive_ptr<c10d::Store> store = connect_store(info, startup);
+  std::shared_ptr<Communicator> comm;
+  if (options.backend == "gloo") comm = make_cpu_communicator(store, info, options);
+#ifdef MFSDP_WITH_CUDA
+  if (options.backend == "nccl") {
+    int device = options.device_index >= 0 ? options.device_index : info.local_rank;
+    comm = make_nccl_communicator(store, info, device, options.timeout, startup);
   }
-  throw std::invalid_argument("unknown communicator backend '" + options.backend +
-                              "' (expected 'gloo' or 'nccl')");
+#endif
+  hold_store_until_start_up_ends(*store, info);
+  return comm;
 }
 
 }  // namespace mfsdp
