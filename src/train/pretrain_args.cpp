@@ -1,21 +1,16 @@
 #include "train/pretrain_args.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
-#include <limits>
 #include <map>
 #include <sstream>
 #include <stdexcept>
-#include <tuple>
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/data/gpt_dataset.h"
 #include "mfsdp/data/indexed_dataset.h"
-#include "mfsdp/models/llama.h"
 
 namespace mfsdp {
 namespace {
