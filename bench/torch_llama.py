@@ -172,7 +172,7 @@ class Attention(nn.Module):
         v = repeat_kv(v, self.heads // self.kv_heads)
         if self.backend == "auto":  # mfsdp's default: the device's fused kernels
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:  # explicit causal attention, as src/models/attention.cpp --attention-backend unfused
+        else:  # explicit causal attention, as src/models/llama/attention.cpp --attention-backend unfused
             scores = torch.matmul(q, k.transpose(2, 3)) * (1.0 / math.sqrt(self.head_dim))
             s = k.shape[2]
             future = torch.arange(s, device=x.device).unsqueeze(0) > torch.arange(t, device=x.device).unsqueeze(1)

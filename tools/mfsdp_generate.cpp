@@ -146,7 +146,7 @@ int main(int argc, char** argv) {
                                     "' cannot encode text here; use --prompt-ids");
       input = tokenizer->encode(prompt);
     }
-    const int64_t vocab = loaded.model->config().vocab_size;
+    const int64_t vocab = loaded.model->vocab_size();
     for (int64_t id : input)
       if (id < 0 || id >= vocab)
         throw std::invalid_argument("prompt token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +

@@ -7,7 +7,7 @@
 // Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.
 #include <iostream>
 
-#include "train/llama_memory_plan.h"
+#include "train/model_memory_plan.h"
 #include "train/pretrain_args.h"
 #include "train/trainer.h"
 #include "train/trainer_main.h"

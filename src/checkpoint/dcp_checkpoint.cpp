@@ -206,29 +206,17 @@ nlohmann::json made_up_metadata(const dcp::Reader& r, const std::map<std::string
 }
 
 
-// Query heads and key/value groups from the model_config (Hugging Face names), or from
-// Megatron's pickled args (num_attention_heads, num_query_groups): needed to split linear_qkv.
-std::optional<std::pair<int64_t, int64_t>> attention_heads(const dcp::Reader& r, const nlohmann::json& model_config) {
-  if (model_config.is_object() && model_config.contains("num_attention_heads")) {
-    const int64_t heads = model_config["num_attention_heads"].get<int64_t>();
-    return std::make_pair(heads, model_config.value("num_key_value_heads", heads));
+// The model a checkpoint with Megatron names holds, for splitting its fused tensors: its
+// model_config, else what Megatron's pickled args describe; none when neither describes a model
+// of a registered family (a fused linear_qkv then keeps its name).
+std::optional<ModelConfig> megatron_model(const dcp::Reader& r, const nlohmann::json& model_config) {
+  try {
+    if (model_config.is_object() && !model_config.empty()) return model_config_from_hf(model_config);
+    if (!r.metadata().bytes.count("args")) return std::nullopt;
+    return model_config_from_megatron(r.read_object("args", ObjectPolicy::kDescribeObjects));
+  } catch (const std::invalid_argument&) {
+    return std::nullopt;  // args we cannot read as data, or no family's model
   }
-  if (r.metadata().bytes.count("args")) {
-    nlohmann::json args;
-    try {
-      args = r.read_object("args", ObjectPolicy::kDescribeObjects);
-    } catch (const std::invalid_argument&) {
-      return std::nullopt;  // args we cannot read as data: linear_qkv stays fused
-    }
-    if (!args.is_object()) return std::nullopt;
-    if (args.contains("num_attention_heads") && args["num_attention_heads"].is_number_integer()) {
-      const int64_t heads = args["num_attention_heads"].get<int64_t>();
-      const bool gqa = args.value("group_query_attention", false) && args.contains("num_query_groups") &&
-                       args["num_query_groups"].is_number_integer();
-      return std::make_pair(heads, gqa ? args["num_query_groups"].get<int64_t>() : heads);
-    }
-  }
-  return std::nullopt;  // linear_qkv stays fused
 }
 
 }  // namespace
@@ -279,7 +267,11 @@ OpenedDcp open_dcp_checkpoint(const std::string& dir) {
       throw std::invalid_argument("checkpoint '" + dir + "': '" + kMetadataEntry + "' is not a dict");
   }
   if (has_megatron_gpt_names(tensors)) {
-    tensors = megatron_gpt_to_llama(tensors, attention_heads(*reader, out.metadata.value("model_config", nlohmann::json())));
+    const std::optional<ModelConfig> model =
+        megatron_model(*reader, out.metadata.value("model_config", nlohmann::json::object()));
+    // Without a model described, the first family registered (src/models/model_registry.cpp).
+    const ModelSpec& spec = model ? *model->spec : *model_specs().front();
+    tensors = megatron_gpt_to_model(tensors, spec, model ? &*model : nullptr);
   }
   for (const auto& [name, t] : tensors) out.sources[name] = t.source;
   if (!m.bytes.count(kMetadataEntry)) out.metadata = made_up_metadata(*reader, out.sources);

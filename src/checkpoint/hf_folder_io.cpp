@@ -1,7 +1,8 @@
 // Hugging Face import and export (include/mfsdp/checkpoint/hf_interop.h): the checkpoint's model as a folder
-// transformers loads, and a transformers Llama folder as a checkpoint. Both check the tensors
-// against the model the config describes (check_llama_tensors) before writing anything, so a
-// folder that would not load is refused here rather than at the first training step.
+// transformers loads, and a transformers folder of a registered model family as a checkpoint.
+// Both check the tensors against the model the config describes (check_model_tensors) before
+// writing anything, so a folder that would not load is refused here rather than at the first
+// training step.
 #include "mfsdp/checkpoint/hf_interop.h"
 #include "mfsdp/checkpoint/tensor_source.h"
 
@@ -15,7 +16,6 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/interop_util.h"
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/checkpoint/hf_llama.h"
 #include "mfsdp/checkpoint/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -38,27 +38,17 @@ std::string quoted_list(const std::vector<std::string>& names, size_t limit = 8)
   return out;
 }
 
-// The dtypes an export writes and an import accepts for weights (what transformers' Llama
+// The dtypes an export writes and an import accepts for weights (what transformers'
 // configs name as torch_dtype).
 bool is_output_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 }  // namespace
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> llama_parameter_shapes(const LlamaConfig& cfg) {
-  LlamaOptions options;
-  options.deferred_init = true;  // full shapes, no storage
-  options.init_seed = 0;         // leave the default generator alone
-  LlamaForCausalLM model(cfg, options);
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-  for (const auto& p : model->named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value().sizes().vec());
-  return out;
-}
-
-void check_llama_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const LlamaConfig& cfg,
+void check_model_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const ModelConfig& config,
                          const std::string& where) {
   std::vector<std::string> missing, unexpected, wrong;
   std::set<std::string> expected_names;
-  for (const auto& [name, shape] : llama_parameter_shapes(cfg)) {
+  for (const auto& [name, shape] : model_parameter_shapes(config)) {
     expected_names.insert(name);
     auto it = shapes.find(name);
     if (it == shapes.end())
@@ -69,9 +59,7 @@ void check_llama_tensors(const std::map<std::string, std::vector<int64_t>>& shap
   for (const auto& [name, shape] : shapes)
     if (!expected_names.count(name)) unexpected.push_back(name);
   if (missing.empty() && unexpected.empty() && wrong.empty()) return;
-  std::string msg = where + ": the tensors do not match the model config (" + std::to_string(cfg.num_layers) +
-                    " layers, hidden " + std::to_string(cfg.hidden_size) + ", vocab " +
-                    std::to_string(cfg.vocab_size) + (cfg.tie_word_embeddings ? ", tied embeddings" : "") + "):";
+  std::string msg = where + ": the tensors do not match the model config (" + config.spec->describe(config) + "):";
   if (!missing.empty()) msg += " missing tensor(s) " + quoted_list(missing) + ";";
   if (!unexpected.empty()) msg += " unexpected tensor(s) " + quoted_list(unexpected) + ";";
   for (size_t i = 0; i < wrong.size() && i < 8; ++i) msg += " tensor " + wrong[i] + ";";
@@ -88,17 +76,18 @@ at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir,
                                 c10::toString(*requested));
   CheckpointReader reader(ckpt);
   const std::string where = "checkpoint '" + reader.dir() + "'";
-  LlamaConfig cfg;
+  ModelConfig cfg;
   try {
-    cfg = llama_config_from_hf(checkpoint_model_config(reader, model_config_file));
+    cfg = model_config_from_hf(checkpoint_model_config(reader, model_config_file));
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(where + ": model_config: " + e.what());
   }
-  require_hf_mlp(cfg, where);
+  if (const std::string refusal = cfg.spec->hf_export_refusal(cfg); !refusal.empty())
+    throw std::invalid_argument(where + ": " + refusal);
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const std::string& name : reader.tensor_names())
     if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = reader.shape(name);
-  check_llama_tensors(shapes, cfg, where);
+  check_model_tensors(shapes, cfg, where);
   for (const auto& [name, shape] : shapes)
     if (!at::isFloatingType(reader.dtype(kModelPrefix + name)))
       throw std::invalid_argument(where + ": tensor '" + kModelPrefix + name + "' is " +
@@ -112,10 +101,10 @@ at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir,
   if (!is_output_float(dtype))
     throw std::invalid_argument(where + ": tensor '" + embedding + "' is " + safetensors_dtype_name(dtype) +
                                 "; give an export dtype (mfsdp-ckpt export-hf --dtype fp32, bf16 or fp16)");
-  const json config = llama_hf_config(cfg, dtype);
+  const json config = cfg.spec->hf_config(cfg, dtype);
 
   std::vector<std::pair<std::string, at::Tensor>> tensors;  // module order: shards fill layer by layer
-  for (const auto& [name, shape] : llama_parameter_shapes(cfg))
+  for (const auto& [name, shape] : model_parameter_shapes(cfg))
     tensors.emplace_back(name, reader.read(kModelPrefix + name).to(dtype));
   fs::create_directories(out_dir);
   write_safetensors_sharded(out_dir, tensors, max_shard_bytes);
@@ -129,9 +118,9 @@ void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
   const std::string config_path = (fs::path(hf_dir) / kConfigFile).string();
   if (!fs::exists(config_path)) throw std::invalid_argument(where + " has no config.json");
   const json hf_config = read_json_file(config_path, "HF config");
-  LlamaConfig cfg;
+  ModelConfig cfg;
   try {
-    cfg = llama_config_from_hf(hf_config);
+    cfg = model_config_from_hf(hf_config);
   } catch (const std::invalid_argument& e) {
     throw std::invalid_argument(config_path + ": " + e.what());
   }
@@ -139,11 +128,11 @@ void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
 
   std::vector<std::string> names;
   for (const auto& kv : tensors) names.push_back(kv.first);
-  // Qwen2's q/k/v biases: all or none (none: the model without them); others are named.
-  reconcile_hf_biases(cfg, names, where);
+  // Tensors a family may leave out (Qwen2's q/k/v biases: all or none); others are named.
+  cfg = cfg.spec->with_hf_tensors(cfg, names, where);
   for (auto it = tensors.begin(); it != tensors.end();)
     it = ends_with(it->first, "rotary_emb.inv_freq") ? tensors.erase(it) : std::next(it);
-  if (cfg.tie_word_embeddings && tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight")) {
+  if (cfg.hf.value("tie_word_embeddings", false) && tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight")) {
     const at::Tensor& head = tensors["lm_head.weight"];
     const at::Tensor& embed = tensors["model.embed_tokens.weight"];
     if (head.scalar_type() != embed.scalar_type() || head.sizes() != embed.sizes() || !at::equal(head, embed))
@@ -153,7 +142,7 @@ void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
   }
   std::map<std::string, std::vector<int64_t>> shapes;
   for (const auto& [name, t] : tensors) shapes[name] = t.sizes().vec();
-  check_llama_tensors(shapes, cfg, where);
+  check_model_tensors(shapes, cfg, where);
   for (const auto& [name, t] : tensors)
     if (!at::isFloatingType(t.scalar_type()))
       throw std::invalid_argument(where + ": tensor '" + name + "' is " + safetensors_dtype_name(t.scalar_type()) +
@@ -166,7 +155,7 @@ void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
   CheckpointInfo info;
   info.iteration = 0;
   info.consumed_samples = 0;
-  info.model_config = llama_hf_config(cfg, dtype);
+  info.model_config = cfg.spec->hf_config(cfg, dtype);
   info.args = {{"imported_from", hf_dir}};
   write_checkpoint(out_ckpt, tensors, info);
 }

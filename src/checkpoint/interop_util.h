@@ -19,7 +19,7 @@
 namespace mfsdp::interop {
 
 // A checkpoint stores the model's parameters as "model.<fqn>" (include/mfsdp/checkpoint/checkpoint.h), and
-// the fqns of LlamaForCausalLM are transformers' names, so HF tensor "<name>" is checkpoint tensor
+// the fqns of every family's CausalLM are transformers' names, so HF tensor "<name>" is checkpoint tensor
 // "model.<name>"; TensorSource names an HF folder's tensors the same way.
 inline const std::string kModelPrefix = "model.";
 

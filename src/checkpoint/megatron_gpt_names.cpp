@@ -1,9 +1,8 @@
-// Megatron-Core GPT names as Llama names: src/checkpoint/megatron_gpt_names.h.
+// Megatron-Core GPT names as a model family's names: src/checkpoint/megatron_gpt_names.h.
 #include "checkpoint/megatron_gpt_names.h"
 
 #include "checkpoint/interop_util.h"
 
-#include <regex>
 #include <stdexcept>
 
 namespace mfsdp::checkpoint {
@@ -34,62 +33,12 @@ MappedTensor gather_rows(const MappedTensor& t, const std::vector<std::pair<int6
   return out;
 }
 
-std::vector<int64_t> with_rows(std::vector<int64_t> shape, int64_t rows) {
-  shape.at(0) = rows;
-  return shape;
-}
-
-// The Llama tensors of one GPT parameter `fqn` (empty when it is not a GPT name).
-std::vector<std::pair<std::string, MappedTensor>> llama_tensors(
-    const std::string& fqn, const MappedTensor& t, std::optional<std::pair<int64_t, int64_t>> head_counts,
-    const std::string& name) {
-  static const std::map<std::string, std::string> kWhole = {
-      {"embedding.word_embeddings.weight", "model.embed_tokens.weight"},
-      {"decoder.final_layernorm.weight", "model.norm.weight"},
-      {"output_layer.weight", "lm_head.weight"},
-  };
-  static const std::map<std::string, std::string> kLayerWhole = {
-      {"self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"},
-      {"self_attention.linear_proj.weight", "self_attn.o_proj.weight"},
-      {"mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"},
-      {"mlp.linear_fc1.weight_w", "mlp.gate_proj.weight"},
-      {"mlp.linear_fc1.weight_v", "mlp.up_proj.weight"},
-      {"mlp.linear_fc2.weight", "mlp.down_proj.weight"},
-  };
-  if (auto it = kWhole.find(fqn); it != kWhole.end()) return {{it->second, t}};
-  static const std::regex layer(R"(decoder\.layers\.(\d+)\.(.+))");
-  std::smatch m;
-  if (!std::regex_match(fqn, m, layer)) return {};
-  const std::string prefix = "model.layers." + m[1].str() + ".", rest = m[2].str();
-  if (auto it = kLayerWhole.find(rest); it != kLayerWhole.end()) return {{prefix + it->second, t}};
-  if (t.shape.empty()) return {};
-  const int64_t rows = t.shape[0];
-  if (rest == "mlp.linear_fc1.weight") {
-    if (rows % 2) throw std::invalid_argument("checkpoint tensor '" + name + "' has an odd number of rows for [gate; up]");
-    return {{prefix + "mlp.gate_proj.weight", rows_of(t, 0, rows / 2, with_rows(t.shape, rows / 2))},
-            {prefix + "mlp.up_proj.weight", rows_of(t, rows / 2, rows / 2, with_rows(t.shape, rows / 2))}};
-  }
-  for (const char* kind : {"weight", "bias"}) {
-    if (rest != std::string("self_attention.linear_qkv.") + kind) continue;
-    if (!head_counts) return {};  // cannot split without the head counts: keeps its name
-    const auto [heads, kv_heads] = *head_counts;
-    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || rows % (heads + 2 * kv_heads))
-      throw std::invalid_argument("checkpoint tensor '" + name + "' has " + std::to_string(rows) +
-                                  " rows, which do not split into " + std::to_string(heads) + " query heads and " +
-                                  std::to_string(kv_heads) + " key/value groups");
-    const int64_t d = rows / (heads + 2 * kv_heads), per_group = heads / kv_heads, stride = (per_group + 2) * d;
-    std::vector<std::pair<int64_t, int64_t>> q, k, v;
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      q.emplace_back(g * stride, per_group * d);
-      k.emplace_back(g * stride + per_group * d, d);
-      v.emplace_back(g * stride + (per_group + 1) * d, d);
-    }
-    const std::string suffix = std::string(".") + kind;
-    return {{prefix + "self_attn.q_proj" + suffix, gather_rows(t, q, with_rows(t.shape, heads * d))},
-            {prefix + "self_attn.k_proj" + suffix, gather_rows(t, k, with_rows(t.shape, kv_heads * d))},
-            {prefix + "self_attn.v_proj" + suffix, gather_rows(t, v, with_rows(t.shape, kv_heads * d))}};
-  }
-  return {};
+// The parameter `piece` names, made of rows of `t`.
+MappedTensor take_rows(const MappedTensor& t, const MegatronRows& piece) {
+  if (piece.ranges.empty()) return t;
+  std::vector<int64_t> shape = t.shape;
+  shape.at(0) = piece.rows;
+  return gather_rows(t, piece.ranges, std::move(shape));
 }
 
 // "model.<fqn>" -> {fqn, ""}; "optimizer.state.<fqn>.<key>" -> {fqn, key}; else {"", ""}.
@@ -114,15 +63,17 @@ bool has_megatron_gpt_names(const std::map<std::string, MappedTensor>& tensors) 
   return false;
 }
 
-std::map<std::string, MappedTensor> megatron_gpt_to_llama(const std::map<std::string, MappedTensor>& tensors,
-                                                          std::optional<std::pair<int64_t, int64_t>> heads) {
+std::map<std::string, MappedTensor> megatron_gpt_to_model(const std::map<std::string, MappedTensor>& tensors,
+                                                          const ModelSpec& spec, const ModelConfig* config) {
   std::map<std::string, MappedTensor> out;
   for (const auto& [name, t] : tensors) {
     const auto [fqn, state] = parameter_of(name);
-    auto mapped = fqn.empty() ? decltype(llama_tensors(fqn, t, heads, name)){} : llama_tensors(fqn, t, heads, name);
-    if (mapped.empty()) mapped.emplace_back(name, t);  // not a GPT parameter: as it is
-    else
-      for (auto& [llama, m] : mapped) llama = state.empty() ? "model." + llama : "optimizer.state." + llama + "." + state;
+    std::vector<std::pair<std::string, MappedTensor>> mapped;
+    if (!fqn.empty() && !t.shape.empty())
+      for (const MegatronRows& piece : spec.from_megatron_name(fqn, t.shape[0], config, "checkpoint tensor '" + name + "'"))
+        mapped.emplace_back(state.empty() ? "model." + piece.name : "optimizer.state." + piece.name + "." + state,
+                            take_rows(t, piece));
+    if (mapped.empty()) mapped.emplace_back(name, t);  // not one of the family's parameters: as it is
     for (auto& [n, m] : mapped)
       if (!out.emplace(n, std::move(m)).second)
         throw std::invalid_argument("checkpoint: two tensors become '" + n + "' (Megatron GPT names)");

@@ -14,9 +14,8 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
 #include "mfsdp/checkpoint/dcp.h"
-#include "mfsdp/checkpoint/hf_llama.h"
 #include "mfsdp/data/directory_tree.h"
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/model_spec.h"
 
 namespace fs = std::filesystem;
 
@@ -39,37 +38,17 @@ void flatten(const nlohmann::json& v, const std::string& name, std::map<std::str
   }
 }
 
-// A Llama model_config (config.json) from Megatron's args, or {} when the model is not one
-// mfsdp builds (a LayerNorm, non-SwiGLU, biased or non-RoPE GPT).
-nlohmann::json llama_config_from_args(const nlohmann::json& args, std::ostream& out) {
-  auto num = [&](const char* k) { return args.contains(k) && args[k].is_number() ? args[k].get<double>() : -1.0; };
-  const bool llama = args.value("swiglu", false) && args.value("normalization", "") == "RMSNorm" &&
-                     args.value("position_embedding_type", "rope") == "rope" && !args.value("add_bias_linear", false);
-  if (!llama || num("num_layers") <= 0 || num("hidden_size") <= 0 || num("num_attention_heads") <= 0) {
-    out << "Note: Megatron's args do not describe a Llama-style model (SwiGLU, RMSNorm, RoPE, no biases); "
-           "the checkpoint has no model_config, so only its tensors are usable by mfsdp.\n";
+// The model_config (config.json) of the model Megatron's args describe, or {} when no model
+// family builds it (a LayerNorm, biased or non-RoPE GPT, say).
+nlohmann::json model_config_of_args(const nlohmann::json& args, std::ostream& out) {
+  try {
+    const ModelConfig config = model_config_from_megatron(args);
+    return config.spec->hf_config(config, at::kFloat);
+  } catch (const std::invalid_argument& e) {
+    out << "Note: Megatron's args do not describe a model mfsdp builds (" << e.what()
+        << "); the checkpoint has no model_config, so only its tensors are usable by mfsdp.\n";
     return nlohmann::json::object();
   }
-  LlamaConfig c;
-  c.num_layers = static_cast<int64_t>(num("num_layers"));
-  c.hidden_size = static_cast<int64_t>(num("hidden_size"));
-  c.intermediate_size = num("ffn_hidden_size") > 0 ? static_cast<int64_t>(num("ffn_hidden_size"))
-                                                  : megatron_default_ffn_hidden_size(c.hidden_size, /*swiglu=*/true);
-  c.num_attention_heads = static_cast<int64_t>(num("num_attention_heads"));
-  c.num_key_value_heads = args.value("group_query_attention", false) && num("num_query_groups") > 0
-                              ? static_cast<int64_t>(num("num_query_groups"))
-                              : c.num_attention_heads;
-  c.vocab_size = static_cast<int64_t>(num("padded_vocab_size"));
-  c.max_position_embeddings = static_cast<int64_t>(std::max(num("max_position_embeddings"), num("seq_length")));
-  if (num("norm_epsilon") >= 0) c.rms_norm_eps = num("norm_epsilon");
-  if (num("rotary_base") > 0) c.rope_theta = num("rotary_base");
-  c.tie_word_embeddings = !args.value("untie_embeddings_and_output_weights", false);
-  if (num("kv_channels") > 0 && static_cast<int64_t>(num("kv_channels")) != c.head_dim()) {
-    out << "Note: kv_channels differs from hidden_size / num_attention_heads; no model_config written.\n";
-    return nlohmann::json::object();
-  }
-  c.validate();
-  return llama_hf_config(c, at::kFloat);
 }
 
 // An argparse.Namespace with `fields` (plain values; described objects are left out), so that
@@ -245,7 +224,7 @@ void convert_torch_dist_to_fsdp_dtensor(const std::string& in, const std::string
                               {"consumed_samples", args.value("consumed_train_samples", 0)},
                               {"world_size", -1},
                               {"args", {{"converted_from", dir}}},
-                              {"model_config", llama_config_from_args(args, out)},
+                              {"model_config", model_config_of_args(args, out)},
                               {"scheduler", nlohmann::json::object()},
                               {"optimizer", optimizer}});
   w.finish();

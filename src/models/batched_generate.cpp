@@ -59,15 +59,14 @@ uint64_t sample_seed(uint64_t seed, int64_t step, int64_t prompt_index, int64_t 
   return splitmix64(h ^ static_cast<uint64_t>(sample_index));
 }
 
-GeneratedBatch generate_batch(LlamaForCausalLMImpl& model, const std::vector<std::vector<int64_t>>& prompts,
+GeneratedBatch generate_batch(CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
                               const std::vector<uint64_t>& row_seeds, const SamplingOptions& o,
                               Communicator* lockstep) {
-  const LlamaConfig& cfg = model.config();
-  check_options(o, cfg.vocab_size);
+  check_options(o, model.vocab_size());
   if (row_seeds.size() != prompts.size())
     bad("row_seeds has " + std::to_string(row_seeds.size()) + " seeds for " + std::to_string(prompts.size()) +
         " prompts (one per row)");
-  const int64_t limit = cfg.max_position_embeddings;
+  const int64_t limit = model.max_positions();
   for (size_t r = 0; r < prompts.size(); ++r) {
     const auto& p = prompts[r];
     if (p.empty()) bad("prompt " + std::to_string(r) + " is empty");
@@ -75,9 +74,9 @@ GeneratedBatch generate_batch(LlamaForCausalLMImpl& model, const std::vector<std
       bad("prompt " + std::to_string(r) + " has " + std::to_string(p.size()) +
           " tokens; with max_position_embeddings " + std::to_string(limit) + " it must have fewer");
     for (size_t i = 0; i < p.size(); ++i)
-      if (p[i] < 0 || p[i] >= cfg.vocab_size)
+      if (p[i] < 0 || p[i] >= model.vocab_size())
         bad("prompt " + std::to_string(r) + ", token " + std::to_string(i) + ": id " + std::to_string(p[i]) +
-            " is outside the vocabulary [0, " + std::to_string(cfg.vocab_size) + ")");
+            " is outside the vocabulary [0, " + std::to_string(model.vocab_size()) + ")");
   }
 
   const int64_t n = static_cast<int64_t>(prompts.size());
@@ -120,7 +119,7 @@ GeneratedBatch generate_batch(LlamaForCausalLMImpl& model, const std::vector<std
     generators.push_back(at::make_generator<at::CPUGeneratorImpl>(dummy ? 0 : row_seeds[r]));
   auto is_stop = [&](int64_t id) { return std::find(o.stop_ids.begin(), o.stop_ids.end(), id) != o.stop_ids.end(); };
 
-  LlamaKVCache cache(cfg.num_layers);
+  KVCache cache(model.num_layers());
   at::Tensor key_mask = mask;  // [B, keys so far]: 1 for a real token, 0 for padding
   at::Tensor input = ids, input_positions = positions;
   const double temperature = o.greedy ? 1.0 : o.temperature;

@@ -8,14 +8,14 @@
 
 namespace mfsdp {
 
-std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt,
+std::vector<int64_t> generate(CausalLM& model, const std::vector<int64_t>& prompt,
                               const GenerateOptions& o) {
   if (prompt.empty()) throw std::invalid_argument("generate: the prompt is empty");
   if (!(o.temperature > 0)) throw std::invalid_argument("generate: temperature must be > 0");
   if (!(o.top_p > 0 && o.top_p <= 1)) throw std::invalid_argument("generate: top_p must be in (0, 1]");
   if (o.top_k < 0) throw std::invalid_argument("generate: top_k must be >= 0");
   if (o.max_new_tokens < 0) throw std::invalid_argument("generate: max_new_tokens must be >= 0");
-  const int64_t limit = model.config().max_position_embeddings;
+  const int64_t limit = model.max_positions();
   if (static_cast<int64_t>(prompt.size()) >= limit)
     throw std::invalid_argument("generate: the prompt has " + std::to_string(prompt.size()) +
                                 " tokens; the model takes at most " + std::to_string(limit));

@@ -3,27 +3,27 @@
 #include <stdexcept>
 #include <string>
 
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/causal_lm.h"
 
 namespace mfsdp {
 
-LlamaKVCache::LlamaKVCache(int64_t num_layers) {
+KVCache::KVCache(int64_t num_layers) {
   if (num_layers <= 0)
-    throw std::invalid_argument("LlamaKVCache: expected a positive number of layers, found " +
+    throw std::invalid_argument("KVCache: expected a positive number of layers, found " +
                                 std::to_string(num_layers));
   keys_.resize(num_layers);
   values_.resize(num_layers);
 }
 
-int64_t LlamaKVCache::length() const { return keys_[0].defined() ? keys_[0].size(2) : 0; }
+int64_t KVCache::length() const { return keys_[0].defined() ? keys_[0].size(2) : 0; }
 
-std::pair<at::Tensor, at::Tensor> LlamaKVCache::append(int64_t layer, const at::Tensor& k,
+std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tensor& k,
                                                        const at::Tensor& v) {
   if (layer < 0 || layer >= num_layers())
-    throw std::out_of_range("LlamaKVCache::append: layer " + std::to_string(layer) +
+    throw std::out_of_range("KVCache::append: layer " + std::to_string(layer) +
                             " outside [0, " + std::to_string(num_layers()) + ")");
   if (k.dim() != 4 || !k.sizes().equals(v.sizes()))
-    throw std::invalid_argument("LlamaKVCache::append: expected k and v of equal shape "
+    throw std::invalid_argument("KVCache::append: expected k and v of equal shape "
                                 "[B, nkv, T, hd] for layer " + std::to_string(layer));
   at::Tensor& keys = keys_[layer];
   at::Tensor& values = values_[layer];
@@ -32,7 +32,7 @@ std::pair<at::Tensor, at::Tensor> LlamaKVCache::append(int64_t layer, const at::
     values = v.detach();
   } else {
     if (keys.size(0) != k.size(0) || keys.size(1) != k.size(1) || keys.size(3) != k.size(3))
-      throw std::invalid_argument("LlamaKVCache::append: layer " + std::to_string(layer) +
+      throw std::invalid_argument("KVCache::append: layer " + std::to_string(layer) +
                                   " caches shape " + c10::str(keys.sizes()) +
                                   ", appended keys of shape " + c10::str(k.sizes()));
     keys = at::cat({keys, k.detach()}, 2);
@@ -41,7 +41,7 @@ std::pair<at::Tensor, at::Tensor> LlamaKVCache::append(int64_t layer, const at::
   return {keys, values};
 }
 
-void LlamaKVCache::clear() {
+void KVCache::clear() {
   for (auto& k : keys_) k = at::Tensor();
   for (auto& v : values_) v = at::Tensor();
 }

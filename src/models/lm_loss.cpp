@@ -1,8 +1,9 @@
+// lm_loss and lm_loss_sum (include/mfsdp/models/lm_loss.h).
 #include <ATen/ATen.h>
 
 #include <stdexcept>
 
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/lm_loss.h"
 
 namespace mfsdp {
 namespace {

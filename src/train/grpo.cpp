@@ -13,6 +13,7 @@
 #include "mfsdp/data/rewards.h"
 #include "mfsdp/data/verifiable_tasks.h"
 #include "mfsdp/models/batched_generate.h"
+#include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/token_stats.h"
 #include "mfsdp/train/policy_loss.h"
 #include "train/chat_eval.h"
@@ -30,12 +31,12 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 // The reference policy: the same model, sharded like the policy, forward only (no optimizer, no
 // gradients), loaded from --ref-load, --hf-load or the --load checkpoint (--finetune).
-ShardedLlama load_reference(const GrpoArgs& g, const LlamaConfig& config, const std::shared_ptr<Communicator>& comm,
+ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const std::shared_ptr<Communicator>& comm,
                             const std::map<std::string, at::Tensor>& start_weights) {
   PretrainArgs a = g.base;
   a.init_model_with_meta_device = false;
   a.recompute_activations = false;
-  ShardedLlama ref = build_sharded_llama(config, a, shard_options_from_args(a, comm, /*per_token_loss=*/true));
+  ShardedModel ref = build_sharded_model(config, a, shard_options_from_args(a, comm, /*per_token_loss=*/true));
   const std::string from = !g.ref_load.empty() ? g.ref_load : !g.hf_load.empty() ? g.hf_load : g.base.load_dir;
   if (!g.ref_load.empty() || (from == g.base.load_dir && !from.empty())) {
     if (is_checkpoint(from)) {
@@ -99,7 +100,7 @@ struct PolicyOutputs {
   at::Tensor log_probs;
   at::Tensor entropy;
 };
-PolicyOutputs policy_outputs(LlamaForCausalLMImpl& model, const RolloutBatch& batch, double temperature,
+PolicyOutputs policy_outputs(CausalLM& model, const RolloutBatch& batch, double temperature,
                              const at::Device& device, bool entropy) {
   SequenceLayout layout;
   layout.attention_mask = batch.attention_mask.to(device);
@@ -115,7 +116,7 @@ PolicyOutputs policy_outputs(LlamaForCausalLMImpl& model, const RolloutBatch& ba
 
 
 struct GrpoTrainer::ReferencePolicy {
-  ShardedLlama sharded;
+  ShardedModel sharded;
 };
 
 double GrpoStep::metric(const std::string& name) const {
@@ -176,7 +177,7 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
     if (ref_) {
       const MemoryReport m = ref_->sharded.root.memory();
       double full_bytes = 0;
-      for (const auto& [name, shape] : llama_parameter_shapes(start.config)) {
+      for (const auto& [name, shape] : model_parameter_shapes(start.config)) {
         double numel = 1;
         for (int64_t d : shape) numel *= static_cast<double>(d);
         full_bytes += numel * 4;  // fp32

@@ -37,20 +37,6 @@ void MetricsWriter::write(const IterationRecord& r) {
   out_.flush();
 }
 
-double megatron_flops_per_iteration(const PretrainArgs& a, int64_t batch_size) {
-  // megatron/training/training.py num_floating_point_operations: 3 (fwd + 2 bwd) x 2 (mul-add)
-  // x 2 (two GEMMs per block side) = 12.
-  const double expansion = 12.0;
-  const double gated = a.swiglu ? 1.5 : 1.0;
-  const double h = static_cast<double>(a.hidden_size), s = static_cast<double>(a.seq_length);
-  const double layers = static_cast<double>(a.num_layers);
-  const double attention =
-      1.0 + static_cast<double>(a.num_query_groups) / a.num_attention_heads + s / h;
-  const double mlp = static_cast<double>(a.ffn_hidden_size) / h * gated;
-  const double logits = static_cast<double>(a.padded_vocab_size) / (2.0 * layers * h);
-  return expansion * batch_size * s * layers * h * h * (attention + mlp + logits);
-}
-
 int64_t peak_rss_bytes() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);

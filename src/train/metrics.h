@@ -38,10 +38,6 @@ class MetricsWriter {
   std::ofstream out_;
 };
 
-// Megatron's num_floating_point_operations for one iteration of `batch_size` sequences
-// (forward + backward; GQA, SwiGLU and the logit layer included).
-double megatron_flops_per_iteration(const PretrainArgs& args, int64_t batch_size);
-
 // Peak resident memory of this process (bytes).
 int64_t peak_rss_bytes();
 // What mem_bytes reports for a run on `device`: the process's peak RSS on the CPU; on a CUDA

@@ -6,7 +6,7 @@
 
 namespace mfsdp {
 
-RolloutModel::RolloutModel(const LlamaConfig& config, const c10::Device& device, bool use_sdpa)
+RolloutModel::RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa)
     : config_(config), device_(device), use_sdpa_(use_sdpa) {}
 
 void RolloutModel::load_from(const FsdpHandle& root) {
@@ -14,8 +14,8 @@ void RolloutModel::load_from(const FsdpHandle& root) {
   if (!model_) {
     // Built once (its initial values are overwritten below); released storage is given back
     // by set_data, which keeps each parameter's TensorImpl.
-    model_ = LlamaForCausalLM(config_);
-    for (int64_t i = 0; i < model_->model->num_layers(); ++i) model_->model->layer(i).self_attn->use_sdpa = use_sdpa_;
+    model_ = config_.spec->build(config_, {});
+    model_->set_use_sdpa(use_sdpa_);
   }
   torch::NoGradGuard no_grad;
   for (auto& item : model_->named_parameters()) {
@@ -37,7 +37,7 @@ void RolloutModel::release() {
   loaded_ = false;
 }
 
-LlamaForCausalLMImpl& RolloutModel::model() {
+CausalLM& RolloutModel::model() {
   if (!loaded_) throw std::logic_error("rollout model: used before load_from");
   return *model_;
 }

@@ -7,25 +7,27 @@
 #include <c10/core/Device.h>
 
 #include "mfsdp/fsdp/fully_shard.h"
-#include "mfsdp/models/llama.h"
+#include <memory>
+
+#include "mfsdp/models/model_spec.h"
 
 namespace mfsdp {
 
 class RolloutModel {
  public:
-  RolloutModel(const LlamaConfig& config, const c10::Device& device, bool use_sdpa = true);
+  RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa = true);
   // Collective over the shard group of `root`.
   void load_from(const FsdpHandle& root);
   void release();
   bool loaded() const { return loaded_; }
   // Throws std::logic_error when not loaded.
-  LlamaForCausalLMImpl& model();
+  CausalLM& model();
 
  private:
-  LlamaConfig config_;
+  ModelConfig config_;
   c10::Device device_;
   bool use_sdpa_;
-  LlamaForCausalLM model_{nullptr};
+  std::shared_ptr<CausalLM> model_;
   bool loaded_ = false;
 };
 

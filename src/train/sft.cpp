@@ -11,6 +11,7 @@
 #include "mfsdp/data/chat_template.h"
 #include "mfsdp/data/verifiable_tasks.h"
 #include "mfsdp/models/batched_generate.h"
+#include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/token_stats.h"
 #include "mfsdp/train/policy_loss.h"
 #include "train/chat_eval.h"
@@ -122,7 +123,7 @@ struct SequenceLosses {
   at::Tensor loss;  // [S, L] fp32
   at::Tensor mask;  // [S, L] fp32
 };
-SequenceLosses sequence_losses(LlamaForCausalLM& model, const SftBatch& cpu, const at::Device& device) {
+SequenceLosses sequence_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const at::Device& device) {
   SequenceLayout layout;
   layout.position_ids = cpu.position_ids.to(device);
   layout.attention_mask = cpu.attention_mask.to(device);
@@ -158,7 +159,7 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
   TrainingRun run(a, start.config, comm, log, /*per_token_loss=*/true, sft_tool_flags(args));
   const ResumePoint resume = run.start(start.weights.empty() ? nullptr : &start.weights);
   start.weights.clear();
-  LlamaForCausalLM& model = run.model();
+  std::shared_ptr<CausalLM>& model = run.model();
   const at::Device device = comm->device();
   const int64_t pad = tokenizer->eod();
   if (run.prints())

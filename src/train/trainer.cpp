@@ -11,7 +11,8 @@
 #include "mfsdp/data/gpt_dataset.h"
 #include "mfsdp/data/tokenizer.h"
 #include "mfsdp/models/generate.h"
-#include "train/llama_memory_plan.h"
+#include "mfsdp/models/lm_loss.h"
+#include "train/model_memory_plan.h"
 #include "train/training_run.h"
 
 namespace mfsdp {
@@ -30,7 +31,7 @@ std::string hms(double seconds) {
 void print_sample(const PretrainArgs& a, TrainingRun& run, std::ostream& log) {
   auto state = run.root().full_state_dict(/*all_ranks=*/false);
   if (state.empty()) return;  // not rank 0
-  LlamaForCausalLM plain(run.config());
+  std::shared_ptr<CausalLM> plain = run.config().spec->build(run.config(), {});
   {
     torch::NoGradGuard no_grad;
     for (auto& item : plain->named_parameters()) item.value().copy_(state.at(item.key()));
@@ -87,9 +88,9 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   // Every buffer each unit will hold on this rank, before any is allocated (as llm.c prints its
   // buffers): the plan is fully_shard's own layout, equal to what the run holds
   // (tests/dist/memory_plan_test.cpp), and the end-of-run report measures it again.
-  if (print) log << format_memory_plan(plan_llama_memory(a, dp));
-  TrainingRun run(a, llama_config_from_args(a), comm, log, a.calculate_per_token_loss);
-  LlamaForCausalLM& model = run.model();
+  if (print) log << format_memory_plan(plan_training_memory(a, dp));
+  TrainingRun run(a, model_config_from_args(a), comm, log, a.calculate_per_token_loss);
+  std::shared_ptr<CausalLM>& model = run.model();
   const ResumePoint resume = run.start();
 
   PretrainResult result;
@@ -149,7 +150,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
     return result;
   }
 
-  const double flops_per_iter = megatron_flops_per_iteration(a, gbs);
+  const double flops_per_iter = run.config().spec->flops_per_iteration(run.config(), gbs, a.seq_length);
   const auto start = Clock::now();
   auto window_start = start;
   double window_loss = 0;

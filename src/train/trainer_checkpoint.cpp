@@ -7,7 +7,6 @@
 #include <stdexcept>
 
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/checkpoint/hf_llama.h"
 
 namespace mfsdp {
 namespace {
@@ -21,9 +20,9 @@ nlohmann::json schedule_json(const LRSchedule& s) {
 }
 
 // The model-config fields that change the model, with the flag that sets each.
-void check_model_config(const nlohmann::json& saved, const LlamaConfig& run, const std::string& where) {
+void check_model_config(const nlohmann::json& saved, const ModelConfig& run, const std::string& where) {
   if (!saved.is_object() || saved.empty()) return;  // written by a tool that records none
-  const nlohmann::json mine = llama_hf_config(run, at::kFloat);
+  const nlohmann::json& mine = run.hf;
   const std::pair<const char*, const char*> fields[] = {
       {"vocab_size", "--vocab-size / tokenizer (padded)"},
       {"hidden_size", "--hidden-size"},
@@ -37,7 +36,7 @@ void check_model_config(const nlohmann::json& saved, const LlamaConfig& run, con
       {"rms_norm_eps", "--norm-epsilon"},
       {"attention_bias", "the model (Qwen2's q/k/v biases)"}};
   for (const auto& [field, flag] : fields) {
-    if (!saved.contains(field)) continue;
+    if (!saved.contains(field) || !mine.contains(field)) continue;
     const nlohmann::json& a = saved[field];
     const nlohmann::json& b = mine[field];
     const bool same = a.is_number() && b.is_number() ? a.get<double>() == b.get<double>() : a == b;
@@ -89,7 +88,7 @@ std::string checkpoint_origin(const LoadedCheckpoint& got) {
 
 }  // namespace
 
-ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
+ResumePoint load_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
                                      const std::shared_ptr<Communicator>& world, FsdpHandle& model,
                                      DistributedOptimizer& optimizer, LRSchedule& schedule,
                                      std::ostream& log) {
@@ -140,7 +139,7 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const LlamaConfig& c
   return resume;
 }
 
-void save_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
+void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
                               const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
                               int64_t iteration, std::ostream& log, const ToolFlags& tool) {
@@ -148,7 +147,7 @@ void save_training_checkpoint(const PretrainArgs& a, const LlamaConfig& config,
   info.iteration = iteration;
   info.consumed_samples = iteration * a.global_batch_size;
   for (const auto& [flag, value] : pretrain_args_values(a, tool)) info.args[flag] = value;
-  info.model_config = llama_hf_config(config, a.bf16 ? at::kBFloat16 : at::kFloat);
+  info.model_config = config.spec->hf_config(config, a.bf16 ? at::kBFloat16 : at::kFloat);
   info.scheduler = schedule_json(schedule);
   const auto start = std::chrono::steady_clock::now();
   save_checkpoint(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info,

@@ -8,7 +8,7 @@
 
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/fully_shard.h"
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
 #include "train/pretrain_args.h"
 
@@ -25,13 +25,13 @@ struct ResumePoint {
 // model config that differs from the flags, a different global batch size, an LR schedule that
 // differs (unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, which
 // sets `schedule` from the checkpoint). Collective.
-ResumePoint load_training_checkpoint(const PretrainArgs& args, const LlamaConfig& config,
+ResumePoint load_training_checkpoint(const PretrainArgs& args, const ModelConfig& config,
                                      const std::shared_ptr<Communicator>& world, FsdpHandle& model,
                                      DistributedOptimizer& optimizer, LRSchedule& schedule,
                                      std::ostream& log);
 
 // --save: the checkpoint of `iteration`. Collective.
-void save_training_checkpoint(const PretrainArgs& args, const LlamaConfig& config,
+void save_training_checkpoint(const PretrainArgs& args, const ModelConfig& config,
                               const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
                               int64_t iteration, std::ostream& log, const ToolFlags& tool = {});

@@ -11,7 +11,6 @@
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
-#include "mfsdp/checkpoint/hf_llama.h"
 #include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/checkpoint/tensor_source.h"
@@ -19,23 +18,27 @@
 
 namespace mfsdp {
 
-LlamaConfig llama_config_from_args(const PretrainArgs& a) {
-  LlamaConfig c;
-  c.vocab_size = a.padded_vocab_size;
-  c.hidden_size = a.hidden_size;
-  c.intermediate_size = a.ffn_hidden_size;
-  c.num_layers = a.num_layers;
-  c.num_attention_heads = a.num_attention_heads;
-  c.num_key_value_heads = a.num_query_groups;
-  c.max_position_embeddings = a.max_position_embeddings;
-  c.rope_theta = a.rotary_base;
-  c.rms_norm_eps = a.norm_epsilon;
-  c.tie_word_embeddings = !a.untie_embeddings_and_output_weights;
-  c.init_std = a.init_method_std;
-  c.swiglu = a.swiglu;
-  c.validate();
-  return c;
+nlohmann::json megatron_model_args(const PretrainArgs& a) {
+  return {{"num_layers", a.num_layers},
+          {"hidden_size", a.hidden_size},
+          {"ffn_hidden_size", a.ffn_hidden_size},
+          {"num_attention_heads", a.num_attention_heads},
+          {"group_query_attention", a.group_query_attention},
+          {"num_query_groups", a.num_query_groups},
+          {"padded_vocab_size", a.padded_vocab_size},
+          {"max_position_embeddings", a.max_position_embeddings},
+          {"seq_length", a.seq_length},
+          {"rotary_base", a.rotary_base},
+          {"norm_epsilon", a.norm_epsilon},
+          {"init_method_std", a.init_method_std},
+          {"untie_embeddings_and_output_weights", a.untie_embeddings_and_output_weights},
+          {"swiglu", a.swiglu},
+          {"normalization", a.normalization},
+          {"position_embedding_type", a.position_embedding_type},
+          {"add_bias_linear", false}};
 }
+
+ModelConfig model_config_from_args(const PretrainArgs& a) { return model_config_from_megatron(megatron_model_args(a)); }
 
 FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shared_ptr<Communicator>& comm,
                                           bool per_token_loss) {
@@ -52,26 +55,21 @@ FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shar
   return o;
 }
 
-ShardedLlama build_sharded_llama(const LlamaConfig& config, const PretrainArgs& a,
+ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& a,
                                  const FullyShardOptions& shard) {
-  LlamaOptions options;
+  ModelBuildOptions options;
   options.deferred_init = a.init_model_with_meta_device;
   options.recompute_layers = a.recompute_activations;
   options.init_seed = static_cast<uint64_t>(a.seed);
-  LlamaForCausalLM model(config, options);
-  for (int64_t i = 0; i < model->model->num_layers(); ++i)
-    model->model->layer(i).self_attn->use_sdpa = a.attention_backend != "unfused";
-  for (int64_t i = 0; i < model->model->num_layers(); ++i) {
-    if (a.init_model_with_meta_device) model->materialize_and_init_layer(i);
-    fully_shard(model->model->layer(i), shard);
-  }
-  if (a.init_model_with_meta_device) model->init_root();
-  FsdpHandle root = shard_llama_root(model, shard);
+  std::shared_ptr<CausalLM> model = config.spec->build(config, options);
+  model->set_use_sdpa(a.attention_backend != "unfused");
+  // With --init-model-with-meta-device each layer is materialised as it is sharded.
+  FsdpHandle root = shard_model(*model, shard);
   return {model, root};
 }
 
 namespace {
-std::map<std::string, at::Tensor> weights_of(const LlamaForCausalLMImpl& model) {
+std::map<std::string, at::Tensor> weights_of(const CausalLM& model) {
   std::map<std::string, at::Tensor> weights;
   for (const auto& item : model.named_parameters()) weights[item.key()] = item.value().detach();
   return weights;
@@ -89,7 +87,7 @@ StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, 
     const nlohmann::json saved = reader.metadata().value("model_config", nlohmann::json::object());
     // A checkpoint that records no model (PyTorch's dcp.save) holds the model the flags describe;
     // loading checks every tensor's shape against it.
-    p.config = saved.empty() ? llama_config_from_args(a) : llama_config_from_hf(saved);
+    p.config = saved.empty() ? model_config_from_args(a) : model_config_from_hf(saved);
     p.description = "checkpoint " + reader.dir() + " (iteration " + reader.metadata()["iteration"].dump() +
                     (saved.empty() ? "; no model_config recorded: the model from the flags)" : ")");
   } else if (!hf_load.empty()) {
@@ -97,19 +95,21 @@ StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, 
       throw std::invalid_argument("--hf-load " + hf_load +
                                   ": not a Hugging Face model folder (config.json and model.safetensors)");
     LoadedModel loaded = load_model(hf_load);
-    p.config = loaded.model->config();
+    p.config = loaded.config;
     p.weights = weights_of(*loaded.model);
     p.description = "Hugging Face folder " + hf_load;
   } else {
-    p.config = llama_config_from_args(a);
+    p.config = model_config_from_args(a);
     p.description = "new model from the flags (seed " + std::to_string(a.seed) + ")";
     return p;
   }
-  if (!a.export_hf.empty()) require_hf_mlp(p.config, "--export-hf (" + p.description + ")");
-  if (tokenizer_vocab > p.config.vocab_size)
+  if (!a.export_hf.empty())
+    if (const std::string refusal = p.config.spec->hf_export_refusal(p.config); !refusal.empty())
+      throw std::invalid_argument("--export-hf (" + p.description + "): " + refusal);
+  if (tokenizer_vocab > p.config.vocab_size())
     throw std::invalid_argument("--tokenizer-type: the tokenizer has " + std::to_string(tokenizer_vocab) +
                                 " ids but the model (" + p.description + ") only " +
-                                std::to_string(p.config.vocab_size));
+                                std::to_string(p.config.vocab_size()));
   return p;
 }
 
@@ -120,7 +120,7 @@ std::string sibling_path(const std::string& metrics_file, const std::string& ext
   return path + extension;
 }
 
-TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, std::shared_ptr<Communicator> comm,
+TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, std::shared_ptr<Communicator> comm,
                          std::ostream& log, bool per_token_loss, ToolFlags tool)
     : args_(args),
       config_(config),
@@ -128,7 +128,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const LlamaConfig& config, st
       log_(log),
       tool_(std::move(tool)),
       print_(comm_->rank() == 0 || is_simulated(*comm_)),
-      sharded_(build_sharded_llama(config, args, shard_options_from_args(args, comm_, per_token_loss))),
+      sharded_(build_sharded_model(config, args, shard_options_from_args(args, comm_, per_token_loss))),
       metrics_(print_ ? args.metrics_file : ""),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
       profiler_(args, comm_->rank(), comm_->device().is_cuda(), log) {
@@ -420,16 +420,17 @@ namespace {
 
 // --export-hf: config.json + model.safetensors (fp32, or bf16 with --bf16) and, for a
 // HuggingFaceTokenizer, its tokenizer files, so transformers loads the folder as it is.
-void export_hf_folder(const PretrainArgs& a, const LlamaConfig& config,
+void export_hf_folder(const PretrainArgs& a, const ModelConfig& config,
                       const std::map<std::string, at::Tensor>& state, std::ostream& log) {
   namespace fs = std::filesystem;
-  require_hf_mlp(config, "--export-hf");
+  if (const std::string refusal = config.spec->hf_export_refusal(config); !refusal.empty())
+    throw std::invalid_argument("--export-hf: " + refusal);
   const at::ScalarType dtype = a.bf16 ? at::kBFloat16 : at::kFloat;
   fs::create_directories(a.export_hf);
   {
     std::ofstream out(a.export_hf + "/config.json", std::ios::trunc);
     if (!out) throw std::runtime_error("--export-hf: cannot write '" + a.export_hf + "/config.json'");
-    out << llama_hf_config(config, dtype).dump(2) << "\n";
+    out << config.spec->hf_config(config, dtype).dump(2) << "\n";
   }
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& [name, t] : state) tensors.emplace_back(name, t.to(dtype));

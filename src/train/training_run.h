@@ -1,5 +1,5 @@
 // What every trainer shares (mfsdp-pretrain, mfsdp-sft, mfsdp-grpo; docs/design.md "Trainers"):
-// the Llama model sharded with fully_shard from Megatron's flags, the distributed optimizer and
+// the model (of any registered family) sharded with fully_shard from Megatron's flags, the distributed optimizer and
 // LR schedule, --load / --save / --exit-interval, the metrics file and its curve picture, and
 // what happens at the end (final checkpoint, --export-hf, memory report).
 // Each trainer owns only its data and its loss: it calls step() with a function that runs one
@@ -17,7 +17,7 @@
 
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/fully_shard.h"
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
 #include "train/metrics.h"
 #include "train/pretrain_args.h"
@@ -28,20 +28,23 @@
 
 namespace mfsdp {
 
-// The model the flags describe (vocabulary: args.padded_vocab_size).
-LlamaConfig llama_config_from_args(const PretrainArgs& args);
+// Megatron's model arguments (argparse names, as ModelSpec::config_from_megatron reads them)
+// of the model the flags describe (vocabulary: args.padded_vocab_size).
+nlohmann::json megatron_model_args(const PretrainArgs& args);
+// The model the flags describe: the family that builds Megatron's model from those arguments.
+ModelConfig model_config_from_args(const PretrainArgs& args);
 // fully_shard's options from the sharding, precision and buffer flags. `per_token_loss`: the
 // loss is already divided by the global count (no 1/dp in the gradient reduction).
 FullyShardOptions shard_options_from_args(const PretrainArgs& args, const std::shared_ptr<Communicator>& comm,
                                           bool per_token_loss);
 
-struct ShardedLlama {
-  LlamaForCausalLM model{nullptr};
+struct ShardedModel {
+  std::shared_ptr<CausalLM> model;
   FsdpHandle root;
 };
 // Builds the model and shards it, layers then the root. With --init-model-with-meta-device every
 // layer is materialised and sharded in turn, so no rank ever holds the whole model.
-ShardedLlama build_sharded_llama(const LlamaConfig& config, const PretrainArgs& args,
+ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& args,
                                  const FullyShardOptions& shard);
 
 // Where fine-tuning starts (mfsdp-sft, mfsdp-grpo): the model config and, from a Hugging Face
@@ -50,7 +53,7 @@ ShardedLlama build_sharded_llama(const LlamaConfig& config, const PretrainArgs& 
 // model flags (args.padded_vocab_size from the tokenizer). Errors name the flag: a tokenizer
 // with more ids than the model's vocabulary, a folder that is not a model.
 struct StartingPoint {
-  LlamaConfig config;
+  ModelConfig config;
   std::map<std::string, at::Tensor> weights;  // empty unless from hf_load
   std::string description;                    // for the log
 };
@@ -72,7 +75,7 @@ class TrainingRun {
  public:
   // Builds the sharded model, the optimizer (--optimizer) and the LR schedule. `tool` names the
   // trainer's own flags (recorded in checkpoints next to Megatron's).
-  TrainingRun(const PretrainArgs& args, const LlamaConfig& config, std::shared_ptr<Communicator> comm,
+  TrainingRun(const PretrainArgs& args, const ModelConfig& config, std::shared_ptr<Communicator> comm,
               std::ostream& log, bool per_token_loss, ToolFlags tool = {});
 
   // --load (resume, or --finetune for weights only); else, when `initial` is given, the full
@@ -125,10 +128,10 @@ class TrainingRun {
   const PretrainArgs& args() const { return args_; }
   const std::shared_ptr<Communicator>& comm() const { return comm_; }
   std::ostream& log() const { return log_; }
-  LlamaForCausalLM& model() { return sharded_.model; }
+  std::shared_ptr<CausalLM>& model() { return sharded_.model; }
   FsdpHandle& root() { return sharded_.root; }
   DistributedOptimizer& optimizer() { return *optimizer_; }
-  const LlamaConfig& config() const { return config_; }
+  const ModelConfig& config() const { return config_; }
   const std::vector<IterationRecord>& history() const { return history_; }
   MetricsWriter& metrics() { return metrics_; }
 
@@ -143,12 +146,12 @@ class TrainingRun {
   void write_param_group_map();  // --dump-param-to-param-group-map
 
   PretrainArgs args_;
-  LlamaConfig config_;
+  ModelConfig config_;
   std::shared_ptr<Communicator> comm_;
   std::ostream& log_;
   ToolFlags tool_;
   bool print_;
-  ShardedLlama sharded_;
+  ShardedModel sharded_;
   std::unique_ptr<DistributedOptimizer> optimizer_;
   LRSchedule schedule_;
   MetricsWriter metrics_;

@@ -8,6 +8,7 @@
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/batched_generate.h"
 #include "mfsdp/models/llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "train/rollout_model.h"
 
 namespace {
@@ -53,7 +54,7 @@ MFSDP_DIST_TEST(RolloutModel, EqualsTheFullStateDictAfterAStep, {1, 2}) {
       for (auto& p : plain->parameters()) p.sub_(p.grad() * 0.5);
     }
 
-    mfsdp::RolloutModel rollout(config(), comm.device());
+    mfsdp::RolloutModel rollout(mfsdp::llama_model_config(config()), comm.device());
     rollout.load_from(root);
     const auto full = root.full_state_dict(/*all_ranks=*/true);
     for (const auto& item : rollout.model().named_parameters())

@@ -16,6 +16,7 @@
 
 #include "harness/dist_test.h"
 #include "mfsdp/models/llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "train/training_run.h"
 
 namespace {
@@ -104,7 +105,7 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
   for (const char* strategy : {"no_shard", "optim", "optim_grads", "optim_grads_params"}) {
     const mfsdp::PretrainArgs a = args_for(strategy, world);
     std::ostringstream log;
-    mfsdp::TrainingRun run(a, mfsdp::llama_config_from_args(a), borrow(comm), log, /*per_token_loss=*/false);
+    mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, /*per_token_loss=*/false);
     const auto stats = run.step(1, micro_batches, [&](int64_t m) {
       at::Tensor loss = micro_loss(run, world == 1 ? m : rank, micro_batches);
       loss.backward();
@@ -114,7 +115,7 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
     // The same step on one plain model: mean loss of both rows, p -= lr * grad.
     mfsdp::LlamaOptions options;
     options.init_seed = static_cast<uint64_t>(a.seed);
-    mfsdp::LlamaForCausalLM plain(mfsdp::llama_config_from_args(a), options);
+    mfsdp::LlamaForCausalLM plain(mfsdp::llama_config_of(mfsdp::model_config_from_args(a)), options);
     at::Tensor loss = at::zeros({}, at::kFloat);
     for (int64_t r = 0; r < 2; ++r)
       loss = loss + mfsdp::lm_loss(plain->forward(row(r).narrow(1, 0, kSeq)), row(r).narrow(1, 1, kSeq)) / 2.0;
@@ -155,7 +156,7 @@ MFSDP_DIST_TEST(TrainingRun, NanLossOnOneRankStopsEveryRankBeforeTheStep, {1, 2}
   const int world = comm.size(), rank = comm.rank();
   const mfsdp::PretrainArgs a = args_for("optim_grads_params", world);
   std::ostringstream log;
-  mfsdp::TrainingRun run(a, mfsdp::llama_config_from_args(a), borrow(comm), log, false);
+  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
   const auto before = weights(run);
   std::string error;
   try {
@@ -181,7 +182,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteGradientsAreNamedByParameter, {1, 2}) {
   for (const char* strategy : {"no_shard", "optim_grads_params"}) {
     const mfsdp::PretrainArgs a = args_for(strategy, world);
     std::ostringstream log;
-    mfsdp::TrainingRun run(a, mfsdp::llama_config_from_args(a), borrow(comm), log, false);
+    mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
     const auto before = weights(run);
     auto micro_batch = [&](int64_t m) {
       at::Tensor loss = micro_loss(run, world == 1 ? m : rank, 2 / world);
@@ -211,7 +212,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteGradientsAreNamedByParameter, {1, 2}) {
     // --no-check-for-nan-in-loss-and-grad: the step goes through (and poisons the weights).
     mfsdp::PretrainArgs unchecked = a;
     unchecked.check_for_nan_in_loss_and_grad = false;
-    mfsdp::TrainingRun off(unchecked, mfsdp::llama_config_from_args(unchecked), borrow(comm), log, false);
+    mfsdp::TrainingRun off(unchecked, mfsdp::model_config_from_args(unchecked), borrow(comm), log, false);
     auto off_batch = [&](int64_t m) {
       at::Tensor loss = micro_loss(off, world == 1 ? m : rank, 2 / world);
       loss.backward();
@@ -232,7 +233,7 @@ MFSDP_DIST_TEST(TrainingRun, NoCheckpointOfNonFiniteWeights, {1, 2}) {
   a.save_interval = 1;
   a.train_iters = 2;
   std::ostringstream log;
-  mfsdp::TrainingRun run(a, mfsdp::llama_config_from_args(a), borrow(comm), log, false);
+  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
   // One weight element turns NaN (as an overflowing step would leave it), on the rank holding it.
   for (const mfsdp::LocalShard& s : run.root().local_shards())
     if (s.name == "model.norm.weight" && s.offset == 0 && s.local.numel() > 0) {

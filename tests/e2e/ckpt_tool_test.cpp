@@ -25,7 +25,7 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/ckpt_operations.h"
 #include "mfsdp/checkpoint/hf_interop.h"
-#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/models/llama.h"

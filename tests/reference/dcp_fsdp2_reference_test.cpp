@@ -28,7 +28,7 @@
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/llama.h"

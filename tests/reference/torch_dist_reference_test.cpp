@@ -25,7 +25,7 @@
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
 #include "mfsdp/checkpoint/ckpt_operations.h"
 #include "mfsdp/checkpoint/dcp.h"
-#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/llama.h"

@@ -7,6 +7,7 @@
 // bad arguments. Last, the lock-step mode on 2 real processes: a ZeRO-3 model, ranks with
 // different numbers of prompts (one with none), gives the unsharded model's tokens.
 #include "mfsdp/models/batched_generate.h"
+#include "mfsdp/models/llama.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>

@@ -13,7 +13,7 @@
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/models/generate.h"
 

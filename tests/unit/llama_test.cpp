@@ -27,7 +27,7 @@
 #include <vector>
 
 #include "harness/dist_test.h"
-#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/optim/optim.h"
 
 namespace {
@@ -293,7 +293,7 @@ TEST(LlamaModel, ParameterNamesMatchHuggingFace) {
   }
 }
 
-// Qwen2's q/k/v biases in Hugging Face config.json terms (hf_llama.h): a model with
+// Qwen2's q/k/v biases in Hugging Face config.json terms (llama_hf_config.h): a model with
 // attention_bias is written as transformers' Qwen2ForCausalLM (whose biases are exactly these) and
 // read back with attention_bias, so checkpoints' model_config keeps it; a Llama config with
 // attention_bias true (which in transformers also biases o_proj) and Qwen2's sliding window are

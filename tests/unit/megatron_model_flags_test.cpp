@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "mfsdp/models/llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "train/pretrain_args.h"
 #include "train/training_run.h"
 
@@ -51,7 +52,7 @@ int64_t built_parameter_count(const mfsdp::PretrainArgs& a) {
   mfsdp::LlamaOptions options;
   options.deferred_init = true;  // full shapes, no storage
   options.init_seed = 0;
-  mfsdp::LlamaForCausalLM model(mfsdp::llama_config_from_args(a), options);
+  mfsdp::LlamaForCausalLM model(mfsdp::llama_config_of(mfsdp::model_config_from_args(a)), options);
   int64_t n = 0;
   for (const auto& p : model->parameters()) n += p.numel();
   return n;
@@ -92,7 +93,7 @@ TEST(MegatronModelFlags, ParameterCountIsMegatronsFormula) {
 
 // Without --swiglu the MLP is Megatron's: down_proj(gelu(up_proj(x))), the erf GeLU, no gate.
 TEST(MegatronModelFlags, WithoutSwigluTheMlpIsGelu) {
-  mfsdp::LlamaConfig c = mfsdp::llama_config_from_args(args_from({"--hidden-size", "64"}));
+  mfsdp::LlamaConfig c = mfsdp::llama_config_of(mfsdp::model_config_from_args(args_from({"--hidden-size", "64"})));
   EXPECT_FALSE(c.swiglu);
   torch::manual_seed(3);
   mfsdp::LlamaMLP mlp(c, /*deferred=*/false);

@@ -18,7 +18,7 @@
 
 #include "harness/file_bytes.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/checkpoint/hf_llama.h"
+#include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/data/directory_tree.h"
 

@@ -1,12 +1,12 @@
 // Hugging Face import and export: a checkpoint's model as a folder transformers loads, and a
-// transformers Llama folder as a checkpoint to fine-tune from (`mfsdp-ckpt export-hf` and
+// transformers folder of a registered model family (model_spec.h) as a checkpoint to fine-tune from (`mfsdp-ckpt export-hf` and
 // `import-hf`, docs/mfsdp_ckpt.md).
 //
 //   mfsdp::export_hf("ckpt", "hf_out", std::nullopt, 5'000'000'000);  // checkpoint -> HF folder
 //   mfsdp::import_hf("hf_in", "ckpt_in");                               // HF folder -> checkpoint
 //
 // Names: a checkpoint stores the model's parameters as "model.<fqn>" (checkpoint.h) and the fqns
-// of LlamaForCausalLM are transformers' names (llama.h), so an HF tensor "<name>" is the
+// of every family's CausalLM are transformers' names (causal_lm.h), so an HF tensor "<name>" is the
 // checkpoint tensor "model.<name>" ("model.layers.0.mlp.up_proj.weight" is stored as
 // "model.model.layers.0.mlp.up_proj.weight", "lm_head.weight" as "model.lm_head.weight").
 //
@@ -27,11 +27,11 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/model_spec.h"
 
 namespace mfsdp {
 
-// Writes `out_dir`/config.json (llama_hf_config of the checkpoint's model_config, torch_dtype =
+// Writes `out_dir`/config.json (the family's hf_config of the checkpoint's model_config, torch_dtype =
 // the export dtype, pretty-printed) and the checkpoint's "model." tensors, without that prefix
 // and in the export dtype, as model.safetensors, or as shards plus model.safetensors.index.json
 // when they exceed max_shard_bytes. `ckpt` is a save folder (its latest iteration) or an
@@ -40,7 +40,7 @@ namespace mfsdp {
 // is cast to it when the model's tensors disagree, as import_hf records that dtype too), so
 // import_hf followed by export_hf gives back the folder's weights byte for byte. Returns the
 // export dtype. Errors, before anything is written: no model_config (recorded or given), a
-// model_config that is not a supported Llama config, tensors that do not match it exactly (a
+// model_config that no model family reads, tensors that do not match it exactly (a
 // missing or unexpected tensor, a wrong shape: named), a non-floating-point tensor, no `dtype`
 // and a checkpoint dtype that safetensors exports do not take here (float64: pass a dtype).
 // `model_config_file`: the model as a Hugging Face config.json, for a checkpoint that records no
@@ -48,26 +48,23 @@ namespace mfsdp {
 at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir, std::optional<at::ScalarType> dtype,
                          uint64_t max_shard_bytes, const std::string& model_config_file = "");
 
-// Reads an HF folder (config.json of model_type llama, or mistral/qwen2 as llama_config_from_hf
-// accepts; model.safetensors or an index with shards) and writes `out_ckpt` as an fsdp_dtensor
+// Reads an HF folder (a config.json whose model_type a family reads, model_spec_for_hf;
+// model.safetensors or an index with shards) and writes `out_ckpt` as an fsdp_dtensor
 // checkpoint with the model weights only (iteration 0, no optimizer state), the tensors in their
-// saved dtype, model_config = llama_hf_config(config, dtype of embed_tokens), args
+// saved dtype, model_config = the family's hf_config(config, dtype of embed_tokens), args
 // {"imported_from": hf_dir}: what `mfsdp-pretrain --load OUT --finetune` starts from.
 // Dropped: "*rotary_emb.inv_freq" buffers; "lm_head.weight" of a tied model when it equals
 // model.embed_tokens.weight exactly (otherwise an error). Qwen2's q/k/v biases are imported
-// (reconcile_hf_biases, hf_llama.h: all of them or none). Errors: some biases but not all, or
-// biases under a Llama config (named), a missing or unexpected tensor, a wrong shape (both
-// shapes), a non-floating-point tensor.
+// (the family's with_hf_tensors: all of them or none). Errors: some biases but not all, or
+// biases its config does not provide for (named), a missing or unexpected tensor, a wrong shape
+// (both shapes), a non-floating-point tensor.
 void import_hf(const std::string& hf_dir, const std::string& out_ckpt);
 
-// Name -> shape of every parameter LlamaForCausalLM(cfg) has, in module order (embedding, layers,
-// final norm, lm_head). Built from a deferred-init model: nothing is allocated.
-std::vector<std::pair<std::string, std::vector<int64_t>>> llama_parameter_shapes(const LlamaConfig& cfg);
-
 // Throws std::invalid_argument (starting with `where`) unless `shapes` holds exactly the
-// parameters of LlamaForCausalLM(cfg) with their shapes. The message names every missing,
-// unexpected and misshapen tensor (up to 8 of each, then a count).
-void check_llama_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const LlamaConfig& cfg,
+// parameters of the model `config` describes (model_parameter_shapes, model_spec.h) with their
+// shapes. The message names every missing, unexpected and misshapen tensor (up to 8 of each,
+// then a count).
+void check_model_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const ModelConfig& config,
                          const std::string& where);
 
 }  // namespace mfsdp

@@ -1,15 +1,18 @@
 // load_model: an unsharded model for inference (mfsdp-generate, GRPO's rollouts, --hf-load)
-// from a sharded checkpoint of any world size or a Hugging Face Llama folder.
+// from a sharded checkpoint of any world size or a Hugging Face folder of a registered model family.
 #pragma once
 
 #include <string>
 
-#include "mfsdp/models/llama.h"
+#include <memory>
+
+#include "mfsdp/models/model_spec.h"
 
 namespace mfsdp {
 
 struct LoadedModel {
-  LlamaForCausalLM model{nullptr};  // fp32, on CPU
+  std::shared_ptr<CausalLM> model;  // fp32, on CPU
+  ModelConfig config;               // its family and configuration
   std::string tokenizer_type;       // "" when the source does not say (HF folders, imports)
 };
 
@@ -18,14 +21,14 @@ struct LoadedModel {
 //     iteration, or an iteration folder of either format, a bare PyTorch dcp.save folder
 //     included): its metadata's model_config (or `model_config_file`) and its "model." tensors; the
 //     tokenizer is the checkpoint's "--tokenizer-type" argument, if any;
-//   a Hugging Face Llama or Qwen2 folder (is_hf_folder: config.json + model.safetensors or an
+//   a Hugging Face folder (is_hf_folder: config.json + model.safetensors or an
 //     index with shards), as import_hf accepts it: "rotary_emb.inv_freq" buffers are ignored, a
-//     tied model's "lm_head.weight" must equal the embedding, bias tensors are an error unless
-//     the config has Qwen2's q/k/v biases (then exactly those are required).
+//     tied model's "lm_head.weight" must equal the embedding, tensors the family may leave out are
+//     reconciled with its config (ModelSpec::with_hf_tensors: Qwen2's q/k/v biases, all or none).
 // Tensors are read through TensorSource (tensor_source.h) and cast to fp32; the set of tensors is
-// checked with check_llama_tensors (hf_interop.h) before any is read. Errors
-// (std::invalid_argument) name `path` and what was wrong: not one of these, a config that is not
-// a supported Llama config, missing / unexpected / misshapen / non-floating-point tensors.
+// checked with check_model_tensors (hf_interop.h) before any is read. Errors
+// (std::invalid_argument) name `path` and what was wrong: not one of these, a config that no
+// model family reads, missing / unexpected / misshapen / non-floating-point tensors.
 // `model_config_file`: the model as a Hugging Face config.json, for a checkpoint that records no
 // model_config (PyTorch's dcp.save; checkpoint_model_config in tensor_source.h).
 LoadedModel load_model(const std::string& path, const std::string& model_config_file = "");

@@ -21,7 +21,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/causal_lm.h"
 
 namespace mfsdp {
 
@@ -65,7 +65,7 @@ uint64_t sample_seed(uint64_t seed, int64_t step, int64_t prompt_index, int64_t 
 // Throws std::invalid_argument naming what is wrong: an empty prompt (its index), row_seeds of
 // another size than prompts, temperature <= 0 (unless greedy), top_p outside (0, 1],
 // max_new_tokens < 0, an id outside the vocabulary, a prompt too long.
-GeneratedBatch generate_batch(LlamaForCausalLMImpl& model, const std::vector<std::vector<int64_t>>& prompts,
+GeneratedBatch generate_batch(CausalLM& model, const std::vector<std::vector<int64_t>>& prompts,
                               const std::vector<uint64_t>& row_seeds, const SamplingOptions& options,
                               Communicator* lockstep = nullptr);
 

@@ -1,4 +1,4 @@
-// Text generation with a trained (unsharded) Llama model: greedy or top-k / top-p sampling with a
+// Text generation with a trained (unsharded) model of any family: greedy or top-k / top-p sampling with a
 // KV cache. The model comes from load_model (include/mfsdp/checkpoint/load_model.h): there is no
 // model format of its own, a run's weights reach generation as its `--save` checkpoint or its
 // `--export-hf` folder.
@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/causal_lm.h"
 
 namespace mfsdp {
 
@@ -25,7 +25,7 @@ struct GenerateOptions {
 // (batched_generate.h) on a batch of one with row seed `seed`, so a KV cache, the prompt once,
 // then one token per step, stopping before a token would sit at position max_position_embeddings.
 // Throws std::invalid_argument on bad options or an empty prompt.
-std::vector<int64_t> generate(LlamaForCausalLMImpl& model, const std::vector<int64_t>& prompt,
+std::vector<int64_t> generate(CausalLM& model, const std::vector<int64_t>& prompt,
                               const GenerateOptions& options);
 
 }  // namespace mfsdp

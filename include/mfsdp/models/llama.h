@@ -44,7 +44,8 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/causal_lm.h"
+#include "mfsdp/models/lm_loss.h"
 
 namespace mfsdp {
 
@@ -62,13 +63,13 @@ struct LlamaConfig {
   bool tie_word_embeddings = false;
   double init_std = 0.02;             // HF initializer_range, Megatron --init-method-std
   // Biases on q_proj, k_proj and v_proj (Qwen2; HF config.json: model_type "qwen2"). Not
-  // transformers' LlamaConfig.attention_bias, which also puts one on o_proj: hf_llama.h refuses
+  // transformers' LlamaConfig.attention_bias, which also puts one on o_proj: llama_hf_config.h refuses
   // that.
   bool attention_bias = false;
   // The MLP: true, Llama's SwiGLU, down_proj(silu(gate_proj(x)) * up_proj(x)); false, the MLP
   // Megatron builds without --swiglu, down_proj(gelu(up_proj(x))) with the exact (erf) GeLU, no
   // gate_proj (HF names as in Nemotron's non-gated MLP). Only SwiGLU models are Hugging Face
-  // Llama/Qwen2 models: hf_llama.h writes the other with hidden_act "gelu" and gated_mlp false
+  // Llama/Qwen2 models: llama_hf_config.h writes the other with hidden_act "gelu" and gated_mlp false
   // for checkpoints and refuses it in an HF folder.
   bool swiglu = true;
 
@@ -79,23 +80,9 @@ struct LlamaConfig {
   void validate() const;
 };
 
-// Megatron-LM's MLP width when --ffn-hidden-size is not given (its arguments.py): 4 x hidden,
-// or with --swiglu int(4 x hidden x 2/3 / 64) x 64, which keeps the three SwiGLU matrices near
-// the parameters of the two GeLU ones, at a multiple of 64. 0 for a SwiGLU hidden_size under 48.
-int64_t megatron_default_ffn_hidden_size(int64_t hidden_size, bool swiglu);
 
-// How the model is built (not part of the checkpointed config).
-struct LlamaOptions {
-  // Every parameter gets its full sizes but a 0-byte storage; nothing is allocated or
-  // initialised until materialize_and_init_layer(i) / init_root() (--init-model-with-meta-device).
-  bool deferred_init = false;
-  // Full activation recompute per decoder layer (--recompute-granularity full): each layer's
-  // activations are recomputed in backward instead of kept. Ignored when there is no backward
-  // (no grad mode) or with a KV cache.
-  bool recompute_layers = false;
-  // Init seed; unset: drawn from the default CPU generator (so torch::manual_seed decides).
-  std::optional<uint64_t> init_seed;
-};
+// How the model is built: causal_lm.h.
+using LlamaOptions = ModelBuildOptions;
 
 // ---- Rotary position embedding (HF convention) -------------------------------------------
 
@@ -115,44 +102,8 @@ at::Tensor apply_rotary(const at::Tensor& x, const RotaryTables& rope);
 // [B, nkv, S, hd] -> [B, nkv * n_rep, S, hd]: kv head j serves query heads j*n_rep .. +n_rep-1.
 at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep);
 
-// ---- Padded and packed batches ---------------------------------------------------------------
-
-// Per-row positions and which keys each query may see. Every field is optional.
-// With a KV cache holding `past` positions (batched generation, left-padded prompts), the T new
-// tokens are keys past .. past + T - 1 and attention_mask covers every key, cached and new:
-// [B, past + T] (transformers' convention); position_ids are the new tokens' positions.
-struct SequenceLayout {
-  at::Tensor position_ids;    // [B, T] int64 RoPE positions; undefined: past .. past + T - 1
-  at::Tensor attention_mask;  // [B, past + T], nonzero for tokens, 0 for padding (never a key);
-                              // undefined: no padding
-  at::Tensor segment_ids;     // [B, T] int64, packed samples: a query sees only keys of its own
-                              // segment (with position_ids restarting per sample); undefined: one.
-                              // Not with a cache (past > 0).
-  // [B, 1, T, past + T] bool: query i (key index past + i) may see key j (j <= past + i, a token,
-  // the same segment). Padding queries see themselves, so no row of the softmax is empty; their
-  // outputs mean nothing. Throws std::invalid_argument on a misshapen field.
-  at::Tensor allowed_keys(int64_t batch, int64_t length, const at::Device& device, int64_t past = 0) const;
-};
-
-// ---- KV cache for incremental decoding --------------------------------------------------
-
-// Keys and values of every layer for the positions seen so far; each layer appends its new
-// positions in its forward. One cache per sequence batch; not used in training.
-class LlamaKVCache {
- public:
-  explicit LlamaKVCache(int64_t num_layers);
-  // Positions cached (layer 0's count; every layer has the same after a whole forward).
-  int64_t length() const;
-  // Appends k, v ([B, nkv, T, hd], RoPE already applied) for `layer` and returns the layer's
-  // keys and values for all positions so far ([B, nkv, S, hd]).
-  std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k, const at::Tensor& v);
-  void clear();
-  int64_t num_layers() const { return static_cast<int64_t>(keys_.size()); }
-
- private:
-  std::vector<at::Tensor> keys_;    // per layer [B, nkv, S, hd]
-  std::vector<at::Tensor> values_;  // per layer [B, nkv, S, hd]
-};
+// Padded and packed batches (SequenceLayout) and the KV cache: causal_lm.h.
+using LlamaKVCache = KVCache;
 
 // ---- Modules ----------------------------------------------------------------------------
 
@@ -257,24 +208,26 @@ class LlamaModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaModel);
 
-// The causal LM: LlamaModel plus the output projection (HF LlamaForCausalLM). A ShardedModule so
-// that the root unit runs its hooks: call it as `model->call(ids)` once fully_shard is applied.
-class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
+// The causal LM: LlamaModel plus the output projection (HF LlamaForCausalLM); the Llama family's
+// CausalLM (causal_lm.h documents the interface). Call it as `model->call(ids)` once sharded.
+class LlamaForCausalLMImpl : public CausalLM {
  public:
   explicit LlamaForCausalLMImpl(const LlamaConfig& config, const LlamaOptions& options = {});
-  // input_ids [B, T] -> logits [B, T, V] in the parameters' dtype. See LlamaModelImpl::forward.
-  // Throws std::logic_error while deferred parameters are not yet initialised.
-  at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr,
-                     int64_t start_pos = -1);
-  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache = nullptr);
+  at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr, int64_t start_pos = -1) override;
+  at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout,
+                     LlamaKVCache* cache = nullptr) override;
 
   const LlamaConfig& config() const { return config_; }
   uint64_t init_seed() const { return init_seed_; }
-  void set_recompute_layers(bool on) { model->recompute_layers = on; }
+  int64_t num_layers() const override { return config_.num_layers; }
+  int64_t vocab_size() const override { return config_.vocab_size; }
+  int64_t max_positions() const override { return config_.max_position_embeddings; }
+  void set_use_sdpa(bool on) override;
+  void set_recompute_layers(bool on) override { model->recompute_layers = on; }
 
-  // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
-  // parameter named `name` (its HF name): the same values whenever and wherever it is called.
-  void init_values(const std::string& name, const at::Tensor& out) const;
+  // Parameter names are HF names; norms start at one, biases at zero, the rest normal(0,
+  // init_std), each from its own (init seed, name) generator.
+  void init_values(const std::string& name, const at::Tensor& out) const override;
   // Re-initialises every parameter in place (what the constructor does in eager mode).
   void reset_parameters();
 
@@ -283,10 +236,15 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
   // TensorImpl), and initialises it. Also valid on an eager model (re-initialises). Call before
   // fully_shard: on a module that is already a unit they throw std::logic_error (its
   // parameters are then views of the unit's flat buffer; fill those through init_values).
-  void materialize_and_init_layer(int64_t i);
-  void init_root();
-  // True while some parameter still waits for materialize_and_init_layer / init_root.
-  bool has_deferred() const;
+  void materialize_and_init_layer(int64_t i) override;
+  void init_root() override;
+  bool has_deferred() const override;
+
+  // Units: each decoder layer; then, untied, embed_tokens (not gathered for its backward) and
+  // lm_head, so the two vocabulary-sized weights are never unsharded together; then the root.
+  torch::nn::Module& layer_unit(int64_t i) override { return model->layer(i); }
+  FsdpHandle shard_root(const FullyShardOptions& options) override;
+  StepShape unit_schedule() const override;
 
   LlamaModel model{nullptr};
   LlamaLinear lm_head{nullptr};  // null when config.tie_word_embeddings
@@ -303,29 +261,11 @@ class LlamaForCausalLMImpl : public ShardedModule<LlamaForCausalLMImpl> {
 };
 TORCH_MODULE(LlamaForCausalLM);
 
-// Applies fully_shard to every decoder layer, then shard_llama_root; returns the root handle.
-// Throws std::logic_error while the model has deferred parameters (fully_shard copies every
-// parameter into its flat buffer).
+// shard_model (causal_lm.h) for a Llama: every decoder layer, then the root (shard_root).
+// Throws std::logic_error while the model has deferred parameters.
 FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options);
-// The part after the layers: with untied embeddings, embed_tokens and lm_head become units of
-// their own (the two vocabulary-sized weights are never unsharded together); then the root
-// (the final norm, and the tied embedding). For callers that shard layer by layer.
+// The part after the layers (LlamaForCausalLMImpl::shard_root), for callers that shard layer by
+// layer.
 FsdpHandle shard_llama_root(LlamaForCausalLM& model, const FullyShardOptions& options);
-
-// ---- Loss ---------------------------------------------------------------------------------
-
-// Mean cross entropy over tokens whose label != ignore_index, computed in fp32.
-// logits [B, T, V], labels [B, T] (already aligned: labels[b, t] is the target of position t).
-// NaN when every label is ignored (as torch's mean reduction).
-at::Tensor lm_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100);
-
-// --calculate-per-token-loss: the summed cross entropy and the number of counted tokens, so the
-// trainer can divide by the global token count after reducing both across ranks.
-struct TokenLossSum {
-  at::Tensor sum;         // fp32 scalar, differentiable
-  at::Tensor num_tokens;  // int64 scalar on the logits' device
-};
-TokenLossSum lm_loss_sum(const at::Tensor& logits, const at::Tensor& labels,
-                         int64_t ignore_index = -100);
 
 }  // namespace mfsdp

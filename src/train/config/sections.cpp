@@ -10,7 +10,7 @@
 #include <stdexcept>
 #include <tuple>
 
-#include "mfsdp/models/llama.h"
+#include "mfsdp/models/model_spec.h"
 
 namespace mfsdp {
 namespace {

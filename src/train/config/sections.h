@@ -47,13 +47,13 @@ const std::vector<Section>& all_sections();
 struct ModelSection {
   int64_t num_layers = 2;
   int64_t hidden_size = 64;
-  int64_t ffn_hidden_size = 0;  // 0: Megatron's default, megatron_default_ffn_hidden_size (llama.h)
+  int64_t ffn_hidden_size = 0;  // 0: Megatron's default, megatron_default_ffn_hidden_size (model_spec.h)
   int64_t num_attention_heads = 4;
   bool group_query_attention = false;
   int64_t num_query_groups = 1;         // without --group-query-attention: num_attention_heads
   int64_t max_position_embeddings = 0;  // 0: --seq-length
   std::string normalization = "RMSNorm";
-  bool swiglu = false;  // as in Megatron: off builds the GeLU MLP (LlamaConfig::swiglu)
+  bool swiglu = false;  // as in Megatron: off builds the GeLU MLP (ModelSpec::config_from_megatron)
   std::string position_embedding_type = "rope";
   double rotary_base = 10000;
   bool untie_embeddings_and_output_weights = false;

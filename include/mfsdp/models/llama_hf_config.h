@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mfsdp/models/llama.h"
+#include "mfsdp/models/model_spec.h"
 
 namespace mfsdp {
 
@@ -56,7 +57,12 @@ std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_
 //   - a Qwen2 folder with only some of its q/k/v biases, or bias tensors in a folder whose
 //     config has none, throws std::invalid_argument starting with `where`, naming the bias
 //     tensors present (and, for Qwen2, the first missing ones).
-// Anything else (all of Qwen2's biases, or none for a Llama) is left to check_llama_tensors.
+// Anything else (all of Qwen2's biases, or none for a Llama) is left to check_model_tensors.
 void reconcile_hf_biases(LlamaConfig& cfg, const std::vector<std::string>& tensor_names, const std::string& where);
+
+// The Llama family's config as a ModelConfig (model_spec.h), and back: llama_config_of throws
+// std::logic_error for a config of another family.
+ModelConfig llama_model_config(const LlamaConfig& cfg);
+LlamaConfig llama_config_of(const ModelConfig& config);
 
 }  // namespace mfsdp

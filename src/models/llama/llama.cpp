@@ -215,25 +215,47 @@ bool LlamaForCausalLMImpl::has_deferred() const {
   return false;
 }
 
+void LlamaForCausalLMImpl::set_use_sdpa(bool on) {
+  for (int64_t i = 0; i < model->num_layers(); ++i) model->layer(i).self_attn->use_sdpa = on;
+}
+
+FsdpHandle LlamaForCausalLMImpl::shard_root(const FullyShardOptions& options) {
+  // Untied, the two vocabulary-sized weights are units of their own, so they are never
+  // unsharded (with their gradients) at the same time; a tied weight must stay in one unit.
+  if (lm_head) {
+    // The embedding's backward needs only the token ids: no all-gather for it.
+    fully_shard(*model->embed_tokens, options).set_unshard_in_backward(false);
+    fully_shard(*lm_head, options);
+  }
+  return fully_shard(*this, options);
+}
+
+StepShape LlamaForCausalLMImpl::unit_schedule() const {
+  // The forward enters the root, then embed_tokens (a unit when untied, not gathered for its
+  // backward), every decoder layer, lm_head (a unit when untied). The root's own gradients (the
+  // final norm) are complete right after lm_head's backward when untied; tied, the root also
+  // holds the embedding, whose gradient comes last.
+  StepShape step;
+  const bool untied = static_cast<bool>(lm_head);
+  step.forward_order.push_back({""});
+  if (untied) step.forward_order.push_back({"model.embed_tokens", /*unshard_in_backward=*/false});
+  for (int64_t i = 0; i < model->num_layers(); ++i) step.forward_order.push_back({"model.layers." + std::to_string(i)});
+  if (untied) step.forward_order.push_back({"lm_head"});
+  step.root_gradients_after = untied ? 1 : static_cast<int>(step.forward_order.size()) - 1;
+  return step;
+}
+
 FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options) {
   // fully_shard copies each parameter into its flat buffer: a 0-byte storage would be read.
   if (model->has_deferred())
     throw std::logic_error(
         "shard_llama: the model has deferred parameters; call materialize_and_init_layer(i) for "
         "every layer and init_root() first");
-  for (int64_t i = 0; i < model->model->num_layers(); ++i) fully_shard(model->model->layer(i), options);
-  return shard_llama_root(model, options);
+  return shard_model(*model, options);
 }
 
 FsdpHandle shard_llama_root(LlamaForCausalLM& model, const FullyShardOptions& options) {
-  // Untied, the two vocabulary-sized weights are units of their own, so they are never
-  // unsharded (with their gradients) at the same time; a tied weight must stay in one unit.
-  if (model->lm_head) {
-    // The embedding's backward needs only the token ids: no all-gather for it.
-    fully_shard(*model->model->embed_tokens, options).set_unshard_in_backward(false);
-    fully_shard(*model->lm_head, options);
-  }
-  return fully_shard(*model, options);
+  return model->shard_root(options);
 }
 
 }  // namespace mfsdp

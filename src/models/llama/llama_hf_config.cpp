@@ -1,5 +1,5 @@
-// Hugging Face config.json <-> LlamaConfig: see include/mfsdp/checkpoint/hf_llama.h.
-#include "mfsdp/checkpoint/hf_llama.h"
+// Hugging Face config.json <-> LlamaConfig: see include/mfsdp/models/llama_hf_config.h.
+#include "mfsdp/models/llama_hf_config.h"
 
 #include <algorithm>
 #include <cmath>

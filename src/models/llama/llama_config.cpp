@@ -39,10 +39,4 @@ void LlamaConfig::validate() const {
   require(init_std >= 0, "init_std", "a non-negative value", std::to_string(init_std));
 }
 
-int64_t megatron_default_ffn_hidden_size(int64_t hidden_size, bool swiglu) {
-  if (!swiglu) return 4 * hidden_size;
-  // The same double operations as Python's int((4 * h * 2 / 3) / 64) * 64.
-  return static_cast<int64_t>(static_cast<double>(4 * hidden_size * 2) / 3.0 / 64.0) * 64;
-}
-
 }  // namespace mfsdp

@@ -1,0 +1,129 @@
+// What the trainers, checkpoints and generation call on a causal language model of any family
+// (docs/design.md "Model families"). A family (src/models/<family>/) implements CausalLM and
+// describes itself with a ModelSpec (model_spec.h); nothing above the models layer names a family.
+//
+//   std::shared_ptr<mfsdp::CausalLM> model = config.spec->build(config, {});
+//   mfsdp::FsdpHandle root = mfsdp::shard_model(*model, options);   // its units, then the root
+//   at::Tensor logits = model->call(input_ids);                       // [B, T, V]
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/fsdp/memory_plan.h"
+
+namespace mfsdp {
+
+// How a model is built (not part of its checkpointed config).
+struct ModelBuildOptions {
+  // Every parameter gets its full sizes but a 0-byte storage; nothing is allocated or
+  // initialised until materialize_and_init_layer(i) / init_root() (--init-model-with-meta-device).
+  bool deferred_init = false;
+  // Full activation recompute per decoder layer (--recompute-granularity full): each layer's
+  // activations are recomputed in backward instead of kept. Ignored when there is no backward
+  // (no grad mode) or with a KV cache.
+  bool recompute_layers = false;
+  // Init seed; unset: drawn from the default CPU generator (so torch::manual_seed decides).
+  std::optional<uint64_t> init_seed;
+};
+
+// ---- Padded and packed batches ---------------------------------------------------------------
+
+// Per-row positions and which keys each query may see. Every field is optional.
+// With a KV cache holding `past` positions (batched generation, left-padded prompts), the T new
+// tokens are keys past .. past + T - 1 and attention_mask covers every key, cached and new:
+// [B, past + T] (transformers' convention); position_ids are the new tokens' positions.
+struct SequenceLayout {
+  at::Tensor position_ids;    // [B, T] int64 RoPE positions; undefined: past .. past + T - 1
+  at::Tensor attention_mask;  // [B, past + T], nonzero for tokens, 0 for padding (never a key);
+                              // undefined: no padding
+  at::Tensor segment_ids;     // [B, T] int64, packed samples: a query sees only keys of its own
+                              // segment (with position_ids restarting per sample); undefined: one.
+                              // Not with a cache (past > 0).
+  // [B, 1, T, past + T] bool: query i (key index past + i) may see key j (j <= past + i, a token,
+  // the same segment). Padding queries see themselves, so no row of the softmax is empty; their
+  // outputs mean nothing. Throws std::invalid_argument on a misshapen field.
+  at::Tensor allowed_keys(int64_t batch, int64_t length, const at::Device& device, int64_t past = 0) const;
+};
+
+// ---- KV cache for incremental decoding --------------------------------------------------
+
+// Keys and values of every layer for the positions seen so far; each layer appends its new
+// positions in its forward. One cache per sequence batch; not used in training.
+class KVCache {
+ public:
+  explicit KVCache(int64_t num_layers);
+  // Positions cached (layer 0's count; every layer has the same after a whole forward).
+  int64_t length() const;
+  // Appends k, v ([B, nkv, T, hd], RoPE already applied) for `layer` and returns the layer's
+  // keys and values for all positions so far ([B, nkv, S, hd]).
+  std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k, const at::Tensor& v);
+  void clear();
+  int64_t num_layers() const { return static_cast<int64_t>(keys_.size()); }
+
+ private:
+  std::vector<at::Tensor> keys_;    // per layer [B, nkv, S, hd]
+  std::vector<at::Tensor> values_;  // per layer [B, nkv, S, hd]
+};
+
+// ---- The model ------------------------------------------------------------------------------
+
+// A decoder-only language model: token ids in, logits out. A ShardedModule, so the root unit
+// runs its hooks: call it as `model->call(ids)` once sharded. Parameters carry the family's
+// Hugging Face names, which checkpoints store as "model.<name>".
+class CausalLM : public ShardedModule<CausalLM> {
+ public:
+  // input_ids [B, T] -> logits [B, T, V] in the parameters' dtype. Positions are
+  // start_pos .. start_pos + T - 1; start_pos < 0 means the cache's length (0 without cache),
+  // and with a cache it must equal the cache's length. Throws std::logic_error while deferred
+  // parameters are not yet initialised.
+  virtual at::Tensor forward(const at::Tensor& input_ids, KVCache* cache = nullptr, int64_t start_pos = -1) = 0;
+  // A padded or packed batch: positions and visible keys from `layout`. With a cache (batched
+  // generation) the new tokens follow the cache's keys and layout.attention_mask covers both.
+  virtual at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout,
+                             KVCache* cache = nullptr) = 0;
+
+  virtual int64_t num_layers() const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t max_positions() const = 0;  // positions must lie in [0, max_positions())
+
+  // false: attention through the explicit math path (--attention-backend unfused), the
+  // reference the fused kernels are checked against; true (the default): scaled_dot_product_attention.
+  virtual void set_use_sdpa(bool on) = 0;
+  virtual void set_recompute_layers(bool on) = 0;
+
+  // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
+  // parameter named `name`: the same values whenever and wherever it is called.
+  virtual void init_values(const std::string& name, const at::Tensor& out) const = 0;
+  // Deferred init: gives every parameter of layer i (resp. those outside the layers) its storage
+  // and initial values. Call before the module becomes a fully_shard unit (std::logic_error after).
+  virtual void materialize_and_init_layer(int64_t i) = 0;
+  virtual void init_root() = 0;
+  // True while some parameter still waits for materialize_and_init_layer / init_root.
+  virtual bool has_deferred() const = 0;
+
+  // The FSDP units: layer i's module (sharded first, one unit per layer), then shard_root makes
+  // the units outside the layers and the root unit, and returns the root's handle.
+  virtual torch::nn::Module& layer_unit(int64_t i) = 0;
+  virtual FsdpHandle shard_root(const FullyShardOptions& options) = 0;
+  // The order a training step runs those units in (StepShape's forward_order and
+  // root_gradients_after; the caller fills the micro-batches and optimizer states), for the
+  // memory plan. Tests compare plans with what runs (tests/dist/memory_plan_test.cpp).
+  virtual StepShape unit_schedule() const = 0;
+};
+
+// fully_shard over every layer, then shard_root; returns the root handle. A model built with
+// deferred parameters (ModelBuildOptions::deferred_init) has each layer materialised and
+// initialised just before it is sharded, and the rest before the root, so no rank ever holds
+// more than one unsharded layer beyond the root's parameters.
+FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options);
+
+}  // namespace mfsdp

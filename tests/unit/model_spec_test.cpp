@@ -1,0 +1,195 @@
+// The model-family registry and the Llama family's ModelSpec (include/mfsdp/models/model_spec.h).
+// Expected values are worked by hand from Megatron-LM's rules (arguments.py for the default MLP
+// width, its fused linear_qkv layout, training.py's num_floating_point_operations) and from
+// transformers' config.json field names; the model built through the spec is checked against a
+// plain eager LlamaForCausalLM.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "harness/expect_error.h"
+#include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/models/llama.h"
+#include "mfsdp/models/llama_hf_config.h"
+#include "mfsdp/models/model_spec.h"
+
+namespace {
+
+using json = nlohmann::json;
+
+// Megatron's argparse names of a small GPT as Llama builds it.
+json megatron_args() {
+  return {{"num_layers", 2},          {"hidden_size", 64},         {"num_attention_heads", 4},
+          {"group_query_attention", true}, {"num_query_groups", 2},  {"padded_vocab_size", 128},
+          {"swiglu", true},           {"normalization", "RMSNorm"}, {"position_embedding_type", "rope"},
+          {"add_bias_linear", false}, {"seq_length", 16},          {"max_position_embeddings", 32},
+          {"norm_epsilon", 1e-6},     {"rotary_base", 500000.0},   {"init_method_std", 0.01},
+          {"untie_embeddings_and_output_weights", true}};
+}
+
+std::string error_of(const std::function<void()>& f) { return mfsdp::testing::error_of(f); }
+
+}  // namespace
+
+TEST(ModelSpec, TheRegistryFindsTheFamilyByNameModelTypeAndMegatronArgs) {
+  const mfsdp::ModelSpec& llama = mfsdp::model_spec("llama");
+  EXPECT_EQ(llama.name(), "llama");
+  for (const char* type : {"llama", "mistral", "qwen2"})
+    EXPECT_EQ(&mfsdp::model_spec_for_hf({{"model_type", type}}), &llama) << type;
+  EXPECT_EQ(&mfsdp::model_spec_for_megatron(megatron_args()), &llama);
+
+  EXPECT_NE(error_of([] { mfsdp::model_spec("gpt-neox"); }).find("no model family 'gpt-neox' (known: llama"),
+            std::string::npos);
+  EXPECT_EQ(error_of([] { mfsdp::model_spec_for_hf({{"model_type", "gpt_neox"}}); }),
+            "HF config.json field 'model_type': 'gpt_neox' is not supported (llama, mistral, qwen2)");
+  EXPECT_EQ(error_of([] { mfsdp::model_spec_for_hf({{"vocab_size", 3}}); }),
+            "HF config.json field 'model_type': missing");
+}
+
+TEST(ModelSpec, MegatronArgsGiveTheModelMegatronBuilds) {
+  json args = megatron_args();
+  args.erase("untie_embeddings_and_output_weights");  // Megatron's default: tied
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(args);
+  const json& hf = config.hf;
+  EXPECT_EQ(hf["architectures"], json::array({"LlamaForCausalLM"}));
+  EXPECT_EQ(hf["num_hidden_layers"], 2);
+  EXPECT_EQ(hf["hidden_size"], 64);
+  EXPECT_EQ(hf["intermediate_size"], 128);  // int(4 x 64 x 2/3 / 64) x 64
+  EXPECT_EQ(hf["num_attention_heads"], 4);
+  EXPECT_EQ(hf["num_key_value_heads"], 2);
+  EXPECT_EQ(hf["vocab_size"], 128);
+  EXPECT_EQ(hf["max_position_embeddings"], 32);
+  EXPECT_EQ(hf["rope_theta"], 500000.0);
+  EXPECT_EQ(hf["rms_norm_eps"], 1e-6);
+  EXPECT_EQ(hf["initializer_range"], 0.01);
+  EXPECT_EQ(hf["tie_word_embeddings"], true);
+  EXPECT_EQ(hf["hidden_act"], "silu");
+  EXPECT_EQ(config.vocab_size(), 128);
+  EXPECT_EQ(config.num_layers(), 2);
+
+  // Without --swiglu: Megatron's GeLU MLP, 4 x hidden; without GQA every head has its own K/V.
+  args["swiglu"] = false;
+  args["group_query_attention"] = false;
+  args["add_qkv_bias"] = true;  // Qwen2's q/k/v biases
+  const json gelu = mfsdp::model_config_from_megatron(args).hf;
+  EXPECT_EQ(gelu["intermediate_size"], 256);
+  EXPECT_EQ(gelu["hidden_act"], "gelu");
+  EXPECT_EQ(gelu["gated_mlp"], false);
+  EXPECT_EQ(gelu["num_key_value_heads"], 4);
+  EXPECT_EQ(gelu["model_type"], "qwen2");
+}
+
+TEST(ModelSpec, MegatronArgsOfAnotherModelAreRefusedNamingTheArgument) {
+  const std::vector<std::pair<json, std::string>> cases = {
+      {{{"normalization", "LayerNorm"}}, "Megatron argument 'normalization': the Llama family has RMSNorm"},
+      {{{"position_embedding_type", "learned_absolute"}}, "Megatron argument 'position_embedding_type'"},
+      {{{"add_bias_linear", true}}, "Megatron argument 'add_bias_linear'"},
+      {{{"qk_layernorm", true}}, "Megatron argument 'qk_layernorm'"},
+      {{{"num_experts", 8}}, "Megatron argument 'num_experts': the Llama family has no mixture of experts"},
+      {{{"kv_channels", 32}}, "Megatron argument 'kv_channels': differs from hidden_size / num_attention_heads (16)"},
+      {{{"num_layers", nullptr}}, "Megatron argument 'num_layers': missing"},
+      {{{"num_attention_heads", 5}}, "num_attention_heads: expected a divisor of hidden_size 64"},
+  };
+  for (const auto& [change, want] : cases) {
+    json args = megatron_args();
+    args.update(change);
+    const std::string got = error_of([&] { mfsdp::model_config_from_megatron(args); });
+    EXPECT_NE(got.find(want), std::string::npos) << change.dump() << ": " << got;
+  }
+}
+
+TEST(ModelSpec, TheHfConfigRoundTripsThroughTheSpec) {
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(megatron_args());
+  const json bf16 = config.spec->hf_config(config, at::kBFloat16);
+  EXPECT_EQ(bf16["torch_dtype"], "bfloat16");
+  const mfsdp::ModelConfig back = mfsdp::model_config_from_hf(bf16);
+  EXPECT_EQ(back.spec, config.spec);
+  EXPECT_EQ(back.hf, config.hf);  // the spec writes every field, torch_dtype float32
+  EXPECT_EQ(config.spec->hf_export_refusal(config), "");
+
+  json args = megatron_args();
+  args["swiglu"] = false;
+  const mfsdp::ModelConfig gelu = mfsdp::model_config_from_megatron(args);
+  EXPECT_NE(gelu.spec->hf_export_refusal(gelu).find("Megatron's GeLU MLP"), std::string::npos);
+}
+
+// Megatron fuses q, k and v per query group: [g's query heads; g's key head; g's value head].
+// With 4 heads in 2 groups and head_dim d = 16: rows 0..2d are group 0's queries, 2d..3d its key,
+// 3d..4d its value, then group 1 from 4d.
+TEST(ModelSpec, MegatronNamesSplitAsMegatronFusesThem) {
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(megatron_args());
+  const mfsdp::ModelSpec& spec = *config.spec;
+  const int64_t d = 16;
+  auto qkv = spec.from_megatron_name("decoder.layers.1.self_attention.linear_qkv.weight", 8 * d, &config, "t");
+  ASSERT_EQ(qkv.size(), 3u);
+  EXPECT_EQ(qkv[0].name, "model.layers.1.self_attn.q_proj.weight");
+  EXPECT_EQ(qkv[0].ranges, (std::vector<std::pair<int64_t, int64_t>>{{0, 2 * d}, {4 * d, 2 * d}}));
+  EXPECT_EQ(qkv[0].rows, 4 * d);
+  EXPECT_EQ(qkv[1].name, "model.layers.1.self_attn.k_proj.weight");
+  EXPECT_EQ(qkv[1].ranges, (std::vector<std::pair<int64_t, int64_t>>{{2 * d, d}, {6 * d, d}}));
+  EXPECT_EQ(qkv[2].name, "model.layers.1.self_attn.v_proj.weight");
+  EXPECT_EQ(qkv[2].ranges, (std::vector<std::pair<int64_t, int64_t>>{{3 * d, d}, {7 * d, d}}));
+  EXPECT_NE(error_of([&] { spec.from_megatron_name("decoder.layers.0.self_attention.linear_qkv.weight", 8 * d + 1,
+                                                   &config, "tensor 'x'"); })
+                .find("tensor 'x' has 129 rows, which do not split into 4 query heads and 2 key/value groups"),
+            std::string::npos);
+  // Without a config the fused tensor keeps its name.
+  EXPECT_TRUE(spec.from_megatron_name("decoder.layers.0.self_attention.linear_qkv.weight", 8 * d, nullptr, "t").empty());
+
+  // SwiGLU's linear_fc1 is [gate; up]; the GeLU MLP's is up alone.
+  auto fc1 = spec.from_megatron_name("decoder.layers.0.mlp.linear_fc1.weight", 256, &config, "t");
+  ASSERT_EQ(fc1.size(), 2u);
+  EXPECT_EQ(fc1[0].name, "model.layers.0.mlp.gate_proj.weight");
+  EXPECT_EQ(fc1[0].ranges, (std::vector<std::pair<int64_t, int64_t>>{{0, 128}}));
+  EXPECT_EQ(fc1[1].name, "model.layers.0.mlp.up_proj.weight");
+  EXPECT_EQ(fc1[1].ranges, (std::vector<std::pair<int64_t, int64_t>>{{128, 128}}));
+  json args = megatron_args();
+  args["swiglu"] = false;
+  const mfsdp::ModelConfig gelu = mfsdp::model_config_from_megatron(args);
+  auto up = spec.from_megatron_name("decoder.layers.0.mlp.linear_fc1.weight", 256, &gelu, "t");
+  ASSERT_EQ(up.size(), 1u);
+  EXPECT_EQ(up[0].name, "model.layers.0.mlp.up_proj.weight");
+  EXPECT_TRUE(up[0].ranges.empty());
+
+  EXPECT_EQ(spec.from_megatron_name("embedding.word_embeddings.weight", 128, &config, "t")[0].name,
+            "model.embed_tokens.weight");
+  EXPECT_EQ(spec.from_megatron_name("output_layer.weight", 128, &config, "t")[0].name, "lm_head.weight");
+  EXPECT_TRUE(spec.from_megatron_name("decoder.layers.0.unknown.weight", 4, &config, "t").empty());
+}
+
+// training.py: 12 x batch x seq x layers x h^2 x (1 + groups/heads + seq/h + ffn/h x 1.5 (SwiGLU)
+// + vocab / (2 x layers x h)) = 12 x 16 x 2 x 4096 x (1 + 0.5 + 0.25 + 3 + 0.5) = 8,257,536.
+TEST(ModelSpec, FlopsAreMegatronsFormula) {
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(megatron_args());
+  EXPECT_DOUBLE_EQ(config.spec->flops_per_iteration(config, 1, 16), 8257536.0);
+  EXPECT_DOUBLE_EQ(config.spec->flops_per_iteration(config, 3, 16), 3 * 8257536.0);
+}
+
+// Built through the spec with deferred parameters and sharded by shard_model, the model computes
+// what a plain eager LlamaForCausalLM of the same seed computes.
+TEST(ModelSpec, AModelBuiltAndShardedThroughTheSpecIsThePlainModel) {
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(megatron_args());
+  mfsdp::ModelBuildOptions deferred;
+  deferred.deferred_init = true;
+  deferred.init_seed = 11;
+  std::shared_ptr<mfsdp::CausalLM> model = config.spec->build(config, deferred);
+  EXPECT_TRUE(model->has_deferred());
+  EXPECT_EQ(model->num_layers(), 2);
+  EXPECT_EQ(model->vocab_size(), 128);
+  EXPECT_EQ(model->max_positions(), 32);
+  mfsdp::FullyShardOptions o;
+  o.comm = mfsdp::make_simulated_communicator(0, 1);
+  o.strategy = mfsdp::ShardingStrategy::kOptimGradsParams;
+  mfsdp::shard_model(*model, o);
+  EXPECT_FALSE(model->has_deferred());
+
+  mfsdp::LlamaOptions eager;
+  eager.init_seed = 11;
+  mfsdp::LlamaForCausalLM plain(mfsdp::llama_config_of(config), eager);
+  const at::Tensor ids = torch::arange(12, torch::kLong).remainder(128).view({2, 6});
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(torch::equal(model->call(ids), plain->forward(ids)));
+  EXPECT_EQ(mfsdp::model_parameter_shapes(config).size(), plain->named_parameters().size());
+}
