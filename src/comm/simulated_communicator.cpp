@@ -24,8 +24,8 @@ class SimulatedCommunicator final : public Communicator {
     if (size < 1 || rank < 0 || rank >= size)
       throw std::invalid_argument("simulated communicator: rank " + std::to_string(rank) + " is not in a job of " +
                                   std::to_string(size) + " ranks");
-    if (!device.is_cpu() && !device.is_cuda())
-      throw std::invalid_argument("simulated communicator: device must be CPU or CUDA, got " + device.str());
+    if (!device.is_cpu() && !device.is_cuda() && !device.is_meta())
+      throw std::invalid_argument("simulated communicator: device must be CPU, CUDA or meta, got " + device.str());
   }
 
   int rank() const override { return rank_; }

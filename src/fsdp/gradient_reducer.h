@@ -37,9 +37,23 @@ struct GroupParam {
 struct TransientCounter {
   int64_t now = 0;
   int64_t peak = 0;
+  // What the runtime is doing now (RootContext::note sets it): the unit's path and the event
+  // ("pre_forward", ...). The peak remembers what it was doing when reached (plan_memory says so).
+  const std::string* unit = nullptr;
+  const char* event = nullptr;
+  const std::string* peak_unit = nullptr;
+  const char* peak_event = nullptr;
+  void label(const std::string& u, const char* e) {
+    unit = &u;
+    event = e;
+  }
   void add(int64_t bytes) {
     now += bytes;
-    if (now > peak) peak = now;
+    if (now > peak) {
+      peak = now;
+      peak_unit = unit;
+      peak_event = event;
+    }
   }
   void sub(int64_t bytes) { now -= bytes; }
 };

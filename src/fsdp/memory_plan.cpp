@@ -8,13 +8,108 @@
 #include <stdexcept>
 
 #include "fsdp/group_plan.h"
-#include "fsdp/transient_schedule.h"
+#include "fsdp/root_context.h"
+#include "fsdp/unit_state.h"
+#include "mfsdp/comm/simulated_comm.h"
 #include "fsdp/unit_parameters.h"
 
 namespace mfsdp {
 
 using detail::GroupPlan;
 using detail::Placement;
+
+namespace {
+
+// The transient peak of a training step, measured by running the runtime itself: the units of
+// `step` are fully_shard-ed on a copy of the model whose parameters are meta tensors (shapes
+// and dtypes, no memory), over a simulated communicator of `world` ranks on the meta device, and
+// driven through two steps. Each unit's forward adds its own parameters to a running scalar
+// (so autograd gives every parameter a gradient in the unit's backward, in the reverse order),
+// the root's own parameters where StepShape::root_gradients_after puts their gradient. So the
+// prefetching, the units kept gathered, the reductions in flight, the micro-batch stash and the
+// allocator are UnitState's and RootContext's own; TransientCounter counts the bytes as it does
+// in a real run, and names what the runtime was doing at the peak.
+struct TransientPeak {
+  int64_t bytes = 0;
+  std::string where;
+};
+
+// `module` with the same submodules and parameter names, each parameter a meta tensor of the
+// same shape, dtype and requires_grad (a parameter registered twice stays one tensor).
+std::shared_ptr<torch::nn::Module> meta_copy(const torch::nn::Module& module,
+                                             std::map<const c10::TensorImpl*, at::Tensor>& made) {
+  auto copy = std::make_shared<torch::nn::Module>(module.name());
+  for (const auto& p : module.named_parameters(/*recurse=*/false)) {
+    auto [it, fresh] = made.try_emplace(p.value().unsafeGetTensorImpl());
+    if (fresh) it->second = at::empty(p.value().sizes(), p.value().options().device(at::kMeta));
+    copy->register_parameter(p.key(), it->second, p.value().requires_grad());
+  }
+  for (const auto& child : module.named_children()) copy->register_module(child.key(), meta_copy(*child.value(), made));
+  return copy;
+}
+
+// Adds every trainable parameter of `unit` to `sum` (its value does not matter: meta).
+at::Tensor touch(detail::UnitState& unit, at::Tensor sum) {
+  for (auto& g : unit.groups())
+    if (g->requires_grad())
+      for (auto& p : g->params()) sum = sum + p.param.sum();
+  return sum;
+}
+
+std::string describe(const std::string* unit, const char* event) {
+  if (unit == nullptr || event == nullptr) return "";
+  const std::string who = unit->empty() ? "the root" : *unit;
+  const std::string e = event;
+  if (e == "after_optimizer_step") return "all-gather of " + who + " after the optimizer step";
+  if (e == "pre_forward" || e == "post_forward") return "forward of " + who;
+  return "backward of " + who;
+}
+
+TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
+                               int world) {
+  std::map<const c10::TensorImpl*, at::Tensor> made;
+  std::shared_ptr<torch::nn::Module> model = meta_copy(root, made);
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : model->named_modules()) modules[item.key()] = item.value();
+
+  FullyShardOptions o = options;
+  o.comm = make_simulated_communicator(0, world, at::Device(at::kMeta));
+  const size_t n = step.forward_order.size();
+  std::vector<detail::UnitState*> units(n);
+  for (size_t i = n; i-- > 0;) {  // the children first, then the root
+    torch::nn::Module& m = *modules.at(step.forward_order[i].path);
+    fully_shard(m, o).set_unshard_in_backward(step.forward_order[i].unshard_in_backward);
+    units[i] = detail::find_unit(m);
+  }
+  FsdpHandle handle = handle_of(*model);
+  const int children = static_cast<int>(n) - 1;
+  const int root_after = step.root_gradients_after < 0 ? children : std::min(step.root_gradients_after, children);
+  // Backward finishes the children n-1, n-2, ...; the root's gradients come after `root_after`
+  // of them, so its parameters join the sum before child n - root_after's forward.
+  const size_t root_joins = n - static_cast<size_t>(root_after);
+
+  const int64_t micro_batches = std::max<int64_t>(1, step.micro_batches);
+  for (int s = 0; s < 2; ++s) {  // the first step records the order; from the second on, prefetch
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      handle.set_requires_gradient_sync(m == micro_batches - 1);
+      at::Tensor loss = detail::run_forward(*units[0], [&] {
+        at::Tensor sum = at::zeros({}, at::TensorOptions().device(at::kMeta)).requires_grad_();
+        for (size_t i = 1; i <= n; ++i) {
+          if (i == root_joins) sum = touch(*units[0], sum);
+          if (i < n) sum = detail::run_forward(*units[i], [&] { return touch(*units[i], sum); });
+        }
+        return sum;
+      });
+      loss.backward();
+    }
+    handle.optimizer_step_hook()();
+    handle.zero_grad();
+  }
+  const detail::TransientCounter& counter = units[0]->context().transient;
+  return {counter.peak, describe(counter.peak_unit, counter.peak_event)};
+}
+
+}  // namespace
 
 MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
                        int world) {
@@ -30,7 +125,6 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
   plan.options = options;
   plan.options.comm = nullptr;
   plan.step = step;
-  std::vector<detail::UnitTransients> transients;
   for (const PlannedUnit& unit : step.forward_order) {
     auto it = modules.find(unit.path);
     if (it == modules.end()) throw std::invalid_argument("plan_memory: no module '" + unit.path + "' under the root");
@@ -41,7 +135,6 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
       if (!unit.path.empty() && detail::has_prefix(other.path, unit.path))
         inner.push_back(other.path.substr(unit.path.size() + 1));
     }
-    detail::UnitTransients t{unit.path, 0, 0, 0, unit.unshard_in_backward};
     const detail::OwnedParameters owned = detail::owned_parameters(*it->second, inner);
     for (const auto& group : detail::parameter_groups(owned.own)) {
       std::vector<std::vector<int64_t>> shapes;
@@ -68,23 +161,11 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
       plan.main_weights += m.main_weights;
       plan.main_grads += m.main_grads;
       plan.optimizer_state += m.optimizer_state;
-      t.weights += m.gathered_weights;
-      t.gradients += m.unsharded_grads;
-      t.accumulator += m.grad_accumulator;
       plan.groups.push_back(std::move(m));
     }
-    transients.push_back(t);
   }
 
-  const detail::RolePlacements roles = detail::placements_of(options.strategy);
-  detail::ScheduleOptions schedule;
-  schedule.prefetch = options.prefetch;
-  schedule.reshard_after_forward = options.reshard_after_forward;
-  schedule.all_gather_in_start_param_sync = options.all_gather_in_start_param_sync;
-  schedule.deferred_reduction = roles.main_grads == Placement::kReplicated && roles.main_weights == Placement::kSharded;
-  schedule.micro_batches = step.micro_batches;
-  schedule.root_gradients_after = step.root_gradients_after;
-  const detail::TransientPeak peak = detail::plan_transient_peak(transients, schedule);
+  const TransientPeak peak = run_step_on_meta(root, step, options, world);
   plan.transient_peak = peak.bytes;
   plan.transient_peak_at = peak.where;
   return plan;

@@ -118,7 +118,10 @@ void RootContext::refresh_model_weights() {
 void RootContext::after_optimizer_step() {
   refresh_model_weights();
   allocator->step_boundary();
-  if (start_param_sync_ && order_fixed && !forward_order.empty()) forward_order.front()->prefetch();
+  if (start_param_sync_ && order_fixed && !forward_order.empty()) {
+    transient.label(forward_order.front()->path(), "after_optimizer_step");
+    forward_order.front()->prefetch();
+  }
 }
 
 void RootContext::forget(UnitState* unit) {

@@ -26,8 +26,11 @@ void regrow_storage(const at::Tensor& flat, c10::DataPtr memory) {
 
 at::Tensor tensor_in(c10::DataPtr memory, int64_t numel, const at::TensorOptions& options) {
   const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(memory), /*allocator=*/nullptr,
-                       /*resizable=*/false);
+  // LibTorch's meta set_ insists on a resizable storage; a meta tensor (plan_memory runs the
+  // runtime on them) holds no memory, so its storage may say so.
+  const bool meta = options.device().is_meta();
+  c10::Storage storage(c10::Storage::use_byte_size_t(), bytes, std::move(memory),
+                       /*allocator=*/meta ? c10::GetAllocator(c10::kMeta) : nullptr, /*resizable=*/meta);
   return at::empty({0}, options).set_(storage, 0, {numel}, {1});
 }
 

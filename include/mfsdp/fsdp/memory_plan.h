@@ -12,10 +12,11 @@
 // grouping; src/fsdp/group_plan.h: layout, padding, placements, dtypes), so the persistent bytes
 // are exactly what FsdpHandle::memory() and the optimizer's state report on every rank (all
 // ranks hold the same sizes; padding sits at the end of the last shard but every shard has S
-// elements). The transient peak replays the runtime's schedule (unit_state.h: prefetch, which
-// units stay gathered, one unit's reductions in flight) over a counter like the runtime's own
-// TransientCounter; it is exact when StepShape describes the model, and an upper bound when
-// root_gradients_after is left unknown. A 1-D shard group only (no HSDP mesh).
+// elements). The transient peak is measured by running the runtime itself (UnitState's
+// prefetch, which units stay gathered, the reductions in flight) for two steps over a meta-tensor
+// copy of the model and a simulated communicator on the meta device; it is exact when StepShape
+// describes the model, and an upper bound when root_gradients_after is left unknown. A 1-D
+// shard group only (no HSDP mesh).
 #pragma once
 
 #include <torch/nn/module.h>
