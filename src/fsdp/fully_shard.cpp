@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "fsdp/param_group.h"
+#include "fsdp/shard_views.h"
 #include "fsdp/unit_parameters.h"
 #include "fsdp/unit_state.h"
 #include "mfsdp/comm/device_mesh.h"
@@ -230,7 +231,7 @@ std::vector<OptimizerShard> FsdpHandle::optimizer_shards() const {
   std::vector<OptimizerShard> shards;
   for (UnitState* u : state().context().units)
     for (auto& g : u->groups())
-      if (g->requires_grad()) shards.push_back(g->optimizer_shard());
+      if (g->requires_grad()) shards.push_back(detail::optimizer_shard(*g));
   return shards;
 }
 
@@ -259,7 +260,7 @@ std::vector<LocalShard> FsdpHandle::local_shards() const {
   int shard_index = 0;  // counts groups in optimizer_shards() order
   for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) {
-      for (auto& s : g->local_shards()) {
+      for (auto& s : detail::local_shards(*g)) {
         if (g->requires_grad()) s.shard_index = shard_index;
         out.push_back(std::move(s));
       }
@@ -274,7 +275,7 @@ std::map<std::string, at::Tensor> FsdpHandle::full_state_dict(bool all_ranks) co
   int rank = state().options().comm->rank();
   for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) {
-      auto values = g->gather_full_parameters();  // collective: every rank takes part
+      auto values = detail::gather_full_parameters(*g);  // collective: every rank takes part
       if (!all_ranks && rank != 0) continue;
       for (size_t i = 0; i < values.size(); ++i) out[g->params()[i].name] = values[i];
     }
@@ -303,7 +304,7 @@ void FsdpHandle::load_full_state_dict(const std::map<std::string, at::Tensor>& s
     for (auto& g : u->groups()) {
       std::vector<at::Tensor> values;
       for (auto& p : g->params()) values.push_back(state_dict.at(p.name));
-      g->load_full_parameters(values);
+      detail::load_full_parameters(*g, values);
     }
 }
 

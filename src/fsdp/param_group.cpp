@@ -176,71 +176,8 @@ void ParamGroup::copy_main_to_model_weights() {
     comm_->all_gather(model_weights_.data(), model_weights_.own());
 }
 
-OptimizerShard ParamGroup::optimizer_shard() const {
-  OptimizerShard s;
-  if (!requires_grad_) return s;
-  s.main_weight = main_weights_.data();
-  s.main_grad = gradients_.main_grads().range(main_weights_.begin(), main_weights_.data().numel());
-  s.replicated = !main_weights_.sharded();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const FlatBuffer::ParamSlice slice = main_weights_.slice_of(i);
-    if (slice.length == 0) continue;
-    // Megatron's rule: no weight decay on biases and norm weights (1-D and 0-D parameters).
-    const bool decay = params_[i].shape.size() >= 2;
-    s.segments.push_back({slice.local_offset, slice.length, decay});
-  }
-  return s;
-}
-
-std::vector<LocalShard> ParamGroup::local_shards() const {
-  std::vector<LocalShard> out;
-  const FlatBuffer& source = requires_grad_ ? main_weights_ : model_weights_;
-  // A replicated source is held by every rank of the shard group; HSDP replicas hold the same
-  // shard again.
-  const int outer = replicate_ ? replicate_->size() : 1;
-  const int outer_rank = replicate_ ? replicate_->rank() : 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const FlatBuffer::ParamSlice slice = source.slice_of(i);
-    LocalShard ls;
-    ls.name = params_[i].name;
-    ls.global_shape = params_[i].shape;
-    ls.requires_grad = requires_grad_;
-    ls.offset = slice.param_offset;
-    ls.local = source.data().narrow(0, slice.length > 0 ? slice.local_offset : 0, slice.length);
-    ls.shard_offset = slice.length > 0 ? slice.local_offset : 0;
-    ls.replicas = source.sharded() ? outer : outer * comm_->size();
-    ls.replica = source.sharded() ? outer_rank : outer_rank * comm_->size() + comm_->rank();
-    out.push_back(ls);
-  }
-  return out;
-}
-
-std::vector<at::Tensor> ParamGroup::gather_full_parameters() const {
-  const FlatBuffer& source = requires_grad_ ? main_weights_ : model_weights_;
-  at::Tensor full = source.data();
-  if (source.sharded()) {
-    full = at::empty({layout_.total()}, source.data().options());
-    comm_->all_gather(full, source.data());
-  }
-  std::vector<at::Tensor> values;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& e = layout_.entries[i];
-    values.push_back(full.narrow(0, e.offset, e.numel)
-                         .view(params_[i].shape)
-                         .to(params_[i].original_dtype)
-                         .clone());
-  }
-  return values;
-}
-
-void ParamGroup::load_full_parameters(const std::vector<at::Tensor>& values) {
+void ParamGroup::load_flat(const at::Tensor& flat) {
   wait_unshard();
-  // Staged in fp64 on the CPU (exact for every parameter dtype), copied into the device buffers.
-  at::Tensor flat = at::zeros({layout_.total()}, at::TensorOptions().dtype(at::kDouble));
-  for (size_t i = 0; i < params_.size(); ++i) {
-    const auto& e = layout_.entries[i];
-    flat.narrow(0, e.offset, e.numel).copy_(values[i].reshape(-1));
-  }
   auto copy_into = [&](const FlatBuffer& b) {
     b.data().copy_(b.sharded() ? flat.narrow(0, b.begin(), layout_.shard) : flat);
   };

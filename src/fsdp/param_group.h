@@ -12,7 +12,8 @@
 //   unsharded_      [P] compute  parameters are views of it. Sharded model weights: storage
 //                                exists only between unshard() and reshard(); otherwise it is
 //                                the model weights' own memory.
-// Every buffer lives on the communicator's device (FullyShardOptions::device).
+// Every buffer lives on the communicator's device (FullyShardOptions::device). What the optimizer
+// and checkpoints see of the buffers (shards, full values) is in shard_views.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -67,17 +68,21 @@ class ParamGroup {
   // The group's gradients: autograd's buffer, the micro-batch stash and the reductions into
   // the main grads.
   GradientReducer& gradients() { return gradients_; }
+  const GradientReducer& gradients() const { return gradients_; }
 
   // After the main weights changed (optimizer step, checkpoint load): refresh the model weights
   // from them (ZeRO-1/2: all-gather every rank's updated region).
   void copy_main_to_model_weights();
 
-  OptimizerShard optimizer_shard() const;
-  std::vector<LocalShard> local_shards() const;
-  // Full value of every parameter, gathered from the main weights (or model weights if frozen).
-  std::vector<at::Tensor> gather_full_parameters() const;
-  // Copies full values (in group order) into this rank's shards and the model weights.
-  void load_full_parameters(const std::vector<at::Tensor>& values);
+  // The buffers, for the optimizer's and checkpoints' views of them (shard_views.h).
+  const FlatLayout& layout() const { return layout_; }
+  const FlatBuffer& model_weights() const { return model_weights_; }
+  const FlatBuffer& main_weights() const { return main_weights_; }  // undefined when frozen
+  Communicator& shard_group() const { return *comm_; }
+  Communicator* replicas() const { return replicate_.get(); }  // HSDP; null otherwise
+  // Overwrites the weights with `flat` ([P] values in the layout, any dtype and device): this
+  // rank's shard of the main and model weights, and the unsharded buffer while gathered.
+  void load_flat(const at::Tensor& flat);
 
   int64_t model_weight_bytes() const { return model_weights_.nbytes(); }
   int64_t main_weight_bytes() const;  // excluding memory shared with the model weights

@@ -1,0 +1,79 @@
+// The optimizer's and checkpoints' views of a ParamGroup (src/fsdp/shard_views.h).
+#include "fsdp/shard_views.h"
+
+#include <ATen/ATen.h>
+
+namespace mfsdp::detail {
+
+OptimizerShard optimizer_shard(const ParamGroup& group) {
+  OptimizerShard s;
+  if (!group.requires_grad()) return s;
+  const FlatBuffer& main = group.main_weights();
+  s.main_weight = main.data();
+  s.main_grad = group.gradients().main_grads().range(main.begin(), main.data().numel());
+  s.replicated = !main.sharded();
+  for (size_t i = 0; i < group.params().size(); ++i) {
+    const FlatBuffer::ParamSlice slice = main.slice_of(i);
+    if (slice.length == 0) continue;
+    // Megatron's rule: no weight decay on biases and norm weights (1-D and 0-D parameters).
+    const bool decay = group.params()[i].shape.size() >= 2;
+    s.segments.push_back({slice.local_offset, slice.length, decay});
+  }
+  return s;
+}
+
+std::vector<LocalShard> local_shards(const ParamGroup& group) {
+  std::vector<LocalShard> out;
+  const FlatBuffer& source = group.requires_grad() ? group.main_weights() : group.model_weights();
+  // A replicated source is held by every rank of the shard group; HSDP replicas hold the same
+  // shard again.
+  const Communicator& shards = group.shard_group();
+  const Communicator* replicas = group.replicas();
+  const int outer = replicas ? replicas->size() : 1;
+  const int outer_rank = replicas ? replicas->rank() : 0;
+  for (size_t i = 0; i < group.params().size(); ++i) {
+    const FlatBuffer::ParamSlice slice = source.slice_of(i);
+    LocalShard ls;
+    ls.name = group.params()[i].name;
+    ls.global_shape = group.params()[i].shape;
+    ls.requires_grad = group.requires_grad();
+    ls.offset = slice.param_offset;
+    ls.local = source.data().narrow(0, slice.length > 0 ? slice.local_offset : 0, slice.length);
+    ls.shard_offset = slice.length > 0 ? slice.local_offset : 0;
+    ls.replicas = source.sharded() ? outer : outer * shards.size();
+    ls.replica = source.sharded() ? outer_rank : outer_rank * shards.size() + shards.rank();
+    out.push_back(ls);
+  }
+  return out;
+}
+
+std::vector<at::Tensor> gather_full_parameters(const ParamGroup& group) {
+  const FlatBuffer& source = group.requires_grad() ? group.main_weights() : group.model_weights();
+  at::Tensor full = source.data();
+  if (source.sharded()) {
+    full = at::empty({group.layout().total()}, source.data().options());
+    group.shard_group().all_gather(full, source.data());
+  }
+  std::vector<at::Tensor> values;
+  for (size_t i = 0; i < group.params().size(); ++i) {
+    const auto& e = group.layout().entries[i];
+    values.push_back(full.narrow(0, e.offset, e.numel)
+                         .view(group.params()[i].shape)
+                         .to(group.params()[i].original_dtype)
+                         .clone());
+  }
+  return values;
+}
+
+void load_full_parameters(ParamGroup& group, const std::vector<at::Tensor>& values) {
+  // Staged in fp64 on the CPU (exact for every parameter dtype), copied into the device buffers.
+  const FlatLayout& layout = group.layout();
+  at::Tensor flat = at::zeros({layout.total()}, at::TensorOptions().dtype(at::kDouble));
+  for (size_t i = 0; i < group.params().size(); ++i) {
+    const auto& e = layout.entries[i];
+    flat.narrow(0, e.offset, e.numel).copy_(values[i].reshape(-1));
+  }
+  group.load_flat(flat);
+}
+
+}  // namespace mfsdp::detail
