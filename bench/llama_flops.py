@@ -1,6 +1,6 @@
 """Megatron's model FLOPs per training iteration for a Llama (GQA, SwiGLU), the formula of
-megatron/training/training.py num_floating_point_operations, as src/train/metrics.cpp
-megatron_flops_per_iteration computes it for mfsdp's metrics: the benchmarks use it for the
+megatron/training/training.py num_floating_point_operations, as the Llama family's
+ModelSpec::flops_per_iteration (src/models/llama/llama_spec.cpp) computes it for mfsdp's metrics: the benchmarks use it for the
 Python peers, so every TFLOP/s and MFU in a table is counted the same way."""
 
 
