@@ -69,10 +69,19 @@ std::map<std::string, MappedTensor> megatron_gpt_to_model(const std::map<std::st
   for (const auto& [name, t] : tensors) {
     const auto [fqn, state] = parameter_of(name);
     std::vector<std::pair<std::string, MappedTensor>> mapped;
-    if (!fqn.empty() && !t.shape.empty())
-      for (const MegatronRows& piece : spec.from_megatron_name(fqn, t.shape[0], config, "checkpoint tensor '" + name + "'"))
+    if (!fqn.empty()) {
+      // A 0-d entry (an optimizer's per-parameter step) follows its parameter's renaming when
+      // that is a whole rename; a split has no rows of it to take, so it keeps its name.
+      const int64_t rows = t.shape.empty() ? 0 : t.shape[0];
+      for (const MegatronRows& piece : spec.from_megatron_name(fqn, rows, config, "checkpoint tensor '" + name + "'")) {
+        if (t.shape.empty() && !piece.ranges.empty()) {
+          mapped.clear();
+          break;
+        }
         mapped.emplace_back(state.empty() ? "model." + piece.name : "optimizer.state." + piece.name + "." + state,
                             take_rows(t, piece));
+      }
+    }
     if (mapped.empty()) mapped.emplace_back(name, t);  // not one of the family's parameters: as it is
     for (auto& [n, m] : mapped)
       if (!out.emplace(n, std::move(m)).second)

@@ -37,8 +37,10 @@ struct GroupParam {
 struct TransientCounter {
   int64_t now = 0;
   int64_t peak = 0;
-  // What the runtime is doing now (RootContext::note sets it): the unit's path and the event
-  // ("pre_forward", ...). The peak remembers what it was doing when reached (plan_memory says so).
+  // What the runtime is doing now (UnitState sets it in its forward and backward hooks, the root
+  // after an optimizer step): a unit's path (a UnitState member, which outlives the counter's
+  // use) and "forward", "backward" or "after_optimizer_step". The peak remembers what it was
+  // doing when reached (plan_memory reports it).
   const std::string* unit = nullptr;
   const char* event = nullptr;
   const std::string* peak_unit = nullptr;

@@ -61,8 +61,7 @@ std::string describe(const std::string* unit, const char* event) {
   const std::string who = unit->empty() ? "the root" : *unit;
   const std::string e = event;
   if (e == "after_optimizer_step") return "all-gather of " + who + " after the optimizer step";
-  if (e == "pre_forward" || e == "post_forward") return "forward of " + who;
-  return "backward of " + who;
+  return e + " of " + who;
 }
 
 TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
@@ -74,6 +73,7 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
 
   FullyShardOptions o = options;
   o.comm = make_simulated_communicator(0, world, at::Device(at::kMeta));
+  o.device.reset();  // the buffers live on the communicator's (meta) device
   const size_t n = step.forward_order.size();
   std::vector<detail::UnitState*> units(n);
   for (size_t i = n; i-- > 0;) {  // the children first, then the root

@@ -56,12 +56,10 @@ class RootContext {
   double divide_factor = 1.0;
   bool callback_queued = false;
   std::deque<PendingReduction> pending;  // gradient reductions in flight, oldest first
-  // Lifecycle events ("block0:pre_forward", ...) recorded for tests and debugging when enabled;
-  // the transient counter always knows the latest (`unit` outlives the context: a unit's path).
+  // Lifecycle events ("block0:pre_forward", ...) recorded for tests and debugging when enabled.
   bool record_events = false;
   std::vector<std::string> events;
   void note(const std::string& unit, const char* event) {
-    transient.label(unit, event);
     if (record_events) events.push_back(unit + ":" + event);
   }
 

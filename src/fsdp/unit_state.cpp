@@ -174,6 +174,7 @@ void UnitState::reshard() {
 void UnitState::pre_forward() {
   RECORD_USER_SCOPE("mfsdp::pre_forward");
   context().note(path_, "pre_forward");
+  context().transient.label(path_, "forward");  // what the bytes counted from here are for
   if (in_recompute()) {
     // Activation recompute inside backward: this forward's all-gather also serves the unit's
     // backward, which follows right after; prepare for it now and stay unsharded.
@@ -257,6 +258,7 @@ void UnitState::pre_backward() {
   if (phase_ == Phase::kBackward) return;  // several outputs or several calls: prepared once
   RECORD_USER_SCOPE("mfsdp::pre_backward");
   context().note(path_, "pre_backward");
+  context().transient.label(path_, "backward");
   set_phase(Phase::kBackward);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
@@ -283,6 +285,7 @@ void UnitState::post_backward() {
   reduced_this_backward_ = true;
   RECORD_USER_SCOPE("mfsdp::post_backward");
   context().note(path_, "post_backward");
+  context().transient.label(path_, "backward");
   if (!requires_gradient_sync_) {
     for (auto& g : groups_) g->gradients().stash();
   } else {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/megatron_gpt_names.h"
 #include "harness/expect_error.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/models/llama.h"
@@ -68,6 +69,10 @@ TEST(ModelSpec, MegatronArgsGiveTheModelMegatronBuilds) {
   EXPECT_EQ(hf["hidden_act"], "silu");
   EXPECT_EQ(config.vocab_size(), 128);
   EXPECT_EQ(config.num_layers(), 2);
+  // RoPE positions cover --seq-length when --max-position-embeddings is smaller.
+  args["seq_length"] = 64;
+  EXPECT_EQ(mfsdp::model_config_from_megatron(args).max_position_embeddings(), 64);
+  args["seq_length"] = 16;
 
   // Without --swiglu: Megatron's GeLU MLP, 4 x hidden; without GQA every head has its own K/V.
   args["swiglu"] = false;
@@ -90,7 +95,13 @@ TEST(ModelSpec, MegatronArgsOfAnotherModelAreRefusedNamingTheArgument) {
       {{{"num_experts", 8}}, "Megatron argument 'num_experts': the Llama family has no mixture of experts"},
       {{{"kv_channels", 32}}, "Megatron argument 'kv_channels': differs from hidden_size / num_attention_heads (16)"},
       {{{"num_layers", nullptr}}, "Megatron argument 'num_layers': missing"},
-      {{{"num_attention_heads", 5}}, "num_attention_heads: expected a divisor of hidden_size 64"},
+      {{{"num_layers", 0}}, "Megatron argument 'num_layers': expected a positive integer, found 0"},
+      {{{"max_position_embeddings", nullptr}, {"seq_length", nullptr}},
+       "Megatron argument 'max_position_embeddings': missing, and so is seq_length"},
+      {{{"num_attention_heads", 5}},
+       "Megatron argument 'num_attention_heads': expected a divisor of hidden_size 64, found 5"},
+      {{{"num_query_groups", 3}},
+       "Megatron argument 'num_query_groups': expected a divisor of num_attention_heads 4, found 3"},
   };
   for (const auto& [change, want] : cases) {
     json args = megatron_args();
@@ -135,6 +146,10 @@ TEST(ModelSpec, MegatronNamesSplitAsMegatronFusesThem) {
                                                    &config, "tensor 'x'"); })
                 .find("tensor 'x' has 129 rows, which do not split into 4 query heads and 2 key/value groups"),
             std::string::npos);
+  auto bias = spec.from_megatron_name("decoder.layers.0.self_attention.linear_qkv.bias", 8 * d, &config, "t");
+  ASSERT_EQ(bias.size(), 3u);
+  EXPECT_EQ(bias[1].name, "model.layers.0.self_attn.k_proj.bias");
+  EXPECT_EQ(bias[1].ranges, qkv[1].ranges);
   // Without a config the fused tensor keeps its name.
   EXPECT_TRUE(spec.from_megatron_name("decoder.layers.0.self_attention.linear_qkv.weight", 8 * d, nullptr, "t").empty());
 
@@ -157,6 +172,36 @@ TEST(ModelSpec, MegatronNamesSplitAsMegatronFusesThem) {
             "model.embed_tokens.weight");
   EXPECT_EQ(spec.from_megatron_name("output_layer.weight", 128, &config, "t")[0].name, "lm_head.weight");
   EXPECT_TRUE(spec.from_megatron_name("decoder.layers.0.unknown.weight", 4, &config, "t").empty());
+}
+
+// A checkpoint with Megatron names read through the family's table (src/checkpoint/
+// megatron_gpt_names.cpp): weights and optimizer states follow their parameter; a 0-d step follows
+// a whole rename and keeps its name where the parameter splits; other entries stay.
+TEST(ModelSpec, MegatronCheckpointEntriesFollowTheirParameters) {
+  using mfsdp::checkpoint::MappedTensor;
+  auto stored = [](const std::string& key, std::vector<int64_t> shape) {
+    return MappedTensor{shape, at::kFloat, mfsdp::checkpoint::whole_tensor(key, shape)};
+  };
+  const std::map<std::string, MappedTensor> in = {
+      {"model.embedding.word_embeddings.weight", stored("a", {128, 64})},
+      {"optimizer.state.embedding.word_embeddings.weight.step", stored("b", {})},
+      {"optimizer.state.decoder.layers.0.mlp.linear_fc1.weight.exp_avg", stored("c", {256, 64})},
+      {"optimizer.state.decoder.layers.0.mlp.linear_fc1.weight.step", stored("d", {})},
+      {"rng_state.rank0.cpu", stored("e", {5})}};
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(megatron_args());
+  const auto out = mfsdp::checkpoint::megatron_gpt_to_model(in, *config.spec, &config);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : out) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"model.model.embed_tokens.weight",
+                                             "optimizer.state.decoder.layers.0.mlp.linear_fc1.weight.step",
+                                             "optimizer.state.model.embed_tokens.weight.step",
+                                             "optimizer.state.model.layers.0.mlp.gate_proj.weight.exp_avg",
+                                             "optimizer.state.model.layers.0.mlp.up_proj.weight.exp_avg",
+                                             "rng_state.rank0.cpu"}));
+  const MappedTensor& up = out.at("optimizer.state.model.layers.0.mlp.up_proj.weight.exp_avg");
+  EXPECT_EQ(up.shape, (std::vector<int64_t>{128, 64}));
+  EXPECT_EQ(up.source.key, "c");
+  EXPECT_EQ(up.source.runs, (std::vector<std::pair<int64_t, int64_t>>{{128, 128}}));  // the second half
 }
 
 // training.py: 12 x batch x seq x layers x h^2 x (1 + groups/heads + seq/h + ffn/h x 1.5 (SwiGLU)
@@ -191,5 +236,19 @@ TEST(ModelSpec, AModelBuiltAndShardedThroughTheSpecIsThePlainModel) {
   const at::Tensor ids = torch::arange(12, torch::kLong).remainder(128).view({2, 6});
   torch::NoGradGuard no_grad;
   EXPECT_TRUE(torch::equal(model->call(ids), plain->forward(ids)));
-  EXPECT_EQ(mfsdp::model_parameter_shapes(config).size(), plain->named_parameters().size());
+
+  // Transformers' names and shapes: 4 heads of 16, 2 key/value groups, SwiGLU width 128, untied.
+  const auto shapes = mfsdp::model_parameter_shapes(config);
+  ASSERT_EQ(shapes.size(), 2u + 2 * 9 + 1);
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> first = {
+      {"model.embed_tokens.weight", {128, 64}},
+      {"model.layers.0.self_attn.q_proj.weight", {64, 64}},
+      {"model.layers.0.self_attn.k_proj.weight", {32, 64}},
+      {"model.layers.0.self_attn.v_proj.weight", {32, 64}},
+      {"model.layers.0.self_attn.o_proj.weight", {64, 64}},
+      {"model.layers.0.mlp.gate_proj.weight", {128, 64}},
+      {"model.layers.0.mlp.up_proj.weight", {128, 64}},
+      {"model.layers.0.mlp.down_proj.weight", {64, 128}}};
+  for (size_t i = 0; i < first.size(); ++i) EXPECT_EQ(shapes[i], first[i]) << i;
+  EXPECT_EQ(shapes.back(), (std::pair<std::string, std::vector<int64_t>>{"lm_head.weight", {128, 64}}));
 }

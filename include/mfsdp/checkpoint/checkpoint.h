@@ -91,7 +91,7 @@ struct CheckpointInfo {
   int64_t iteration = 0;
   int64_t consumed_samples = 0;
   nlohmann::json args = nlohmann::json::object();          // the run's arguments
-  nlohmann::json model_config = nlohmann::json::object();  // e.g. the LlamaConfig fields
+  nlohmann::json model_config = nlohmann::json::object();  // the model's config.json (ModelConfig::hf)
   nlohmann::json scheduler = nlohmann::json::object();     // LR schedule fields
 };
 

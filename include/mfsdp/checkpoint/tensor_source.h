@@ -7,9 +7,9 @@
 //
 // Names: a checkpoint's tensors keep their names ("model.<fqn>", "optimizer.state....",
 // "rng_state...."; include/mfsdp/checkpoint/checkpoint.h). An HF folder's tensor "<name>" is read as
-// "model.<name>", the name the same parameter has in a checkpoint (the fqns of LlamaForCausalLM
-// are transformers' names, include/mfsdp/models/llama.h), so a checkpoint and its export compare tensor
-// by tensor.
+// "model.<name>", the name the same parameter has in a checkpoint (the fqns of every family's
+// CausalLM are transformers' names, include/mfsdp/models/causal_lm.h), so a checkpoint and its
+// export compare tensor by tensor.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -27,9 +27,22 @@ double number(const json& args, const char* name, double fallback) {
 }
 
 int64_t positive_int(const json& args, const char* name) {
-  const double v = number(args, name, -1);
-  if (v <= 0 || v != std::floor(v) || v > 9.0e15) bad_arg(name, v < 0 ? "missing" : "expected a positive integer");
+  auto it = args.find(name);
+  if (it == args.end() || it->is_null()) bad_arg(name, "missing");
+  const double v = number(args, name, 0);
+  if (v <= 0 || v != std::floor(v) || v > 9.0e15) bad_arg(name, "expected a positive integer, found " + it->dump());
   return static_cast<int64_t>(v);
+}
+
+// The Megatron argument behind each LlamaConfig field, for LlamaConfig::validate's errors.
+const std::map<std::string, std::string>& argument_of_field() {
+  static const std::map<std::string, std::string> names = {
+      {"vocab_size", "padded_vocab_size"},         {"hidden_size", "hidden_size"},
+      {"intermediate_size", "ffn_hidden_size"},    {"num_layers", "num_layers"},
+      {"num_attention_heads", "num_attention_heads"}, {"num_key_value_heads", "num_query_groups"},
+      {"max_position_embeddings", "max_position_embeddings"}, {"rope_theta", "rotary_base"},
+      {"rms_norm_eps", "norm_epsilon"},            {"init_std", "init_method_std"}};
+  return names;
 }
 
 bool flag(const json& args, const char* name) {
@@ -127,8 +140,10 @@ class LlamaSpec final : public ModelSpec {
     c.num_key_value_heads = flag(args, "group_query_attention") && number(args, "num_query_groups", 0) > 0
                                 ? positive_int(args, "num_query_groups")
                                 : c.num_attention_heads;
-    c.max_position_embeddings = static_cast<int64_t>(
-        std::max(number(args, "max_position_embeddings", -1), number(args, "seq_length", -1)));
+    // Megatron builds RoPE models for --seq-length when --max-position-embeddings is smaller.
+    const double positions = std::max(number(args, "max_position_embeddings", -1), number(args, "seq_length", -1));
+    if (positions <= 0) bad_arg("max_position_embeddings", "missing, and so is seq_length");
+    c.max_position_embeddings = static_cast<int64_t>(positions);
     if (number(args, "norm_epsilon", -1) >= 0) c.rms_norm_eps = number(args, "norm_epsilon", -1);
     if (number(args, "rotary_base", -1) > 0) c.rope_theta = number(args, "rotary_base", -1);
     if (number(args, "init_method_std", -1) >= 0) c.init_std = number(args, "init_method_std", -1);
@@ -137,7 +152,14 @@ class LlamaSpec final : public ModelSpec {
     try {
       c.validate();
     } catch (const std::invalid_argument& e) {
-      throw std::invalid_argument(std::string("Megatron arguments: ") + e.what());
+      // "LlamaConfig.<field>: ..." names the field; the caller wrote the Megatron argument.
+      const std::string what = e.what(), prefix = "LlamaConfig.";
+      const size_t colon = what.find(':');
+      if (what.rfind(prefix, 0) == 0 && colon != std::string::npos) {
+        const auto it = argument_of_field().find(what.substr(prefix.size(), colon - prefix.size()));
+        if (it != argument_of_field().end()) bad_arg(it->second, what.substr(colon + 2));
+      }
+      throw std::invalid_argument("Megatron arguments: " + what);
     }
     if (number(args, "kv_channels", 0) > 0 && static_cast<int64_t>(number(args, "kv_channels", 0)) != c.head_dim())
       bad_arg("kv_channels", "differs from hidden_size / num_attention_heads (" + std::to_string(c.head_dim()) + ")");
