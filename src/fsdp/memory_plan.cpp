@@ -9,9 +9,9 @@
 
 #include "fsdp/group_plan.h"
 #include "fsdp/root_context.h"
+#include "fsdp/unit_parameters.h"
 #include "fsdp/unit_state.h"
 #include "mfsdp/comm/simulated_comm.h"
-#include "fsdp/unit_parameters.h"
 
 namespace mfsdp {
 

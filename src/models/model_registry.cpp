@@ -41,22 +41,21 @@ const ModelSpec& model_spec_for_hf(const nlohmann::json& hf) {
 }
 
 const ModelSpec& model_spec_for_megatron(const nlohmann::json& args) {
-  std::string first_error;
-  for (const ModelSpec* spec : model_specs()) {
-    try {
-      spec->config_from_megatron(args);
-      return *spec;
-    } catch (const std::invalid_argument& e) {
-      if (first_error.empty()) first_error = e.what();
-    }
-  }
-  throw std::invalid_argument(first_error);
+  return *model_config_from_megatron(args).spec;
 }
 
 ModelConfig model_config_from_hf(const nlohmann::json& hf) { return model_spec_for_hf(hf).config_from_hf(hf); }
 
 ModelConfig model_config_from_megatron(const nlohmann::json& args) {
-  return model_spec_for_megatron(args).config_from_megatron(args);
+  std::string first_error;
+  for (const ModelSpec* spec : model_specs()) {
+    try {
+      return spec->config_from_megatron(args);
+    } catch (const std::invalid_argument& e) {
+      if (first_error.empty()) first_error = e.what();
+    }
+  }
+  throw std::invalid_argument(first_error);
 }
 
 }  // namespace mfsdp

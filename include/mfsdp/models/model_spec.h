@@ -108,7 +108,8 @@ int64_t megatron_default_ffn_hidden_size(int64_t hidden_size, bool swiglu);
 
 // model_spec_for_hf(hf).config_from_hf(hf).
 ModelConfig model_config_from_hf(const nlohmann::json& hf);
-// model_spec_for_megatron(args).config_from_megatron(args).
+// The config of the first family whose config_from_megatron takes `args`; else throws the first
+// family's error.
 ModelConfig model_config_from_megatron(const nlohmann::json& args);
 
 // Name -> shape of every parameter of the model, in module order. Built with deferred
