@@ -10,7 +10,10 @@ namespace mfsdp {
 
 const std::vector<const ModelSpec*>& model_specs() {
   static const std::vector<const ModelSpec*> kFamilies = {
-      &llama_spec(),  // Llama, Mistral (no sliding window), Qwen2
+      &llama_spec(),      // Llama, Mistral (no sliding window), Qwen2
+      &qwen3_spec(),      // Qwen3, Qwen3-MoE
+      &mixtral_spec(),    // Mixtral
+      &qwen2_moe_spec(),  // Qwen2-MoE
   };
   return kFamilies;
 }

@@ -11,10 +11,11 @@ one process per test case because importing torch and transformers takes seconds
       mfsdp-generate's --logits-out file (max |diff| <= --atol) and its greedy continuation with
       mfsdp-generate's ids. Exit 1 on a mismatch.
 
-  make-random HF --tied|--untied --seed S [--rope-theta T] [--qwen2] --prompt-ids ... \\
+  make-random HF --tied|--untied --seed S [--rope-theta T] [--model-type TYPE] --prompt-ids ... \\
       --max-new-tokens 12 --ids-out IDS --logits-out LOGITS
-      Builds a small random LlamaForCausalLM (GQA), or with --qwen2 a Qwen2ForCausalLM (GQA, q/k/v
-      biases set to non-zero random values), saves it with save_pretrained (safetensors) and
+      Builds a small random model of TYPE (GQA; llama by default; qwen2 with q/k/v biases, qwen3
+      with q/k norms and a head_dim unlike hidden / heads, qwen3_moe / qwen2_moe / mixtral with 4
+      experts and top-2 routing; norms and biases set to non-default random values), saves it with save_pretrained (safetensors) and
       writes its greedy continuation (IDS: one line, comma-separated) and its fp32 logits over the
       prompt (LOGITS: safetensors, tensor "logits", [1, T, vocab]) for the C++ test to compare
       with mfsdp-generate on the same folder.
@@ -77,7 +78,14 @@ def greedy(model, prompt, max_new_tokens):
     return new
 
 
-EXPECTED_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+EXPECTED_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
 
 
 def check_export(a):
@@ -119,14 +127,11 @@ def check_export(a):
     return 0 if ok else 1
 
 
-def make_random(a):
-    # Qwen2: the same sizes; Qwen2Config has no attention_bias field (its q/k/v biases are fixed)
-    # and writes use_sliding_window false, sliding_window null.
-    config_class = transformers.Qwen2Config if a.qwen2 else transformers.LlamaConfig
-    config = config_class(
+def random_config(a):
+    """A small random config of --model-type: GQA, 3 layers; the MoE types with 4 experts, top-2."""
+    common = dict(
         vocab_size=300,
         hidden_size=64,
-        intermediate_size=176,
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention
@@ -139,9 +144,36 @@ def make_random(a):
         tie_word_embeddings=a.tied,
         attn_implementation=ATTENTION,
     )
+    t = a.model_type
+    if t == "llama":
+        return transformers.LlamaConfig(intermediate_size=176, **common)
+    if t == "qwen2":
+        # Qwen2Config has no attention_bias field (its q/k/v biases are fixed) and writes
+        # use_sliding_window false, sliding_window null.
+        return transformers.Qwen2Config(intermediate_size=176, **common)
+    if t == "qwen3":
+        # head_dim 24: not hidden_size / heads (16), as Qwen3's 0.6B has 128 for 1024 / 16.
+        return transformers.Qwen3Config(intermediate_size=176, head_dim=24, **common)
+    if t == "qwen3_moe":
+        # Layer 1 dense (mlp_only_layers), renormalised top-k: both paths of the family.
+        return transformers.Qwen3MoeConfig(intermediate_size=176, moe_intermediate_size=40, num_experts=4,
+                                           num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1],
+                                           head_dim=16, **common)
+    if t == "qwen2_moe":
+        # Qwen2-MoE's default: the top-k weights are not renormalised; a gated shared expert.
+        return transformers.Qwen2MoeConfig(intermediate_size=176, moe_intermediate_size=40, num_experts=4,
+                                           num_experts_per_tok=2, shared_expert_intermediate_size=56,
+                                           **common)
+    if t == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
+                                          **common)
+    raise SystemExit(f"unknown model type {t}")
+
+
+def make_random(a):
+    config = random_config(a)
     torch.manual_seed(a.seed)
-    model_class = transformers.Qwen2ForCausalLM if a.qwen2 else transformers.LlamaForCausalLM
-    model = model_class(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     # Norm weights start at ones and biases at zeros; randomise them too so a mix-up of the norms
     # or a lost bias shows.
     with torch.no_grad():
@@ -185,7 +217,9 @@ def main():
     tie.add_argument("--untied", dest="tied", action="store_false")
     r.add_argument("--seed", type=int, required=True)
     r.add_argument("--rope-theta", type=float, default=10000.0, help="LlamaConfig's default unless given")
-    r.add_argument("--qwen2", action="store_true", help="a Qwen2ForCausalLM (q/k/v biases) instead of a Llama")
+    r.add_argument("--model-type", choices=sorted(EXPECTED_CLASS), default="llama",
+                   help="the family of the random model (qwen2: q/k/v biases; qwen3: q/k norms; the MoE types: "
+                        "4 experts, top-2)")
     r.add_argument("--prompt-ids", required=True)
     r.add_argument("--max-new-tokens", type=int, required=True)
     r.add_argument("--ids-out", required=True)

@@ -146,15 +146,16 @@ void check_export(bool tied) {
 
 // transformers makes a random Llama; mfsdp imports it (and reads the folder directly) and must
 // generate what transformers generated.
-// `qwen2`: a Qwen2ForCausalLM, which is also exported again and checked in transformers.
-void check_import(bool tied, bool qwen2 = false) {
+// `type`: the family (hf_llama_reference.py make-random --model-type); every type but llama is
+// also exported again and checked in transformers.
+void check_import(bool tied, const std::string& type = "llama") {
   TempDir dir("mfsdp-ref-import");
   const std::string hf = dir.file("hf"), ckpt = dir.file("ckpt"), hf_logits = dir.file("hf_logits.safetensors");
   const std::string prompt = "5,17,99,200,42,7,150,3";
   CommandOutcome made = run(python() + " make-random " + q(hf) + (tied ? " --tied" : " --untied") + " --seed " +
                             // the untied model also has a non-default RoPE base, which
                             // transformers 5 writes only inside "rope_parameters"
-                            (tied ? "2" : "1 --rope-theta 500000") + (qwen2 ? " --qwen2" : "") + " --prompt-ids " +
+                            (tied ? "2" : "1 --rope-theta 500000") + " --model-type " + type + " --prompt-ids " +
                             prompt + " --max-new-tokens " +
                             std::to_string(kNewTokens) + " --ids-out " + q(dir.file("hf_ids.txt")) + " --logits-out " +
                             q(hf_logits));
@@ -176,21 +177,21 @@ void check_import(bool tied, bool qwen2 = false) {
                            << ")";
     EXPECT_LE(diff, kLogitsAtol) << "logits of mfsdp-generate --model " << model;
   }
-  if (!qwen2) return;
+  if (type == "llama") return;
 
-  // Back out: the checkpoint's model_config (written by import-hf) must still say Qwen2.
+  // Back out: the checkpoint's model_config (written by import-hf) must still name the family.
   const std::string out = dir.file("exported");
   CommandOutcome exported = run(q(MFSDP_CKPT_BIN_PATH) + " export-hf " + q(ckpt) + " " + q(out) + " --dtype fp32");
   ASSERT_EQ(exported.exit_code, 0) << exported.output;
   std::ifstream config_file(fs::path(out) / "config.json");
   const std::string config((std::istreambuf_iterator<char>(config_file)), {});
-  EXPECT_NE(config.find("\"qwen2\""), std::string::npos) << "exported config.json:\n" << config;
+  EXPECT_NE(config.find("\"" + type + "\""), std::string::npos) << "exported config.json:\n" << config;
   const std::string ids = generate_ids(ckpt, prompt, dir.file("ckpt_logits2.safetensors"));
   CommandOutcome ref = run(python() + " check-export " + q(out) + " " + q(dir.file("ckpt_logits2.safetensors")) +
-                           " --model-type qwen2 --prompt-ids " + prompt + " --mfsdp-ids " + ids +
+                           " --model-type " + type + " --prompt-ids " + prompt + " --mfsdp-ids " + ids +
                            " --max-new-tokens " + std::to_string(kNewTokens) + " --atol " + std::to_string(kLogitsAtol));
   std::cout << ref.output;
-  EXPECT_EQ(ref.exit_code, 0) << "transformers disagrees with mfsdp on the exported Qwen2 " << out
+  EXPECT_EQ(ref.exit_code, 0) << "transformers disagrees with mfsdp on the exported " << type << " " << out
                               << " (its report is above)";
 }
 
@@ -200,4 +201,12 @@ TEST_F(HfReference, ExportHfUntiedMatchesTransformers) { check_export(/*tied=*/f
 TEST_F(HfReference, ExportHfTiedMatchesTransformers) { check_export(/*tied=*/true); }
 TEST_F(HfReference, ImportHfUntiedGeneratesTransformersIds) { check_import(/*tied=*/false); }
 TEST_F(HfReference, ImportHfTiedGeneratesTransformersIds) { check_import(/*tied=*/true); }
-TEST_F(HfReference, Qwen2ImportAndExportMatchTransformers) { check_import(/*tied=*/true, /*qwen2=*/true); }
+TEST_F(HfReference, Qwen2ImportAndExportMatchTransformers) { check_import(/*tied=*/true, "qwen2"); }
+// Qwen3's per-head q/k norms and a head_dim unlike hidden / heads.
+TEST_F(HfReference, Qwen3ImportAndExportMatchTransformers) { check_import(/*tied=*/false, "qwen3"); }
+// Mixtures of experts: top-2 of 4 experts; Qwen3-MoE with a dense layer between MoE layers and
+// renormalised weights, Qwen2-MoE with raw softmax weights and a gated shared expert, Mixtral's
+// names (block_sparse_moe, w1/w3/w2).
+TEST_F(HfReference, Qwen3MoeImportAndExportMatchTransformers) { check_import(/*tied=*/false, "qwen3_moe"); }
+TEST_F(HfReference, Qwen2MoeImportAndExportMatchTransformers) { check_import(/*tied=*/true, "qwen2_moe"); }
+TEST_F(HfReference, MixtralImportAndExportMatchTransformers) { check_import(/*tied=*/false, "mixtral"); }

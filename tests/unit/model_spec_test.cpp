@@ -44,7 +44,8 @@ TEST(ModelSpec, TheRegistryFindsTheFamilyByNameModelTypeAndMegatronArgs) {
   EXPECT_NE(error_of([] { mfsdp::model_spec("gpt-neox"); }).find("no model family 'gpt-neox' (known: llama"),
             std::string::npos);
   EXPECT_EQ(error_of([] { mfsdp::model_spec_for_hf({{"model_type", "gpt_neox"}}); }),
-            "HF config.json field 'model_type': 'gpt_neox' is not supported (llama, mistral, qwen2)");
+            "HF config.json field 'model_type': 'gpt_neox' is not supported (llama, mistral, qwen2, qwen3, "
+            "qwen3_moe, mixtral, qwen2_moe)");
   EXPECT_EQ(error_of([] { mfsdp::model_spec_for_hf({{"vocab_size", 3}}); }),
             "HF config.json field 'model_type': missing");
 }
@@ -91,9 +92,13 @@ TEST(ModelSpec, MegatronArgsOfAnotherModelAreRefusedNamingTheArgument) {
       {{{"normalization", "LayerNorm"}}, "Megatron argument 'normalization': the Llama family has RMSNorm"},
       {{{"position_embedding_type", "learned_absolute"}}, "Megatron argument 'position_embedding_type'"},
       {{{"add_bias_linear", true}}, "Megatron argument 'add_bias_linear'"},
-      {{{"qk_layernorm", true}}, "Megatron argument 'qk_layernorm'"},
-      {{{"num_experts", 8}}, "Megatron argument 'num_experts': the Llama family has no mixture of experts"},
-      {{{"kv_channels", 32}}, "Megatron argument 'kv_channels': differs from hidden_size / num_attention_heads (16)"},
+      {{{"num_experts", 4}, {"moe_router_topk", 5}},
+       "Megatron argument 'moe_router_topk': expected 1 .. num_experts (4), found 5"},
+      {{{"num_experts", 4}, {"moe_router_score_function", "relu"}},
+       "Megatron argument 'moe_router_score_function': expected softmax or sigmoid, found relu"},
+      {{{"num_experts", 4}, {"moe_layer_freq", json::array({1, 0, 1})}},
+       "Megatron argument 'moe_layer_freq': has 3 entries for 2 layers"},
+      {{{"num_experts", 4}, {"swiglu", false}}, "Megatron argument 'swiglu': the experts are SwiGLU MLPs"},
       {{{"num_layers", nullptr}}, "Megatron argument 'num_layers': missing"},
       {{{"num_layers", 0}}, "Megatron argument 'num_layers': expected a positive integer, found 0"},
       {{{"max_position_embeddings", nullptr}, {"seq_length", nullptr}},
@@ -109,6 +114,97 @@ TEST(ModelSpec, MegatronArgsOfAnotherModelAreRefusedNamingTheArgument) {
     const std::string got = error_of([&] { mfsdp::model_config_from_megatron(args); });
     EXPECT_NE(got.find(want), std::string::npos) << change.dump() << ": " << got;
   }
+}
+
+// Megatron's MoE arguments pick the Hugging Face family whose model they make.
+TEST(ModelSpec, MegatronMoeArgsGiveTheFamilyAndItsConfig) {
+  json args = megatron_args();
+  args.update({{"num_experts", 4}, {"moe_router_topk", 2}, {"moe_ffn_hidden_size", 24}, {"moe_layer_freq", 2}});
+  // Without q/k norms or a shared expert: Mixtral's layout. --moe-layer-freq 2 makes layers 0, 2,
+  // ... MoE layers (i % 2 == 0, Megatron's rule), so layer 1 of 2 is dense.
+  const mfsdp::ModelConfig mixtral = mfsdp::model_config_from_megatron(args);
+  EXPECT_EQ(mixtral.spec, &mfsdp::model_spec("mixtral"));
+  EXPECT_EQ(mixtral.hf["model_type"], "mixtral");
+  EXPECT_EQ(mixtral.hf["num_local_experts"], 4);
+  EXPECT_EQ(mixtral.hf["num_experts_per_tok"], 2);
+  EXPECT_EQ(mixtral.hf["intermediate_size"], 24);               // Mixtral's experts' width
+  EXPECT_EQ(mixtral.hf["moe_dense_intermediate_size"], 128);    // the dense layer's (Megatron's default)
+  EXPECT_EQ(mixtral.hf["mlp_only_layers"], json::array({1}));
+  EXPECT_NE(mixtral.spec->hf_export_refusal(mixtral).find("every Mixtral layer is an MoE layer"), std::string::npos);
+  EXPECT_EQ(mfsdp::model_config_from_hf(mixtral.hf).hf, mixtral.hf);  // the checkpoint's model_config round trips
+  const auto shapes = mfsdp::model_parameter_shapes(mixtral);
+  auto shape_of = [&](const std::string& name) {
+    for (const auto& [n, s] : shapes)
+      if (n == name) return s;
+    return std::vector<int64_t>{};
+  };
+  EXPECT_EQ(shape_of("model.layers.0.block_sparse_moe.gate.weight"), (std::vector<int64_t>{4, 64}));
+  EXPECT_EQ(shape_of("model.layers.0.block_sparse_moe.experts.3.w1.weight"), (std::vector<int64_t>{24, 64}));
+  EXPECT_EQ(shape_of("model.layers.0.block_sparse_moe.experts.3.w2.weight"), (std::vector<int64_t>{64, 24}));
+  EXPECT_EQ(shape_of("model.layers.1.mlp.gate_proj.weight"), (std::vector<int64_t>{128, 64}));
+
+  // --qk-layernorm: Qwen3-MoE; --kv-channels 24 (not 64 / 4): its head_dim.
+  args.update({{"qk_layernorm", true}, {"kv_channels", 24}, {"moe_layer_freq", 1}, {"moe_router_pre_softmax", true}});
+  const mfsdp::ModelConfig qwen3 = mfsdp::model_config_from_megatron(args);
+  EXPECT_EQ(qwen3.spec, &mfsdp::model_spec("qwen3"));
+  EXPECT_EQ(qwen3.hf["model_type"], "qwen3_moe");
+  EXPECT_EQ(qwen3.hf["head_dim"], 24);
+  EXPECT_EQ(qwen3.hf["moe_intermediate_size"], 24);
+  EXPECT_EQ(qwen3.hf["norm_topk_prob"], false);  // --moe-router-pre-softmax: top-k of the full softmax
+  EXPECT_EQ(qwen3.hf["mlp_only_layers"], json::array());
+  EXPECT_EQ(qwen3.spec->hf_export_refusal(qwen3), "");
+  const auto qshapes = mfsdp::model_parameter_shapes(qwen3);
+  bool has_q_norm = false;
+  for (const auto& [n, s] : qshapes) has_q_norm |= n == "model.layers.0.self_attn.q_norm.weight" && s == std::vector<int64_t>{24};
+  EXPECT_TRUE(has_q_norm);
+
+  // A shared expert without q/k norms: Qwen2-MoE, whose shared expert is gated; ungated it has no
+  // Hugging Face folder.
+  args.update({{"qk_layernorm", false}, {"moe_shared_expert_intermediate_size", 32}});
+  const mfsdp::ModelConfig qwen2 = mfsdp::model_config_from_megatron(args);
+  EXPECT_EQ(qwen2.hf["model_type"], "qwen2_moe");
+  EXPECT_EQ(qwen2.hf["shared_expert_intermediate_size"], 32);
+  EXPECT_NE(qwen2.spec->hf_export_refusal(qwen2).find("gates its shared expert"), std::string::npos);
+  args["moe_shared_expert_gate"] = true;
+  const mfsdp::ModelConfig gated = mfsdp::model_config_from_megatron(args);
+  EXPECT_EQ(gated.spec->hf_export_refusal(gated), "");
+
+  // Megatron's FLOPs count the experts a token reaches: top-k x moe_ffn + shared, per MoE layer.
+  // 12 B s L h^2 [(1 + g/a + s/h) q + (k f_moe + f_shared) 1.5 / h + V / (2 L h)], q = 4 x 24 / 64.
+  const double b = 3, s = 16, L = 2, h = 64;
+  const double q = 4.0 * 24 / 64;
+  const double want = 12 * b * s * L * h * h * ((1 + 2.0 / 4 + s / h) * q + (2 * 24 + 32) * 1.5 / h + 128 / (2 * L * h));
+  EXPECT_NEAR(gated.spec->flops_per_iteration(gated, 3, 16), want, want * 1e-12);
+}
+
+// Megatron-Core's MoE tensors (router, TEGroupedMLP's weight{j}, SequentialMLP's local_experts,
+// shared experts, the pre-MLP norm) become the family's parameters.
+TEST(ModelSpec, MegatronMoeNamesBecomeTheExperts) {
+  json args = megatron_args();
+  args.update({{"num_experts", 4}, {"moe_ffn_hidden_size", 24}, {"moe_shared_expert_intermediate_size", 32},
+               {"moe_shared_expert_gate", true}});
+  const mfsdp::ModelConfig c = mfsdp::model_config_from_megatron(args);
+  const mfsdp::ModelSpec& spec = *c.spec;
+  auto names = [&](const std::string& fqn, int64_t rows) {
+    std::vector<std::string> out;
+    for (const auto& r : spec.from_megatron_name(fqn, rows, &c, "test")) out.push_back(r.name);
+    return out;
+  };
+  using V = std::vector<std::string>;
+  EXPECT_EQ(names("decoder.layers.1.mlp.router.weight", 4), V{"model.layers.1.mlp.gate.weight"});
+  EXPECT_EQ(names("decoder.layers.1.mlp.experts.linear_fc1.weight3", 48),
+            (V{"model.layers.1.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"}));
+  EXPECT_EQ(names("decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight", 64),
+            V{"model.layers.0.mlp.experts.2.down_proj.weight"});
+  EXPECT_EQ(names("decoder.layers.0.mlp.shared_experts.gate_weight", 1), V{"model.layers.0.mlp.shared_expert_gate.weight"});
+  EXPECT_EQ(names("decoder.layers.0.pre_mlp_layernorm.weight", 64), V{"model.layers.0.post_attention_layernorm.weight"});
+  const auto up = spec.from_megatron_name("decoder.layers.0.mlp.shared_experts.linear_fc1.weight", 64, &c, "test");
+  ASSERT_EQ(up.size(), 2u);
+  EXPECT_EQ(up[1].name, "model.layers.0.mlp.shared_expert.up_proj.weight");
+  EXPECT_EQ(up[1].ranges, (std::vector<std::pair<int64_t, int64_t>>{{32, 32}}));
+  EXPECT_NE(error_of([&] { spec.from_megatron_name("decoder.layers.0.mlp.experts.linear_fc2.weight4", 64, &c, "entry x"); })
+                .find("entry x is expert 4 of a model with 4"),
+            std::string::npos);
 }
 
 TEST(ModelSpec, TheHfConfigRoundTripsThroughTheSpec) {

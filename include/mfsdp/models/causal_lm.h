@@ -19,6 +19,7 @@
 
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/fsdp/memory_plan.h"
+#include "mfsdp/models/moe.h"
 
 namespace mfsdp {
 
@@ -33,6 +34,8 @@ struct ModelBuildOptions {
   bool recompute_layers = false;
   // Init seed; unset: drawn from the default CPU generator (so torch::manual_seed decides).
   std::optional<uint64_t> init_seed;
+  // How MoE layers train (Megatron's --moe-* training arguments); ignored by dense models.
+  MoeTraining moe;
 };
 
 // ---- Padded and packed batches ---------------------------------------------------------------
@@ -99,6 +102,13 @@ class CausalLM : public ShardedModule<CausalLM> {
   // reference the fused kernels are checked against; true (the default): scaled_dot_product_attention.
   virtual void set_use_sdpa(bool on) = 0;
   virtual void set_recompute_layers(bool on) = 0;
+
+  // Mixtures of experts (moe.h); a dense model has no MoE layers and ignores the scale.
+  // Each MoE layer's router statistics since the last call, by layer index.
+  virtual std::vector<std::pair<int64_t, RouterStats>> take_router_stats() { return {}; }
+  // The gradient the balancing losses of one forward get (Megatron's MoEAuxLossAutoScaler scale:
+  // the trainer's 1 / micro-batches, as its language-model loss).
+  virtual void set_aux_loss_scale(double /*scale*/) {}
 
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
   // parameter named `name`: the same values whenever and wherever it is called.

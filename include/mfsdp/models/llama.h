@@ -45,6 +45,8 @@
 #include <vector>
 
 #include "mfsdp/models/causal_lm.h"
+#include "mfsdp/models/linear.h"
+#include "mfsdp/models/moe.h"
 #include "mfsdp/models/lm_loss.h"
 
 namespace mfsdp {
@@ -72,10 +74,18 @@ struct LlamaConfig {
   // Llama/Qwen2 models: llama_hf_config.h writes the other with hidden_act "gelu" and gated_mlp false
   // for checkpoints and refuses it in an HF folder.
   bool swiglu = true;
+  // Each head's width when it is not hidden_size / num_attention_heads (Qwen3's head_dim,
+  // Megatron's --kv-channels); 0: hidden_size / num_attention_heads.
+  int64_t explicit_head_dim = 0;
+  // RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm, Megatron's
+  // --qk-layernorm).
+  bool qk_norm = false;
+  // Mixture of experts (moe.h); num_experts 0: every layer has the dense MLP.
+  MoeConfig moe;
 
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
   // Throws std::invalid_argument naming the field: every size positive, heads divide
-  // hidden_size, key/value heads divide heads, an even head_dim (RoPE rotates pairs),
+  // hidden_size (unless explicit_head_dim), key/value heads divide heads, a valid moe, an even head_dim (RoPE rotates pairs),
   // rope_theta > 0, rms_norm_eps >= 0, init_std >= 0.
   void validate() const;
 };
@@ -107,16 +117,6 @@ using LlamaKVCache = KVCache;
 
 // ---- Modules ----------------------------------------------------------------------------
 
-// y = x @ weight^T (+ bias). Its own type (not torch::nn::Linear, which allocates and
-// kaiming-initialises at construction) so parameters can be deferred.
-class LlamaLinearImpl : public torch::nn::Module {
- public:
-  LlamaLinearImpl(int64_t in_features, int64_t out_features, bool deferred, bool bias = false);
-  at::Tensor forward(const at::Tensor& x);
-  at::Tensor weight;  // [out, in]
-  at::Tensor bias;    // [out]; undefined (not a parameter) without bias
-};
-TORCH_MODULE(LlamaLinear);
 
 class LlamaEmbeddingImpl : public torch::nn::Module {
  public:
@@ -149,6 +149,7 @@ class LlamaAttentionImpl : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {});
   LlamaLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // only with config.qk_norm
   // false: the explicit math path (matmul, causal mask, fp32 softmax, matmul), Hugging Face's
   // eager attention; the reference SDPA is checked against (tests/unit/llama_test.cpp).
   bool use_sdpa = true;
@@ -167,7 +168,8 @@ class LlamaMLPImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaMLP);
 
-// Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)). A fully_shard unit: call it as
+// Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)), the MLP dense or an MoE block (moe.h;
+// registered as "mlp", or Mixtral's "block_sparse_moe"). A fully_shard unit: call it as
 // `layer->call(hidden, rope, cache)`.
 class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
  public:
@@ -175,7 +177,8 @@ class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
   at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {});
   LlamaAttention self_attn{nullptr};
-  LlamaMLP mlp{nullptr};
+  LlamaMLP mlp{nullptr};  // null in an MoE layer
+  MoeBlock moe{nullptr};  // null in a dense layer
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
 };
 TORCH_MODULE(LlamaDecoderLayer);
@@ -224,6 +227,8 @@ class LlamaForCausalLMImpl : public CausalLM {
   int64_t max_positions() const override { return config_.max_position_embeddings; }
   void set_use_sdpa(bool on) override;
   void set_recompute_layers(bool on) override { model->recompute_layers = on; }
+  std::vector<std::pair<int64_t, RouterStats>> take_router_stats() override;
+  void set_aux_loss_scale(double scale) override;
 
   // Parameter names are HF names; norms start at one, biases at zero, the rest normal(0,
   // init_std), each from its own (init seed, name) generator.

@@ -20,7 +20,7 @@ namespace mfsdp {
 // cfg.attention_bias (q/k/v biases): architectures, model_type "llama" / "qwen2", the sizes,
 // rope_theta, rms_norm_eps, initializer_range, tie_word_embeddings, hidden_act "silu", head_dim,
 // (for a model without cfg.swiglu: hidden_act "gelu" and gated_mlp false, a checkpoint's
-// model_config only: require_hf_mlp refuses it for an HF folder),
+// model_config only: hf_refusal refuses it for an HF folder),
 // attention_bias, rope_scaling null, torch_dtype ("float32", "bfloat16" or "float16"; anything
 // else throws std::invalid_argument); Llama: mlp_bias false; Qwen2: use_sliding_window false,
 // sliding_window null, max_window_layers. No bos/eos token ids: the model has no tokenizer
@@ -43,9 +43,14 @@ nlohmann::json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtyp
 // Errors are std::invalid_argument naming the missing or invalid field; the result is validated.
 LlamaConfig llama_config_from_hf(const nlohmann::json& config);
 
-// Throws std::invalid_argument starting with `where` when `cfg` is not a model a Hugging Face
-// folder can hold (Megatron's GeLU MLP, cfg.swiglu false).
-void require_hf_mlp(const LlamaConfig& cfg, const std::string& where);
+// The config.json model_type of `cfg`: "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms),
+// "qwen3_moe" (experts and q/k norms), "mixtral" (experts, Mixtral's names), "qwen2_moe"
+// (experts with Qwen's names, no q/k norms).
+std::string hf_model_type(const LlamaConfig& cfg);
+// Empty when a Hugging Face folder of hf_model_type(cfg) can hold the model; else why not
+// (Megatron's GeLU MLP; a sigmoid or scaled router; a shared expert, dense layers or biases the
+// type does not have).
+std::string hf_refusal(const LlamaConfig& cfg);
 
 // The names among `tensor_names` that are bias tensors ("...bias").
 std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_names);

@@ -1,5 +1,5 @@
-// Causal grouped-query self-attention with RoPE, optional q/k/v biases (Qwen2) and an optional
-// KV cache (HF eager attention).
+// Causal grouped-query self-attention with RoPE, optional q/k/v biases (Qwen2), optional per-head
+// q/k RMSNorm (Qwen3) and an optional KV cache (HF eager attention).
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -28,13 +28,23 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, 
   k_proj = register_module("k_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred, bias));
   v_proj = register_module("v_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred, bias));
   o_proj = register_module("o_proj", LlamaLinear(num_heads_ * head_dim_, h, deferred));
+  if (c.qk_norm) {  // Qwen3: per head, over head_dim
+    q_norm = register_module("q_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps, deferred));
+    k_norm = register_module("k_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps, deferred));
+  }
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope,
                                        LlamaKVCache* cache, const at::Tensor& allowed_keys) {
   const int64_t b = x.size(0), t = x.size(1);
-  at::Tensor q = q_proj(x).view({b, t, num_heads_, head_dim_}).transpose(1, 2);
-  at::Tensor k = k_proj(x).view({b, t, num_kv_heads_, head_dim_}).transpose(1, 2);
+  at::Tensor q = q_proj(x).view({b, t, num_heads_, head_dim_});
+  at::Tensor k = k_proj(x).view({b, t, num_kv_heads_, head_dim_});
+  if (q_norm) {
+    q = q_norm(q);
+    k = k_norm(k);
+  }
+  q = q.transpose(1, 2);
+  k = k.transpose(1, 2);
   at::Tensor v = v_proj(x).view({b, t, num_kv_heads_, head_dim_}).transpose(1, 2);
   q = apply_rotary(q, rope);
   k = apply_rotary(k, rope);

@@ -15,7 +15,11 @@ namespace mfsdp {
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred) {
   self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred));
-  mlp = register_module("mlp", LlamaMLP(c, deferred));
+  if (c.moe.is_moe_layer(layer_idx)) {
+    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred));
+  } else {
+    mlp = register_module("mlp", LlamaMLP(c, deferred));
+  }
   input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
   post_attention_layernorm =
       register_module("post_attention_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
@@ -24,7 +28,8 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const RotaryTables& rope,
                                           LlamaKVCache* cache, const at::Tensor& allowed) {
   at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed);
-  return h + mlp(post_attention_layernorm(h));
+  at::Tensor normed = post_attention_layernorm(h);
+  return h + (moe ? moe(normed) : mlp(normed));
 }
 
 // ---- LlamaModel ---------------------------------------------------------------------------
@@ -116,6 +121,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
   init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
   model = register_module("model", LlamaModel(c, options.deferred_init));
   model->recompute_layers = options.recompute_layers;
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)
     lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, options.deferred_init));
   layer_deferred_.assign(c.num_layers, options.deferred_init);
@@ -213,6 +220,18 @@ bool LlamaForCausalLMImpl::has_deferred() const {
   for (bool d : layer_deferred_)
     if (d) return true;
   return false;
+}
+
+std::vector<std::pair<int64_t, RouterStats>> LlamaForCausalLMImpl::take_router_stats() {
+  std::vector<std::pair<int64_t, RouterStats>> out;
+  for (int64_t i = 0; i < model->num_layers(); ++i)
+    if (model->layer(i).moe) out.emplace_back(i, model->layer(i).moe->take_stats());
+  return out;
+}
+
+void LlamaForCausalLMImpl::set_aux_loss_scale(double scale) {
+  for (int64_t i = 0; i < model->num_layers(); ++i)
+    if (model->layer(i).moe) model->layer(i).moe->aux_loss_scale = scale;
 }
 
 void LlamaForCausalLMImpl::set_use_sdpa(bool on) {

@@ -25,7 +25,8 @@ void LlamaConfig::validate() const {
   positive("num_attention_heads", num_attention_heads);
   positive("num_key_value_heads", num_key_value_heads);
   positive("max_position_embeddings", max_position_embeddings);
-  require(hidden_size % num_attention_heads == 0, "num_attention_heads",
+  require(explicit_head_dim >= 0, "explicit_head_dim", "0 or a positive value", std::to_string(explicit_head_dim));
+  require(explicit_head_dim > 0 || hidden_size % num_attention_heads == 0, "num_attention_heads",
           "a divisor of hidden_size " + std::to_string(hidden_size),
           std::to_string(num_attention_heads));
   require(num_attention_heads % num_key_value_heads == 0, "num_key_value_heads",
@@ -37,6 +38,11 @@ void LlamaConfig::validate() const {
   require(rope_theta > 0, "rope_theta", "a positive value", std::to_string(rope_theta));
   require(rms_norm_eps >= 0, "rms_norm_eps", "a non-negative value", std::to_string(rms_norm_eps));
   require(init_std >= 0, "init_std", "a non-negative value", std::to_string(init_std));
+  try {
+    moe.validate(num_layers);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(std::string("LlamaConfig.") + e.what());  // "LlamaConfig.MoeConfig.<field>: ..."
+  }
 }
 
 }  // namespace mfsdp

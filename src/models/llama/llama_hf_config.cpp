@@ -56,6 +56,64 @@ bool optional_bool(const json& c, const char* field, bool fallback) {
 
 }  // namespace
 
+std::string hf_model_type(const LlamaConfig& cfg) {
+  if (cfg.moe.num_experts > 0) {
+    if (cfg.qk_norm) return "qwen3_moe";
+    return cfg.moe.mixtral_names ? "mixtral" : "qwen2_moe";
+  }
+  if (cfg.qk_norm) return "qwen3";
+  return cfg.attention_bias ? "qwen2" : "llama";
+}
+
+namespace {
+
+const char* architecture(const std::string& model_type) {
+  if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
+  if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
+  if (model_type == "mixtral") return "MixtralForCausalLM";
+  return "LlamaForCausalLM";
+}
+
+// The MoE fields of config.json: transformers' for the family, plus mfsdp's own (prefixed
+// "moe_", Megatron's names) for what no Hugging Face family of that type has.
+void write_moe(json& j, const LlamaConfig& cfg, const std::string& model_type) {
+  const MoeConfig& m = cfg.moe;
+  j[model_type == "mixtral" ? "num_local_experts" : "num_experts"] = m.num_experts;
+  j["num_experts_per_tok"] = m.top_k;
+  if (model_type == "mixtral") {
+    j["intermediate_size"] = m.ffn_hidden_size;  // every Mixtral layer is an MoE layer
+    j["router_jitter_noise"] = 0.0;
+    if (!m.norm_topk_prob) j["norm_topk_prob"] = false;
+    if (m.shared_expert_intermediate_size > 0) j["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size;
+  } else {
+    j["moe_intermediate_size"] = m.ffn_hidden_size;
+    j["norm_topk_prob"] = m.norm_topk_prob;
+    j["decoder_sparse_step"] = 1;
+    json dense = json::array();
+    for (int64_t i = 0; i < cfg.num_layers; ++i)
+      if (!m.is_moe_layer(i)) dense.push_back(i);
+    j["mlp_only_layers"] = dense;
+    if (model_type == "qwen2_moe" || m.shared_expert_intermediate_size > 0)
+      j["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size;
+  }
+  if (m.shared_expert_intermediate_size > 0 && !m.shared_expert_gate) j["moe_shared_expert_gate"] = false;
+  if (model_type == "mixtral" && !m.moe_layers.empty()) {
+    j["moe_dense_intermediate_size"] = cfg.intermediate_size;  // mfsdp's own: Mixtral has no dense layers
+    json dense = json::array();
+    for (int64_t i = 0; i < cfg.num_layers; ++i)
+      if (!m.is_moe_layer(i)) dense.push_back(i);
+    j["mlp_only_layers"] = dense;
+  }
+  if (m.score == MoeConfig::Score::kSigmoid) j["moe_router_score_function"] = "sigmoid";
+  if (m.topk_scaling_factor != 1.0) j["moe_router_topk_scaling_factor"] = m.topk_scaling_factor;
+  j["router_aux_loss_coef"] = 0.001;  // transformers' default; mfsdp trains with --moe-aux-loss-coeff
+  j["output_router_logits"] = false;
+}
+
+}  // namespace
+
 json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
   cfg.validate();
   std::string dtype;
@@ -67,12 +125,13 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
       throw std::invalid_argument(std::string("llama_hf_config: torch_dtype must be float32, bfloat16 or float16, not ") +
                                   c10::toString(torch_dtype));
   }
-  // q/k/v biases make it a Qwen2 model: transformers' LlamaForCausalLM with attention_bias would
-  // also give o_proj a bias, Qwen2ForCausalLM has exactly these.
-  const bool qwen2 = cfg.attention_bias;
+  // q/k/v biases make a dense model Qwen2: transformers' LlamaForCausalLM with attention_bias
+  // would also give o_proj a bias, Qwen2ForCausalLM has exactly these.
+  const std::string model_type = hf_model_type(cfg);
+  const bool qwen2 = model_type == "qwen2";
   json j;
-  j["architectures"] = json::array({qwen2 ? "Qwen2ForCausalLM" : "LlamaForCausalLM"});
-  j["model_type"] = qwen2 ? "qwen2" : "llama";
+  j["architectures"] = json::array({architecture(model_type)});
+  j["model_type"] = model_type;
   j["vocab_size"] = cfg.vocab_size;
   j["hidden_size"] = cfg.hidden_size;
   j["intermediate_size"] = cfg.intermediate_size;
@@ -91,25 +150,112 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
   // Qwen2Config has no attention_bias field (its q/k/v biases are fixed); written anyway so that
   // a config compares field by field with another (transformers keeps unknown fields).
   j["attention_bias"] = cfg.attention_bias;
+  if (model_type == "qwen2_moe") j["qkv_bias"] = cfg.attention_bias;
+  if (model_type == "mixtral" && cfg.attention_bias) j["moe_qkv_bias"] = true;  // no Mixtral has them
+  if (model_type == "qwen3_moe" && cfg.attention_bias) j["moe_qkv_bias"] = true;
   j["attention_dropout"] = 0.0;
-  if (qwen2) {
+  if (qwen2 || model_type == "qwen3" || model_type == "qwen3_moe" || model_type == "qwen2_moe") {
     j["use_sliding_window"] = false;
     j["sliding_window"] = nullptr;
     j["max_window_layers"] = cfg.num_layers;
+  } else if (model_type == "mixtral") {
+    j["sliding_window"] = nullptr;
   } else {
     j["mlp_bias"] = false;
     j["pretraining_tp"] = 1;
   }
+  if (cfg.moe.num_experts > 0) write_moe(j, cfg, model_type);
   j["use_cache"] = true;
   j["torch_dtype"] = dtype;
   return j;
 }
 
-void require_hf_mlp(const LlamaConfig& cfg, const std::string& where) {
+std::string hf_refusal(const LlamaConfig& cfg) {
   if (!cfg.swiglu)
-    throw std::invalid_argument(where + ": the model has Megatron's GeLU MLP (trained without --swiglu), which no "
-                                "Hugging Face Llama or Qwen2 has (their MLP is SwiGLU); it has no Hugging Face folder");
+    return "the model has Megatron's GeLU MLP (trained without --swiglu), which no Hugging Face Llama or Qwen2 has "
+           "(their MLP is SwiGLU); it has no Hugging Face folder";
+  const MoeConfig& m = cfg.moe;
+  if (m.num_experts == 0) return "";
+  const std::string type = hf_model_type(cfg);
+  if (m.score == MoeConfig::Score::kSigmoid)
+    return "the router scores experts with a sigmoid (--moe-router-score-function sigmoid), which no Hugging Face " +
+           type + " model does; it has no Hugging Face folder";
+  if (m.topk_scaling_factor != 1.0)
+    return "the router scales its top-k weights (--moe-router-topk-scaling-factor), which no Hugging Face " + type +
+           " model does; it has no Hugging Face folder";
+  if (type == "mixtral") {
+    if (cfg.attention_bias) return "Mixtral has no q/k/v biases (--add-qkv-bias); the model has no Hugging Face folder";
+    if (!m.norm_topk_prob) return "Mixtral renormalises its top-k weights (not --moe-router-pre-softmax)";
+    if (!m.moe_layers.empty() && std::count(m.moe_layers.begin(), m.moe_layers.end(), false) > 0)
+      return "every Mixtral layer is an MoE layer (--moe-layer-freq 1); the model has dense layers";
+    if (m.shared_expert_intermediate_size > 0) return "Mixtral has no shared expert (--moe-shared-expert-intermediate-size)";
+  } else if (type == "qwen3_moe") {
+    if (cfg.attention_bias) return "Qwen3-MoE has no q/k/v biases (--add-qkv-bias)";
+    if (m.shared_expert_intermediate_size > 0)
+      return "Qwen3-MoE has no shared expert (--moe-shared-expert-intermediate-size); the model has no Hugging Face folder";
+  } else if (type == "qwen2_moe" && !m.shared_expert_gate) {
+    return "Qwen2-MoE gates its shared expert (--moe-shared-expert-gate); the model's is ungated, which no Hugging Face "
+           "model has";
+  }
+  return "";
 }
+
+namespace {
+
+// Layer indices from a list field (mlp_only_layers), each in [0, layers).
+std::vector<int64_t> layer_list(const json& c, const char* field, int64_t layers) {
+  std::vector<int64_t> out;
+  const json* v = find(c, field);
+  if (v == nullptr) return out;
+  if (!v->is_array()) bad(field, "expected a list of layer indices, found " + v->dump());
+  for (const json& i : *v) {
+    if (!i.is_number_integer() || i.get<int64_t>() < 0 || i.get<int64_t>() >= layers)
+      bad(field, "expected layer indices in [0, " + std::to_string(layers) + "), found " + i.dump());
+    out.push_back(i.get<int64_t>());
+  }
+  return out;
+}
+
+// transformers' Qwen3MoeConfig / Qwen2MoeConfig / MixtralConfig fields, and mfsdp's own "moe_".
+void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
+  MoeConfig& m = cfg.moe;
+  const bool mixtral = model_type == "mixtral";
+  m.mixtral_names = mixtral;
+  // transformers maps num_experts and num_local_experts to one another (attribute_map).
+  m.num_experts = find(c, "num_experts") != nullptr ? required_int(c, "num_experts") : required_int(c, "num_local_experts");
+  m.top_k = required_int(c, "num_experts_per_tok");
+  if (mixtral) {
+    m.ffn_hidden_size = cfg.intermediate_size;
+    if (find(c, "moe_dense_intermediate_size") != nullptr) cfg.intermediate_size = required_int(c, "moe_dense_intermediate_size");
+    m.norm_topk_prob = optional_bool(c, "norm_topk_prob", true);  // MixtralTopKRouter always renormalises
+    if (optional_double(c, "router_jitter_noise", 0.0) != 0.0)
+      bad("router_jitter_noise", "router jitter is not supported, found " + find(c, "router_jitter_noise")->dump());
+  } else {
+    m.ffn_hidden_size = required_int(c, "moe_intermediate_size");
+    m.norm_topk_prob = optional_bool(c, "norm_topk_prob", false);  // transformers' default for both Qwen MoEs
+  }
+  if (model_type == "qwen2_moe") {
+    m.shared_expert_intermediate_size = required_int(c, "shared_expert_intermediate_size");
+    m.shared_expert_gate = true;
+  } else if (find(c, "shared_expert_intermediate_size") != nullptr) {
+    m.shared_expert_intermediate_size = required_int(c, "shared_expert_intermediate_size");
+  }
+  if (m.shared_expert_intermediate_size > 0) m.shared_expert_gate = optional_bool(c, "moe_shared_expert_gate", m.shared_expert_gate);
+  const int64_t step = mixtral ? 1 : optional_int(c, "decoder_sparse_step", 1);
+  const std::vector<int64_t> dense = layer_list(c, "mlp_only_layers", cfg.num_layers);
+  m.moe_layers.assign(cfg.num_layers, true);
+  for (int64_t i = 0; i < cfg.num_layers; ++i)
+    m.moe_layers[i] = (i + 1) % step == 0 && std::find(dense.begin(), dense.end(), i) == dense.end();
+  if (std::all_of(m.moe_layers.begin(), m.moe_layers.end(), [](bool x) { return x; })) m.moe_layers.clear();
+  if (const json* score = find(c, "moe_router_score_function")) {
+    if (!score->is_string() || (score->get<std::string>() != "softmax" && score->get<std::string>() != "sigmoid"))
+      bad("moe_router_score_function", "expected \"softmax\" or \"sigmoid\", found " + score->dump());
+    m.score = score->get<std::string>() == "sigmoid" ? MoeConfig::Score::kSigmoid : MoeConfig::Score::kSoftmax;
+  }
+  m.topk_scaling_factor = optional_double(c, "moe_router_topk_scaling_factor", 1.0);
+}
+
+}  // namespace
 
 LlamaConfig llama_config_from_hf(const json& c) {
   if (!c.is_object()) throw std::invalid_argument("HF config.json: not a JSON object");
@@ -117,8 +263,10 @@ LlamaConfig llama_config_from_hf(const json& c) {
   if (mt == nullptr) bad("model_type", "missing");
   if (!mt->is_string()) bad("model_type", "expected a string, found " + mt->dump());
   const std::string model_type = mt->get<std::string>();
-  if (model_type != "llama" && model_type != "mistral" && model_type != "qwen2")
-    bad("model_type", "'" + model_type + "' is not supported (llama, mistral, qwen2)");
+  static const std::vector<std::string> kTypes = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"};
+  if (std::find(kTypes.begin(), kTypes.end(), model_type) == kTypes.end())
+    bad("model_type", "'" + model_type + "' is not supported (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral)");
+  const bool qwen3 = model_type == "qwen3" || model_type == "qwen3_moe";
 
   LlamaConfig cfg;
   cfg.vocab_size = required_int(c, "vocab_size");
@@ -153,19 +301,25 @@ LlamaConfig llama_config_from_hf(const json& c) {
     }
     if (find(*rp, "rope_theta") != nullptr) cfg.rope_theta = optional_double(*rp, "rope_theta", cfg.rope_theta);
   }
+  cfg.qk_norm = qwen3;
   if (model_type == "qwen2") {
     // Qwen2Attention always has q/k/v biases (and none on o_proj), whatever the file says.
     cfg.attention_bias = true;
+  } else if (model_type == "qwen2_moe") {
+    cfg.attention_bias = optional_bool(c, "qkv_bias", true);  // q/k/v only, as Qwen2
+  } else if (optional_bool(c, "moe_qkv_bias", false)) {
+    cfg.attention_bias = true;  // mfsdp's own: a Megatron MoE model trained with --add-qkv-bias
   } else if (optional_bool(c, "attention_bias", false)) {
     bad("attention_bias", "true on a " + model_type + " model also puts a bias on o_proj, which is not supported "
         "(q/k/v biases alone are: model_type \"qwen2\")");
   }
   if (optional_bool(c, "mlp_bias", false)) bad("mlp_bias", "MLP biases are not supported");
-  if (model_type == "mistral") {
+  if (model_type == "mistral" || model_type == "mixtral") {
     if (const json* sw = find(c, "sliding_window"))
       bad("sliding_window", "sliding-window attention is not supported, found " + sw->dump());
   }
-  if (model_type == "qwen2" && optional_bool(c, "use_sliding_window", false))
+  if (model_type != "llama" && model_type != "mistral" && model_type != "mixtral" &&
+      optional_bool(c, "use_sliding_window", false))
     bad("use_sliding_window", "sliding-window attention is not supported (sliding_window is ignored only when "
         "use_sliding_window is false)");
   // transformers 5 spells the attention kind per layer; only full attention is supported.
@@ -175,11 +329,12 @@ LlamaConfig llama_config_from_hf(const json& c) {
       if (!t.is_string() || t.get<std::string>() != "full_attention")
         bad("layer_types", "only \"full_attention\" layers are supported, found " + t.dump());
   }
-  if (const json* hd = find(c, "head_dim")) {
-    if (!hd->is_number_integer() || hd->get<int64_t>() <= 0 || cfg.hidden_size % cfg.num_attention_heads != 0 ||
-        hd->get<int64_t>() != cfg.hidden_size / cfg.num_attention_heads)
-      bad("head_dim", "must equal hidden_size / num_attention_heads, found " + hd->dump());
+  if (find(c, "head_dim") != nullptr) {
+    const int64_t hd = required_int(c, "head_dim");
+    if (cfg.hidden_size % cfg.num_attention_heads != 0 || hd != cfg.hidden_size / cfg.num_attention_heads)
+      cfg.explicit_head_dim = hd;  // Qwen3's heads need not divide hidden_size
   }
+  if (model_type == "qwen3_moe" || model_type == "qwen2_moe" || model_type == "mixtral") read_moe(c, model_type, cfg);
   try {
     cfg.validate();
   } catch (const std::invalid_argument& e) {

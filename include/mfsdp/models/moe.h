@@ -1,0 +1,138 @@
+// Mixture of experts: the router and the MoE block that replaces a decoder layer's MLP
+// (docs/moe.md). Megatron-Core's MoELayer as transformers names it: Qwen3-MoE / Qwen2-MoE
+// ("mlp": "gate", "experts.{j}.{gate,up,down}_proj", Qwen2-MoE's "shared_expert" and
+// "shared_expert_gate") and Mixtral ("block_sparse_moe": "gate", "experts.{j}.{w1,w3,w2}").
+//
+// Each expert is its own SwiGLU MLP with 2-D weights under its global index, as in Hugging Face
+// folders and Megatron-FSDP's checkpoints (".experts.linear_fc1.weight{j}"), so a checkpoint
+// names an expert the same whatever the expert-parallel size.
+//
+// Routing follows Megatron-Core's TopKRouter (router.py, moe_utils.py topk_softmax_with_capacity):
+//   softmax: scores = softmax(logits) over every expert, top-k of them, renormalised to sum to
+//            one (norm_topk_prob; Megatron's default, which takes the softmax of the top-k
+//            logits, is the same numbers) or not (--moe-router-pre-softmax; Qwen3-MoE's
+//            norm_topk_prob false);
+//   sigmoid: scores = sigmoid(logits), top-k, renormalised when top_k > 1 (DeepSeek-V3);
+//   then times topk_scaling_factor. Dropless unless a capacity factor is given: then each expert
+//   keeps at most ceil(tokens x top_k / experts x factor) tokens, those of highest probability,
+//   and the others lose that expert (their weight is zero).
+// Losses (added to the gradient by the MoE block, reported as Megatron logs them):
+//   aux_loss (Switch/GShard):  coeff x E / (k T^2) x sum_e (sum_t p_te) x tokens_e
+//   seq_aux_loss:              the same per sequence, averaged over the sequences
+//   z_loss:                    coeff x mean_t (logsumexp_e logits_te)^2
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mfsdp/models/linear.h"
+
+namespace mfsdp {
+
+// The architecture (what a checkpoint's model_config records).
+struct MoeConfig {
+  int64_t num_experts = 0;      // 0: a dense model
+  int64_t top_k = 2;            // experts per token (num_experts_per_tok, --moe-router-topk)
+  int64_t ffn_hidden_size = 0;  // each expert's MLP width (moe_intermediate_size, --moe-ffn-hidden-size)
+  int64_t shared_expert_intermediate_size = 0;  // 0: no shared expert
+  bool shared_expert_gate = false;  // sigmoid(x W_g) scales the shared expert's output (Qwen2-MoE)
+  enum class Score { kSoftmax, kSigmoid };
+  Score score = Score::kSoftmax;
+  bool norm_topk_prob = true;        // renormalise the top-k softmax scores (see above)
+  double topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor
+  // Per decoder layer: true for an MoE block, false for the dense MLP (--moe-layer-freq,
+  // Qwen's decoder_sparse_step and mlp_only_layers). Empty: every layer.
+  std::vector<bool> moe_layers;
+  // Hugging Face's names: "mlp" with {gate,up,down}_proj (Qwen), or Mixtral's
+  // "block_sparse_moe" with w1 (gate), w3 (up), w2 (down).
+  bool mixtral_names = false;
+
+  bool is_moe_layer(int64_t layer) const;
+  // Throws std::invalid_argument naming the MoeConfig field: positive sizes, 0 < top_k <= experts,
+  // scaling factor > 0, moe_layers of `num_layers` entries.
+  void validate(int64_t num_layers) const;
+};
+
+// How the block trains (Megatron's training arguments, not part of the model).
+struct MoeTraining {
+  enum class Balancing { kAuxLoss, kSeqAuxLoss, kNone };
+  Balancing balancing = Balancing::kAuxLoss;
+  double aux_loss_coeff = 0.0;   // --moe-aux-loss-coeff
+  double z_loss_coeff = 0.0;     // --moe-z-loss-coeff
+  double capacity_factor = 0.0;  // --moe-expert-capacity-factor; <= 0: dropless
+  // Experts as one grouped GEMM (at::_grouped_mm over the weights stacked per call,
+  // --moe-grouped-gemm) instead of one GEMM per expert over its contiguous tokens.
+  bool grouped_gemm = false;
+};
+
+// One routing decision of T tokens over E experts.
+struct Routing {
+  at::Tensor logits;     // [T, E], the router's output (autograd)
+  at::Tensor probs;      // [T, E], the weight of each (token, expert), zero where not routed (autograd)
+  at::Tensor map;        // [T, E] bool, routed (after capacity dropping)
+  at::Tensor scores;     // [T, E], the full-score distribution the aux loss uses (autograd)
+};
+
+// Routes `logits` [T, E] (top_k, score function, normalisation, scaling, capacity).
+Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor);
+// Megatron's losses of one routing, before the coefficient: switch_load_balancing_loss_func
+// (tokens counted over the whole batch), sequence_load_balancing_loss_func (`batch` sequences of
+// T / batch tokens, token t in sequence t / (T / batch)), z_loss_func.
+at::Tensor load_balancing_loss(const Routing& r, int64_t top_k);
+at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch);
+at::Tensor z_loss(const at::Tensor& logits);
+
+// What a block saw since its counters were last taken: Megatron's log fields.
+struct RouterStats {
+  double load_balancing_loss = 0;  // sum over forwards of the balancing loss, before its coefficient
+  double z_loss = 0;               // same, z-loss
+  std::vector<int64_t> tokens_per_expert;  // routed (token, expert) pairs per expert
+  int64_t forwards = 0;
+};
+
+// An expert: SwiGLU MLP, down(silu(gate(x)) * up(x)).
+class ExpertMlpImpl : public torch::nn::Module {
+ public:
+  ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, bool deferred);
+  at::Tensor forward(const at::Tensor& x);
+  // Whatever their Hugging Face names: gate [I, H], up [I, H], down [H, I].
+  LlamaLinear gate{nullptr}, up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(ExpertMlp);
+
+// The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" and
+// "shared_expert_gate". x [B, T, H] -> [B, T, H]. In training the losses reach the gradient
+// through the block's output (Megatron's MoEAuxLossAutoScaler), times aux_loss_scale (the
+// trainer's 1 / micro-batches, as Megatron's set_loss_scale).
+class MoeBlockImpl : public torch::nn::Module {
+ public:
+  MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred);
+  at::Tensor forward(const at::Tensor& x);
+
+  LlamaLinear gate{nullptr};  // the router, [E, H]
+  torch::nn::ModuleList experts{nullptr};
+  ExpertMlp shared_expert{nullptr};
+  LlamaLinear shared_expert_gate{nullptr};  // [1, H]
+
+  MoeTraining training_options;
+  double aux_loss_scale = 1.0;
+  // The counters since the last call, and resets them.
+  RouterStats take_stats();
+
+ private:
+  at::Tensor run_experts(const at::Tensor& tokens, const Routing& r);
+  MoeConfig config_;
+  struct Tally {
+    at::Tensor balance, z, counts;  // sums since take_stats, on the device
+    int64_t forwards = 0;
+  } tally_;
+};
+TORCH_MODULE(MoeBlock);
+
+}  // namespace mfsdp

@@ -1,0 +1,95 @@
+// The top-k router and Megatron's MoE losses (include/mfsdp/models/moe.h).
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "mfsdp/models/moe.h"
+
+namespace mfsdp {
+
+bool MoeConfig::is_moe_layer(int64_t layer) const {
+  if (num_experts == 0) return false;
+  return moe_layers.empty() || moe_layers.at(static_cast<size_t>(layer));
+}
+
+void MoeConfig::validate(int64_t num_layers) const {
+  auto bad = [](const std::string& field, const std::string& what) {
+    throw std::invalid_argument("MoeConfig." + field + ": " + what);
+  };
+  if (num_experts < 0) bad("num_experts", "expected >= 0, found " + std::to_string(num_experts));
+  if (num_experts == 0) return;
+  if (top_k <= 0 || top_k > num_experts)
+    bad("top_k", "expected 1 .. num_experts (" + std::to_string(num_experts) + "), found " + std::to_string(top_k));
+  if (ffn_hidden_size <= 0) bad("ffn_hidden_size", "expected a positive value, found " + std::to_string(ffn_hidden_size));
+  if (shared_expert_intermediate_size < 0)
+    bad("shared_expert_intermediate_size", "expected >= 0, found " + std::to_string(shared_expert_intermediate_size));
+  if (shared_expert_gate && shared_expert_intermediate_size == 0)
+    bad("shared_expert_gate", "a gate without a shared expert (shared_expert_intermediate_size 0)");
+  if (!(topk_scaling_factor > 0) || !std::isfinite(topk_scaling_factor))
+    bad("topk_scaling_factor", "expected a positive value, found " + std::to_string(topk_scaling_factor));
+  if (!moe_layers.empty() && static_cast<int64_t>(moe_layers.size()) != num_layers)
+    bad("moe_layers", "has " + std::to_string(moe_layers.size()) + " entries for " + std::to_string(num_layers) +
+                          " layers");
+  if (!moe_layers.empty() && std::none_of(moe_layers.begin(), moe_layers.end(), [](bool m) { return m; }))
+    bad("moe_layers", "no layer is an MoE layer");
+}
+
+Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor) {
+  const int64_t tokens = logits.size(0), experts = logits.size(1), k = config.top_k;
+  Routing r;
+  r.logits = logits;
+  at::Tensor top_values, top_index;
+  if (config.score == MoeConfig::Score::kSoftmax) {
+    r.scores = at::softmax(logits, -1, at::kFloat);
+    std::tie(top_values, top_index) = at::topk(r.scores, k, -1);
+    // Megatron without --moe-router-pre-softmax takes the softmax of the top-k logits: the same
+    // numbers as renormalising the top-k of the full softmax.
+    if (config.norm_topk_prob) top_values = top_values / top_values.sum(-1, /*keepdim=*/true);
+  } else {
+    at::Tensor scores = at::sigmoid(logits.to(at::kFloat));
+    std::tie(top_values, top_index) = at::topk(scores, k, -1);
+    if (k > 1) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
+    r.scores = scores / (scores.sum(-1, true) + 1e-20);  // what the aux loss balances
+  }
+  if (config.topk_scaling_factor != 1.0) top_values = top_values * config.topk_scaling_factor;
+  r.probs = at::zeros({tokens, experts}, top_values.options()).scatter(1, top_index, top_values);
+  r.map = at::zeros({tokens, experts}, logits.options().dtype(at::kBool)).scatter(1, top_index, true);
+  if (capacity_factor > 0) {
+    // Megatron's get_capacity over tokens x top_k assignments, then the "probs" drop policy:
+    // each expert keeps its `capacity` most probable tokens.
+    const int64_t capacity =
+        static_cast<int64_t>(std::ceil(static_cast<double>(tokens * k) / experts * capacity_factor));
+    if (capacity < tokens) {
+      at::Tensor kept = std::get<1>(at::topk(r.probs.detach(), capacity, 0, /*largest=*/true, /*sorted=*/false));
+      at::Tensor within = at::zeros_like(r.map).scatter(0, kept, true);
+      r.map = r.map.logical_and(within);
+      r.probs = r.probs * r.map;
+    }
+  }
+  return r;
+}
+
+at::Tensor load_balancing_loss(const Routing& r, int64_t top_k) {
+  const int64_t tokens = r.scores.size(0), experts = r.scores.size(1);
+  at::Tensor per_expert = r.map.sum(0).to(at::kFloat);
+  const double norm = static_cast<double>(experts) / (static_cast<double>(top_k) * tokens * tokens);
+  return (r.scores.sum(0) * per_expert).sum() * norm;
+}
+
+at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch) {
+  const int64_t tokens = r.scores.size(0), experts = r.scores.size(1);
+  if (batch <= 0 || tokens % batch != 0)
+    throw std::invalid_argument("sequence_load_balancing_loss: " + std::to_string(tokens) + " tokens in " +
+                                std::to_string(batch) + " sequences");
+  const int64_t length = tokens / batch;
+  at::Tensor cost = r.map.view({batch, length, experts}).sum(1).to(at::kFloat) /
+                    (static_cast<double>(length * top_k) / experts);
+  return (cost * r.scores.view({batch, length, experts}).mean(1)).sum(1).mean();
+}
+
+at::Tensor z_loss(const at::Tensor& logits) { return at::logsumexp(logits.to(at::kFloat), -1).square().mean(); }
+
+}  // namespace mfsdp
