@@ -1,5 +1,5 @@
 // Collective bandwidth in the style of nccl-tests: for each size, the time of our communicator's
-// all_gather / reduce_scatter / all_reduce (fp32): the CPU communicator (--backend gloo, the
+// all_gather / reduce_scatter / all_reduce / all_to_all_single (fp32, equal splits): the CPU communicator (--backend gloo, the
 // default) or the NCCL one on CUDA tensors (--backend nccl, one GPU per rank: cuda:LOCAL_RANK).
 // bench/collective_bandwidth.sh runs it and the c10d baseline (bench/torch_collective_bandwidth.py:
 // ProcessGroupGloo or ProcessGroupNCCL of the same torch) round after round and prints both with
@@ -13,7 +13,8 @@
 // and the file builds against a CPU-only LibTorch too). One GPU gives a world of 1 rank: a valid
 // but degenerate measurement (no data moves between GPUs; busbw is 0).
 // size: bytes of the full (unsharded) buffer, as nccl-tests reports it. algbw = size / time;
-// busbw = algbw * (n-1)/n for all_gather and reduce_scatter, * 2(n-1)/n for all_reduce.
+// busbw = algbw * (n-1)/n for all_gather, reduce_scatter and all_to_all_single (whose size is
+// each rank's input, as nccl-tests' alltoall), * 2(n-1)/n for all_reduce.
 #include <ATen/ATen.h>
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/Parallel.h>
@@ -38,7 +39,7 @@ struct Args {
   int64_t step_factor = 4;
   int trials = 9;
   std::string backend = "gloo";
-  std::vector<std::string> ops = {"all_gather", "reduce_scatter", "all_reduce"};
+  std::vector<std::string> ops = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all_single"};
 };
 
 int64_t parse_size(const std::string& flag, const std::string& v) {
@@ -138,8 +139,12 @@ Case make_case(const std::string& op, int64_t bytes, const Bench& b) {
   if (op == "all_gather") return {[&comm, full, part] { comm.all_gather(full, part); }, ring};
   if (op == "reduce_scatter") return {[&comm, full, part] { comm.reduce_scatter(part, full); }, ring};
   if (op == "all_reduce") return {[&comm, full] { comm.all_reduce(full); }, 2 * ring};
+  if (op == "all_to_all_single") {
+    at::Tensor out = at::empty_like(full);
+    return {[&comm, out, full] { comm.all_to_all_single(out, full); }, ring};
+  }
   throw std::invalid_argument("--op: unknown operation '" + op +
-                              "' (all_gather, reduce_scatter, all_reduce)");
+                              "' (all_gather, reduce_scatter, all_reduce, all_to_all_single)");
 }
 
 std::string human(int64_t bytes) {
@@ -181,7 +186,7 @@ int main(int argc, char** argv) {
                     comm->size());
       }
       std::printf("# time: median of %d trials\n", args.trials);
-      std::printf("%-15s %8s | %10s %9s %9s\n", "op", "size", "us", "algbw", "busbw");
+      std::printf("%-17s %8s | %10s %9s %9s\n", "op", "size", "us", "algbw", "busbw");
     }
     for (const std::string& op : args.ops) {
       for (int64_t bytes = args.min_bytes; bytes <= args.max_bytes; bytes *= args.step_factor) {
@@ -189,7 +194,7 @@ int main(int argc, char** argv) {
         double secs = time_median(b, bytes, c.run, args.trials);
         if (comm->rank() == 0) {
           double gbs = bytes / secs / 1e9;
-          std::printf("%-15s %8s | %10.1f %9.3f %9.3f\n", op.c_str(), human(bytes).c_str(),
+          std::printf("%-17s %8s | %10.1f %9.3f %9.3f\n", op.c_str(), human(bytes).c_str(),
                       secs * 1e6, gbs, gbs * c.bus_factor);
           std::fflush(stdout);
         }

@@ -7,6 +7,7 @@
 # over the rounds and the ratio c10d / ours (> 1: ours faster).
 #
 #   bench/collective_bandwidth.sh [flags for both, e.g. --op all_gather --max-bytes 64M]
+#   (ops: all_gather reduce_scatter all_reduce all_to_all_single; default all, one --op at most)
 #   MFSDP_SHM=0 bench/collective_bandwidth.sh        # our TCP path instead of shared memory
 #   bench/collective_bandwidth.sh --backend nccl     # or BACKEND=nccl: GPUs (one rank per GPU)
 #
@@ -73,12 +74,12 @@ ours, base = read("ours"), read("c10d")
 def mb(size):
     return int(size[:-1]) << (20 if size[-1] == "M" else 10)
 print(f"# median over {rounds} rounds of each, alternating; ratio = {base_name} us / ours us (> 1: ours faster)")
-print(f"{'op':<15} {'size':>8} | {'ours us':>10} {'GB/s':>7} | {base_name + ' us':>13} {'GB/s':>7} | {'ratio':>6}")
+print(f"{'op':<17} {'size':>8} | {'ours us':>10} {'GB/s':>7} | {base_name + ' us':>13} {'GB/s':>7} | {'ratio':>6}")
 for key in ours:
     if key not in base:
         continue
     a, b = statistics.median(ours[key]), statistics.median(base[key])
     n = mb(key[1])
-    print(f"{key[0]:<15} {key[1]:>8} | {a:10.1f} {n / a / 1e3:7.3f} | {b:13.1f} {n / b / 1e3:7.3f} | {b / a:6.2f}")
+    print(f"{key[0]:<17} {key[1]:>8} | {a:10.1f} {n / a / 1e3:7.3f} | {b:13.1f} {n / b / 1e3:7.3f} | {b / a:6.2f}")
 PY
 echo "# raw outputs: $out"

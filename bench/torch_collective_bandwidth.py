@@ -9,7 +9,8 @@ bench/collective_bandwidth.cpp times ours, and printed in the same table format.
         [--backend gloo|nccl]
 
 c10d 2.x's gloo and nccl backends have flat collectives: all_gather_into_tensor,
-reduce_scatter_tensor and all_reduce on one flat fp32 tensor, so no workaround is timed. With
+reduce_scatter_tensor, all_reduce and all_to_all_single (equal splits) on one flat fp32 tensor,
+so no workaround is timed. With
 nccl a collective returns once queued on the stream, so each trial ends with
 torch.cuda.synchronize() (as collective_bandwidth.cpp synchronises the device).
 """
@@ -64,7 +65,11 @@ def make_op(name, nbytes, n, device):
         return (lambda: dist.reduce_scatter_tensor(part, full)), ring
     if name == "all_reduce":
         return (lambda: dist.all_reduce(full)), 2 * ring
-    raise SystemExit(f"--op: unknown operation {name!r} (all_gather, reduce_scatter, all_reduce)")
+    if name == "all_to_all_single":
+        out = torch.empty_like(full)
+        return (lambda: dist.all_to_all_single(out, full)), ring
+    raise SystemExit(f"--op: unknown operation {name!r} "
+                     "(all_gather, reduce_scatter, all_reduce, all_to_all_single)")
 
 
 def main():
@@ -98,8 +103,8 @@ def main():
     if rank == 0:
         print(f"# c10d {what} (torch {torch.__version__}), {n} ranks, fp32")
         print(f"# time: median of {a.trials} trials")
-        print(f"{'op':<15} {'size':>8} | {'us':>10} {'algbw':>9} {'busbw':>9}")
-    for name in a.op or ["all_gather", "reduce_scatter", "all_reduce"]:
+        print(f"{'op':<17} {'size':>8} | {'us':>10} {'algbw':>9} {'busbw':>9}")
+    for name in a.op or ["all_gather", "reduce_scatter", "all_reduce", "all_to_all_single"]:
         nbytes = a.min_bytes
         while nbytes <= a.max_bytes:
             op, bus = make_op(name, nbytes, n, device)
@@ -108,7 +113,7 @@ def main():
             secs = statistics.median(time_trial(nbytes, op, device) for _ in range(a.trials))
             if rank == 0:
                 gbs = nbytes / secs / 1e9
-                print(f"{name:<15} {human(nbytes):>8} | {secs * 1e6:10.1f} {gbs:9.3f} {gbs * bus:9.3f}",
+                print(f"{name:<17} {human(nbytes):>8} | {secs * 1e6:10.1f} {gbs:9.3f} {gbs * bus:9.3f}",
                       flush=True)
             nbytes *= a.step_factor
     dist.barrier()

@@ -264,16 +264,18 @@ void stage(const CheckpointReader& reader, const std::string& tensor, int64_t of
   staged.copies.emplace_back(dst, values);
 }
 
+// `anywhere`: the model tensors of every rank (under expert parallelism a rank holds only its
+// experts; the checkpoint holds them all).
 Staged stage_checkpoint(const CheckpointReader& reader, const FsdpHandle& model, DistributedOptimizer* optimizer,
                         const CheckpointLoadOptions& options, int world_rank, int world_size,
-                        LoadedCheckpoint& result) {
+                        const std::set<std::string>& anywhere, LoadedCheckpoint& result) {
   Staged staged;
   const nlohmann::json& meta = reader.metadata();
   const std::vector<LocalShard> shards = model.local_shards();
   std::set<std::string> model_tensors;
   for (const LocalShard& s : shards) model_tensors.insert(model_key(s.name));
   for (const std::string& name : reader.tensor_names())
-    if (name.rfind("model.", 0) == 0 && !model_tensors.count(name)) result.unexpected.push_back(name);
+    if (name.rfind("model.", 0) == 0 && !anywhere.count(name)) result.unexpected.push_back(name);
   for (const std::string& name : model_tensors)
     if (!reader.contains(name)) result.missing.push_back(name);
   if (options.strict && !result.missing.empty())
@@ -349,13 +351,21 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
   const int rank = world->rank();
   LoadedCheckpoint result;
   Staged staged;
+  std::set<std::string> anywhere;
+  {
+    std::string mine;
+    for (const LocalShard& s : model.local_shards()) mine += model_key(s.name) + "\n";
+    for (const std::string& text : all_gather_strings(*world, mine))
+      for (size_t at = 0, end; (end = text.find('\n', at)) != std::string::npos; at = end + 1)
+        anywhere.insert(text.substr(at, end - at));
+  }
   std::string error = capture_error([&] {
     CheckpointReader reader(resolve_checkpoint_dir(load_dir, options.iteration));
     result.path = reader.dir();
     result.metadata = reader.metadata();
     result.iteration = reader.metadata()["iteration"].get<int64_t>();
     result.consumed_samples = reader.metadata()["consumed_samples"].get<int64_t>();
-    staged = stage_checkpoint(reader, model, optimizer, options, rank, world->size(), result);
+    staged = stage_checkpoint(reader, model, optimizer, options, rank, world->size(), anywhere, result);
   });
   // Nothing is changed unless every rank staged everything.
   raise_first_error(all_gather_strings(*world, error), rank, "load_checkpoint '" + load_dir + "'");

@@ -1,6 +1,7 @@
 #include "comm/collective_args.h"
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 
 #include <algorithm>
 #include <numeric>
@@ -112,6 +113,69 @@ RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& inp
     bad_call(op, "output has " + std::to_string(output.numel()) + " elements, counts[" +
                      std::to_string(rank) + "] is " + std::to_string(s.counts[rank]));
   return s;
+}
+
+AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const AllToAllOptions& options, int rank, int world,
+                                 c10::DeviceType device) {
+  const char* op = "all_to_all_single";
+  const std::string me = "rank " + std::to_string(rank) + ": ";
+  check_tensor(op, (me + "output").c_str(), output, device);
+  check_tensor(op, (me + "input").c_str(), input, device);
+  if (output.scalar_type() != input.scalar_type())
+    bad_call(op, me + "output dtype " + c10::toString(output.scalar_type()) +
+                     " differs from input dtype " + c10::toString(input.scalar_type()));
+  if (input.dim() == 0 || output.dim() == 0)
+    bad_call(op, me + "input and output need a dim 0 to split (got shapes " +
+                     c10::str(input.sizes()) + " and " + c10::str(output.sizes()) + ")");
+  if (input.sizes().slice(1) != output.sizes().slice(1))
+    bad_call(op, me + "input rows have shape " + c10::str(input.sizes().slice(1)) +
+                     ", output rows " + c10::str(output.sizes().slice(1)) +
+                     " (input " + c10::str(input.sizes()) + ", output " +
+                     c10::str(output.sizes()) + ")");
+  // Writing received rows over rows still to be sent would corrupt them (meta tensors have no
+  // memory to overlap).
+  if (device != c10::kMeta) {
+    const auto overlap = at::get_overlap_status(output, input);
+    if (overlap == at::MemOverlapStatus::Full || overlap == at::MemOverlapStatus::Partial)
+      bad_call(op, me + "output and input overlap (it cannot run in place)");
+  }
+  auto split_rows = [&](const std::vector<int64_t>& splits, const char* name, int64_t dim0,
+                        const char* role) {
+    if (splits.empty()) {
+      if (dim0 % world != 0)
+        bad_call(op, me + role + " has " + std::to_string(dim0) +
+                         " rows, not divisible by world size " + std::to_string(world) + "; pass " +
+                         name + " for uneven splits");
+      return std::vector<int64_t>(world, dim0 / world);
+    }
+    if (static_cast<int>(splits.size()) != world)
+      bad_call(op, me + name + " has " + std::to_string(splits.size()) + " entries [" +
+                       join(splits) + "], world size is " + std::to_string(world));
+    int64_t sum = 0;
+    for (int64_t c : splits) {
+      if (c < 0) bad_call(op, me + "negative split in " + name + " [" + join(splits) + "]");
+      sum += c;
+    }
+    if (sum != dim0)
+      bad_call(op, me + name + " [" + join(splits) + "] sum to " + std::to_string(sum) + ", " +
+                       role + " has " + std::to_string(dim0) + " rows");
+    return splits;
+  };
+  const std::vector<int64_t> in =
+      split_rows(options.input_split_sizes, "input_split_sizes", input.size(0), "input");
+  const std::vector<int64_t> out =
+      split_rows(options.output_split_sizes, "output_split_sizes", output.size(0), "output");
+  if (in[rank] != out[rank])
+    bad_call(op, me + "sends itself " + std::to_string(in[rank]) + " rows (input_split_sizes[" +
+                     std::to_string(rank) + "]) but expects " + std::to_string(out[rank]) +
+                     " from itself (output_split_sizes[" + std::to_string(rank) + "])");
+  const int64_t row = c10::multiply_integers(input.sizes().slice(1));
+  auto elements = [&](std::vector<int64_t> rows) {
+    for (int64_t& c : rows) c *= row;
+    return slices_from_counts(rows);
+  };
+  return {elements(in), elements(out)};
 }
 
 void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, double prescale) {

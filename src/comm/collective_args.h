@@ -37,6 +37,18 @@ RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
 RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& input,
                                  const ReduceScatterOptions& options, int rank, int world,
                                  c10::DeviceType device);
+// An all-to-all in elements of the flat input and output: send.counts[r] elements (from
+// send.offsets[r]) of the input go to rank r, recv.counts[q] elements of the output come from
+// rank q. send.counts[rank] == recv.counts[rank] (checked: the own rows are a local copy).
+struct AllToAllLayout {
+  RankSlices send;
+  RankSlices recv;
+};
+// Validates an all_to_all_single call (tensors, dtypes, trailing shapes, splits, no overlap) and
+// returns its layout. The peers' splits cannot be checked here (the backends do what they can).
+AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const AllToAllOptions& options, int rank, int world,
+                                 c10::DeviceType device);
 // Rejects reductions the dtype cannot do (kAvg or a prescale on integers, bool, complex).
 void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, double prescale);
 

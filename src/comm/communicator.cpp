@@ -37,6 +37,15 @@ void Communicator::all_reduce(const at::Tensor& tensor, const AllReduceOptions& 
 void Communicator::broadcast(const at::Tensor& tensor, const BroadcastOptions& options) {
   broadcast_async(tensor, options)->wait();
 }
+WorkHandle Communicator::all_to_all_single_async(const at::Tensor&, const at::Tensor&,
+                                                 const AllToAllOptions&) {
+  throw std::logic_error("all_to_all_single: the '" + backend() + "' communicator of rank " +
+                         std::to_string(rank()) + " does not implement it");
+}
+void Communicator::all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                                     const AllToAllOptions& options) {
+  all_to_all_single_async(output, input, options)->wait();
+}
 void Communicator::barrier(const BarrierOptions& options) { barrier_async(options)->wait(); }
 
 at::Device resolve_device(const std::string& choice, int local_rank, int local_world_size) {

@@ -163,6 +163,10 @@ class CpuCommunicator : public Communicator {
   WorkHandle broadcast_async(const at::Tensor& tensor, const BroadcastOptions& options) override {
     return submit(broadcast_job(tensor, options));
   }
+  WorkHandle all_to_all_single_async(const at::Tensor& output, const at::Tensor& input,
+                                     const AllToAllOptions& options) override {
+    return submit(all_to_all_job(output, input, options));
+  }
   WorkHandle barrier_async(const BarrierOptions& options) override {
     return submit(barrier_job(options));
   }
@@ -181,6 +185,10 @@ class CpuCommunicator : public Communicator {
   }
   void broadcast(const at::Tensor& tensor, const BroadcastOptions& options) override {
     run(broadcast_job(tensor, options));
+  }
+  void all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                         const AllToAllOptions& options) override {
+    run(all_to_all_job(output, input, options));
   }
   void barrier(const BarrierOptions& options) override { run(barrier_job(options)); }
 
@@ -261,6 +269,19 @@ class CpuCommunicator : public Communicator {
         mesh_->post_recv(options.root, t.slot(0), bytes(tensor), nbytes);
         t.wait_recv(*mesh_, options.root);
       }
+    }};
+  }
+
+  Job all_to_all_job(const at::Tensor& output, const at::Tensor& input,
+                     const AllToAllOptions& options) {
+    AllToAllLayout l = all_to_all_layout(output, input, options, rank_, size(), c10::kCPU);
+    return Job{"all_to_all_single", options.timeout, [this, output, input, l](const Transfer& t) {
+      at::Tensor flat_out = output.view(-1), flat_in = input.view(-1);
+      flat_out.narrow(0, l.recv.offsets[rank_], l.recv.counts[rank_])
+          .copy_(flat_in.narrow(0, l.send.offsets[rank_], l.send.counts[rank_]));
+      if (size() == 1) return;
+      if (shm_) return shm_->all_to_all(t.call(), flat_out, flat_in, l.send, l.recv);
+      tcp_all_to_all(t, flat_out, flat_in, l);
     }};
   }
 
@@ -347,6 +368,28 @@ class CpuCommunicator : public Communicator {
       return q == rank_ ? input.narrow(0, s.offsets[rank_], count) : incoming.narrow(0, q * count, count);
     };
     reduce_in_rank_order(result, n, from, op, prescale);
+  }
+
+  // One message from every rank to every other, empty ones included: a message carries its
+  // length, so splits that disagree with the peer's fail at once at the receiver, naming both
+  // ranks (tcp_mesh.h), where a skipped empty message would leave its receiver waiting out the
+  // timeout, or a message nobody expects unread. An empty message costs a 16-byte header.
+  void tcp_all_to_all(const Transfer& t, const at::Tensor& output, const at::Tensor& input,
+                      const AllToAllLayout& l) {
+    const int n = size();
+    const int64_t item = input.element_size();
+    for (int q = 0; q < n; ++q)
+      if (q != rank_)
+        mesh_->post_recv(q, t.slot(0), bytes(output) + l.recv.offsets[q] * item, l.recv.counts[q] * item);
+    // Rank r sends to r + 1 first, then r + 2, ...: no rank gets everyone's first message at once.
+    for (int k = 1; k < n; ++k) {
+      const int r = (rank_ + k) % n;
+      send(r, t.slot(0), bytes(input) + l.send.offsets[r] * item, l.send.counts[r] * item);
+    }
+    for (int q = 0; q < n; ++q)
+      if (q != rank_) t.wait_recv(*mesh_, q);
+    for (int r = 0; r < n; ++r)
+      if (r != rank_) t.wait_send(*mesh_, r);
   }
 
   // Every payload this rank puts on a TCP link goes through here (counted for bytes_sent()).

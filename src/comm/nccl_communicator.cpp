@@ -262,6 +262,34 @@ class NcclCommunicator : public Communicator {
     });
   }
 
+  WorkHandle all_to_all_single_async(const at::Tensor& output, const at::Tensor& input,
+                                     const AllToAllOptions& options) override {
+    const char* op = "all_to_all_single";
+    AllToAllLayout l = all_to_all_layout(output, input, options, rank_, size(), c10::kCUDA);
+    return launch(op, options.timeout, {output, input}, [&](cudaStream_t stream) {
+      const int64_t item = input.element_size();
+      const char* in = static_cast<const char*>(input.data_ptr());
+      char* out = static_cast<char*>(output.data_ptr());
+      output.view(-1).narrow(0, l.recv.offsets[rank_], l.recv.counts[rank_])
+          .copy_(input.view(-1).narrow(0, l.send.offsets[rank_], l.send.counts[rank_]));
+      // Bytes, so that every dtype (bool too) goes as it is. Zero counts are skipped on both
+      // sides alike, as long as the ranks' splits agree (the caller's contract).
+      nccl_check(ncclGroupStart(), where(op, rank_));
+      for (int r = 0; r < size(); ++r) {
+        if (r == rank_) continue;
+        if (l.send.counts[r] > 0)
+          nccl_check(ncclSend(in + l.send.offsets[r] * item, l.send.counts[r] * item, ncclUint8, r,
+                              comm_, stream),
+                     where(op, rank_));
+        if (l.recv.counts[r] > 0)
+          nccl_check(ncclRecv(out + l.recv.offsets[r] * item, l.recv.counts[r] * item, ncclUint8, r,
+                              comm_, stream),
+                     where(op, rank_));
+      }
+      nccl_check(ncclGroupEnd(), where(op, rank_));
+    });
+  }
+
   WorkHandle barrier_async(const BarrierOptions& options) override {
     at::Tensor token = at::ones({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
     auto work = std::static_pointer_cast<NcclWork>(

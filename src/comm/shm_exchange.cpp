@@ -256,4 +256,64 @@ void ShmExchange::reduce_scatter(const Call& call, const at::Tensor& result, con
   }
 }
 
+void ShmExchange::all_to_all(const Call& call, const at::Tensor& output, const at::Tensor& input,
+                             const RankSlices& send, const RankSlices& recv) {
+  const int64_t item = input.element_size();
+  // A slot: this rank's bytes for and from every rank (2 x size int64, read in the first round),
+  // then one part per destination, filled with the next `part` bytes of its slice each round.
+  const int64_t header = static_cast<int64_t>(round_up(2 * size_ * sizeof(int64_t), 64));
+  const int64_t part = (slot_bytes_ - header) / size_ / 64 * 64;
+  if (part <= 0) throw std::logic_error("all_to_all: too many ranks for the shared-memory slots");
+  const char* in = static_cast<const char*>(input.data_ptr());
+  char* out = static_cast<char*>(output.data_ptr());
+  auto chunk = [&](int64_t elements, int64_t lo) {
+    return std::clamp<int64_t>(elements * item - lo, 0, part);
+  };
+  int64_t rounds = 1;  // until the first round told every rank's sizes
+  for (int64_t j = 0; j < rounds; ++j) {
+    const int64_t lo = j * part;
+    const int parity = static_cast<int>(++round_ % 2);
+    char* mine = slot(parity, rank_);
+    if (j == 0) {
+      auto* sizes = reinterpret_cast<int64_t*>(mine);
+      for (int r = 0; r < size_; ++r) {
+        sizes[r] = send.counts[r] * item;
+        sizes[size_ + r] = recv.counts[r] * item;
+      }
+    }
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      const int64_t n = chunk(send.counts[r], lo);
+      std::memcpy(mine + header + r * part, in + send.offsets[r] * item + lo, n);
+      written_ += n;
+    }
+    announce_and_wait(call);
+    if (j == 0) {
+      // Every rank reads the same sizes, so all agree on the rounds and all fail together.
+      int64_t most = 0;
+      for (int q = 0; q < size_; ++q) {
+        const auto* from = reinterpret_cast<const int64_t*>(slot(parity, q));
+        for (int r = 0; r < size_; ++r) {
+          if (r == q) continue;
+          const int64_t expected = reinterpret_cast<const int64_t*>(slot(parity, r))[size_ + q];
+          if (from[r] != expected) {
+            std::ostringstream s;
+            s << call.op << " #" << call.seq << " failed on rank " << rank_ << ": rank " << q << " sends "
+              << from[r] << " bytes to rank " << r << ", which expects " << expected
+              << " bytes from it (rank " << q << "'s input_split_sizes[" << r << "] and rank " << r
+              << "'s output_split_sizes[" << q << "] disagree, or their dtypes or row shapes do)";
+            throw CommError(s.str());
+          }
+          most = std::max(most, from[r]);
+        }
+      }
+      rounds = std::max<int64_t>(1, (most + part - 1) / part);
+    }
+    for (int q = 0; q < size_; ++q)
+      if (q != rank_)
+        std::memcpy(out + recv.offsets[q] * item + lo, slot(parity, q) + header + rank_ * part,
+                    chunk(recv.counts[q], lo));
+  }
+}
+
 }  // namespace mfsdp

@@ -54,6 +54,13 @@ class ShmExchange {
   // rank order) of prescale x slice `rank` of rank q's `input` (flat, laid out by `s`).
   void reduce_scatter(const Call& call, const at::Tensor& result, const at::Tensor& input,
                       const RankSlices& s, ReduceOp op, double prescale);
+  // all_to_all_single: slice r of `input` (flat, laid out by `send`) to rank r, slice q of
+  // `output` (laid out by `recv`) from rank q; the own slices are left to the caller. The first
+  // round carries every rank's sizes, so that all agree on the number of rounds, and a pair of
+  // ranks whose sizes disagree fails on every rank (CommError naming both) instead of moving
+  // wrong data.
+  void all_to_all(const Call& call, const at::Tensor& output, const at::Tensor& input,
+                  const RankSlices& send, const RankSlices& recv);
   // Bytes this rank has written into its slots for peers to read, so far.
   int64_t bytes_written() const { return written_.load(); }
 

@@ -78,6 +78,23 @@ class SimulatedCommunicator final : public Communicator {
     return done();
   }
 
+  // As all-gather: as if every rank sent this rank what this rank sends itself (cut or padded
+  // with zeros to the rows expected from it); the own rows are exact.
+  WorkHandle all_to_all_single_async(const at::Tensor& output, const at::Tensor& input,
+                                     const AllToAllOptions& options) override {
+    const AllToAllLayout l = all_to_all_layout(output, input, options, rank_, size_, device_.type());
+    at::NoGradGuard no_grad;
+    const at::Tensor own = input.reshape({-1}).narrow(0, l.send.offsets[rank_], l.send.counts[rank_]);
+    const at::Tensor flat_out = output.view({-1});
+    for (int q = 0; q < size_; ++q) {
+      at::Tensor slot = flat_out.narrow(0, l.recv.offsets[q], l.recv.counts[q]);
+      const int64_t n = std::min(l.recv.counts[q], own.numel());
+      slot.narrow(0, 0, n).copy_(own.narrow(0, 0, n));
+      if (n < l.recv.counts[q]) slot.narrow(0, n, l.recv.counts[q] - n).zero_();
+    }
+    return done();
+  }
+
   WorkHandle barrier_async(const BarrierOptions&) override { return done(); }
 
   std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name) override {

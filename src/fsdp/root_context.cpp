@@ -10,22 +10,21 @@
 
 namespace mfsdp::detail {
 
-Communicator& CommContext::reduce_scatter() {
-  if (!reduce_scatter_) {
-    if (!all_gather_->device().is_cuda()) {
-      reduce_scatter_ = all_gather_;
-    } else {
-      std::vector<int> everyone(all_gather_->size());
-      for (int r = 0; r < all_gather_->size(); ++r) everyone[r] = r;
-      reduce_scatter_ = all_gather_->new_group(everyone, "fsdp_reduce_scatter");
-    }
+Communicator& CommContext::reduce_scatter(const std::shared_ptr<Communicator>& shard_group) {
+  for (const auto& [group, reducer] : reducers_)
+    if (group == shard_group) return *reducer;
+  std::shared_ptr<Communicator> reducer = shard_group;
+  if (shard_group->device().is_cuda()) {
+    std::vector<int> everyone(shard_group->size());
+    for (int r = 0; r < shard_group->size(); ++r) everyone[r] = r;
+    reducer = shard_group->new_group(everyone, "fsdp_reduce_scatter");
   }
-  return *reduce_scatter_;
+  reducers_.emplace_back(shard_group, reducer);
+  return *reducer;
 }
 
 RootContext::RootContext(std::vector<UnitState*> members, const FullyShardOptions& root_options)
     : units(std::move(members)),
-      comm(root_options.comm),
       allocator(make_buffer_allocator(root_options.buffer_allocator)),
       divide_factor(root_options.gradient_scaling == GradientScaling::kNone
                         ? 1.0

@@ -32,16 +32,16 @@ class UnitState;
 // (src/comm/nccl_communicator.cpp). On the CPU both are the shard group itself: one comm thread.
 // The second communicator is made at the first gradient reduction, which every rank reaches in
 // the same order (making one is collective); the context itself may be built by a call on one
-// rank only (memory(), events()).
+// rank only (memory(), events()). Units under one root may shard over different groups (experts
+// over their expert-data-parallel group, the rest over the data-parallel one): each shard group
+// gets its own reduction communicator.
 class CommContext {
  public:
-  // All-gathers run on `shard_group` itself (each ParamGroup holds it).
-  explicit CommContext(std::shared_ptr<Communicator> shard_group) : all_gather_(std::move(shard_group)) {}
-  Communicator& reduce_scatter();
+  // The communicator the gradients of units sharded over `shard_group` are reduced on.
+  Communicator& reduce_scatter(const std::shared_ptr<Communicator>& shard_group);
 
  private:
-  std::shared_ptr<Communicator> all_gather_;
-  std::shared_ptr<Communicator> reduce_scatter_;  // null until the first reduction
+  std::vector<std::pair<std::shared_ptr<Communicator>, std::shared_ptr<Communicator>>> reducers_;
 };
 
 class RootContext {

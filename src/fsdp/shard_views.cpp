@@ -12,6 +12,7 @@ OptimizerShard optimizer_shard(const ParamGroup& group) {
   s.main_weight = main.data();
   s.main_grad = group.gradients().main_grads().range(main.begin(), main.data().numel());
   s.replicated = !main.sharded();
+  if (s.replicated) s.copies = group.shard_group().size();
   for (size_t i = 0; i < group.params().size(); ++i) {
     const FlatBuffer::ParamSlice slice = main.slice_of(i);
     if (slice.length == 0) continue;

@@ -107,10 +107,19 @@ std::shared_ptr<RootContext> UnitState::shared_context() {
 }
 
 void UnitState::build_context() {
-  for (UnitState* u : members_)
-    if (u->options_.comm != options_.comm || u->options_.mesh != options_.mesh)
-      throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' was sharded over another communicator than its root; "
-                                  "every unit under one root must use the same options.comm or the same options.mesh");
+  // Units may shard over their own group (experts over the expert-data-parallel group): the
+  // gradients are still divided by the root's data-parallel size, which the collective's own
+  // average (over the unit's group) would not do; HSDP meshes stay one per root.
+  for (UnitState* u : members_) {
+    if (u->options_.comm == options_.comm && u->options_.mesh == options_.mesh) continue;
+    if (u->options_.mesh || options_.mesh)
+      throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' was sharded over another mesh than its root; "
+                                  "every unit under one HSDP root must use the same options.mesh");
+    if (options_.gradient_scaling == GradientScaling::kAverageInCollective)
+      throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' is sharded over another communicator than its "
+                                  "root, which GradientScaling::kAverageInCollective cannot average over the root's "
+                                  "data-parallel ranks; use kDivideByWorld");
+  }
   auto ctx = std::make_shared<RootContext>(members_, options_);
   for (UnitState* u : members_) {
     u->context_ = ctx;
@@ -294,7 +303,7 @@ void UnitState::post_backward() {
     context().limit_pending(0);
     for (auto& g : groups_) {
       PendingReduction r = g->gradients().reduce(
-          context().comm.reduce_scatter(), context().divide_factor,
+          context().comm.reduce_scatter(options_.comm), context().divide_factor,
           options_.gradient_scaling == GradientScaling::kAverageInCollective);
       if (r.work || r.finish_fn) context().pending.push_back(std::move(r));
     }

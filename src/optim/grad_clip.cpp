@@ -50,12 +50,25 @@ double ShardOptimizer::clip_grad_norm(double max_norm) {
   // Sharded shards hold disjoint pieces of the model, so their squares add up across ranks.
   // Replicated shards are the same on every rank: all-reducing them would count them world-size
   // times, so they are added once, after the reduction.
-  std::vector<at::Tensor> sharded, replicated;
-  for (size_t i = 0; i < shards_.size(); ++i)
-    for (const SegmentRun& run : runs_[i])
-      (shards_[i].replicated ? replicated : sharded).push_back(shards_[i].main_grad.narrow(0, run.offset, run.length));
+  // A shard replicated over a sub-group only (no_shard experts) is counted once per copy in the
+  // all-reduce: its squares are divided by its copies first.
+  std::vector<at::Tensor> sharded, replicated, all;
   at::Tensor sharded_sq = at::zeros({1}, options);
   at::Tensor replicated_sq = at::zeros({1}, options);
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    const bool everywhere = shards_[i].replicated && (shards_[i].copies == 0 || shards_[i].copies == comm_->size());
+    std::vector<at::Tensor> partial;
+    for (const SegmentRun& run : runs_[i]) {
+      at::Tensor piece = shards_[i].main_grad.narrow(0, run.offset, run.length);
+      (everywhere ? replicated : shards_[i].replicated ? partial : sharded).push_back(piece);
+      all.push_back(piece);
+    }
+    if (!partial.empty()) {
+      at::Tensor sq = at::zeros({1}, options);
+      add_squared_norms(sq, partial);
+      sharded_sq.add_(sq / shards_[i].copies);
+    }
+  }
   add_squared_norms(sharded_sq, sharded);
   add_squared_norms(replicated_sq, replicated);
   // Every rank joins exactly one all-reduce per call, also with no elements of its own, so the
@@ -68,8 +81,7 @@ double ShardOptimizer::clip_grad_norm(double max_norm) {
   if (max_norm > 0 && std::isfinite(norm)) {
     const double clip_coef = max_norm / (norm + 1e-6);
     if (clip_coef < 1) {
-      sharded.insert(sharded.end(), replicated.begin(), replicated.end());
-      if (!sharded.empty()) at::_foreach_mul_(sharded, clip_coef);  // a rank may hold no elements
+      if (!all.empty()) at::_foreach_mul_(all, clip_coef);  // a rank may hold no elements
     }
   }
   return norm;

@@ -46,10 +46,10 @@ ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const 
       load_checkpoint(from, comm, ref.root, nullptr, o);
       return ref;
     }
-    ref.root.load_full_state_dict(load_full_weights(from));
+    ref.root.load_full_state_dict(weights_held_by(*ref.model, load_full_weights(from)));
     return ref;
   }
-  ref.root.load_full_state_dict(start_weights);
+  ref.root.load_full_state_dict(weights_held_by(*ref.model, start_weights));
   return ref;
 }
 
@@ -251,7 +251,7 @@ GrpoStep GrpoTrainer::rollout(int64_t iteration) {
     torch::NoGradGuard no_grad;
     if (g_.rollout_mode == "full") {
       RolloutModel& copy = run_->rollout_model();
-      copy.load_from(run_->root());
+      copy.load_from(run_->gather_full_weights());
       step.update_weights_s = seconds_since(t0);
       generated = generate_batch(copy.model(), gen_prompts, seeds, sampling_);
       copy.release();

@@ -13,7 +13,7 @@ ToolFlags grpo_tool_flags(GrpoArgs& a) {
   t.program = "mfsdp-grpo";
   // Not the pretraining corpus nor mfsdp-pretrain's own section; a step's batch is
   // --train-batch-size prompts x --rollout-n responses.
-  t.sections = {Section::kModel,      Section::kTokenizer, Section::kTraining, Section::kOptimizer,
+  t.sections = {Section::kModel,      Section::kMoe,       Section::kTokenizer, Section::kTraining, Section::kOptimizer,
                 Section::kCheckpoint, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
                 Section::kProfiling};
   t.replaced = {{"--global-batch-size", "a step trains on --train-batch-size prompts x --rollout-n responses"}};

@@ -109,6 +109,44 @@ const std::vector<Flag>& flags() {
                      "pad the embedding rows to a multiple of this"),
             BOOL_FLAG("--recompute-activations", recompute_activations, "full activation recompute per layer"),
             STRING_FLAG("--recompute-granularity", recompute_granularity, "recompute granularity", "full"),
+            BOOL_FLAG("--qk-layernorm", qk_layernorm, "RMSNorm over each query and key head before RoPE (Qwen3)"),
+            INT_FLAG("--kv-channels", kv_channels, "each attention head's width (0: --hidden-size / --num-attention-heads)"),
+         }},
+        {Section::kMoe,
+         {
+            INT_FLAG("--num-experts", num_experts, "experts per MoE layer (0: a dense model)"),
+            INT_FLAG("--moe-router-topk", moe_router_topk, "experts each token is routed to"),
+            INT_FLAG("--moe-ffn-hidden-size", moe_ffn_hidden_size, "each expert's MLP width (0: --ffn-hidden-size)"),
+            INT_FLAG("--moe-shared-expert-intermediate-size", moe_shared_expert_intermediate_size,
+                     "width of the shared expert every token also goes through (0: none)"),
+            BOOL_FLAG("--moe-shared-expert-gate", moe_shared_expert_gate,
+                      "scale the shared expert's output by sigmoid(x w) (Qwen2-MoE)"),
+            STRING_FLAG("--moe-router-score-function", moe_router_score_function,
+                        "router scores: softmax over the experts, or sigmoid (DeepSeek-V3)", "softmax", "sigmoid"),
+            BOOL_FLAG("--moe-router-pre-softmax", moe_router_pre_softmax,
+                      "softmax over every expert, then the top-k, not renormalised (default: renormalised top-k)"),
+            DOUBLE_FLAG("--moe-router-topk-scaling-factor", moe_router_topk_scaling_factor,
+                        "multiply the top-k weights by this (0: no scaling)"),
+            STRING_FLAG("--moe-router-load-balancing-type", moe_router_load_balancing_type,
+                        "balancing loss: over the micro-batch (aux_loss), per sequence (seq_aux_loss) or none",
+                        "aux_loss", "seq_aux_loss", "none"),
+            DOUBLE_FLAG("--moe-aux-loss-coeff", moe_aux_loss_coeff, "weight of the load-balancing loss (0: off)"),
+            DOUBLE_FLAG("--moe-z-loss-coeff", moe_z_loss_coeff, "weight of the router z-loss (0: off)"),
+            DOUBLE_FLAG("--moe-expert-capacity-factor", moe_expert_capacity_factor,
+                        "each expert takes at most tokens x top-k / experts x this, dropping the least probable "
+                        "(0: dropless)"),
+            STRING_FLAG("--moe-token-dispatcher-type", moe_token_dispatcher_type,
+                        "how tokens reach their experts' ranks: all-to-all", "alltoall"),
+            BOOL_FLAG("--moe-grouped-gemm", moe_grouped_gemm,
+                      "the experts as one grouped GEMM (at::_grouped_mm) instead of one GEMM per expert"),
+            STRING_FLAG("--moe-layer-freq", moe_layer_freq,
+                        "which layers are MoE layers: every N-th from layer 0, or a list such as [1,0,1,0]"),
+            BOOL_FLAG("--moe-router-enable-expert-bias", moe_router_enable_expert_bias,
+                      "aux-loss-free balancing (refused: not built yet)"),
+            BOOL_FLAG("--moe-per-layer-logging", moe_per_layer_logging,
+                      "log each MoE layer's balancing loss and tokens per expert (metrics file, TensorBoard)"),
+            INT_FLAG("--expert-model-parallel-size", expert_model_parallel_size,
+                     "ranks the experts of a layer are split over (1: every rank holds every expert)"),
          }},
         {Section::kTokenizer,
          {
@@ -457,6 +495,10 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
 void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   // Each section's own values first (config/sections.h), then what joins sections.
   static_cast<ModelSection&>(a).validate();
+  static_cast<const MoeSection&>(a).validate(a.num_layers);
+  if (a.expert_model_parallel_size > 1 && dp % a.expert_model_parallel_size != 0)
+    flag_error("--expert-model-parallel-size", std::to_string(a.expert_model_parallel_size) +
+                                                   " does not divide the data-parallel size " + std::to_string(dp));
   static_cast<const DataSection&>(a).validate();
   static_cast<const TrainingSection&>(a).validate();
   static_cast<const OptimizerSection&>(a).validate();

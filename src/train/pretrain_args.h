@@ -18,6 +18,7 @@ namespace mfsdp {
 // Every section of src/train/config/sections.h: a field reads as `args.lr` whichever section
 // holds it.
 struct PretrainArgs : ModelSection,
+                      MoeSection,
                       TokenizerSection,
                       DataSection,
                       TrainingSection,

@@ -9,8 +9,9 @@ namespace mfsdp {
 RolloutModel::RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa)
     : config_(config), device_(device), use_sdpa_(use_sdpa) {}
 
-void RolloutModel::load_from(const FsdpHandle& root) {
-  const auto state = root.full_state_dict(/*all_ranks=*/true);
+void RolloutModel::load_from(const FsdpHandle& root) { load_from(root.full_state_dict(/*all_ranks=*/true)); }
+
+void RolloutModel::load_from(const std::map<std::string, at::Tensor>& state) {
   if (!model_) {
     // Built once (its initial values are overwritten below); released storage is given back
     // by set_data, which keeps each parameter's TensorImpl.

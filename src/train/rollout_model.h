@@ -7,6 +7,7 @@
 #include <c10/core/Device.h>
 
 #include "mfsdp/fsdp/fully_shard.h"
+#include <map>
 #include <memory>
 
 #include "mfsdp/models/model_spec.h"
@@ -18,6 +19,9 @@ class RolloutModel {
   RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa = true);
   // Collective over the shard group of `root`.
   void load_from(const FsdpHandle& root);
+  // From full weights by name (TrainingRun::gather_full_weights, which also collects the experts
+  // of the other expert-parallel ranks).
+  void load_from(const std::map<std::string, at::Tensor>& state);
   void release();
   bool loaded() const { return loaded_; }
   // Throws std::logic_error when not loaded.

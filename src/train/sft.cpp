@@ -27,7 +27,7 @@ ToolFlags sft_tool_flags(SftArgs& a) {
   t.program = "mfsdp-sft";
   // Not the pretraining corpus (--max-length is the sequence length) nor mfsdp-pretrain's own
   // section (the loss is always normalised by global counts: --loss-agg-mode).
-  t.sections = {Section::kModel,      Section::kTokenizer, Section::kTraining, Section::kOptimizer,
+  t.sections = {Section::kModel,      Section::kMoe,       Section::kTokenizer, Section::kTraining, Section::kOptimizer,
                 Section::kCheckpoint, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
                 Section::kProfiling};
   t.extra_title = "SFT: the conversations and the loss";

@@ -35,7 +35,33 @@ nlohmann::json megatron_model_args(const PretrainArgs& a) {
           {"swiglu", a.swiglu},
           {"normalization", a.normalization},
           {"position_embedding_type", a.position_embedding_type},
-          {"add_bias_linear", false}};
+          {"add_bias_linear", false},
+          {"qk_layernorm", a.qk_layernorm},
+          {"kv_channels", a.kv_channels > 0 ? nlohmann::json(a.kv_channels) : nlohmann::json()},
+          {"num_experts", a.num_experts},
+          {"moe_router_topk", a.moe_router_topk},
+          {"moe_ffn_hidden_size", a.moe_ffn_hidden_size},
+          {"moe_shared_expert_intermediate_size", a.moe_shared_expert_intermediate_size},
+          {"moe_shared_expert_gate", a.moe_shared_expert_gate},
+          {"moe_router_score_function", a.moe_router_score_function},
+          {"moe_router_pre_softmax", a.moe_router_pre_softmax},
+          {"moe_router_topk_scaling_factor",
+           a.moe_router_topk_scaling_factor > 0 ? nlohmann::json(a.moe_router_topk_scaling_factor) : nlohmann::json()},
+          {"moe_layer_freq", a.moe_layer_freq.front() == '['
+                                 ? nlohmann::json(a.moe_layer_pattern())
+                                 : nlohmann::json(a.moe_layer_pattern().front())}};
+}
+
+MoeTraining moe_training_from_args(const PretrainArgs& a) {
+  MoeTraining t;
+  t.balancing = a.moe_router_load_balancing_type == "seq_aux_loss" ? MoeTraining::Balancing::kSeqAuxLoss
+                : a.moe_router_load_balancing_type == "none"       ? MoeTraining::Balancing::kNone
+                                                                   : MoeTraining::Balancing::kAuxLoss;
+  t.aux_loss_coeff = a.moe_aux_loss_coeff;
+  t.z_loss_coeff = a.moe_z_loss_coeff;
+  t.capacity_factor = a.moe_expert_capacity_factor;
+  t.grouped_gemm = a.moe_grouped_gemm;
+  return t;
 }
 
 ModelConfig model_config_from_args(const PretrainArgs& a) { return model_config_from_megatron(megatron_model_args(a)); }
@@ -61,11 +87,25 @@ ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& 
   options.deferred_init = a.init_model_with_meta_device;
   options.recompute_layers = a.recompute_activations;
   options.init_seed = static_cast<uint64_t>(a.seed);
+  options.moe = moe_training_from_args(a);
+  std::shared_ptr<DeviceMesh> mesh;
+  if (a.expert_model_parallel_size > 1) {
+    const int ep = static_cast<int>(a.expert_model_parallel_size), world = shard.comm->size();
+    const int64_t experts = config.hf.value("num_experts", config.hf.value("num_local_experts", int64_t{0}));
+    if (experts == 0)
+      flag_error("--expert-model-parallel-size", "the model (" + config.spec->describe(config) + ") has no experts");
+    if (experts % ep != 0)
+      flag_error("--expert-model-parallel-size", std::to_string(ep) + " does not divide the model's " +
+                                                     std::to_string(experts) + " experts");
+    mesh = std::make_shared<DeviceMesh>(shard.comm, std::vector<int>{world / ep, ep},
+                                        std::vector<std::string>{"expert_data_parallel", "expert_parallel"});
+    options.expert_parallel = mesh->get("expert_parallel");
+  }
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
   model->set_use_sdpa(a.attention_backend != "unfused");
   // With --init-model-with-meta-device each layer is materialised as it is sharded.
-  FsdpHandle root = shard_model(*model, shard);
-  return {model, root};
+  FsdpHandle root = shard_model(*model, shard, mesh ? mesh->get("expert_data_parallel") : nullptr);
+  return {model, root, mesh};
 }
 
 namespace {
@@ -75,6 +115,14 @@ std::map<std::string, at::Tensor> weights_of(const CausalLM& model) {
   return weights;
 }
 }  // namespace
+
+std::map<std::string, at::Tensor> weights_held_by(const CausalLM& model, std::map<std::string, at::Tensor> full) {
+  const auto held = model.named_parameters();
+  for (auto it = full.begin(); it != full.end();)
+    it = held.find(it->first) == nullptr && it->first.find(".experts.") != std::string::npos ? full.erase(it)
+                                                                                             : std::next(it);
+  return full;
+}
 
 std::map<std::string, at::Tensor> load_full_weights(const std::string& path) {
   return weights_of(*load_model(path).model);
@@ -127,6 +175,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
       comm_(std::move(comm)),
       log_(log),
       tool_(std::move(tool)),
+      per_token_loss_(per_token_loss),
       print_(comm_->rank() == 0 || is_simulated(*comm_)),
       sharded_(build_sharded_model(config, args, shard_options_from_args(args, comm_, per_token_loss))),
       metrics_(print_ ? args.metrics_file : ""),
@@ -160,7 +209,7 @@ ResumePoint TrainingRun::start(const std::map<std::string, at::Tensor>* initial)
   if (!args_.load_dir.empty() || (!args_.load.empty() && initial == nullptr)) {
     resume = load_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_);
   } else if (initial != nullptr) {
-    sharded_.root.load_full_state_dict(*initial);
+    sharded_.root.load_full_state_dict(weights_held_by(*sharded_.model, *initial));
   }
   last_saved_ = resume.iteration;
   return resume;
@@ -191,12 +240,17 @@ at::Tensor grad_of(const LocalShard& s, const std::vector<OptimizerShard>& shard
 TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
                                          const std::function<double(int64_t)>& micro_batch) {
   profiler_.before_step(iteration);
+  // The balancing losses are averaged over the micro-batches (and, with per-token losses, whose
+  // gradients are summed over the ranks, over the ranks too), as the language-model loss is.
+  sharded_.model->set_aux_loss_scale(1.0 / static_cast<double>(micro_batches * (per_token_loss_ ? comm_->size() : 1)));
+  sharded_.model->take_router_stats();  // drop what evaluation or generation routed
   bool loss_finite = true;
   for (int64_t m = 0; m < micro_batches; ++m) {
     sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
     if (!std::isfinite(micro_batch(m))) loss_finite = false;
   }
   StepStats s;
+  collect_router_stats(s);
   {
     RECORD_USER_SCOPE("mfsdp::clip_grad_norm");
     s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);  // a non-finite norm leaves the grads as they are
@@ -332,9 +386,46 @@ void TrainingRun::check_finite_weights(int64_t iteration) {
                        ". The checkpoint of this iteration was not saved" + kNanCheckEnd);
 }
 
+void TrainingRun::collect_router_stats(StepStats& s) {
+  const std::vector<std::pair<int64_t, RouterStats>> local = sharded_.model->take_router_stats();
+  if (local.empty()) return;
+  // One all-reduce: per layer [balancing sum, z sum, forwards, tokens per expert...].
+  std::vector<double> packed;
+  for (const auto& [layer, r] : local) {
+    packed.insert(packed.end(), {r.load_balancing_loss, r.z_loss, static_cast<double>(r.forwards)});
+    packed.insert(packed.end(), r.tokens_per_expert.begin(), r.tokens_per_expert.end());
+  }
+  at::Tensor t = at::tensor(packed, at::kDouble).to(comm_->device());
+  comm_->all_reduce(t);
+  t = t.cpu();
+  const double* v = t.data_ptr<double>();
+  size_t at = 0;
+  double forwards_total = 0;
+  for (const auto& [layer, r] : local) {
+    StepStats::MoeLayer m;
+    m.layer = layer;
+    const double forwards = std::max(1.0, v[at + 2]);
+    m.load_balancing_loss = v[at] / forwards;
+    m.z_loss = v[at + 1] / forwards;
+    for (size_t j = 0; j < r.tokens_per_expert.size(); ++j) m.tokens_per_expert.push_back(std::llround(v[at + 3 + j]));
+    at += 3 + r.tokens_per_expert.size();
+    s.load_balancing_loss += v[at - 3 - r.tokens_per_expert.size()];
+    s.z_loss += v[at - 2 - r.tokens_per_expert.size()];
+    forwards_total += forwards;
+    s.moe_layers.push_back(std::move(m));
+  }
+  s.load_balancing_loss /= forwards_total;
+  s.z_loss /= forwards_total;
+}
+
 std::string TrainingRun::norms_log_text(const StepStats& stats) const {
   std::string text;
   char buf[96];
+  if (!stats.moe_layers.empty()) {
+    std::snprintf(buf, sizeof buf, " | load_balancing_loss: %.6E | z_loss: %.6E", stats.load_balancing_loss,
+                  stats.z_loss);
+    text += buf;
+  }
   if (args_.log_num_zeros_in_grad) {
     std::snprintf(buf, sizeof buf, " | num zeros: %lld", static_cast<long long>(stats.num_zeros_in_grad));
     text += buf;
@@ -350,6 +441,18 @@ void TrainingRun::add_norms(IterationRecord& r, const StepStats& stats) const {
   if (args_.log_num_zeros_in_grad)
     r.extra.emplace_back("num_zeros_in_grad", static_cast<double>(stats.num_zeros_in_grad));
   if (args_.log_params_norm) r.extra.emplace_back("params_norm", stats.params_norm);
+  if (stats.moe_layers.empty()) return;
+  r.extra.emplace_back("load_balancing_loss", stats.load_balancing_loss);
+  r.extra.emplace_back("z_loss", stats.z_loss);
+  if (!args_.moe_per_layer_logging) return;
+  for (const StepStats::MoeLayer& m : stats.moe_layers) {
+    const std::string layer = "layer_" + std::to_string(m.layer);
+    r.extra.emplace_back("load_balancing_loss/" + layer, m.load_balancing_loss);
+    r.extra.emplace_back("z_loss/" + layer, m.z_loss);
+    for (size_t j = 0; j < m.tokens_per_expert.size(); ++j)
+      r.extra.emplace_back("tokens_per_expert/" + layer + "/expert_" + std::to_string(j),
+                           static_cast<double>(m.tokens_per_expert[j]));
+  }
 }
 
 void TrainingRun::record(const IterationRecord& r) {
@@ -413,7 +516,33 @@ RolloutModel& TrainingRun::rollout_model() {
 }
 
 std::map<std::string, at::Tensor> TrainingRun::gather_full_weights() const {
-  return sharded_.root.full_state_dict(/*all_ranks=*/true);
+  std::map<std::string, at::Tensor> full = sharded_.root.full_state_dict(/*all_ranks=*/true);
+  if (!sharded_.expert_mesh) return full;
+  // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
+  // (the rank that has it) broadcasts it to the others, in the model's parameter order.
+  const std::shared_ptr<Communicator> ep = sharded_.expert_mesh->get("expert_parallel");
+  const auto shapes = model_parameter_shapes(config_);
+  const auto device = ep->device();
+  at::Tensor owner = at::zeros({static_cast<int64_t>(shapes.size())}, at::TensorOptions().dtype(at::kLong));
+  for (size_t i = 0; i < shapes.size(); ++i)
+    if (full.count(shapes[i].first)) owner[static_cast<int64_t>(i)] = ep->rank() + 1;
+  at::Tensor highest = owner.to(device, /*non_blocking=*/false, /*copy=*/true), lowest = owner.to(device, false, true);
+  ep->all_reduce(highest, {ReduceOp::kMax});
+  lowest.neg_();
+  ep->all_reduce(lowest, {ReduceOp::kMax});  // -min
+  highest = highest.cpu();
+  lowest = lowest.cpu();
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const auto& [name, shape] = shapes[i];
+    if (-lowest[static_cast<int64_t>(i)].item<int64_t>() > 0) continue;  // every rank has it
+    const int from = static_cast<int>(highest[static_cast<int64_t>(i)].item<int64_t>()) - 1;
+    if (from < 0) throw std::logic_error("gather_full_weights: no rank holds '" + name + "'");
+    at::Tensor t = ep->rank() == from ? full.at(name).to(device).contiguous()
+                                       : at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(device));
+    ep->broadcast(t, {from});
+    full[name] = t.to(full.begin()->second.device());
+  }
+  return full;
 }
 
 namespace {
@@ -463,8 +592,9 @@ void TrainingRun::finish(int64_t last, const std::string& curve_title) {
     log_ << " loss curve: " << svg << "\n";
   }
   if (!args_.export_hf.empty()) {
-    auto state = sharded_.root.full_state_dict(/*all_ranks=*/false);
-    if (!state.empty()) export_hf_folder(args_, config_, state, log_);  // rank 0
+    // Rank 0 writes; under expert parallelism every rank gathers, to collect the experts.
+    auto state = sharded_.expert_mesh ? gather_full_weights() : sharded_.root.full_state_dict(/*all_ranks=*/false);
+    if (comm_->rank() == 0) export_hf_folder(args_, config_, state, log_);
   }
   if (print_) {
     MemoryReport m = sharded_.root.memory();

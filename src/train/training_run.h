@@ -17,6 +17,7 @@
 
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/comm/device_mesh.h"
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
 #include "train/metrics.h"
@@ -41,9 +42,15 @@ FullyShardOptions shard_options_from_args(const PretrainArgs& args, const std::s
 struct ShardedModel {
   std::shared_ptr<CausalLM> model;
   FsdpHandle root;
+  // --expert-model-parallel-size > 1: the data-parallel ranks as a grid [edp, ep] (the
+  // expert-parallel groups are runs of consecutive ranks, as Megatron lays them out); null
+  // otherwise.
+  std::shared_ptr<DeviceMesh> expert_mesh;
 };
 // Builds the model and shards it, layers then the root. With --init-model-with-meta-device every
-// layer is materialised and sharded in turn, so no rank ever holds the whole model.
+// layer is materialised and sharded in turn, so no rank ever holds the whole model. Under expert
+// parallelism each rank builds only its experts, and each layer's experts are a unit sharded
+// over the expert-data-parallel group (the ranks holding the same experts).
 ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& args,
                                  const FullyShardOptions& shard);
 
@@ -57,6 +64,10 @@ struct StartingPoint {
   std::map<std::string, at::Tensor> weights;  // empty unless from hf_load
   std::string description;                    // for the log
 };
+// The part of full weights `model` holds: under expert parallelism a rank builds only its own
+// experts, so the others' are left out (the full weights were checked against the model's
+// config when they were read).
+std::map<std::string, at::Tensor> weights_held_by(const CausalLM& model, std::map<std::string, at::Tensor> full);
 // The full weights (by HF name, fp32, CPU) of a Hugging Face folder or a checkpoint (load_model).
 std::map<std::string, at::Tensor> load_full_weights(const std::string& path);
 StartingPoint starting_point(const PretrainArgs& args, const std::string& hf_load, int64_t tokenizer_vocab);
@@ -87,6 +98,17 @@ class TrainingRun {
     double lr = 0;
     double params_norm = 0;        // with --log-params-norm: L2 norm of every parameter after the step
     int64_t num_zeros_in_grad = 0;  // with --log-num-zeros-in-grad: gradient elements == 0 after clipping
+    // MoE models: Megatron's log fields over the step's micro-batches and every rank, the balancing
+    // losses before their coefficients (mean over MoE layers and forwards), and per MoE layer.
+    struct MoeLayer {
+      int64_t layer = 0;
+      double load_balancing_loss = 0;
+      double z_loss = 0;
+      std::vector<int64_t> tokens_per_expert;  // (token, expert) pairs routed to each expert
+    };
+    std::vector<MoeLayer> moe_layers;
+    double load_balancing_loss = 0;
+    double z_loss = 0;
   };
   // One optimizer step of `iteration` (1-based): micro_batch(m) for m = 0 .. micro_batches - 1
   // runs that micro-batch's forward and backward (gradients are reduced after the last one
@@ -97,7 +119,9 @@ class TrainingRun {
   // the parameters whose shards hold the values) before the optimizer step. Collective.
   StepStats step(int64_t iteration, int64_t micro_batches, const std::function<double(int64_t)>& micro_batch);
   // The " | num zeros: N | params norm: X" of the log line (empty when neither flag is given),
-  // and the same values into a metrics record (num_zeros_in_grad, params_norm).
+  // and the same values into a metrics record (num_zeros_in_grad, params_norm); for an MoE model
+  // also " | load_balancing_loss: X | z_loss: Y" (with --moe-per-layer-logging each layer's loss
+  // and tokens per expert in the record).
   std::string norms_log_text(const StepStats& stats) const;
   void add_norms(IterationRecord& record, const StepStats& stats) const;
 
@@ -137,6 +161,9 @@ class TrainingRun {
 
  private:
   void save(int64_t iteration);
+  // The MoE layers' router statistics of this step, summed over the ranks (collective; nothing
+  // for a dense model).
+  void collect_router_stats(StepStats& stats);
   // --check-for-nan-in-loss-and-grad after clipping (`grad_norm`: the global norm, the same on
   // every rank). Throws NonFiniteError. Collective.
   void check_finite(int64_t iteration, bool loss_finite, double grad_norm);
@@ -150,6 +177,7 @@ class TrainingRun {
   std::shared_ptr<Communicator> comm_;
   std::ostream& log_;
   ToolFlags tool_;
+  bool per_token_loss_;  // gradients summed over the ranks (no 1 / dp)
   bool print_;
   ShardedModel sharded_;
   std::unique_ptr<DistributedOptimizer> optimizer_;

@@ -311,3 +311,169 @@ MFSDP_DIST_TEST(Collectives, LargeBuffersSpanSeveralSegments, {2, 3}) {
     expect_equal(gathered, want, label("large all_gather", dtype, "unequal", world));
   }
 }
+
+namespace {
+
+// Rows rank `src` sends to rank `dst` in each all-to-all split pattern, known to every rank.
+int64_t a2a_rows(const std::string& pattern, int src, int dst, int world) {
+  if (pattern == "uneven") return 1 + (2 * src + 3 * dst) % 4;
+  if (pattern == "zero") {
+    // Rank 0 sends nothing at all, the last rank receives nothing at all, and a few more pairs
+    // exchange nothing.
+    if (src == 0 || dst == world - 1 || (src + dst) % 3 == 0) return 0;
+    return 1 + (src * dst) % 3;
+  }
+  return 0;  // "empty": no rows anywhere
+}
+
+// Row `row` of rank `rank`'s all-to-all input (trailing shape `trailing`): values from (rank,
+// row, column) that differ between neighbouring ranks and rows, exact in every dtype tested.
+at::Tensor a2a_rows_of(int rank, int64_t rows, at::IntArrayRef trailing, at::ScalarType dtype) {
+  std::vector<int64_t> shape = {rows};
+  shape.insert(shape.end(), trailing.begin(), trailing.end());
+  const int64_t row_numel = c10::multiply_integers(trailing);
+  at::Tensor r = at::arange(rows, at::kLong).view({rows, 1});
+  at::Tensor c = at::arange(row_numel, at::kLong).view({1, row_numel});
+  at::Tensor v;
+  if (dtype == at::kLong) v = 1000000 * (rank + 1) + 1000 * r + c;  // unique per element
+  else if (dtype == at::kBool) v = (rank + 2 * r + c) % 3 == 0;
+  else v = (31 * rank + 7 * r + 3 * c) % 256 - 128;  // integers, exact in bf16
+  return v.to(dtype).reshape(shape);
+}
+
+struct A2ACase {
+  std::string what;
+  std::vector<int64_t> in_splits, out_splits;  // empty for equal splits
+  at::Tensor input, output, want;
+};
+
+// Rank `rank`'s call and, independently of any communicator, what it must receive: the
+// matching rows of every rank's input, built from (rank, row).
+A2ACase a2a_case(const std::string& pattern, int rank, int world, at::IntArrayRef trailing,
+                 at::ScalarType dtype) {
+  A2ACase c;
+  c.what = "all_to_all_single " + std::string(c10::toString(dtype)) + " " + pattern + " splits, rows " +
+           c10::str(trailing) + ", world " + std::to_string(world) + ", rank " + std::to_string(rank);
+  auto rows = [&](int src, int dst) {
+    return pattern == "equal" ? int64_t{2} : a2a_rows(pattern, src, dst, world);
+  };
+  int64_t in_rows = 0;
+  for (int r = 0; r < world; ++r) in_rows += rows(rank, r);
+  std::vector<at::Tensor> parts;
+  for (int q = 0; q < world; ++q) {
+    int64_t q_total = 0, q_offset = 0;
+    for (int r = 0; r < world; ++r) q_total += rows(q, r);
+    for (int r = 0; r < rank; ++r) q_offset += rows(q, r);
+    parts.push_back(a2a_rows_of(q, q_total, trailing, dtype).narrow(0, q_offset, rows(q, rank)));
+  }
+  c.want = at::cat(parts);
+  if (pattern != "equal") {
+    for (int r = 0; r < world; ++r) {
+      c.in_splits.push_back(rows(rank, r));
+      c.out_splits.push_back(rows(r, rank));
+    }
+  }
+  c.input = a2a_rows_of(rank, in_rows, trailing, dtype);
+  c.output = at::full_like(c.want, 1);  // anything left unwritten shows
+  return c;
+}
+
+}  // namespace
+
+// all_to_all_single against the reference exchange: uneven, zero (a rank that sends nothing,
+// one that receives nothing, 0-row tensors) and equal splits (no split vectors), 1-D and 2-D
+// rows, four dtypes, the synchronous form and several asynchronous ones in flight at once.
+MFSDP_DIST_TEST(Collectives, AllToAllSingle, {1, 2, 3, 4}) {
+  const int world = comm.size(), rank = comm.rank();
+  std::vector<A2ACase> cases;
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong, at::kBool})
+    for (const char* pattern : {"uneven", "zero", "empty", "equal"})
+      for (std::vector<int64_t> trailing : {std::vector<int64_t>{}, {3}, {2, 5}})
+        cases.push_back(a2a_case(pattern, rank, world, trailing, dtype));
+  for (A2ACase& c : cases) {
+    at::Tensor input_before = c.input.clone();
+    comm.all_to_all_single(c.output, c.input, {c.in_splits, c.out_splits});
+    expect_equal(c.output, c.want, c.what);
+    expect_equal(c.input, input_before, c.what + ": input must not change");
+  }
+  std::vector<mfsdp::WorkHandle> works;
+  for (A2ACase& c : cases) {
+    c.output.fill_(1);
+    works.push_back(comm.all_to_all_single_async(c.output, c.input, {c.in_splits, c.out_splits}));
+  }
+  for (auto& w : works) w->wait();
+  for (A2ACase& c : cases) expect_equal(c.output, c.want, "async " + c.what);
+}
+
+// Slices larger than a shared-memory slot's part take several rounds there, and TCP messages of
+// several MiB; neither may lose or misplace a byte. Also counts the bytes put on the links:
+// exactly the rows sent to other ranks (the own rows are a local copy).
+MFSDP_DIST_TEST(Collectives, AllToAllSingleLargeSlices, {2, 3}) {
+  const int world = comm.size(), rank = comm.rank();
+  auto rows = [](int src, int dst) -> int64_t { return 300000 + 100000 * ((src + 2 * dst) % 3); };
+  auto splits_of = [&](int q) {  // rank q's input_split_sizes
+    std::vector<int64_t> v;
+    for (int r = 0; r < world; ++r) v.push_back(rows(q, r));
+    return v;
+  };
+  auto input_of = [&](int q) { return rank_input(q, 2 * sum_of(splits_of(q)), at::kFloat, 5).view({-1, 2}); };
+  std::vector<int64_t> out_splits;
+  std::vector<at::Tensor> parts;
+  for (int q = 0; q < world; ++q) {
+    out_splits.push_back(rows(q, rank));
+    parts.push_back(input_of(q).narrow(0, offset_of(splits_of(q), rank), rows(q, rank)));
+  }
+  const at::Tensor want = at::cat(parts);
+  at::Tensor output = at::full_like(want, 99);
+  comm.barrier();
+  const int64_t before = mfsdp::cpu_bytes_sent(comm);
+  comm.all_to_all_single(output, input_of(rank), {splits_of(rank), out_splits});
+  const int64_t sent = mfsdp::cpu_bytes_sent(comm) - before;
+  expect_equal(output, want, "large all_to_all_single, world " + std::to_string(world));
+  EXPECT_EQ(sent, (sum_of(splits_of(rank)) - rows(rank, rank)) * 2 * 4);
+}
+
+namespace {
+
+// Rank 1 sends rank 0 `rows_1_to_0` rows where rank 0 expects 2 (the ranks' splits disagree):
+// rank 0's call must fail with CommError naming both ranks, at once (not at the harness's
+// one-minute timeout), and write nothing past the rows it expects. The other ranks may see the
+// error in the all-to-all or only in their next collective (their peer broke off), but at once
+// too. They stay alive meanwhile, as in a job: a peer that exits is noticed whatever else went
+// wrong.
+void expect_split_mismatch_fails(Communicator& comm, int64_t rows_1_to_0) {
+  const int world = comm.size(), rank = comm.rank();
+  std::vector<int64_t> in_splits(world, 2), out_splits(world, 2);
+  if (rank == 1) in_splits[0] = rows_1_to_0;
+  at::Tensor input = at::ones({sum_of(in_splits), 4});
+  at::Tensor output = at::zeros({sum_of(out_splits) + 1, 4});  // a guard row past the end
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    comm.all_to_all_single(output.narrow(0, 0, sum_of(out_splits)), input, {in_splits, out_splits});
+    ASSERT_NE(rank, 0) << "rank 0 expected 2 rows from rank 1, got " << rows_1_to_0 << ", and did not notice";
+    comm.barrier();
+    ADD_FAILURE() << "rank " << rank << ": the barrier after a failed all_to_all_single succeeded";
+  } catch (const mfsdp::CommError& e) {
+    const std::string msg = e.what();
+    if (rank == 0) {
+      EXPECT_NE(msg.find("all_to_all_single"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 0"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 1"), std::string::npos) << msg;
+    }
+  }
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30)) << "not at once";
+  EXPECT_TRUE(at::equal(output[-1], at::zeros({4}))) << "rank " << rank << ": data landed past the output";
+}
+
+}  // namespace
+
+MFSDP_DIST_TEST(Collectives, AllToAllSingleFewerRowsThanExpectedIsAnError, {2, 3}) {
+  expect_split_mismatch_fails(comm, 1);
+}
+MFSDP_DIST_TEST(Collectives, AllToAllSingleMoreRowsThanExpectedIsAnError, {2, 3}) {
+  expect_split_mismatch_fails(comm, 3);
+}
+// The empty message: skipped on one side only, rank 0 would wait out the timeout.
+MFSDP_DIST_TEST(Collectives, AllToAllSingleNoRowsWhereSomeExpectedIsAnError, {2, 3}) {
+  expect_split_mismatch_fails(comm, 0);
+}

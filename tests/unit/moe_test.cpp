@@ -158,7 +158,7 @@ TEST(MoeBlock, OutputIsTheWeightedSumOfTheChosenExpertsTokenByToken) {
     at::Tensor want = at::zeros({16});
     const at::Tensor xt = tokens[t];
     for (size_t e : top(p, 2)) {
-      auto& ex = *block->experts->ptr<mfsdp::ExpertMlpImpl>(e);
+      auto& ex = block->experts->expert(e);
       at::Tensor h = at::silu(at::mv(ex.gate->weight, xt)) * at::mv(ex.up->weight, xt);
       want = want + p[e] * at::mv(ex.down->weight, h);
     }
@@ -184,10 +184,10 @@ TEST(MoeBlock, AnExpertWithoutTokensGetsAZeroGradientAndCountsAreKept) {
     }
     const at::Tensor x = at::rand({1, 6, 8}) + 0.1;
     block->forward(x).sum().backward();
-    const auto& idle = *block->experts->ptr<mfsdp::ExpertMlpImpl>(0);
+    const auto& idle = block->experts->expert(0);
     ASSERT_TRUE(idle.gate->weight.grad().defined()) << "grouped " << grouped;
     EXPECT_EQ(idle.gate->weight.grad().abs().sum().item<double>(), 0.0);
-    EXPECT_GT(block->experts->ptr<mfsdp::ExpertMlpImpl>(1)->down->weight.grad().abs().sum().item<double>(), 0.0);
+    EXPECT_GT(block->experts->expert(1).down->weight.grad().abs().sum().item<double>(), 0.0);
     const mfsdp::RouterStats stats = block->take_stats();
     EXPECT_EQ(stats.tokens_per_expert, (std::vector<int64_t>{0, 6, 0}));
     EXPECT_EQ(stats.forwards, 1);

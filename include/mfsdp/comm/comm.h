@@ -76,6 +76,15 @@ struct BarrierOptions {
   std::chrono::milliseconds timeout{0};
 };
 
+// Rows (entries along dim 0) this rank sends to / receives from each rank (size() == world size
+// each). Empty: equal splits, size(0) / world size rows per rank (size(0) must divide). Splits may
+// differ and may be zero.
+struct AllToAllOptions {
+  std::vector<int64_t> input_split_sizes;
+  std::vector<int64_t> output_split_sizes;
+  std::chrono::milliseconds timeout{0};
+};
+
 // Numerics (all backends): bf16/fp16 reductions accumulate in fp32 and round once at the end,
 // so the result is the fp32 sum of the inputs rounded to the tensor's dtype (independent of the
 // world size and reduction order up to fp32 rounding). Integer tensors are reduced exactly;
@@ -112,6 +121,17 @@ class Communicator {
   virtual WorkHandle broadcast_async(const at::Tensor& tensor,
                                      const BroadcastOptions& options = {}) = 0;
 
+  // torch.distributed.all_to_all_single: input rows [in_off[r], in_off[r] + input_split[r]) go to
+  // rank r; output rows [out_off[q], out_off[q] + output_split[q]) come from rank q (offsets are
+  // prefix sums of the splits). input and output: contiguous, same dtype (any), same trailing
+  // shape (sizes after dim 0), not overlapping; zero rows allowed. Contract, not checkable
+  // without traffic: input_split[r] here == output_split[rank()] on rank r. The CPU backend
+  // fails a violation with CommError naming both ranks; NCCL's behaviour is undefined (c10d's
+  // too). Not pure, so that communicators written before it (test doubles) still compile: the
+  // default throws std::logic_error; every mfsdp backend overrides it.
+  virtual WorkHandle all_to_all_single_async(const at::Tensor& output, const at::Tensor& input,
+                                             const AllToAllOptions& options = {});
+
   // Completes once every rank reached it (and all previously issued work has finished here).
   virtual WorkHandle barrier_async(const BarrierOptions& options = {}) = 0;
 
@@ -128,6 +148,8 @@ class Communicator {
                               const ReduceScatterOptions& options = {});
   virtual void all_reduce(const at::Tensor& tensor, const AllReduceOptions& options = {});
   virtual void broadcast(const at::Tensor& tensor, const BroadcastOptions& options = {});
+  virtual void all_to_all_single(const at::Tensor& output, const at::Tensor& input,
+                                 const AllToAllOptions& options = {});
   virtual void barrier(const BarrierOptions& options = {});
 };
 

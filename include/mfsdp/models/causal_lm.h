@@ -36,6 +36,9 @@ struct ModelBuildOptions {
   std::optional<uint64_t> init_seed;
   // How MoE layers train (Megatron's --moe-* training arguments); ignored by dense models.
   MoeTraining moe;
+  // Expert parallelism: the ranks a layer's experts are split over (this rank holds its share,
+  // include/mfsdp/models/moe.h); null or size 1: every expert on every rank.
+  std::shared_ptr<Communicator> expert_parallel;
 };
 
 // ---- Padded and packed batches ---------------------------------------------------------------
@@ -123,6 +126,9 @@ class CausalLM : public ShardedModule<CausalLM> {
   // The FSDP units: layer i's module (sharded first, one unit per layer), then shard_root makes
   // the units outside the layers and the root unit, and returns the root's handle.
   virtual torch::nn::Module& layer_unit(int64_t i) = 0;
+  // Layer i's experts as a module of their own (sharded before the layer, over the
+  // expert-data-parallel group); null for a dense layer.
+  virtual torch::nn::Module* expert_unit(int64_t /*i*/) { return nullptr; }
   virtual FsdpHandle shard_root(const FullyShardOptions& options) = 0;
   // The order a training step runs those units in (StepShape's forward_order and
   // root_gradients_after; the caller fills the micro-batches and optimizer states), for the
@@ -133,7 +139,10 @@ class CausalLM : public ShardedModule<CausalLM> {
 // fully_shard over every layer, then shard_root; returns the root handle. A model built with
 // deferred parameters (ModelBuildOptions::deferred_init) has each layer materialised and
 // initialised just before it is sharded, and the rest before the root, so no rank ever holds
-// more than one unsharded layer beyond the root's parameters.
-FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options);
+// more than one unsharded layer beyond the root's parameters. `expert_data_parallel` (expert
+// parallelism: the ranks holding the same experts as this one): each MoE layer's experts become
+// a unit sharded over it, before their layer.
+FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options,
+                       const std::shared_ptr<Communicator>& expert_data_parallel = nullptr);
 
 }  // namespace mfsdp

@@ -173,7 +173,8 @@ TORCH_MODULE(LlamaMLP);
 // `layer->call(hidden, rope, cache)`.
 class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
  public:
-  LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
+  LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred,
+                        std::shared_ptr<Communicator> expert_parallel = nullptr);
   at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {});
   LlamaAttention self_attn{nullptr};
@@ -186,7 +187,7 @@ TORCH_MODULE(LlamaDecoderLayer);
 // Embedding, the decoder layers, the final norm (HF LlamaModel).
 class LlamaModelImpl : public torch::nn::Module {
  public:
-  LlamaModelImpl(const LlamaConfig& config, bool deferred);
+  LlamaModelImpl(const LlamaConfig& config, bool deferred, std::shared_ptr<Communicator> expert_parallel = nullptr);
   // input_ids [B, T] (int64) -> final-normed hidden states [B, T, H]. Positions are
   // start_pos .. start_pos + T - 1; start_pos < 0 means the cache's length (0 without cache),
   // and with a cache it must equal the cache's length.
@@ -248,6 +249,9 @@ class LlamaForCausalLMImpl : public CausalLM {
   // Units: each decoder layer; then, untied, embed_tokens (not gathered for its backward) and
   // lm_head, so the two vocabulary-sized weights are never unsharded together; then the root.
   torch::nn::Module& layer_unit(int64_t i) override { return model->layer(i); }
+  torch::nn::Module* expert_unit(int64_t i) override {
+    return model->layer(i).moe ? model->layer(i).moe->experts.get() : nullptr;
+  }
   FsdpHandle shard_root(const FullyShardOptions& options) override;
   StepShape unit_schedule() const override;
 

@@ -31,6 +31,8 @@
 #include <string>
 #include <vector>
 
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/linear.h"
 
 namespace mfsdp {
@@ -106,17 +108,43 @@ class ExpertMlpImpl : public torch::nn::Module {
 };
 TORCH_MODULE(ExpertMlp);
 
+// The experts this rank holds: with expert parallelism over `ep` ranks, rank r holds experts
+// [r E / ep, (r + 1) E / ep), registered under their global index ("experts.{j}"), so a
+// checkpoint names an expert the same at every expert-parallel size. A fully_shard unit of its
+// own under expert parallelism (sharded over the expert-data-parallel group), called through the
+// runtime: `experts->call(tokens, counts)`.
+class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
+ public:
+  MoeExpertsImpl(int64_t hidden, const MoeConfig& config, int64_t first, int64_t count, bool deferred);
+  // tokens [n, H] sorted by local expert, counts [count] (CPU int64) rows per local expert ->
+  // each row through its expert, [n, H]. `grouped`: one grouped GEMM (at::_grouped_mm) over the
+  // weights stacked for the call, else one GEMM per expert (Megatron's SequentialMLP); an expert
+  // without rows still runs, so every expert has a gradient (zero) each step.
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& counts, bool grouped);
+  ExpertMlpImpl& expert(int64_t local) { return *local_[static_cast<size_t>(local)]; }
+  int64_t first() const { return first_; }
+  int64_t count() const { return static_cast<int64_t>(local_.size()); }
+
+ private:
+  std::vector<ExpertMlp> local_;
+  int64_t first_;
+};
+MFSDP_MODULE(MoeExperts);
+
 // The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" and
 // "shared_expert_gate". x [B, T, H] -> [B, T, H]. In training the losses reach the gradient
 // through the block's output (Megatron's MoEAuxLossAutoScaler), times aux_loss_scale (the
-// trainer's 1 / micro-batches, as Megatron's set_loss_scale).
+// trainer's 1 / micro-batches, as Megatron's set_loss_scale). With `expert_parallel` (the
+// expert-parallel group, size > 1) the (token, expert) pairs go to their expert's rank and back
+// by all-to-all (Megatron's alltoall token dispatcher).
 class MoeBlockImpl : public torch::nn::Module {
  public:
-  MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred);
+  MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred,
+               std::shared_ptr<Communicator> expert_parallel = nullptr);
   at::Tensor forward(const at::Tensor& x);
 
   LlamaLinear gate{nullptr};  // the router, [E, H]
-  torch::nn::ModuleList experts{nullptr};
+  MoeExperts experts{nullptr};
   ExpertMlp shared_expert{nullptr};
   LlamaLinear shared_expert_gate{nullptr};  // [1, H]
 
@@ -127,7 +155,11 @@ class MoeBlockImpl : public torch::nn::Module {
 
  private:
   at::Tensor run_experts(const at::Tensor& tokens, const Routing& r);
+  // The routed rows `sorted` (grouped by global expert, `counts` [E] on the device) through their
+  // experts on the expert-parallel ranks, back in the same order.
+  at::Tensor dispatch(const at::Tensor& sorted, const at::Tensor& counts);
   MoeConfig config_;
+  std::shared_ptr<Communicator> ep_;  // null: every expert is here
   struct Tally {
     at::Tensor balance, z, counts;  // sums since take_stats, on the device
     int64_t forwards = 0;

@@ -33,7 +33,11 @@ struct OptimizerShard {
                                        // place by clip_grad_norm()
   std::vector<ShardSegment> segments;  // cover the elements that belong to parameters; padding
                                        // elements outside every segment are never updated
-  bool replicated = false;             // true when every rank holds the same shard (no_shard)
+  bool replicated = false;             // true when the shard is not sharded (no_shard)
+  // Ranks holding this same replicated shard: the optimizer's whole communicator, or only a
+  // sub-group of it (no_shard experts, replicated over their expert-data-parallel group while
+  // other ranks hold other experts). 0: every rank of the optimizer's communicator.
+  int copies = 0;
 };
 
 // The learning rate is not an option: step(lr) takes it (a schedule decides it per step).

@@ -13,10 +13,11 @@ namespace mfsdp {
 
 // ---- LlamaDecoderLayer --------------------------------------------------------------------
 
-LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred) {
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred,
+                                             std::shared_ptr<Communicator> expert_parallel) {
   self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred));
   if (c.moe.is_moe_layer(layer_idx)) {
-    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred));
+    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred, std::move(expert_parallel)));
   } else {
     mlp = register_module("mlp", LlamaMLP(c, deferred));
   }
@@ -34,11 +35,12 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const Rotary
 
 // ---- LlamaModel ---------------------------------------------------------------------------
 
-LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred) : config_(c) {
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, std::shared_ptr<Communicator> expert_parallel)
+    : config_(c) {
   config_.validate();
   embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred));
+  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred, expert_parallel));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
 }
 
@@ -119,7 +121,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
     : config_(c) {
   config_.validate();
   init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
-  model = register_module("model", LlamaModel(c, options.deferred_init));
+  model = register_module("model", LlamaModel(c, options.deferred_init, options.expert_parallel));
   model->recompute_layers = options.recompute_layers;
   for (int64_t i = 0; i < c.num_layers; ++i)
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;

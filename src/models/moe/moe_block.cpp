@@ -29,6 +29,40 @@ struct AttachLoss : public torch::autograd::Function<AttachLoss> {
   }
 };
 
+std::vector<int64_t> to_vector(const c10::IValue& v) { return v.toIntVector(); }
+
+// all_to_all_single of rows as an autograd function: the backward sends the gradients back the
+// way the rows came (the splits swapped).
+struct AllToAll : public torch::autograd::Function<AllToAll> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input, std::vector<int64_t> send,
+                            std::vector<int64_t> recv, Communicator* comm) {
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+    return exchange(*comm, input.contiguous(), send, recv);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    at::Tensor back = exchange(*comm, grad[0].contiguous(), to_vector(ctx->saved_data["recv"]),
+                               to_vector(ctx->saved_data["send"]));
+    return {back, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+  static at::Tensor exchange(Communicator& comm, const at::Tensor& input, const std::vector<int64_t>& send,
+                             const std::vector<int64_t>& recv) {
+    int64_t rows = 0;
+    for (int64_t r : recv) rows += r;
+    std::vector<int64_t> shape = input.sizes().vec();
+    shape[0] = rows;
+    at::Tensor out = at::empty(shape, input.options());
+    AllToAllOptions o;
+    o.input_split_sizes = send;
+    o.output_split_sizes = recv;
+    comm.all_to_all_single(out, input, o);
+    return out;
+  }
+};
+
 }  // namespace
 
 ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, bool deferred) {
@@ -40,11 +74,46 @@ ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_
 
 at::Tensor ExpertMlpImpl::forward(const at::Tensor& x) { return down(at::silu(gate(x)) * up(x)); }
 
-MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred) : config_(config) {
+MoeExpertsImpl::MoeExpertsImpl(int64_t hidden, const MoeConfig& config, int64_t first, int64_t count, bool deferred)
+    : first_(first) {
+  for (int64_t j = first; j < first + count; ++j)
+    local_.push_back(register_module(std::to_string(j),
+                                     ExpertMlp(hidden, config.ffn_hidden_size, config.mixtral_names, deferred)));
+}
+
+at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& counts, bool grouped) {
+  const int64_t n = count();
+  if (grouped) {
+    // One GEMM over every expert's rows: the weights stacked [n, H, I] per call.
+    std::vector<at::Tensor> g, u, d;
+    for (const ExpertMlp& e : local_) {
+      g.push_back(e->gate->weight.t());
+      u.push_back(e->up->weight.t());
+      d.push_back(e->down->weight.t());
+    }
+    at::Tensor offsets = counts.cumsum(0).to(tokens.device(), at::kInt);
+    at::Tensor h = at::silu(at::_grouped_mm(tokens, at::stack(g), offsets)) * at::_grouped_mm(tokens, at::stack(u), offsets);
+    return at::_grouped_mm(h, at::stack(d), offsets);
+  }
+  const int64_t* rows = counts.data_ptr<int64_t>();
+  std::vector<at::Tensor> parts;
+  int64_t start = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    parts.push_back(local_[j]->forward(tokens.narrow(0, start, rows[j])));
+    start += rows[j];
+  }
+  return at::cat(parts);
+}
+
+MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred,
+                           std::shared_ptr<Communicator> expert_parallel)
+    : config_(config), ep_(expert_parallel && expert_parallel->size() > 1 ? std::move(expert_parallel) : nullptr) {
   gate = register_module("gate", LlamaLinear(hidden, config.num_experts, deferred));
-  experts = register_module("experts", torch::nn::ModuleList());
-  for (int64_t j = 0; j < config.num_experts; ++j)
-    experts->push_back(ExpertMlp(hidden, config.ffn_hidden_size, config.mixtral_names, deferred));
+  const int64_t ep = ep_ ? ep_->size() : 1, per_rank = config.num_experts / ep;
+  if (config.num_experts % ep != 0)
+    throw std::invalid_argument("MoeBlock: " + std::to_string(ep) + " expert-parallel ranks do not divide " +
+                                std::to_string(config.num_experts) + " experts");
+  experts = register_module("experts", MoeExperts(hidden, config, (ep_ ? ep_->rank() : 0) * per_rank, per_rank, deferred));
   if (config.shared_expert_intermediate_size > 0) {
     shared_expert = register_module(
         "shared_expert", ExpertMlp(hidden, config.shared_expert_intermediate_size, /*mixtral_names=*/false, deferred));
@@ -53,41 +122,46 @@ MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferre
 }
 
 at::Tensor MoeBlockImpl::run_experts(const at::Tensor& tokens, const Routing& r) {
-  const int64_t experts_n = config_.num_experts;
   // (expert, token) of every routed pair, sorted by expert, then token.
   at::Tensor pairs = r.map.t().nonzero();
   at::Tensor expert_of = pairs.select(1, 0), token_of = pairs.select(1, 1);
-  at::Tensor counts = at::bincount(expert_of, {}, experts_n);
+  at::Tensor counts = at::bincount(expert_of, {}, config_.num_experts);
+  tally_.counts = tally_.counts.defined() ? tally_.counts + counts : counts;
   at::Tensor sorted = tokens.index_select(0, token_of);
   at::Tensor weight = r.probs.index({token_of, expert_of}).to(tokens.scalar_type()).unsqueeze(-1);
-  at::Tensor out;
-  if (training_options.grouped_gemm) {
-    // One GEMM over every expert's rows: the weights stacked [E, H, I] per call.
-    std::vector<at::Tensor> g, u, d;
-    for (int64_t j = 0; j < experts_n; ++j) {
-      auto& e = *experts->ptr<ExpertMlpImpl>(j);
-      g.push_back(e.gate->weight.t());
-      u.push_back(e.up->weight.t());
-      d.push_back(e.down->weight.t());
-    }
-    at::Tensor offsets = counts.cumsum(0).to(at::kInt);
-    at::Tensor h = at::silu(at::_grouped_mm(sorted, at::stack(g), offsets)) * at::_grouped_mm(sorted, at::stack(u), offsets);
-    out = at::_grouped_mm(h, at::stack(d), offsets);
-  } else {
-    // One GEMM per expert (Megatron's SequentialMLP). An expert without tokens still runs on its
-    // empty slice, so every expert has a gradient (zero) each step.
-    at::Tensor host_counts = counts.to(at::kCPU);
-    std::vector<at::Tensor> parts;
-    int64_t start = 0;
-    for (int64_t j = 0; j < experts_n; ++j) {
-      const int64_t n = host_counts[j].item<int64_t>();
-      parts.push_back(experts->ptr<ExpertMlpImpl>(j)->forward(sorted.narrow(0, start, n)));
-      start += n;
-    }
-    out = at::cat(parts);
-  }
-  tally_.counts = tally_.counts.defined() ? tally_.counts + counts : counts;
+  at::Tensor out = ep_ ? dispatch(sorted, counts) : experts(sorted, counts.to(at::kCPU), training_options.grouped_gemm);
   return at::zeros_like(tokens).index_add(0, token_of, out * weight);
+}
+
+at::Tensor MoeBlockImpl::dispatch(const at::Tensor& sorted, const at::Tensor& counts) {
+  const int64_t ep = ep_->size(), local = config_.num_experts / ep;
+  // Every rank learns how many rows it gets from each rank for each of its experts.
+  at::Tensor received = at::empty_like(counts);
+  ep_->all_to_all_single(received, counts);
+  const at::Tensor send_host = counts.to(at::kCPU).view({ep, local}), recv_host = received.to(at::kCPU).view({ep, local});
+  std::vector<int64_t> send(ep), recv(ep);
+  for (int64_t q = 0; q < ep; ++q) {
+    send[q] = send_host[q].sum().item<int64_t>();
+    recv[q] = recv_host[q].sum().item<int64_t>();
+  }
+  at::Tensor arrived = AllToAll::apply(sorted, send, recv, ep_.get());
+  // Arrived rows are grouped by source rank, then local expert; the experts want them by local
+  // expert, then source rank.
+  const int64_t* c = recv_host.contiguous().data_ptr<int64_t>();
+  std::vector<int64_t> start(ep * local), order;
+  int64_t at = 0;
+  for (int64_t k = 0; k < ep * local; ++k) {
+    start[k] = at;
+    at += c[k];
+  }
+  order.reserve(at);
+  for (int64_t j = 0; j < local; ++j)
+    for (int64_t q = 0; q < ep; ++q)
+      for (int64_t i = 0; i < c[q * local + j]; ++i) order.push_back(start[q * local + j] + i);
+  at::Tensor by_expert = at::tensor(order, at::TensorOptions().dtype(at::kLong)).to(sorted.device());
+  at::Tensor y = experts(arrived.index_select(0, by_expert), recv_host.sum(0), training_options.grouped_gemm);
+  at::Tensor back = at::zeros_like(arrived).index_copy(0, by_expert, y);
+  return AllToAll::apply(back, recv, send, ep_.get());
 }
 
 at::Tensor MoeBlockImpl::forward(const at::Tensor& x) {

@@ -69,6 +69,7 @@ void flag_error(const std::string& flag, const std::string& what) {
 const char* section_title(Section s) {
   switch (s) {
     case Section::kModel: return "model: the transformer (Megatron's network size arguments)";
+    case Section::kMoe: return "mixture of experts (Megatron's MoE arguments; inert without --num-experts)";
     case Section::kTokenizer: return "tokenizer";
     case Section::kData: return "data: the pretraining corpus";
     case Section::kTraining: return "training: batches, iterations, precision";
@@ -84,11 +85,69 @@ const char* section_title(Section s) {
 }
 
 const std::vector<Section>& all_sections() {
-  static const std::vector<Section> all = {Section::kModel,      Section::kTokenizer, Section::kData,
+  static const std::vector<Section> all = {Section::kModel,      Section::kMoe,       Section::kTokenizer, Section::kData,
                                            Section::kTraining,   Section::kOptimizer, Section::kCheckpoint,
                                            Section::kFsdp,       Section::kRuntime,   Section::kLogging,
                                            Section::kProfiling,  Section::kPretraining};
   return all;
+}
+
+std::vector<int64_t> MoeSection::moe_layer_pattern() const {
+  const std::string& f = moe_layer_freq;
+  if (!f.empty() && f.front() == '[' && f.back() == ']') {
+    std::vector<int64_t> out;
+    std::stringstream in(f.substr(1, f.size() - 2));
+    for (std::string item; std::getline(in, item, ',');) {
+      const size_t a = item.find_first_not_of(' '), b = item.find_last_not_of(' ');
+      const std::string v = a == std::string::npos ? "" : item.substr(a, b - a + 1);
+      if (v != "0" && v != "1") flag_error("--moe-layer-freq", "a list holds 0 (dense) or 1 (MoE) per layer, found '" + v + "'");
+      out.push_back(v == "1");
+    }
+    return out;
+  }
+  size_t used = 0;
+  long long n = 0;
+  try {
+    n = std::stoll(f, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != f.size() || f.empty() || n <= 0)
+    flag_error("--moe-layer-freq", "expected a positive integer or a list such as [1,0,1,0], got '" + f + "'");
+  return {n};
+}
+
+void MoeSection::validate(int64_t num_layers) const {
+  if (num_experts < 0) flag_error("--num-experts", "must be >= 0, got " + std::to_string(num_experts));
+  if (expert_model_parallel_size < 1)
+    flag_error("--expert-model-parallel-size", "must be >= 1, got " + std::to_string(expert_model_parallel_size));
+  // Without --num-experts the model may still have experts (mfsdp-sft and mfsdp-grpo take the
+  // model of --load or --hf-load): build_sharded_model checks --expert-model-parallel-size there.
+  if (num_experts == 0) return;
+  if (moe_router_topk < 1 || moe_router_topk > num_experts)
+    flag_error("--moe-router-topk", "must be 1 .. --num-experts " + std::to_string(num_experts) + ", got " +
+                                        std::to_string(moe_router_topk));
+  if (num_experts % expert_model_parallel_size != 0)
+    flag_error("--expert-model-parallel-size", std::to_string(expert_model_parallel_size) +
+                                                   " does not divide --num-experts " + std::to_string(num_experts));
+  at_least("--moe-ffn-hidden-size", static_cast<double>(moe_ffn_hidden_size), 0);
+  at_least("--moe-shared-expert-intermediate-size", static_cast<double>(moe_shared_expert_intermediate_size), 0);
+  at_least("--moe-router-topk-scaling-factor", moe_router_topk_scaling_factor, 0);
+  at_least("--moe-aux-loss-coeff", moe_aux_loss_coeff, 0);
+  at_least("--moe-z-loss-coeff", moe_z_loss_coeff, 0);
+  at_least("--moe-expert-capacity-factor", moe_expert_capacity_factor, 0);
+  if (moe_shared_expert_gate && moe_shared_expert_intermediate_size == 0)
+    flag_error("--moe-shared-expert-gate", "needs --moe-shared-expert-intermediate-size");
+  if (moe_router_pre_softmax && moe_router_score_function != "softmax")
+    flag_error("--moe-router-pre-softmax", "is for --moe-router-score-function softmax");
+  if (moe_router_enable_expert_bias)
+    flag_error("--moe-router-enable-expert-bias",
+               "aux-loss-free balancing (the expert bias updated each step) is not built yet; balance with "
+               "--moe-aux-loss-coeff instead");
+  const std::vector<int64_t> pattern = moe_layer_pattern();
+  if (pattern.size() > 1 && static_cast<int64_t>(pattern.size()) != num_layers)
+    flag_error("--moe-layer-freq", "lists " + std::to_string(pattern.size()) + " layers, --num-layers is " +
+                                       std::to_string(num_layers));
 }
 
 void ModelSection::validate() {
@@ -106,12 +165,14 @@ void ModelSection::validate() {
   positive("--num-layers", num_layers);
   positive("--hidden-size", hidden_size);
   positive("--num-attention-heads", num_attention_heads);
-  if (hidden_size % num_attention_heads != 0)
+  at_least("--kv-channels", static_cast<double>(kv_channels), 0);
+  if (kv_channels % 2 != 0) flag_error("--kv-channels", "must be even for RoPE, got " + std::to_string(kv_channels));
+  if (kv_channels == 0 && hidden_size % num_attention_heads != 0)
     flag_error("--hidden-size", std::to_string(hidden_size) + " is not divisible by --num-attention-heads " +
                                     std::to_string(num_attention_heads));
   if (!group_query_attention) num_query_groups = num_attention_heads;
   positive("--num-query-groups", num_query_groups);
-  if (hidden_size / num_attention_heads % 2 != 0)
+  if (kv_channels == 0 && hidden_size / num_attention_heads % 2 != 0)
     flag_error("--num-attention-heads", "gives an odd head size " + std::to_string(hidden_size / num_attention_heads) +
                                             " (--hidden-size / --num-attention-heads); RoPE needs an even one");
   if (num_attention_heads % num_query_groups != 0)

@@ -39,8 +39,8 @@ inline constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 26;
 
 // The sections in --help order. kPretraining holds what only mfsdp-pretrain does (its corpus,
 // a sample after training, simulated scale).
-enum class Section { kModel, kTokenizer, kData, kTraining, kOptimizer, kCheckpoint, kFsdp, kRuntime, kLogging,
-                     kProfiling, kPretraining };
+enum class Section { kModel, kMoe, kTokenizer, kData, kTraining, kOptimizer, kCheckpoint, kFsdp, kRuntime,
+                     kLogging, kProfiling, kPretraining };
 const char* section_title(Section s);  // "model: the transformer (Megatron's network size arguments)", ...
 const std::vector<Section>& all_sections();
 
@@ -62,7 +62,34 @@ struct ModelSection {
   int64_t make_vocab_size_divisible_by = 128;
   bool recompute_activations = false;
   std::string recompute_granularity;  // "full" (only); implies recompute_activations
+  bool qk_layernorm = false;  // per-head q/k RMSNorm (Qwen3)
+  int64_t kv_channels = 0;    // each head's width; 0: hidden_size / num_attention_heads
   void validate();
+};
+
+// Mixture of experts (Megatron's --moe-* arguments, docs/moe.md). Inert without --num-experts.
+struct MoeSection {
+  int64_t num_experts = 0;
+  int64_t moe_router_topk = 2;
+  int64_t moe_ffn_hidden_size = 0;  // 0: --ffn-hidden-size, as Megatron
+  int64_t moe_shared_expert_intermediate_size = 0;
+  bool moe_shared_expert_gate = false;
+  std::string moe_router_score_function = "softmax";
+  bool moe_router_pre_softmax = false;
+  double moe_router_topk_scaling_factor = 0;  // 0: unset (Megatron's None: no scaling)
+  std::string moe_router_load_balancing_type = "aux_loss";
+  double moe_aux_loss_coeff = 0;
+  double moe_z_loss_coeff = 0;            // 0: Megatron's None, no z-loss
+  double moe_expert_capacity_factor = 0;  // 0: Megatron's None, dropless
+  std::string moe_token_dispatcher_type = "alltoall";
+  bool moe_grouped_gemm = false;
+  std::string moe_layer_freq = "1";  // an integer N (every N-th layer from 0) or a list "[1,0,1,1]"
+  bool moe_router_enable_expert_bias = false;
+  bool moe_per_layer_logging = false;
+  int64_t expert_model_parallel_size = 1;
+  // The layers' pattern from moe_layer_freq: one 0/1 per layer, or {N} for an integer N.
+  std::vector<int64_t> moe_layer_pattern() const;
+  void validate(int64_t num_layers) const;
 };
 
 struct TokenizerSection {

@@ -1,0 +1,130 @@
+// Mixtures of experts end to end, through mfsdp-run: docs/moe.md's example at a reduced size
+// (pretraining with expert parallelism, then SFT from its checkpoint, each loss falling, the
+// export a Qwen3-MoE folder), resuming bit-exactly at the same expert-parallel size and
+// continuing at another one (EP 2 -> EP 1 -> EP 2) on the training that never stopped.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "harness/run_command.h"
+#include "harness/temp_dir.h"
+
+namespace {
+
+using mfsdp::testing::run_command;
+using mfsdp::testing::TempDir;
+using json = nlohmann::json;
+
+const std::string kRun = MFSDP_RUN_BIN_PATH;
+const std::string kPretrain = MFSDP_PRETRAIN_BIN_PATH;
+const std::string kSft = MFSDP_SFT_BIN_PATH;
+
+// docs/moe.md's model and MoE flags.
+const std::string kModel =
+    " --device cpu --tokenizer-type ByteLevelTokenizer --mock-data --num-layers 2 --hidden-size 64"
+    " --num-attention-heads 4 --group-query-attention --num-query-groups 2 --kv-channels 32 --qk-layernorm --swiglu"
+    " --ffn-hidden-size 128 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64 --moe-router-pre-softmax"
+    " --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --seq-length 64 --micro-batch-size 4 --global-batch-size 16"
+    " --lr 3e-3 --lr-warmup-iters 10 --eval-interval 1000 --eval-iters 1";
+
+// The training records (not evaluation) of a metrics file.
+std::vector<json> training_records(const std::string& path) {
+  std::vector<json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    json r = json::parse(line);
+    if (!r.value("eval", false)) out.push_back(r);
+  }
+  return out;
+}
+
+std::string pretrain(const std::string& flags) {
+  return kRun + " --nproc-per-node 2 " + kPretrain + kModel + flags + " 2>&1";
+}
+
+TEST(Moe, DocsExamplePretrainsWithExpertParallelismThenFinetunes) {
+  TempDir dir("mfsdp-moe-docs");
+  const auto r = run_command(pretrain(" --expert-model-parallel-size 2 --train-iters 40 --log-interval 10 --save " +
+                                      dir.file("moe_ckpt") + " --metrics-file " + dir.file("pretrain.jsonl")));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto train = training_records(dir.file("pretrain.jsonl"));
+  ASSERT_EQ(train.size(), 4u) << r.output;
+  EXPECT_LT(train.back()["lm_loss"].get<double>(), 0.8 * train.front()["lm_loss"].get<double>()) << r.output;
+  EXPECT_NEAR(train.back()["load_balancing_loss"].get<double>(), 1.0, 0.5) << r.output;
+  EXPECT_GT(train.back()["z_loss"].get<double>(), 0.0) << r.output;
+
+  // SFT from it, the experts no longer split (EP 1): the checkpoint's names are global.
+  const auto s = run_command(kRun + " --nproc-per-node 2 " + kSft + " --device cpu --load " + dir.file("moe_ckpt") +
+                             " --finetune --tokenizer-type ByteLevelTokenizer --gen-task arith --gen-digits 1"
+                             " --gen-seed 7 --gen-train-size 500 --gen-val-size 20 --max-length 32"
+                             " --micro-batch-size 16 --global-batch-size 32 --train-iters 30 --lr 3e-3"
+                             " --lr-warmup-iters 5 --log-interval 10 --eval-interval 1000 --eval-iters 1"
+                             " --moe-aux-loss-coeff 1e-2 --export-hf " + dir.file("sft_hf") + " --metrics-file " +
+                             dir.file("sft.jsonl") + " 2>&1");
+  ASSERT_EQ(s.exit_code, 0) << s.output;
+  const auto sft = training_records(dir.file("sft.jsonl"));
+  ASSERT_EQ(sft.size(), 3u) << s.output;
+  EXPECT_LT(sft.back()["lm_loss"].get<double>(), 0.8 * sft.front()["lm_loss"].get<double>()) << s.output;
+  std::ifstream config(dir.file("sft_hf/config.json"));
+  ASSERT_TRUE(config.good()) << s.output;
+  const json hf = json::parse(config);
+  EXPECT_EQ(hf["model_type"], "qwen3_moe");
+  EXPECT_EQ(hf["num_experts"], 4);
+  EXPECT_EQ(hf["head_dim"], 32);
+}
+
+// Six iterations straight at EP 2; three, saved, then three more resumed at EP 2 (the same
+// bits), and at EP 1 (the same training up to the order of floating-point sums).
+TEST(Moe, ResumesBitExactlyAndAcrossExpertParallelSizes) {
+  TempDir dir("mfsdp-moe-resume");
+  const std::string common = " --log-interval 1 --seed 5 --lr-warmup-iters 2";
+  const auto straight = run_command(pretrain(common + " --expert-model-parallel-size 2 --train-iters 6 --metrics-file " +
+                                             dir.file("straight.jsonl")));
+  ASSERT_EQ(straight.exit_code, 0) << straight.output;
+  const auto first = run_command(pretrain(common + " --expert-model-parallel-size 2 --train-iters 6 --exit-interval 3 --save " +
+                                          dir.file("ckpt") + " --metrics-file " + dir.file("first.jsonl")));
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const auto want = training_records(dir.file("straight.jsonl"));
+  ASSERT_EQ(want.size(), 6u);
+  for (int ep : {2, 1}) {
+    const std::string tag = "ep" + std::to_string(ep);
+    const auto resumed = run_command(pretrain(common + " --expert-model-parallel-size " + std::to_string(ep) +
+                                              " --train-iters 6 --load " + dir.file("ckpt") + " --metrics-file " +
+                                              dir.file(tag + ".jsonl")));
+    ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+    const auto got = training_records(dir.file(tag + ".jsonl"));
+    ASSERT_EQ(got.size(), 3u) << resumed.output;
+    for (size_t i = 0; i < 3; ++i) {
+      const double a = got[i]["lm_loss"].get<double>(), b = want[3 + i]["lm_loss"].get<double>();
+      if (ep == 2) {
+        EXPECT_EQ(a, b) << "iteration " << 4 + i << " resumed at EP 2";
+      } else {
+        EXPECT_NEAR(a, b, 1e-5 * b) << "iteration " << 4 + i << " resumed at EP 1";
+      }
+      EXPECT_NEAR(got[i]["load_balancing_loss"].get<double>(), want[3 + i]["load_balancing_loss"].get<double>(), 1e-5)
+          << tag;
+    }
+  }
+}
+
+TEST(Moe, BadExpertParallelSizesAreNamed) {
+  TempDir dir("mfsdp-moe-bad");
+  const auto three = run_command(pretrain(" --expert-model-parallel-size 3 --train-iters 1"));
+  EXPECT_NE(three.exit_code, 0);
+  EXPECT_NE(three.output.find("--expert-model-parallel-size: 3 does not divide --num-experts 4"), std::string::npos)
+      << three.output;
+  const auto bias = run_command(pretrain(" --moe-router-enable-expert-bias --train-iters 1"));
+  EXPECT_NE(bias.exit_code, 0);
+  EXPECT_NE(bias.output.find("--moe-router-enable-expert-bias: aux-loss-free balancing"), std::string::npos) << bias.output;
+  const auto dense = run_command(kRun + " --nproc-per-node 2 " + kPretrain +
+                                 " --device cpu --mock-data --vocab-size 64 --train-iters 1 --expert-model-parallel-size 2 2>&1");
+  EXPECT_NE(dense.exit_code, 0);
+  EXPECT_NE(dense.output.find("--expert-model-parallel-size: the model"), std::string::npos) << dense.output;
+  EXPECT_NE(dense.output.find("has no experts"), std::string::npos) << dense.output;
+}
+
+}  // namespace
