@@ -197,6 +197,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
     optimizer_ = make_sgd(sharded_.root, o);
   }
   if (!args.dump_param_to_param_group_map.empty()) write_param_group_map();
+  if (print_) print_expert_buffers();
   schedule_.max_lr = args.lr;
   schedule_.min_lr = args.min_lr;
   schedule_.warmup_steps = args.lr_warmup_iters;
@@ -384,6 +385,24 @@ void TrainingRun::check_finite_weights(int64_t iteration) {
   throw NonFiniteError("iteration " + std::to_string(iteration) +
                        ": the weights are not finite after the optimizer step in the shards of " + list +
                        ". The checkpoint of this iteration was not saved" + kNanCheckEnd);
+}
+
+void TrainingRun::print_expert_buffers() const {
+  // This rank's main-weight bytes.
+  int64_t experts = 0, dense = 0;
+  for (const LocalShard& p : sharded_.root.local_shards())
+    (p.name.find(".experts.") != std::string::npos ? experts : dense) += p.local.numel() * p.local.element_size();
+  if (experts == 0) return;
+  const int dp = comm_->size();
+  const int ep = sharded_.expert_mesh ? sharded_.expert_mesh->size("expert_parallel") : 1;
+  char line[400];
+  std::snprintf(line, sizeof line,
+                " MoE buffers of rank 0: expert main weights %.3f MiB (experts split over %d expert-parallel "
+                "rank(s), sharded over %d expert-data-parallel rank(s)), dense main weights %.3f MiB (sharded over %d "
+                "rank(s)); gradients and optimizer state in proportion (--data-parallel-sharding-strategy %s)\n",
+                experts / 1048576.0, ep, dp / ep, dense / 1048576.0, dp,
+                args_.data_parallel_sharding_strategy.c_str());
+  log_ << line;
 }
 
 void TrainingRun::collect_router_stats(StepStats& s) {

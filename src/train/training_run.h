@@ -164,6 +164,8 @@ class TrainingRun {
   // The MoE layers' router statistics of this step, summed over the ranks (collective; nothing
   // for a dense model).
   void collect_router_stats(StepStats& stats);
+  // The start-up line of an MoE model: this rank's expert and dense main weights.
+  void print_expert_buffers() const;
   // --check-for-nan-in-loss-and-grad after clipping (`grad_norm`: the global norm, the same on
   // every rank). Throws NonFiniteError. Collective.
   void check_finite(int64_t iteration, bool loss_finite, double grad_norm);

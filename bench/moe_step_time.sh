@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# MoE step time of mfsdp-pretrain on 2 ranks: the experts on every rank (EP 1) against the
+# experts split over the ranks (EP 2, all-to-all dispatch), EP 2 with --moe-grouped-gemm, and a
+# dense model of the same active parameters per token (MLP width = top-k x expert width), in
+# interleaved rounds; tokens/s from the median of the pooled timed iterations (iter_time_s of
+# --metrics-file, --log-interval 1), rank 0's peak RSS, and its FSDP buffers (model weights,
+# main grads, optimizer state) next to the formula dense / DP + experts / (EDP x EP).
+#
+#   bench/moe_step_time.sh                        # defaults below
+#   ROUNDS=1 ITERS=6 WARMUP=2 bench/moe_step_time.sh   # smoke test
+#
+# Environment (defaults in brackets): LAYERS [4] HIDDEN [256] HEADS [8] EXPERTS [8] TOPK [2]
+# MOE_FFN [256] SEQ [128] MBS [4] GBS [16] VOCAB [1024] ITERS [12] WARMUP [3] ROUNDS [3]
+# RUNS [ep1 ep2 grouped dense] STRATEGY [optim_grads_params] BUILD [<repo>/build]
+# OUT [a new temporary folder; kept]
+# Exit status 0 when every run succeeded, 1 when one failed (its output is shown).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+BUILD=${BUILD:-$ROOT/build}
+LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} HEADS=${HEADS:-8} EXPERTS=${EXPERTS:-8} TOPK=${TOPK:-2}
+MOE_FFN=${MOE_FFN:-256} SEQ=${SEQ:-128} MBS=${MBS:-4} GBS=${GBS:-16} VOCAB=${VOCAB:-1024}
+ITERS=${ITERS:-12} WARMUP=${WARMUP:-3} ROUNDS=${ROUNDS:-3} RUNS=${RUNS:-"ep1 ep2 grouped dense"}
+STRATEGY=${STRATEGY:-optim_grads_params}
+OUT=${OUT:-$(mktemp -d /tmp/moe_step_time.XXXX)}
+mkdir -p "$OUT"
+for tool in mfsdp-run mfsdp-pretrain; do
+  [[ -x $BUILD/$tool ]] || { echo "moe_step_time: $BUILD/$tool is missing (scripts/build.sh)" >&2; exit 2; }
+done
+
+common=(--device cpu --mock-data --vocab-size "$VOCAB" --num-layers "$LAYERS" --hidden-size "$HIDDEN"
+        --num-attention-heads "$HEADS" --swiglu --seq-length "$SEQ" --micro-batch-size "$MBS"
+        --global-batch-size "$GBS" --train-iters "$ITERS" --lr 1e-4 --log-interval 1 --eval-interval 100000
+        --eval-iters 0 --data-parallel-sharding-strategy "$STRATEGY" --seed 3)
+moe=(--num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN" --moe-aux-loss-coeff 1e-2)
+flags_of() {
+  case $1 in
+    ep1) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 1" ;;
+    ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2" ;;
+    grouped) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2 --moe-grouped-gemm" ;;
+    dense) echo "--ffn-hidden-size $((TOPK * MOE_FFN))" ;;
+    *) echo "moe_step_time: unknown run '$1' (ep1 ep2 grouped dense)" >&2; exit 2 ;;
+  esac
+}
+
+failed=0
+for round in $(seq 1 "$ROUNDS"); do
+  for run in $RUNS; do
+    log=$OUT/$run.$round.log
+    # shellcheck disable=SC2046
+    if ! OMP_NUM_THREADS=1 "$BUILD/mfsdp-run" --nproc-per-node 2 "$BUILD/mfsdp-pretrain" "${common[@]}" \
+        $(flags_of "$run") --metrics-file "$OUT/$run.$round.jsonl" >"$log" 2>&1; then
+      echo "moe_step_time: run $run (round $round) failed:" >&2
+      tail -20 "$log" >&2
+      failed=1
+    fi
+  done
+done
+
+"${PYTHON:-$ROOT/.venv/bin/python}" - "$OUT" "$WARMUP" "$GBS" "$SEQ" "$RUNS" "$LAYERS" "$HIDDEN" "$EXPERTS" "$MOE_FFN" \
+    "$VOCAB" <<'EOF'
+import glob, json, re, statistics, sys
+out, warmup, gbs, seq, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split()
+layers, hidden, experts, moe_ffn, vocab = map(int, sys.argv[6:11])
+rows = {}
+for run in runs:
+    times, rss, buffers = [], [], None
+    for path in sorted(glob.glob(f"{out}/{run}.*.jsonl")):
+        recs = [json.loads(l) for l in open(path) if '"eval":true' not in l]
+        times += [r["iter_time_s"] for r in recs[warmup:]]
+        rss += [r["mem_bytes"] for r in recs]
+        log = open(path[:-6] + ".log").read()
+        m = re.search(r"memory per rank \(MiB\): model weights ([\d.]+), main weights [\d.]+, main grads ([\d.]+), "
+                      r"optimizer state ([\d.]+)", log)
+        if m: buffers = tuple(float(x) for x in m.groups())
+    if times: rows[run] = (statistics.median(times), max(rss) / 2**20, buffers)
+if not rows: sys.exit("no run produced timings")
+base = rows.get("ep1", next(iter(rows.values())))[0]
+print(f"{'run':8} {'iter ms':>9} {'tokens/s':>10} {'vs ep1':>7} {'peak RSS MiB':>13} {'weights MiB':>12} {'grads MiB':>10} {'adam MiB':>9}")
+for run, (t, r, b) in rows.items():
+    w, g, o = b if b else (float("nan"),) * 3
+    print(f"{run:8} {t*1e3:9.1f} {gbs*seq/t:10.0f} {base/t:7.2f} {r:13.1f} {w:12.3f} {g:10.3f} {o:9.3f}")
+# Per-rank fp32 model weights under ZeRO-3 by the formula: dense / DP + experts / (EDP x EP),
+# with DP = 2 and EDP x EP = 2 (both runs shard the experts over 2 ranks in all).
+expert_params = layers * experts * 3 * hidden * moe_ffn
+print(f"expert parameters {expert_params} ({expert_params*4/2**20:.3f} MiB fp32): per rank {expert_params*4/2**21:.3f} MiB "
+      "at EP 1 x EDP 2 and at EP 2 x EDP 1 (ZeRO-3)")
+EOF
+exit $failed
