@@ -1,11 +1,12 @@
 // The CPU communicator (backend "gloo", the name torch users know for CPU collectives).
 //
-// Collectives are our own ring algorithms: bandwidth-optimal ((N-1)/N of the data per link), any
-// per-rank counts including zero, any dtype, fp32 accumulation for bf16/fp16, and errors that
-// name the peer a rank was waiting on. They run on the communicator's CommThread. Bulk data moves
-// through shared memory when every rank is on this host (src/comm/shm_exchange.h), else (and for
-// broadcast and barrier) over our own TCP mesh (src/comm/tcp_mesh.h): tagged point-to-point
-// messages on one connection per pair of ranks.
+// Collectives are our own ring algorithms (all-to-all: every rank sends to every other directly):
+// bandwidth-optimal ((N-1)/N of the data per link), any per-rank counts including zero, any
+// dtype, fp32 accumulation for bf16/fp16, and errors that name the peer a rank was waiting on.
+// They run on the communicator's CommThread. Bulk data moves through shared memory when every
+// rank is on this host (src/comm/shm_exchange.h), else (and for broadcast and barrier) over our
+// own TCP mesh (src/comm/tcp_mesh.h): tagged point-to-point messages on one connection per pair
+// of ranks.
 //
 // Why not Gloo, whose name the backend keeps: the PyTorch wheel's libtorch_cpu.so exports its own,
 // newer Gloo but ships no Gloo headers, and a second Gloo (say Debian's libgloo) beside it would
