@@ -6,8 +6,8 @@
 
 namespace mfsdp {
 
-RolloutModel::RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa)
-    : config_(config), device_(device), use_sdpa_(use_sdpa) {}
+RolloutModel::RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa, MoeTraining moe)
+    : config_(config), device_(device), use_sdpa_(use_sdpa), moe_(moe) {}
 
 void RolloutModel::load_from(const FsdpHandle& root) { load_from(root.full_state_dict(/*all_ranks=*/true)); }
 
@@ -15,7 +15,9 @@ void RolloutModel::load_from(const std::map<std::string, at::Tensor>& state) {
   if (!model_) {
     // Built once (its initial values are overwritten below); released storage is given back
     // by set_data, which keeps each parameter's TensorImpl.
-    model_ = config_.spec->build(config_, {});
+    ModelBuildOptions options;
+    options.moe = moe_;
+    model_ = config_.spec->build(config_, options);
     model_->set_use_sdpa(use_sdpa_);
   }
   torch::NoGradGuard no_grad;

@@ -16,7 +16,8 @@ namespace mfsdp {
 
 class RolloutModel {
  public:
-  RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa = true);
+  // `moe`: an MoE model routes as in training (the capacity factor drops tokens here too).
+  RolloutModel(const ModelConfig& config, const c10::Device& device, bool use_sdpa = true, MoeTraining moe = {});
   // Collective over the shard group of `root`.
   void load_from(const FsdpHandle& root);
   // From full weights by name (TrainingRun::gather_full_weights, which also collects the experts
@@ -31,6 +32,7 @@ class RolloutModel {
   ModelConfig config_;
   c10::Device device_;
   bool use_sdpa_;
+  MoeTraining moe_;
   std::shared_ptr<CausalLM> model_;
   bool loaded_ = false;
 };

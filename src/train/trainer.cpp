@@ -29,9 +29,11 @@ std::string hms(double seconds) {
 
 // --sample-prompt: gathers the full model (collective) and, on rank 0, prints a sample.
 void print_sample(const PretrainArgs& a, TrainingRun& run, std::ostream& log) {
-  auto state = run.gather_full_weights();  // every expert too, under expert parallelism
-  if (!run.prints()) return;
-  std::shared_ptr<CausalLM> plain = run.config().spec->build(run.config(), {});
+  auto state = run.gather_full_weights(/*all_ranks=*/false);  // every expert too, under expert parallelism
+  if (run.comm()->rank() != 0) return;
+  ModelBuildOptions options;
+  options.moe = moe_training_from_args(a);
+  std::shared_ptr<CausalLM> plain = run.config().spec->build(run.config(), options);
   {
     torch::NoGradGuard no_grad;
     for (auto& item : plain->named_parameters()) item.value().copy_(state.at(item.key()));

@@ -530,12 +530,14 @@ double TrainingRun::all_reduce_max(double value) const {
 
 RolloutModel& TrainingRun::rollout_model() {
   if (!rollout_)
-    rollout_ = std::make_unique<RolloutModel>(config_, comm_->device(), args_.attention_backend != "unfused");
+    rollout_ = std::make_unique<RolloutModel>(config_, comm_->device(), args_.attention_backend != "unfused",
+                                              moe_training_from_args(args_));
   return *rollout_;
 }
 
-std::map<std::string, at::Tensor> TrainingRun::gather_full_weights() const {
-  std::map<std::string, at::Tensor> full = sharded_.root.full_state_dict(/*all_ranks=*/true);
+std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_ranks) const {
+  // Without expert parallelism rank 0 alone may gather; with it every rank takes part.
+  std::map<std::string, at::Tensor> full = sharded_.root.full_state_dict(all_ranks || sharded_.expert_mesh != nullptr);
   if (!sharded_.expert_mesh) return full;
   // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
   // (the rank that has it) broadcasts it to the others, in the model's parameter order.
@@ -611,8 +613,7 @@ void TrainingRun::finish(int64_t last, const std::string& curve_title) {
     log_ << " loss curve: " << svg << "\n";
   }
   if (!args_.export_hf.empty()) {
-    // Rank 0 writes; under expert parallelism every rank gathers, to collect the experts.
-    auto state = sharded_.expert_mesh ? gather_full_weights() : sharded_.root.full_state_dict(/*all_ranks=*/false);
+    auto state = gather_full_weights(/*all_ranks=*/false);
     if (comm_->rank() == 0) export_hf_folder(args_, config_, state, log_);
   }
   if (print_) {

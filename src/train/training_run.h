@@ -34,6 +34,8 @@ namespace mfsdp {
 nlohmann::json megatron_model_args(const PretrainArgs& args);
 // The model the flags describe: the family that builds Megatron's model from those arguments.
 ModelConfig model_config_from_args(const PretrainArgs& args);
+// How MoE layers train, from the --moe-* flags (include/mfsdp/models/moe.h).
+MoeTraining moe_training_from_args(const PretrainArgs& args);
 // fully_shard's options from the sharding, precision and buffer flags. `per_token_loss`: the
 // loss is already divided by the global count (no 1/dp in the gradient reduction).
 FullyShardOptions shard_options_from_args(const PretrainArgs& args, const std::shared_ptr<Communicator>& comm,
@@ -141,8 +143,9 @@ class TrainingRun {
   // first use; load_from() / release() it around each use.
   RolloutModel& rollout_model();
 
-  // Full weights by HF name on every rank (collective), in fp32.
-  std::map<std::string, at::Tensor> gather_full_weights() const;
+  // Full weights by HF name (collective), in fp32: on every rank, or with all_ranks false at
+  // least on rank 0 (others may get an empty map).
+  std::map<std::string, at::Tensor> gather_full_weights(bool all_ranks = true) const;
   // Prints on rank 0 only (every rank in a simulated run).
   bool prints() const { return print_; }
   double all_reduce_mean(double value) const;

@@ -169,6 +169,23 @@ TEST(ModelSpec, MegatronMoeArgsGiveTheFamilyAndItsConfig) {
   const mfsdp::ModelConfig gated = mfsdp::model_config_from_megatron(args);
   EXPECT_EQ(gated.spec->hf_export_refusal(gated), "");
 
+  // Every field survives the checkpoint's model_config: a gated shared expert beside q/k norms
+  // (no Hugging Face family has it), q/k/v biases on a dense Qwen3.
+  json odd = megatron_args();
+  odd.update({{"num_experts", 4}, {"qk_layernorm", true}, {"moe_shared_expert_intermediate_size", 32},
+              {"moe_shared_expert_gate", true}});
+  const mfsdp::ModelConfig gated_qwen3 = mfsdp::model_config_from_megatron(odd);
+  EXPECT_EQ(mfsdp::model_config_from_hf(gated_qwen3.hf).hf, gated_qwen3.hf);
+  bool has_gate = false;
+  for (const auto& [n, s] : mfsdp::model_parameter_shapes(gated_qwen3))
+    has_gate |= n == "model.layers.0.mlp.shared_expert_gate.weight";
+  EXPECT_TRUE(has_gate);
+  json biased = megatron_args();
+  biased.update({{"qk_layernorm", true}, {"add_qkv_bias", true}});
+  const mfsdp::ModelConfig qwen3_bias = mfsdp::model_config_from_megatron(biased);
+  EXPECT_EQ(mfsdp::model_config_from_hf(qwen3_bias.hf).hf, qwen3_bias.hf);
+  EXPECT_NE(qwen3_bias.spec->hf_export_refusal(qwen3_bias).find("q/k/v biases"), std::string::npos);
+
   // Megatron's FLOPs count the experts a token reaches: top-k x moe_ffn + shared, per MoE layer.
   // 12 B s L h^2 [(1 + g/a + s/h) q + (k f_moe + f_shared) 1.5 / h + V / (2 L h)], q = 4 x 24 / 64.
   const double b = 3, s = 16, L = 2, h = 64;

@@ -130,6 +130,15 @@ TEST(MoeRouter, CapacityDropsTheLeastProbableTokensOfAnOverfullExpert) {
     EXPECT_FALSE(r.map[t][1].item<bool>());
     EXPECT_EQ(r.probs[t][0].item<double>() > 0, kept[t]);
   }
+  // The balancing loss counts the top-k before dropping (Megatron's
+  // compute_routing_scores_for_aux_loss): 5 tokens on expert 0, not the 3 kept.
+  double p0 = 0, p1 = 0;
+  for (const auto& row : logits) {
+    const std::vector<double> p = softmax(row);
+    p0 += p[0];
+    p1 += p[1];
+  }
+  EXPECT_NEAR(mfsdp::load_balancing_loss(r, 1).item<double>(), 2.0 / (1 * 25) * (p0 * 5 + p1 * 0), 1e-6);
   // Dropless by default: everyone keeps expert 0.
   EXPECT_EQ(mfsdp::route(tensor_of(logits), config(2, 1), 0.0).map.select(1, 0).sum().item<int64_t>(), 5);
 }

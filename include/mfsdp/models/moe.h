@@ -78,13 +78,15 @@ struct Routing {
   at::Tensor logits;     // [T, E], the router's output (autograd)
   at::Tensor probs;      // [T, E], the weight of each (token, expert), zero where not routed (autograd)
   at::Tensor map;        // [T, E] bool, routed (after capacity dropping)
+  at::Tensor top_map;    // [T, E] bool, each token's top-k before capacity dropping: what the
+                         // balancing losses count (Megatron's compute_routing_scores_for_aux_loss)
   at::Tensor scores;     // [T, E], the full-score distribution the aux loss uses (autograd)
 };
 
 // Routes `logits` [T, E] (top_k, score function, normalisation, scaling, capacity).
 Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor);
-// Megatron's losses of one routing, before the coefficient: switch_load_balancing_loss_func
-// (tokens counted over the whole batch), sequence_load_balancing_loss_func (`batch` sequences of
+// Megatron's losses of one routing, before the coefficient (tokens counted by top_map):
+// switch_load_balancing_loss_func (tokens counted over the whole batch), sequence_load_balancing_loss_func (`batch` sequences of
 // T / batch tokens, token t in sequence t / (T / batch)), z_loss_func.
 at::Tensor load_balancing_loss(const Routing& r, int64_t top_k);
 at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch);

@@ -98,7 +98,7 @@ void write_moe(json& j, const LlamaConfig& cfg, const std::string& model_type) {
     if (model_type == "qwen2_moe" || m.shared_expert_intermediate_size > 0)
       j["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size;
   }
-  if (m.shared_expert_intermediate_size > 0 && !m.shared_expert_gate) j["moe_shared_expert_gate"] = false;
+  if (m.shared_expert_intermediate_size > 0) j["moe_shared_expert_gate"] = m.shared_expert_gate;
   if (model_type == "mixtral" && !m.moe_layers.empty()) {
     j["moe_dense_intermediate_size"] = cfg.intermediate_size;  // mfsdp's own: Mixtral has no dense layers
     json dense = json::array();
@@ -152,7 +152,7 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
   j["attention_bias"] = cfg.attention_bias;
   if (model_type == "qwen2_moe") j["qkv_bias"] = cfg.attention_bias;
   if (model_type == "mixtral" && cfg.attention_bias) j["moe_qkv_bias"] = true;  // no Mixtral has them
-  if (model_type == "qwen3_moe" && cfg.attention_bias) j["moe_qkv_bias"] = true;
+  if ((model_type == "qwen3_moe" || model_type == "qwen3") && cfg.attention_bias) j["moe_qkv_bias"] = true;
   j["attention_dropout"] = 0.0;
   if (qwen2 || model_type == "qwen3" || model_type == "qwen3_moe" || model_type == "qwen2_moe") {
     j["use_sliding_window"] = false;
@@ -175,8 +175,11 @@ std::string hf_refusal(const LlamaConfig& cfg) {
     return "the model has Megatron's GeLU MLP (trained without --swiglu), which no Hugging Face Llama or Qwen2 has "
            "(their MLP is SwiGLU); it has no Hugging Face folder";
   const MoeConfig& m = cfg.moe;
-  if (m.num_experts == 0) return "";
   const std::string type = hf_model_type(cfg);
+  if (type == "qwen3" && cfg.attention_bias)
+    return "the model has q/k/v biases (--add-qkv-bias) and q/k norms, which no Hugging Face Qwen3 has (its "
+           "attention_bias would also bias o_proj)";
+  if (m.num_experts == 0) return "";
   if (m.score == MoeConfig::Score::kSigmoid)
     return "the router scores experts with a sigmoid (--moe-router-score-function sigmoid), which no Hugging Face " +
            type + " model does; it has no Hugging Face folder";

@@ -101,7 +101,7 @@ std::vector<MegatronRows> moe_rows(const std::string& prefix, const std::string&
   } else {
     return {};
   }
-  if (std::stoll(expert) >= c.moe.num_experts)
+  if (expert.size() > 9 || std::stoll(expert) >= c.moe.num_experts)
     throw std::invalid_argument(where + " is expert " + expert + " of a model with " + std::to_string(c.moe.num_experts));
   const std::string e = block + "experts." + expert + ".";
   if (fc == "2") return {{e + d + ".weight", {}, rows}};
@@ -131,7 +131,9 @@ std::vector<MegatronRows> llama_rows(const std::string& fqn, int64_t rows,
   std::smatch m;
   if (!std::regex_match(fqn, m, layer)) return {};
   const std::string prefix = "model.layers." + m[1].str() + ".", rest = m[2].str();
-  if (config != nullptr && config->moe.is_moe_layer(std::stoll(m[1].str()))) {
+  // A layer past the model's keeps a name the model does not have (reported as unexpected).
+  const bool in_model = config != nullptr && m[1].str().size() < 10 && std::stoll(m[1].str()) < config->num_layers;
+  if (in_model && config->moe.is_moe_layer(std::stoll(m[1].str()))) {
     if (auto moe = moe_rows(prefix, rest, rows, *config, where); !moe.empty()) return moe;
   }
   if (auto it = kLayerWhole.find(rest); it != kLayerWhole.end()) return {{prefix + it->second, {}, rows}};

@@ -4,8 +4,11 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <stdexcept>
+
 #include <string>
 
+#include "mfsdp/fsdp/recompute.h"
 #include "mfsdp/models/moe.h"
 
 namespace mfsdp {
@@ -84,7 +87,16 @@ MoeExpertsImpl::MoeExpertsImpl(int64_t hidden, const MoeConfig& config, int64_t 
 at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& counts, bool grouped) {
   const int64_t n = count();
   if (grouped) {
-    // One GEMM over every expert's rows: the weights stacked [n, H, I] per call.
+    // One GEMM over every expert's rows: the weights stacked [n, H, I] per call. CUDA's kernel
+    // wants every row 16-byte aligned.
+    if (tokens.is_cuda() && n > 0) {
+      const int64_t item = tokens.element_size(), hidden = tokens.size(1), width = local_[0]->gate->weight.size(0);
+      if ((hidden * item) % 16 != 0 || (width * item) % 16 != 0)
+        throw std::invalid_argument("--moe-grouped-gemm: at::_grouped_mm on CUDA needs the hidden size (" +
+                                    std::to_string(hidden) + ") and the expert width (" + std::to_string(width) +
+                                    ") to be multiples of " + std::to_string(16 / item) + " in " +
+                                    c10::toString(tokens.scalar_type()) + "; run without --moe-grouped-gemm");
+    }
     std::vector<at::Tensor> g, u, d;
     for (const ExpertMlp& e : local_) {
       g.push_back(e->gate->weight.t());
@@ -126,7 +138,8 @@ at::Tensor MoeBlockImpl::run_experts(const at::Tensor& tokens, const Routing& r)
   at::Tensor pairs = r.map.t().nonzero();
   at::Tensor expert_of = pairs.select(1, 0), token_of = pairs.select(1, 1);
   at::Tensor counts = at::bincount(expert_of, {}, config_.num_experts);
-  tally_.counts = tally_.counts.defined() ? tally_.counts + counts : counts;
+  // Counted once per forward: not again when activation recompute re-runs it in backward.
+  if (!detail::in_recompute()) tally_.counts = tally_.counts.defined() ? tally_.counts + counts : counts;
   at::Tensor sorted = tokens.index_select(0, token_of);
   at::Tensor weight = r.probs.index({token_of, expert_of}).to(tokens.scalar_type()).unsqueeze(-1);
   at::Tensor out = ep_ ? dispatch(sorted, counts) : experts(sorted, counts.to(at::kCPU), training_options.grouped_gemm);
@@ -183,7 +196,7 @@ at::Tensor MoeBlockImpl::forward(const at::Tensor& x) {
     balance = sequence_load_balancing_loss(r, config_.top_k, x.dim() == 3 ? x.size(0) : 1);
   }
   at::Tensor z = z_loss(r.logits);
-  {
+  if (!detail::in_recompute()) {
     // Kept on the device until take_stats: no host synchronisation per forward.
     at::NoGradGuard no_grad;
     if (balance.defined())

@@ -57,6 +57,7 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
   if (config.topk_scaling_factor != 1.0) top_values = top_values * config.topk_scaling_factor;
   r.probs = at::zeros({tokens, experts}, top_values.options()).scatter(1, top_index, top_values);
   r.map = at::zeros({tokens, experts}, logits.options().dtype(at::kBool)).scatter(1, top_index, true);
+  r.top_map = r.map;
   if (capacity_factor > 0) {
     // Megatron's get_capacity over tokens x top_k assignments, then the "probs" drop policy:
     // each expert keeps its `capacity` most probable tokens.
@@ -74,7 +75,7 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
 
 at::Tensor load_balancing_loss(const Routing& r, int64_t top_k) {
   const int64_t tokens = r.scores.size(0), experts = r.scores.size(1);
-  at::Tensor per_expert = r.map.sum(0).to(at::kFloat);
+  at::Tensor per_expert = r.top_map.sum(0).to(at::kFloat);
   const double norm = static_cast<double>(experts) / (static_cast<double>(top_k) * tokens * tokens);
   return (r.scores.sum(0) * per_expert).sum() * norm;
 }
@@ -85,7 +86,7 @@ at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t
     throw std::invalid_argument("sequence_load_balancing_loss: " + std::to_string(tokens) + " tokens in " +
                                 std::to_string(batch) + " sequences");
   const int64_t length = tokens / batch;
-  at::Tensor cost = r.map.view({batch, length, experts}).sum(1).to(at::kFloat) /
+  at::Tensor cost = r.top_map.view({batch, length, experts}).sum(1).to(at::kFloat) /
                     (static_cast<double>(length * top_k) / experts);
   return (cost * r.scores.view({batch, length, experts}).mean(1)).sum(1).mean();
 }
