@@ -1,7 +1,7 @@
 // Mixtures of experts end to end, through mfsdp-run: docs/moe.md's example at a reduced size
 // (pretraining with expert parallelism, then SFT from its checkpoint, each loss falling, the
 // export a Qwen3-MoE folder), resuming bit-exactly at the same expert-parallel size and
-// continuing at another one (EP 2 -> EP 1 -> EP 2) on the training that never stopped.
+// continuing at another one (EP 2 -> EP 1 -> EP 2); GRPO after the SFT on the training that never stopped.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -22,6 +22,7 @@ using json = nlohmann::json;
 const std::string kRun = MFSDP_RUN_BIN_PATH;
 const std::string kPretrain = MFSDP_PRETRAIN_BIN_PATH;
 const std::string kSft = MFSDP_SFT_BIN_PATH;
+const std::string kGrpo = MFSDP_GRPO_BIN_PATH;
 
 // docs/moe.md's model and MoE flags.
 const std::string kModel =
@@ -63,7 +64,7 @@ TEST(Moe, DocsExamplePretrainsWithExpertParallelismThenFinetunes) {
                              " --gen-seed 7 --gen-train-size 500 --gen-val-size 20 --max-length 32"
                              " --micro-batch-size 16 --global-batch-size 32 --train-iters 30 --lr 3e-3"
                              " --lr-warmup-iters 5 --log-interval 10 --eval-interval 1000 --eval-iters 1"
-                             " --moe-aux-loss-coeff 1e-2 --export-hf " + dir.file("sft_hf") + " --metrics-file " +
+                             " --moe-aux-loss-coeff 1e-2 --save " + dir.file("sft_ckpt") + " --export-hf " + dir.file("sft_hf") + " --metrics-file " +
                              dir.file("sft.jsonl") + " 2>&1");
   ASSERT_EQ(s.exit_code, 0) << s.output;
   const auto sft = training_records(dir.file("sft.jsonl"));
@@ -75,6 +76,19 @@ TEST(Moe, DocsExamplePretrainsWithExpertParallelismThenFinetunes) {
   EXPECT_EQ(hf["model_type"], "qwen3_moe");
   EXPECT_EQ(hf["num_experts"], 4);
   EXPECT_EQ(hf["head_dim"], 32);
+
+  // GRPO from the SFT checkpoint, the experts split again (rollouts gather every expert; the
+  // reference policy is sharded as the policy is).
+  const auto g = run_command(kRun + " --nproc-per-node 2 " + kGrpo + " --device cpu --load " + dir.file("sft_ckpt") +
+                             " --finetune --tokenizer-type ByteLevelTokenizer --gen-task arith --gen-digits 1"
+                             " --gen-seed 7 --gen-train-size 100 --gen-val-size 8 --max-prompt-length 32"
+                             " --max-response-length 4 --train-batch-size 8 --rollout-n 4 --micro-batch-size 16"
+                             " --train-iters 2 --lr 1e-4 --log-interval 1 --eval-interval 1000 --use-kl-loss"
+                             " --kl-loss-coef 0.001 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2"
+                             " --export-hf " + dir.file("grpo_hf") + " 2>&1");
+  ASSERT_EQ(g.exit_code, 0) << g.output;
+  EXPECT_NE(g.output.find("load_balancing_loss"), std::string::npos) << g.output;
+  EXPECT_TRUE(std::filesystem::exists(dir.file("grpo_hf/model.safetensors"))) << g.output;
 }
 
 // Six iterations straight at EP 2; three, saved, then three more resumed at EP 2 (the same
