@@ -8,10 +8,12 @@
 #
 #   bench/moe_step_time.sh                        # defaults below
 #   ROUNDS=1 ITERS=6 WARMUP=2 bench/moe_step_time.sh   # smoke test
+#   DEVICE=cuda NPROC=1 RUNS="ep1 grouped dense" EXTRA=--bf16 bench/moe_step_time.sh   # one GPU
 #
 # Environment (defaults in brackets): LAYERS [4] HIDDEN [256] HEADS [8] EXPERTS [8] TOPK [2]
 # MOE_FFN [256] SEQ [128] MBS [4] GBS [16] VOCAB [1024] ITERS [12] WARMUP [3] ROUNDS [3]
-# RUNS [ep1 ep2 grouped dense] STRATEGY [optim_grads_params] BUILD [<repo>/build]
+# RUNS [ep1 ep2 grouped dense] STRATEGY [optim_grads_params] DEVICE [cpu] NPROC [2] (ep2 and
+# grouped need 2) EXTRA [] (more mfsdp-pretrain flags) BUILD [<repo>/build]
 # OUT [a new temporary folder; kept]
 # Exit status 0 when every run succeeded, 1 when one failed (its output is shown).
 set -uo pipefail
@@ -21,14 +23,14 @@ BUILD=${BUILD:-$ROOT/build}
 LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} HEADS=${HEADS:-8} EXPERTS=${EXPERTS:-8} TOPK=${TOPK:-2}
 MOE_FFN=${MOE_FFN:-256} SEQ=${SEQ:-128} MBS=${MBS:-4} GBS=${GBS:-16} VOCAB=${VOCAB:-1024}
 ITERS=${ITERS:-12} WARMUP=${WARMUP:-3} ROUNDS=${ROUNDS:-3} RUNS=${RUNS:-"ep1 ep2 grouped dense"}
-STRATEGY=${STRATEGY:-optim_grads_params}
+STRATEGY=${STRATEGY:-optim_grads_params} DEVICE=${DEVICE:-cpu} NPROC=${NPROC:-2} EXTRA=${EXTRA:-}
 OUT=${OUT:-$(mktemp -d /tmp/moe_step_time.XXXX)}
 mkdir -p "$OUT"
 for tool in mfsdp-run mfsdp-pretrain; do
   [[ -x $BUILD/$tool ]] || { echo "moe_step_time: $BUILD/$tool is missing (scripts/build.sh)" >&2; exit 2; }
 done
 
-common=(--device cpu --mock-data --vocab-size "$VOCAB" --num-layers "$LAYERS" --hidden-size "$HIDDEN"
+common=(--device "$DEVICE" --mock-data --vocab-size "$VOCAB" --num-layers "$LAYERS" --hidden-size "$HIDDEN"
         --num-attention-heads "$HEADS" --swiglu --seq-length "$SEQ" --micro-batch-size "$MBS"
         --global-batch-size "$GBS" --train-iters "$ITERS" --lr 1e-4 --log-interval 1 --eval-interval 100000
         --eval-iters 0 --data-parallel-sharding-strategy "$STRATEGY" --seed 3)
@@ -37,7 +39,7 @@ flags_of() {
   case $1 in
     ep1) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 1" ;;
     ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2" ;;
-    grouped) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2 --moe-grouped-gemm" ;;
+    grouped) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size $((NPROC > 1 ? 2 : 1)) --moe-grouped-gemm" ;;
     dense) echo "--ffn-hidden-size $((TOPK * MOE_FFN))" ;;
     *) echo "moe_step_time: unknown run '$1' (ep1 ep2 grouped dense)" >&2; exit 2 ;;
   esac
@@ -48,8 +50,8 @@ for round in $(seq 1 "$ROUNDS"); do
   for run in $RUNS; do
     log=$OUT/$run.$round.log
     # shellcheck disable=SC2046
-    if ! OMP_NUM_THREADS=1 "$BUILD/mfsdp-run" --nproc-per-node 2 "$BUILD/mfsdp-pretrain" "${common[@]}" \
-        $(flags_of "$run") --metrics-file "$OUT/$run.$round.jsonl" >"$log" 2>&1; then
+    if ! OMP_NUM_THREADS=1 "$BUILD/mfsdp-run" --nproc-per-node "$NPROC" "$BUILD/mfsdp-pretrain" "${common[@]}" \
+        $(flags_of "$run") $EXTRA --metrics-file "$OUT/$run.$round.jsonl" >"$log" 2>&1; then
       echo "moe_step_time: run $run (round $round) failed:" >&2
       tail -20 "$log" >&2
       failed=1
@@ -58,10 +60,10 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 "${PYTHON:-$ROOT/.venv/bin/python}" - "$OUT" "$WARMUP" "$GBS" "$SEQ" "$RUNS" "$LAYERS" "$HIDDEN" "$EXPERTS" "$MOE_FFN" \
-    "$VOCAB" <<'EOF'
+    "$VOCAB" "$NPROC" <<'EOF'
 import glob, json, re, statistics, sys
 out, warmup, gbs, seq, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split()
-layers, hidden, experts, moe_ffn, vocab = map(int, sys.argv[6:11])
+layers, hidden, experts, moe_ffn, vocab, nproc = map(int, sys.argv[6:12])
 rows = {}
 for run in runs:
     times, rss, buffers = [], [], None
@@ -81,9 +83,9 @@ for run, (t, r, b) in rows.items():
     w, g, o = b if b else (float("nan"),) * 3
     print(f"{run:8} {t*1e3:9.1f} {gbs*seq/t:10.0f} {base/t:7.2f} {r:13.1f} {w:12.3f} {g:10.3f} {o:9.3f}")
 # Per-rank fp32 model weights under ZeRO-3 by the formula: dense / DP + experts / (EDP x EP),
-# with DP = 2 and EDP x EP = 2 (both runs shard the experts over 2 ranks in all).
+# with EDP x EP = DP = NPROC whatever the split.
 expert_params = layers * experts * 3 * hidden * moe_ffn
-print(f"expert parameters {expert_params} ({expert_params*4/2**20:.3f} MiB fp32): per rank {expert_params*4/2**21:.3f} MiB "
-      "at EP 1 x EDP 2 and at EP 2 x EDP 1 (ZeRO-3)")
+print(f"expert parameters {expert_params} ({expert_params*4/2**20:.3f} MiB fp32): per rank "
+      f"{expert_params*4/2**20/nproc:.3f} MiB over {nproc} rank(s) whatever the EP x EDP split (ZeRO-3)")
 EOF
 exit $failed

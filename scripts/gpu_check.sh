@@ -2,7 +2,8 @@
 # One call on a borrowed GPU machine, inside its 10 minutes: build mfsdp against that machine's
 # own PyTorch (e.g. 2.11 with CUDA 13), run the GPU tests (ctest -L gpu), the GPU benchmarks
 # (bench/collective_bandwidth.sh with BACKEND=nccl, bench/gpu_step_time.sh on 1 GPU and on all:
-# mfsdp vs PyTorch DDP, FSDP2 and Megatron-FSDP; a profile of mfsdp's step), then the rest of
+# mfsdp vs PyTorch DDP, FSDP2 and Megatron-FSDP; bench/moe_step_time.sh; a profile of mfsdp's
+# step), then the rest of
 # the suite while time remains, and leave a summary and the logs in $OUT (build-gpu/results
 # when OUT is unset).
 #
@@ -303,6 +304,21 @@ if ((GPU_BENCH)); then
       log "step time on $n GPU(s): skipped, $t s left for it"
     fi
   done
+  # The MoE block on the GPU: one GEMM per expert against the grouped GEMM (at::_grouped_mm, bf16)
+  # and a dense model of equal active parameters (bench/moe_step_time.sh), one rank per GPU.
+  t=$(allow 90 10)
+  if ((t >= 40)); then
+    start=$SECONDS
+    DEVICE=cuda NPROC=$(( gpus > 1 ? 2 : 1 )) RUNS="ep1 $( ((gpus > 1)) && echo ep2) grouped dense" EXTRA=--bf16 \
+      ROUNDS=2 BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/moe \
+      timeout -k 5 "$t" bench/moe_step_time.sh >"$out/bench_moe.txt" 2>"$work/raw/moe.log"
+    rc=$?
+    log "MoE step time on the GPU, per-expert vs grouped GEMM vs dense: exit $rc, $((SECONDS - start)) s (bench_moe.txt)"
+    tee -a "$summary" <"$out/bench_moe.txt"
+    ((rc)) && tail -15 "$work/raw/moe.log" | cut -c1-400 | tee -a "$summary"
+  else
+    log "MoE step time: skipped, $t s left for it"
+  fi
   # Where run b's step goes: iterations 5..6 of it under --profile --use-pytorch-profiler, the
   # trace summed by bench/trace_summary.py (into bench_step_time.txt; the trace itself, gzipped,
   # into bench_raw.tar.gz when under 8 MiB).
