@@ -48,7 +48,7 @@ void check_model_tensors(const std::map<std::string, std::vector<int64_t>>& shap
                          const std::string& where) {
   std::vector<std::string> missing, unexpected, wrong;
   std::set<std::string> expected_names;
-  for (const auto& [name, shape] : model_parameter_shapes(config)) {
+  for (const auto& [name, shape] : model_tensor_shapes(config)) {
     expected_names.insert(name);
     auto it = shapes.find(name);
     if (it == shapes.end())
@@ -104,7 +104,7 @@ at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir,
   const json config = cfg.spec->hf_config(cfg, dtype);
 
   std::vector<std::pair<std::string, at::Tensor>> tensors;  // module order: shards fill layer by layer
-  for (const auto& [name, shape] : model_parameter_shapes(cfg))
+  for (const auto& [name, shape] : model_tensor_shapes(cfg))
     tensors.emplace_back(name, reader.read(kModelPrefix + name).to(dtype));
   fs::create_directories(out_dir);
   write_safetensors_sharded(out_dir, tensors, max_shard_bytes);

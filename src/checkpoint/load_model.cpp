@@ -40,12 +40,12 @@ std::shared_ptr<CausalLM> build_model(const ModelConfig& cfg, const std::map<std
   options.init_seed = 0;  // every value is overwritten below: leave the default generator alone
   std::shared_ptr<CausalLM> model = cfg.spec->build(cfg, options);
   torch::NoGradGuard no_grad;
-  for (auto& p : model->named_parameters()) {
-    const at::Tensor t = source.read(kModelPrefix + p.key());
+  for (auto& [name, p] : model_tensors(*model)) {
+    const at::Tensor t = source.read(kModelPrefix + name);
     if (!at::isFloatingType(t.scalar_type()))
-      throw std::invalid_argument(where + ": tensor '" + p.key() + "' is " + c10::toString(t.scalar_type()) +
+      throw std::invalid_argument(where + ": tensor '" + name + "' is " + c10::toString(t.scalar_type()) +
                                   ", not a floating-point tensor");
-    p.value().copy_(t);
+    p.copy_(t);
   }
   return model;
 }

@@ -75,11 +75,28 @@ std::pair<int64_t, int64_t> replica_share(int64_t numel, int replicas, int repli
   return {begin, end - begin};
 }
 
-std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer, int world_rank) {
+// The model's parameter slices, then its buffers as slices every rank of the job holds whole.
+std::vector<LocalShard> model_shards(const FsdpHandle& model, int world_rank, int world_size) {
+  std::vector<LocalShard> out = model.local_shards();
+  for (const auto& [name, buffer] : model.buffers()) {
+    LocalShard s;
+    s.name = name;
+    s.global_shape = buffer.sizes().vec();
+    s.local = buffer.view({-1});
+    s.requires_grad = false;
+    s.replicas = world_size;
+    s.replica = world_rank;
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer, int world_rank,
+                                  int world_size) {
   std::vector<std::pair<std::string, std::vector<at::Tensor>>> state;
   if (optimizer != nullptr) state = optimizer->state();
   std::vector<Piece> out;
-  for (const LocalShard& s : model.local_shards()) {
+  for (const LocalShard& s : model_shards(model, world_rank, world_size)) {
     auto [begin, count] = replica_share(s.local.numel(), s.replicas, s.replica);
     auto add = [&](const std::string& tensor, const at::Tensor& flat) {
       out.push_back({tensor, s.global_shape, s.offset + begin, flat.narrow(0, begin, count)});
@@ -179,7 +196,7 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
   const nlohmann::json meta = base_metadata(info, size, optimizer);
   nlohmann::json report;
   error = capture_error([&] {
-    const std::vector<Piece> pieces = pieces_to_save(model, optimizer, rank);
+    const std::vector<Piece> pieces = pieces_to_save(model, optimizer, rank, world->size());
     if (format == CheckpointFormat::kFsdpDtensor) {
       report = checkpoint::write_dcp_rank_file(tmp, rank, pieces, meta);
     } else {
@@ -271,7 +288,7 @@ Staged stage_checkpoint(const CheckpointReader& reader, const FsdpHandle& model,
                         const std::set<std::string>& anywhere, LoadedCheckpoint& result) {
   Staged staged;
   const nlohmann::json& meta = reader.metadata();
-  const std::vector<LocalShard> shards = model.local_shards();
+  const std::vector<LocalShard> shards = model_shards(model, world_rank, world_size);
   std::set<std::string> model_tensors;
   for (const LocalShard& s : shards) model_tensors.insert(model_key(s.name));
   for (const std::string& name : reader.tensor_names())
@@ -354,7 +371,7 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
   std::set<std::string> anywhere;
   {
     std::string mine;
-    for (const LocalShard& s : model.local_shards()) mine += model_key(s.name) + "\n";
+    for (const LocalShard& s : model_shards(model, rank, world->size())) mine += model_key(s.name) + "\n";
     for (const std::string& text : all_gather_strings(*world, mine))
       for (size_t at = 0, end; (end = text.find('\n', at)) != std::string::npos; at = end + 1)
         anywhere.insert(text.substr(at, end - at));

@@ -51,6 +51,61 @@ nlohmann::json model_config_of_args(const nlohmann::json& args, std::ostream& ou
   }
 }
 
+// Megatron's optimizer param groups in common.pt: {"param_groups"}, one optimizer's
+// {"optimizer": {"param_groups"}}, or a ChainedOptimizer's {"0": {...}, "1": {...}} (a mixture of
+// experts: the dense optimizer, then the expert one), concatenated in that order, which is how
+// --dump-param-to-param-group-map numbers them. null when there are none.
+nlohmann::json param_groups_of(const nlohmann::json& common) {
+  if (!common.contains("optimizer") || !common["optimizer"].is_object()) return nullptr;
+  const nlohmann::json& o = common["optimizer"];
+  auto groups_of = [](const nlohmann::json& one) -> nlohmann::json {
+    if (one.contains("param_groups")) return one["param_groups"];
+    if (one.contains("optimizer") && one["optimizer"].is_object() && one["optimizer"].contains("param_groups"))
+      return one["optimizer"]["param_groups"];
+    return nullptr;
+  };
+  if (nlohmann::json groups = groups_of(o); !groups.is_null()) return groups;
+  std::map<int64_t, nlohmann::json> chained;  // keys "0", "1", ...: by number, not as text
+  for (const auto& [k, v] : o.items()) {
+    if (k.empty() || k.size() > 9 || k.find_first_not_of("0123456789") != std::string::npos || !v.is_object()) return nullptr;
+    const nlohmann::json groups = groups_of(v);
+    if (!groups.is_array()) return nullptr;
+    chained[std::stoll(k)] = groups;
+  }
+  nlohmann::json all = nlohmann::json::array();
+  for (const auto& [i, groups] : chained)
+    for (const nlohmann::json& g : groups) all.push_back(g);
+  return chained.empty() ? nullptr : all;
+}
+
+// Megatron stacks a layer's experts on one axis, "<block>.experts.experts.<linear>.<weight|bias>"
+// (its TEGroupedMLP and SequentialMLP write the same tensors); Megatron-FSDP keeps one tensor per
+// expert, named as the model that saved it names its parameters: TEGroupedMLP's
+// "<block>.experts.<linear>.weight<j>" (--moe-grouped-gemm) or SequentialMLP's
+// "<block>.experts.local_experts.<j>.<linear>.weight", j the global expert index. `key` is the
+// output name of one layer's tensor `t` [experts, ...] (optimizer state keeps its ".<state>"
+// suffix); `where` names the checkpoint tensor for errors; `num_experts` < 0 when args do not say.
+std::vector<std::pair<std::string, at::Tensor>> split_experts(const std::string& key, const at::Tensor& t,
+                                                              int64_t num_experts, bool grouped,
+                                                              const std::string& where) {
+  static const std::regex expert(R"((.*\.experts)\.experts\.(\w+)\.(weight|bias)((?:\.\w+)?))");
+  std::smatch m;
+  if (!std::regex_match(key, m, expert))
+    throw std::invalid_argument(where + " is not an expert weight or bias ('<block>.experts.experts.<linear>.weight')");
+  if (t.dim() < 2) throw std::invalid_argument(where + " is " + std::to_string(t.dim()) + "-d: no expert axis");
+  if (num_experts >= 0 && t.size(0) != num_experts)
+    throw std::invalid_argument(where + " holds " + std::to_string(t.size(0)) + " experts per layer, but common.pt's " +
+                                "args have num_experts " + std::to_string(num_experts));
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (int64_t j = 0; j < t.size(0); ++j) {
+    const std::string index = std::to_string(j);
+    out.emplace_back(grouped ? m[1].str() + "." + m[2].str() + "." + m[3].str() + index + m[4].str()
+                             : m[1].str() + ".local_experts." + index + "." + m[2].str() + "." + m[3].str() + m[4].str(),
+                     t[j]);
+  }
+  return out;
+}
+
 // An argparse.Namespace with `fields` (plain values; described objects are left out), so that
 // Megatron reads "args" back as it wrote it.
 std::string namespace_pickle(const nlohmann::json& fields) {
@@ -72,13 +127,11 @@ void convert_torch_dist_to_fsdp_dtensor(const std::string& in, const std::string
     common = read_torch_save_value(dir + "/common.pt", 0, fs::file_size(dir + "/common.pt"),
                                    "common state '" + dir + "/common.pt'", ObjectPolicy::kDescribeObjects);
   const nlohmann::json args = common.value("args", nlohmann::json::object());
-  nlohmann::json groups;
-  if (common.contains("optimizer") && common["optimizer"].is_object()) {
-    const nlohmann::json& o = common["optimizer"];
-    if (o.contains("param_groups")) groups = o["param_groups"];
-    else if (o.contains("optimizer") && o["optimizer"].is_object() && o["optimizer"].contains("param_groups"))
-      groups = o["optimizer"]["param_groups"];
-  }
+  const nlohmann::json groups = param_groups_of(common);
+  // Mixtures of experts: how many experts a layer has, and how the saving model named them.
+  const int64_t num_experts = args.contains("num_experts") && args["num_experts"].is_number_integer()
+                                  ? args["num_experts"].get<int64_t>() : -1;
+  const bool grouped_experts = !args.contains("moe_grouped_gemm") || args["moe_grouped_gemm"] != false;
   nlohmann::json group_map = nlohmann::json::object();
   if (!options.param_to_param_group_map_json.empty()) {
     std::ifstream f(options.param_to_param_group_map_json);
@@ -105,8 +158,11 @@ void convert_torch_dist_to_fsdp_dtensor(const std::string& in, const std::string
                ? checkpoint::dcp_path(key) : std::vector<std::string>{key};
   };
 
-  // SwiGLU fc1 keys, and where "_w" / "_v" go in them (after weight/bias: "weight_w.exp_avg").
-  static const std::regex fc1(R"(\.mlp\.linear_fc1\.(weight|bias))"), suffix(R"(((?:weight|bias)\d*)(.*))");
+  // SwiGLU fc1 keys (a dense MLP's, an expert's, the shared expert's), and where "_w" / "_v" go
+  // in them (after weight/bias and an expert index: "weight3_w.exp_avg").
+  static const std::regex fc1(R"(\.mlp\.(shared_experts\.|experts\.local_experts\.\d+\.)?linear_fc1\.(weight|bias)(\.|$))"
+                              R"(|\.mlp\.experts\.linear_fc1\.(weight|bias)\d+(\.|$))");
+  static const std::regex suffix(R"(((?:weight|bias)\d*)(.*))");
   const std::string tmp = out_dir + ".tmp";
   remove_tree(tmp);
   dcp::DirectoryWriter w(tmp);
@@ -115,9 +171,12 @@ void convert_torch_dist_to_fsdp_dtensor(const std::string& in, const std::string
   for (const auto& [key, e] : m.tensors) {
     out << "[Convert] [" << ++index << "/" << m.tensors.size() << "] Key: " << key << "\n";
     if (key.find("._extra_state") != std::string::npos) continue;
-    if (key.find(".experts.") != std::string::npos)
-      throw std::invalid_argument("checkpoint '" + dir + "': '" + key + "' is a mixture-of-experts tensor, which this "
-                                  "converter does not handle");
+    const std::string where = "checkpoint '" + dir + "': '" + key + "'";
+    const bool experts = key.find(".experts.experts.") != std::string::npos;
+    if (!experts && key.find(".experts.") != std::string::npos)
+      throw std::invalid_argument(where + " is an expert tensor outside Megatron's torch_dist layout, where a layer's "
+                                  "experts are one tensor '<block>.experts.experts.<linear>.weight' with the expert "
+                                  "axis before the weight's own (singleton_local_shards false)");
     std::string out_key;
     if (starts_with(key, "optimizer.state.")) {
       const std::string rest = key.substr(16);
@@ -131,14 +190,18 @@ void convert_torch_dist_to_fsdp_dtensor(const std::string& in, const std::string
       out_key = options.model_prefix + "." + key;
     }
     const at::Tensor value = r.read(key);
-    std::vector<std::pair<std::string, at::Tensor>> pieces;
+    std::vector<std::pair<std::string, at::Tensor>> layers, pieces;
     static const std::regex numbered_layer(R"(layers\.\d+\.)");
     if (out_key.find(".layers.") != std::string::npos && !std::regex_search(out_key, numbered_layer)) {
       if (value.dim() == 0) throw std::invalid_argument("checkpoint '" + dir + "': stacked '" + key + "' is 0-d");
       for (int64_t i = 0; i < value.size(0); ++i)
-        pieces.emplace_back(replace_all(out_key, ".layers.", ".layers." + std::to_string(i) + "."), value[i]);
+        layers.emplace_back(replace_all(out_key, ".layers.", ".layers." + std::to_string(i) + "."), value[i]);
     } else {
-      pieces.emplace_back(out_key, value);
+      layers.emplace_back(out_key, value);
+    }
+    for (auto& [k, t] : layers) {
+      if (!experts) pieces.emplace_back(k, t);
+      else for (auto& e : split_experts(k, t, num_experts, grouped_experts, where)) pieces.push_back(std::move(e));
     }
     for (auto& [k, t] : pieces) {
       const bool model = starts_with(k, options.model_prefix + ".");

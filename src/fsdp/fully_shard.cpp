@@ -160,6 +160,13 @@ FsdpHandle fully_shard(torch::nn::Module& module, const FullyShardOptions& given
     }
   }
   auto unit = std::make_shared<UnitState>(module, std::move(groups), options);
+  {
+    // Buffers are not sharded: each rank keeps them whole, on the unit's device (FSDP2 moves
+    // them with the module too).
+    at::NoGradGuard no_grad;
+    for (auto& b : module.named_buffers(/*recurse=*/true))
+      if (b.value().device() != *options.device) b.value().set_data(b.value().to(*options.device));
+  }
 
   // Adopt the units below that have no parent yet; everything under this one belongs to its
   // root from now on and is named relative to this module. The root builds the shared context
@@ -269,6 +276,12 @@ std::vector<LocalShard> FsdpHandle::local_shards() const {
   return out;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> FsdpHandle::buffers() const {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& b : state().module().named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
 std::map<std::string, at::Tensor> FsdpHandle::full_state_dict(bool all_ranks) const {
   at::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> out;
@@ -279,6 +292,8 @@ std::map<std::string, at::Tensor> FsdpHandle::full_state_dict(bool all_ranks) co
       if (!all_ranks && rank != 0) continue;
       for (size_t i = 0; i < values.size(); ++i) out[g->params()[i].name] = values[i];
     }
+  if (all_ranks || rank == 0)
+    for (const auto& [name, b] : buffers()) out[name] = b.clone();
   return out;
 }
 
@@ -297,9 +312,18 @@ void FsdpHandle::load_full_state_dict(const std::map<std::string, at::Tensor>& s
                                       c10::str(it->second.sizes()) + ", the model expects " +
                                       c10::str(at::IntArrayRef(p.shape)));
       }
+  for (const auto& [name, b] : buffers()) {
+    expected.insert(name);
+    auto it = state_dict.find(name);
+    if (it == state_dict.end()) throw std::invalid_argument("load_full_state_dict: missing buffer '" + name + "'");
+    if (!it->second.sizes().equals(b.sizes()))
+      throw std::invalid_argument("load_full_state_dict: buffer '" + name + "' has shape " +
+                                  c10::str(it->second.sizes()) + ", the model expects " + c10::str(b.sizes()));
+  }
   for (const auto& [name, t] : state_dict)
     if (!expected.count(name))
       throw std::invalid_argument("load_full_state_dict: unexpected parameter '" + name + "'");
+  for (auto& [name, b] : buffers()) b.copy_(state_dict.at(name));
   for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) {
       std::vector<at::Tensor> values;

@@ -27,13 +27,20 @@ int64_t megatron_default_ffn_hidden_size(int64_t hidden_size, bool swiglu) {
   return static_cast<int64_t>(static_cast<double>(4 * hidden_size * 2) / 3.0 / 64.0) * 64;
 }
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> model_parameter_shapes(const ModelConfig& config) {
+std::vector<std::pair<std::string, at::Tensor>> model_tensors(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value());
+  for (const auto& b : model.named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value());
+  return out;
+}
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> model_tensor_shapes(const ModelConfig& config) {
   ModelBuildOptions options;
   options.deferred_init = true;  // full shapes, no storage
   options.init_seed = 0;         // leave the default generator alone
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
-  for (const auto& p : model->named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value().sizes().vec());
+  for (const auto& [name, t] : model_tensors(*model)) out.emplace_back(name, t.sizes().vec());
   return out;
 }
 

@@ -177,7 +177,7 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
     if (ref_) {
       const MemoryReport m = ref_->sharded.root.memory();
       double full_bytes = 0;
-      for (const auto& [name, shape] : model_parameter_shapes(start.config)) {
+      for (const auto& [name, shape] : model_tensor_shapes(start.config)) {
         double numel = 1;
         for (int64_t d : shape) numel *= static_cast<double>(d);
         full_bytes += numel * 4;  // fp32

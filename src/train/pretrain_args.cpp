@@ -142,7 +142,10 @@ const std::vector<Flag>& flags() {
             STRING_FLAG("--moe-layer-freq", moe_layer_freq,
                         "which layers are MoE layers: every N-th from layer 0, or a list such as [1,0,1,0]"),
             BOOL_FLAG("--moe-router-enable-expert-bias", moe_router_enable_expert_bias,
-                      "aux-loss-free balancing (refused: not built yet)"),
+                      "aux-loss-free balancing: a per-expert bias on the routing scores, moved after each step "
+                      "toward equal token counts (sigmoid scores)"),
+            DOUBLE_FLAG("--moe-router-bias-update-rate", moe_router_bias_update_rate,
+                        "how far the expert bias moves per step (with --moe-router-enable-expert-bias)"),
             BOOL_FLAG("--moe-per-layer-logging", moe_per_layer_logging,
                       "log each MoE layer's balancing loss and tokens per expert (metrics file, TensorBoard)"),
             INT_FLAG("--expert-model-parallel-size", expert_model_parallel_size,

@@ -21,10 +21,9 @@ void RolloutModel::load_from(const std::map<std::string, at::Tensor>& state) {
     model_->set_use_sdpa(use_sdpa_);
   }
   torch::NoGradGuard no_grad;
-  for (auto& item : model_->named_parameters()) {
-    const auto it = state.find(item.key());
-    if (it == state.end()) throw std::logic_error("rollout model: the policy has no parameter " + item.key());
-    at::Tensor& p = item.value();
+  for (auto& [name, p] : model_tensors(*model_)) {
+    const auto it = state.find(name);
+    if (it == state.end()) throw std::logic_error("rollout model: the policy has no tensor " + name);
     // Fresh storage (a released or deferred parameter has none) in the parameter's own TensorImpl.
     p.set_data(it->second.to(device_, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
   }

@@ -36,7 +36,7 @@ void print_sample(const PretrainArgs& a, TrainingRun& run, std::ostream& log) {
   std::shared_ptr<CausalLM> plain = run.config().spec->build(run.config(), options);
   {
     torch::NoGradGuard no_grad;
-    for (auto& item : plain->named_parameters()) item.value().copy_(state.at(item.key()));
+    for (auto& [name, t] : model_tensors(*plain)) t.copy_(state.at(name));
   }
   TokenizerOptions t{a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file};
   auto tokenizer = make_torch_safe_tokenizer(t);

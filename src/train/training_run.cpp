@@ -45,6 +45,7 @@ nlohmann::json megatron_model_args(const PretrainArgs& a) {
           {"moe_shared_expert_gate", a.moe_shared_expert_gate},
           {"moe_router_score_function", a.moe_router_score_function},
           {"moe_router_pre_softmax", a.moe_router_pre_softmax},
+          {"moe_router_enable_expert_bias", a.moe_router_enable_expert_bias},
           {"moe_router_topk_scaling_factor",
            a.moe_router_topk_scaling_factor > 0 ? nlohmann::json(a.moe_router_topk_scaling_factor) : nlohmann::json()},
           {"moe_layer_freq", a.moe_layer_freq.front() == '['
@@ -61,6 +62,7 @@ MoeTraining moe_training_from_args(const PretrainArgs& a) {
   t.z_loss_coeff = a.moe_z_loss_coeff;
   t.capacity_factor = a.moe_expert_capacity_factor;
   t.grouped_gemm = a.moe_grouped_gemm;
+  t.bias_update_rate = a.moe_router_bias_update_rate;
   return t;
 }
 
@@ -111,7 +113,7 @@ ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& 
 namespace {
 std::map<std::string, at::Tensor> weights_of(const CausalLM& model) {
   std::map<std::string, at::Tensor> weights;
-  for (const auto& item : model.named_parameters()) weights[item.key()] = item.value().detach();
+  for (const auto& [name, t] : model_tensors(model)) weights[name] = t.detach();
   return weights;
 }
 }  // namespace
@@ -252,6 +254,8 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   }
   StepStats s;
   collect_router_stats(s);
+  // Megatron's finalize_model_grads: the aux-loss-free biases move by this step's global counts.
+  for (const StepStats::MoeLayer& m : s.moe_layers) sharded_.model->update_expert_bias(m.layer, m.tokens_per_expert);
   {
     RECORD_USER_SCOPE("mfsdp::clip_grad_norm");
     s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);  // a non-finite norm leaves the grads as they are
@@ -296,23 +300,31 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
 
 namespace {
 
-// Per parameter of `params` (local_shards() order, the same on every rank), the NaN and Inf
-// counts of `slice(param)` on this rank into counts[2i] and counts[2i + 1]; each element is
-// counted once over the ranks (on its replica 0).
-void count_non_finite(const std::vector<LocalShard>& params,
+using TensorShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+
+// The NaN and Inf counts of `slice(param)` of this rank's `params` into counts[2i] and
+// counts[2i + 1], i being the parameter's place in `all` (every tensor of the model, the same list
+// on every rank: under expert parallelism ranks hold different experts); each element is counted
+// once over the ranks (on its replica 0).
+void count_non_finite(const std::vector<LocalShard>& params, const TensorShapes& all,
                       const std::function<at::Tensor(const LocalShard&)>& slice, at::Tensor counts) {
-  for (size_t i = 0; i < params.size(); ++i) {
-    if (params[i].replica != 0) continue;
-    const at::Tensor t = slice(params[i]);
+  std::map<std::string, int64_t> index;
+  for (size_t i = 0; i < all.size(); ++i) index[all[i].first] = static_cast<int64_t>(i);
+  for (const LocalShard& p : params) {
+    if (p.replica != 0) continue;
+    const at::Tensor t = slice(p);
     if (!t.defined() || t.numel() == 0) continue;
-    counts[2 * static_cast<int64_t>(i)] = static_cast<double>(t.isnan().sum().item<int64_t>());
-    counts[2 * static_cast<int64_t>(i) + 1] = static_cast<double>(t.isinf().sum().item<int64_t>());
+    const auto it = index.find(p.name);
+    if (it == index.end()) throw std::logic_error("count_non_finite: the model has no tensor '" + p.name + "'");
+    const int64_t i = it->second;
+    counts[2 * i] += static_cast<double>(t.isnan().sum().item<int64_t>());
+    counts[2 * i + 1] += static_cast<double>(t.isinf().sum().item<int64_t>());
   }
 }
 
-// "N parameters: name (a NaN, b Inf of n), ..." of the parameters with non-zero counts (the
-// first 20 named); empty when there are none.
-std::string list_non_finite(const std::vector<LocalShard>& params, const double* counts) {
+// "N parameters: name (a NaN, b Inf of n), ..." of the tensors of `params` with non-zero counts
+// (the first 20 named); empty when there are none.
+std::string list_non_finite(const TensorShapes& params, const double* counts) {
   constexpr int kMaxListed = 20;
   std::ostringstream names;
   int found = 0;
@@ -321,8 +333,8 @@ std::string list_non_finite(const std::vector<LocalShard>& params, const double*
     if (nans + infs == 0) continue;
     if (++found > kMaxListed) continue;
     int64_t numel = 1;
-    for (int64_t d : params[i].global_shape) numel *= d;
-    names << (found > 1 ? ", " : "") << params[i].name << " (" << static_cast<int64_t>(nans) << " NaN, "
+    for (int64_t d : params[i].second) numel *= d;
+    names << (found > 1 ? ", " : "") << params[i].first << " (" << static_cast<int64_t>(nans) << " NaN, "
           << static_cast<int64_t>(infs) << " Inf of " << numel << ")";
   }
   if (found == 0) return "";
@@ -342,14 +354,14 @@ void TrainingRun::check_finite(int64_t iteration, bool loss_finite, double grad_
   // the same size everywhere: a flag per rank for its loss, then, only when the norm is not
   // finite, the NaN and Inf counts of every parameter's gradient.
   const bool grads_finite = std::isfinite(grad_norm);
-  std::vector<LocalShard> params;
-  if (!grads_finite) params = sharded_.root.local_shards();
-  at::Tensor counts = at::zeros({world + 2 * static_cast<int64_t>(params.size())}, at::kDouble);
+  TensorShapes all;
+  if (!grads_finite) all = model_tensor_shapes(config_);
+  at::Tensor counts = at::zeros({world + 2 * static_cast<int64_t>(all.size())}, at::kDouble);
   if (!loss_finite) counts[comm_->rank()] = 1.0;
   if (!grads_finite) {
     const std::vector<OptimizerShard> shards = sharded_.root.optimizer_shards();
-    count_non_finite(params, [&](const LocalShard& p) { return grad_of(p, shards); },
-                     counts.narrow(0, world, 2 * static_cast<int64_t>(params.size())));
+    count_non_finite(sharded_.root.local_shards(), all, [&](const LocalShard& p) { return grad_of(p, shards); },
+                     counts.narrow(0, world, 2 * static_cast<int64_t>(all.size())));
   }
   at::Tensor reduced = counts.to(comm_->device());
   comm_->all_reduce(reduced, {ReduceOp::kSum});
@@ -365,7 +377,7 @@ void TrainingRun::check_finite(int64_t iteration, bool loss_finite, double grad_
   if (!ranks.empty()) why << "the loss is NaN or Inf on rank " << ranks << " of " << world;
   if (!grads_finite) {
     why << (ranks.empty() ? "" : "; ") << "the gradients are not finite (grad norm " << grad_norm << ")";
-    if (const std::string list = list_non_finite(params, c + world); !list.empty())
+    if (const std::string list = list_non_finite(all, c + world); !list.empty())
       why << " in the shards of " << list;
   }
   why << ". Stopped before the optimizer step; nothing of this iteration was saved" << kNanCheckEnd;
@@ -374,13 +386,13 @@ void TrainingRun::check_finite(int64_t iteration, bool loss_finite, double grad_
 
 void TrainingRun::check_finite_weights(int64_t iteration) {
   at::NoGradGuard no_grad;
-  const std::vector<LocalShard> params = sharded_.root.local_shards();
-  at::Tensor counts = at::zeros({2 * static_cast<int64_t>(params.size())}, at::kDouble);
-  count_non_finite(params, [](const LocalShard& p) { return p.local; }, counts);
+  const TensorShapes all = model_tensor_shapes(config_);
+  at::Tensor counts = at::zeros({2 * static_cast<int64_t>(all.size())}, at::kDouble);
+  count_non_finite(sharded_.root.local_shards(), all, [](const LocalShard& p) { return p.local; }, counts);
   at::Tensor reduced = counts.to(comm_->device());
   comm_->all_reduce(reduced, {ReduceOp::kSum});
   reduced = reduced.cpu();
-  const std::string list = list_non_finite(params, reduced.data_ptr<double>());
+  const std::string list = list_non_finite(all, reduced.data_ptr<double>());
   if (list.empty()) return;
   throw NonFiniteError("iteration " + std::to_string(iteration) +
                        ": the weights are not finite after the optimizer step in the shards of " + list +
@@ -542,7 +554,7 @@ std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_rank
   // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
   // (the rank that has it) broadcasts it to the others, in the model's parameter order.
   const std::shared_ptr<Communicator> ep = sharded_.expert_mesh->get("expert_parallel");
-  const auto shapes = model_parameter_shapes(config_);
+  const auto shapes = model_tensor_shapes(config_);
   const auto device = ep->device();
   at::Tensor owner = at::zeros({static_cast<int64_t>(shapes.size())}, at::TensorOptions().dtype(at::kLong));
   for (size_t i = 0; i < shapes.size(); ++i)

@@ -253,3 +253,38 @@ MFSDP_DIST_TEST(TrainingRun, NoCheckpointOfNonFiniteWeights, {1, 2}) {
   comm.barrier();
   EXPECT_FALSE(std::filesystem::exists(dir)) << "a checkpoint was written";
 }
+
+// Under expert parallelism each rank holds other experts: a NaN in rank 1's expert is reported
+// under that expert's name, not under the expert rank 0 holds at the same place in its list.
+MFSDP_DIST_TEST(TrainingRun, NonFiniteExpertGradientsNameTheirOwnExpert, {2}) {
+  const int rank = comm.rank();
+  mfsdp::PretrainArgs a = args_for("optim_grads_params", 2);
+  a.swiglu = true;
+  a.num_experts = 4;
+  a.moe_router_topk = 2;
+  a.moe_ffn_hidden_size = 8;
+  a.expert_model_parallel_size = 2;
+  mfsdp::validate_training_args(a, 2, 0);
+  std::ostringstream log;
+  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
+  const std::string poisoned = "model.layers.1.block_sparse_moe.experts.3.w2.weight";  // rank 1's (Mixtral's names)
+  bool held = false;
+  for (const mfsdp::LocalShard& s : run.root().local_shards()) held = held || s.name == poisoned;
+  EXPECT_EQ(held, rank == 1);
+  auto micro_batch = [&](int64_t) {
+    at::Tensor loss = micro_loss(run, rank, 1);
+    loss.backward();
+    poison_grad(run, poisoned, 0, std::nan(""));
+    return loss.item<double>();
+  };
+  std::string error;
+  try {
+    run.step(1, 1, micro_batch);
+  } catch (const mfsdp::NonFiniteError& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("in the shards of 1 parameter: " + poisoned + " (1 NaN, 0 Inf of " +
+                       std::to_string(kHidden * 8) + ")"),
+            std::string::npos)
+      << error;
+}

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Fixture for tests/reference/torch_dist_reference_test.cpp: one small Llama written twice, as
-transformers saves it and as Megatron-LM's `torch_dist` checkpoint of the same weights.
+"""Fixture for tests/reference/torch_dist_reference_test.cpp: one small Llama (or, with --moe, a
+mixture-of-experts GPT) written twice, as transformers saves it and as Megatron-LM's
+`torch_dist` checkpoint of the same weights.
 
     make_torch_dist_checkpoint.py OUT_DIR [--self-check] [--megatron-common-optimizer]
+                                  [--moe grouped|sequential]
 
 Needs only torch and transformers (and safetensors, which transformers brings). Deterministic
 (torch.manual_seed(0); two runs give byte-identical files apart from .metadata), OMP threads 1;
-about 8 s on 2 cores (10 s with --self-check), most of it imports.
+about 12 s on 2 cores (16 s with --self-check), most of it imports.
 
 OUT_DIR/hf/                 LlamaForCausalLM, fp32, save_pretrained (model.safetensors +
                             config.json): vocab 64, hidden 32, intermediate 48, 2 layers, 4 heads,
@@ -19,9 +21,13 @@ OUT_DIR/torch_dist/         latest_checkpointed_iteration.txt ("3") and iter_000
 OUT_DIR/param_to_param_group_map/
                             what --dump-param-to-param-group-map writes: a DCP directory of
                             {global unique param name: group id}, one process.
+OUT_DIR/reference_logits.safetensors
+                            "input_ids" [2, 9] int64 and transformers' fp32 "logits" [2, 9, 64] of
+                            the HF model on them (eager attention).
 
 --self-check reads everything back (see self_check()); --megatron-common-optimizer writes
-common.pt's optimizer entry the way Megatron-Core really nests it (see "common.pt" below).
+common.pt's optimizer entry the way Megatron-Core really nests it (see "common.pt" below);
+--moe writes the mixture-of-experts model described under "Mixture of experts" below.
 
 The torch_dist checkpoint is what Megatron-Core's GPTModel (Transformer Engine layer spec,
 SwiGLU, RMSNorm, no biases, untied output layer, RoPE) saves with tensor parallelism 2,
@@ -130,10 +136,131 @@ ASSUMPTIONS (not what Megatron would write byte for byte):
   entry (RerunStateMachine.state_dict returns None when disabled).
 - padded_vocab_size = vocab_size = 64 (make_vocab_size_divisible_by 32 with TP 2: no padding).
 - DCP item order inside .metadata / the files follows this script's dict order, not Megatron's.
+
+Mixture of experts (--moe)
+--------------------------
+The same 2 processes are tensor parallel 2 for the dense part and expert parallel 2 with expert
+tensor parallelism 1 for the experts (Megatron's "MoE parallel folding":
+--expert-model-parallel-size 2 --expert-tensor-parallel-size 1; data and expert-data parallel 1):
+rank r is TP rank r and EP rank r and holds experts [2r, 2r+2) of every MoE layer. E = 4 experts,
+top 2, expert width Fe = 16, softmax router, --sequence-parallel (MoELayer.forward wants it with
+TP > 1 in training; it changes no key or chunk), no expert bias. Two models:
+
+  --moe grouped     Qwen3MoeForCausalLM (q/k RMSNorm, --qk-layernorm), both layers MoE, TEGroupedMLP
+                    (--moe-grouped-gemm), the top-k weights renormalised (norm_topk_prob true).
+  --moe sequential  Qwen2MoeForCausalLM without q/k/v biases, a gated shared expert of width
+                    Fs = 24 (--moe-shared-expert-intermediate-size 24 --moe-shared-expert-gate),
+                    layer 0 MoE and layer 1 dense (mlp_only_layers [1], --moe-layer-freq [1,0]),
+                    SequentialMLP, not renormalised (norm_topk_prob false, --moe-router-pre-softmax).
+
+TEGroupedMLP and SequentialMLP write the same torch_dist tensors (experts.py: "interchangeable");
+what differs is the model's parameter names, which the param map (and an fsdp_dtensor
+checkpoint) uses: grouped `mlp.experts.linear_fc1.weight<e>`, sequential
+`mlp.experts.local_experts.<e>.linear_fc1.weight`, e the global expert index. The two models also
+differ in layer pattern so that between them they cover both key layouts: all layers MoE is a
+homogeneous block (stacked keys `decoder.layers.<rest>` with the layer axis first, as the dense
+model); a dense layer among MoE layers is not, so every key names its global layer,
+`decoder.layers.<i>.<rest>`, with no layer axis.
+
+  <rest>                                  per-layer shape  dtype  chunks (rank r)
+  self_attention.linear_qkv.layer_norm_weight, self_attention.linear_qkv.weight,
+  self_attention.linear_proj.weight       as dense
+  self_attention.{q,k}_layernorm.weight   [d]              bf16   rank 0 only (grouped)
+  pre_mlp_layernorm.weight                [H]              bf16   rank 0 only (MoE layers)
+  mlp.router.weight                       [E,H]            bf16   rank 0 only (not TP sharded)
+  mlp.experts.experts.linear_fc1.weight   [E,2Fe,H]        bf16   the owner (EP rank e // 2) of expert e:
+                                                                  TWO chunks [1,Fe,H], gate part at (e,0,0),
+                                                                  up part at (e,Fe,0)
+  mlp.experts.experts.linear_fc2.weight   [E,H,Fe]         bf16   the owner: [1,H,Fe] at (e,0,0)
+  mlp.shared_experts.linear_fc1.weight    [2Fs,H]          bf16   r: gate part [Fs/2,H] at (r Fs/2,0), up part
+                                                                  [Fs/2,H] at (Fs + r Fs/2,0) (sequential)
+  mlp.shared_experts.linear_fc2.weight    [H,Fs]           bf16   r: [H,Fs/2] at (0,r Fs/2)
+  mlp.shared_experts.gate_weight          [1,H]            bf16   rank 0 only
+  mlp.linear_fc1.layer_norm_weight, mlp.linear_fc1.weight, mlp.linear_fc2.weight
+                                          as dense (the dense layer 1 of sequential)
+  Stacked keys prepend the layer axis to shapes and offsets: linear_fc1 [L,E,2Fe,H] with chunks
+  [1,1,Fe,H] at (i,e,0,0) and (i,e,Fe,0).
+  optimizer.state.{fp32_param,exp_avg,exp_avg_sq}.<key>   as <key>, fp32.
+  <module>._extra_state/shard_<offsets>_<shape>   BYTES, torch.save([empty uint8 tensor]): the
+      experts' linear_fc1 / linear_fc2 written by their owner, offsets (layer, expert) of (L, E)
+      joined by dots when stacked ("shard_1.3_2.4": layer 1, expert 3), (expert) of (E) per layer
+      ("shard_3_4"); linear_qkv, linear_proj, the dense
+      layer's and the shared expert's linear_fc1 / linear_fc2 by rank 0, "shard_<i>_<L>" stacked,
+      "shard_0_1" per layer.
+
+HF -> Megatron beyond the dense mapping: post_attention_layernorm -> pre_mlp_layernorm (MoE
+layers); mlp.gate -> mlp.router; experts.<e>.[gate_proj; up_proj] -> linear_fc1[e];
+experts.<e>.down_proj -> linear_fc2[e]; shared_expert.[gate_proj; up_proj] ->
+shared_experts.linear_fc1; shared_expert.down_proj -> shared_experts.linear_fc2;
+shared_expert_gate -> shared_experts.gate_weight; self_attn.{q,k}_norm -> {q,k}_layernorm.
+(transformers 5 holds a layer's experts fused, experts.gate_up_proj [E, 2Fe, H]; its
+save_pretrained writes the per-expert names used here, which mfsdp's names are.)
+
+common.pt with --moe: args as dense plus num_experts 4, moe_router_topk 2, moe_ffn_hidden_size
+16, moe_grouped_gemm, moe_layer_freq (1, or [1, 0]), expert_model_parallel_size 2,
+expert_tensor_parallel_size 1, qk_layernorm, moe_shared_expert_intermediate_size,
+moe_shared_expert_gate, moe_router_pre_softmax, sequence_parallel. Megatron builds two optimizers,
+dense and expert-parallel, under a ChainedOptimizer: group 2 is the expert group
+(is_expert_parallel true, weight decay; every expert parameter), groups 0 and 1 the dense ones.
+--megatron-common-optimizer writes ChainedOptimizer's {0: {"optimizer": {"param_groups": [g0, g1]}},
+1: {"optimizer": {"param_groups": [g2]}}}; otherwise {"param_groups": [g0, g1, g2]} with "params".
+The param map names experts by the model's names with global layer and expert indices.
+
+VERIFIED for --moe against the same Megatron-LM commit (d98e8a64ddf3, 2026-08-22):
+- MoELayer has no sharded_state_dict of its own: MegatronModule.sharded_state_dict recurses into
+  router, experts and shared_experts with prefix `<layer>.mlp.<child>.`
+  (megatron/core/transformer/module.py, megatron/core/transformer/moe/moe_layer.py).
+- the expert key `...mlp.experts.experts.<linear>.<param>` ("experts" twice) and the expert axis:
+  TEGroupedMLP.sharded_state_dict renames `linear_fc1.` to f'{prefix}experts.linear_fc1.' where
+  prefix is `...mlp.experts.`, and TEGroupedLinear._sharded_state_dict_grouped
+  (megatron/core/extensions/transformer_engine.py) gives every gemm the key `<linear>.weight`
+  with the appended offset (len(sharded_offsets), ep_rank * num_local_experts + gemm,
+  ep_size * num_local_experts); SequentialMLP.sharded_state_dict renames
+  `local_experts.<j>.` to `experts.` with the same offset (megatron/core/transformer/moe/experts.py).
+  Which of the two a model has: TESpecProvider.grouped_mlp_modules, TEGroupedMLP with
+  --moe-grouped-gemm (megatron/core/extensions/transformer_engine_spec_provider.py).
+  megatron/core/export/trtllm/model_to_trllm_mapping/default_conversion_dict.py names
+  `decoder.layers.mlp.experts.experts.linear_fc1.weight` too.
+- expert fc1 SwiGLU chunks: apply_swiglu_sharded_factory (mlp.py) over the offsets that include
+  the expert axis, expert TP 1: fragments 0 and 1 of 2 along the expert's own axis 0.
+- replica ids: experts (pp, expert-TP rank, expert-DP rank), so every EP rank writes its own
+  experts (TEGroupedLinear._sharded_state_dict_grouped, SequentialMLP.sharded_state_dict);
+  router, norms and shared-expert gate are not TP sharded (make_sharded_tensors_for_checkpoint
+  without a TP axis), so only TP rank 0 writes them; the shared expert is a TP-sharded MLP
+  (moe/shared_experts.py SharedExpertMLP, gate_weight [1, H] in its sharded_state_dict).
+- expert extra state: one ShardedObject per gemm with offsets from _get_extra_state_offsets
+  (transformer/utils.py): (i, e) of (L, E).
+- layout choice: TransformerBlock.sharded_state_dict (transformer/transformer_block.py) sets
+  non_homogeneous_layers when moe_layer_freq is a list or an int > 1; then the sharded prefix is
+  `decoder.layers.<global layer>.` with no layer offset, else `decoder.layers.` with (0, layer, L).
+- pre_mlp_layernorm is a TENorm in MoE layers and absent in dense ones, whose norm is fused into
+  linear_fc1 (models/gpt/gpt_layer_specs.py get_gpt_layer_with_transformer_engine_submodules,
+  get_gpt_decoder_layer_specs: dense layers of a mixed model take the dense spec);
+  q/k_layernorm are TENorms over the head dim.
+- router weight [E, H] in params_dtype; expert_bias an fp32 buffer only with
+  --moe-router-enable-expert-bias (moe/router.py Router.__init__, TopKRouter.__init__).
+- dense and expert optimizers under a ChainedOptimizer (optimizer/__init__.py
+  get_megatron_optimizer: dense param groups first, then the expert ones); its common state
+  {0: ..., 1: ...} and no `chained_<i>.` key prefix for a non-distributed optimizer with
+  chained_optim_avoid_prefix (optimizer/optimizer.py ChainedOptimizer.sharded_state_dict).
+- param map names with global expert indices: get_global_unique_param_name ->
+  handle_experts_in_state_dict (transformer/fsdp_dtensor_checkpoint.py); Megatron-FSDP names
+  the SwiGLU halves `<name>_w` / `<name>_v` there too (handle_swiglu_in_state_dict), and
+  tools/checkpoint/checkpoint_inspector.py split_expert_weights names a split expert tensor
+  `.experts.<linear>.weight<e>`.
+- router semantics: topk_softmax_with_capacity (moe/moe_utils.py): softmax of the top-k logits,
+  or with pre-softmax the top-k of the softmax over every expert; the shared expert's output
+  times sigmoid(x gate_weight^T) (shared_experts.py).
+
+ASSUMPTIONS for --moe (besides the dense ones): not checked with megatron-core (the dense layout
+was); the grouped experts' TE extra state is the same "no FP8" value per gemm; Megatron would
+write the same tensors with --ckpt-fully-parallel-save (data parallel 1: one writer per chunk
+either way).
 """
 
 import argparse
 import io
+import itertools
 import json
 import os
 import random
@@ -162,45 +289,63 @@ TP = 2
 ITERATION = 3
 LR, MIN_LR, WEIGHT_DECAY, BETAS, ADAM_EPS = 1e-3, 1e-4, 0.1, (0.9, 0.95), 1e-8
 STATE_SCALE = 0.001
-
-# Megatron key -> (TP kind, TP axis of the per-layer parameter, stacked over layers).
-LAYOUT = {
-    "embedding.word_embeddings.weight": ("tp", 0, False),
-    "decoder.layers.self_attention.linear_qkv.layer_norm_weight": ("replicated", None, True),
-    "decoder.layers.self_attention.linear_qkv.weight": ("tp", 0, True),
-    "decoder.layers.self_attention.linear_proj.weight": ("tp", 1, True),
-    "decoder.layers.mlp.linear_fc1.layer_norm_weight": ("replicated", None, True),
-    "decoder.layers.mlp.linear_fc1.weight": ("swiglu", 0, True),
-    "decoder.layers.mlp.linear_fc2.weight": ("tp", 1, True),
-    "decoder.final_layernorm.weight": ("replicated", None, False),
-    "output_layer.weight": ("tp", 0, False),
-}
-EXTRA_STATE_MODULES = ["self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2"]
+# --moe: the same TP ranks are the expert-parallel ranks (expert TP 1).
+EXPERTS, TOPK, MOE_FFN, SHARED_FFN, EP = 4, 2, 16, 24, 2
 OPTIMIZER_STATES = ["exp_avg", "exp_avg_sq"]
+REFERENCE_IDS = (torch.arange(2 * 9) * 7 + 3).remainder(VOCAB).view(2, 9)
 
 
-def group_of(key):
-    """Param group id: 0 = weight decay (2-D weights), 1 = wd_mult 0 (norms)."""
-    return 1 if key.endswith("layer_norm_weight") or key.endswith("final_layernorm.weight") else 0
+class Model:
+    """Which model the fixture writes: the dense Llama (moe None) or one of the two MoE models."""
+
+    def __init__(self, moe=None):
+        self.moe = moe
+        self.moe_layers = {None: [False] * LAYERS, "grouped": [True] * LAYERS, "sequential": [True, False]}[moe]
+        self.qk_norm = moe == "grouped"     # Qwen3-MoE
+        self.shared = moe == "sequential"   # Qwen2-MoE's gated shared expert
+        self.grouped = moe == "grouped"     # TEGroupedMLP's parameter names, else SequentialMLP's
+        self.pre_softmax = moe == "sequential"  # norm_topk_prob false
+        # transformer_block.py: a block of one layer kind is stacked, a mixed one is not.
+        self.stacked = len(set(self.moe_layers)) == 1
+
+    def layer_key(self, i, rest):
+        return f"decoder.layers.{rest}" if self.stacked else f"decoder.layers.{i}.{rest}"
+
+
+def group_of(name):
+    """Param group id: 0 = weight decay (dense weights), 1 = wd_mult 0 (norms), 2 = the expert
+    optimizer's group (every expert weight)."""
+    if ".mlp.experts." in name:
+        return 2
+    return 1 if name.endswith("layer_norm_weight") or name.endswith("layernorm.weight") else 0
 
 
 # ---------------------------------------------------------------- the HF model and the mapping
 
 
-def build_hf_model():
+def build_hf_model(model):
     import transformers
 
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
-        rms_norm_eps=EPS, rope_theta=ROPE_THETA, tie_word_embeddings=False, initializer_range=INIT_STD)
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
+                  rms_norm_eps=EPS, rope_theta=ROPE_THETA, tie_word_embeddings=False, initializer_range=INIT_STD)
+    moe = dict(num_experts=EXPERTS, num_experts_per_tok=TOPK, moe_intermediate_size=MOE_FFN,
+               norm_topk_prob=not model.pre_softmax, decoder_sparse_step=1,
+               mlp_only_layers=[i for i in range(LAYERS) if not model.moe_layers[i]])
+    if model.moe is None:
+        cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig(**common)
+    elif model.moe == "grouped":
+        cls, config = transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig(**common, **moe, head_dim=HEAD_DIM)
+    else:
+        cls, config = transformers.Qwen2MoeForCausalLM, transformers.Qwen2MoeConfig(
+            **common, **moe, shared_expert_intermediate_size=SHARED_FFN, qkv_bias=False)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).float().eval()
+    hf_model = cls(config).float().eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in hf_model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape))
-    return model
+    return hf_model
 
 
 def interleave_qkv(q, k, v):
@@ -210,66 +355,126 @@ def interleave_qkv(q, k, v):
                       v.reshape(ng, HEAD_DIM, HIDDEN)], dim=1).reshape(-1, HIDDEN)
 
 
-def megatron_from_hf(hf):
-    """{Megatron key: global fp32 tensor} (layer-stacked) from the HF state dict."""
-    def stack(fn):
-        return torch.stack([fn(f"model.layers.{i}.") for i in range(LAYERS)])
+def layer_params(model, i):
+    """[(Megatron name in layer i, TP kind, TP axis, has an expert axis, HF state dict -> tensor)]."""
+    p = f"model.layers.{i}."
 
-    return {
-        "embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": stack(lambda p: hf[p + "input_layernorm.weight"]),
-        "decoder.layers.self_attention.linear_qkv.weight": stack(lambda p: interleave_qkv(
-            hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"])),
-        "decoder.layers.self_attention.linear_proj.weight": stack(lambda p: hf[p + "self_attn.o_proj.weight"]),
-        "decoder.layers.mlp.linear_fc1.layer_norm_weight": stack(lambda p: hf[p + "post_attention_layernorm.weight"]),
-        "decoder.layers.mlp.linear_fc1.weight": stack(lambda p: torch.cat(
-            [hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], dim=0)),
-        "decoder.layers.mlp.linear_fc2.weight": stack(lambda p: hf[p + "mlp.down_proj.weight"]),
-        "decoder.final_layernorm.weight": hf["model.norm.weight"],
-        "output_layer.weight": hf["lm_head.weight"],
-    }
+    def swiglu(prefix):
+        return lambda hf: torch.cat([hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]], dim=0)
 
+    def experts(fn):  # the per-expert tensors of layer i, stacked on a leading expert axis
+        return lambda hf: torch.stack([fn(f"{p}mlp.experts.{e}.")(hf) for e in range(EXPERTS)])
 
-# ---------------------------------------------------------------- TP chunks as Megatron makes them
-
-
-def tp_local_param(kind, axis, param, tp_rank):
-    """The rank's local copy of one (per-layer) parameter, as the TP model holds it."""
-    if kind == "replicated":
-        return param
-    if kind == "swiglu":  # ColumnParallel fc1 on a rank holds [gate_r; up_r]
-        gate, up = torch.chunk(param, 2, dim=0)
-        return torch.cat([gate.chunk(TP, 0)[tp_rank], up.chunk(TP, 0)[tp_rank]], dim=0)
-    return param.chunk(TP, axis)[tp_rank]
-
-
-def rank_chunks(key, full, tp_rank):
-    """[(global offsets, chunk)] that TP rank tp_rank writes for `key` (empty if it is a replica)."""
-    kind, axis, stacked = LAYOUT[key]
-    if kind == "replicated" and tp_rank != 0:
-        return []  # replica_id (0, tp_rank, dp_rank) is not the main replica
-    out = []
-    for layer in range(LAYERS if stacked else 1):
-        param = full[layer] if stacked else full
-        local = tp_local_param(kind, axis, param, tp_rank)
-        pieces = []
-        if kind == "replicated":
-            pieces.append(([0] * param.dim(), local))
-        elif kind == "swiglu":  # mlp.py apply_swiglu_sharded_factory, singleton_local_shards=False
-            w, v = torch.chunk(local, 2, dim=0)
-            half = w.shape[0]
-            pieces.append(([tp_rank * half, 0], w))          # fragment tp_rank of 2*TP
-            pieces.append(([(tp_rank + TP) * half, 0], v))   # fragment tp_rank + TP of 2*TP
-        else:
-            offset = [0] * param.dim()
-            offset[axis] = tp_rank * local.shape[axis]
-            pieces.append((offset, local))
-        for offset, t in pieces:
-            if stacked:  # prepended layer axis: chunk [1, ...] at (layer, ...)
-                out.append(([layer] + offset, t.unsqueeze(0)))
-            else:
-                out.append((offset, t))
+    out = [("self_attention.linear_qkv.layer_norm_weight", "replicated", None, False,
+            lambda hf: hf[p + "input_layernorm.weight"]),
+           ("self_attention.linear_qkv.weight", "tp", 0, False, lambda hf: interleave_qkv(
+               hf[p + "self_attn.q_proj.weight"], hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]))]
+    if model.qk_norm:
+        out += [("self_attention.q_layernorm.weight", "replicated", None, False, lambda hf: hf[p + "self_attn.q_norm.weight"]),
+                ("self_attention.k_layernorm.weight", "replicated", None, False, lambda hf: hf[p + "self_attn.k_norm.weight"])]
+    out.append(("self_attention.linear_proj.weight", "tp", 1, False, lambda hf: hf[p + "self_attn.o_proj.weight"]))
+    if not model.moe_layers[i]:
+        return out + [
+            ("mlp.linear_fc1.layer_norm_weight", "replicated", None, False, lambda hf: hf[p + "post_attention_layernorm.weight"]),
+            ("mlp.linear_fc1.weight", "swiglu", 0, False, swiglu(p + "mlp.")),
+            ("mlp.linear_fc2.weight", "tp", 1, False, lambda hf: hf[p + "mlp.down_proj.weight"])]
+    out += [("pre_mlp_layernorm.weight", "replicated", None, False, lambda hf: hf[p + "post_attention_layernorm.weight"]),
+            ("mlp.router.weight", "replicated", None, False, lambda hf: hf[p + "mlp.gate.weight"]),
+            ("mlp.experts.experts.linear_fc1.weight", "swiglu", 0, True, experts(swiglu)),
+            ("mlp.experts.experts.linear_fc2.weight", "tp", 1, True,
+             experts(lambda e: lambda hf: hf[e + "down_proj.weight"]))]
+    if model.shared:
+        out += [("mlp.shared_experts.linear_fc1.weight", "swiglu", 0, False, swiglu(p + "mlp.shared_expert.")),
+                ("mlp.shared_experts.linear_fc2.weight", "tp", 1, False, lambda hf: hf[p + "mlp.shared_expert.down_proj.weight"]),
+                ("mlp.shared_experts.gate_weight", "replicated", None, False, lambda hf: hf[p + "mlp.shared_expert_gate.weight"])]
     return out
+
+
+def megatron_layout(model):
+    """{Megatron key: (TP kind, TP axis of the per-layer parameter, leading axes, HF -> global tensor)};
+    the leading axes, before the parameter's own, are "layer" (stacked keys) and "expert"."""
+    per_layer = [layer_params(model, i) for i in range(LAYERS)]
+    out = {"embedding.word_embeddings.weight": ("tp", 0, (), lambda hf: hf["model.embed_tokens.weight"])}
+    if model.stacked:
+        for j, (name, kind, axis, expert, _) in enumerate(per_layer[0]):
+            stack = (lambda j: lambda hf: torch.stack([per_layer[i][j][4](hf) for i in range(LAYERS)]))(j)
+            out["decoder.layers." + name] = (kind, axis, ("layer", "expert") if expert else ("layer",), stack)
+    else:
+        for i in range(LAYERS):
+            for name, kind, axis, expert, fn in per_layer[i]:
+                out[f"decoder.layers.{i}.{name}"] = (kind, axis, ("expert",) if expert else (), fn)
+    out["decoder.final_layernorm.weight"] = ("replicated", None, (), lambda hf: hf["model.norm.weight"])
+    out["output_layer.weight"] = ("tp", 0, (), lambda hf: hf["lm_head.weight"])
+    return out
+
+
+def megatron_from_hf(hf, model):
+    """{Megatron key: global fp32 tensor} from the HF state dict."""
+    return {key: entry[3](hf) for key, entry in megatron_layout(model).items()}
+
+
+# ---------------------------------------------------------------- chunks as Megatron makes them
+
+
+def param_pieces(kind, axis, param, tp_size, tp_rank):
+    """[(offsets in the parameter, piece)] that tp_rank of tp_size writes of one parameter."""
+    if kind == "replicated":
+        return [([0] * param.dim(), param)]
+    if kind == "swiglu":  # mlp.py apply_swiglu_sharded_factory, singleton_local_shards=False:
+        gate, up = torch.chunk(param, 2, dim=0)  # the rank holds [gate_r; up_r]
+        w, v = gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]
+        half = w.shape[0]
+        return [([tp_rank * half, 0], w),               # fragment tp_rank of 2*tp_size
+                ([(tp_rank + tp_size) * half, 0], v)]   # fragment tp_rank + tp_size of 2*tp_size
+    local = param.chunk(tp_size, axis)[tp_rank]
+    offset = [0] * param.dim()
+    offset[axis] = tp_rank * local.shape[axis]
+    return [(offset, local)]
+
+
+def rank_chunks(layout, key, full, rank):
+    """[(global offsets, chunk)] that `rank` writes for `key` (empty where it holds a replica)."""
+    kind, axis, lead = layout[key][:3]
+    expert_axis = lead.index("expert") if "expert" in lead else None
+    # Experts: expert TP 1, EP rank = rank; the rest: TP rank = rank.
+    tp_size, tp_rank = (1, 0) if expert_axis is not None else (TP, rank)
+    out = []
+    for index in itertools.product(*(range(n) for n in full.shape[:len(lead)])):
+        if expert_axis is not None and index[expert_axis] // (EXPERTS // EP) != rank:
+            continue  # another EP rank's expert
+        if expert_axis is None and kind == "replicated" and rank != 0:
+            continue  # replica_id (0, tp_rank, dp_rank) is not the main replica
+        param = full[index] if index else full
+        for offset, t in param_pieces(kind, axis, param, tp_size, tp_rank):
+            # leading axes: chunk [1, ..., piece] at (index..., offset...)
+            out.append((list(index) + offset, t.reshape((1,) * len(index) + tuple(t.shape))))
+    return out
+
+
+def extra_state_keys(model, rank):
+    """The ShardedObject keys of TE's _extra_state that `rank` writes."""
+    def modules(i):
+        dense = ["self_attention.linear_qkv", "self_attention.linear_proj"]
+        if not model.moe_layers[i]:
+            return dense + ["mlp.linear_fc1", "mlp.linear_fc2"], []
+        shared = ["mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2"] if model.shared else []
+        return dense + shared, ["mlp.experts.experts.linear_fc1", "mlp.experts.experts.linear_fc2"]
+
+    mine = [e for e in range(EXPERTS) if e // (EXPERTS // EP) == rank]
+    keys = []
+    if model.stacked:
+        dense, experts = modules(0)
+        if rank == 0:
+            keys += [f"decoder.layers.{m}._extra_state/shard_{i}_{LAYERS}" for m in dense for i in range(LAYERS)]
+        keys += [f"decoder.layers.{m}._extra_state/shard_{i}.{e}_{LAYERS}.{EXPERTS}"
+                 for m in experts for i in range(LAYERS) for e in mine]
+    else:
+        for i in range(LAYERS):
+            dense, experts = modules(i)
+            if rank == 0:
+                keys += [f"decoder.layers.{i}.{m}._extra_state/shard_0_1" for m in dense]
+            keys += [f"decoder.layers.{i}.{m}._extra_state/shard_{e}_{EXPERTS}" for m in experts for e in mine]
+    return keys
 
 
 class LocalChunks(torch.Tensor):
@@ -340,35 +545,33 @@ def rng_state_stand_in(tp_rank):
     }
 
 
-def rank_state_dict(tensors, tp_rank):
-    """The flat DCP state dict of one TP rank (keys = Megatron's sharded keys)."""
+def rank_state_dict(model, tensors, rank):
+    """The flat DCP state dict of one rank (keys = Megatron's sharded keys)."""
+    layout = megatron_layout(model)
     sd = {}
-    for key in LAYOUT:  # model weights, bf16
-        chunks = [(o, t.to(torch.bfloat16)) for o, t in rank_chunks(key, tensors[key], tp_rank)]
+    for key in layout:  # model weights, bf16
+        chunks = [(o, t.to(torch.bfloat16)) for o, t in rank_chunks(layout, key, tensors[key], rank)]
         if chunks:
             sd[key] = LocalChunks(tensors[key].shape, chunks)
-    if tp_rank == 0:  # TE extra state, replica (0, tp_rank, dp_rank): only TP rank 0 writes
-        for module in EXTRA_STATE_MODULES:
-            for layer in range(LAYERS):
-                sd[f"decoder.layers.{module}._extra_state/shard_{layer}_{LAYERS}"] = serialized(
-                    [torch.empty(0, dtype=torch.uint8)])
+    for key in extra_state_keys(model, rank):
+        sd[key] = serialized([torch.empty(0, dtype=torch.uint8)])
     for state in OPTIMIZER_STATES + ["fp32_param"]:
-        for key in LAYOUT:
+        for key in layout:
             w = tensors[key]
             value = {"fp32_param": w, "exp_avg": STATE_SCALE * w, "exp_avg_sq": (STATE_SCALE * w) ** 2}[state]
-            chunks = rank_chunks(key, value.float(), tp_rank)
+            chunks = rank_chunks(layout, key, value.float(), rank)
             if chunks:
                 sd[f"optimizer.state.{state}.{key}"] = LocalChunks(w.shape, chunks)
-    sd[f"rng_state/shard_0.{tp_rank}_1.{TP}"] = serialized([[rng_state_stand_in(tp_rank)]])
+    sd[f"rng_state/shard_0.{rank}_1.{TP}"] = serialized([[rng_state_stand_in(rank)]])
     return sd
 
 
-def save_rank(rank, world, store, tensors_path, iter_dir):
+def save_rank(rank, world, store, tensors_path, iter_dir, moe):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         tensors = torch.load(tensors_path, weights_only=True)
-        sd = rank_state_dict(tensors, rank)
+        sd = rank_state_dict(Model(moe), tensors, rank)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(iter_dir, thread_count=1),
                  planner=MCoreLikeSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
         dist.barrier()
@@ -379,8 +582,8 @@ def save_rank(rank, world, store, tensors_path, iter_dir):
 # ---------------------------------------------------------------- common.pt
 
 
-def make_args():
-    return argparse.Namespace(
+def make_args(model):
+    args = argparse.Namespace(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=KV_HEADS, group_query_attention=True, kv_channels=HEAD_DIM,
         padded_vocab_size=VOCAB, vocab_size=VOCAB, make_vocab_size_divisible_by=32,
@@ -401,50 +604,68 @@ def make_args():
         global_batch_size=2, iteration=ITERATION, consumed_train_samples=ITERATION * 2,
         ckpt_format="torch_dist", save="", load=None, no_save_optim=False, no_save_rng=False,
         data_parallel_random_init=False, tokenizer_type="NullTokenizer")
+    if model.moe is not None:
+        vars(args).update(
+            num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=MOE_FFN,
+            moe_grouped_gemm=model.grouped, moe_layer_freq=1 if model.stacked else [int(m) for m in model.moe_layers],
+            expert_model_parallel_size=EP, expert_tensor_parallel_size=1, sequence_parallel=True,
+            qk_layernorm=model.qk_norm, moe_router_pre_softmax=model.pre_softmax,
+            moe_router_score_function="softmax", moe_router_topk_scaling_factor=None,
+            moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+            moe_router_enable_expert_bias=False, moe_token_dispatcher_type="alltoall",
+            moe_expert_capacity_factor=None,
+            moe_shared_expert_intermediate_size=SHARED_FFN if model.shared else None,
+            moe_shared_expert_gate=model.shared)
+    return args
 
 
-def make_param_groups(with_params):
+def parameter_names(model):
+    """The parameters as --dump-param-to-param-group-map names them: global layer numbers, global
+    expert indices, the model's expert names (TEGroupedMLP's or SequentialMLP's)."""
+    yield "embedding.word_embeddings.weight"
+    for i in range(LAYERS):
+        for name, _, _, expert, _ in layer_params(model, i):
+            if not expert:
+                yield f"decoder.layers.{i}.{name}"
+                continue
+            linear, param = name[len("mlp.experts.experts."):].split(".")
+            for e in range(EXPERTS):
+                yield (f"decoder.layers.{i}.mlp.experts.{linear}.{param}{e}" if model.grouped
+                       else f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{linear}.{param}")
+    yield "decoder.final_layernorm.weight"
+    yield "output_layer.weight"
+
+
+def make_param_groups(model, with_params):
+    """The dense optimizer's groups (0: weight decay, 1: wd_mult 0) and, with experts, the expert
+    optimizer's group 2."""
     groups = []
-    for gid, wd, wd_mult in ((0, WEIGHT_DECAY, 1.0), (1, 0.0, 0.0)):
+    ids = (0, 1) if model.moe is None else (0, 1, 2)
+    for gid in ids:
+        wd, wd_mult = (0.0, 0.0) if gid == 1 else (WEIGHT_DECAY, 1.0)
         group = {
             "lr": LR, "bias_correction": True, "betas": BETAS, "eps": ADAM_EPS, "weight_decay": wd,
             "amsgrad": False, "adam_w_mode": True, "capturable": False, "master_weights": False,
-            "is_expert_parallel": False, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
+            "is_expert_parallel": gid == 2, "default_config": True, "wd_mult": wd_mult, "lr_mult": 1.0,
             "is_decoupled_lr": False, "max_lr": LR, "min_lr": MIN_LR, "step": ITERATION,
         }
         if with_params:  # torch optimizer state_dict numbering: consecutive, group by group
-            sizes = [sum(1 for n in unstacked_names() if group_of(stacked_key(n)) == g) for g in (0, 1)]
+            sizes = [sum(1 for n in parameter_names(model) if group_of(n) == g) for g in ids]
             group["params"] = list(range(sum(sizes[:gid]), sum(sizes[:gid + 1])))
         groups.append(group)
     return groups
 
 
-def unstacked_names():
-    """GPTModel.named_parameters() order with global layer numbers."""
-    yield "embedding.word_embeddings.weight"
-    for i in range(LAYERS):
-        for p in ("self_attention.linear_proj.weight", "self_attention.linear_qkv.layer_norm_weight",
-                  "self_attention.linear_qkv.weight", "mlp.linear_fc1.layer_norm_weight",
-                  "mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
-            yield f"decoder.layers.{i}.{p}"
-    yield "decoder.final_layernorm.weight"
-    yield "output_layer.weight"
-
-
-def stacked_key(name):
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"] and parts[2].isdigit():
-        return ".".join(parts[:2] + parts[3:])
-    return name
-
-
-def make_common(megatron_nesting):
-    if megatron_nesting:
-        optimizer = {"optimizer": {"param_groups": make_param_groups(with_params=False)}}
-    else:
-        optimizer = {"param_groups": make_param_groups(with_params=True)}
+def make_common(model, megatron_nesting):
+    if not megatron_nesting:
+        optimizer = {"param_groups": make_param_groups(model, with_params=True)}
+    elif model.moe is None:
+        optimizer = {"optimizer": {"param_groups": make_param_groups(model, with_params=False)}}
+    else:  # ChainedOptimizer of the dense and the expert optimizer
+        groups = make_param_groups(model, with_params=False)
+        optimizer = {0: {"optimizer": {"param_groups": groups[:2]}}, 1: {"optimizer": {"param_groups": groups[2:]}}}
     return {
-        "args": make_args(),
+        "args": make_args(model),
         "checkpoint_version": 3.0,
         "iteration": ITERATION,
         "optimizer": optimizer,
@@ -461,7 +682,7 @@ def make_common(megatron_nesting):
 # ---------------------------------------------------------------- writing
 
 
-def write_torch_dist(out, tensors, megatron_nesting):
+def write_torch_dist(out, model, tensors, megatron_nesting):
     import torch.multiprocessing as mp
 
     root = os.path.join(out, "torch_dist")
@@ -470,9 +691,9 @@ def write_torch_dist(out, tensors, megatron_nesting):
     with tempfile.TemporaryDirectory(prefix="mkckpt-") as tmp:
         tensors_path = os.path.join(tmp, "tensors.pt")
         torch.save(tensors, tensors_path)
-        mp.start_processes(save_rank, args=(TP, os.path.join(tmp, "store"), tensors_path, iter_dir),
+        mp.start_processes(save_rank, args=(TP, os.path.join(tmp, "store"), tensors_path, iter_dir, model.moe),
                            nprocs=TP, join=True, start_method="spawn")
-    torch.save(make_common(megatron_nesting), os.path.join(iter_dir, "common.pt"))
+    torch.save(make_common(model, megatron_nesting), os.path.join(iter_dir, "common.pt"))
     with open(os.path.join(iter_dir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
@@ -480,15 +701,29 @@ def write_torch_dist(out, tensors, megatron_nesting):
     return iter_dir
 
 
-def write_param_map(out):
+def write_param_map(out, model):
     path = os.path.join(out, "param_to_param_group_map")
-    mapping = {f"module.module.{n}": group_of(stacked_key(n)) for n in unstacked_names()}
+    mapping = {f"module.module.{n}": group_of(n) for n in parameter_names(model)}
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: saving in a single process"
         dcp.save(mapping, storage_writer=dcp.FileSystemWriter(path, thread_count=1))
     return path, mapping
+
+
+def write_reference_logits(out):
+    """transformers' logits of the saved model on REFERENCE_IDS, for the test to compare mfsdp's with."""
+    import transformers
+    from safetensors.torch import save_file
+
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.join(out, "hf"), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf_model(REFERENCE_IDS).logits.float().contiguous()
+    path = os.path.join(out, "reference_logits.safetensors")
+    save_file({"input_ids": REFERENCE_IDS.contiguous(), "logits": logits}, path)
+    return path
 
 
 # ---------------------------------------------------------------- self check
@@ -502,11 +737,38 @@ def load_dcp(path):
         return torch.load(os.path.join(tmp, "all.pt"), weights_only=False)
 
 
-def megatron_forward(t, ids):
-    """GPTModel forward in fp32 from Megatron tensors (stacked keys), written from Megatron's code
-    (attention.py get_query_key_value_tensors, mlp.py glu, RMSNorm, rotate-half RoPE)."""
+def megatron_forward(model, t, ids):
+    """GPTModel forward in fp32 from Megatron tensors, written from Megatron's code
+    (attention.py get_query_key_value_tensors with q/k_layernorm before RoPE, mlp.py glu, RMSNorm,
+    rotate-half RoPE; moe_utils.py topk_softmax_with_capacity, shared_experts.py)."""
     def rms(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
+
+    def get(i, rest):
+        return t[f"decoder.layers.{rest}"][i] if model.stacked else t[f"decoder.layers.{i}.{rest}"]
+
+    def glu_mlp(x, fc1, fc2):
+        glu, lin = torch.chunk(x @ fc1.T, 2, -1)
+        return (torch.nn.functional.silu(glu) * lin) @ fc2.T
+
+    def moe(x, i):
+        flat = x.reshape(-1, HIDDEN)
+        logits = flat @ get(i, "mlp.router.weight").T
+        if model.pre_softmax:
+            probs, top = torch.topk(torch.softmax(logits, -1), TOPK)
+        else:
+            scores, top = torch.topk(logits, TOPK)
+            probs = torch.softmax(scores, -1)
+        fc1, fc2 = get(i, "mlp.experts.experts.linear_fc1.weight"), get(i, "mlp.experts.experts.linear_fc2.weight")
+        out = torch.zeros_like(flat)
+        for e in range(EXPERTS):
+            rows, slot = (top == e).nonzero(as_tuple=True)
+            out.index_add_(0, rows, probs[rows, slot, None] * glu_mlp(flat[rows], fc1[e], fc2[e]))
+        if model.shared:
+            gate = torch.sigmoid(flat @ get(i, "mlp.shared_experts.gate_weight").T)
+            out = out + gate * glu_mlp(flat, get(i, "mlp.shared_experts.linear_fc1.weight"),
+                                       get(i, "mlp.shared_experts.linear_fc2.weight"))
+        return out.view_as(x)
 
     s = ids.shape[1]
     inv = 1.0 / ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
@@ -522,24 +784,29 @@ def megatron_forward(t, ids):
     h = t["embedding.word_embeddings.weight"][ids]
     mask = torch.full((s, s), float("-inf")).triu(1)
     for i in range(LAYERS):
-        x = rms(h, t["decoder.layers.self_attention.linear_qkv.layer_norm_weight"][i])
-        mixed = x @ t["decoder.layers.self_attention.linear_qkv.weight"][i].T
+        x = rms(h, get(i, "self_attention.linear_qkv.layer_norm_weight"))
+        mixed = x @ get(i, "self_attention.linear_qkv.weight").T
         mixed = mixed.view(*mixed.shape[:-1], ng, (per + 2) * HEAD_DIM)
         q, k, v = torch.split(mixed, [per * HEAD_DIM, HEAD_DIM, HEAD_DIM], dim=-1)
-        q = rope(q.reshape(*q.shape[:2], HEADS, HEAD_DIM))
-        k, v = rope(k), v  # [b, s, ng, d]
+        q = q.reshape(*q.shape[:2], HEADS, HEAD_DIM)  # k, v: [b, s, ng, d]
+        if model.qk_norm:
+            q = rms(q, get(i, "self_attention.q_layernorm.weight"))
+            k = rms(k, get(i, "self_attention.k_layernorm.weight"))
+        q, k = rope(q), rope(k)
         k = k.repeat_interleave(per, dim=2)
         v = v.repeat_interleave(per, dim=2)
         att = torch.einsum("bqhd,bkhd->bhqk", q, k) / HEAD_DIM ** 0.5 + mask
         ctx = torch.einsum("bhqk,bkhd->bqhd", att.softmax(-1), v).reshape(*h.shape[:2], HEADS * HEAD_DIM)
-        h = h + ctx @ t["decoder.layers.self_attention.linear_proj.weight"][i].T
-        x = rms(h, t["decoder.layers.mlp.linear_fc1.layer_norm_weight"][i])
-        glu, lin = torch.chunk(x @ t["decoder.layers.mlp.linear_fc1.weight"][i].T, 2, -1)
-        h = h + (torch.nn.functional.silu(glu) * lin) @ t["decoder.layers.mlp.linear_fc2.weight"][i].T
+        h = h + ctx @ get(i, "self_attention.linear_proj.weight").T
+        if model.moe_layers[i]:
+            h = h + moe(rms(h, get(i, "pre_mlp_layernorm.weight")), i)
+        else:
+            x = rms(h, get(i, "mlp.linear_fc1.layer_norm_weight"))
+            h = h + glu_mlp(x, get(i, "mlp.linear_fc1.weight"), get(i, "mlp.linear_fc2.weight"))
     return rms(h, t["decoder.final_layernorm.weight"]) @ t["output_layer.weight"].T
 
 
-def self_check(out):
+def self_check(out, model):
     """Reads the outputs back with torch and transformers; raises on any mismatch."""
     import transformers
     from safetensors.torch import load_file
@@ -560,22 +827,13 @@ def self_check(out):
     with open(os.path.join(out, "torch_dist", "latest_checkpointed_iteration.txt")) as f:
         expect(f.read() == "3", "tracker file")
 
-    # .metadata: keys, global shapes, dtypes, chunks.
+    # .metadata: keys, global shapes, dtypes, chunks cover each tensor once.
     md = FileSystemReader(iter_dir).read_metadata()
     expect(md.planner_data is None, "planner_data should be None (flatten_state_dict=False)")
-    dims = {"embedding.word_embeddings.weight": [VOCAB, HIDDEN],
-            "decoder.layers.self_attention.linear_qkv.layer_norm_weight": [LAYERS, HIDDEN],
-            "decoder.layers.self_attention.linear_qkv.weight": [LAYERS, (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN],
-            "decoder.layers.self_attention.linear_proj.weight": [LAYERS, HIDDEN, HEADS * HEAD_DIM],
-            "decoder.layers.mlp.linear_fc1.layer_norm_weight": [LAYERS, HIDDEN],
-            "decoder.layers.mlp.linear_fc1.weight": [LAYERS, 2 * FFN, HIDDEN],
-            "decoder.layers.mlp.linear_fc2.weight": [LAYERS, HIDDEN, FFN],
-            "decoder.final_layernorm.weight": [HIDDEN],
-            "output_layer.weight": [VOCAB, HIDDEN]}
-    chunk_count = {"tp": 2, "replicated": 1, "swiglu": 4}
+    layout = megatron_layout(model)
+    want = megatron_from_hf(hf, model)
     expected_keys = set()
-    for key, shape in dims.items():
-        kind, _, stacked = LAYOUT[key]
+    for key, w in want.items():
         for prefix, dtype in [("", torch.bfloat16)] + [(f"optimizer.state.{s}.", torch.float32)
                                                       for s in OPTIMIZER_STATES + ["fp32_param"]]:
             k = prefix + key
@@ -584,105 +842,154 @@ def self_check(out):
             if not isinstance(m, TensorStorageMetadata):
                 problems.append(f"{k}: missing or not a tensor")
                 continue
-            expect(list(m.size) == shape, f"{k}: size {list(m.size)} != {shape}")
+            expect(m.size == w.shape, f"{k}: size {list(m.size)} != {list(w.shape)}")
             expect(m.properties.dtype == dtype, f"{k}: dtype {m.properties.dtype}")
-            n = chunk_count[kind] * (LAYERS if stacked else 1)
-            expect(len(m.chunks) == n, f"{k}: {len(m.chunks)} chunks, expected {n}")
             volume = sum(torch.Size(c.sizes).numel() for c in m.chunks)
-            expect(volume == torch.Size(shape).numel(), f"{k}: chunks cover {volume} elements")
-    fc1 = md.state_dict_metadata["decoder.layers.mlp.linear_fc1.weight"]
-    expect(sorted((tuple(c.offsets), tuple(c.sizes)) for c in fc1.chunks) ==
-           sorted(((i, o, 0), (1, FFN // TP, HIDDEN)) for i in range(LAYERS) for o in range(0, 2 * FFN, FFN // TP)),
-           "fc1 chunks are not the swiglu factory's")
-    qkv = md.state_dict_metadata["decoder.layers.self_attention.linear_qkv.weight"]
-    expect(sorted((tuple(c.offsets), tuple(c.sizes)) for c in qkv.chunks) ==
-           sorted(((i, r * 32, 0), (1, 32, HIDDEN)) for i in range(LAYERS) for r in range(TP)), "qkv chunks")
-    proj = md.state_dict_metadata["decoder.layers.self_attention.linear_proj.weight"]
-    expect(sorted(tuple(c.offsets) for c in proj.chunks) ==
-           sorted((i, 0, 16 * r) for i in range(LAYERS) for r in range(TP)),
-           "linear_proj chunks")
+            distinct = len({tuple(c.offsets) for c in m.chunks}) == len(m.chunks)
+            expect(volume == w.numel() and distinct, f"{k}: chunks cover {volume} of {w.numel()} elements")
+
+    def chunks_of(key):
+        return sorted((tuple(c.offsets), tuple(c.sizes)) for c in md.state_dict_metadata[key].chunks)
+
+    def file_of(key, offsets):
+        return md.storage_data[MetadataIndex(key, torch.Size(offsets))].relative_path
+
+    if model.moe is None:
+        expect(len(md.state_dict_metadata) == 46, f"{len(md.state_dict_metadata)} keys")
+        chunk_count = {"tp": 2, "replicated": 1, "swiglu": 4}
+        for key, (kind, _, lead, _) in layout.items():
+            n = chunk_count[kind] * (LAYERS if lead else 1)
+            expect(len(md.state_dict_metadata[key].chunks) == n, f"{key}: expected {n} chunks")
+        expect(chunks_of("decoder.layers.mlp.linear_fc1.weight") ==
+               sorted(((i, o, 0), (1, FFN // TP, HIDDEN)) for i in range(LAYERS) for o in range(0, 2 * FFN, FFN // TP)),
+               "fc1 chunks are not the swiglu factory's")
+        expect(chunks_of("decoder.layers.self_attention.linear_qkv.weight") ==
+               sorted(((i, r * 32, 0), (1, 32, HIDDEN)) for i in range(LAYERS) for r in range(TP)), "qkv chunks")
+        expect([o for o, _ in chunks_of("decoder.layers.self_attention.linear_proj.weight")] ==
+               sorted((i, 0, 16 * r) for i in range(LAYERS) for r in range(TP)), "linear_proj chunks")
+    else:
+        # Each expert's two fc1 halves and its fc2, in its owner's file (EP rank e // 2).
+        fc1 = model.layer_key(0, "mlp.experts.experts.linear_fc1.weight")
+        fc2 = model.layer_key(0, "mlp.experts.experts.linear_fc2.weight")
+        layers = [(i,) for i in range(LAYERS)] if model.stacked else [()]
+        lead = (1,) if model.stacked else ()
+        expect(chunks_of(fc1) == sorted((li + (e, half, 0), lead + (1, MOE_FFN, HIDDEN)) for li in layers
+                                        for e in range(EXPERTS) for half in (0, MOE_FFN)), f"{fc1} chunks")
+        expect(chunks_of(fc2) == sorted((li + (e, 0, 0), lead + (1, HIDDEN, MOE_FFN)) for li in layers
+                                        for e in range(EXPERTS)), f"{fc2} chunks")
+        for li in layers:
+            for e in range(EXPERTS):
+                for key, offsets in ((fc1, li + (e, MOE_FFN, 0)), (fc2, li + (e, 0, 0)),
+                                     ("optimizer.state.exp_avg." + fc1, li + (e, 0, 0))):
+                    expect(file_of(key, offsets) == f"__{e // 2}_0.distcp", f"{key} expert {e}: not in EP rank {e // 2}'s file")
+        router = model.layer_key(0, "mlp.router.weight")
+        expect(len(chunks_of(router)) == len(layers) and file_of(router, layers[0] + (0, 0)) == "__0_0.distcp",
+               "router chunks")
+        if model.shared:
+            expect(chunks_of("decoder.layers.0.mlp.shared_experts.linear_fc1.weight") ==
+                   sorted(((o, 0), (SHARED_FFN // 2, HIDDEN)) for o in range(0, 2 * SHARED_FFN, SHARED_FFN // 2)),
+                   "shared expert fc1 chunks")
     bytes_keys = {k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)}
-    expect(bytes_keys == {f"decoder.layers.{m}._extra_state/shard_{i}_{LAYERS}" for m in EXTRA_STATE_MODULES
-                          for i in range(LAYERS)} | {f"rng_state/shard_0.{r}_1.{TP}" for r in range(TP)},
-           f"BYTES keys {sorted(bytes_keys)}")
+    expect(bytes_keys == {k for r in range(TP) for k in extra_state_keys(model, r)} |
+           {f"rng_state/shard_0.{r}_1.{TP}" for r in range(TP)}, f"BYTES keys {sorted(bytes_keys)}")
     expect(set(md.state_dict_metadata) == expected_keys | bytes_keys, "unexpected keys")
 
-    # Values: unstack, de-interleave, split fc1 -> the HF tensors.
+    # Values: every tensor is the mapped HF weights.
     sd = load_dcp(iter_dir)
+    checks = [("", lambda w: w.to(torch.bfloat16)),
+              ("optimizer.state.fp32_param.", lambda w: w),
+              ("optimizer.state.exp_avg.", lambda w: STATE_SCALE * w),
+              ("optimizer.state.exp_avg_sq.", lambda w: (STATE_SCALE * w) ** 2)]
+    for prefix, expected_fn in checks:
+        for key, w in want.items():
+            expect(torch.equal(sd[prefix + key], expected_fn(w)), f"{prefix}{key}: not the mapped HF weights")
+    if model.moe is None:
+        # The inverse (unstack, de-interleave, split fc1) gives back every HF tensor.
+        def to_hf(get):
+            res = {"model.embed_tokens.weight": get("embedding.word_embeddings.weight"),
+                   "model.norm.weight": get("decoder.final_layernorm.weight"),
+                   "lm_head.weight": get("output_layer.weight")}
+            per = HEADS // KV_HEADS
+            for i in range(LAYERS):
+                p = f"model.layers.{i}."
+                res[p + "input_layernorm.weight"] = get("decoder.layers.self_attention.linear_qkv.layer_norm_weight")[i]
+                res[p + "post_attention_layernorm.weight"] = get("decoder.layers.mlp.linear_fc1.layer_norm_weight")[i]
+                fused = get("decoder.layers.self_attention.linear_qkv.weight")[i]
+                fused = fused.view(KV_HEADS, (per + 2) * HEAD_DIM, HIDDEN)
+                q, k, v = torch.split(fused, [per * HEAD_DIM, HEAD_DIM, HEAD_DIM], dim=1)
+                res[p + "self_attn.q_proj.weight"] = q.reshape(-1, HIDDEN)
+                res[p + "self_attn.k_proj.weight"] = k.reshape(-1, HIDDEN)
+                res[p + "self_attn.v_proj.weight"] = v.reshape(-1, HIDDEN)
+                res[p + "self_attn.o_proj.weight"] = get("decoder.layers.self_attention.linear_proj.weight")[i]
+                gate, up = torch.chunk(get("decoder.layers.mlp.linear_fc1.weight")[i], 2, dim=0)
+                res[p + "mlp.gate_proj.weight"], res[p + "mlp.up_proj.weight"] = gate, up
+                res[p + "mlp.down_proj.weight"] = get("decoder.layers.mlp.linear_fc2.weight")[i]
+            return res
 
-    def to_hf(get):
-        res = {"model.embed_tokens.weight": get("embedding.word_embeddings.weight"),
-               "model.norm.weight": get("decoder.final_layernorm.weight"),
-               "lm_head.weight": get("output_layer.weight")}
-        per = HEADS // KV_HEADS
-        for i in range(LAYERS):
-            p = f"model.layers.{i}."
-            res[p + "input_layernorm.weight"] = get("decoder.layers.self_attention.linear_qkv.layer_norm_weight")[i]
-            res[p + "post_attention_layernorm.weight"] = get("decoder.layers.mlp.linear_fc1.layer_norm_weight")[i]
-            fused = get("decoder.layers.self_attention.linear_qkv.weight")[i]
-            fused = fused.view(KV_HEADS, (per + 2) * HEAD_DIM, HIDDEN)
-            q, k, v = torch.split(fused, [per * HEAD_DIM, HEAD_DIM, HEAD_DIM], dim=1)
-            res[p + "self_attn.q_proj.weight"] = q.reshape(-1, HIDDEN)
-            res[p + "self_attn.k_proj.weight"] = k.reshape(-1, HIDDEN)
-            res[p + "self_attn.v_proj.weight"] = v.reshape(-1, HIDDEN)
-            res[p + "self_attn.o_proj.weight"] = get("decoder.layers.self_attention.linear_proj.weight")[i]
-            gate, up = torch.chunk(get("decoder.layers.mlp.linear_fc1.weight")[i], 2, dim=0)
-            res[p + "mlp.gate_proj.weight"], res[p + "mlp.up_proj.weight"] = gate, up
-            res[p + "mlp.down_proj.weight"] = get("decoder.layers.mlp.linear_fc2.weight")[i]
-        return res
-
-    checks = [("", lambda w: w.to(torch.bfloat16), torch.bfloat16),
-              ("optimizer.state.fp32_param.", lambda w: w, torch.float32),
-              ("optimizer.state.exp_avg.", lambda w: STATE_SCALE * w, torch.float32),
-              ("optimizer.state.exp_avg_sq.", lambda w: (STATE_SCALE * w) ** 2, torch.float32)]
-    for prefix, expected_fn, dtype in checks:
-        got = to_hf(lambda k: sd[prefix + k])
-        expect(set(got) == set(hf), f"{prefix}: HF names differ")
-        for name, w in hf.items():
-            g = got.get(name)
-            ok = g is not None and g.dtype == dtype and g.shape == w.shape and torch.equal(g, expected_fn(w))
-            expect(ok, f"{prefix or 'model '}{name}: not equal to the HF tensor")
-    # TP rank 1's qkv chunk holds exactly KV group 1 (q heads 2,3, k head 1, v head 1).
-    l0 = hf["model.layers.0.self_attn.q_proj.weight"]
-    expect(torch.equal(sd["optimizer.state.fp32_param.decoder.layers.self_attention.linear_qkv.weight"][0, 32:48],
-                       l0[16:32]), "qkv: rank 1's rows 0..15 are not q heads 2,3")
+        got = to_hf(lambda k: sd["optimizer.state.fp32_param." + k])
+        expect(set(got) == set(hf) and all(torch.equal(got[n], w) for n, w in hf.items()),
+               "fp32_param: the HF tensors do not come back")
+        # TP rank 1's qkv chunk holds exactly KV group 1 (q heads 2,3, k head 1, v head 1).
+        l0 = hf["model.layers.0.self_attn.q_proj.weight"]
+        expect(torch.equal(sd["optimizer.state.fp32_param.decoder.layers.self_attention.linear_qkv.weight"][0, 32:48],
+                           l0[16:32]), "qkv: rank 1's rows 0..15 are not q heads 2,3")
+    else:
+        # Expert 3 of layer 0 is HF's experts.3 (the expert axis is the global expert index).
+        g = sd["optimizer.state.fp32_param." + model.layer_key(0, "mlp.experts.experts.linear_fc1.weight")]
+        g = g[0, 3] if model.stacked else g[3]
+        expect(torch.equal(g[:MOE_FFN], hf["model.layers.0.mlp.experts.3.gate_proj.weight"]), "expert 3 is not HF's")
     for k, v in sd.items():
         if "_extra_state" in k:
             expect(isinstance(v, list) and v[0].numel() == 0 and v[0].dtype == torch.uint8, f"{k}: {v!r}")
         if k.startswith("rng_state"):
             expect(isinstance(v, list) and isinstance(v[0], list) and "torch_rng_state" in v[0][0], f"{k}")
 
-    # Semantics: Megatron's forward on the checkpoint == transformers' logits.
-    model = transformers.LlamaForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
-    ids = (torch.arange(2 * 9) * 7 + 3).remainder(VOCAB).view(2, 9)
+    # Semantics: Megatron's forward on the checkpoint == transformers' logits (the file's too).
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out, "hf"), dtype=torch.float32,
+                                                                 attn_implementation="eager").eval()
     with torch.no_grad():
-        ref = model(ids).logits
+        ref = hf_model(REFERENCE_IDS).logits
+    saved = load_file(os.path.join(out, "reference_logits.safetensors"))
+    expect(torch.equal(saved["logits"], ref) and torch.equal(saved["input_ids"], REFERENCE_IDS), "reference_logits")
     fp32 = "optimizer.state.fp32_param."
     mt = {k[len(fp32):]: v for k, v in sd.items() if k.startswith(fp32)}
-    diff = (megatron_forward(mt, ids) - ref).abs().max().item()
+    diff = (megatron_forward(model, mt, REFERENCE_IDS) - ref).abs().max().item()
     expect(diff < 1e-4, f"Megatron-style forward differs from transformers by {diff}")
 
     # common.pt
     common = torch.load(os.path.join(iter_dir, "common.pt"), weights_only=False)
     a = common["args"]
-    expect(isinstance(a, argparse.Namespace) and a.num_query_groups == KV_HEADS and a.params_dtype == torch.bfloat16,
-           "common.pt args")
+    expect(isinstance(a, argparse.Namespace) and a.num_query_groups == KV_HEADS and a.params_dtype == torch.bfloat16
+           and a.num_experts == (None if model.moe is None else EXPERTS), "common.pt args")
     expect(common["iteration"] == ITERATION and common["checkpoint_version"] == 3.0, "common.pt iteration/version")
-    groups = common["optimizer"]["param_groups"] if "param_groups" in common["optimizer"] else \
-        common["optimizer"]["optimizer"]["param_groups"]
-    expect([g["weight_decay"] for g in groups] == [WEIGHT_DECAY, 0.0] and all(g["step"] == ITERATION for g in groups),
+    o = common["optimizer"]
+    if "param_groups" in o:
+        groups = o["param_groups"]
+    elif "optimizer" in o:
+        groups = o["optimizer"]["param_groups"]
+    else:  # ChainedOptimizer
+        groups = [g for k in sorted(o) for g in o[k]["optimizer"]["param_groups"]]
+    wds = [WEIGHT_DECAY, 0.0] + ([] if model.moe is None else [WEIGHT_DECAY])
+    expect([g["weight_decay"] for g in groups] == wds and all(g["step"] == ITERATION for g in groups),
            "common.pt param groups")
 
     # param_to_param_group_map
     pmap = load_dcp(os.path.join(out, "param_to_param_group_map"))
-    expect(len(pmap) == 3 + 6 * LAYERS and pmap["module.module.decoder.layers.1.self_attention.linear_qkv.weight"] == 0
-           and pmap["module.module.decoder.layers.0.mlp.linear_fc1.layer_norm_weight"] == 1
+    names = list(parameter_names(model))
+    expect(len(pmap) == len(names) and pmap["module.module.decoder.layers.1.self_attention.linear_qkv.weight"] == 0
            and pmap["module.module.decoder.final_layernorm.weight"] == 1, f"param map {pmap}")
+    if model.moe is None:
+        expect(len(pmap) == 3 + 6 * LAYERS and pmap["module.module.decoder.layers.0.mlp.linear_fc1.layer_norm_weight"] == 1,
+               "dense param map")
+    else:
+        expert = ("module.module.decoder.layers.0.mlp.experts.linear_fc2.weight3" if model.grouped
+                  else "module.module.decoder.layers.0.mlp.experts.local_experts.3.linear_fc2.weight")
+        expect(pmap.get(expert) == 2 and pmap["module.module.decoder.layers.0.pre_mlp_layernorm.weight"] == 1
+               and pmap["module.module.decoder.layers.0.mlp.router.weight"] == 0, f"MoE param map {pmap}")
 
     if problems:
         raise SystemExit("self-check FAILED:\n  " + "\n  ".join(problems))
-    print(f"self-check: OK ({len(md.state_dict_metadata)} DCP keys, HF tensors recovered exactly, "
+    print(f"self-check: OK ({len(md.state_dict_metadata)} DCP keys, the mapped HF tensors exactly, "
           f"Megatron-style forward vs transformers max |diff| {diff:.2e})")
 
 
@@ -694,37 +1001,45 @@ def main():
     parser.add_argument("out_dir")
     parser.add_argument("--self-check", action="store_true", help="read everything back and compare")
     parser.add_argument("--megatron-common-optimizer", action="store_true",
-                        help='common.pt optimizer = {"optimizer": {"param_groups": [...]}} without "params"')
+                        help='common.pt optimizer as Megatron-Core nests it, without "params"')
+    parser.add_argument("--moe", choices=["grouped", "sequential"],
+                        help="a mixture-of-experts GPT (see the docstring) instead of the dense Llama")
     opts = parser.parse_args()
     start = time.time()
     out = os.path.abspath(opts.out_dir)
-    for sub in ("hf", "torch_dist", "param_to_param_group_map"):
+    for sub in ("hf", "torch_dist", "param_to_param_group_map", "reference_logits.safetensors"):
         shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
     os.makedirs(out, exist_ok=True)
+    model = Model(opts.moe)
 
-    model = build_hf_model()
-    model.save_pretrained(os.path.join(out, "hf"))
-    hf = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    print(f"hf: {out}/hf LlamaForCausalLM fp32, {len(hf)} tensors, "
+    from safetensors.torch import load_file
+
+    hf_model = build_hf_model(model)
+    hf_model.save_pretrained(os.path.join(out, "hf"))
+    hf = load_file(os.path.join(out, "hf", "model.safetensors"))  # transformers' names (one per expert)
+    print(f"hf: {out}/hf {type(hf_model).__name__} fp32, {len(hf)} tensors, "
           f"{sum(v.numel() for v in hf.values())} params (model.safetensors, config.json)")
+    logits = write_reference_logits(out)
+    print(f"reference logits: {logits}")
 
-    tensors = megatron_from_hf(hf)
-    iter_dir = write_torch_dist(out, tensors, opts.megatron_common_optimizer)
+    tensors = megatron_from_hf(hf, model)
+    iter_dir = write_torch_dist(out, model, tensors, opts.megatron_common_optimizer)
     from torch.distributed.checkpoint import FileSystemReader
 
     md = FileSystemReader(iter_dir).read_metadata()
     n_chunks = sum(len(getattr(v, "chunks", [])) for v in md.state_dict_metadata.values())
-    print(f"torch_dist: {iter_dir} iteration {ITERATION}, TP={TP} (2 Gloo ranks), "
+    parallel = f"TP={TP}" if model.moe is None else f"TP={TP}, EP={EP} (expert TP 1), {opts.moe} experts"
+    print(f"torch_dist: {iter_dir} iteration {ITERATION}, {parallel} (2 Gloo ranks), "
           f"{len(md.state_dict_metadata)} DCP keys "
           f"({n_chunks} tensor chunks), bf16 weights + fp32 fp32_param/exp_avg/exp_avg_sq, common.pt, metadata.json")
 
-    path, mapping = write_param_map(out)
-    print(f"param_to_param_group_map: {path} {len(mapping)} params, "
-          f"{sum(1 for v in mapping.values() if v == 0)} in group 0 (weight decay), "
-          f"{sum(1 for v in mapping.values() if v == 1)} in group 1 (norms)")
+    path, mapping = write_param_map(out, model)
+    counts = [sum(1 for v in mapping.values() if v == g) for g in range(3)]
+    print(f"param_to_param_group_map: {path} {len(mapping)} params, {counts[0]} in group 0 (weight decay), "
+          f"{counts[1]} in group 1 (norms)" + (f", {counts[2]} in group 2 (experts)" if model.moe else ""))
 
     if opts.self_check:
-        self_check(out)
+        self_check(out, model)
     print(f"done in {time.time() - start:.1f}s")
 
 

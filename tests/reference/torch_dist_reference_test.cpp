@@ -11,6 +11,12 @@
 //     equal transformers' fp32 weights exactly, with the optimizer state mapped alike;
 //   - mfsdp loads it on 2 ranks under ZeRO-3 and holds those weights and the AdamW step;
 //   - inspect, print-tensor, compare-two-checkpoint and modify-state-dict report what they should.
+// Mixtures of experts (the script's --moe): a Qwen3-MoE (TEGroupedMLP, every layer MoE: stacked
+// [layer, expert, ...] tensors) and a Qwen2-MoE (SequentialMLP, a gated shared expert and a dense
+// layer: per-layer keys) as Megatron saves them with TP 2 and expert parallelism 2, converted: one
+// tensor per expert under the saving model's names, each transformers' expert exactly (so a
+// wrong expert index fails), optimizer state alike, and mfsdp's logits are transformers'.
+// Expert tensors outside Megatron's layout, or disagreeing with num_experts, are refused by name.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -25,9 +31,11 @@
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
 #include "mfsdp/checkpoint/ckpt_operations.h"
 #include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/causal_lm.h"
 #include "mfsdp/models/llama.h"
 
 namespace {
@@ -148,6 +156,125 @@ TEST(TorchDistReference, ConvertsToFsdpDtensorThatMfsdpTrainsFrom) {
     const auto full = root.full_state_dict(/*all_ranks=*/true);
     for (const auto& [name, w] : hf_weights(shared)) EXPECT_TRUE(at::equal(full.at(name), w)) << name;
   });
+}
+
+// The fixture with `flags` (--moe ...) in dir/fixture, converted with --swiglu and its param map
+// into dir/converted/iter_0000003 by the tool; the tool's output.
+std::string make_moe_fixture(const std::string& dir, const std::string& flags) {
+  const auto outcome = mfsdp::testing::run_command("env OMP_NUM_THREADS=1 '" + kPython + "' '" + kScript + "' '" +
+                                                   dir + "/fixture' " + flags);
+  EXPECT_EQ(outcome.exit_code, 0) << outcome.output;
+  const std::string ckpt = MFSDP_CKPT_BIN_PATH;
+  const auto json = mfsdp::testing::run_command(ckpt + " print-torch-dcp-in-json " + dir + "/fixture/param_to_param_group_map");
+  EXPECT_EQ(json.exit_code, 0) << json.output;
+  const auto converted = mfsdp::testing::run_command(
+      ckpt + " convert-torch-dist-to-fsdp-dtensor --swiglu " + dir + "/fixture/torch_dist/iter_0000003 " + dir +
+      "/converted/iter_0000003 --param-to-param-group-map-json " + dir +
+      "/fixture/param_to_param_group_map/param_to_param_group_map.json");
+  EXPECT_EQ(converted.exit_code, 0) << converted.output;
+  return converted.output;
+}
+
+// The converted MoE checkpoint holds transformers' weights (every expert under its own index) and
+// the optimizer state of each, and mfsdp's model loaded from it gives transformers' logits.
+void expect_transformers_model(const std::string& d, const std::string& model_type) {
+  mfsdp::CheckpointReader reader(d + "/converted");
+  EXPECT_EQ(reader.metadata()["model_config"]["model_type"], model_type);
+  EXPECT_EQ(reader.metadata()["model_config"]["num_experts"], 4);
+  EXPECT_EQ(reader.metadata()["optimizer"]["step"], 3);
+  const auto hf = hf_weights(d);
+  EXPECT_TRUE(hf.count("model.layers.0.mlp.experts.3.down_proj.weight"));
+  for (const auto& [name, w] : hf) {
+    ASSERT_TRUE(reader.contains("model." + name)) << name;
+    EXPECT_TRUE(at::equal(reader.read("model." + name), w)) << name;
+    EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg"), w * 0.001, 1e-6, 0)) << name;
+    EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg_sq"), (w * 0.001).pow(2), 1e-6, 0))
+        << name;
+  }
+  const mfsdp::LoadedModel loaded = mfsdp::load_model(d + "/converted");
+  mfsdp::SafetensorsFile reference(d + "/fixture/reference_logits.safetensors");
+  at::Tensor logits;
+  {
+    at::NoGradGuard no_grad;
+    logits = loaded.model->forward(reference.load("input_ids"));
+  }
+  const at::Tensor want = reference.load("logits");
+  ASSERT_EQ(logits.sizes(), want.sizes());
+  const double diff = (logits - want).abs().max().item<double>();
+  EXPECT_LT(diff, 1e-4) << "mfsdp's logits vs transformers' (largest " << want.abs().max().item<double>() << ")";
+  std::cout << model_type << ": mfsdp vs transformers logits max |diff| " << diff << "\n";
+}
+
+TEST(TorchDistReference, ConvertsGroupedGemmMoeThatMfsdpRunsAsTransformers) {
+  mfsdp::testing::TempDir dir("mfsdp-torch-dist-moe");
+  const std::string d = dir.path().string();
+  make_moe_fixture(d, "--moe grouped --megatron-common-optimizer");
+  if (HasFailure()) return;
+  // Megatron-FSDP's names: per layer, per expert (TEGroupedMLP's weight<j>), SwiGLU split.
+  mfsdp::dcp::Reader raw(d + "/converted/iter_0000003");
+  const std::string m = "model.module.decoder.layers.", o = "optimizer.state.module.module.module.decoder.layers.";
+  for (const std::string& key : {m + "1.mlp.experts.linear_fc1.weight3_w", m + "1.mlp.experts.linear_fc1.weight3_v",
+                                 m + "0.mlp.experts.linear_fc2.weight2", m + "0.mlp.router.weight",
+                                 m + "1.pre_mlp_layernorm.weight", m + "0.self_attention.q_layernorm.weight",
+                                 o + "1.mlp.experts.linear_fc1.weight0_v.exp_avg_sq",
+                                 o + "0.mlp.experts.linear_fc2.weight3.exp_avg"})
+    EXPECT_TRUE(raw.contains_tensor(key)) << key;
+  for (const auto& [key, entry] : raw.metadata().tensors) EXPECT_EQ(key.find("experts.experts"), std::string::npos) << key;
+  EXPECT_EQ(raw.tensor(m + "1.mlp.experts.linear_fc1.weight3_w").shape, (std::vector<int64_t>{16, 32}));
+  // Param groups from the ChainedOptimizer's common state: experts in the expert group (2).
+  const std::string meta = "optimizer.param_to_group_meta.module.module.module.decoder.layers.";
+  EXPECT_EQ(raw.read_object(meta + "1.mlp.experts.linear_fc1.weight3_w.is_expert_parallel"), true);
+  EXPECT_EQ(raw.read_object(meta + "1.mlp.experts.linear_fc1.weight3_w.weight_decay"), 0.1);
+  EXPECT_EQ(raw.read_object(meta + "1.mlp.router.weight.is_expert_parallel"), false);
+  EXPECT_EQ(raw.read_object(meta + "1.self_attention.k_layernorm.weight.weight_decay"), 0.0);
+  expect_transformers_model(d, "qwen3_moe");
+}
+
+TEST(TorchDistReference, ConvertsSequentialMoeWithSharedExpertAndDenseLayer) {
+  mfsdp::testing::TempDir dir("mfsdp-torch-dist-moe");
+  const std::string d = dir.path().string();
+  make_moe_fixture(d, "--moe sequential");
+  if (HasFailure()) return;
+  // SequentialMLP's names (local_experts.<global j>); layer 1 is dense.
+  mfsdp::dcp::Reader raw(d + "/converted/iter_0000003");
+  const std::string m = "model.module.decoder.layers.";
+  for (const std::string& key : {m + "0.mlp.experts.local_experts.3.linear_fc1.weight_w",
+                                 m + "0.mlp.experts.local_experts.0.linear_fc2.weight",
+                                 m + "0.mlp.shared_experts.linear_fc1.weight_v", m + "0.mlp.shared_experts.gate_weight",
+                                 m + "1.mlp.linear_fc1.weight_w",
+                                 std::string("optimizer.state.module.module.module.decoder.layers.0.mlp.experts."
+                                             "local_experts.2.linear_fc1.weight_v.exp_avg")})
+    EXPECT_TRUE(raw.contains_tensor(key)) << key;
+  EXPECT_FALSE(raw.contains_tensor(m + "1.mlp.router.weight"));
+  EXPECT_EQ(raw.read_object("optimizer.param_to_group_meta.module.module.module.decoder.layers.0.mlp.experts."
+                            "local_experts.3.linear_fc1.weight_w.is_expert_parallel"), true);
+  expect_transformers_model(d, "qwen2_moe");
+}
+
+TEST(TorchDistReference, RefusesExpertTensorsOutsideMegatronsLayoutNamingThem) {
+  mfsdp::testing::TempDir dir("mfsdp-torch-dist-moe");
+  const std::string d = dir.path().string();
+  const auto outcome = mfsdp::testing::run_command("env OMP_NUM_THREADS=1 '" + kPython + "' '" + kScript + "' '" + d +
+                                                   "/fixture' --moe grouped");
+  ASSERT_EQ(outcome.exit_code, 0) << outcome.output;
+  const std::string good = d + "/fixture/torch_dist/iter_0000003";
+  std::ostringstream out;
+  // One expert's own key (as singleton_local_shards would write it), not Megatron's stacked one.
+  mfsdp::modify_dcp_state_dict(good, d + "/singleton", {"rename experts\\.experts\\.linear_fc2 experts.3.linear_fc2"}, out);
+  mfsdp::testing::expect_contains(
+      mfsdp::testing::error_of([&] { mfsdp::convert_torch_dist_to_fsdp_dtensor(d + "/singleton", d + "/a", {}, out); }),
+      {"'decoder.layers.mlp.experts.3.linear_fc2.weight' is an expert tensor outside Megatron's torch_dist layout"});
+  EXPECT_FALSE(fs::exists(d + "/a"));
+  // Args that say 8 experts for tensors of 4.
+  const auto edited = mfsdp::testing::run_command(
+      "'" + kPython + "' -c \"import sys, torch; p = sys.argv[1]; c = torch.load(p, weights_only=False); "
+      "c['args'].num_experts = 8; torch.save(c, p)\" '" + good + "/common.pt'");
+  ASSERT_EQ(edited.exit_code, 0) << edited.output;
+  mfsdp::testing::expect_contains(
+      mfsdp::testing::error_of([&] { mfsdp::convert_torch_dist_to_fsdp_dtensor(good, d + "/b", {}, out); }),
+      {"'optimizer.state.exp_avg.decoder.layers.mlp.experts.experts.linear_fc1.weight' holds 4 experts per layer, but "
+       "common.pt's args have num_experts 8"});
+  EXPECT_FALSE(fs::exists(d + "/b"));
 }
 
 }  // namespace

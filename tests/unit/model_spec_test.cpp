@@ -132,7 +132,7 @@ TEST(ModelSpec, MegatronMoeArgsGiveTheFamilyAndItsConfig) {
   EXPECT_EQ(mixtral.hf["mlp_only_layers"], json::array({1}));
   EXPECT_NE(mixtral.spec->hf_export_refusal(mixtral).find("every Mixtral layer is an MoE layer"), std::string::npos);
   EXPECT_EQ(mfsdp::model_config_from_hf(mixtral.hf).hf, mixtral.hf);  // the checkpoint's model_config round trips
-  const auto shapes = mfsdp::model_parameter_shapes(mixtral);
+  const auto shapes = mfsdp::model_tensor_shapes(mixtral);
   auto shape_of = [&](const std::string& name) {
     for (const auto& [n, s] : shapes)
       if (n == name) return s;
@@ -153,7 +153,7 @@ TEST(ModelSpec, MegatronMoeArgsGiveTheFamilyAndItsConfig) {
   EXPECT_EQ(qwen3.hf["norm_topk_prob"], false);  // --moe-router-pre-softmax: top-k of the full softmax
   EXPECT_EQ(qwen3.hf["mlp_only_layers"], json::array());
   EXPECT_EQ(qwen3.spec->hf_export_refusal(qwen3), "");
-  const auto qshapes = mfsdp::model_parameter_shapes(qwen3);
+  const auto qshapes = mfsdp::model_tensor_shapes(qwen3);
   bool has_q_norm = false;
   for (const auto& [n, s] : qshapes) has_q_norm |= n == "model.layers.0.self_attn.q_norm.weight" && s == std::vector<int64_t>{24};
   EXPECT_TRUE(has_q_norm);
@@ -177,7 +177,7 @@ TEST(ModelSpec, MegatronMoeArgsGiveTheFamilyAndItsConfig) {
   const mfsdp::ModelConfig gated_qwen3 = mfsdp::model_config_from_megatron(odd);
   EXPECT_EQ(mfsdp::model_config_from_hf(gated_qwen3.hf).hf, gated_qwen3.hf);
   bool has_gate = false;
-  for (const auto& [n, s] : mfsdp::model_parameter_shapes(gated_qwen3))
+  for (const auto& [n, s] : mfsdp::model_tensor_shapes(gated_qwen3))
     has_gate |= n == "model.layers.0.mlp.shared_expert_gate.weight";
   EXPECT_TRUE(has_gate);
   json biased = megatron_args();
@@ -222,6 +222,16 @@ TEST(ModelSpec, MegatronMoeNamesBecomeTheExperts) {
   EXPECT_NE(error_of([&] { spec.from_megatron_name("decoder.layers.0.mlp.experts.linear_fc2.weight4", 64, &c, "entry x"); })
                 .find("entry x is expert 4 of a model with 4"),
             std::string::npos);
+  // The aux-loss-free bias has a name only in a model that has one.
+  EXPECT_TRUE(names("decoder.layers.1.mlp.router.expert_bias", 4).empty());
+  args.update({{"moe_router_score_function", "sigmoid"}, {"moe_router_enable_expert_bias", true}});
+  const mfsdp::ModelConfig biased = mfsdp::model_config_from_megatron(args);
+  const auto bias = biased.spec->from_megatron_name("decoder.layers.1.mlp.router.expert_bias", 4, &biased, "test");
+  ASSERT_EQ(bias.size(), 1u);
+  EXPECT_EQ(bias[0].name, "model.layers.1.mlp.gate.e_score_correction_bias");
+  // and the config.json of the model keeps it.
+  const mfsdp::ModelConfig again = mfsdp::model_config_from_hf(biased.spec->hf_config(biased, at::kFloat));
+  EXPECT_TRUE(mfsdp::llama_config_of(again).moe.expert_bias);
 }
 
 TEST(ModelSpec, TheHfConfigRoundTripsThroughTheSpec) {
@@ -351,7 +361,7 @@ TEST(ModelSpec, AModelBuiltAndShardedThroughTheSpecIsThePlainModel) {
   EXPECT_TRUE(torch::equal(model->call(ids), plain->forward(ids)));
 
   // Transformers' names and shapes: 4 heads of 16, 2 key/value groups, SwiGLU width 128, untied.
-  const auto shapes = mfsdp::model_parameter_shapes(config);
+  const auto shapes = mfsdp::model_tensor_shapes(config);
   ASSERT_EQ(shapes.size(), 2u + 2 * 9 + 1);
   const std::vector<std::pair<std::string, std::vector<int64_t>>> first = {
       {"model.embed_tokens.weight", {128, 64}},

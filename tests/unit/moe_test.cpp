@@ -88,6 +88,45 @@ TEST(MoeRouter, SigmoidScoresAreRenormalisedOverTheTopK) {
   }
 }
 
+TEST(MoeRouter, ExpertBiasChoosesTheExpertsButNotTheirWeights) {
+  MoeConfig c = config(4, 2);
+  c.score = MoeConfig::Score::kSigmoid;
+  c.expert_bias = true;
+  const std::vector<double> bias = {-0.3, 0.0, 0.8, 0.05};
+  const mfsdp::Routing r = mfsdp::route(tensor_of(kLogits), c, 0.0, tensor_of({bias}).view({4}));
+  for (size_t t = 0; t < kLogits.size(); ++t) {
+    std::vector<double> s(4), biased(4);
+    for (size_t e = 0; e < 4; ++e) {
+      s[e] = 1 / (1 + std::exp(-kLogits[t][e]));
+      biased[e] = s[e] + bias[e];
+    }
+    const std::vector<size_t> chosen = top(biased, 2), plain = top(s, 2);
+    const double sum = s[chosen[0]] + s[chosen[1]];
+    for (size_t e = 0; e < 4; ++e) {
+      const bool in = e == chosen[0] || e == chosen[1];
+      EXPECT_EQ(r.map[t][e].item<bool>(), in) << "token " << t << " expert " << e;
+      EXPECT_NEAR(r.probs[t][e].item<double>(), in ? s[e] / sum : 0.0, 1e-6) << "token " << t << " expert " << e;
+      // The balancing losses still count the plain top-k.
+      EXPECT_EQ(r.top_map[t][e].item<bool>(), e == plain[0] || e == plain[1]) << "token " << t << " expert " << e;
+    }
+  }
+  // The bias changes at least one choice here, so the test tells biased from plain routing.
+  EXPECT_FALSE(r.map.equal(r.top_map));
+  // Softmax scores take no bias (Megatron refuses the pair).
+  MoeConfig softmax_bias = config(4, 2);
+  softmax_bias.expert_bias = true;
+  EXPECT_THROW(softmax_bias.validate(2), std::invalid_argument);
+}
+
+TEST(MoeRouter, ExpertBiasUpdateIsMegatronsSignRule) {
+  // get_updated_expert_bias: bias + rate x sign(mean - tokens); mean = (10 + 2 + 4 + 0) / 4 = 4.
+  const at::Tensor bias = at::tensor({0.0f, 0.1f, 0.0f, -0.2f});
+  const at::Tensor got = mfsdp::updated_expert_bias(bias, {10, 2, 4, 0}, 0.01);
+  const std::vector<double> want = {-0.01, 0.11, 0.0, -0.19};
+  for (int64_t e = 0; e < 4; ++e) EXPECT_NEAR(got[e].item<double>(), want[static_cast<size_t>(e)], 1e-7) << e;
+  EXPECT_THROW(mfsdp::updated_expert_bias(bias, {1, 2, 3}, 0.01), std::invalid_argument);
+}
+
 TEST(MoeRouter, LossesAreMegatronsClosedForms) {
   const MoeConfig c = config(4, 2);
   const mfsdp::Routing r = mfsdp::route(tensor_of(kLogits), c, 0.0);

@@ -61,7 +61,7 @@ at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir, st
 void import_hf(const std::string& hf_dir, const std::string& out_ckpt);
 
 // Throws std::invalid_argument (starting with `where`) unless `shapes` holds exactly the
-// parameters of the model `config` describes (model_parameter_shapes, model_spec.h) with their
+// parameters of the model `config` describes (model_tensor_shapes, model_spec.h) with their
 // shapes. The message names every missing, unexpected and misshapen tensor (up to 8 of each,
 // then a count).
 void check_model_tensors(const std::map<std::string, std::vector<int64_t>>& shapes, const ModelConfig& config,

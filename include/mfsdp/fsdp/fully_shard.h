@@ -190,11 +190,14 @@ class FsdpHandle {
   void zero_grad();
 
   std::vector<LocalShard> local_shards() const;
-  // Full parameters by FQN (gathered from all ranks; every rank gets them when all_ranks, else
+  // The root module's buffers by FQN: not sharded, every rank holds each whole (a routing bias);
+  // state dicts and checkpoints carry them beside the parameters.
+  std::vector<std::pair<std::string, at::Tensor>> buffers() const;
+  // Full parameters and buffers by FQN (gathered from all ranks; every rank gets them when all_ranks, else
   // only rank 0 and the others get an empty map). Collective.
   std::map<std::string, at::Tensor> full_state_dict(bool all_ranks = false) const;
-  // Loads full parameters (every rank passes the same map) into the shards. Throws naming the
-  // missing, unexpected or mis-shaped parameter before changing anything.
+  // Loads full parameters and buffers (every rank passes the same map) into the shards. Throws
+  // naming the missing, unexpected or mis-shaped tensor before changing anything.
   void load_full_state_dict(const std::map<std::string, at::Tensor>& state);
 
   MemoryReport memory() const;

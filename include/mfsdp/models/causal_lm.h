@@ -112,6 +112,9 @@ class CausalLM : public ShardedModule<CausalLM> {
   // The gradient the balancing losses of one forward get (Megatron's MoEAuxLossAutoScaler scale:
   // the trainer's 1 / micro-batches, as its language-model loss).
   virtual void set_aux_loss_scale(double /*scale*/) {}
+  // Moves layer `layer`'s aux-loss-free routing bias (MoeConfig::expert_bias) by one step's token
+  // counts per expert over the data-parallel group; nothing for a layer without one.
+  virtual void update_expert_bias(int64_t /*layer*/, const std::vector<int64_t>& /*tokens_per_expert*/) {}
 
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
   // parameter named `name`: the same values whenever and wherever it is called.

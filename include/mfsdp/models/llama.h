@@ -230,6 +230,7 @@ class LlamaForCausalLMImpl : public CausalLM {
   void set_recompute_layers(bool on) override { model->recompute_layers = on; }
   std::vector<std::pair<int64_t, RouterStats>> take_router_stats() override;
   void set_aux_loss_scale(double scale) override;
+  void update_expert_bias(int64_t layer, const std::vector<int64_t>& tokens_per_expert) override;
 
   // Parameter names are HF names; norms start at one, biases at zero, the rest normal(0,
   // init_std), each from its own (init seed, name) generator.

@@ -112,8 +112,12 @@ ModelConfig model_config_from_hf(const nlohmann::json& hf);
 // family's error.
 ModelConfig model_config_from_megatron(const nlohmann::json& args);
 
-// Name -> shape of every parameter of the model, in module order. Built with deferred
-// parameters: nothing is allocated.
-std::vector<std::pair<std::string, std::vector<int64_t>>> model_parameter_shapes(const ModelConfig& config);
+// What a checkpoint or a Hugging Face folder holds of a model: its parameters, then its buffers
+// (a router's expert bias), by name, in module order.
+std::vector<std::pair<std::string, at::Tensor>> model_tensors(const torch::nn::Module& model);
+
+// Name -> shape of every tensor of model_tensors. Built with deferred parameters: nothing
+// large is allocated.
+std::vector<std::pair<std::string, std::vector<int64_t>>> model_tensor_shapes(const ModelConfig& config);
 
 }  // namespace mfsdp

@@ -13,6 +13,9 @@
 //            logits, is the same numbers) or not (--moe-router-pre-softmax; Qwen3-MoE's
 //            norm_topk_prob false);
 //   sigmoid: scores = sigmoid(logits), top-k, renormalised when top_k > 1 (DeepSeek-V3);
+//   with expert_bias (DeepSeek-V3's aux-loss-free balancing, sigmoid only): the top-k are chosen
+//            by scores + bias, their weights are the scores without it; after each step the
+//            bias moves by update_rate x sign(mean - tokens) per expert (updated_expert_bias);
 //   then times topk_scaling_factor. Dropless unless a capacity factor is given: then each expert
 //   keeps at most ceil(tokens x top_k / experts x factor) tokens, those of highest probability,
 //   and the others lose that expert (their weight is zero).
@@ -54,10 +57,14 @@ struct MoeConfig {
   // Hugging Face's names: "mlp" with {gate,up,down}_proj (Qwen), or Mixtral's
   // "block_sparse_moe" with w1 (gate), w3 (up), w2 (down).
   bool mixtral_names = false;
+  // A per-expert routing bias "gate.e_score_correction_bias" (fp32, DeepSeek-V3's name;
+  // Megatron's router.expert_bias, --moe-router-enable-expert-bias): a buffer, saved with the
+  // model, moved by the trainer after each step (updated_expert_bias). Sigmoid scores only.
+  bool expert_bias = false;
 
   bool is_moe_layer(int64_t layer) const;
   // Throws std::invalid_argument naming the MoeConfig field: positive sizes, 0 < top_k <= experts,
-  // scaling factor > 0, moe_layers of `num_layers` entries.
+  // scaling factor > 0, moe_layers of `num_layers` entries, expert_bias with sigmoid scores.
   void validate(int64_t num_layers) const;
 };
 
@@ -71,6 +78,7 @@ struct MoeTraining {
   // Experts as one grouped GEMM (at::_grouped_mm over the weights stacked per call,
   // --moe-grouped-gemm) instead of one GEMM per expert over its contiguous tokens.
   bool grouped_gemm = false;
+  double bias_update_rate = 1e-3;  // --moe-router-bias-update-rate (with MoeConfig::expert_bias)
 };
 
 // One routing decision of T tokens over E experts.
@@ -83,8 +91,13 @@ struct Routing {
   at::Tensor scores;     // [T, E], the full-score distribution the aux loss uses (autograd)
 };
 
-// Routes `logits` [T, E] (top_k, score function, normalisation, scaling, capacity).
-Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor);
+// Routes `logits` [T, E] (top_k, score function, normalisation, scaling, capacity); `expert_bias`
+// [E] (undefined: none) shifts which experts are chosen, not their weights.
+Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor,
+              const at::Tensor& expert_bias = {});
+// Megatron's get_updated_expert_bias: `bias` + rate x sign(mean - tokens), per expert, from the
+// (token, expert) pairs routed to each expert over the whole data-parallel group in one step.
+at::Tensor updated_expert_bias(const at::Tensor& bias, const std::vector<int64_t>& tokens_per_expert, double rate);
 // Megatron's losses of one routing, before the coefficient (tokens counted by top_map):
 // switch_load_balancing_loss_func (tokens counted over the whole batch), sequence_load_balancing_loss_func (`batch` sequences of
 // T / batch tokens, token t in sequence t / (T / batch)), z_loss_func.
@@ -154,8 +167,12 @@ class MoeBlockImpl : public torch::nn::Module {
   double aux_loss_scale = 1.0;
   // The counters since the last call, and resets them.
   RouterStats take_stats();
+  // The aux-loss-free bias (MoeConfig::expert_bias) moved by one step's token counts over the
+  // whole data-parallel group, at training_options.bias_update_rate; nothing without the bias.
+  void update_expert_bias(const std::vector<int64_t>& tokens_per_expert);
 
  private:
+  at::Tensor expert_bias() const;  // undefined without MoeConfig::expert_bias
   at::Tensor run_experts(const at::Tensor& tokens, const Routing& r);
   // The routed rows `sorted` (grouped by global expert, `counts` [E] on the device) through their
   // experts on the expert-parallel ranks, back in the same order.

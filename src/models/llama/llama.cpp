@@ -236,6 +236,10 @@ void LlamaForCausalLMImpl::set_aux_loss_scale(double scale) {
     if (model->layer(i).moe) model->layer(i).moe->aux_loss_scale = scale;
 }
 
+void LlamaForCausalLMImpl::update_expert_bias(int64_t layer, const std::vector<int64_t>& tokens_per_expert) {
+  if (MoeBlock& moe = model->layer(layer).moe) moe->update_expert_bias(tokens_per_expert);
+}
+
 void LlamaForCausalLMImpl::set_use_sdpa(bool on) {
   for (int64_t i = 0; i < model->num_layers(); ++i) model->layer(i).self_attn->use_sdpa = on;
 }

@@ -107,6 +107,7 @@ void write_moe(json& j, const LlamaConfig& cfg, const std::string& model_type) {
     j["mlp_only_layers"] = dense;
   }
   if (m.score == MoeConfig::Score::kSigmoid) j["moe_router_score_function"] = "sigmoid";
+  if (m.expert_bias) j["moe_router_enable_expert_bias"] = true;  // mfsdp's own, with sigmoid scores
   if (m.topk_scaling_factor != 1.0) j["moe_router_topk_scaling_factor"] = m.topk_scaling_factor;
   j["router_aux_loss_coef"] = 0.001;  // transformers' default; mfsdp trains with --moe-aux-loss-coeff
   j["output_router_logits"] = false;
@@ -255,6 +256,7 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
       bad("moe_router_score_function", "expected \"softmax\" or \"sigmoid\", found " + score->dump());
     m.score = score->get<std::string>() == "sigmoid" ? MoeConfig::Score::kSigmoid : MoeConfig::Score::kSoftmax;
   }
+  m.expert_bias = optional_bool(c, "moe_router_enable_expert_bias", false);
   m.topk_scaling_factor = optional_double(c, "moe_router_topk_scaling_factor", 1.0);
 }
 

@@ -73,23 +73,32 @@ std::vector<MegatronRows> gate_up(const std::string& gate, const std::string& up
   return {{gate, {{0, rows / 2}}, rows / 2}, {up, {{rows / 2, rows / 2}}, rows / 2}};
 }
 
-// An MoE layer's tensors (Megatron-Core's MoELayer: router, TEGroupedMLP's "weight{j}" or
+// An MoE layer's tensors (Megatron-Core's MoELayer: router (and its expert_bias, with
+// --moe-router-enable-expert-bias), TEGroupedMLP's "weight{j}" or
 // SequentialMLP's "local_experts.{j}", shared_experts) as the family names them; `c` says
-// whether the block is "mlp" or Mixtral's "block_sparse_moe" with w1/w3/w2.
+// whether the block is "mlp" or Mixtral's "block_sparse_moe" with w1/w3/w2. A SwiGLU linear_fc1
+// comes whole ([gate; up]) or as Megatron-FSDP's halves "<name>_w" (gate) and "<name>_v" (up).
 std::vector<MegatronRows> moe_rows(const std::string& prefix, const std::string& rest, int64_t rows,
                                    const LlamaConfig& c, const std::string& where) {
   const std::string block = prefix + (c.moe.mixtral_names ? "block_sparse_moe." : "mlp.");
   const char* g = c.moe.mixtral_names ? "w1" : "gate_proj";
   const char* u = c.moe.mixtral_names ? "w3" : "up_proj";
   const char* d = c.moe.mixtral_names ? "w2" : "down_proj";
+  // A whole fc1 as gate and up, or the half `half` ("_w", "_v") names.
+  auto fc1 = [&](const std::string& gate, const std::string& up, const std::string& half) -> std::vector<MegatronRows> {
+    if (half.empty()) return gate_up(gate, up, rows, where);
+    return {{half == "_w" ? gate : up, {}, rows}};
+  };
   if (rest == "pre_mlp_layernorm.weight") return {{prefix + "post_attention_layernorm.weight", {}, rows}};
   if (rest == "mlp.router.weight") return {{block + "gate.weight", {}, rows}};
-  if (rest == "mlp.shared_experts.linear_fc1.weight")
-    return gate_up(block + "shared_expert.gate_proj.weight", block + "shared_expert.up_proj.weight", rows, where);
+  if (rest == "mlp.router.expert_bias" && c.moe.expert_bias) return {{block + "gate.e_score_correction_bias", {}, rows}};
+  for (const char* half : {"", "_w", "_v"})
+    if (rest == std::string("mlp.shared_experts.linear_fc1.weight") + half)
+      return fc1(block + "shared_expert.gate_proj.weight", block + "shared_expert.up_proj.weight", half);
   if (rest == "mlp.shared_experts.linear_fc2.weight") return {{block + "shared_expert.down_proj.weight", {}, rows}};
   if (rest == "mlp.shared_experts.gate_weight") return {{block + "shared_expert_gate.weight", {}, rows}};
-  static const std::regex grouped(R"(mlp\.experts\.linear_fc([12])\.weight(\d+))");
-  static const std::regex sequential(R"(mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight)");
+  static const std::regex grouped(R"(mlp\.experts\.linear_fc([12])\.weight(\d+)(_[wv])?)");
+  static const std::regex sequential(R"(mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight(_[wv])?)");
   std::smatch m;
   std::string fc, expert;
   if (std::regex_match(rest, m, grouped)) {
@@ -101,11 +110,12 @@ std::vector<MegatronRows> moe_rows(const std::string& prefix, const std::string&
   } else {
     return {};
   }
+  const std::string half = m[3].str();
   if (expert.size() > 9 || std::stoll(expert) >= c.moe.num_experts)
     throw std::invalid_argument(where + " is expert " + expert + " of a model with " + std::to_string(c.moe.num_experts));
   const std::string e = block + "experts." + expert + ".";
-  if (fc == "2") return {{e + d + ".weight", {}, rows}};
-  return gate_up(e + g + ".weight", e + u + ".weight", rows, where);
+  if (fc == "2") return half.empty() ? std::vector<MegatronRows>{{e + d + ".weight", {}, rows}} : std::vector<MegatronRows>{};
+  return fc1(e + g + ".weight", e + u + ".weight", half);
 }
 
 std::vector<MegatronRows> llama_rows(const std::string& fqn, int64_t rows,
@@ -246,6 +256,9 @@ LlamaConfig decoder_config_from_megatron(const json& args) {
     const double scaling = number(args, "moe_router_topk_scaling_factor", 1.0);
     if (!(scaling > 0)) bad_arg("moe_router_topk_scaling_factor", "expected a positive number");
     m.topk_scaling_factor = scaling;
+    m.expert_bias = flag(args, "moe_router_enable_expert_bias");
+    if (m.expert_bias && !(m.score == MoeConfig::Score::kSigmoid))
+      bad_arg("moe_router_enable_expert_bias", "needs moe_router_score_function sigmoid, as in Megatron-LM");
     m.moe_layers = moe_layer_pattern(args, c.num_layers);
     // Which Hugging Face family it is: q/k norms, Qwen3-MoE; a shared expert, Qwen2-MoE; else Mixtral.
     m.mixtral_names = !c.qk_norm && m.shared_expert_intermediate_size == 0;

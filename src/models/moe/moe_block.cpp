@@ -121,6 +121,9 @@ MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferre
                            std::shared_ptr<Communicator> expert_parallel)
     : config_(config), ep_(expert_parallel && expert_parallel->size() > 1 ? std::move(expert_parallel) : nullptr) {
   gate = register_module("gate", LlamaLinear(hidden, config.num_experts, deferred));
+  // A buffer, not a parameter: no gradient, no optimizer state, fp32 whatever the compute dtype
+  // (Megatron keeps router.expert_bias in fp32 too), every rank holds it whole.
+  if (config.expert_bias) gate->register_buffer("e_score_correction_bias", at::zeros({config.num_experts}, at::kFloat));
   const int64_t ep = ep_ ? ep_->size() : 1, per_rank = config.num_experts / ep;
   if (config.num_experts % ep != 0)
     throw std::invalid_argument("MoeBlock: " + std::to_string(ep) + " expert-parallel ranks do not divide " +
@@ -180,7 +183,7 @@ at::Tensor MoeBlockImpl::dispatch(const at::Tensor& sorted, const at::Tensor& co
 at::Tensor MoeBlockImpl::forward(const at::Tensor& x) {
   const int64_t hidden = x.size(-1);
   at::Tensor tokens = x.reshape({-1, hidden});
-  Routing r = route(gate(tokens), config_, training_options.capacity_factor);
+  Routing r = route(gate(tokens), config_, training_options.capacity_factor, expert_bias());
   at::Tensor y = run_experts(tokens, r);
   if (shared_expert) {
     at::Tensor s = shared_expert(tokens);
@@ -214,6 +217,18 @@ at::Tensor MoeBlockImpl::forward(const at::Tensor& x) {
     if (loss.defined()) y = AttachLoss::apply(y, loss, aux_loss_scale);
   }
   return y;
+}
+
+at::Tensor MoeBlockImpl::expert_bias() const {
+  if (!config_.expert_bias) return {};
+  return *gate->named_buffers(/*recurse=*/false).find("e_score_correction_bias");
+}
+
+void MoeBlockImpl::update_expert_bias(const std::vector<int64_t>& tokens_per_expert) {
+  if (!config_.expert_bias) return;
+  at::NoGradGuard no_grad;
+  at::Tensor bias = expert_bias();
+  bias.copy_(updated_expert_bias(bias, tokens_per_expert, training_options.bias_update_rate));
 }
 
 RouterStats MoeBlockImpl::take_stats() {

@@ -33,12 +33,18 @@ void MoeConfig::validate(int64_t num_layers) const {
   if (!moe_layers.empty() && static_cast<int64_t>(moe_layers.size()) != num_layers)
     bad("moe_layers", "has " + std::to_string(moe_layers.size()) + " entries for " + std::to_string(num_layers) +
                           " layers");
+  if (expert_bias && score != Score::kSigmoid)
+    bad("expert_bias", "aux-loss-free balancing needs sigmoid scores (--moe-router-score-function sigmoid), as in "
+                       "Megatron-LM");
   if (!moe_layers.empty() && std::none_of(moe_layers.begin(), moe_layers.end(), [](bool m) { return m; }))
     bad("moe_layers", "no layer is an MoE layer");
 }
 
-Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor) {
+Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor,
+              const at::Tensor& expert_bias) {
   const int64_t tokens = logits.size(0), experts = logits.size(1), k = config.top_k;
+  if (expert_bias.defined() && config.score != MoeConfig::Score::kSigmoid)
+    throw std::invalid_argument("route: an expert bias needs sigmoid scores");
   Routing r;
   r.logits = logits;
   at::Tensor top_values, top_index;
@@ -50,14 +56,24 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
     if (config.norm_topk_prob) top_values = top_values / top_values.sum(-1, /*keepdim=*/true);
   } else {
     at::Tensor scores = at::sigmoid(logits.to(at::kFloat));
-    std::tie(top_values, top_index) = at::topk(scores, k, -1);
+    if (expert_bias.defined()) {
+      // Chosen by the biased scores, weighted by the plain ones (Megatron's
+      // topk_routing_with_score_function with expert_bias).
+      top_index = std::get<1>(at::topk(scores.detach() + expert_bias.to(at::kFloat), k, -1));
+      top_values = scores.gather(1, top_index);
+    } else {
+      std::tie(top_values, top_index) = at::topk(scores, k, -1);
+    }
     if (k > 1) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
     r.scores = scores / (scores.sum(-1, true) + 1e-20);  // what the aux loss balances
   }
   if (config.topk_scaling_factor != 1.0) top_values = top_values * config.topk_scaling_factor;
   r.probs = at::zeros({tokens, experts}, top_values.options()).scatter(1, top_index, top_values);
   r.map = at::zeros({tokens, experts}, logits.options().dtype(at::kBool)).scatter(1, top_index, true);
-  r.top_map = r.map;
+  // The balancing losses count each token's plain top-k, bias or not.
+  r.top_map = expert_bias.defined()
+                  ? at::zeros_like(r.map).scatter(1, std::get<1>(at::topk(r.scores.detach(), k, -1)), true)
+                  : r.map;
   if (capacity_factor > 0) {
     // Megatron's get_capacity over tokens x top_k assignments, then the "probs" drop policy:
     // each expert keeps its `capacity` most probable tokens.
@@ -89,6 +105,14 @@ at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t
   at::Tensor cost = r.top_map.view({batch, length, experts}).sum(1).to(at::kFloat) /
                     (static_cast<double>(length * top_k) / experts);
   return (cost * r.scores.view({batch, length, experts}).mean(1)).sum(1).mean();
+}
+
+at::Tensor updated_expert_bias(const at::Tensor& bias, const std::vector<int64_t>& tokens_per_expert, double rate) {
+  if (static_cast<int64_t>(tokens_per_expert.size()) != bias.numel())
+    throw std::invalid_argument("updated_expert_bias: " + std::to_string(tokens_per_expert.size()) +
+                                " token counts for " + std::to_string(bias.numel()) + " experts");
+  at::Tensor tokens = at::tensor(tokens_per_expert, at::kDouble).to(bias.device(), at::kFloat);
+  return bias + at::sign(tokens.mean() - tokens) * rate;
 }
 
 at::Tensor z_loss(const at::Tensor& logits) { return at::logsumexp(logits.to(at::kFloat), -1).square().mean(); }

@@ -140,10 +140,9 @@ void MoeSection::validate(int64_t num_layers) const {
     flag_error("--moe-shared-expert-gate", "needs --moe-shared-expert-intermediate-size");
   if (moe_router_pre_softmax && moe_router_score_function != "softmax")
     flag_error("--moe-router-pre-softmax", "is for --moe-router-score-function softmax");
-  if (moe_router_enable_expert_bias)
-    flag_error("--moe-router-enable-expert-bias",
-               "aux-loss-free balancing (the expert bias updated each step) is not built yet; balance with "
-               "--moe-aux-loss-coeff instead");
+  if (moe_router_enable_expert_bias && moe_router_score_function != "sigmoid")
+    flag_error("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid (as in Megatron-LM)");
+  at_least("--moe-router-bias-update-rate", moe_router_bias_update_rate, 0);
   const std::vector<int64_t> pattern = moe_layer_pattern();
   if (pattern.size() > 1 && static_cast<int64_t>(pattern.size()) != num_layers)
     flag_error("--moe-layer-freq", "lists " + std::to_string(pattern.size()) + " layers, --num-layers is " +

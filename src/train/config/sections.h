@@ -85,6 +85,7 @@ struct MoeSection {
   bool moe_grouped_gemm = false;
   std::string moe_layer_freq = "1";  // an integer N (every N-th layer from 0) or a list "[1,0,1,1]"
   bool moe_router_enable_expert_bias = false;
+  double moe_router_bias_update_rate = 1e-3;
   bool moe_per_layer_logging = false;
   int64_t expert_model_parallel_size = 1;
   // The layers' pattern from moe_layer_freq: one 0/1 per layer, or {N} for an integer N.
