@@ -5,6 +5,14 @@
 # interleaved rounds; tokens/s from the median of the pooled timed iterations (iter_time_s of
 # --metrics-file, --log-interval 1), rank 0's peak RSS, and its FSDP buffers (model weights,
 # main grads, optimizer state) next to the formula dense / DP + experts / (EDP x EP).
+# Beside them, in the same rounds, the PyTorch peer (bench/torch_llama.py --impl fsdp2 with the
+# same --num-experts/--moe-* flags): FSDP2 with TorchTitan-style expert parallelism (experts
+# stacked, torch._grouped_mm, all_to_all_single dispatch over gloo, experts sharded over the
+# expert-data-parallel mesh), the same shape, global batch, AdamW, clipping and aux-loss weight,
+# on uniform random tokens (mfsdp: --mock-data). fsdp2: EP 2 (EP 1 when NPROC is 1), the peer of
+# ep2 / grouped; fsdp2_ep1: EP 1, the peer of ep1. Its iteration times and rank 0's peak RSS
+# (getrusage in the rank, as mfsdp's mem_bytes) are its own JSON line's, its buffers rank 0's
+# local shards; then the ratios mfsdp / PyTorch.
 #
 #   bench/moe_step_time.sh                        # defaults below
 #   ROUNDS=1 ITERS=6 WARMUP=2 bench/moe_step_time.sh   # smoke test
@@ -12,9 +20,10 @@
 #
 # Environment (defaults in brackets): LAYERS [4] HIDDEN [256] HEADS [8] EXPERTS [8] TOPK [2]
 # MOE_FFN [256] SEQ [128] MBS [4] GBS [16] VOCAB [1024] ITERS [12] WARMUP [3] ROUNDS [3]
-# RUNS [ep1 ep2 grouped dense] STRATEGY [optim_grads_params] DEVICE [cpu] NPROC [2] (ep2 and
-# grouped need 2) EXTRA [] (more mfsdp-pretrain flags) BUILD [<repo>/build]
-# OUT [a new temporary folder; kept]
+# RUNS [ep1 ep2 grouped dense fsdp2 fsdp2_ep1] STRATEGY [optim_grads_params] DEVICE [cpu]
+# NPROC [2] (ep2 needs 2) EXTRA [] (more mfsdp-pretrain flags) TORCH_EXTRA [--bf16 when EXTRA
+# has --bf16, else nothing] (more bench/torch_llama.py flags, e.g. --moe-expert-impl loop)
+# BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python] OUT [a new temporary folder; kept]
 # Exit status 0 when every run succeeded, 1 when one failed (its output is shown).
 set -uo pipefail
 
@@ -22,8 +31,13 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${BUILD:-$ROOT/build}
 LAYERS=${LAYERS:-4} HIDDEN=${HIDDEN:-256} HEADS=${HEADS:-8} EXPERTS=${EXPERTS:-8} TOPK=${TOPK:-2}
 MOE_FFN=${MOE_FFN:-256} SEQ=${SEQ:-128} MBS=${MBS:-4} GBS=${GBS:-16} VOCAB=${VOCAB:-1024}
-ITERS=${ITERS:-12} WARMUP=${WARMUP:-3} ROUNDS=${ROUNDS:-3} RUNS=${RUNS:-"ep1 ep2 grouped dense"}
+ITERS=${ITERS:-12} WARMUP=${WARMUP:-3} ROUNDS=${ROUNDS:-3} RUNS=${RUNS:-"ep1 ep2 grouped dense fsdp2 fsdp2_ep1"}
 STRATEGY=${STRATEGY:-optim_grads_params} DEVICE=${DEVICE:-cpu} NPROC=${NPROC:-2} EXTRA=${EXTRA:-}
+PYTHON=${PYTHON:-$ROOT/.venv/bin/python}
+if [[ -z ${TORCH_EXTRA+x} ]]; then
+  TORCH_EXTRA=""
+  [[ " $EXTRA " == *" --bf16 "* ]] && TORCH_EXTRA=--bf16
+fi
 OUT=${OUT:-$(mktemp -d /tmp/moe_step_time.XXXX)}
 mkdir -p "$OUT"
 for tool in mfsdp-run mfsdp-pretrain; do
@@ -41,14 +55,46 @@ flags_of() {
     ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2" ;;
     grouped) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size $((NPROC > 1 ? 2 : 1)) --moe-grouped-gemm" ;;
     dense) echo "--ffn-hidden-size $((TOPK * MOE_FFN))" ;;
-    *) echo "moe_step_time: unknown run '$1' (ep1 ep2 grouped dense)" >&2; exit 2 ;;
+    *) echo "moe_step_time: unknown run '$1' (ep1 ep2 grouped dense fsdp2 fsdp2_ep1)" >&2; exit 2 ;;
   esac
 }
+# The PyTorch peer: the same model, batch and schedule (torch_llama.py's defaults are mfsdp's:
+# tied embedding, vocabulary padded to 128, init std 0.02, AdamW betas/eps, weight decay 0.01,
+# --clip-grad 1, linear decay to 0).
+torch_common=(--impl fsdp2 --nproc "$NPROC" --threads 1 --device "$DEVICE" --num-layers "$LAYERS"
+              --hidden-size "$HIDDEN" --ffn-hidden-size "$MOE_FFN" --num-attention-heads "$HEADS"
+              --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS" --vocab-size "$VOCAB"
+              --train-iters "$ITERS" --warmup-iters "$WARMUP" --lr 1e-4 --seed 3 "${moe[@]}")
+torch_ep_of() {
+  case $1 in
+    fsdp2) echo $((NPROC > 1 ? 2 : 1)) ;;
+    fsdp2_ep1) echo 1 ;;
+  esac
+}
+for run in $RUNS; do
+  case $run in
+    fsdp2 | fsdp2_ep1)
+      "$PYTHON" -c 'import torch' 2>/dev/null ||
+        { echo "moe_step_time: $PYTHON cannot import torch (run $run)" >&2; exit 2; } ;;
+    *) flags_of "$run" >/dev/null || exit 2 ;;
+  esac
+done
 
 failed=0
 for round in $(seq 1 "$ROUNDS"); do
   for run in $RUNS; do
     log=$OUT/$run.$round.log
+    if [[ $run == fsdp2 || $run == fsdp2_ep1 ]]; then
+      # shellcheck disable=SC2086
+      if ! OMP_NUM_THREADS=1 "$PYTHON" "$ROOT/bench/torch_llama.py" "${torch_common[@]}" \
+          --expert-model-parallel-size "$(torch_ep_of "$run")" $TORCH_EXTRA >"$OUT/$run.$round.json" 2>"$log" ||
+          ! grep -q '"iter_times_s"' "$OUT/$run.$round.json"; then
+        echo "moe_step_time: run $run (round $round) failed:" >&2
+        tail -20 "$log" "$OUT/$run.$round.json" >&2
+        failed=1
+      fi
+      continue
+    fi
     # shellcheck disable=SC2046
     if ! OMP_NUM_THREADS=1 "$BUILD/mfsdp-run" --nproc-per-node "$NPROC" "$BUILD/mfsdp-pretrain" "${common[@]}" \
         $(flags_of "$run") $EXTRA --metrics-file "$OUT/$run.$round.jsonl" >"$log" 2>&1; then
@@ -59,33 +105,58 @@ for round in $(seq 1 "$ROUNDS"); do
   done
 done
 
-"${PYTHON:-$ROOT/.venv/bin/python}" - "$OUT" "$WARMUP" "$GBS" "$SEQ" "$RUNS" "$LAYERS" "$HIDDEN" "$EXPERTS" "$MOE_FFN" \
+"$PYTHON" - "$OUT" "$WARMUP" "$GBS" "$SEQ" "$RUNS" "$LAYERS" "$HIDDEN" "$EXPERTS" "$MOE_FFN" \
     "$VOCAB" "$NPROC" <<'EOF'
 import glob, json, re, statistics, sys
 out, warmup, gbs, seq, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split()
 layers, hidden, experts, moe_ffn, vocab, nproc = map(int, sys.argv[6:12])
-rows = {}
+rows, notes = {}, []
 for run in runs:
-    times, rss, buffers = [], [], None
+    times, rss, buffers, loss = [], [], None, None
+    if run.startswith("fsdp2"):  # the PyTorch peer: its own JSON line per round
+        peaks = []
+        for path in sorted(glob.glob(f"{out}/{run}.*.json")):
+            recs = [json.loads(l) for l in open(path) if l.startswith("{")]
+            if not recs: continue
+            r = recs[-1]
+            times += r["iter_times_s"]  # already after --warmup-iters
+            rss.append(r["peak_rss_mib"][0] * 2**20)  # rank 0, as mfsdp's mem_bytes
+            m = r["memory_mib"]
+            buffers = (m["params"], m["grads"], m["optimizer"])
+            loss = loss or (r["first_loss"], r["final_loss"])
+            peaks.append("/".join(f"{x:.0f}" for x in r["peak_rss_mib"]))
+            what = (f"{run}: PyTorch {r['torch']} FSDP2, EP {r['moe']['expert_model_parallel_size']}, experts "
+                    f"{r['moe']['moe_expert_impl']}, {r['precision']}; peak RSS MiB per rank, round by round:")
+        if peaks: notes.append(what + " " + " ".join(peaks))
     for path in sorted(glob.glob(f"{out}/{run}.*.jsonl")):
         recs = [json.loads(l) for l in open(path) if '"eval":true' not in l]
         times += [r["iter_time_s"] for r in recs[warmup:]]
         rss += [r["mem_bytes"] for r in recs]
+        if recs and loss is None: loss = (recs[0]["lm_loss"], recs[-1]["lm_loss"])
         log = open(path[:-6] + ".log").read()
         m = re.search(r"memory per rank \(MiB\): model weights ([\d.]+), main weights [\d.]+, main grads ([\d.]+), "
                       r"optimizer state ([\d.]+)", log)
         if m: buffers = tuple(float(x) for x in m.groups())
-    if times: rows[run] = (statistics.median(times), max(rss) / 2**20, buffers)
+    if times: rows[run] = (statistics.median(times), max(rss) / 2**20, buffers, loss)
 if not rows: sys.exit("no run produced timings")
 base = rows.get("ep1", next(iter(rows.values())))[0]
-print(f"{'run':8} {'iter ms':>9} {'tokens/s':>10} {'vs ep1':>7} {'peak RSS MiB':>13} {'weights MiB':>12} {'grads MiB':>10} {'adam MiB':>9}")
-for run, (t, r, b) in rows.items():
+print(f"{'run':9} {'iter ms':>9} {'tokens/s':>10} {'vs ep1':>7} {'peak RSS MiB':>13} {'weights MiB':>12} "
+      f"{'grads MiB':>10} {'adam MiB':>9}  lm loss 1st>last")
+for run, (t, r, b, l) in rows.items():
     w, g, o = b if b else (float("nan"),) * 3
-    print(f"{run:8} {t*1e3:9.1f} {gbs*seq/t:10.0f} {base/t:7.2f} {r:13.1f} {w:12.3f} {g:10.3f} {o:9.3f}")
+    print(f"{run:9} {t*1e3:9.1f} {gbs*seq/t:10.0f} {base/t:7.2f} {r:13.1f} {w:12.3f} {g:10.3f} {o:9.3f}"
+          + (f"  {l[0]:.3f}>{l[1]:.3f}" if l else ""))
 # Per-rank fp32 model weights under ZeRO-3 by the formula: dense / DP + experts / (EDP x EP),
 # with EDP x EP = DP = NPROC whatever the split.
 expert_params = layers * experts * 3 * hidden * moe_ffn
 print(f"expert parameters {expert_params} ({expert_params*4/2**20:.3f} MiB fp32): per rank "
       f"{expert_params*4/2**20/nproc:.3f} MiB over {nproc} rank(s) whatever the EP x EDP split (ZeRO-3)")
+for n in notes: print(n)
+# mfsdp against its PyTorch peer at the same expert-parallel size: tokens/s above 1 is mfsdp
+# faster; peak RSS above 1 is mfsdp larger (rank 0 both).
+for ours, peer in (("ep2", "fsdp2"), ("grouped", "fsdp2"), ("ep1", "fsdp2_ep1")):
+    if ours in rows and peer in rows:
+        print(f"mfsdp {ours} / PyTorch {peer}: tokens/s x{rows[peer][0] / rows[ours][0]:.2f}, "
+              f"peak RSS (rank 0) x{rows[ours][1] / rows[peer][1]:.2f}")
 EOF
 exit $failed

@@ -9,6 +9,10 @@ batch layout, one process per rank.
 
     python3 bench/torch_llama.py --device cuda --bf16 --nproc 1 ...   # GPUs (bench/gpu_step_time.sh)
     .venv/bin/python bench/torch_llama.py --check-hf --num-layers 2 ...  # the model is HF's Llama
+    .venv/bin/python bench/torch_llama.py --impl fsdp2 --num-experts 8 --moe-router-topk 2 \
+        --moe-ffn-hidden-size 256 --moe-aux-loss-coeff 1e-2 --expert-model-parallel-size 2 ...  # MoE
+    .venv/bin/python bench/torch_llama.py --impl fsdp2 --num-experts 4 ... --expert-model-parallel-size 2 \
+        --check-ep --fixed-batch --lr 1e-3 --train-iters 6        # EP 2 trains as EP 1
 
 --impl ddp (default): DistributedDataParallel; no_sync() on all micro-batches but the last.
 --bf16: the forward and the loss under torch.autocast(bfloat16) -- fp32 parameters, gradients,
@@ -28,6 +32,43 @@ torch.cuda.current_device() (megatron_fsdp.py:234, "Found no NVIDIA driver"), an
 streams the gradient reduce-scatter uses ReduceOp.PREMUL_SUM, which gloo refuses.
 In every case --bf16 leaves what HF keeps in fp32 in fp32: the RMSNorm arithmetic, the softmax
 of --attention-backend unfused and the cross entropy of the logits.
+
+--num-experts E (mixture of experts, the peer of mfsdp-pretrain --num-experts; bench/
+moe_step_time.sh): every decoder layer's MLP is a TorchTitan-style MoE computing what mfsdp's
+MoeBlock computes (src/models/moe/, docs/moe.md): a router Linear(H, E, bias=False); softmax of
+its logits in fp32 over all experts, top --moe-router-topk, renormalised to sum to one; dropless;
+the (token, expert) pairs sorted by expert, then token; SwiGLU experts of width
+--moe-ffn-hidden-size held stacked ([E_local, ...], TorchTitan's GroupedExperts); each output row
+times its routing weight, summed back per token. The Switch load-balancing loss
+E / (k T^2) sum_e (sum_t p_te) tokens_e over each rank's own T tokens, per layer, times
+--moe-aux-loss-coeff, is added to the loss scaled like the lm loss (1 / micro-batches: mfsdp's
+aux_loss_scale); the logged loss is the lm loss alone, as mfsdp logs it.
+--expert-model-parallel-size EP (--impl fsdp2; ddp runs EP 1): rank r holds experts
+[(r % EP) E / EP, ...) of every layer (every rank draws every expert's initial weights, then keeps
+its own: the same model at any EP); the per-expert row counts go to the experts' ranks by
+all_to_all_single, then the rows by torch.distributed._functional_collectives'
+all_to_all_single_autograd (works on gloo; its backward returns the gradients the way the rows
+came), and back after the experts. Sharding as TorchTitan's apply_fsdp (wrap_fsdp2_moe): under
+EP > 1 a 2-D DeviceMesh ["edp", "ep"] of [world / EP, EP], each layer's experts fully_shard over
+"edp" with set_gradient_divide_factor(world), so that expert gradients are, like the dense ones,
+the mean over all data-parallel ranks; at EP 1 the experts are part of their layer's unit; the
+layers and the root over a 1-D mesh of every rank. No z-loss (mfsdp computes it for its log
+only unless --moe-z-loss-coeff), no capacity factor, no shared expert, softmax routing only.
+--moe-expert-impl: grouped_mm (default) runs each projection of all local experts as one
+torch._grouped_mm (it runs on CPU fp32 in torch 2.15, bit-identical to the loop), loop runs one
+GEMM per expert; grouped_mm measured faster on CPU (2-vCPU VM, 1 thread per rank, the default
+shape of bench/moe_step_time.sh). Forward + backward of one layer's 8 experts over 1024 rows:
+17.0 ms grouped_mm, 18.1 ms loop over unbound weights, 31 ms loop indexing w[e] (TorchTitan's
+_run_experts_for_loop: each expert's backward zero-fills a gradient of the whole stack). Whole
+FSDP2 iterations, medians of 3 interleaved rounds x 9 timed iterations, two sessions on a shared,
+noisy machine: EP 2 664 / 682 ms grouped_mm vs 1046 / 848 ms loop; EP 1 720 / 1264 ms vs
+1270 / 1307 ms.
+--check-ep trains EP 1 and EP --expert-model-parallel-size from the same initial weights and
+tokens and compares every step's lm loss and gradient norm (the moe_step_time.sh shape, 2 ranks,
+EP 2: losses within 4.8e-7 and norms within 1.2e-7 over 12 steps; 4 ranks of a smaller model,
+EP 2 x EDP 2 and EP 4: within 6e-8); the gradient norm, unlike the AdamW-normalised loss,
+catches a wrong expert-gradient scale (halved expert gradients, a 2-layer d64 model: 2e-3 at
+step 1).
 
 --adamw-impl auto is fused=True on CPU for both DDP and FSDP2: optimizer.step() alone at the
 default bench shape (4 layers x d256, vocabulary 1024, 2 ranks x 1 thread, gloo, median of 40
@@ -54,6 +95,10 @@ one JSON line at the end (rank 0), with these keys:
                      (DTensors: the local shard; Megatron-FSDP: its weight buffers, compute and
                      main, and main-gradient buffer)
     first_loss, final_loss, config (the model and batch settings)
+    with --num-experts also: losses (every step's lm loss), balance_losses (every step's
+    load-balancing loss before its coefficient, averaged over layers, micro-batches and ranks, as
+    mfsdp's load_balancing_loss), grad_norms (before clipping), moe (the MoE settings); the
+    tflops count the active MLP width, top-k x --moe-ffn-hidden-size, as mfsdp's metrics
 
 --device cpu (the default): gloo, CPU tensors. --device cuda: rank r runs on cuda:r (one process
 per GPU, --nproc <= GPUs), nccl; the weights are initialised on the GPU, the tokens drawn on the
@@ -93,9 +138,11 @@ import time
 try:
     import torch
     import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
     import torch.multiprocessing as mp
     import torch.nn as nn
     import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 except ImportError as e:  # pragma: no cover - reported to the caller
     sys.stderr.write(
@@ -194,11 +241,103 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedExperts(nn.Module):
+    """TorchTitan's GroupedExperts (torchtitan/models/moe/moe.py): the SwiGLU experts' weights
+    stacked, w1 (gate) [E, I, H], w2 (down) [E, H, I], w3 (up) [E, I, H]. Built with every expert
+    (the same initial weights on every rank whatever the expert-parallel size); keep_local()
+    narrows them to this rank's [first, first + count) before sharding. forward(x, counts): x
+    [n, H] sorted by local expert, counts (a list) rows per local expert -> each row through its
+    expert. --moe-expert-impl grouped_mm: torch._grouped_mm over the stacked weights (what
+    TorchTitan runs); loop: one GEMM per expert over its rows (the weights unbound, not indexed:
+    indexing gives each expert's backward a zero-filled gradient of the whole stack)."""
+
+    def __init__(self, hidden, ffn, experts, impl):
+        super().__init__()
+        self.impl = impl
+        self.w1 = nn.Parameter(torch.empty(experts, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn))
+        self.w3 = nn.Parameter(torch.empty(experts, ffn, hidden))
+
+    def keep_local(self, first, count):
+        for name in ("w1", "w2", "w3"):
+            setattr(self, name, nn.Parameter(getattr(self, name).detach()[first:first + count].clone()))
+
+    def forward(self, x, counts):
+        if self.impl == "grouped_mm":
+            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+            h = F.silu(torch._grouped_mm(x, self.w1.transpose(-2, -1), offs=offsets))
+            h = h * torch._grouped_mm(x, self.w3.transpose(-2, -1), offs=offsets)
+            return torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offsets)
+        out = []
+        for xe, w1, w2, w3 in zip(torch.split(x, counts), self.w1.unbind(0), self.w2.unbind(0), self.w3.unbind(0)):
+            out.append(F.linear(F.silu(F.linear(xe, w1)) * F.linear(xe, w3), w2))
+        return torch.cat(out)
+
+
+class MoE(nn.Module):
+    """The MoE MLP, as mfsdp's MoeBlock (src/models/moe/) computes it, in TorchTitan's pieces:
+    router Linear(H, E, bias=False); scores = softmax(logits) in fp32 over every expert, top-k,
+    renormalised to sum to one; dropless. The (token, expert) pairs sorted by expert, then token;
+    each row through its expert (GroupedExperts), times its weight, summed back per token. With
+    expert parallelism (ep_group set, size EP) the rows go to their experts' ranks: the per-expert
+    counts first (all_to_all_single), then the rows (the functional collectives'
+    all_to_all_single_autograd: its backward sends the gradients back the way the rows came),
+    reordered from (source rank, expert) to (expert, source rank) for the experts, and back.
+    self.balance: this forward's Switch load-balancing loss before its coefficient,
+    E / (k T^2) sum_e (sum_t p_te) tokens_e over this rank's T tokens (mfsdp's
+    load_balancing_loss, Megatron's switch_load_balancing_loss_func)."""
+
+    def __init__(self, hidden, a):
+        super().__init__()
+        self.num_experts, self.top_k = a.num_experts, a.moe_router_topk
+        self.router = nn.Linear(hidden, a.num_experts, bias=False)
+        self.experts = GroupedExperts(hidden, a.moe_ffn_hidden_size, a.num_experts, a.moe_expert_impl)
+        self.ep_group = None  # set by wrap() under expert parallelism
+        self.balance = None
+
+    def forward(self, x):
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        n, experts, k = tokens.shape[0], self.num_experts, self.top_k
+        scores = torch.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
+        top_values, top_index = torch.topk(scores, k, dim=-1)
+        top_values = top_values / top_values.sum(-1, keepdim=True)
+        flat = top_index.reshape(-1)
+        counts = torch.bincount(flat, minlength=experts)
+        self.balance = (scores.sum(0) * counts.to(torch.float32)).sum() * (experts / (k * n * n))
+        order = torch.argsort(flat, stable=True)  # by expert, then token
+        token_of = order // k
+        sorted_rows = tokens.index_select(0, token_of)
+        weight = top_values.reshape(-1).index_select(0, order).to(tokens.dtype).unsqueeze(-1)
+        if self.ep_group is None:
+            out = self.experts(sorted_rows, counts.tolist())
+        else:
+            out = self.dispatch(sorted_rows, counts)
+        return torch.zeros_like(tokens).index_add(0, token_of, out * weight).view(shape)
+
+    def dispatch(self, sorted_rows, counts):
+        ep = dist.get_world_size(self.ep_group)
+        local = self.num_experts // ep
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.ep_group)  # [source rank, local expert]
+        send = counts.view(ep, local).sum(1).tolist()
+        recv_counts = received.view(ep, local)
+        recv = recv_counts.sum(1).tolist()
+        arrived = funcol.all_to_all_single_autograd(sorted_rows, recv, send, self.ep_group)
+        # Arrived rows are grouped by (source rank, local expert); the experts want (local
+        # expert, source rank).
+        segment = torch.repeat_interleave(torch.arange(ep * local, device=counts.device), recv_counts.reshape(-1))
+        by_expert = torch.argsort((segment % local) * ep + segment // local, stable=True)
+        y = self.experts(arrived.index_select(0, by_expert), recv_counts.sum(0).tolist())
+        back = y.index_select(0, torch.argsort(by_expert))
+        return funcol.all_to_all_single_autograd(back, send, recv, self.ep_group)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, a):
         super().__init__()
         self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_query_groups, a.attention_backend)
-        self.mlp = MLP(a.hidden_size, a.ffn_hidden_size)
+        self.mlp = MoE(a.hidden_size, a) if a.num_experts else MLP(a.hidden_size, a.ffn_hidden_size)
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
 
@@ -236,6 +375,10 @@ class LlamaForCausalLM(nn.Module):
             # by sharing a bucket with another module's (the final norm's, as it happens).
             return self.lm_head(hidden)
         return F.linear(hidden, self.embed_tokens.weight)
+
+    def balance_losses(self):
+        """The MoE layers' load-balancing losses of the last forward (before the coefficient)."""
+        return [layer.mlp.balance for layer in self.layers if isinstance(layer.mlp, MoE)]
 
 
 def lm_loss(logits, labels):
@@ -277,6 +420,8 @@ def wrap(model, a, rank, device):
         mp_policy = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if a.bf16 else None,
             reduce_dtype=(torch.bfloat16 if a.reduce_dtype == "bf16" else torch.float32) if a.bf16 else None)
+        if a.num_experts:
+            return wrap_fsdp2_moe(model, a, device, mp_policy)
         for layer in model.layers:
             fully_shard(layer, mp_policy=mp_policy)
         fully_shard(model, mp_policy=mp_policy)
@@ -289,6 +434,41 @@ def wrap(model, a, rank, device):
 
     return Wrapped(ddp, autocast, lambda last: contextlib.nullcontext() if last else ddp.no_sync(),
                    lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), a.clip_grad))
+
+
+def wrap_fsdp2_moe(model, a, device, mp_policy):
+    """FSDP2 with expert parallelism as TorchTitan applies it (torchtitan/models/llama4/
+    infra/parallelize.py apply_fsdp): a 2-D mesh ["edp", "ep"] of [world / EP, EP] (the
+    expert-parallel groups are runs of EP consecutive ranks, Megatron's and mfsdp's layout); under
+    EP > 1 each layer's experts are an FSDP unit of their own over the "edp" mesh, with the
+    gradient divide factor set to the whole data-parallel size (an expert's gradient already sums
+    the tokens of its expert-parallel group: divided by EDP alone it would be EP times the dense
+    layers' mean); the decoder layers (router, attention, norms) and the root over every rank.
+    EP 1: the experts are part of their layer's unit, as in TorchTitan. On gloo, where the expert
+    mesh has more than one rank, the expert units also force sum reductions (divided after): a
+    divide factor other than the group's size is NCCL's PREMUL_SUM, which gloo refuses. Not on a
+    1-rank expert mesh (EP = world): there torch 2.15 divides twice with both set (the 1-rank copy
+    divides by the factor, then the forced sum's post-division again: expert gradients halved at
+    world 2, seen as a gradient-norm gap by --check-ep); it runs no collective anyway. The gradient
+    norm is summed over the ranks' disjoint shards (clip_disjoint_shards_, as TorchTitan clips
+    under EP): torch's clip_grad_norm_ refuses to stack DTensors of two meshes ("All operands in
+    aten.stack.default must have the same mesh"). AdamW (fused) takes both meshes' DTensors."""
+    world, ep = a.nproc, a.expert_model_parallel_size
+    dp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    if ep > 1:
+        moe_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
+        ep_group = moe_mesh["ep"].get_group()
+    for layer in model.layers:
+        if ep > 1:
+            layer.mlp.ep_group = ep_group
+            experts = fully_shard(layer.mlp.experts, mesh=moe_mesh["edp"], mp_policy=mp_policy)
+            experts.set_gradient_divide_factor(float(world))
+            if device.type == "cpu" and world > ep:
+                experts.set_force_sum_reduction_for_comms(True)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+    return Wrapped(model, no_context, no_context,
+                   lambda: clip_disjoint_shards_(model.parameters(), a.clip_grad, device))
 
 
 def wrap_megatron_fsdp(model, a, device):
@@ -311,6 +491,11 @@ def wrap_megatron_fsdp(model, a, device):
                                 device=device, mixed_precision_policy=policy)
     return Wrapped(wrapped, no_context, no_context,
                    lambda: clip_disjoint_shards_(wrapped.parameters(), a.clip_grad, device))
+
+
+def inner_model(model):
+    """The LlamaForCausalLM under a wrapper (DDP's .module; FSDP2 shards the model in place)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
 
 
 def local_tensor(t):
@@ -394,6 +579,12 @@ def build(a, rank, device):
     torch.manual_seed(a.seed)  # same weights on every rank (DDP also broadcasts rank 0's)
     with device:  # initialised where it runs: no host copy of a GPU model per rank
         model = LlamaForCausalLM(a)
+    if a.num_experts and a.expert_model_parallel_size > 1:
+        # Every rank drew every expert's weights: keep this rank's share (experts
+        # [r E / EP, (r + 1) E / EP) for expert-parallel rank r = rank % EP, as mfsdp).
+        local = a.num_experts // a.expert_model_parallel_size
+        for layer in model.layers:
+            layer.mlp.experts.keep_local(rank % a.expert_model_parallel_size * local, local)
     wrapped = wrap(model, a, rank, device)
     # Decay groups by shape, as mfsdp: >= 2-D parameters (FSDP2's and Megatron-FSDP's DTensors
     # keep their global shape).
@@ -416,13 +607,17 @@ def build(a, rank, device):
 
 
 def train(a, rank, device, wrapped, optimizer):
-    """Runs --train-iters steps; returns (iteration times, logged losses, memory_mib after the
-    last step)."""
+    """Runs --train-iters steps; returns (iteration times, logged lm losses, memory_mib after
+    the last step, (logged load-balancing losses, gradient norms before clipping)); the MoE
+    figures are empty for a dense model. The load-balancing loss is mfsdp's load_balancing_loss:
+    the mean over MoE layers, micro-batches and ranks, before the coefficient."""
     data_gen = torch.Generator().manual_seed(a.seed * 1000 + rank)  # different tokens per rank
-    times, losses = [], []
+    times, losses, balances, grad_norms = [], [], [], []
     for it in range(1, a.train_iters + 1):
+        if a.fixed_batch:  # the same micro-batches every step
+            data_gen.manual_seed(a.seed * 1000 + rank)
         start = time.perf_counter()
-        step_loss = 0.0
+        step_loss, step_balance = 0.0, 0.0
         for m in range(a.num_micro_batches):
             tokens = torch.randint(0, a.vocab_size, (a.micro_batch_size, a.seq_length + 1),
                                    generator=data_gen).to(device)
@@ -430,31 +625,47 @@ def train(a, rank, device, wrapped, optimizer):
             with wrapped.sync(m == a.num_micro_batches - 1):
                 with wrapped.autocast():
                     loss = lm_loss(wrapped.model(inputs), labels) / a.num_micro_batches
-                loss.backward()
+                    if a.num_experts:
+                        # The MoE layers' balancing losses into the gradient, scaled as the lm loss
+                        # (mfsdp's aux_loss_scale 1 / micro-batches); logged apart, as mfsdp does.
+                        layers = inner_model(wrapped.model).balance_losses()
+                        balance = torch.stack(layers).sum()
+                        step_balance += balance.item() / len(layers) / a.num_micro_batches
+                        total = loss + balance * (a.moe_aux_loss_coeff / a.num_micro_batches)
+                    else:
+                        total = loss
+                total.backward()
             step_loss += loss.item()
         if a.clip_grad > 0:
-            wrapped.clip()
+            norm = wrapped.clip()
+            if a.num_experts:
+                grad_norms.append(float(local_tensor(norm)))
         for g in optimizer.param_groups:
             g["lr"] = lr_at(a, it)
         optimizer.step()
         if it == a.train_iters:  # gradients still held: the runtime's own figures
             memory = local_memory_mib(wrapped.model, optimizer, a.impl)
         optimizer.zero_grad()
-        reported = torch.tensor([step_loss], device=device)
+        reported = torch.tensor([step_loss, step_balance] if a.num_experts else [step_loss], device=device)
         dist.all_reduce(reported)  # the logged loss (mfsdp: all_reduce_mean every log interval)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
         times.append(elapsed)
-        losses.append(reported.item() / a.nproc)
+        losses.append(reported[0].item() / a.nproc)
+        if a.num_experts:
+            balances.append(reported[1].item() / a.nproc)
         if rank == 0 and a.verbose:
-            print("iteration %d/%d | iter time (ms): %.1f | lm loss: %.6E"
-                  % (it, a.train_iters, elapsed * 1e3, losses[-1]), file=sys.stderr, flush=True)
-    return times, losses, memory
+            print("iteration %d/%d | iter time (ms): %.1f | lm loss: %.6E%s"
+                  % (it, a.train_iters, elapsed * 1e3, losses[-1],
+                     " | load_balancing_loss: %.6E" % balances[-1] if balances else ""),
+                  file=sys.stderr, flush=True)
+    return times, losses, memory, (balances, grad_norms)
 
 
-def report(a, rank, device, times, losses, memory):
-    """Gathers every rank's peak memory; rank 0 prints the JSON result line."""
+def report(a, rank, device, times, losses, memory, moe_figures):
+    """Gathers every rank's peak memory; rank 0 prints the JSON result line (and writes it to
+    a.result_file when set: --check-ep)."""
     peak_rss = [None] * a.nproc  # every rank's own peak (KiB on Linux)
     dist.all_gather_object(peak_rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
     peak_gpu = [None] * a.nproc
@@ -465,10 +676,12 @@ def report(a, rank, device, times, losses, memory):
     timed = times[a.warmup_iters:]
     median = statistics.median(timed)
     tokens = a.global_batch_size * a.seq_length
+    # MoE: the active width, top-k x expert width, as mfsdp's ModelSpec counts it.
+    ffn = a.moe_router_topk * a.moe_ffn_hidden_size if a.num_experts else a.ffn_hidden_size
     flops = megatron_flops_per_iteration(
-        a.num_layers, a.hidden_size, a.ffn_hidden_size, a.num_attention_heads,
+        a.num_layers, a.hidden_size, ffn, a.num_attention_heads,
         a.num_query_groups, a.seq_length, a.padded_vocab_size, a.global_batch_size)
-    print(json.dumps({
+    result = {
         "impl": "torch_" + a.impl, "nproc": a.nproc, "threads": a.threads,
         "device": a.device, "bf16": a.bf16,
         "precision": precision_text(a),
@@ -485,14 +698,25 @@ def report(a, rank, device, times, losses, memory):
             "num_query_groups", "seq_length", "micro_batch_size", "global_batch_size",
             "num_micro_batches", "vocab_size", "padded_vocab_size", "untie", "train_iters",
             "warmup_iters")},
-    }), flush=True)
+    }
+    if a.num_experts:
+        result["losses"] = losses
+        result["balance_losses"], result["grad_norms"] = moe_figures
+        result["moe"] = {k: getattr(a, k) for k in (
+            "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
+            "expert_model_parallel_size", "moe_expert_impl")}
+    line = json.dumps(result)
+    print(line, flush=True)
+    if a.result_file:
+        with open(a.result_file, "w") as f:
+            f.write(line + "\n")
 
 
 def worker(rank, a):
     device = init_rank(rank, a)
     wrapped, optimizer = build(a, rank, device)
-    times, losses, memory = train(a, rank, device, wrapped, optimizer)
-    report(a, rank, device, times, losses, memory)
+    times, losses, memory, moe_figures = train(a, rank, device, wrapped, optimizer)
+    report(a, rank, device, times, losses, memory, moe_figures)
     dist.barrier()
     dist.destroy_process_group()
     # Leave without the interpreter's teardown: a gloo thread may still be releasing the last
@@ -560,10 +784,31 @@ def parse_args(argv=None):
     p.add_argument("--attention-backend", choices=("auto", "unfused"), default="auto",
                    help="as mfsdp-pretrain's flag: auto = F.scaled_dot_product_attention (causal); "
                         "unfused = explicit matmul, mask, fp32 softmax, matmul")
+    p.add_argument("--num-experts", type=int, default=0,
+                   help="MoE: experts per layer in every decoder layer's MLP (0: dense)")
+    p.add_argument("--moe-router-topk", type=int, default=2, help="MoE: experts per token")
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=0, help="MoE: each expert's width (0: --ffn-hidden-size)")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
+                   help="MoE: weight of the Switch load-balancing loss added to the loss")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE: ranks the experts are split over (all-to-all dispatch; --impl fsdp2)")
+    p.add_argument("--moe-expert-impl", choices=("grouped_mm", "loop"), default="grouped_mm",
+                   help="MoE: the experts as one torch._grouped_mm per projection (TorchTitan's), or one "
+                        "GEMM per expert (measured slower on CPU, see the module docstring)")
+    p.add_argument("--fixed-batch", action="store_true",
+                   help="the same micro-batches every step (a memorisation check: the loss falls only "
+                        "if the gradients reach the weights); default: new random tokens every step")
+    p.add_argument("--check-ep", action="store_true",
+                   help="MoE: train at expert-parallel size 1 and at --expert-model-parallel-size from "
+                        "the same initial weights and compare the logged losses step by step; exit 1 "
+                        "if they differ by more than --check-tolerance or the loss does not fall (on new "
+                        "random tokens every step it barely moves: add --fixed-batch and a larger --lr)")
     p.add_argument("--check-hf", action="store_true",
                    help="no training: compare this model's logits with transformers' LlamaForCausalLM "
                         "holding the same weights; exit 1 above --check-tolerance")
-    p.add_argument("--check-tolerance", type=float, default=1e-4)
+    p.add_argument("--check-tolerance", type=float, default=1e-4,
+                   help="--check-hf: max |logits diff|; --check-ep: max |lm loss diff| and max "
+                        "|gradient norm diff| per step")
     p.add_argument("--port", type=int, default=0, help="rendezvous port on 127.0.0.1 (0: a free one)")
     p.add_argument("--verbose", action="store_true", help="rank 0 logs every iteration to stderr")
     a = p.parse_args(argv)
@@ -583,6 +828,27 @@ def parse_args(argv=None):
         bad("--num-query-groups", "must divide --num-attention-heads")
     if a.nproc < 1 or a.threads < 1:
         bad("--nproc/--threads", "must be >= 1")
+    if a.moe_ffn_hidden_size == 0:
+        a.moe_ffn_hidden_size = a.ffn_hidden_size
+    if a.num_experts < 0:
+        bad("--num-experts", "must be >= 0")
+    if a.num_experts:
+        if not 1 <= a.moe_router_topk <= a.num_experts:
+            bad("--moe-router-topk", "must be in [1, --num-experts]")
+        if a.impl == "megatron_fsdp":
+            bad("--num-experts", "has no megatron_fsdp peer here (--impl fsdp2, or ddp at EP 1)")
+        ep = a.expert_model_parallel_size
+        if ep < 1 or a.nproc % ep or a.num_experts % ep:
+            bad("--expert-model-parallel-size", "must divide --nproc (%d) and --num-experts (%d)"
+                % (a.nproc, a.num_experts))
+        if ep > 1 and a.impl != "fsdp2":
+            bad("--expert-model-parallel-size", "> 1 needs --impl fsdp2")
+        if a.check_ep and ep == 1:
+            bad("--check-ep", "compares EP 1 with --expert-model-parallel-size > 1")
+        if a.check_hf:
+            bad("--check-hf", "compares the dense Llama with transformers' (no --num-experts)")
+    elif a.expert_model_parallel_size != 1 or a.check_ep:
+        bad("--expert-model-parallel-size/--check-ep", "need --num-experts")
     if a.impl == "megatron_fsdp" and a.device != "cuda":
         bad("--impl", "megatron_fsdp needs --device cuda: megatron-fsdp 0.6.1's MegatronFSDP.__init__ "
             "calls torch.cuda.current_device() even when given a CPU device (megatron_fsdp.py:234)")
@@ -605,6 +871,7 @@ def parse_args(argv=None):
     a.padded_vocab_size = (a.vocab_size + d - 1) // d * d if d > 0 else a.vocab_size
     if a.port == 0:
         a.port = free_port()
+    a.result_file = None  # --check-ep: where rank 0 also writes its result line
     return a
 
 
@@ -640,10 +907,50 @@ def check_hf(a):
     sys.exit(0 if ok else 1)
 
 
+def check_ep(a):
+    """Trains the MoE model at EP 1 and at EP --expert-model-parallel-size (the same seed, so
+    the same initial weights and tokens) and compares rank 0's logged losses step by step."""
+    import copy
+    import tempfile
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for ep in (1, a.expert_model_parallel_size):
+            b = copy.copy(a)
+            b.expert_model_parallel_size, b.port = ep, free_port()
+            b.result_file = os.path.join(tmp, "ep%d.json" % ep)
+            mp.spawn(worker, args=(b,), nprocs=b.nproc, join=True)
+            with open(b.result_file) as f:
+                results[ep] = json.load(f)
+    one, many = results[1], results[a.expert_model_parallel_size]
+    print("check-ep: %d ranks, %d experts, top-%d, --moe-expert-impl %s, %s; columns per EP: lm loss, "
+          "load-balancing loss, gradient norm"
+          % (a.nproc, a.num_experts, a.moe_router_topk, a.moe_expert_impl,
+             "the same batch every step" if a.fixed_batch else "new tokens every step"))
+    print("%5s %32s %32s %10s %10s" % ("step", "EP 1", "EP %d" % a.expert_model_parallel_size,
+                                       "|loss diff|", "|norm diff|"))
+    worst = worst_norm = 0.0
+    norms = [r["grad_norms"] or [float("nan")] * len(r["losses"]) for r in (one, many)]
+    for i, (x, y) in enumerate(zip(one["losses"], many["losses"])):
+        worst = max(worst, abs(x - y))
+        worst_norm = max(worst_norm, abs(norms[0][i] - norms[1][i]))
+        print("%5d %12.8f %9.6f %9.6f %12.8f %9.6f %9.6f %10.2e %10.2e"
+              % (i + 1, x, one["balance_losses"][i], norms[0][i], y, many["balance_losses"][i], norms[1][i],
+                 abs(x - y), abs(norms[0][i] - norms[1][i])))
+    falls = all(r["losses"][-1] < r["losses"][0] for r in (one, many))
+    # The gradient norm catches a wrong expert-gradient scale, which AdamW all but hides in the losses.
+    ok = worst <= a.check_tolerance and not worst_norm > a.check_tolerance and falls
+    print("check-ep: max |lm loss diff| %.3g, max |grad norm diff| %.3g (tolerance %.1g), loss %s: %s"
+          % (worst, worst_norm, a.check_tolerance, "falls" if falls else "does NOT fall",
+             "same training" if ok else "FAILED"))
+    sys.exit(0 if ok else 1)
+
+
 def main():
     a = parse_args()
     if a.check_hf:
         return check_hf(a)
+    if a.check_ep:
+        return check_ep(a)
     mp.spawn(worker, args=(a,), nprocs=a.nproc, join=True)
 
 
