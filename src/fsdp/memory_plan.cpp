@@ -74,11 +74,15 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
   FullyShardOptions o = options;
   o.comm = make_simulated_communicator(0, world, at::Device(at::kMeta));
   o.device.reset();  // the buffers live on the communicator's (meta) device
+  FullyShardOptions experts = o;
+  if (step.expert_data_parallel > 0)
+    experts.comm = make_simulated_communicator(0, step.expert_data_parallel, at::Device(at::kMeta));
   const size_t n = step.forward_order.size();
   std::vector<detail::UnitState*> units(n);
-  for (size_t i = n; i-- > 0;) {  // the children first, then the root
-    torch::nn::Module& m = *modules.at(step.forward_order[i].path);
-    fully_shard(m, o).set_unshard_in_backward(step.forward_order[i].unshard_in_backward);
+  for (size_t i = n; i-- > 0;) {  // the children first (an expert group before its layer), then the root
+    const PlannedUnit& u = step.forward_order[i];
+    torch::nn::Module& m = *modules.at(u.path);
+    fully_shard(m, u.expert_group ? experts : o).set_unshard_in_backward(u.unshard_in_backward);
     units[i] = detail::find_unit(m);
   }
   FsdpHandle handle = handle_of(*model);
@@ -96,7 +100,14 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
         at::Tensor sum = at::zeros({}, at::TensorOptions().device(at::kMeta)).requires_grad_();
         for (size_t i = 1; i <= n; ++i) {
           if (i == root_joins) sum = touch(*units[0], sum);
-          if (i < n) sum = detail::run_forward(*units[i], [&] { return touch(*units[i], sum); });
+          if (i >= n || step.forward_order[i].expert_group) continue;
+          // A layer, and inside its forward the expert groups listed after it.
+          sum = detail::run_forward(*units[i], [&] {
+            at::Tensor inner = touch(*units[i], sum);
+            for (size_t j = i + 1; j < n && step.forward_order[j].expert_group; ++j)
+              inner = detail::run_forward(*units[j], [&] { return touch(*units[j], inner); });
+            return inner;
+          });
         }
         return sum;
       });
@@ -117,6 +128,16 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
   if (options.mesh) throw std::invalid_argument("plan_memory: plans a 1-D shard group, not an HSDP mesh");
   if (step.forward_order.empty() || !step.forward_order.front().path.empty())
     throw std::invalid_argument("plan_memory: the forward order must start with the root (path \"\")");
+  for (size_t i = 0; i < step.forward_order.size(); ++i) {
+    const PlannedUnit& u = step.forward_order[i];
+    if (!u.expert_group) continue;
+    if (i < 2 || step.forward_order[i - 1].expert_group)
+      throw std::invalid_argument("plan_memory: expert group '" + u.path + "' must follow the layer it runs in");
+    if (step.expert_data_parallel < 1 || world % step.expert_data_parallel != 0)
+      throw std::invalid_argument("plan_memory: expert group '" + u.path + "' needs an expert_data_parallel size "
+                                  "dividing the world (" + std::to_string(world) + "), found " +
+                                  std::to_string(step.expert_data_parallel));
+  }
   std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
   for (const auto& item : root.named_modules()) modules[item.key()] = item.value();
 
@@ -140,7 +161,8 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
       std::vector<std::vector<int64_t>> shapes;
       for (const auto& [name, p] : group) shapes.push_back(p.sizes().vec());
       const at::Tensor& first = group.front().second;
-      const GroupPlan g = detail::plan_group(shapes, first.scalar_type(), first.requires_grad(), options, world);
+      const GroupPlan g = detail::plan_group(shapes, first.scalar_type(), first.requires_grad(), options,
+                                             unit.expert_group ? step.expert_data_parallel : world);
       GroupMemory m;
       m.unit = unit.path;
       m.first_param = unit.path.empty() ? group.front().first : unit.path + "." + group.front().first;

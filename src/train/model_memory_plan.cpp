@@ -16,10 +16,16 @@ MemoryPlan plan_training_memory(const PretrainArgs& args, int world) {
   ModelBuildOptions options;
   options.deferred_init = true;  // full sizes, no memory: only shapes and dtypes are read
   options.init_seed = 0;
+  const int ep = static_cast<int>(args.expert_model_parallel_size);
+  // Under expert parallelism the model holds one expert-parallel rank's experts (every rank holds
+  // as many); the group only says which, and nothing is exchanged.
+  if (ep > 1) options.expert_parallel = make_simulated_communicator(0, ep);
   const ModelConfig config = model_config_from_args(args);
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
   const FullyShardOptions shard = shard_options_from_args(args, nullptr, args.calculate_per_token_loss);
-  return plan_memory(*model, training_step_shape(*model, args), shard, world);
+  StepShape step = training_step_shape(*model, args);
+  if (ep > 1) step.expert_data_parallel = world / ep;
+  return plan_memory(*model, step, shard, world);
 }
 
 void print_memory_plan(const PretrainArgs& args, const std::shared_ptr<Communicator>& comm, std::ostream& log) {

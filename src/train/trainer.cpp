@@ -90,11 +90,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   // Every buffer each unit will hold on this rank, before any is allocated (as llm.c prints its
   // buffers): the plan is fully_shard's own layout, equal to what the run holds
   // (tests/dist/memory_plan_test.cpp), and the end-of-run report measures it again.
-  if (print && a.expert_model_parallel_size > 1)
-    log << " memory plan: not printed, expert parallelism is not modelled in it yet (the end-of-run report measures "
-           "the run)\n";
-  else if (print)
-    log << format_memory_plan(plan_training_memory(a, dp));
+  if (print) log << format_memory_plan(plan_training_memory(a, dp));
   TrainingRun run(a, model_config_from_args(a), comm, log, a.calculate_per_token_loss);
   std::shared_ptr<CausalLM>& model = run.model();
   const ResumePoint resume = run.start();

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "mfsdp/checkpoint/checkpoint.h"
@@ -496,8 +497,13 @@ void TrainingRun::record(const IterationRecord& r) {
 // the optimizers (include/mfsdp/optim/optim.h). Rank 0 writes; every rank waits for it.
 void TrainingRun::write_param_group_map() {
   if (comm_->rank() == 0) {
+    // Every parameter of the model (under expert parallelism rank 0 holds only its experts);
+    // buffers are in no optimizer group.
+    std::set<std::string> buffers;
+    for (const auto& [name, b] : sharded_.root.buffers()) buffers.insert(name);
     std::map<std::string, int> groups;
-    for (const LocalShard& s : sharded_.root.local_shards()) groups[s.name] = s.global_shape.size() >= 2 ? 0 : 1;
+    for (const auto& [name, shape] : model_tensor_shapes(config_))
+      if (!buffers.count(name)) groups[name] = shape.size() >= 2 ? 0 : 1;
     write_param_to_param_group_map(args_.dump_param_to_param_group_map, groups);
     if (print_)
       log_ << " wrote the parameter -> optimizer group map of " << groups.size() << " parameters to "

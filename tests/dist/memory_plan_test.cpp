@@ -3,8 +3,9 @@
 // step: the planned per-rank bytes of every role equal FsdpHandle::memory() and the optimizer's
 // state after two steps of mfsdp-pretrain's own TrainingRun, and the planned transient peak equals
 // the measured one; on 1-4 real ranks (real processes) and as rank 0 of simulated 8- and 64-rank
-// jobs. The comparison can fail: a plan with one unit too few or one layer too many does not
-// match (MemoryPlan.CatchesAPlanOffByOneUnit).
+// jobs; and for MoE models with the experts split over 1, 2 or 4 ranks. The comparison can fail:
+// a plan with one unit too few or one layer too many does not match
+// (MemoryPlan.CatchesAPlanOffByOneUnit).
 #include <torch/torch.h>
 
 #include <sstream>
@@ -25,9 +26,11 @@ struct Variant {
   std::string strategy;
   bool bf16 = false, tied = false;
   int64_t micro_batches = 1;
+  int64_t expert_parallel = 0;  // 0: dense; else 4 experts split over this many ranks
   std::string describe(int world) const {
     return strategy + (bf16 ? " bf16" : " fp32") + (tied ? " tied" : " untied") + ", " +
-           std::to_string(micro_batches) + " micro-batch(es), " + std::to_string(world) + " ranks";
+           std::to_string(micro_batches) + " micro-batch(es), " + std::to_string(world) + " ranks" +
+           (expert_parallel ? ", MoE EP " + std::to_string(expert_parallel) : "");
   }
 };
 
@@ -37,6 +40,16 @@ std::vector<Variant> every_variant() {
     for (bool bf16 : {false, true})
       for (bool tied : {false, true})
         for (int64_t micro : {1, 2}) out.push_back({s, bf16, tied, micro});
+  return out;
+}
+
+// MoE variants: every strategy, the experts split over 1 rank (inside their layer's unit) up to
+// every rank (EP = world: expert groups of one rank), one and two micro-batches.
+std::vector<Variant> moe_variants(int world) {
+  std::vector<Variant> out;
+  for (const char* s : {"no_shard", "optim", "optim_grads", "optim_grads_params"})
+    for (int64_t ep = 1; ep <= world; ep *= 2)
+      for (int64_t micro : {1, 2}) out.push_back({s, /*bf16=*/micro == 2, /*tied=*/false, micro, ep});
   return out;
 }
 
@@ -60,6 +73,12 @@ PretrainArgs tiny_args(const Variant& v, int world) {
   a.data_parallel_sharding_strategy = v.strategy;
   a.bf16 = v.bf16;
   a.device = "cpu";
+  if (v.expert_parallel > 0) {
+    a.num_experts = 4;
+    a.moe_router_topk = 2;
+    a.moe_ffn_hidden_size = 16;
+    a.expert_model_parallel_size = v.expert_parallel;
+  }
   mfsdp::validate_training_args(a, world, 0);
   return a;
 }
@@ -102,8 +121,8 @@ std::string mismatch(const MemoryPlan& plan, const Measured& m) {
   return s.str();
 }
 
-void expect_plan_matches(const std::shared_ptr<mfsdp::Communicator>& comm) {
-  for (const Variant& v : every_variant()) {
+void expect_plan_matches(const std::shared_ptr<mfsdp::Communicator>& comm, const std::vector<Variant>& variants) {
+  for (const Variant& v : variants) {
     const PretrainArgs a = tiny_args(v, comm->size());
     const MemoryPlan plan = mfsdp::plan_training_memory(a, comm->size());
     const Measured measured = measure(a, comm);
@@ -118,10 +137,16 @@ std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
 
 }  // namespace
 
-MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHold, {1, 2, 3, 4}) { expect_plan_matches(borrow(comm)); }
+MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHold, {1, 2, 3, 4}) { expect_plan_matches(borrow(comm), every_variant()); }
+
+// Under expert parallelism: the experts' units over their expert-data-parallel group, inside
+// their layers, the rest over every rank.
+MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHoldUnderExpertParallelism, {2, 4}) {
+  expect_plan_matches(borrow(comm), moe_variants(comm.size()));
+}
 
 TEST(MemoryPlan, EqualsWhatASimulatedRankHolds) {
-  for (int world : {8, 64}) expect_plan_matches(mfsdp::make_simulated_communicator(0, world));
+  for (int world : {8, 64}) expect_plan_matches(mfsdp::make_simulated_communicator(0, world), every_variant());
 }
 
 // The comparison above fails when the plan is off by one unit: one unit too few (lm_head's

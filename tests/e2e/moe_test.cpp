@@ -16,6 +16,7 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
+#include "mfsdp/checkpoint/dcp.h"
 
 namespace {
 
@@ -144,8 +145,15 @@ TEST(Moe, ExpertBiasMovesByGlobalTokenCountsIsSavedAndResumes) {
   const auto one = run(1, " --metrics-file " + dir.file("one.jsonl"));
   ASSERT_EQ(one.exit_code, 0) << one.output;
   const auto two = run(2, " --expert-model-parallel-size 2 --save " + dir.file("ckpt") + " --metrics-file " +
-                              dir.file("two.jsonl"));
+                              dir.file("two.jsonl") + " --dump-param-to-param-group-map " + dir.file("map"));
   ASSERT_EQ(two.exit_code, 0) << two.output;
+  // Megatron's parameter -> optimizer group map names every expert (rank 0 holds only experts
+  // 0 and 1), and no buffer.
+  mfsdp::dcp::Reader map(dir.file("map"));
+  EXPECT_EQ(map.read_object("module.module.model.layers.1.mlp.experts.3.down_proj.weight"), 0);
+  EXPECT_EQ(map.read_object("module.module.model.layers.0.mlp.gate.weight"), 0);
+  for (const auto& [key, bytes] : map.metadata().bytes)
+    EXPECT_EQ(key.find("e_score_correction_bias"), std::string::npos) << key;
   const auto single = training_records(dir.file("one.jsonl")), split = training_records(dir.file("two.jsonl"));
   ASSERT_EQ(single.size(), 6u);
   ASSERT_EQ(split.size(), 6u);

@@ -182,6 +182,36 @@ TEST(MoeRouter, CapacityDropsTheLeastProbableTokensOfAnOverfullExpert) {
   EXPECT_EQ(mfsdp::route(tensor_of(logits), config(2, 1), 0.0).map.select(1, 0).sum().item<int64_t>(), 5);
 }
 
+// Padding (Megatron's padding_mask) neither counts nor weighs: the losses of a masked routing are
+// those of its unmasked rows alone, and the block counts only those rows' experts.
+TEST(MoeRouter, PaddingIsLeftOutOfTheLossesAndCounts) {
+  const MoeConfig c = config(4, 2);
+  const at::Tensor logits = tensor_of(kLogits);
+  const at::Tensor valid = at::tensor({1, 0, 1, 1, 0}, at::kLong).to(at::kBool);
+  const at::Tensor kept = at::tensor({0, 2, 3}, at::kLong);
+  const mfsdp::Routing all = mfsdp::route(logits, c, 0.0), some = mfsdp::route(logits.index_select(0, kept), c, 0.0);
+  EXPECT_NEAR(mfsdp::load_balancing_loss(all, 2, valid).item<double>(), mfsdp::load_balancing_loss(some, 2).item<double>(),
+              1e-6);
+  EXPECT_NEAR(mfsdp::z_loss(logits, valid).item<double>(), mfsdp::z_loss(logits.index_select(0, kept)).item<double>(),
+              1e-5);
+  // One sequence: the per-sequence loss over the valid tokens is the batch loss over them.
+  EXPECT_NEAR(mfsdp::sequence_load_balancing_loss(all, 2, 1, valid).item<double>(),
+              mfsdp::load_balancing_loss(some, 2).item<double>(), 1e-6);
+  // Without padding nothing changes.
+  const at::Tensor none = at::ones({5}, at::kBool);
+  EXPECT_NEAR(mfsdp::load_balancing_loss(all, 2, none).item<double>(), mfsdp::load_balancing_loss(all, 2).item<double>(),
+              1e-6);
+
+  torch::manual_seed(4);
+  mfsdp::MoeBlock block(16, c, /*deferred=*/false);
+  const at::Tensor x = at::randn({1, 5, 16});
+  block->forward(x, valid);
+  const mfsdp::RouterStats stats = block->take_stats();
+  const at::Tensor routed = mfsdp::route(at::linear(x.reshape({-1, 16}).index_select(0, kept), block->gate->weight), c, 0.0).map;
+  for (int64_t e = 0; e < 4; ++e)
+    EXPECT_EQ(stats.tokens_per_expert[static_cast<size_t>(e)], routed.select(1, e).sum().item<int64_t>()) << e;
+}
+
 // The block's output is sum over the chosen experts of weight x expert(x), token by token, plus
 // the gated shared expert; both expert paths agree; experts without tokens still get a gradient.
 TEST(MoeBlock, OutputIsTheWeightedSumOfTheChosenExpertsTokenByToken) {

@@ -16,7 +16,8 @@
 // prefetch, which units stay gathered, the reductions in flight) for two steps over a meta-tensor
 // copy of the model and a simulated communicator on the meta device; it is exact when StepShape
 // describes the model, and an upper bound when root_gradients_after is left unknown. A 1-D
-// shard group only (no HSDP mesh).
+// shard group (no HSDP mesh), and under expert parallelism the experts' own group
+// (PlannedUnit::expert_group).
 #pragma once
 
 #include <torch/nn/module.h>
@@ -34,6 +35,9 @@ namespace mfsdp {
 struct PlannedUnit {
   std::string path;
   bool unshard_in_backward = true;
+  // Sharded over StepShape::expert_data_parallel ranks instead of every rank, and run inside the
+  // forward of the unit listed before it (an MoE layer's experts under expert parallelism).
+  bool expert_group = false;
 };
 
 // How one training step runs the units.
@@ -51,6 +55,8 @@ struct StepShape {
   // Optimizer state tensors per main-weight element, each in the main weights' dtype (AdamW 2,
   // SGD with momentum 1, plain SGD 0).
   int optimizer_states = 2;
+  // Ranks of the expert_group units' shard group (world / expert-parallel size); 0: none.
+  int expert_data_parallel = 0;
 };
 
 // One parameter group's buffers on one rank, in bytes (sizes in elements).
@@ -82,7 +88,8 @@ struct MemoryPlan {
 };
 
 // Throws std::invalid_argument for a unit path that is no module under `root`, a root that is
-// not first, an HSDP mesh, or a world size < 1.
+// not first, an expert_group unit first or after another, or without an expert_data_parallel
+// size dividing `world`, an HSDP mesh, or a world size < 1.
 MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
                        int world);
 

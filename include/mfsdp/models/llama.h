@@ -170,13 +170,14 @@ TORCH_MODULE(LlamaMLP);
 
 // Pre-norm block: h += attn(norm(h)); h += mlp(norm(h)), the MLP dense or an MoE block (moe.h;
 // registered as "mlp", or Mixtral's "block_sparse_moe"). A fully_shard unit: call it as
-// `layer->call(hidden, rope, cache)`.
+// `layer->call(hidden, rope, cache)`. `tokens` [B x T] bool, false at padding: what an MoE
+// block's counts and balancing losses take in (undefined: every position).
 class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred,
                         std::shared_ptr<Communicator> expert_parallel = nullptr);
   at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
-                     const at::Tensor& allowed = {});
+                     const at::Tensor& allowed = {}, const at::Tensor& tokens = {});
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};  // null in an MoE layer
   MoeBlock moe{nullptr};  // null in a dense layer
@@ -207,7 +208,7 @@ class LlamaModelImpl : public torch::nn::Module {
 
  private:
   at::Tensor run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
-                        const at::Tensor& allowed);
+                        const at::Tensor& allowed, const at::Tensor& tokens);
   LlamaConfig config_;
 };
 TORCH_MODULE(LlamaModel);
@@ -268,6 +269,7 @@ class LlamaForCausalLMImpl : public CausalLM {
   uint64_t init_seed_ = 0;
   std::vector<bool> layer_deferred_;  // per layer: parameters not yet materialised
   bool root_deferred_ = false;
+  bool experts_split_ = false;  // built with an expert-parallel group of more than one rank
 };
 TORCH_MODULE(LlamaForCausalLM);
 

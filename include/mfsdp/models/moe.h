@@ -100,16 +100,18 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
 at::Tensor updated_expert_bias(const at::Tensor& bias, const std::vector<int64_t>& tokens_per_expert, double rate);
 // Megatron's losses of one routing, before the coefficient (tokens counted by top_map):
 // switch_load_balancing_loss_func (tokens counted over the whole batch), sequence_load_balancing_loss_func (`batch` sequences of
-// T / batch tokens, token t in sequence t / (T / batch)), z_loss_func.
-at::Tensor load_balancing_loss(const Routing& r, int64_t top_k);
-at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch);
-at::Tensor z_loss(const at::Tensor& logits);
+// T / batch tokens, token t in sequence t / (T / batch)), z_loss_func. `tokens` [T] bool, false
+// at padding (undefined: none): as Megatron's padding_mask, padding neither counts nor weighs,
+// and T is the number of tokens (per sequence, their mean).
+at::Tensor load_balancing_loss(const Routing& r, int64_t top_k, const at::Tensor& tokens = {});
+at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch, const at::Tensor& tokens = {});
+at::Tensor z_loss(const at::Tensor& logits, const at::Tensor& tokens = {});
 
 // What a block saw since its counters were last taken: Megatron's log fields.
 struct RouterStats {
   double load_balancing_loss = 0;  // sum over forwards of the balancing loss, before its coefficient
   double z_loss = 0;               // same, z-loss
-  std::vector<int64_t> tokens_per_expert;  // routed (token, expert) pairs per expert
+  std::vector<int64_t> tokens_per_expert;  // routed (token, expert) pairs per expert, padding left out
   int64_t forwards = 0;
 };
 
@@ -156,7 +158,9 @@ class MoeBlockImpl : public torch::nn::Module {
  public:
   MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred,
                std::shared_ptr<Communicator> expert_parallel = nullptr);
-  at::Tensor forward(const at::Tensor& x);
+  // `tokens` [B x T] bool, false at padding (undefined: none): padding is routed and computed
+  // like the rest but not counted (tokens per expert, the expert bias) nor in the losses.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& tokens = {});
 
   LlamaLinear gate{nullptr};  // the router, [E, H]
   MoeExperts experts{nullptr};

@@ -27,10 +27,10 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const RotaryTables& rope,
-                                          LlamaKVCache* cache, const at::Tensor& allowed) {
+                                          LlamaKVCache* cache, const at::Tensor& allowed, const at::Tensor& tokens) {
   at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed);
   at::Tensor normed = post_attention_layernorm(h);
-  return h + (moe ? moe(normed) : mlp(normed));
+  return h + (moe ? moe(normed, tokens) : mlp(normed));
 }
 
 // ---- LlamaModel ---------------------------------------------------------------------------
@@ -71,7 +71,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
                                 std::to_string(config_.max_position_embeddings));
 
   at::Tensor positions = at::arange(start, start + t, input_ids.options().dtype(at::kLong));
-  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, {});
+  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, {}, {});
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache) {
@@ -92,11 +92,16 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLa
   if (highest >= config_.max_position_embeddings || (positions.numel() > 0 && positions.min().item<int64_t>() < 0))
     throw std::invalid_argument("LlamaModel::forward: position_ids must lie in [0, " +
                                 std::to_string(config_.max_position_embeddings) + ")");
-  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, allowed);
+  // Padding positions route like any other but are not counted (Megatron's padding_mask).
+  at::Tensor tokens;
+  if (layout.attention_mask.defined())
+    tokens = layout.attention_mask.narrow(1, past, t).to(input_ids.device()).ne(0).reshape({-1});
+  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, allowed,
+                    tokens);
 }
 
 at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
-                                      const at::Tensor& allowed) {
+                                      const at::Tensor& allowed, const at::Tensor& tokens) {
   at::Tensor hidden = mfsdp::call(*embed_tokens, input_ids);  // a unit of its own when untied
   const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
   for (int64_t i = 0; i < num_layers(); ++i) {
@@ -104,12 +109,12 @@ at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryT
     if (recompute_now) {
       // Captured by value: backward calls the function again after this frame is gone.
       hidden = recompute(
-          [layer, rope, allowed](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr), allowed)};
+          [layer, rope, allowed, tokens](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr), allowed, tokens)};
           },
           {hidden})[0];
     } else {
-      hidden = layer->call(hidden, rope, cache, allowed);
+      hidden = layer->call(hidden, rope, cache, allowed, tokens);
     }
   }
   return norm(hidden);
@@ -129,6 +134,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
     lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, options.deferred_init));
   layer_deferred_.assign(c.num_layers, options.deferred_init);
   root_deferred_ = options.deferred_init;
+  experts_split_ = options.expert_parallel && options.expert_parallel->size() > 1;
   if (!options.deferred_init) reset_parameters();
 }
 
@@ -264,7 +270,14 @@ StepShape LlamaForCausalLMImpl::unit_schedule() const {
   const bool untied = static_cast<bool>(lm_head);
   step.forward_order.push_back({""});
   if (untied) step.forward_order.push_back({"model.embed_tokens", /*unshard_in_backward=*/false});
-  for (int64_t i = 0; i < model->num_layers(); ++i) step.forward_order.push_back({"model.layers." + std::to_string(i)});
+  for (int64_t i = 0; i < model->num_layers(); ++i) {
+    const std::string layer = "model.layers." + std::to_string(i);
+    step.forward_order.push_back({layer});
+    // Split over expert-parallel ranks, an MoE layer's experts are a unit inside it (shard_model).
+    if (experts_split_ && config_.moe.is_moe_layer(i))
+      step.forward_order.push_back({layer + (config_.moe.mixtral_names ? ".block_sparse_moe" : ".mlp") + ".experts",
+                                    /*unshard_in_backward=*/true, /*expert_group=*/true});
+  }
   if (untied) step.forward_order.push_back({"lm_head"});
   step.root_gradients_after = untied ? 1 : static_cast<int>(step.forward_order.size()) - 1;
   return step;

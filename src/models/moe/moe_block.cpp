@@ -141,8 +141,6 @@ at::Tensor MoeBlockImpl::run_experts(const at::Tensor& tokens, const Routing& r)
   at::Tensor pairs = r.map.t().nonzero();
   at::Tensor expert_of = pairs.select(1, 0), token_of = pairs.select(1, 1);
   at::Tensor counts = at::bincount(expert_of, {}, config_.num_experts);
-  // Counted once per forward: not again when activation recompute re-runs it in backward.
-  if (!detail::in_recompute()) tally_.counts = tally_.counts.defined() ? tally_.counts + counts : counts;
   at::Tensor sorted = tokens.index_select(0, token_of);
   at::Tensor weight = r.probs.index({token_of, expert_of}).to(tokens.scalar_type()).unsqueeze(-1);
   at::Tensor out = ep_ ? dispatch(sorted, counts) : experts(sorted, counts.to(at::kCPU), training_options.grouped_gemm);
@@ -180,9 +178,12 @@ at::Tensor MoeBlockImpl::dispatch(const at::Tensor& sorted, const at::Tensor& co
   return AllToAll::apply(back, recv, send, ep_.get());
 }
 
-at::Tensor MoeBlockImpl::forward(const at::Tensor& x) {
+at::Tensor MoeBlockImpl::forward(const at::Tensor& x, const at::Tensor& valid) {
   const int64_t hidden = x.size(-1);
   at::Tensor tokens = x.reshape({-1, hidden});
+  if (valid.defined() && valid.numel() != tokens.size(0))
+    throw std::invalid_argument("MoeBlock: a token mask of " + std::to_string(valid.numel()) + " entries for " +
+                                std::to_string(tokens.size(0)) + " tokens");
   Routing r = route(gate(tokens), config_, training_options.capacity_factor, expert_bias());
   at::Tensor y = run_experts(tokens, r);
   if (shared_expert) {
@@ -194,14 +195,18 @@ at::Tensor MoeBlockImpl::forward(const at::Tensor& x) {
   // The balancing losses, for the log always, for the gradient when their coefficient is set.
   at::Tensor balance;
   if (training_options.balancing == MoeTraining::Balancing::kAuxLoss) {
-    balance = load_balancing_loss(r, config_.top_k);
+    balance = load_balancing_loss(r, config_.top_k, valid);
   } else if (training_options.balancing == MoeTraining::Balancing::kSeqAuxLoss) {
-    balance = sequence_load_balancing_loss(r, config_.top_k, x.dim() == 3 ? x.size(0) : 1);
+    balance = sequence_load_balancing_loss(r, config_.top_k, x.dim() == 3 ? x.size(0) : 1, valid);
   }
-  at::Tensor z = z_loss(r.logits);
+  at::Tensor z = z_loss(r.logits, valid);
+  // Counted once per forward: not again when activation recompute re-runs it in backward.
   if (!detail::in_recompute()) {
     // Kept on the device until take_stats: no host synchronisation per forward.
     at::NoGradGuard no_grad;
+    const at::Tensor routed =
+        (valid.defined() ? r.map.logical_and(valid.reshape({-1, 1}).to(r.map.device())) : r.map).sum(0);
+    tally_.counts = tally_.counts.defined() ? tally_.counts + routed : routed;
     if (balance.defined())
       tally_.balance = tally_.balance.defined() ? tally_.balance + balance.detach() : balance.detach().clone();
     tally_.z = tally_.z.defined() ? tally_.z + z.detach() : z.detach().clone();

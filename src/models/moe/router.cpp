@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <stdexcept>
 #include <string>
 
@@ -89,24 +90,6 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
   return r;
 }
 
-at::Tensor load_balancing_loss(const Routing& r, int64_t top_k) {
-  const int64_t tokens = r.scores.size(0), experts = r.scores.size(1);
-  at::Tensor per_expert = r.top_map.sum(0).to(at::kFloat);
-  const double norm = static_cast<double>(experts) / (static_cast<double>(top_k) * tokens * tokens);
-  return (r.scores.sum(0) * per_expert).sum() * norm;
-}
-
-at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch) {
-  const int64_t tokens = r.scores.size(0), experts = r.scores.size(1);
-  if (batch <= 0 || tokens % batch != 0)
-    throw std::invalid_argument("sequence_load_balancing_loss: " + std::to_string(tokens) + " tokens in " +
-                                std::to_string(batch) + " sequences");
-  const int64_t length = tokens / batch;
-  at::Tensor cost = r.top_map.view({batch, length, experts}).sum(1).to(at::kFloat) /
-                    (static_cast<double>(length * top_k) / experts);
-  return (cost * r.scores.view({batch, length, experts}).mean(1)).sum(1).mean();
-}
-
 at::Tensor updated_expert_bias(const at::Tensor& bias, const std::vector<int64_t>& tokens_per_expert, double rate) {
   if (static_cast<int64_t>(tokens_per_expert.size()) != bias.numel())
     throw std::invalid_argument("updated_expert_bias: " + std::to_string(tokens_per_expert.size()) +
@@ -115,6 +98,47 @@ at::Tensor updated_expert_bias(const at::Tensor& bias, const std::vector<int64_t
   return bias + at::sign(tokens.mean() - tokens) * rate;
 }
 
-at::Tensor z_loss(const at::Tensor& logits) { return at::logsumexp(logits.to(at::kFloat), -1).square().mean(); }
+namespace {
+// top_map and scores with the padding rows zeroed (Megatron masks both), as [T, E] floats.
+std::pair<at::Tensor, at::Tensor> counted(const Routing& r, const at::Tensor& tokens) {
+  if (!tokens.defined()) return {r.top_map.to(at::kFloat), r.scores};
+  const at::Tensor keep = tokens.reshape({-1, 1}).to(r.scores.device(), at::kFloat);
+  return {r.top_map.to(at::kFloat) * keep, r.scores * keep};
+}
+}  // namespace
+
+at::Tensor load_balancing_loss(const Routing& r, int64_t top_k, const at::Tensor& tokens) {
+  const int64_t experts = r.scores.size(1);
+  auto [map, scores] = counted(r, tokens);
+  at::Tensor per_expert = map.sum(0);
+  // Megatron's total_num_tokens: the routed pairs / top_k (every row without a mask).
+  const at::Tensor total = tokens.defined() ? (per_expert.sum() / static_cast<double>(top_k)).clamp_min(1)
+                                            : at::full({}, static_cast<double>(r.scores.size(0)), scores.options());
+  return (scores.sum(0) * per_expert).sum() * (static_cast<double>(experts) / static_cast<double>(top_k)) /
+         total.square();
+}
+
+at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch, const at::Tensor& tokens) {
+  const int64_t rows = r.scores.size(0), experts = r.scores.size(1);
+  if (batch <= 0 || rows % batch != 0)
+    throw std::invalid_argument("sequence_load_balancing_loss: " + std::to_string(rows) + " tokens in " +
+                                std::to_string(batch) + " sequences");
+  const int64_t length = rows / batch;
+  auto [map, scores] = counted(r, tokens);
+  at::Tensor per_sequence = map.view({batch, length, experts}).sum(1);  // [B, E]
+  // The tokens of a sequence: `length`, or with padding their mean over the sequences (Megatron).
+  const at::Tensor mean_length = tokens.defined()
+                                     ? (per_sequence.sum() / static_cast<double>(top_k * batch)).clamp_min(1)
+                                     : at::full({}, static_cast<double>(length), scores.options());
+  at::Tensor cost = per_sequence / (mean_length * (static_cast<double>(top_k) / experts));
+  return (cost * scores.view({batch, length, experts}).sum(1) / mean_length).sum(1).mean();
+}
+
+at::Tensor z_loss(const at::Tensor& logits, const at::Tensor& tokens) {
+  at::Tensor z = at::logsumexp(logits.to(at::kFloat), -1).square();
+  if (!tokens.defined()) return z.mean();
+  const at::Tensor keep = tokens.reshape({-1}).to(z.device(), at::kFloat);
+  return (z * keep).sum() / keep.sum().clamp_min(1);
+}
 
 }  // namespace mfsdp
