@@ -48,7 +48,10 @@ if [ ! -f "$stamp" ] || ! cmp -s scripts/requirements.txt "$stamp"; then
   start=$(date +%s)
   [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
   echo "setup: installing the pinned wheels of scripts/requirements.txt into $venv (first time: a few minutes, ~6 GB)"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r scripts/requirements.txt
+  # No wheel cache: torch and its CUDA wheels are ~4 GB more on a disk that may be small (a CI
+  # machine ran out of space once), and a fresh environment never reuses them.
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
+    -r scripts/requirements.txt
   cp scripts/requirements.txt "$stamp"
   echo "setup: Python environment ready in $(( $(date +%s) - start )) s"
 fi
