@@ -115,6 +115,17 @@ FullyShardOptions resolve(const FullyShardOptions& given) {
     o.comm = o.mesh->get(dims.back());
   }
   if (!o.comm) throw std::invalid_argument("fully_shard: options.comm (or options.mesh) is not set");
+  if (o.outer_strategy != ShardingStrategy::kNoShard) {
+    if (o.outer_strategy != ShardingStrategy::kOptim)
+      throw std::invalid_argument(std::string("fully_shard: outer_strategy is ") + to_string(o.outer_strategy) +
+                                  "; across replicas only no_shard (HSDP) or optim (HFSDP)");
+    if (!o.mesh || o.mesh->dim_names().size() != 2)
+      throw std::invalid_argument("fully_shard: outer_strategy optim shards across replicas: it needs a 2-D mesh");
+    if (o.strategy != ShardingStrategy::kOptimGradsParams)
+      throw std::invalid_argument(
+          std::string("fully_shard: outer_strategy optim (HFSDP) needs strategy optim_grads_params, got ") +
+          to_string(o.strategy));
+  }
   const c10::Device device = o.comm->device();
   if (o.device && *o.device != device)
     throw std::invalid_argument("fully_shard: options.device is " + o.device->str() + " but the " +
@@ -232,7 +243,12 @@ void FsdpHandle::set_gradient_divide_factor(double factor) {
   state().context().divide_factor = factor;
 }
 
-std::shared_ptr<Communicator> FsdpHandle::optimizer_comm() const { return state().options().comm; }
+std::shared_ptr<Communicator> FsdpHandle::optimizer_comm() const {
+  const FullyShardOptions& o = state().options();
+  // HFSDP: every rank of the mesh holds distinct main weights, so norms sum over all of them.
+  if (o.outer_strategy == ShardingStrategy::kOptim && o.mesh && o.mesh->shape().front() > 1) return o.mesh->world();
+  return o.comm;
+}
 
 std::vector<OptimizerShard> FsdpHandle::optimizer_shards() const {
   std::vector<OptimizerShard> shards;

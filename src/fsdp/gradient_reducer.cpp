@@ -112,8 +112,17 @@ PendingReduction GradientReducer::reduce(Communicator& comm, double divide_facto
     pending.work = comm.reduce_scatter_async(reduced, wire, rs);
   }
   pending.finish_fn = [this, wire, reduced, op] {
-    if (s_.replicate) s_.replicate->all_reduce(reduced, {op});  // HSDP: across replicas
-    main_grads_.data().add_(reduced.to(s_.grad_dtype));
+    at::Tensor mine = reduced;
+    if (main_grads_.outer_sharded()) {
+      // HFSDP: this replica's sub-shard of the sum over the replicas.
+      mine = at::empty({s_.layout->sub_shard()}, reduced.options());
+      ReduceScatterOptions across;
+      across.op = op;
+      s_.replicate->reduce_scatter(mine, reduced, across);
+    } else if (s_.replicate) {
+      s_.replicate->all_reduce(reduced, {op});  // HSDP: across replicas
+    }
+    main_grads_.data().add_(mine.to(s_.grad_dtype));
     drop_unsharded();
   };
   return pending;

@@ -8,8 +8,8 @@
 //                                           main-grad dtype when compute is lower precision
 //   synced          [S]                     ZeRO-1 under HSDP: this rank's region at the last sync
 // and the collectives: reduce-scatter into sharded main grads, all-reduce into replicated ones,
-// the HSDP all-reduce across replicas, and ZeRO-1's deferred reduce-scatter at the end of a
-// synced backward. The parameters' .grad are views of unsharded_grad.
+// the HSDP all-reduce across replicas (HFSDP: a reduce-scatter into this replica's sub-shard),
+// and ZeRO-1's deferred reduce-scatter at the end of a synced backward. The parameters' .grad are views of unsharded_grad.
 #pragma once
 
 #include <ATen/core/Tensor.h>

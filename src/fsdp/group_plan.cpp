@@ -5,16 +5,19 @@
 namespace mfsdp::detail {
 
 GroupPlan plan_group(const std::vector<std::vector<int64_t>>& shapes, at::ScalarType original,
-                     bool requires_grad, const FullyShardOptions& options, int world) {
+                     bool requires_grad, const FullyShardOptions& options, int world, int replicas) {
   const MixedPrecisionPolicy& mp = options.mixed_precision;
   GroupPlan p;
-  p.layout = FlatLayout::build(shapes, world, options.align_rows);
-  p.placement = placements_of(options.strategy);
+  const int outer = options.outer_strategy == ShardingStrategy::kOptim ? replicas : 1;
+  p.layout = FlatLayout::build(shapes, world, options.align_rows, 0.25, outer);
+  p.placement = placements_of(options.strategy, outer > 1 ? options.outer_strategy : ShardingStrategy::kNoShard);
   // Integer parameters keep their dtype in every role.
   p.compute_dtype = mp.param_dtype && at::isFloatingType(original) ? *mp.param_dtype : original;
   p.main_dtype = at::isFloatingType(original) ? mp.main_params_dtype : original;
   p.grad_dtype = mp.main_grads_dtype;
   p.requires_grad = requires_grad;
+  p.keeps_synced_region = replicas > 1 && p.placement.main_grads == Placement::kReplicated &&
+                          p.placement.main_weights == Placement::kSharded;
   return p;
 }
 
@@ -29,7 +32,8 @@ int64_t GroupPlan::main_weight_bytes() const {
 
 int64_t GroupPlan::main_grad_bytes() const {
   if (!requires_grad) return 0;
-  return elements(placement.main_grads) * static_cast<int64_t>(c10::elementSize(grad_dtype));
+  const int64_t synced = keeps_synced_region ? layout.shard : 0;
+  return (elements(placement.main_grads) + synced) * static_cast<int64_t>(c10::elementSize(grad_dtype));
 }
 
 int64_t GroupPlan::main_weight_elements() const { return requires_grad ? elements(placement.main_weights) : 0; }

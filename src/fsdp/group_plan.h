@@ -24,9 +24,13 @@ struct GroupPlan {
   at::ScalarType main_dtype = at::kFloat;     // main weights (and optimizer state)
   at::ScalarType grad_dtype = at::kFloat;     // main grads
   bool requires_grad = true;  // frozen groups have no main weights, main grads or optimizer state
+  // ZeRO-1 under HSDP: the reducer keeps this rank's region as of the last sync, [S] more main-grad
+  // bytes (GradientReducer's `synced`).
+  bool keeps_synced_region = false;
 
-  // Elements a buffer of this placement holds on one rank: S sharded, P replicated.
-  int64_t elements(Placement p) const { return p == Placement::kSharded ? layout.shard : layout.total(); }
+  // Elements a buffer of this placement holds on one rank: S sharded, S / R outer-sharded, P
+  // replicated.
+  int64_t elements(Placement p) const { return elements_of(layout, p); }
   // Main weights in the compute dtype are the model weights' memory (all of it, or this rank's
   // region of it); only another dtype (fp32 main weights under bf16 compute) needs its own.
   bool main_weights_own_memory() const { return requires_grad && main_dtype != compute_dtype; }
@@ -45,8 +49,9 @@ struct GroupPlan {
 };
 
 // The plan of a group of parameters with these shapes (in packing order), all of
-// `original_dtype`, sharded over `world` ranks.
+// `original_dtype`, sharded over `world` ranks, each shard held by `replicas` HSDP replicas
+// (which split it again under options.outer_strategy kOptim).
 GroupPlan plan_group(const std::vector<std::vector<int64_t>>& shapes, at::ScalarType original_dtype,
-                     bool requires_grad, const FullyShardOptions& options, int world);
+                     bool requires_grad, const FullyShardOptions& options, int world, int replicas = 1);
 
 }  // namespace mfsdp::detail

@@ -47,15 +47,23 @@ std::pair<int64_t, int64_t> FlatLayout::slice_of(size_t i, int rank) const {
 }
 
 FlatLayout FlatLayout::build(const std::vector<std::vector<int64_t>>& shapes, int world,
-                             bool align_rows, double max_padding_fraction) {
+                             bool align_rows, double max_padding_fraction, int outer) {
   if (world < 1) throw std::invalid_argument("FlatLayout: world size must be >= 1");
+  if (outer < 1) throw std::invalid_argument("FlatLayout: sub-shards per shard must be >= 1");
+  // Packed for world x outer ranks, then read as `world` shards of `outer` sub-shards.
+  auto regroup = [&](FlatLayout l) {
+    l.world = world;
+    l.shard *= outer;
+    l.outer = outer;
+    return l;
+  };
   if (align_rows) {
-    FlatLayout aligned = pack(shapes, world, true);
+    FlatLayout aligned = pack(shapes, world * outer, true);
     const double padding = static_cast<double>(aligned.total() - aligned.used);
     if (aligned.used == 0 || padding <= max_padding_fraction * static_cast<double>(aligned.used))
-      return aligned;
+      return regroup(aligned);
   }
-  return pack(shapes, world, false);
+  return regroup(pack(shapes, world * outer, false));
 }
 
 }  // namespace mfsdp

@@ -9,6 +9,12 @@
 // chunk falls back to 1 and slices are element ranges (still contiguous; checkpoints address
 // element ranges either way).
 //
+// HFSDP (`outer` > 1): each rank's shard is split again into `outer` sub-shards, one per replica
+// (main weights, main grads and optimizer state). The layout is packed as for world x outer
+// ranks and then read as `world` shards of `outer` sub-shards each, so sub-shard boundaries fall
+// on rows as shard boundaries do; (rank r, replica o) holds [r*shard + o*sub_shard, +sub_shard),
+// Megatron-FSDP's order (the inner rank major).
+//
 // Worked example (pinned by tests/unit/layout_test.cpp): shapes (2,6), (4,4), (1,2), (3) on 3
 // ranks; rows 6, 4, 2, 1 -> chunk 12; offsets 0, 12, 28, 30; 33 elements -> padded to 36,
 // shard 12: rank 0 owns [0,12) = all of p0, rank 1 [12,24) = p1 rows 0-2, rank 2 [24,36) =
@@ -32,7 +38,9 @@ struct FlatLayout {
   int64_t chunk = 1;           // shard sizes are multiples of this
   int64_t shard = 0;           // elements per rank
   int world = 1;
+  int outer = 1;               // HFSDP: sub-shards per shard (replicas); 1 otherwise
   int64_t total() const { return shard * world; }  // padded flat size
+  int64_t sub_shard() const { return shard / outer; }
 
   // This rank's range of the flat buffer.
   int64_t shard_begin(int rank) const { return shard * rank; }
@@ -41,7 +49,7 @@ struct FlatLayout {
   std::pair<int64_t, int64_t> slice_of(size_t i, int rank) const;
 
   static FlatLayout build(const std::vector<std::vector<int64_t>>& shapes, int world,
-                          bool align_rows = true, double max_padding_fraction = 0.25);
+                          bool align_rows = true, double max_padding_fraction = 0.25, int outer = 1);
 };
 
 }  // namespace mfsdp

@@ -11,6 +11,7 @@
 #include "fsdp/root_context.h"
 #include "fsdp/unit_parameters.h"
 #include "fsdp/unit_state.h"
+#include "mfsdp/comm/device_mesh.h"
 #include "mfsdp/comm/simulated_comm.h"
 
 namespace mfsdp {
@@ -65,7 +66,7 @@ std::string describe(const std::string* unit, const char* event) {
 }
 
 TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
-                               int world) {
+                               int world, int replicas) {
   std::map<const c10::TensorImpl*, at::Tensor> made;
   std::shared_ptr<torch::nn::Module> model = meta_copy(root, made);
   std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
@@ -75,6 +76,13 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
   o.comm = make_simulated_communicator(0, world, at::Device(at::kMeta));
   o.device.reset();  // the buffers live on the communicator's (meta) device
   FullyShardOptions experts = o;
+  experts.outer_strategy = ShardingStrategy::kNoShard;  // expert groups are not hybrid
+  if (replicas > 1) {  // HSDP: the units on a [replicas, world] mesh, as a real run has them
+    o.mesh = std::make_shared<DeviceMesh>(make_simulated_communicator(0, replicas * world, at::Device(at::kMeta)),
+                                          std::vector<int>{replicas, world},
+                                          std::vector<std::string>{"dp_outer", "dp_shard"});
+    o.comm = nullptr;
+  }
   if (step.expert_data_parallel > 0)
     experts.comm = make_simulated_communicator(0, step.expert_data_parallel, at::Device(at::kMeta));
   const size_t n = step.forward_order.size();
@@ -123,8 +131,9 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
 }  // namespace
 
 MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
-                       int world) {
+                       int world, int replicas) {
   if (world < 1) throw std::invalid_argument("plan_memory: world size must be >= 1");
+  if (replicas < 1) throw std::invalid_argument("plan_memory: replicas must be >= 1");
   if (options.mesh) throw std::invalid_argument("plan_memory: plans a 1-D shard group, not an HSDP mesh");
   if (step.forward_order.empty() || !step.forward_order.front().path.empty())
     throw std::invalid_argument("plan_memory: the forward order must start with the root (path \"\")");
@@ -162,7 +171,8 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
       for (const auto& [name, p] : group) shapes.push_back(p.sizes().vec());
       const at::Tensor& first = group.front().second;
       const GroupPlan g = detail::plan_group(shapes, first.scalar_type(), first.requires_grad(), options,
-                                             unit.expert_group ? step.expert_data_parallel : world);
+                                             unit.expert_group ? step.expert_data_parallel : world,
+                                             unit.expert_group ? 1 : replicas);
       GroupMemory m;
       m.unit = unit.path;
       m.first_param = unit.path.empty() ? group.front().first : unit.path + "." + group.front().first;
@@ -187,7 +197,7 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
     }
   }
 
-  const TransientPeak peak = run_step_on_meta(root, step, options, world);
+  const TransientPeak peak = run_step_on_meta(root, step, options, world, replicas);
   plan.transient_peak = peak.bytes;
   plan.transient_peak_at = peak.where;
   return plan;

@@ -41,7 +41,8 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
   std::vector<std::vector<int64_t>> shapes;
   for (const auto& p : params_) shapes.push_back(p.shape);
   // Layout, placements and dtypes come from the plan that plan_memory also adds up (group_plan.h).
-  const GroupPlan plan = plan_group(shapes, params_[0].original_dtype, requires_grad_, options, comm_->size());
+  const int replicas = replicate_ ? replicate_->size() : 1, replica = replicate_ ? replicate_->rank() : 0;
+  const GroupPlan plan = plan_group(shapes, params_[0].original_dtype, requires_grad_, options, comm_->size(), replicas);
   const RolePlacements placement = plan.placement;
   const at::ScalarType original = params_[0].original_dtype, main_dtype = plan.main_dtype;
   compute_dtype_ = plan.compute_dtype;
@@ -71,11 +72,14 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
     if (!plan.main_weights_own_memory() && placement.main_weights == placement.model_weights) {
       main_weights_ = model_weights_;  // one copy serves both roles
     } else if (!plan.main_weights_own_memory()) {
-      // Sharded main weights over replicated model weights of the same dtype: this rank's region.
-      main_weights_ = FlatBuffer(&layout_, rank_, placement.main_weights, model_weights_.own());
+      // Sharded main weights over replicated model weights of the same dtype (or, HFSDP,
+      // outer-sharded over sharded ones): this rank's region of them.
+      const int64_t begin = FlatBuffer::begin_of(layout_, rank_, placement.main_weights, replica);
+      main_weights_ = FlatBuffer(&layout_, rank_, placement.main_weights,
+                                 model_weights_.range(begin, elements_of(layout_, placement.main_weights)), replica);
     } else {
       main_weights_ = FlatBuffer::from_full(&layout_, rank_, placement.main_weights, original_flat,
-                                            on_device.dtype(main_dtype));
+                                            on_device.dtype(main_dtype), replica);
     }
     ReducerSetup setup;
     setup.params = &params_;
@@ -88,7 +92,8 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
     setup.compute_dtype = compute_dtype_;
     setup.grad_dtype = plan.grad_dtype;
     setup.comm_dtype = options.mixed_precision.grad_comm_dtype.value_or(plan.grad_dtype);
-    FlatBuffer main_grads = FlatBuffer::zeros(&layout_, rank_, placement.main_grads, on_device.dtype(plan.grad_dtype));
+    FlatBuffer main_grads =
+        FlatBuffer::zeros(&layout_, rank_, placement.main_grads, on_device.dtype(plan.grad_dtype), replica);
     setup.deferred = !main_grads.sharded() && main_weights_.sharded();
     gradients_ = GradientReducer(std::move(setup), std::move(main_grads));
   }
@@ -174,12 +179,15 @@ void ParamGroup::copy_main_to_model_weights() {
   // Replicated model weights over sharded main weights (ZeRO-1/2): every rank updated its region.
   if (!model_weights_.sharded() && main_weights_.sharded())
     comm_->all_gather(model_weights_.data(), model_weights_.own());
+  // HFSDP: each replica updated its sub-shard of this rank's shard.
+  if (main_weights_.outer_sharded())
+    replicate_->all_gather(model_weights_.data(), model_weights_.range(main_weights_.begin(), layout_.sub_shard()));
 }
 
 void ParamGroup::load_flat(const at::Tensor& flat) {
   wait_unshard();
   auto copy_into = [&](const FlatBuffer& b) {
-    b.data().copy_(b.sharded() ? flat.narrow(0, b.begin(), layout_.shard) : flat);
+    b.data().copy_(flat.narrow(0, b.begin(), b.data().numel()));
   };
   if (requires_grad_ && !main_weights_.aliases(model_weights_)) copy_into(main_weights_);
   copy_into(model_weights_);

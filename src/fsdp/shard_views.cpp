@@ -41,8 +41,9 @@ std::vector<LocalShard> local_shards(const ParamGroup& group) {
     ls.offset = slice.param_offset;
     ls.local = source.data().narrow(0, slice.length > 0 ? slice.local_offset : 0, slice.length);
     ls.shard_offset = slice.length > 0 ? slice.local_offset : 0;
-    ls.replicas = source.sharded() ? outer : outer * shards.size();
-    ls.replica = source.sharded() ? outer_rank : outer_rank * shards.size() + shards.rank();
+    // HFSDP: every rank holds a slice of its own.
+    ls.replicas = source.outer_sharded() ? 1 : source.sharded() ? outer : outer * shards.size();
+    ls.replica = source.outer_sharded() ? 0 : source.sharded() ? outer_rank : outer_rank * shards.size() + shards.rank();
     out.push_back(ls);
   }
   return out;
@@ -51,9 +52,14 @@ std::vector<LocalShard> local_shards(const ParamGroup& group) {
 std::vector<at::Tensor> gather_full_parameters(const ParamGroup& group) {
   const FlatBuffer& source = group.requires_grad() ? group.main_weights() : group.model_weights();
   at::Tensor full = source.data();
+  if (source.outer_sharded()) {  // HFSDP: this shard from its replicas' sub-shards first
+    full = at::empty({group.layout().shard}, source.data().options());
+    group.replicas()->all_gather(full, source.data());
+  }
   if (source.sharded()) {
+    at::Tensor shard = full;
     full = at::empty({group.layout().total()}, source.data().options());
-    group.shard_group().all_gather(full, source.data());
+    group.shard_group().all_gather(full, shard);
   }
   std::vector<at::Tensor> values;
   for (size_t i = 0; i < group.params().size(); ++i) {

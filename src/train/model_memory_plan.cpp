@@ -25,7 +25,10 @@ MemoryPlan plan_training_memory(const PretrainArgs& args, int world) {
   const FullyShardOptions shard = shard_options_from_args(args, nullptr, args.calculate_per_token_loss);
   StepShape step = training_step_shape(*model, args);
   if (ep > 1) step.expert_data_parallel = world / ep;
-  return plan_memory(*model, step, shard, world);
+  // HSDP: shard groups of world / N ranks, N replicas of each (which split the main weights,
+  // gradients and optimizer state under --outer-dp-sharding-strategy optim).
+  const int instances = static_cast<int>(args.num_distributed_optimizer_instances);
+  return plan_memory(*model, step, shard, world / instances, instances);
 }
 
 void print_memory_plan(const PretrainArgs& args, const std::shared_ptr<Communicator>& comm, std::ostream& log) {

@@ -253,6 +253,15 @@ const std::vector<Flag>& flags() {
             BOOL_FLAG("--fsdp-trace-pool", fsdp_trace_pool,
                       "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
             BOOL_FLAG("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU; refused on NCCL: not supported yet)"),
+            INT_FLAG("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
+                     "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
+                     "each shards the model as --data-parallel-sharding-strategy says, the instances "
+                     "replicate it and all-reduce gradients across"),
+            STRING_FLAG("--outer-dp-sharding-strategy", outer_dp_sharding_strategy,
+                        "what is sharded across the instances of --num-distributed-optimizer-instances: "
+                        "no_shard, nothing (HSDP); optim, main weights, gradients and optimizer state "
+                        "(HFSDP; needs optim_grads_params)",
+                        "no_shard", "optim"),
          }},
         {Section::kRuntime,
          {
@@ -502,6 +511,14 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (a.expert_model_parallel_size > 1 && dp % a.expert_model_parallel_size != 0)
     flag_error("--expert-model-parallel-size", std::to_string(a.expert_model_parallel_size) +
                                                    " does not divide the data-parallel size " + std::to_string(dp));
+  const int64_t instances = a.num_distributed_optimizer_instances;
+  if (instances > 1 && dp % instances != 0)
+    flag_error("--num-distributed-optimizer-instances", std::to_string(instances) +
+                                                           " does not divide the data-parallel size " + std::to_string(dp));
+  if (instances > 1 && a.expert_model_parallel_size > 1)
+    flag_error("--num-distributed-optimizer-instances",
+               "HSDP with --expert-model-parallel-size " + std::to_string(a.expert_model_parallel_size) +
+                   " is not supported by mfsdp yet (the experts' own hybrid mesh); use one of the two");
   static_cast<const DataSection&>(a).validate();
   static_cast<const TrainingSection&>(a).validate();
   static_cast<const OptimizerSection&>(a).validate();

@@ -73,7 +73,16 @@ FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shar
                                           bool per_token_loss) {
   FullyShardOptions o;
   o.comm = comm;
+  const int instances = static_cast<int>(a.num_distributed_optimizer_instances);
+  if (instances > 1 && comm) {
+    // HSDP: Megatron's instances are runs of consecutive data-parallel ranks, which is the
+    // row-major [dp_outer, dp_shard] mesh (the shard dimension varies fastest).
+    o.mesh = std::make_shared<DeviceMesh>(comm, std::vector<int>{instances, comm->size() / instances},
+                                          std::vector<std::string>{"dp_outer", "dp_shard"});
+    o.comm = nullptr;
+  }
   o.strategy = parse_sharding_strategy(a.data_parallel_sharding_strategy);
+  o.outer_strategy = parse_sharding_strategy(a.outer_dp_sharding_strategy);
   o.prefetch = !a.no_fsdp_prefetch;
   o.all_gather_in_start_param_sync = !a.no_fsdp_all_gather_in_start_param_sync;
   if (a.fsdp_double_buffer) o.buffer_allocator = BufferAllocatorKind::kDoubleBuffer;
@@ -201,6 +210,15 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
   }
   if (!args.dump_param_to_param_group_map.empty()) write_param_group_map();
   if (print_) print_expert_buffers();
+  if (print_ && args.num_distributed_optimizer_instances > 1) {
+    const int64_t instances = args.num_distributed_optimizer_instances;
+    log_ << " HSDP: " << instances << " instances of " << comm_->size() / instances
+         << " consecutive data-parallel ranks; each instance shards the model ("
+         << args.data_parallel_sharding_strategy << "), "
+         << (args.outer_dp_sharding_strategy == "optim"
+                 ? "the instances split each shard's main weights, gradients and optimizer state (HFSDP)\n"
+                 : "the instances replicate it and all-reduce its gradients\n");
+  }
   schedule_.max_lr = args.lr;
   schedule_.min_lr = args.min_lr;
   schedule_.warmup_steps = args.lr_warmup_iters;

@@ -51,9 +51,10 @@ struct Sharded {
   std::unique_ptr<mfsdp::DistributedOptimizer> opt;
 };
 
-// `mesh_shape` {outer, shard} for HSDP, empty for 1-D sharding over the world.
+// `mesh_shape` {outer, shard} for HSDP (`hfsdp`: main weights and optimizer state split across
+// the replicas too), empty for 1-D sharding over the world.
 Sharded make_sharded(const std::shared_ptr<mfsdp::Communicator>& world, ShardingStrategy s,
-                     std::vector<int> mesh_shape = {}) {
+                     std::vector<int> mesh_shape = {}, bool hfsdp = false) {
   Sharded m{make_net(), {}, nullptr};
   mfsdp::FullyShardOptions o;
   if (mesh_shape.empty()) {
@@ -62,6 +63,7 @@ Sharded make_sharded(const std::shared_ptr<mfsdp::Communicator>& world, Sharding
     o.mesh = std::make_shared<mfsdp::DeviceMesh>(world, mesh_shape, std::vector<std::string>{"dp_outer", "dp_shard"});
   }
   o.strategy = s;
+  if (hfsdp) o.outer_strategy = ShardingStrategy::kOptim;
   for (auto& b : m.net->blocks) mfsdp::fully_shard(*b, o);
   m.root = mfsdp::fully_shard(*m.net, o);
   mfsdp::AdamWOptions a;
@@ -132,16 +134,17 @@ struct Config {
   int world;
   ShardingStrategy strategy;
   std::vector<int> mesh;  // HSDP shape or empty
+  bool hfsdp = false;     // outer_strategy kOptim
   std::string label() const {
     std::string l = std::to_string(world) + "_" + mfsdp::to_string(strategy);
     for (int d : mesh) l += "_m" + std::to_string(d);
-    return l;
+    return hfsdp ? l + "_hf" : l;
   }
 };
 
 void save_phase(mfsdp::Communicator& comm, const Config& c) {
   auto world = borrow(comm);
-  Sharded m = make_sharded(world, c.strategy, c.mesh);
+  Sharded m = make_sharded(world, c.strategy, c.mesh, c.hfsdp);
   train(comm, m, 0, 2);
   const std::string dir = mfsdp::testing::shared_temp_dir();
   mfsdp::CheckpointInfo info;
@@ -157,7 +160,7 @@ void save_phase(mfsdp::Communicator& comm, const Config& c) {
 void load_phase(mfsdp::Communicator& comm, const Config& saved, const Config& c) {
   auto world = borrow(comm);
   const std::string where = " (saved " + saved.label() + ", loaded " + c.label() + ")";
-  Sharded m = make_sharded(world, c.strategy, c.mesh);
+  Sharded m = make_sharded(world, c.strategy, c.mesh, c.hfsdp);
   const std::string dir = mfsdp::testing::shared_temp_dir();
   mfsdp::LoadedCheckpoint got = mfsdp::load_checkpoint(dir + "/ckpt", world, m.root, m.opt.get());
   EXPECT_EQ(got.iteration, 2) << where;
@@ -201,10 +204,12 @@ TEST(Checkpoint, LoadsAtOtherWorldSizesAndStrategies) {
                                      {2, ShardingStrategy::kNoShard, {}},
                                      {3, ShardingStrategy::kOptimGradsParams, {}},
                                      {3, ShardingStrategy::kOptim, {}},
-                                     {4, ShardingStrategy::kOptimGradsParams, {2, 2}}};
+                                     {4, ShardingStrategy::kOptimGradsParams, {2, 2}},
+                                     {4, ShardingStrategy::kOptimGradsParams, {2, 2}, true}};
   const std::vector<Config> loads = {{1, ShardingStrategy::kNoShard, {}},
                                      {2, ShardingStrategy::kOptimGrads, {}},
-                                     {4, ShardingStrategy::kOptimGradsParams, {}}};
+                                     {4, ShardingStrategy::kOptimGradsParams, {}},
+                                     {4, ShardingStrategy::kOptimGradsParams, {2, 2}, true}};
   for (const Config& s : saves) {
     mfsdp::testing::DistOptions save_opts;
     save_opts.world_sizes = {s.world};

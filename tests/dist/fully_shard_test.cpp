@@ -80,7 +80,8 @@ void expect_close(const Tensor& got, const Tensor& want, double rtol, const std:
 void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strategy, bool adamw,
                        const mfsdp::MixedPrecisionPolicy& mp = {}, double rtol = 1e-5,
                        mfsdp::GradientScaling scaling = mfsdp::GradientScaling::kDivideByWorld,
-                       std::shared_ptr<mfsdp::DeviceMesh> mesh = nullptr) {
+                       std::shared_ptr<mfsdp::DeviceMesh> mesh = nullptr,
+                       mfsdp::ShardingStrategy outer = mfsdp::ShardingStrategy::kNoShard) {
   const int world = comm.size(), rank = comm.rank();
   auto comm_ptr = std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
   Net net = make_net();
@@ -91,6 +92,7 @@ void check_equivalence(mfsdp::Communicator& comm, mfsdp::ShardingStrategy strate
     options.comm = comm_ptr;
   }
   options.strategy = strategy;
+  options.outer_strategy = outer;
   options.mixed_precision = mp;
   options.gradient_scaling = scaling;
   // Without scaling the loss itself must be normalised globally (as with per-token loss).
@@ -196,9 +198,21 @@ MFSDP_DIST_TEST(FullyShard, Bf16ComputeTracksFp32Reference, {2, 3}) {
   check_equivalence(comm, mfsdp::ShardingStrategy::kOptimGradsParams, false, mp, 3e-2);
 }
 
-// HSDP: 2 replicas x 2 shards (and 1 x 4 as a 2-D mesh) trains exactly like one process.
+// HSDP: 2 replicas x 2 shards (and 1 x 4 as a 2-D mesh) trains exactly like one process; so
+// does HFSDP (main weights, grads and optimizer state split across the replicas too) at 2 x 2
+// and 4 x 1, in fp32 and with bf16 compute over fp32 main weights.
 MFSDP_DIST_TEST(FullyShard, HybridShardingMatchesSingleProcess, {4}) {
   auto world = std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
+  for (std::vector<int> shape : {std::vector<int>{2, 2}, std::vector<int>{4, 1}}) {
+    auto mesh = std::make_shared<mfsdp::DeviceMesh>(world, shape,
+                                                    std::vector<std::string>{"dp_outer", "dp_shard"});
+    const auto hfsdp = mfsdp::ShardingStrategy::kOptim, zero3 = mfsdp::ShardingStrategy::kOptimGradsParams;
+    check_equivalence(comm, zero3, true, {}, 1e-5, mfsdp::GradientScaling::kDivideByWorld, mesh, hfsdp);
+    check_equivalence(comm, zero3, false, {}, 1e-5, mfsdp::GradientScaling::kAverageInCollective, mesh, hfsdp);
+    mfsdp::MixedPrecisionPolicy bf16;
+    bf16.param_dtype = at::kBFloat16;
+    check_equivalence(comm, zero3, true, bf16, 3e-2, mfsdp::GradientScaling::kDivideByWorld, mesh, hfsdp);
+  }
   for (std::vector<int> shape : {std::vector<int>{2, 2}, std::vector<int>{1, 4}}) {
     auto mesh = std::make_shared<mfsdp::DeviceMesh>(world, shape,
                                                     std::vector<std::string>{"dp_outer", "dp_shard"});

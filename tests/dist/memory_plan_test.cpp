@@ -27,10 +27,13 @@ struct Variant {
   bool bf16 = false, tied = false;
   int64_t micro_batches = 1;
   int64_t expert_parallel = 0;  // 0: dense; else 4 experts split over this many ranks
+  int64_t instances = 1;        // HSDP instances (--num-distributed-optimizer-instances)
+  std::string outer = "no_shard";
   std::string describe(int world) const {
     return strategy + (bf16 ? " bf16" : " fp32") + (tied ? " tied" : " untied") + ", " +
            std::to_string(micro_batches) + " micro-batch(es), " + std::to_string(world) + " ranks" +
-           (expert_parallel ? ", MoE EP " + std::to_string(expert_parallel) : "");
+           (expert_parallel ? ", MoE EP " + std::to_string(expert_parallel) : "") +
+           (instances > 1 ? ", HSDP " + std::to_string(instances) + " instances, outer " + outer : "");
   }
 };
 
@@ -50,6 +53,17 @@ std::vector<Variant> moe_variants(int world) {
   for (const char* s : {"no_shard", "optim", "optim_grads", "optim_grads_params"})
     for (int64_t ep = 1; ep <= world; ep *= 2)
       for (int64_t micro : {1, 2}) out.push_back({s, /*bf16=*/micro == 2, /*tied=*/false, micro, ep});
+  return out;
+}
+
+// HSDP: every strategy inside 2 instances, and HFSDP (outer optim) in fp32 and bf16, one and two
+// micro-batches.
+std::vector<Variant> hybrid_variants() {
+  std::vector<Variant> out;
+  for (const char* s : {"no_shard", "optim", "optim_grads", "optim_grads_params"})
+    out.push_back({s, false, false, 2, 0, 2, "no_shard"});
+  for (bool bf16 : {false, true})
+    for (int64_t micro : {1, 2}) out.push_back({"optim_grads_params", bf16, false, micro, 0, 2, "optim"});
   return out;
 }
 
@@ -73,6 +87,8 @@ PretrainArgs tiny_args(const Variant& v, int world) {
   a.data_parallel_sharding_strategy = v.strategy;
   a.bf16 = v.bf16;
   a.device = "cpu";
+  a.num_distributed_optimizer_instances = v.instances;
+  a.outer_dp_sharding_strategy = v.outer;
   if (v.expert_parallel > 0) {
     a.num_experts = 4;
     a.moe_router_topk = 2;
@@ -143,6 +159,11 @@ MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHold, {1, 2, 3, 4}) { expect_plan
 // their layers, the rest over every rank.
 MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHoldUnderExpertParallelism, {2, 4}) {
   expect_plan_matches(borrow(comm), moe_variants(comm.size()));
+}
+
+// Under hybrid sharding: 2 instances of 2 ranks (HSDP and HFSDP).
+MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHoldUnderHybridSharding, {4}) {
+  expect_plan_matches(borrow(comm), hybrid_variants());
 }
 
 TEST(MemoryPlan, EqualsWhatASimulatedRankHolds) {

@@ -135,6 +135,46 @@ TEST(PretrainCheckpoint, ResumesOnOneRankWithAnotherStrategy) {
   for (auto& [it, step] : b) EXPECT_NEAR(step.loss, a.at(it).loss, 1e-5 * a.at(it).loss) << "iteration " << it;
 }
 
+// HSDP checkpoints: each element is written once (by one replica); a 2 x 2 HSDP job resumes bit
+// for bit as 2 x 2, and its checkpoint loads into a plain 2-rank job (and that one's into 2 x 2)
+// with the losses of the uninterrupted run. HFSDP (each rank writes its own sub-shards) resumes
+// as HFSDP and reshards to and from a plain job the same way.
+TEST(PretrainCheckpoint, HybridShardingResumesAndReshards) {
+  TempDir dir("mfsdp-hsdp-ckpt");
+  const std::string hsdp = " --num-distributed-optimizer-instances 2";
+  CommandOutcome whole = pretrain(4, hsdp + " --metrics-file " + dir.file("whole.jsonl"));
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  CommandOutcome first = pretrain(4, hsdp + " --save " + dir.file("hsdp") + " --exit-interval 4");
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  CommandOutcome plain_first = pretrain(2, " --save " + dir.file("plain") + " --exit-interval 4");
+  ASSERT_EQ(plain_first.exit_code, 0) << plain_first.output;
+  struct Resume {
+    int ranks;
+    std::string flags, from, name;
+    bool exact;
+  };
+  const std::string hfsdp = hsdp + " --outer-dp-sharding-strategy optim";
+  CommandOutcome hfsdp_first = pretrain(4, hfsdp + " --save " + dir.file("hfsdp") + " --exit-interval 4");
+  ASSERT_EQ(hfsdp_first.exit_code, 0) << hfsdp_first.output;
+  for (const Resume& r : {Resume{4, hsdp, "hsdp", "same", true}, Resume{2, "", "hsdp", "to_plain", false},
+                          Resume{4, hsdp, "plain", "from_plain", false}, Resume{4, hfsdp, "hfsdp", "hfsdp_same", false},
+                          Resume{2, "", "hfsdp", "hfsdp_to_plain", false}, Resume{4, hfsdp, "plain", "plain_to_hfsdp", false}}) {
+    CommandOutcome second = pretrain(r.ranks, r.flags + " --load " + dir.file(r.from) + " --metrics-file " +
+                                                  dir.file(r.name + ".jsonl"));
+    ASSERT_EQ(second.exit_code, 0) << r.name << "\n" << second.output;
+    auto a = steps_of(dir.file("whole.jsonl")), b = steps_of(dir.file(r.name + ".jsonl"));
+    ASSERT_EQ(b.size(), 4u) << r.name << "\n" << second.output;
+    for (auto& [it, step] : b) {
+      if (r.exact) {
+        EXPECT_EQ(step.loss, a.at(it).loss) << r.name << " iteration " << it;
+        EXPECT_EQ(step.grad_norm, a.at(it).grad_norm) << r.name << " iteration " << it;
+      } else {
+        EXPECT_NEAR(step.loss, a.at(it).loss, 1e-5 * a.at(it).loss) << r.name << " iteration " << it;
+      }
+    }
+  }
+}
+
 TEST(PretrainCheckpoint, FinetuneAndResumeRulesNameTheFlag) {
   TempDir dir("mfsdp-rules");
   const std::string ckpt = dir.file("ckpt");

@@ -298,6 +298,19 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --export-hf /etc/passwd/hf", "--export-hf"},
       {kModel + " --metrics-file /etc/passwd/metrics.jsonl", "--metrics-file"},
       {kModel + " --check-for-nan-in-loss-and-grad=1", "--check-for-nan-in-loss-and-grad: takes no value"},
+      {kModel + " --num-distributed-optimizer-instances 0", "--num-distributed-optimizer-instances: must be >= 1"},
+      {kModel + " --num-distributed-optimizer-instances 2",
+       "--num-distributed-optimizer-instances: 2 does not divide the data-parallel size 1"},
+      {kModel + " --simulate-world-size 4 --num-distributed-optimizer-instances 3",
+       "--num-distributed-optimizer-instances: 3 does not divide the data-parallel size 4"},
+      {kModel + " --outer-dp-sharding-strategy optim", "--outer-dp-sharding-strategy: optim shards across the instances"},
+      {kModel + " --simulate-world-size 4 --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim"
+                " --data-parallel-sharding-strategy optim",
+       "--outer-dp-sharding-strategy: optim (HFSDP) needs --data-parallel-sharding-strategy optim_grads_params, got optim"},
+      {kModel + " --outer-dp-sharding-strategy replicate", "--outer-dp-sharding-strategy"},
+      {kModel + " --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --simulate-world-size 4"
+                " --num-distributed-optimizer-instances 2",
+       "--num-distributed-optimizer-instances: HSDP with --expert-model-parallel-size 2"},
   };
   for (const auto& c : cases) {
     Outcome r = run("env RANK=0 WORLD_SIZE=1 " + pretrain + c.flags);
@@ -360,6 +373,82 @@ TEST(Pretrain, ParamsNormAndNumZerosOverShards) {
     EXPECT_GE(runs[0][i]["num_zeros_in_grad"].get<int64_t>(), padding_zeros);
   }
   mfsdp::remove_tree(dir);
+}
+
+// HSDP (--num-distributed-optimizer-instances): 4 ranks as 2 instances of 2 shards, and as 4
+// instances of 1, train as one rank does (losses, grad norms, params norms and zero counts, each
+// element counted once over the replicas), under ZeRO-3, ZeRO-1 and no_shard inside the
+// instances, and with HFSDP (--outer-dp-sharding-strategy optim); the start-up line names the
+// layout. The bytes a rank holds are those of FSDP over its instance, less the main weights,
+// gradients and optimizer state HFSDP splits across the instances, as --memory-plan says first.
+TEST(Pretrain, HybridShardingTrainsLikeOneRank) {
+  mfsdp::testing::TempDir dir("mfsdp-hsdp");
+  const std::string flags = kModel + " --train-iters 6 --log-params-norm --log-num-zeros-in-grad";
+  auto records = [&](int ranks, const std::string& extra, const std::string& name, Outcome* out = nullptr) {
+    const std::string metrics = dir.file(name + ".jsonl");
+    Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node " + std::to_string(ranks) + " " +
+                    bin("MFSDP_PRETRAIN_BIN") + flags + extra + " --metrics-file " + metrics);
+    EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
+    if (out) *out = r;
+    return train_records(metrics);
+  };
+  const auto one = records(1, "", "one");
+  ASSERT_EQ(one.size(), 6u);
+  struct Layout {
+    const char* strategy;
+    int instances;
+    const char* outer;
+  };
+  for (const Layout l : {Layout{"optim_grads_params", 2, "no_shard"}, Layout{"optim", 2, "no_shard"},
+                         Layout{"no_shard", 2, "no_shard"}, Layout{"optim_grads_params", 4, "no_shard"},
+                         Layout{"optim_grads_params", 2, "optim"}, Layout{"optim_grads_params", 4, "optim"}}) {
+    const std::string extra = std::string(" --data-parallel-sharding-strategy ") + l.strategy +
+                              " --num-distributed-optimizer-instances " + std::to_string(l.instances) +
+                              " --outer-dp-sharding-strategy " + l.outer;
+    Outcome r;
+    const auto hsdp = records(4, extra, std::string(l.strategy) + std::to_string(l.instances) + l.outer, &r);
+    ASSERT_EQ(hsdp.size(), one.size()) << extra << "\n" << r.output;
+    EXPECT_NE(r.output.find(" HSDP: " + std::to_string(l.instances) + " instances of " +
+                            std::to_string(4 / l.instances) + " consecutive data-parallel ranks"),
+              std::string::npos)
+        << r.output;
+    for (size_t i = 0; i < one.size(); ++i) {
+      for (const char* key : {"lm_loss", "grad_norm", "params_norm"}) {
+        const double want = one[i][key].get<double>();
+        EXPECT_NEAR(hsdp[i][key].get<double>(), want, 1e-5 * std::abs(want)) << extra << " " << key << " it " << i + 1;
+      }
+      EXPECT_EQ(hsdp[i]["num_zeros_in_grad"], one[i]["num_zeros_in_grad"]) << extra << " iteration " << i + 1;
+    }
+  }
+  // A rank of 2 x 2 HSDP holds what a rank of a plain 2-rank job holds; HFSDP's main grads and
+  // optimizer state are those of a 4-rank job, its model weights twice those (the shard of 2 of
+  // the 4-rank packing). The plan says so first.
+  Outcome hsdp, hfsdp, plain2, plain4;
+  records(4, " --num-distributed-optimizer-instances 2", "bytes_hsdp", &hsdp);
+  records(4, " --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim", "bytes_hfsdp", &hfsdp);
+  records(2, "", "bytes2", &plain2);
+  records(4, "", "bytes4", &plain4);
+  auto field = [](const std::string& output, const std::string& name) {
+    const std::string line = buffer_bytes_line(output);
+    const auto at = line.find(name + " ");
+    return at == std::string::npos ? std::string("missing") : line.substr(at, line.find(',', at) - at);
+  };
+  for (const char* name : {"model weights", "main grads", "optimizer state"}) {
+    EXPECT_EQ(field(hsdp.output, name), field(plain2.output, name)) << hsdp.output;
+    if (std::string(name) != "model weights") EXPECT_EQ(field(hfsdp.output, name), field(plain4.output, name)) << hfsdp.output;
+  }
+  const double hfsdp_model = std::stod(field(hfsdp.output, "model weights").substr(14)),
+               plain4_model = std::stod(field(plain4.output, "model weights").substr(14));
+  EXPECT_NEAR(hfsdp_model, 2 * plain4_model, 1e-4 * hfsdp_model) << hfsdp.output;
+  for (const Outcome* real : {&hsdp, &hfsdp}) {
+    const bool split = real == &hfsdp;
+    Outcome plan = run(bin("MFSDP_PRETRAIN_BIN") + flags + " --num-distributed-optimizer-instances 2 --memory-plan" +
+                       " --simulate-world-size 4" + (split ? " --outer-dp-sharding-strategy optim" : ""));
+    ASSERT_EQ(plan.exit_code, 0) << plan.output;
+    const std::string measured = buffer_bytes_line(real->output);
+    ASSERT_FALSE(measured.empty()) << real->output;
+    EXPECT_EQ(planned_bytes_line(plan.output), measured.substr(0, measured.find(", buffer pool"))) << plan.output;
+  }
 }
 
 namespace {

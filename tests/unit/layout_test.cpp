@@ -60,3 +60,24 @@ TEST(FlatLayout, ExplodingLcmFallsBackToElementGranularity) {
   EXPECT_EQ(l.used, 2 * (97 + 89 + 83));
   EXPECT_LT(l.total() - l.used, 4);
 }
+
+// HFSDP: packed for world x outer ranks and read as `world` shards of `outer` sub-shards, so
+// every sub-shard boundary falls on a row as well (the worked example, 3 shards x 2 replicas:
+// packed for 6 ranks the rows would pad too much, so elements; shard 12 = 2 sub-shards of 6).
+TEST(FlatLayout, SubShardsForReplicasFallOnRows) {
+  auto l = FlatLayout::build({{2, 6}, {4, 4}, {1, 2}, {3}}, 3, true, 0.25, 2);
+  EXPECT_EQ(l.world, 3);
+  EXPECT_EQ(l.outer, 2);
+  EXPECT_EQ(l.shard, 12);
+  EXPECT_EQ(l.sub_shard(), 6);
+  EXPECT_EQ(l.total(), 36);
+  std::vector<std::vector<int64_t>> shapes = {{5, 6}, {7, 4}, {3}, {2, 3}, {1}, {9, 2}};
+  for (int outer = 1; outer <= 3; ++outer)
+    for (int world = 1; world <= 4; ++world) {
+      auto l2 = FlatLayout::build(shapes, world, true, 1.0, outer);  // padding allowed: rows kept
+      const auto packed = FlatLayout::build(shapes, world * outer, true, 1.0);
+      EXPECT_EQ(l2.total(), packed.total()) << world << " x " << outer;
+      EXPECT_EQ(l2.sub_shard(), packed.shard) << world << " x " << outer;
+      EXPECT_EQ(l2.sub_shard() % l2.chunk, 0) << world << " x " << outer;
+    }
+}

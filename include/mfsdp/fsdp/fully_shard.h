@@ -87,6 +87,12 @@ struct FullyShardOptions {
   // all-reduced across replicas. Pass optimizer_comm() to the optimizer.
   std::shared_ptr<DeviceMesh> mesh;
   ShardingStrategy strategy = ShardingStrategy::kOptimGradsParams;
+  // With a 2-D mesh, what is sharded across the replicas as well: kNoShard, nothing (HSDP: every
+  // replica holds the same shards); kOptim, main weights, main grads and optimizer state
+  // (Megatron-FSDP's HFSDP, outer_dp_sharding_strategy "optim"; needs kOptimGradsParams): a
+  // replica holds 1/R of its shard's, gradients are reduce-scattered across the replicas and the
+  // updated weights all-gathered back. optimizer_comm() is then the whole mesh.
+  ShardingStrategy outer_strategy = ShardingStrategy::kNoShard;
   MixedPrecisionPolicy mixed_precision;
   bool reshard_after_forward = true;   // optim_grads_params only: free weights after forward
   GradientScaling gradient_scaling = GradientScaling::kDivideByWorld;
@@ -174,7 +180,8 @@ class FsdpHandle {
   // (default: world size, or 1 with GradientScaling::kNone; not used with kAverageInCollective).
   void set_gradient_divide_factor(double factor);
 
-  // The communicator the optimizer reduces the gradient norm over (the shard group).
+  // The communicator the optimizer reduces the gradient norm over: the shard group, or under
+  // HFSDP (outer_strategy kOptim) the whole mesh.
   std::shared_ptr<Communicator> optimizer_comm() const;
   // Every flat shard under this unit's root, for the distributed optimizer (make_adamw(root, ...)
   // binds them with the after-step hook; this is for optimizers of your own).

@@ -89,9 +89,11 @@ struct MemoryPlan {
 
 // Throws std::invalid_argument for a unit path that is no module under `root`, a root that is
 // not first, an expert_group unit first or after another, or without an expert_data_parallel
-// size dividing `world`, an HSDP mesh, or a world size < 1.
+// size dividing `world`, an HSDP mesh, or a world size < 1. `world`: the ranks a shard group
+// holds; `replicas`: HSDP's copies of each shard group (options.mesh stays unset: the plan makes
+// a simulated [replicas, world] mesh), which hold less only under outer_strategy kOptim.
 MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
-                       int world);
+                       int world, int replicas = 1);
 
 // Every group's buffers (a table, one line per group), then the per-rank totals and where the
 // transient peak is reached.

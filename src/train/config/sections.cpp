@@ -240,6 +240,18 @@ void CheckpointSection::validate() const {
 
 void FsdpSection::validate() const {
   if (fsdp_double_buffer && fsdp_trace_pool) flag_error("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
+  if (num_distributed_optimizer_instances < 1)
+    flag_error("--num-distributed-optimizer-instances",
+               "must be >= 1, got " + std::to_string(num_distributed_optimizer_instances));
+  // Megatron-FSDP's HFSDP shards the main weights across the instances: it builds on ZeRO-3 inside.
+  if (outer_dp_sharding_strategy == "optim" && data_parallel_sharding_strategy != "optim_grads_params")
+    flag_error("--outer-dp-sharding-strategy",
+               "optim (HFSDP) needs --data-parallel-sharding-strategy optim_grads_params, got " +
+                   data_parallel_sharding_strategy);
+  if (outer_dp_sharding_strategy == "optim" && num_distributed_optimizer_instances < 2)
+    flag_error("--outer-dp-sharding-strategy",
+               "optim shards across the instances of --num-distributed-optimizer-instances, which is " +
+                   std::to_string(num_distributed_optimizer_instances) + " (needs 2 or more)");
 }
 
 void RuntimeSection::validate() const {

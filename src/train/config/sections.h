@@ -172,6 +172,10 @@ struct FsdpSection {
   bool fsdp_double_buffer = false;
   bool fsdp_trace_pool = false;  // ours: trace-then-plan pool for unsharded buffers
   bool use_nccl_ub = false;
+  // HSDP (Megatron's hierarchical data parallelism): the data-parallel ranks as instances of
+  // consecutive ranks; each instance shards the model, the instances replicate it.
+  int64_t num_distributed_optimizer_instances = 1;
+  std::string outer_dp_sharding_strategy = "no_shard";  // across instances: no_shard (HSDP) or optim
   void validate() const;
 };
 
