@@ -13,6 +13,7 @@
 # Environment (defaults in brackets): LAYERS [32] HIDDEN [4096] FFN [14336] HEADS [32]
 #   KV_HEADS [8] VOCAB [128256] (untied) RANKS [8 64 512] CHECK_RANKS [64 512]
 #   CHECK_PRECISIONS [fp32 bf16] CHECK_ITERS [2] BUILD [<repo>/build] OUT [a new temporary folder]
+#   HYBRID [64:8 512:8] (ranks:ranks per instance for the hybrid-sharding table)
 #   PYTHON [<repo>/.venv/bin/python]
 # A check runs ZeRO-3 (optim_grads_params), --init-model-with-meta-device, one sequence of 128
 # tokens per rank, CHECK_ITERS iterations (the plan is of a step from the second on), 2 threads;
@@ -91,6 +92,37 @@ for n in $RANKS; do
           n, s, p, mw / g, main / g, mg / g, opt / g, persistent / g, tr / g, (persistent + tr) / g, at,
           z / (1024 * 1024 * 1024), f, ft, fa }'
     done
+  done
+done
+
+# Hybrid sharding: instances of a node's ranks (shard inside, replicate or split across), beside
+# ZeRO-3 over the instance and over every rank.
+echo
+echo "## Hybrid sharding of Llama-3-8B (bf16 mixed precision, AdamW), GiB per rank"
+echo
+echo "HSDP: --num-distributed-optimizer-instances N/I --outer-dp-sharding-strategy no_shard; HFSDP: the same"
+echo "with optim. ZeRO-3 over I ranks is what an HSDP rank holds; HFSDP keeps its model weights and"
+echo "splits main weights, gradients and AdamW state over all N ranks."
+echo
+echo "| ranks | instance | layout | model | main | grads | AdamW | persistent | transient | total |"
+echo "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"
+for pair in ${HYBRID:-64:8 512:8}; do
+  n=${pair%%:*} inst=${pair##*:}
+  for layout in "ZeRO-3 over $inst" "HSDP" "HFSDP" "ZeRO-3 over $n"; do
+    case $layout in
+      HSDP) world=$n extra=(--num-distributed-optimizer-instances $((n / inst))) ;;
+      HFSDP) world=$n extra=(--num-distributed-optimizer-instances $((n / inst)) --outer-dp-sharding-strategy optim) ;;
+      "ZeRO-3 over $inst") world=$inst extra=() ;;
+      *) world=$n extra=() ;;
+    esac
+    log=$OUT/hybrid.$n.$inst.${layout// /_}.log
+    "$BUILD/mfsdp-pretrain" "${MODEL[@]}" --bf16 --memory-plan --simulate-world-size "$world" "${extra[@]}" \
+      >"$log" 2>&1 || { cat "$log" >&2; die "the plan failed ($log)"; }
+    read -r mw main mg opt tr <<<"$(mib_fields "$log")"
+    awk -v n="$n" -v i="$inst" -v l="$layout" -v mw="$mw" -v main="$main" -v mg="$mg" -v opt="$opt" -v tr="$tr" 'BEGIN {
+      g = 1024; p = mw + main + mg + opt
+      printf "| %d | %d | %s | %.2f | %.2f | %.2f | %.2f | **%.2f** | %.2f | %.2f |\n", n, i, l, mw / g, main / g, mg / g,
+        opt / g, p / g, tr / g, (p + tr) / g }'
   done
 done
 [[ -z $CHECK_RANKS ]] && exit 0
