@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <ATen/core/Generator.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <regex>
 #include <set>
 #include <stdexcept>
 
@@ -169,13 +171,28 @@ nlohmann::json base_metadata(const CheckpointInfo& info, int world_size, const D
           {"optimizer", optimizer_json}};
 }
 
-// Rank 0's preparation of SAVE/iter_N.tmp (a leftover from a crashed save is discarded).
+// What saves that never finished leave in SAVE: iter_N.tmp folders (a full disk, a kill) and
+// the temporary files of `latest`'s atomic write (a kill between its write and its rename). Left
+// there, the bytes of a save that failed for want of space would make the next one fail too.
+bool unfinished_save_leftover(const std::string& name) {
+  static const std::regex tmp_folder(R"(iter_\d+\.tmp)");
+  return std::regex_match(name, tmp_folder) || name.rfind(std::string(checkpoint::kLatestFile) + ".tmp.", 0) == 0;
+}
+
+// Rank 0's preparation of SAVE/iter_N.tmp: the leftovers of unfinished saves go first.
 std::string prepare_tmp_dir(const std::string& save_dir, int64_t iteration) {
   const std::string tmp = checkpoint_iteration_dir(save_dir, iteration) + ".tmp";
   fs::create_directories(save_dir);
-  remove_tree(tmp);
+  for (const std::string& name : list_directory(save_dir))
+    if (unfinished_save_leftover(name)) remove_tree(save_dir + "/" + name);
   fs::create_directory(tmp);
   return tmp;
+}
+
+// A save that failed frees its disk space at once (best effort: the next save cleans up too).
+void discard_unfinished(const std::string& tmp) {
+  std::error_code ignored;
+  fs::remove_all(tmp, ignored);
 }
 
 }  // namespace
@@ -212,6 +229,8 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
     reports.push_back(nlohmann::json::parse(t));
     errors.push_back(reports.back().value("error", ""));
   }
+  const bool failed = std::any_of(errors.begin(), errors.end(), [](const std::string& e) { return !e.empty(); });
+  if (failed && rank == 0) discard_unfinished(tmp);
   raise_first_error(errors, rank, "save_checkpoint: writing shard files");
 
   error.clear();
@@ -235,6 +254,7 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
                                     info.iteration);
     });
   }
+  if (!error.empty() && fs::exists(tmp)) discard_unfinished(tmp);  // not yet committed: nothing reads it
   raise_first_error(all_gather_strings(*world, error), rank, "save_checkpoint: committing '" + tmp + "'");
 }
 
@@ -245,14 +265,19 @@ void write_checkpoint(const std::string& save_dir, const std::map<std::string, a
   for (const auto& [name, t] : model_tensors)
     pieces.push_back({model_key(name), t.sizes().vec(), 0, t.detach().reshape({-1})});
   const nlohmann::json meta = base_metadata(info, 1, nullptr);
-  if (format == CheckpointFormat::kFsdpDtensor) {
-    checkpoint::write_dcp_metadata(tmp, {checkpoint::write_dcp_rank_file(tmp, 0, pieces, meta)});
-  } else {
-    auto records = write_pieces(tmp + "/" + checkpoint::rank_file_name(0), pieces);
-    nlohmann::json legacy = meta;
-    legacy["files"] = {checkpoint::rank_file_name(0)};
-    legacy["tensors"] = checkpoint::merge_chunk_records({records});
-    checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, legacy.dump(1));
+  try {
+    if (format == CheckpointFormat::kFsdpDtensor) {
+      checkpoint::write_dcp_metadata(tmp, {checkpoint::write_dcp_rank_file(tmp, 0, pieces, meta)});
+    } else {
+      auto records = write_pieces(tmp + "/" + checkpoint::rank_file_name(0), pieces);
+      nlohmann::json legacy = meta;
+      legacy["files"] = {checkpoint::rank_file_name(0)};
+      legacy["tensors"] = checkpoint::merge_chunk_records({records});
+      checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, legacy.dump(1));
+    }
+  } catch (...) {
+    discard_unfinished(tmp);
+    throw;
   }
   checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration), info.iteration);
 }

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -176,4 +177,33 @@ TEST(CheckpointCommit, ANewIterationSurvivesACrashAtEveryStep) {
   EXPECT_GE(o.steps, 5);
   EXPECT_TRUE(o.seen.count("4 old")) << "before `latest` is rewritten it names the previous save";
   EXPECT_TRUE(o.seen.count("5 new")) << "the rewrite of `latest` is the commit point";
+}
+
+// A save that fails (here: its metadata write, as on a full disk) removes its iter_N.tmp at once;
+// whatever unfinished saves left behind anyway (a killed process: another iteration's .tmp folder,
+// a half-written `latest`) goes at the start of the next save. Committed folders and files that
+// only look similar stay.
+TEST(CheckpointCommit, UnfinishedSavesAreCleanedUp) {
+  mfsdp::testing::TempDir dir("mfsdp-unfinished");
+  const std::string save = dir.file("save");
+  const std::map<std::string, at::Tensor> weights = {{"w", at::ones({4})}};
+  mfsdp::CheckpointInfo info;
+  info.iteration = 2;
+  mfsdp::set_checkpoint_file_system(std::make_shared<DieAtStep>(0, true));
+  EXPECT_THROW(mfsdp::write_checkpoint(save, weights, info), InjectedCrash);
+  mfsdp::set_checkpoint_file_system(nullptr);
+  EXPECT_FALSE(fs::exists(save + "/iter_0000002.tmp")) << "a failed save keeps its bytes on the disk";
+
+  make_iteration(save + "/iter_0000003.tmp", std::string(1 << 20, 'x'));  // a killed save
+  write_file(save + "/latest_checkpointed_iteration.txt.tmp.4242", "3\n");
+  make_iteration(save + "/iter_0000001", "committed");
+  write_file(save + "/notes.tmp", "the user's");
+  info.iteration = 4;
+  mfsdp::write_checkpoint(save, weights, info);
+  EXPECT_FALSE(fs::exists(save + "/iter_0000003.tmp"));
+  EXPECT_FALSE(fs::exists(save + "/latest_checkpointed_iteration.txt.tmp.4242"));
+  EXPECT_TRUE(fs::exists(save + "/iter_0000001/a"));
+  EXPECT_TRUE(fs::exists(save + "/notes.tmp"));
+  EXPECT_TRUE(fs::exists(save + "/iter_0000004/.metadata"));
+  EXPECT_EQ(mfsdp::latest_checkpoint_iteration(save).value_or(-1), 4);
 }
