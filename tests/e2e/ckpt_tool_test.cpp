@@ -471,6 +471,7 @@ TEST(CkptTool, ImportRejectsFoldersThatDoNotMatchTheConfigAndWritesNothing) {
   {
     Case c{"bias", good, config, {"bias", "'model.layers.0.self_attn.q_proj.bias'", "'model.layers.1.self_attn.k_proj.bias'"}};
     c.config["model_type"] = "qwen2";
+    c.config["architectures"] = {"Qwen2ForCausalLM"};
     c.tensors["model.layers.0.self_attn.q_proj.bias"] = at::zeros({16});
     c.tensors["model.layers.1.self_attn.k_proj.bias"] = at::zeros({8});
     cases.push_back(c);
@@ -507,6 +508,7 @@ TEST(CkptTool, ImportAcceptsTiedHeadsRopeBuffersAndQwen2WithoutBiases) {
   tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = at::ones({2});
   json config = mfsdp::llama_hf_config(cfg, at::kFloat);
   config["model_type"] = "qwen2";
+  config["architectures"] = {"Qwen2ForCausalLM"};
   write_hf_folder(tmp.file("hf"), tensors, config);
   Outcome r = ckpt("import-hf " + tmp.file("hf") + " " + tmp.file("out"));
   ASSERT_EQ(r.exit_code, 0) << r.output;

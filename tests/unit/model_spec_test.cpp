@@ -249,6 +249,43 @@ TEST(ModelSpec, TheHfConfigRoundTripsThroughTheSpec) {
   EXPECT_NE(gelu.spec->hf_export_refusal(gelu).find("Megatron's GeLU MLP"), std::string::npos);
 }
 
+// A config.json is input: sizes past what mfsdp builds, classes it does not build, dtypes that are
+// not floating point and values RoPE or the norms cannot use are refused before any model is
+// built, naming the config.json key (never LlamaConfig's fields).
+TEST(ModelSpec, HfConfigValuesAreBoundedAndNamedByTheirKey) {
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(megatron_args());
+  const json good = config.spec->hf_config(config, at::kFloat);
+  struct Case {
+    json patch;
+    std::string expected;
+  } cases[] = {
+      {{{"num_hidden_layers", int64_t{1} << 31}}, "field 'num_hidden_layers': 2147483648 is more than mfsdp builds (at most 1024)"},
+      {{{"intermediate_size", INT64_MAX}}, "field 'intermediate_size': 9223372036854775807 is more than mfsdp builds"},
+      {{{"vocab_size", INT64_MAX}}, "field 'vocab_size': 9223372036854775807 is more than mfsdp builds"},
+      {{{"hidden_size", int64_t{1} << 40}}, "field 'hidden_size'"},
+      {{{"max_position_embeddings", int64_t{1} << 40}}, "field 'max_position_embeddings'"},
+      {{{"architectures", {"GPT2LMHeadModel"}}}, "field 'architectures': \"GPT2LMHeadModel\" is not a model mfsdp builds: model_type \"llama\" is LlamaForCausalLM"},
+      {{{"torch_dtype", "int8"}}, "field 'torch_dtype': \"int8\" is not a floating-point dtype"},
+      {{{"dtype", "uint8"}}, "field 'dtype': \"uint8\" is not a floating-point dtype"},
+      {{{"rope_theta", -1}}, "field 'rope_theta': must be > 0"},
+      {{{"rms_norm_eps", -1}}, "field 'rms_norm_eps': must be >= 0"},
+      {{{"num_key_value_heads", 3}}, "field 'num_key_value_heads': 3 does not divide num_attention_heads 4"},
+      {{{"num_attention_heads", 6}, {"num_key_value_heads", 6}}, "field 'num_attention_heads': expected a divisor of hidden_size 64"},
+  };
+  for (const Case& c : cases) {
+    json bad = good;
+    bad.erase("head_dim");
+    for (const auto& [key, value] : c.patch.items()) bad[key] = value;
+    const std::string error = error_of([&] { mfsdp::model_config_from_hf(bad); });
+    EXPECT_NE(error.find(c.expected), std::string::npos) << c.patch.dump() << ": " << error;
+    EXPECT_EQ(error.find("LlamaConfig"), std::string::npos) << error;
+  }
+  json mistral = good;
+  mistral["model_type"] = "mistral";
+  mistral["architectures"] = {"MistralForCausalLM"};
+  EXPECT_EQ(error_of([&] { mfsdp::model_config_from_hf(mistral); }), "<no exception>");
+}
+
 // Megatron fuses q, k and v per query group: [g's query heads; g's key head; g's value head].
 // With 4 heads in 2 groups and head_dim d = 16: rows 0..2d are group 0's queries, 2d..3d its key,
 // 3d..4d its value, then group 1 from 4d.

@@ -498,6 +498,7 @@ TEST(HfLlama, ConfigErrorsNameTheField) {
   expect_invalid([&] { mfsdp::llama_config_from_hf(k); }, {"model_type", "gpt2"});
   k = j;
   k["model_type"] = "mistral";
+  k["architectures"] = {"MistralForCausalLM"};
   k["sliding_window"] = 4096;
   expect_invalid([&] { mfsdp::llama_config_from_hf(k); }, {"sliding_window"});
   k["sliding_window"] = nullptr;

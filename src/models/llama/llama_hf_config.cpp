@@ -38,6 +38,14 @@ int64_t get_int(const json& c, const char* field, const int64_t* fallback) {
 int64_t required_int(const json& c, const char* field) { return get_int(c, field, nullptr); }
 int64_t optional_int(const json& c, const char* field, int64_t fallback) { return get_int(c, field, &fallback); }
 
+// The sizes a config.json may give, bounded before anything is built from them: a file is input,
+// and 2^31 layers or an FFN of 2^63 would otherwise end in an allocator failure naming no file.
+// The bounds are the trainer's own (docs/pretrain.md, "Errors"), far past any released model.
+void check_bound(const char* field, int64_t value, int64_t most) {
+  if (value > most)
+    bad(field, std::to_string(value) + " is more than mfsdp builds (at most " + std::to_string(most) + ")");
+}
+
 double optional_double(const json& c, const char* field, double fallback) {
   const json* v = find(c, field);
   if (v == nullptr) return fallback;
@@ -245,6 +253,9 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
     m.shared_expert_intermediate_size = required_int(c, "shared_expert_intermediate_size");
   }
   if (m.shared_expert_intermediate_size > 0) m.shared_expert_gate = optional_bool(c, "moe_shared_expert_gate", m.shared_expert_gate);
+  check_bound(find(c, "num_experts") != nullptr ? "num_experts" : "num_local_experts", m.num_experts, 4096);
+  check_bound(mixtral ? "intermediate_size" : "moe_intermediate_size", m.ffn_hidden_size, int64_t{1} << 20);
+  check_bound("shared_expert_intermediate_size", m.shared_expert_intermediate_size, int64_t{1} << 20);
   const int64_t step = mixtral ? 1 : optional_int(c, "decoder_sparse_step", 1);
   const std::vector<int64_t> dense = layer_list(c, "mlp_only_layers", cfg.num_layers);
   m.moe_layers.assign(cfg.num_layers, true);
@@ -273,17 +284,52 @@ LlamaConfig llama_config_from_hf(const json& c) {
     bad("model_type", "'" + model_type + "' is not supported (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral)");
   const bool qwen3 = model_type == "qwen3" || model_type == "qwen3_moe";
 
+  // The class transformers would build must be the one this model_type is (GPT-2's weights under a
+  // llama model_type would otherwise load as a Llama).
+  if (const json* arch = find(c, "architectures")) {
+    if (!arch->is_array()) bad("architectures", "expected a list, found " + arch->dump());
+    for (const json& a : *arch) {
+      const std::string want = architecture(model_type);
+      const bool ok = a.is_string() && (a.get<std::string>() == want ||
+                                        (model_type == "mistral" && a.get<std::string>() == "MistralForCausalLM"));
+      if (!ok)
+        bad("architectures", a.dump() + " is not a model mfsdp builds: model_type \"" + model_type + "\" is " +
+                                 (model_type == "mistral" ? std::string("MistralForCausalLM") : want));
+    }
+  }
+  // The weights are held in fp32 whatever the files hold; a dtype that is not floating point is
+  // not a model mfsdp can train (a quantized export).
+  for (const char* key : {"torch_dtype", "dtype"})
+    if (const json* dt = find(c, key)) {
+      static const std::vector<std::string> kFloat = {"float32", "bfloat16", "float16"};
+      if (!dt->is_string() || std::find(kFloat.begin(), kFloat.end(), dt->get<std::string>()) == kFloat.end())
+        bad(key, dt->dump() + " is not a floating-point dtype (float32, bfloat16 or float16; mfsdp holds the "
+                 "weights in float32)");
+    }
+
   LlamaConfig cfg;
   cfg.vocab_size = required_int(c, "vocab_size");
+  check_bound("vocab_size", cfg.vocab_size, int64_t{1} << 24);
   cfg.hidden_size = required_int(c, "hidden_size");
+  check_bound("hidden_size", cfg.hidden_size, int64_t{1} << 17);
   cfg.intermediate_size = required_int(c, "intermediate_size");
+  check_bound("intermediate_size", cfg.intermediate_size, int64_t{1} << 20);
   cfg.num_layers = required_int(c, "num_hidden_layers");
+  check_bound("num_hidden_layers", cfg.num_layers, 1024);
   cfg.num_attention_heads = required_int(c, "num_attention_heads");
+  check_bound("num_attention_heads", cfg.num_attention_heads, cfg.hidden_size);
   cfg.num_key_value_heads = optional_int(c, "num_key_value_heads", cfg.num_attention_heads);
+  if (cfg.num_attention_heads % cfg.num_key_value_heads != 0)
+    bad("num_key_value_heads", std::to_string(cfg.num_key_value_heads) + " does not divide num_attention_heads " +
+                                   std::to_string(cfg.num_attention_heads));
   cfg.max_position_embeddings = required_int(c, "max_position_embeddings");
+  check_bound("max_position_embeddings", cfg.max_position_embeddings, int64_t{1} << 22);
   cfg.rope_theta = optional_double(c, "rope_theta", 10000.0);
+  if (cfg.rope_theta <= 0) bad("rope_theta", "must be > 0, found " + std::to_string(cfg.rope_theta));
   cfg.rms_norm_eps = optional_double(c, "rms_norm_eps", 1e-6);
+  if (cfg.rms_norm_eps < 0) bad("rms_norm_eps", "must be >= 0, found " + std::to_string(cfg.rms_norm_eps));
   cfg.init_std = optional_double(c, "initializer_range", 0.02);
+  if (cfg.init_std < 0) bad("initializer_range", "must be >= 0, found " + std::to_string(cfg.init_std));
   cfg.tie_word_embeddings = optional_bool(c, "tie_word_embeddings", false);
 
   // gated_mlp false: a checkpoint's model_config of Megatron's GeLU MLP (a model trained without
@@ -336,6 +382,7 @@ LlamaConfig llama_config_from_hf(const json& c) {
   }
   if (find(c, "head_dim") != nullptr) {
     const int64_t hd = required_int(c, "head_dim");
+    check_bound("head_dim", hd, int64_t{1} << 17);
     if (cfg.hidden_size % cfg.num_attention_heads != 0 || hd != cfg.hidden_size / cfg.num_attention_heads)
       cfg.explicit_head_dim = hd;  // Qwen3's heads need not divide hidden_size
   }
@@ -343,8 +390,19 @@ LlamaConfig llama_config_from_hf(const json& c) {
   try {
     cfg.validate();
   } catch (const std::invalid_argument& e) {
-    // LlamaConfig.num_layers is config.json's num_hidden_layers; the other names agree.
-    throw std::invalid_argument(std::string("HF config.json: ") + e.what() + " (num_layers = num_hidden_layers)");
+    // What is left for validate() to find is said in config.json's words: its field names are
+    // LlamaConfig's (num_layers is num_hidden_layers, init_std initializer_range, MoE fields
+    // the num_experts / moe_* keys read above).
+    std::string what = e.what();
+    for (const std::string prefix : {"LlamaConfig.", "MoeConfig."})
+      for (size_t at; (at = what.find(prefix)) != std::string::npos;) what.erase(at, prefix.size());
+    static const std::vector<std::pair<std::string, std::string>> kNames = {
+        {"num_layers", "num_hidden_layers"}, {"init_std", "initializer_range"}, {"explicit_head_dim", "head_dim"}};
+    for (const auto& [ours, theirs] : kNames)
+      if (what.rfind(ours + ":", 0) == 0) what.replace(0, ours.size(), theirs);
+    const auto colon = what.find(':');
+    throw std::invalid_argument("HF config.json field '" + what.substr(0, colon) + "'" +
+                                (colon == std::string::npos ? "" : what.substr(colon)));
   }
   return cfg;
 }
