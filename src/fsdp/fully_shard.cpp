@@ -301,7 +301,9 @@ std::vector<std::pair<std::string, at::Tensor>> FsdpHandle::buffers() const {
 std::map<std::string, at::Tensor> FsdpHandle::full_state_dict(bool all_ranks) const {
   at::NoGradGuard no_grad;
   std::map<std::string, at::Tensor> out;
-  int rank = state().options().comm->rank();
+  // Rank 0 of the job, not of each shard group (HSDP has one per replica): only it keeps them.
+  const FullyShardOptions& o = state().options();
+  const int rank = o.mesh ? o.mesh->world()->rank() : o.comm->rank();
   for (UnitState* u : state().context().units)
     for (auto& g : u->groups()) {
       auto values = detail::gather_full_parameters(*g);  // collective: every rank takes part

@@ -77,6 +77,7 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
   o.device.reset();  // the buffers live on the communicator's (meta) device
   FullyShardOptions experts = o;
   experts.outer_strategy = ShardingStrategy::kNoShard;  // expert groups are not hybrid
+  if (replicas == 1) o.outer_strategy = ShardingStrategy::kNoShard;  // nothing to split across
   if (replicas > 1) {  // HSDP: the units on a [replicas, world] mesh, as a real run has them
     o.mesh = std::make_shared<DeviceMesh>(make_simulated_communicator(0, replicas * world, at::Device(at::kMeta)),
                                           std::vector<int>{replicas, world},
@@ -152,6 +153,7 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
 
   MemoryPlan plan;
   plan.world = world;
+  plan.replicas = replicas;
   plan.options = options;
   plan.options.comm = nullptr;
   plan.step = step;
@@ -226,7 +228,12 @@ std::string dtype_name(at::ScalarType t) {
 std::string format_memory_plan(const MemoryPlan& plan) {
   std::ostringstream s;
   const MixedPrecisionPolicy& mp = plan.options.mixed_precision;
-  s << " memory plan, per rank of " << plan.world << " (every rank holds the same sizes): " << to_string(plan.options.strategy)
+  s << " memory plan, per rank of " << plan.world * plan.replicas;
+  if (plan.replicas > 1)
+    s << " (HSDP: " << plan.replicas << " replicas of " << plan.world << "-rank shard groups"
+      << (plan.options.outer_strategy == ShardingStrategy::kOptim ? ", main weights, grads and optimizer state split across them" : "")
+      << ")";
+  s << " (every rank holds the same sizes): " << to_string(plan.options.strategy)
     << ", compute " << (mp.param_dtype ? dtype_name(*mp.param_dtype) : "in the parameters' dtype") << ", main weights "
     << dtype_name(mp.main_params_dtype) << ", main grads " << dtype_name(mp.main_grads_dtype) << ", "
     << plan.step.optimizer_states << " optimizer state(s) per main-weight element, " << plan.step.micro_batches

@@ -11,9 +11,12 @@
 
 namespace mfsdp::detail {
 namespace {
+// The replicas of this rank's shard, or null when there are none (no mesh, a 1-D mesh, or a
+// [1, N] mesh: nothing to all-reduce or split across).
 std::shared_ptr<Communicator> replicate_group(const FullyShardOptions& options) {
   if (!options.mesh || options.mesh->dim_names().size() < 2) return nullptr;
-  return options.mesh->get(options.mesh->dim_names().front());
+  std::shared_ptr<Communicator> replicas = options.mesh->get(options.mesh->dim_names().front());
+  return replicas->size() > 1 ? replicas : nullptr;
 }
 }  // namespace
 

@@ -111,6 +111,12 @@ void UnitState::build_context() {
   // gradients are still divided by the root's data-parallel size, which the collective's own
   // average (over the unit's group) would not do; HSDP meshes stay one per root.
   for (UnitState* u : members_) {
+    // The root's optimizer_comm() (the shard group, or the whole mesh under HFSDP) sums every
+    // unit's gradient norm, so a root cannot mix replicated and split main weights.
+    if (u->options_.outer_strategy != options_.outer_strategy)
+      throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' has outer_strategy " +
+                                  mfsdp::to_string(u->options_.outer_strategy) + " but its root " +
+                                  mfsdp::to_string(options_.outer_strategy) + "; every unit under one root must use the same");
     if (u->options_.comm == options_.comm && u->options_.mesh == options_.mesh) continue;
     if (u->options_.mesh || options_.mesh)
       throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' was sharded over another mesh than its root; "

@@ -183,8 +183,8 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
         full_bytes += numel * 4;  // fp32
       }
       log_ << " reference policy per rank (MiB): weights " << (m.model_weights + m.main_weights) / 1048576.0
-           << " of " << full_bytes / 1048576.0 << " for the whole model (sharded over " << dp
-           << " ranks; no gradients, no optimizer state)\n";
+           << " of " << full_bytes / 1048576.0 << " for the whole model (sharded over "
+           << dp / a.num_distributed_optimizer_instances << " ranks; no gradients, no optimizer state)\n";
     }
   }
 

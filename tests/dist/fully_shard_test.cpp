@@ -212,6 +212,19 @@ MFSDP_DIST_TEST(FullyShard, HybridShardingMatchesSingleProcess, {4}) {
     mfsdp::MixedPrecisionPolicy bf16;
     bf16.param_dtype = at::kBFloat16;
     check_equivalence(comm, zero3, true, bf16, 3e-2, mfsdp::GradientScaling::kDivideByWorld, mesh, hfsdp);
+    // One root sums one kind of main weights: a unit that splits them under a root that does not
+    // (or the reverse) is refused when the root is made.
+    Net net = make_net();
+    mfsdp::FullyShardOptions split, whole;
+    split.mesh = whole.mesh = mesh;
+    split.outer_strategy = hfsdp;
+    mfsdp::fully_shard(*net->blocks[0], split);
+    EXPECT_THROW(
+        {
+          mfsdp::fully_shard(*net, whole);
+          mfsdp::call(*net, global_batch(0, 4).x.narrow(0, 0, 1), true);
+        },
+        std::invalid_argument);
   }
   for (std::vector<int> shape : {std::vector<int>{2, 2}, std::vector<int>{1, 4}}) {
     auto mesh = std::make_shared<mfsdp::DeviceMesh>(world, shape,

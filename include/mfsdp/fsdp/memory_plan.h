@@ -75,7 +75,8 @@ struct GroupMemory {
 };
 
 struct MemoryPlan {
-  int world = 1;
+  int world = 1;     // ranks of a shard group
+  int replicas = 1;  // HSDP copies of each shard group
   FullyShardOptions options;  // what it was planned for (comm unused)
   StepShape step;
   std::vector<GroupMemory> groups;  // units in forward order, each unit's groups in its order
