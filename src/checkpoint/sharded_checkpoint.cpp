@@ -192,7 +192,7 @@ std::string prepare_tmp_dir(const std::string& save_dir, int64_t iteration) {
 // A save that failed frees its disk space at once (best effort: the next save cleans up too).
 void discard_unfinished(const std::string& tmp) {
   std::error_code ignored;
-  fs::remove_all(tmp, ignored);
+  remove_tree(tmp, ignored);
 }
 
 }  // namespace
