@@ -14,6 +14,7 @@ packages=(
   nlohmann-json3-dev    # JSON (metadata, metrics)
   libcli11-dev          # command-line parsing of the tools
   libsentencepiece-dev  # SentencePiece tokenizer
+  libpcre2-dev          # regexes of Hugging Face tokenizer.json files
   libgtest-dev googletest
 )
 # On amd64: a cross compiler and qemu, to build and run the aarch64 CRC-32C path in a test.
