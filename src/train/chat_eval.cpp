@@ -12,9 +12,20 @@
 namespace mfsdp {
 
 std::string resolve_chat_template(const std::string& choice, const Tokenizer& tokenizer) {
+  return choice == "auto" ? detect_chat_template(tokenizer) : choice;
+}
+
+std::vector<std::string> chat_template_choices() {
+  std::vector<std::string> choices{"auto"};
+  for (const std::string& name : chat_template_names()) choices.push_back(name);
+  return choices;
+}
+
+std::string describe_chat_template(const std::string& choice, const Tokenizer& tokenizer) {
   if (choice != "auto") return choice;
-  const bool chatml = tokenizer.special_token_id("<|im_start|>") && tokenizer.special_token_id("<|im_end|>");
-  return chatml ? "chatml" : "plain";
+  std::string why;
+  const std::string name = detect_chat_template(tokenizer, &why);
+  return name + " (auto: " + why + ")";
 }
 
 std::string decode_generated(const Tokenizer& tokenizer, const std::vector<int64_t>& ids, int64_t end_of_turn) {
@@ -32,6 +43,14 @@ std::string strip(const std::string& s) {
   const auto first = s.find_first_not_of(" \t\r\n");
   if (first == std::string::npos) return "";
   return s.substr(first, s.find_last_not_of(" \t\r\n") - first + 1);
+}
+
+// The answer a reply gives: under qwen3 the text after its think block, as Qwen3's template keeps
+// it (an answer is compared without the reasoning the model wrote before it).
+std::string answer_of(const std::string& reply, const std::string& chat_template) {
+  if (chat_template != "qwen3") return reply;
+  const auto close = reply.rfind("</think>");
+  return close == std::string::npos ? reply : reply.substr(close + 8);
 }
 
 // Generates greedy answers for prompts r, r + dp, ... of the first `count` and hands each decoded
@@ -92,12 +111,12 @@ ChatEvalResult greedy_exact_match(TrainingRun& run, const std::vector<SftExample
     while (last > 0 && e.messages[last - 1].role != "assistant") --last;
     if (last == 0) continue;
     prompts.emplace_back(e.messages.begin(), e.messages.begin() + static_cast<int64_t>(last) - 1);
-    expected.push_back(strip(e.messages[last - 1].content));
+    expected.push_back(strip(answer_of(e.messages[last - 1].content, o.chat_template)));
   }
   auto local = answer_share(
       run, static_cast<int64_t>(prompts.size()), [&](int64_t i) { return prompts[static_cast<size_t>(i)]; },
       tokenizer, o, [&](int64_t i, const std::string& answer) {
-        return strip(answer) == expected[static_cast<size_t>(i)] ? 1.0 : 0.0;
+        return strip(answer_of(answer, o.chat_template)) == expected[static_cast<size_t>(i)] ? 1.0 : 0.0;
       });
   return sum_over_ranks(run, local);
 }

@@ -14,8 +14,12 @@
 
 namespace mfsdp {
 
-// --chat-template auto: chatml when the tokenizer has <|im_start|> and <|im_end|>, else plain.
+// --chat-template: `choice` itself, or for auto the template detect_chat_template picks.
 std::string resolve_chat_template(const std::string& choice, const Tokenizer& tokenizer);
+// --chat-template's choices: auto and the built-in templates.
+std::vector<std::string> chat_template_choices();
+// The template as the start-up line shows it: "qwen3", or "qwen3 (auto: the tokenizer has ...)".
+std::string describe_chat_template(const std::string& choice, const Tokenizer& tokenizer);
 
 // The text of generated ids: without the final end-of-turn token, and without ids outside the
 // tokenizer's vocabulary (the embedding's padding rows, which an untrained model may sample;
@@ -36,7 +40,8 @@ struct ChatEvalResult {
 };
 
 // The answer to each conversation's last assistant message, given the messages before it
-// (stripped of surrounding whitespace on both sides), greedy. Collective.
+// (stripped of surrounding whitespace on both sides; under qwen3 both without the think block
+// before "</think>"), greedy. Collective.
 ChatEvalResult greedy_exact_match(TrainingRun& run, const std::vector<SftExample>& examples, const Tokenizer& tokenizer,
                                   const ChatEvalOptions& options);
 

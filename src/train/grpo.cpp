@@ -173,7 +173,8 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
   if (run_->prints()) {
     log_ << " mfsdp-grpo: " << train_.size() << " training prompts, " << val_.size() << " held out; "
          << g_.train_batch_size << " prompts x " << g_.rollout_n << " responses per step; chat template "
-         << chat_template_ << "; rollout " << g_.rollout_mode << "; model: " << start.description << "\n";
+         << describe_chat_template(g_.chat_template, *tokenizer_) << "; rollout " << g_.rollout_mode
+         << "; model: " << start.description << "\n";
     if (ref_) {
       const MemoryReport m = ref_->sharded.root.memory();
       double full_bytes = 0;

@@ -4,6 +4,7 @@
 
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/data/rewards.h"
+#include "train/chat_eval.h"
 #include "train/tool_flags.h"
 
 namespace mfsdp {
@@ -24,8 +25,8 @@ ToolFlags grpo_tool_flags(GrpoArgs& a) {
   const std::vector<ToolFlag> own = {
       string_flag("--reward", a.reward, "rule reward (auto: by each prompt's data_source)", reward_names()),
       string_flag("--chat-template", a.chat_template,
-                  "conversation format (auto: chatml when the tokenizer has <|im_start|>, else plain)",
-                  {"auto", "chatml", "plain"}),
+                  "conversation format (auto: the one the tokenizer's special tokens call for; docs/data.md)",
+                  chat_template_choices()),
       int_flag("--max-prompt-length", a.max_prompt_length, "longest prompt in tokens (verl data.max_prompt_length)"),
       int_flag("--max-response-length", a.max_response_length, "longest response in tokens"),
       string_flag("--truncation", a.truncation, "a longer prompt is an error, or loses its start (left) or end (right)",

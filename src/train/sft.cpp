@@ -32,14 +32,15 @@ ToolFlags sft_tool_flags(SftArgs& a) {
                 Section::kProfiling};
   t.extra_title = "SFT: the conversations and the loss";
   t.extra = task_source_flags(a.data, "conversations",
-                              "{\"messages\": [{\"role\", \"content\"}...]} or {\"prompt\", \"response\"} per line");
+                              "{\"messages\": [{\"role\", \"content\"}...]} or {\"prompt\", \"response\"} per line, "
+                              "or pre-tokenized {\"input_ids\", \"loss_mask\" or \"labels\"}");
   const std::vector<ToolFlag> own = {
       string_flag("--messages-key", a.messages_key, "JSONL key of the message list"),
       string_flag("--prompt-key", a.prompt_key, "JSONL key of the prompt (a string or a message list)"),
       string_flag("--response-key", a.response_key, "JSONL key of the response"),
       string_flag("--chat-template", a.chat_template,
-                  "conversation format (auto: chatml when the tokenizer has <|im_start|>, else plain)",
-                  {"auto", "chatml", "plain"}),
+                  "conversation format (auto: the one the tokenizer's special tokens call for; docs/data.md)",
+                  chat_template_choices()),
       int_flag("--max-length", a.max_length, "longest sequence in tokens (the model's --seq-length)"),
       string_flag("--truncation", a.truncation, "a longer conversation is an error, or loses its start (left) "
                                                 "or its end (right)",
@@ -88,29 +89,39 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct SftData {
-  std::vector<SftExample> examples;
+  std::vector<SftExample> examples;  // none for pre-tokenized files
+  bool pretokenized = false;
+  int64_t sequences = 0;
   std::vector<SftRow> rows;
   int64_t target_tokens = 0;
 };
 
-// The examples of `split` ("train" or "test"): the file, or the generated split.
+// The examples of `split` ("train" or "test"): the file (conversations, or pre-tokenized
+// sequences when its first line has "input_ids"), or the generated split.
 SftData load_sft_data(const std::string& split, const SftArgs& a, const Tokenizer& tokenizer,
                       const std::string& chat_template) {
   SftData d;
   const TaskSource& source = a.data;
-  if (source.generated()) {
-    const TaskGenOptions t = source.generator(split);
-    if (t.count > 0) d.examples = generate_sft_tasks(t);
-  } else {
-    d.examples = read_sft_jsonl(source.describe(split), {a.messages_key, a.prompt_key, a.response_key});
-  }
-  if (d.examples.empty()) return d;
   SftTokenizeOptions o;
   o.chat_template = chat_template;
   o.max_length = a.max_length;
   o.truncation = a.truncation;
   o.loss_on_all = a.loss_on == "all";
-  auto sequences = tokenize_sft_examples(d.examples, tokenizer, o, source.describe(split));
+  std::vector<SftSequence> sequences;
+  if (source.generated()) {
+    const TaskGenOptions t = source.generator(split);
+    if (t.count > 0) d.examples = generate_sft_tasks(t);
+  } else if (is_pretokenized_sft_jsonl(source.describe(split))) {
+    d.pretokenized = true;
+    sequences = read_pretokenized_sft_jsonl(source.describe(split), tokenizer.vocab_size(), o);
+  } else {
+    d.examples = read_sft_jsonl(source.describe(split), {a.messages_key, a.prompt_key, a.response_key});
+  }
+  if (!d.pretokenized) {
+    if (d.examples.empty()) return d;
+    sequences = tokenize_sft_examples(d.examples, tokenizer, o, source.describe(split));
+  }
+  d.sequences = static_cast<int64_t>(sequences.size());
   for (const auto& s : sequences)
     for (uint8_t m : s.loss_mask) d.target_tokens += m;
   d.rows = make_sft_rows(sequences, a.max_length, a.packing);
@@ -162,11 +173,17 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
   std::shared_ptr<CausalLM>& model = run.model();
   const at::Device device = comm->device();
   const int64_t pad = tokenizer->eod();
-  if (run.prints())
-    log << " mfsdp-sft: " << train.examples.size() << " training conversations (" << train.rows.size()
-        << (args.packing ? " packed rows" : " rows") << ", " << train.target_tokens << " target tokens), "
-        << val.examples.size() << " held out; chat template " << chat_template << "; model: " << start.description
-        << "\n";
+  if (run.prints()) {
+    // Pre-tokenized files were rendered upstream: the template applies to conversations only.
+    const bool conversations = !train.pretokenized || !val.examples.empty();
+    log << " mfsdp-sft: " << train.sequences
+        << (train.pretokenized ? " pre-tokenized training sequences (" : " training conversations (")
+        << train.rows.size() << (args.packing ? " packed rows" : " rows") << ", " << train.target_tokens
+        << " target tokens), " << val.sequences << " held out" << (val.pretokenized ? " (pre-tokenized)" : "")
+        << "; chat template "
+        << (conversations ? describe_chat_template(args.chat_template, *tokenizer) : "unused (pre-tokenized data)")
+        << "; model: " << start.description << "\n";
+  }
 
   SftSampler sampler(static_cast<int64_t>(train.rows.size()), a.micro_batch_size, dp, a.num_micro_batches,
                      static_cast<uint64_t>(a.seed));
@@ -212,7 +229,7 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
     r.lm_loss = loss;
     r.extra.emplace_back("val/loss", loss);
     std::string detail;
-    if (args.val_generate_samples > 0) {
+    if (args.val_generate_samples > 0 && !val.examples.empty()) {  // pre-tokenized: no prompts to answer
       ChatEvalOptions e;
       e.chat_template = chat_template;
       e.max_new_tokens = args.max_new_tokens;

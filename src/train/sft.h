@@ -20,7 +20,7 @@ struct SftArgs {
   std::string messages_key = "messages";
   std::string prompt_key = "prompt";
   std::string response_key = "response";
-  std::string chat_template = "auto";  // auto: chatml when the tokenizer has <|im_start|>, else plain
+  std::string chat_template = "auto";  // auto: by the tokenizer's special tokens (detect_chat_template)
   int64_t max_length = 1024;
   std::string truncation = "error";
   std::string loss_on = "assistant";

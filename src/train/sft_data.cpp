@@ -4,41 +4,179 @@
 
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
+#include <fstream>
+#include <functional>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 
 #include "mfsdp/data/chat_template.h"
 
 namespace mfsdp {
 
+using nlohmann::json;
+
+namespace {
+
+void check_max_length(const SftTokenizeOptions& o) {
+  if (o.max_length < 2) throw std::invalid_argument("--max-length: must be >= 2, got " + std::to_string(o.max_length));
+}
+
+// --loss-on all, --max-length and --truncation on one sequence; `at` names it in errors and
+// `no_target` says why a sequence may have no target.
+void fit_sequence(SftSequence& s, const SftTokenizeOptions& o, const std::string& at, const std::string& no_target) {
+  if (o.loss_on_all) std::fill(s.loss_mask.begin(), s.loss_mask.end(), 1);
+  const auto length = static_cast<int64_t>(s.ids.size());
+  if (length > o.max_length) {
+    if (o.truncation == "error")
+      throw std::invalid_argument(at + " has " + std::to_string(length) + " tokens, more than --max-length " +
+                                  std::to_string(o.max_length) + " (--truncation left or right cuts it)");
+    const int64_t drop = length - o.max_length;
+    const auto from = o.truncation == "left" ? drop : 0;
+    s.ids = std::vector<int64_t>(s.ids.begin() + from, s.ids.begin() + from + o.max_length);
+    s.loss_mask = std::vector<uint8_t>(s.loss_mask.begin() + from, s.loss_mask.begin() + from + o.max_length);
+  }
+  s.loss_mask[0] = 0;  // nothing predicts the first token
+  if (std::find(s.loss_mask.begin(), s.loss_mask.end(), 1) == s.loss_mask.end())
+    throw std::invalid_argument(at + " has no token to train on" +
+                                (length > o.max_length ? " after --truncation " + o.truncation : no_target));
+}
+
+}  // namespace
+
 std::vector<SftSequence> tokenize_sft_examples(const std::vector<SftExample>& examples, const Tokenizer& tokenizer,
                                                const SftTokenizeOptions& o, const std::string& where) {
-  if (o.max_length < 2) throw std::invalid_argument("--max-length: must be >= 2, got " + std::to_string(o.max_length));
+  check_max_length(o);
   std::vector<SftSequence> out;
   out.reserve(examples.size());
   for (size_t i = 0; i < examples.size(); ++i) {
-    const std::string at = where + ": example " + std::to_string(i + 1);
     ChatTokens t = apply_chat_template(tokenizer, o.chat_template, examples[i].messages, false);
     SftSequence s{std::move(t.ids), std::move(t.loss_mask)};
-    if (o.loss_on_all) std::fill(s.loss_mask.begin(), s.loss_mask.end(), 1);
-    const auto length = static_cast<int64_t>(s.ids.size());
-    if (length > o.max_length) {
-      if (o.truncation == "error")
-        throw std::invalid_argument(at + " has " + std::to_string(length) + " tokens, more than --max-length " +
-                                    std::to_string(o.max_length) + " (--truncation left or right cuts it)");
-      const int64_t drop = length - o.max_length;
-      const auto from = o.truncation == "left" ? drop : 0;
-      s.ids = std::vector<int64_t>(s.ids.begin() + from, s.ids.begin() + from + o.max_length);
-      s.loss_mask = std::vector<uint8_t>(s.loss_mask.begin() + from, s.loss_mask.begin() + from + o.max_length);
-    }
-    s.loss_mask[0] = 0;  // nothing predicts the first token
-    if (std::find(s.loss_mask.begin(), s.loss_mask.end(), 1) == s.loss_mask.end())
-      throw std::invalid_argument(at + " has no token to train on" +
-                                  (length > o.max_length ? std::string(" after --truncation ") + o.truncation
-                                                         : std::string(" (no assistant message?)")));
+    fit_sequence(s, o, where + ": example " + std::to_string(i + 1), " (no assistant message?)");
     out.push_back(std::move(s));
   }
+  return out;
+}
+
+namespace {
+
+bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n\v\f") == std::string::npos; }
+
+// A JSON integer in [lo, hi], or nullopt (a float, a string, an integer out of range).
+std::optional<int64_t> integer_in(const json& v, int64_t lo, int64_t hi) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<uint64_t>();
+    if (u > static_cast<uint64_t>(hi) || static_cast<int64_t>(u) < lo) return std::nullopt;
+    return static_cast<int64_t>(u);
+  }
+  if (!v.is_number_integer()) return std::nullopt;
+  const auto i = v.get<int64_t>();
+  if (i < lo || i > hi) return std::nullopt;
+  return i;
+}
+
+// A JSON value in words for errors, cut short.
+std::string shown(const json& v) {
+  std::string s = v.dump();
+  return s.size() > 40 ? s.substr(0, 37) + "..." : s;
+}
+
+// One pre-tokenized line, checked; `fail` throws with the file and line.
+SftSequence parse_pretokenized(const json& j, int64_t vocab_size, const std::function<void(const std::string&)>& fail) {
+  if (!j.is_object()) fail(std::string("a line must hold a JSON object, got ") + j.type_name());
+  const auto ids_it = j.find("input_ids");
+  if (ids_it == j.end())
+    fail("no \"input_ids\" (the file's first line has it: every line must be pre-tokenized, not a conversation)");
+  const auto mask_it = j.find("loss_mask");
+  const auto labels_it = j.find("labels");
+  if (mask_it == j.end() && labels_it == j.end()) fail("\"input_ids\" needs \"loss_mask\" or \"labels\" beside it");
+  if (mask_it != j.end() && labels_it != j.end()) fail("has both \"loss_mask\" and \"labels\"; give one");
+  const json& ids = *ids_it;
+  if (!ids.is_array()) fail(std::string("\"input_ids\" must be a list of token ids, got ") + ids.type_name());
+  if (ids.empty()) fail("\"input_ids\" is empty");
+  SftSequence s;
+  s.ids.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto id = integer_in(ids[i], 0, vocab_size - 1);
+    if (!id)
+      fail("\"input_ids\"[" + std::to_string(i) + "] is " + shown(ids[i]) + ": not a token id of the vocabulary (" +
+           "integers 0.." + std::to_string(vocab_size - 1) + ")");
+    s.ids.push_back(*id);
+  }
+  const bool by_mask = mask_it != j.end();
+  const std::string key = by_mask ? "\"loss_mask\"" : "\"labels\"";
+  const json& values = by_mask ? *mask_it : *labels_it;
+  if (!values.is_array()) fail(key + " must be a list, got " + values.type_name());
+  if (values.size() != ids.size())
+    fail(key + " has " + std::to_string(values.size()) + " values and \"input_ids\" " + std::to_string(ids.size()) +
+         "; they must be of equal length");
+  s.loss_mask.reserve(ids.size());
+  for (size_t i = 0; i < values.size(); ++i) {
+    const std::string at = key + "[" + std::to_string(i) + "] is " + shown(values[i]);
+    if (by_mask) {
+      const json& v = values[i];
+      const auto bit = v.is_boolean() ? std::optional<int64_t>(v.get<bool>() ? 1 : 0) : integer_in(v, 0, 1);
+      if (!bit) fail(at + "; a loss mask value must be 0 or 1");
+      s.loss_mask.push_back(static_cast<uint8_t>(*bit));
+    } else {
+      const auto label = integer_in(values[i], -100, vocab_size - 1);
+      // Each token is trained on as the next token after the ones before it, so a label can only
+      // say whether its own position is trained: -100, or the id there.
+      if (!label || (*label != -100 && *label != s.ids[i]))
+        fail(at + "; a label must be -100 (not trained) or input_ids[" + std::to_string(i) + "] (" +
+             std::to_string(s.ids[i]) + ")");
+      s.loss_mask.push_back(*label == -100 ? 0 : 1);
+    }
+  }
+  return s;
+}
+
+}  // namespace
+
+bool is_pretokenized_sft_jsonl(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (is_blank(line)) continue;
+    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    // A first line that does not parse but names input_ids is a broken pre-tokenized line: the
+    // pre-tokenized reader says what is wrong with it.
+    if (j.is_discarded()) return line.find("\"input_ids\"") != std::string::npos;
+    return j.is_object() && j.contains("input_ids");
+  }
+  return false;
+}
+
+std::vector<SftSequence> read_pretokenized_sft_jsonl(const std::string& path, int64_t vocab_size,
+                                                     const SftTokenizeOptions& o) {
+  check_max_length(o);
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::invalid_argument(path + ":0: cannot open file");
+  std::vector<SftSequence> out;
+  std::string line;
+  int64_t line_no = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (is_blank(line)) continue;
+    const std::string at = path + ":" + std::to_string(line_no);
+    auto fail = [&](const std::string& what) { throw std::invalid_argument(at + ": " + what); };
+    json j;
+    try {
+      j = json::parse(line);
+    } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e999999
+      fail(std::string("invalid JSON (") + e.what() + ")");
+    }
+    SftSequence s = parse_pretokenized(j, vocab_size, fail);
+    fit_sequence(s, o, at, " (no token after the first is marked for training)");
+    out.push_back(std::move(s));
+  }
+  if (in.bad()) throw std::invalid_argument(path + ":" + std::to_string(line_no) + ": read error");
+  if (out.empty())
+    throw std::invalid_argument(path + ":" + std::to_string(line_no) +
+                                ": no sequences (the file is empty or only blank lines)");
   return out;
 }
 

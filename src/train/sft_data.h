@@ -34,6 +34,21 @@ struct SftTokenizeOptions {
 std::vector<SftSequence> tokenize_sft_examples(const std::vector<SftExample>& examples, const Tokenizer& tokenizer,
                                                const SftTokenizeOptions& options, const std::string& where);
 
+// Pre-tokenized data (docs/sft.md "Pre-tokenized data"), for templates mfsdp does not build in:
+// JSONL lines holding "input_ids" and either "loss_mask" (0 or 1 per token, 1: a training target)
+// or "labels" (-100: not trained, else the token's own id), as verl and TRL take them.
+// is_pretokenized_sft_jsonl: whether the first non-blank line of `path` is a JSON object with
+// "input_ids", or does not parse but holds "input_ids" (false when the file cannot be read, or
+// its first line neither parses nor names input_ids: read_sft_jsonl then says why).
+bool is_pretokenized_sft_jsonl(const std::string& path);
+// Reads and checks every line, then applies max_length, truncation and loss_on_all as
+// tokenize_sft_examples does. Throws std::invalid_argument "<path>:<line>: <key> ..." on invalid
+// JSON, a missing or wrongly typed key, an id outside [0, vocab_size), lengths that differ, a mask
+// value other than 0/1, a label that is neither -100 nor the id at its position, and the length
+// and no-target errors of tokenize_sft_examples.
+std::vector<SftSequence> read_pretokenized_sft_jsonl(const std::string& path, int64_t vocab_size,
+                                                     const SftTokenizeOptions& options);
+
 // One row of a batch: one sequence, or several packed back to back (--packing).
 struct SftRow {
   std::vector<int64_t> ids;

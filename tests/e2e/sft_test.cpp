@@ -66,18 +66,16 @@ std::vector<mfsdp::SftExample> conversations(int count, bool uniform) {
   return out;
 }
 
-// The loss of the initial model on `examples`, each run alone through LlamaForCausalLM: targets
-// are the assistant tokens and EOD (apply_chat_template's mask); token-mean or the mean over
-// conversations of their token means.
-double reference_loss(const std::vector<mfsdp::SftExample>& examples, bool token_mean) {
+// The loss of the initial model on `sequences`, each run alone through LlamaForCausalLM: targets
+// are the tokens their loss_mask marks (after the first); token-mean or the mean over sequences of
+// their token means.
+double reference_loss(const std::vector<mfsdp::ChatTokens>& sequences, bool token_mean) {
   mfsdp::LlamaOptions options;
   options.init_seed = kSeed;
   mfsdp::LlamaForCausalLM model(model_config(), options);
   torch::NoGradGuard no_grad;
-  mfsdp::ByteLevelTokenizer tokenizer;
   double sum = 0, tokens = 0, sequence_means = 0;
-  for (const auto& e : examples) {
-    mfsdp::ChatTokens t = mfsdp::apply_chat_template(tokenizer, "plain", e.messages, false);
+  for (const auto& t : sequences) {
     const auto n = static_cast<int64_t>(t.ids.size());
     at::Tensor ids = torch::tensor(t.ids, torch::kLong).view({1, n});
     at::Tensor logp = torch::log_softmax(model->forward(ids).to(torch::kDouble), -1)[0];
@@ -91,7 +89,17 @@ double reference_loss(const std::vector<mfsdp::SftExample>& examples, bool token
     tokens += k;
     sequence_means += s / k;
   }
-  return token_mean ? sum / tokens : sequence_means / static_cast<double>(examples.size());
+  return token_mean ? sum / tokens : sequence_means / static_cast<double>(sequences.size());
+}
+
+// The same for conversations: targets are the assistant tokens and EOD (apply_chat_template's
+// mask with the plain template).
+double reference_loss(const std::vector<mfsdp::SftExample>& examples, bool token_mean) {
+  mfsdp::ByteLevelTokenizer tokenizer;
+  std::vector<mfsdp::ChatTokens> sequences;
+  for (const auto& e : examples)
+    sequences.push_back(mfsdp::apply_chat_template(tokenizer, "plain", e.messages, false));
+  return reference_loss(sequences, token_mean);
 }
 
 struct RunResult {
@@ -207,6 +215,10 @@ TEST(Sft, LearnsValidatesAndExports) {
                         " --save " + dir.file("ckpt") + " --export-hf " + dir.file("hf"),
                     "learn");
   ASSERT_EQ(r.train.size(), 200u) << r.output;
+  EXPECT_NE(r.output.find(
+                "chat template plain (auto: the tokenizer has neither <|start_header_id|> nor <|im_start|>)"),
+            std::string::npos)
+      << r.output;
   EXPECT_LT(r.train.back()["lm_loss"].get<double>(), 0.05 * r.train.front()["lm_loss"].get<double>()) << r.output;
   ASSERT_EQ(r.eval.size(), 2u) << r.output;
   EXPECT_TRUE(r.eval.back().contains("val/loss"));
@@ -248,4 +260,187 @@ TEST(Sft, BadInputIsNamed) {
   expect_error(" --train-iters 1 --train-files " + dir.file("broken.jsonl"), 1, "broken.jsonl:2");
   mfsdp::write_sft_jsonl(dir.file("long.jsonl"), {{{{"user", std::string(80, 'x')}, {"assistant", "y"}}}});
   expect_error(" --train-iters 1 --train-files " + dir.file("long.jsonl"), 1, "example 1 has");
+}
+
+// A template mfsdp does not build in, applied upstream: pre-tokenized lines train exactly as the
+// sequences they hold, in both forms (loss_mask, and labels with -100), on one rank and two.
+TEST(Sft, TrainsOnPreTokenizedData) {
+  TempDir dir("mfsdp-sft-pretok");
+  std::vector<mfsdp::ChatTokens> sequences;
+  std::ofstream masks(dir.file("masks.jsonl")), labels(dir.file("labels.jsonl"));
+  for (int i = 0; i < 8; ++i) {
+    // "<Q>a+b</Q><A>" then the answer and EOD trained on, a user turn of different length.
+    mfsdp::ChatTokens t;
+    auto add = [&](const std::string& text, uint8_t m) {
+      for (unsigned char c : text) {
+        t.ids.push_back(c);
+        t.loss_mask.push_back(m);
+      }
+    };
+    const int a = 3 + 17 * i, b = 40 + i;
+    add("<Q>" + std::to_string(a) + "+" + std::to_string(b) + std::string(i % 3, ' ') + "</Q><A>", 0);
+    add(std::to_string(a + b), 1);
+    t.ids.push_back(mfsdp::ByteLevelTokenizer::kEod);
+    t.loss_mask.push_back(1);
+    nlohmann::json label = nlohmann::json::array();
+    for (size_t k = 0; k < t.ids.size(); ++k) label.push_back(t.loss_mask[k] ? t.ids[k] : -100);
+    masks << nlohmann::json{{"input_ids", t.ids}, {"loss_mask", t.loss_mask}}.dump() << "\n";
+    labels << nlohmann::json{{"input_ids", t.ids}, {"labels", label}, {"attention_mask", "ignored"}}.dump()
+           << "\n";
+    if (i == 3) masks << "\n";  // blank lines are skipped
+    sequences.push_back(std::move(t));
+  }
+  masks.close();
+  labels.close();
+  const double expected = reference_loss(sequences, /*token_mean=*/true);
+  for (const auto& [file, ranks] : {std::pair<std::string, int>{"masks", 2}, {"labels", 1}}) {
+    RunResult r = sft(dir, ranks,
+                      " --train-files " + dir.file(file + ".jsonl") +
+                          " --global-batch-size 8 --micro-batch-size " + std::to_string(8 / ranks) +
+                          " --train-iters 1 --optimizer sgd --lr 0.5 --chat-template llama3",
+                      file);
+    ASSERT_EQ(r.train.size(), 1u) << r.output;
+    EXPECT_NEAR(r.train[0]["lm_loss"].get<double>(), expected, 1e-5 * expected) << file << "\n" << r.output;
+    // --chat-template names a template this byte tokenizer could not render: unused here.
+    EXPECT_NE(r.output.find("8 pre-tokenized training sequences"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("chat template unused (pre-tokenized data)"), std::string::npos) << r.output;
+  }
+}
+
+TEST(Sft, BadPreTokenizedLinesAreNamed) {
+  TempDir dir("mfsdp-sft-pretok-bad");
+  const std::string good = "{\"input_ids\": [65, 66, 67], \"loss_mask\": [0, 1, 1]}\n";
+  struct Case {
+    const char* name;
+    std::string second_line;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"vocab", "{\"input_ids\": [65, 257], \"loss_mask\": [0, 1]}",
+       ": \"input_ids\"[1] is 257: not a token id"},
+      {"negative", "{\"input_ids\": [-1, 66], \"labels\": [-100, 66]}", ": \"input_ids\"[0] is -1"},
+      {"float", "{\"input_ids\": [65, 66.5], \"loss_mask\": [0, 1]}", ": \"input_ids\"[1] is 66.5"},
+      {"huge", "{\"input_ids\": [65, 66], \"loss_mask\": [0, 1e999999]}",
+       ": invalid JSON ([json.exception.out_of_range.406] number overflow parsing '1e999999')"},
+      {"not_list", "{\"input_ids\": \"AB\", \"loss_mask\": [0, 1]}", ": \"input_ids\" must be a list"},
+      {"lengths", "{\"input_ids\": [65, 66, 67], \"loss_mask\": [0, 1]}",
+       ": \"loss_mask\" has 2 values and \"input_ids\" 3"},
+      {"mask_value", "{\"input_ids\": [65, 66], \"loss_mask\": [0, 2]}",
+       ": \"loss_mask\"[1] is 2; a loss mask value must be 0 or 1"},
+      {"label", "{\"input_ids\": [65, 66], \"labels\": [-100, 67]}",
+       ": \"labels\"[1] is 67; a label must be -100 (not trained) or input_ids[1] (66)"},
+      {"no_mask", "{\"input_ids\": [65, 66]}", ": \"input_ids\" needs \"loss_mask\" or \"labels\""},
+      {"both", "{\"input_ids\": [65, 66], \"loss_mask\": [0, 1], \"labels\": [-100, 66]}",
+       ": has both \"loss_mask\" and \"labels\""},
+      {"mixed", "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}", ": no \"input_ids\""},
+      {"json", "{\"input_ids\": [65, 66], \"loss_mask\": [0, 1]", ": invalid JSON"},
+      {"empty", "{\"input_ids\": [], \"loss_mask\": []}", ": \"input_ids\" is empty"},
+      {"no_target", "{\"input_ids\": [65, 66], \"loss_mask\": [1, 0]}", " has no token to train on"},
+  };
+  for (const Case& c : cases) {
+    const std::string file = dir.file(std::string(c.name) + ".jsonl");
+    std::ofstream(file) << good << c.second_line << "\n" << good;
+    auto r =
+        run_command(kRun + " --nproc-per-node 1 " + kSft + kModel + " --train-iters 1 --train-files " + file);
+    EXPECT_EQ(r.exit_code, 1) << c.name << "\n" << r.output;
+    EXPECT_NE(r.output.find(file + ":2" + c.needle), std::string::npos) << c.name << "\n" << r.output;
+  }
+  {
+    // A broken first line still counts as pre-tokenized when it names input_ids.
+    const std::string file = dir.file("first.jsonl");
+    std::ofstream(file) << "{\"input_ids\": [65, 1e999999], \"loss_mask\": [0, 1]}\n" << good;
+    auto r =
+        run_command(kRun + " --nproc-per-node 1 " + kSft + kModel + " --train-iters 1 --train-files " + file);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find(file + ":1: invalid JSON"), std::string::npos) << r.output;
+  }
+  // Longer than --max-length 64: named by file:line, cut by --truncation.
+  nlohmann::json ids = nlohmann::json::array(), mask = nlohmann::json::array();
+  for (int k = 0; k < 80; ++k) {
+    ids.push_back(65 + k % 26);
+    mask.push_back(k >= 70 ? 1 : 0);
+  }
+  const std::string file = dir.file("long.jsonl");
+  std::ofstream(file) << good << nlohmann::json{{"input_ids", ids}, {"loss_mask", mask}}.dump() << "\n";
+  auto r =
+      run_command(kRun + " --nproc-per-node 1 " + kSft + kModel + " --train-iters 1 --train-files " + file);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(file + ":2 has 80 tokens, more than --max-length 64"), std::string::npos)
+      << r.output;
+  r = run_command(kRun + " --nproc-per-node 1 " + kSft + kModel +
+                  " --train-iters 1 --truncation right --train-files " + file);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find(file + ":2 has no token to train on after --truncation right"), std::string::npos)
+      << r.output;
+}
+
+// A tokenizer.json over bytes (id = byte, no merges) with `tokens` added from id 256: a tokenizer
+// with a family's special tokens.
+std::string write_byte_tokenizer(const TempDir& dir, const std::string& name,
+                                 const std::vector<std::string>& tokens) {
+  auto utf8 = [](uint32_t cp) {  // bytes_to_unicode symbols are below U+0800
+    std::string s;
+    if (cp < 0x80) return std::string(1, static_cast<char>(cp));
+    s.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+    s.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+    return s;
+  };
+  nlohmann::json vocab = nlohmann::json::object(), added = nlohmann::json::array();
+  for (int b = 0; b < 256; ++b) vocab[utf8(mfsdp::gpt2_byte_to_unicode(static_cast<uint8_t>(b)))] = b;
+  for (size_t k = 0; k < tokens.size(); ++k)
+    added.push_back({{"id", 256 + k},
+                     {"content", tokens[k]},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
+  const nlohmann::json file = {
+      {"added_tokens", added},
+      {"normalizer", nullptr},
+      {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}}},
+      {"decoder", {{"type", "ByteLevel"}}},
+      {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", nlohmann::json::array()}}}};
+  std::filesystem::create_directories(dir.file(name));
+  std::ofstream(dir.file(name + "/tokenizer.json")) << file.dump();
+  return dir.file(name);
+}
+
+// --chat-template auto picks the family's template from the tokenizer's special tokens, says so
+// at start-up, and trains on that template's mask.
+TEST(Sft, AutoTemplateFromTheTokenizer) {
+  TempDir dir("mfsdp-sft-auto");
+  const auto examples = conversations(4, /*uniform=*/false);
+  mfsdp::write_sft_jsonl(dir.file("train.jsonl"), examples);
+  struct Case {
+    std::vector<std::string> tokens;
+    std::string name, why;
+  };
+  for (const Case& c : {Case{{"<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"},
+                             "qwen3",
+                             "the tokenizer has <|im_start|> and <think>"},
+                        Case{{"<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                              "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>"},
+                             "llama3.1",
+                             "the tokenizer has <|start_header_id|> and <|eom_id|>"}}) {
+    const std::string folder = write_byte_tokenizer(dir, c.name, c.tokens);
+    auto tokenizer = mfsdp::load_hf_tokenizer(folder);
+    int64_t targets = 0;
+    for (const auto& e : examples)
+      for (uint8_t m : mfsdp::apply_chat_template(*tokenizer, c.name, e.messages, false).loss_mask)
+        targets += m;
+    const std::string flags = " --train-files " + dir.file("train.jsonl") +
+                              " --tokenizer-type HuggingFaceTokenizer"
+                              " --tokenizer-model " +
+                              folder +
+                              " --max-length 128 --global-batch-size 4"
+                              " --micro-batch-size 4 --train-iters 1";
+    RunResult r = sft(dir, 1, flags, c.name);
+    ASSERT_EQ(r.train.size(), 1u) << r.output;
+    EXPECT_NE(r.output.find("chat template " + c.name + " (auto: " + c.why + ")"), std::string::npos)
+        << r.output;
+    EXPECT_NE(r.output.find(", " + std::to_string(targets) + " target tokens)"), std::string::npos)
+        << targets << "\n"
+        << r.output;
+  }
 }
