@@ -74,7 +74,7 @@ void for_each_record(const std::string& path,
     json j;
     try {
       j = json::parse(line);
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999999
       fail(std::string("invalid JSON (") + e.what() + ")");
     }
     if (!j.is_object()) fail(std::string("a line must hold a JSON object, got ") + type_name(j));

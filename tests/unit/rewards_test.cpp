@@ -116,6 +116,7 @@ TEST(SftJsonl, ErrorsNameFileAndLine) {
   };
   const std::vector<Case> cases = {
       {"{\"prompt\": \"p\", \"response\": ", "invalid JSON"},
+      {"{\"prompt\": \"p\", \"response\": \"r\", \"score\": 1e999999}", "invalid JSON ([json.exception.out_of_range.406]"},
       {"[1, 2]", "JSON object"},
       {"{\"prompt\": \"p\"}", "missing \"response\""},
       {"{\"response\": \"r\"}", "missing \"prompt\""},
@@ -202,6 +203,7 @@ TEST(RlJsonl, ErrorsNameFileAndLine) {
   const std::string ok = "{\"data_source\": \"arith\", \"prompt\": \"p\", \"reward_model\": {\"ground_truth\": \"1\"}}\n";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"{\"data_source\": \"arith\"", "invalid JSON"},
+      {"{\"data_source\": \"arith\", \"prompt\": \"p\", \"x\": -1e999999}", "invalid JSON ([json.exception.out_of_range.406]"},
       {"\"text\"", "JSON object"},
       {"{\"data_source\": \"arith\", \"reward_model\": {\"ground_truth\": \"1\"}}", "missing \"prompt\""},
       {"{\"data_source\": \"arith\", \"prompt\": {}, \"reward_model\": {\"ground_truth\": \"1\"}}", "\"prompt\" must be"},
