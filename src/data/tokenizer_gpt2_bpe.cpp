@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "tokenizer_hf_parts.h"
 #include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {
@@ -26,23 +27,7 @@ namespace {
 
 // ---- UTF-8 ---------------------------------------------------------------------------------------
 
-void append_utf8(uint32_t cp, std::string& out) {
-  if (cp < 0x80) {
-    out.push_back(static_cast<char>(cp));
-  } else if (cp < 0x800) {
-    out.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else if (cp < 0x10000) {
-    out.push_back(static_cast<char>(0xE0 | (cp >> 12)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  } else {
-    out.push_back(static_cast<char>(0xF0 | (cp >> 18)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 12) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | ((cp >> 6) & 0x3F)));
-    out.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-  }
-}
+using hf::append_utf8;  // one UTF-8 encoder for every tokenizer (tokenizer_hf_parts.h)
 
 // Decodes the code point at text[i]; sets `len` to its byte length. An invalid or truncated
 // sequence yields kInvalid with len 1 (the byte stands alone).
