@@ -273,6 +273,15 @@ at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, Commu
   return ReduceScatterAlong::apply(x, &tp, d);
 }
 
+at::Tensor enter_tensor_parallel_region(const at::Tensor& x, Communicator& tp, bool sequence_parallel) {
+  return sequence_parallel ? gather_from_sequence_parallel_region(x, tp) : copy_to_tensor_parallel_region(x, tp);
+}
+
+at::Tensor exit_tensor_parallel_region(const at::Tensor& x, Communicator& tp, bool sequence_parallel) {
+  return sequence_parallel ? reduce_scatter_to_sequence_parallel_region(x, tp)
+                           : reduce_from_tensor_parallel_region(x, tp);
+}
+
 at::Tensor column_shard(const at::Tensor& full, int rank, int size) {
   return shard_along("column_shard", "a weight [out, in] or bias [out]", "output features", full, 0, rank,
                      size);
@@ -298,9 +307,7 @@ at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight_
   if (sequence_parallel && gather_output)
     throw std::invalid_argument(
         "column_parallel_linear: gather_output needs the full sequence, which sequence parallelism splits");
-  at::Tensor input =
-      sequence_parallel ? gather_from_sequence_parallel_region(x, tp) : copy_to_tensor_parallel_region(x, tp);
-  at::Tensor y = at::linear(input, weight_shard, bias_shard);
+  at::Tensor y = at::linear(enter_tensor_parallel_region(x, tp, sequence_parallel), weight_shard, bias_shard);
   return gather_output ? gather_from_tensor_parallel_region(y, tp) : y;
 }
 
@@ -314,8 +321,7 @@ at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight_sha
   at::Tensor input = input_is_parallel ? x : scatter_to_tensor_parallel_region(x, tp);
   at::Tensor partial = at::linear(input, weight_shard);
   // The bias is added once, after the sum: adding it per rank would count it tp times.
-  at::Tensor y = sequence_parallel ? reduce_scatter_to_sequence_parallel_region(partial, tp)
-                                   : reduce_from_tensor_parallel_region(partial, tp);
+  at::Tensor y = exit_tensor_parallel_region(partial, tp, sequence_parallel);
   return bias.defined() ? y + bias : y;
 }
 
@@ -332,8 +338,7 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& ids, const at::Tensor& wei
   // Foreign ids look up row 0 and are zeroed after, so their gradient to row 0 is zero too.
   at::Tensor local = (ids - range.start).masked_fill(foreign, 0);
   at::Tensor rows = at::embedding(weight_shard, local).masked_fill(foreign.unsqueeze(-1), 0);
-  return sequence_parallel ? reduce_scatter_to_sequence_parallel_region(rows, tp)
-                           : reduce_from_tensor_parallel_region(rows, tp);
+  return exit_tensor_parallel_region(rows, tp, sequence_parallel);
 }
 
 at::Tensor vocab_parallel_cross_entropy(const at::Tensor& logits_shard, const at::Tensor& targets,

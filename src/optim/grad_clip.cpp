@@ -41,7 +41,46 @@ void add_squared_norms(at::Tensor& acc, const std::vector<at::Tensor>& runs) {
     }
 }
 
+// The pieces of `run` outside the sorted, disjoint `skip` ranges.
+std::vector<ElementRange> ranges_outside(const SegmentRun& run, const std::vector<ElementRange>& skip) {
+  std::vector<ElementRange> out;
+  int64_t at = run.offset;
+  const int64_t end = run.offset + run.length;
+  for (const ElementRange& r : skip) {
+    const int64_t lo = std::max(r.offset, at), hi = std::min(r.offset + r.length, end);
+    if (lo >= hi) continue;
+    if (lo > at) out.push_back({at, lo - at});
+    at = hi;
+  }
+  if (at < end) out.push_back({at, end - at});
+  return out;
+}
+
 }  // namespace
+
+void ShardOptimizer::set_model_parallel(std::shared_ptr<Communicator> group,
+                                        std::vector<std::vector<ElementRange>> duplicated) {
+  if (!group) throw std::invalid_argument(name_ + ".set_model_parallel: the group is null");
+  if (duplicated.size() > shards_.size())
+    throw std::invalid_argument(name_ + ".set_model_parallel: ranges for " + std::to_string(duplicated.size()) +
+                                " shards, the optimizer has " + std::to_string(shards_.size()));
+  duplicated.resize(shards_.size());
+  for (size_t i = 0; i < duplicated.size(); ++i) {
+    auto& ranges = duplicated[i];
+    std::sort(ranges.begin(), ranges.end(),
+              [](const ElementRange& a, const ElementRange& b) { return a.offset < b.offset; });
+    for (size_t j = 0; j < ranges.size(); ++j)
+      if (ranges[j].offset < 0 || ranges[j].length < 0 ||
+          ranges[j].offset + ranges[j].length > shards_[i].main_grad.numel() ||
+          (j > 0 && ranges[j].offset < ranges[j - 1].offset + ranges[j - 1].length))
+        throw std::invalid_argument(name_ + ".set_model_parallel: shard " + std::to_string(i) + ": range [" +
+                                    std::to_string(ranges[j].offset) + ", +" + std::to_string(ranges[j].length) +
+                                    ") overlaps another or leaves the shard's " +
+                                    std::to_string(shards_[i].main_grad.numel()) + " elements");
+  }
+  model_parallel_ = std::move(group);
+  duplicated_ = std::move(duplicated);
+}
 
 double ShardOptimizer::clip_grad_norm(double max_norm) {
   if (std::isnan(max_norm)) throw std::invalid_argument(name_ + ".clip_grad_norm: max_norm is NaN");
@@ -55,13 +94,19 @@ double ShardOptimizer::clip_grad_norm(double max_norm) {
   std::vector<at::Tensor> sharded, replicated, all;
   at::Tensor sharded_sq = at::zeros({1}, options);
   at::Tensor replicated_sq = at::zeros({1}, options);
+  // Under tensor parallelism, parameters every rank of the group holds whole are counted on its
+  // rank 0 only.
+  const bool skip_duplicates = model_parallel_ && model_parallel_->rank() != 0;
   for (size_t i = 0; i < shards_.size(); ++i) {
     const bool everywhere = shards_[i].replicated && (shards_[i].copies == 0 || shards_[i].copies == comm_->size());
     std::vector<at::Tensor> partial;
     for (const SegmentRun& run : runs_[i]) {
-      at::Tensor piece = shards_[i].main_grad.narrow(0, run.offset, run.length);
-      (everywhere ? replicated : shards_[i].replicated ? partial : sharded).push_back(piece);
-      all.push_back(piece);
+      all.push_back(shards_[i].main_grad.narrow(0, run.offset, run.length));
+      const std::vector<ElementRange> counted =
+          skip_duplicates ? ranges_outside(run, duplicated_[i]) : std::vector<ElementRange>{{run.offset, run.length}};
+      for (const ElementRange& r : counted)
+        (everywhere ? replicated : shards_[i].replicated ? partial : sharded)
+            .push_back(shards_[i].main_grad.narrow(0, r.offset, r.length));
     }
     if (!partial.empty()) {
       at::Tensor sq = at::zeros({1}, options);
@@ -74,7 +119,9 @@ double ShardOptimizer::clip_grad_norm(double max_norm) {
   // Every rank joins exactly one all-reduce per call, also with no elements of its own, so the
   // collective sequence is the same on all ranks.
   comm_->all_reduce(sharded_sq);
-  const double norm = std::sqrt((sharded_sq + replicated_sq).item<double>());
+  at::Tensor total = sharded_sq + replicated_sq;
+  if (model_parallel_) model_parallel_->all_reduce(total);  // the other slices of the parameters
+  const double norm = std::sqrt(total.item<double>());
 
   // A non-finite norm is returned unscaled (torch would multiply every grad by NaN); the caller
   // decides whether to skip the step.

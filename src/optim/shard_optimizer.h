@@ -15,12 +15,6 @@
 
 namespace mfsdp {
 
-// Elements [offset, offset + length) of one shard.
-struct ElementRange {
-  int64_t offset = 0;
-  int64_t length = 0;
-};
-
 // A maximal run of adjacent segments: the elements of a shard that one vectorised op covers.
 // `decay` lists the maximal runs of weight-decay segments inside it (shard offsets, ascending).
 // Padding lies outside every run, so no update and no clipping ever writes it.
@@ -39,6 +33,8 @@ std::vector<SegmentRun> plan_segment_runs(const OptimizerShard& shard, size_t in
 class ShardOptimizer : public DistributedOptimizer {
  public:
   double clip_grad_norm(double max_norm) final;  // grad_clip.cpp
+  void set_model_parallel(std::shared_ptr<Communicator> group,
+                          std::vector<std::vector<ElementRange>> duplicated) final;  // grad_clip.cpp
   void step(double lr) final;
   int64_t steps() const final { return steps_; }
   void set_steps(int64_t steps) final;
@@ -63,6 +59,8 @@ class ShardOptimizer : public DistributedOptimizer {
   at::Device norm_device() const;
 
   std::shared_ptr<Communicator> comm_;
+  std::shared_ptr<Communicator> model_parallel_;       // null: none (set_model_parallel)
+  std::vector<std::vector<ElementRange>> duplicated_;  // per shard, sorted; counted on its rank 0 only
   std::function<void()> after_step_;
   int64_t steps_ = 0;
 };

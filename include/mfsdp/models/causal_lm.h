@@ -39,6 +39,22 @@ struct ModelBuildOptions {
   // Expert parallelism: the ranks a layer's experts are split over (this rank holds its share,
   // include/mfsdp/models/moe.h); null or size 1: every expert on every rank.
   std::shared_ptr<Communicator> expert_parallel;
+  // Tensor parallelism (Megatron's): the ranks each layer's heads and MLP columns, the
+  // vocabulary of the embedding and of the output layer are split over (this rank holds its
+  // slice of each such parameter, tensor_parallel_split); null or size 1: none. Every rank of the
+  // group must build the model with the same config and seed and run the same forwards.
+  std::shared_ptr<Communicator> tensor_parallel;
+  // Megatron's --sequence-parallel (with tensor_parallel only): outside the tensor-parallel
+  // regions (norms, residual adds) each rank holds its slice of the sequence, [B, T/tp, H].
+  bool sequence_parallel = false;
+};
+
+// How a parameter is split over the tensor-parallel ranks (Megatron's partition_dim).
+enum class TensorParallelSplit {
+  kReplicated,  // whole on every rank: norms
+  kRows,        // along dim 0: column-parallel weights and biases, the vocabulary-parallel
+                // embedding and output layer (rank r holds rows [r * n/tp, (r + 1) * n/tp))
+  kColumns,     // along dim 1: row-parallel weights (their input features)
 };
 
 // ---- Padded and packed batches ---------------------------------------------------------------
@@ -87,7 +103,9 @@ class KVCache {
 // Hugging Face names, which checkpoints store as "model.<name>".
 class CausalLM : public ShardedModule<CausalLM> {
  public:
-  // input_ids [B, T] -> logits [B, T, V] in the parameters' dtype. Positions are
+  // input_ids [B, T] -> logits [B, T, V] in the parameters' dtype; with tensor parallelism this
+  // rank's vocabulary slice [B, T, V/tp] (tensor_parallel::vocab_range; the losses of
+  // tensor_parallel.h take it as it is). Positions are
   // start_pos .. start_pos + T - 1; start_pos < 0 means the cache's length (0 without cache),
   // and with a cache it must equal the cache's length. Throws std::logic_error while deferred
   // parameters are not yet initialised.
@@ -115,6 +133,18 @@ class CausalLM : public ShardedModule<CausalLM> {
   // Moves layer `layer`'s aux-loss-free routing bias (MoeConfig::expert_bias) by one step's token
   // counts per expert over the data-parallel group; nothing for a layer without one.
   virtual void update_expert_bias(int64_t /*layer*/, const std::vector<int64_t>& /*tokens_per_expert*/) {}
+
+  // Tensor parallelism (ModelBuildOptions): the group (null without), whether the sequence is
+  // split outside the tensor-parallel regions, and how each parameter (by name) is split.
+  virtual std::shared_ptr<Communicator> tensor_parallel() const { return nullptr; }
+  virtual bool sequence_parallel() const { return false; }
+  virtual TensorParallelSplit tensor_parallel_split(const std::string& /*name*/) const {
+    return TensorParallelSplit::kReplicated;
+  }
+  // True for a replicated parameter whose gradient each tensor-parallel rank holds only its part
+  // of, to be summed over the group (Megatron's sequence_parallel parameters and q/k layernorms):
+  // the norms under sequence parallelism, a per-head norm under any tensor parallelism.
+  virtual bool tensor_parallel_partial_grad(const std::string& /*name*/) const { return false; }
 
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
   // parameter named `name`: the same values whenever and wherever it is called.

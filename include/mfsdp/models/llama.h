@@ -117,12 +117,27 @@ using LlamaKVCache = KVCache;
 
 // ---- Modules ----------------------------------------------------------------------------
 
+// How the decoder's work is split over ranks (ModelBuildOptions' groups, causal_lm.h). Under
+// tensor parallelism each rank holds 1/tp of the attention heads (query and key/value heads
+// alike, as Megatron splits its query groups), of the MLP's intermediate features and of the
+// vocabulary; the HF names stay, the shapes are the rank's slices (tensor_parallel_split).
+struct LlamaParallel {
+  std::shared_ptr<Communicator> tensor;  // null: one rank
+  bool sequence = false;                 // sequence parallelism (only with tensor)
+  std::shared_ptr<Communicator> expert;  // expert parallelism (moe.h); null: one rank
+  int tp_size() const;
+  int tp_rank() const;
+};
 
+
+// Token embedding; under tensor parallelism vocabulary-parallel (weight [V/tp, H], this rank's
+// ids; output [B, T, H], or [B, T/tp, H] with sequence parallelism).
 class LlamaEmbeddingImpl : public torch::nn::Module {
  public:
-  LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred);
+  LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred, LlamaParallel parallel = {});
   at::Tensor forward(const at::Tensor& ids);
-  at::Tensor weight;  // [V, H]
+  at::Tensor weight;  // [V, H] ([V/tp, H])
+  LlamaParallel parallel;
 };
 TORCH_MODULE(LlamaEmbedding);
 
@@ -141,7 +156,10 @@ TORCH_MODULE(LlamaRMSNorm);
 // fused kernels of the device: flash/memory-efficient on CUDA, flash on the CPU).
 class LlamaAttentionImpl : public torch::nn::Module {
  public:
-  LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
+  LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred, LlamaParallel parallel = {});
+  // Under tensor parallelism q/k/v are column-parallel (this rank's heads) and o_proj
+  // row-parallel: x and the result are [B, T, H] replicated, or [B, T/tp, H] with sequence
+  // parallelism (rope, cache and `allowed` still cover all T positions).
   // x: [B, T, H]; rope: tables for the T new positions; cache: null in training. Query t (at
   // key index start + t, start = keys cached before this call) attends to keys 0 .. start + t.
   // `allowed` [B, 1, T, S] bool (SequenceLayout::allowed_keys; S = cached + T) replaces that
@@ -155,16 +173,21 @@ class LlamaAttentionImpl : public torch::nn::Module {
   bool use_sdpa = true;
 
  private:
-  int64_t num_heads_, num_kv_heads_, head_dim_, layer_idx_;
+  int64_t num_heads_, num_kv_heads_, head_dim_, layer_idx_;  // heads: this rank's
+  LlamaParallel parallel_;
 };
 TORCH_MODULE(LlamaAttention);
 
 // SwiGLU: down(silu(gate(x)) * up(x)); without config.swiglu: down(gelu(up(x))), no gate.
+// Under tensor parallelism gate/up are column-parallel and down row-parallel (as attention).
 class LlamaMLPImpl : public torch::nn::Module {
  public:
-  LlamaMLPImpl(const LlamaConfig& config, bool deferred);
+  LlamaMLPImpl(const LlamaConfig& config, bool deferred, LlamaParallel parallel = {});
   at::Tensor forward(const at::Tensor& x);
   LlamaLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+
+ private:
+  LlamaParallel parallel_;
 };
 TORCH_MODULE(LlamaMLP);
 
@@ -174,8 +197,7 @@ TORCH_MODULE(LlamaMLP);
 // block's counts and balancing losses take in (undefined: every position).
 class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
  public:
-  LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred,
-                        std::shared_ptr<Communicator> expert_parallel = nullptr);
+  LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred, const LlamaParallel& parallel = {});
   at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {}, const at::Tensor& tokens = {});
   LlamaAttention self_attn{nullptr};
@@ -188,7 +210,7 @@ TORCH_MODULE(LlamaDecoderLayer);
 // Embedding, the decoder layers, the final norm (HF LlamaModel).
 class LlamaModelImpl : public torch::nn::Module {
  public:
-  LlamaModelImpl(const LlamaConfig& config, bool deferred, std::shared_ptr<Communicator> expert_parallel = nullptr);
+  LlamaModelImpl(const LlamaConfig& config, bool deferred, const LlamaParallel& parallel = {});
   // input_ids [B, T] (int64) -> final-normed hidden states [B, T, H]. Positions are
   // start_pos .. start_pos + T - 1; start_pos < 0 means the cache's length (0 without cache),
   // and with a cache it must equal the cache's length.
@@ -232,9 +254,15 @@ class LlamaForCausalLMImpl : public CausalLM {
   std::vector<std::pair<int64_t, RouterStats>> take_router_stats() override;
   void set_aux_loss_scale(double scale) override;
   void update_expert_bias(int64_t layer, const std::vector<int64_t>& tokens_per_expert) override;
+  std::shared_ptr<Communicator> tensor_parallel() const override { return parallel_.tensor; }
+  bool sequence_parallel() const override { return parallel_.sequence; }
+  TensorParallelSplit tensor_parallel_split(const std::string& name) const override;
+  bool tensor_parallel_partial_grad(const std::string& name) const override;
 
   // Parameter names are HF names; norms start at one, biases at zero, the rest normal(0,
-  // init_std), each from its own (init seed, name) generator.
+  // init_std), each from its own (init seed, name) generator. A tensor-parallel slice gets its
+  // rows or columns of the full parameter's values, so any split starts from the weights of one
+  // rank.
   void init_values(const std::string& name, const at::Tensor& out) const override;
   // Re-initialises every parameter in place (what the constructor does in eager mode).
   void reset_parameters();
@@ -266,6 +294,7 @@ class LlamaForCausalLMImpl : public CausalLM {
   at::Tensor logits(const at::Tensor& hidden);  // the output projection (tied or lm_head)
 
   LlamaConfig config_;
+  LlamaParallel parallel_;
   uint64_t init_seed_ = 0;
   std::vector<bool> layer_deferred_;  // per layer: parameters not yet materialised
   bool root_deferred_ = false;

@@ -68,6 +68,16 @@ at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, Communicato
 at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x, Communicator& tp,
                                                       int64_t dim = kSequenceDim);
 
+// Entering and leaving a tensor-parallel region, as the column- and row-parallel layers below do
+// and as a model whose several projections share one input (q/k/v, gate/up) does once for all:
+// enter gives the full-sequence input [batch, seq, hidden] every rank's column-parallel
+// projections read (copy_to_tensor_parallel_region, or with sequence_parallel the all-gather of
+// this rank's [batch, seq/tp, hidden] along the sequence); exit sums the row-parallel partial
+// outputs (reduce_from_tensor_parallel_region, or with sequence_parallel the reduce-scatter that
+// leaves this rank's sequence slice).
+at::Tensor enter_tensor_parallel_region(const at::Tensor& x, Communicator& tp, bool sequence_parallel);
+at::Tensor exit_tensor_parallel_region(const at::Tensor& x, Communicator& tp, bool sequence_parallel);
+
 // ---- Shards of full weights ---------------------------------------------------------------------
 // Each returns a fresh contiguous copy (so it can become a parameter without keeping the full
 // tensor alive) and throws std::invalid_argument, naming the sizes, when the sharded dimension

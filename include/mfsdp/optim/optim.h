@@ -19,6 +19,12 @@
 
 namespace mfsdp {
 
+// Elements [offset, offset + length) of one shard.
+struct ElementRange {
+  int64_t offset = 0;
+  int64_t length = 0;
+};
+
 // A run of elements of a flat shard that share hyperparameters.
 struct ShardSegment {
   int64_t offset = 0;         // element offset in the shard
@@ -77,8 +83,16 @@ class DistributedOptimizer {
   virtual ~DistributedOptimizer() = default;
 
   // Clips gradients to `max_norm` by global L2 norm (no-op when max_norm <= 0) and returns the
-  // global norm before clipping. Collective over the communicator.
+  // global norm before clipping. Collective over the communicator (and the model-parallel group).
   virtual double clip_grad_norm(double max_norm) = 0;
+
+  // Tensor parallelism: the shards hold this rank's slices of the model's parameters, so the
+  // global norm also sums over `group`, the ranks holding the other slices (Megatron's
+  // model-parallel group). `duplicated[i]` lists the element ranges of shard i that hold
+  // parameters every rank of `group` has whole (norms), counted on the group's rank 0 only.
+  // Call once, before the first clip_grad_norm.
+  virtual void set_model_parallel(std::shared_ptr<Communicator> group,
+                                  std::vector<std::vector<ElementRange>> duplicated) = 0;
 
   // One update of every shard with learning rate `lr`; then runs the after-step callback
   // (the runtime's main-to-model weight copy).

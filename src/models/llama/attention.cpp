@@ -6,7 +6,9 @@
 #include <limits>
 #include <tuple>
 
+#include "mfsdp/comm/comm.h"
 #include "mfsdp/models/llama.h"
+#include "mfsdp/models/tensor_parallel.h"
 
 namespace mfsdp {
 
@@ -16,11 +18,12 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
   return x.unsqueeze(2).expand({b, nkv, n_rep, s, d}).reshape({b, nkv * n_rep, s, d});
 }
 
-LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred)
-    : num_heads_(c.num_attention_heads),
-      num_kv_heads_(c.num_key_value_heads),
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred, LlamaParallel parallel)
+    : num_heads_(c.num_attention_heads / parallel.tp_size()),
+      num_kv_heads_(c.num_key_value_heads / parallel.tp_size()),
       head_dim_(c.head_dim()),
-      layer_idx_(layer_idx) {
+      layer_idx_(layer_idx),
+      parallel_(std::move(parallel)) {
   const int64_t h = c.hidden_size;
   // Qwen2 (attention_bias): biases on q, k and v only, as transformers' Qwen2Attention.
   const bool bias = c.attention_bias;
@@ -34,8 +37,11 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, 
   }
 }
 
-at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope,
+at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTables& rope,
                                        LlamaKVCache* cache, const at::Tensor& allowed_keys) {
+  Communicator* tp = parallel_.tp_size() > 1 ? parallel_.tensor.get() : nullptr;
+  // q, k and v read one input: the region is entered once (one all-reduce of its gradient).
+  const at::Tensor x = tp ? tensor_parallel::enter_tensor_parallel_region(input, *tp, parallel_.sequence) : input;
   const int64_t b = x.size(0), t = x.size(1);
   at::Tensor q = q_proj(x).view({b, t, num_heads_, head_dim_});
   at::Tensor k = k_proj(x).view({b, t, num_kv_heads_, head_dim_});
@@ -75,7 +81,8 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& 
     out = at::matmul(probs, v);
   }
   out = out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_});
-  return o_proj(out);
+  out = o_proj(out);
+  return tp ? tensor_parallel::exit_tensor_parallel_region(out, *tp, parallel_.sequence) : out;
 }
 
 }  // namespace mfsdp

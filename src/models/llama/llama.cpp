@@ -6,7 +6,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/recompute.h"
+#include "mfsdp/models/tensor_parallel.h"
 #include "models/param_init.h"
 
 namespace mfsdp {
@@ -14,12 +16,12 @@ namespace mfsdp {
 // ---- LlamaDecoderLayer --------------------------------------------------------------------
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred,
-                                             std::shared_ptr<Communicator> expert_parallel) {
-  self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred));
+                                             const LlamaParallel& parallel) {
+  self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred, parallel));
   if (c.moe.is_moe_layer(layer_idx)) {
-    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred, std::move(expert_parallel)));
+    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred, parallel.expert));
   } else {
-    mlp = register_module("mlp", LlamaMLP(c, deferred));
+    mlp = register_module("mlp", LlamaMLP(c, deferred, parallel));
   }
   input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
   post_attention_layernorm =
@@ -35,12 +37,12 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const Rotary
 
 // ---- LlamaModel ---------------------------------------------------------------------------
 
-LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, std::shared_ptr<Communicator> expert_parallel)
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, const LlamaParallel& parallel)
     : config_(c) {
   config_.validate();
-  embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred));
+  embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred, parallel));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred, expert_parallel));
+  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred, parallel));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
 }
 
@@ -122,16 +124,58 @@ at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryT
 
 // ---- LlamaForCausalLM ---------------------------------------------------------------------
 
+namespace {
+
+// Megatron's checks (its arguments.py and the divide() of each layer): every split dimension
+// divides by the tensor-parallel size. Throws std::invalid_argument naming the field.
+void check_tensor_parallel(const LlamaConfig& c, int tp) {
+  if (tp == 1) return;
+  const std::pair<const char*, int64_t> split[] = {{"num_attention_heads", c.num_attention_heads},
+                                                   {"num_key_value_heads", c.num_key_value_heads},
+                                                   {"intermediate_size", c.intermediate_size},
+                                                   {"vocab_size", c.vocab_size}};
+  for (const auto& [field, value] : split)
+    if (value % tp != 0)
+      throw std::invalid_argument("LlamaForCausalLM: tensor parallelism over " + std::to_string(tp) +
+                                  " ranks splits " + field + " (" + std::to_string(value) +
+                                  "), which does not divide by " + std::to_string(tp));
+  if (c.moe.num_experts > 0)
+    throw std::invalid_argument(
+        "LlamaForCausalLM: tensor parallelism with MoE layers (num_experts " + std::to_string(c.moe.num_experts) +
+        ") is not built: Megatron splits experts with --expert-tensor-parallel-size, which mfsdp does not have; "
+        "use --expert-model-parallel-size");
+}
+
+LlamaParallel parallel_of(const LlamaOptions& o) {
+  LlamaParallel p;
+  p.tensor = o.tensor_parallel && o.tensor_parallel->size() > 1 ? o.tensor_parallel : nullptr;
+  // Megatron turns sequence parallelism off without tensor parallelism.
+  p.sequence = p.tensor != nullptr && o.sequence_parallel;
+  p.expert = o.expert_parallel;
+  return p;
+}
+
+bool ends_with(const std::string& s, const char* suffix) {
+  const size_t n = std::char_traits<char>::length(suffix);
+  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
+}
+
+bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOptions& options)
-    : config_(c) {
+    : config_(c), parallel_(parallel_of(options)) {
   config_.validate();
+  check_tensor_parallel(c, parallel_.tp_size());
   init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
-  model = register_module("model", LlamaModel(c, options.deferred_init, options.expert_parallel));
+  model = register_module("model", LlamaModel(c, options.deferred_init, parallel_));
   model->recompute_layers = options.recompute_layers;
   for (int64_t i = 0; i < c.num_layers; ++i)
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)
-    lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, options.deferred_init));
+    lm_head = register_module("lm_head",
+                              LlamaLinear(c.hidden_size, c.vocab_size / parallel_.tp_size(), options.deferred_init));
   layer_deferred_.assign(c.num_layers, options.deferred_init);
   root_deferred_ = options.deferred_init;
   experts_split_ = options.expert_parallel && options.expert_parallel->size() > 1;
@@ -151,7 +195,29 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const Sequ
 }
 
 at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
-  return lm_head ? mfsdp::call(*lm_head, hidden) : at::linear(hidden, model->embed_tokens->weight);
+  // Tensor-parallel: a column-parallel output layer over this rank's vocabulary rows, so no rank
+  // forms the full-vocabulary logits.
+  const at::Tensor in = parallel_.tensor ? tensor_parallel::enter_tensor_parallel_region(hidden, *parallel_.tensor,
+                                                                                         parallel_.sequence)
+                                         : hidden;
+  return lm_head ? mfsdp::call(*lm_head, in) : at::linear(in, model->embed_tokens->weight);
+}
+
+TensorParallelSplit LlamaForCausalLMImpl::tensor_parallel_split(const std::string& name) const {
+  if (!parallel_.tensor) return TensorParallelSplit::kReplicated;
+  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return TensorParallelSplit::kRows;
+  for (const char* column : {".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj."})
+    if (contains(name, column)) return TensorParallelSplit::kRows;
+  for (const char* row : {".o_proj.weight", ".down_proj.weight"})
+    if (ends_with(name, row)) return TensorParallelSplit::kColumns;
+  return TensorParallelSplit::kReplicated;
+}
+
+bool LlamaForCausalLMImpl::tensor_parallel_partial_grad(const std::string& name) const {
+  if (!parallel_.tensor || !ends_with(name, "norm.weight")) return false;
+  // A per-head norm sees only this rank's heads; under sequence parallelism every norm sees only
+  // this rank's positions.
+  return parallel_.sequence || ends_with(name, ".q_norm.weight") || ends_with(name, ".k_norm.weight");
 }
 
 void LlamaForCausalLMImpl::check_materialized() const {
@@ -181,6 +247,14 @@ void LlamaForCausalLMImpl::init_values(const std::string& name, const at::Tensor
     out.zero_();
   } else if (is_norm) {
     out.fill_(1.0);
+  } else if (const TensorParallelSplit split = tensor_parallel_split(name); split != TensorParallelSplit::kReplicated) {
+    // This rank's rows or columns of the values the whole parameter gets on one rank.
+    const int64_t dim = split == TensorParallelSplit::kRows ? 0 : 1;
+    std::vector<int64_t> full_sizes = out.sizes().vec();
+    full_sizes[static_cast<size_t>(dim)] *= parallel_.tp_size();
+    at::Tensor full = at::empty(full_sizes, at::kFloat);
+    detail::fill_normal(full, config_.init_std, detail::parameter_seed(init_seed_, name));
+    out.copy_(full.narrow(dim, parallel_.tp_rank() * out.size(dim), out.size(dim)));
   } else {
     detail::fill_normal(out, config_.init_std, detail::parameter_seed(init_seed_, name));
   }

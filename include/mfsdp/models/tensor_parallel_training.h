@@ -1,0 +1,44 @@
+// Training a tensor-parallel CausalLM (ModelBuildOptions::tensor_parallel) under fully_shard:
+// what a step adds after the backward, what the optimizer must know for the gradient norm, and
+// whole parameters from the ranks' slices (for checking, export and checkpoints).
+//
+// TP-then-FSDP, Megatron-FSDP's order: each tensor-parallel rank's slices are sharded over its
+// own data-parallel group. The ranks of one tensor-parallel group hold parameters of the same
+// shapes, so their FSDP layouts, and so their optimizer shards, match element for element:
+// the gradient sum below works on the flat main-gradient shards directly.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <string>
+
+#include "mfsdp/models/causal_lm.h"
+#include "mfsdp/optim/optim.h"
+
+namespace mfsdp {
+
+// Sums over the tensor-parallel group the main gradients of the parameters the model marks
+// partial (CausalLM::tensor_parallel_partial_grad): after the step's last backward, before
+// clipping, as Megatron's finalize_model_grads does. One all-reduce; nothing without tensor
+// parallelism. Collective over the group.
+void sum_partial_gradients(const CausalLM& model, const FsdpHandle& root);
+
+// Gives `optimizer` the tensor-parallel group and the elements of its shards that hold
+// replicated parameters (DistributedOptimizer::set_model_parallel), so the gradient norm counts
+// every element of the model once. Nothing without tensor parallelism.
+void set_tensor_parallel_norm(const CausalLM& model, const FsdpHandle& root, DistributedOptimizer& optimizer);
+
+// Whole parameters from every rank's whole slices `local` (its root's full_state_dict), each
+// split one all-gathered over the group along its dim (tensor_parallel_split); replicated ones as
+// they are. Collective over the group: every rank passes its map with the same names and gets
+// the whole parameters.
+std::map<std::string, at::Tensor> gather_tensor_parallel(const CausalLM& model,
+                                                         std::map<std::string, at::Tensor> local);
+
+// This rank's slices of whole parameters `full` (to load with load_full_state_dict). Throws
+// std::invalid_argument naming the parameter when a split dim does not divide.
+std::map<std::string, at::Tensor> tensor_parallel_slices(const CausalLM& model,
+                                                         std::map<std::string, at::Tensor> full);
+
+}  // namespace mfsdp
