@@ -19,6 +19,7 @@
 
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/fsdp/memory_plan.h"
+#include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/moe.h"
 
 namespace mfsdp {
@@ -47,6 +48,13 @@ struct ModelBuildOptions {
   // Megatron's --sequence-parallel (with tensor_parallel only): outside the tensor-parallel
   // regions (norms, residual adds) each rank holds its slice of the sequence, [B, T/tp, H].
   bool sequence_parallel = false;
+  // Context parallelism (Megatron's): the ranks every sequence is split over, each holding its
+  // load-balanced chunks (context_parallel.h: chunks r and 2 x CP - 1 - r of 2 x CP); attention
+  // exchanges keys and values over the group by `context_parallel_algorithm`. null or size 1:
+  // none. The caller gives each rank its part of the ids, labels and layout
+  // (context_parallel::shard_sequence along dim 1); no KV cache.
+  std::shared_ptr<Communicator> context_parallel;
+  context_parallel::CpAlgorithm context_parallel_algorithm = context_parallel::CpAlgorithm::kAllGather;
 };
 
 // How a parameter is split over the tensor-parallel ranks (Megatron's partition_dim).
@@ -138,6 +146,8 @@ class CausalLM : public ShardedModule<CausalLM> {
   // split outside the tensor-parallel regions, and how each parameter (by name) is split.
   virtual std::shared_ptr<Communicator> tensor_parallel() const { return nullptr; }
   virtual bool sequence_parallel() const { return false; }
+  // Context parallelism (ModelBuildOptions): the group, null without.
+  virtual std::shared_ptr<Communicator> context_parallel() const { return nullptr; }
   virtual TensorParallelSplit tensor_parallel_split(const std::string& /*name*/) const {
     return TensorParallelSplit::kReplicated;
   }

@@ -125,8 +125,20 @@ struct LlamaParallel {
   std::shared_ptr<Communicator> tensor;  // null: one rank
   bool sequence = false;                 // sequence parallelism (only with tensor)
   std::shared_ptr<Communicator> expert;  // expert parallelism (moe.h); null: one rank
+  std::shared_ptr<Communicator> context;  // context parallelism; null: one rank
+  context_parallel::CpAlgorithm cp_algorithm = context_parallel::CpAlgorithm::kAllGather;
   int tp_size() const;
   int tp_rank() const;
+};
+
+// One forward's context-parallel inputs (undefined without context parallelism): the local
+// tokens' indices in the whole sequence (context_parallel::cp_positions; what the causal mask
+// compares) and this rank's part of the padding mask and packed-segment ids, each [B, T_local]
+// or undefined.
+struct ContextParallelKeys {
+  at::Tensor global_positions;
+  at::Tensor key_padding_mask;
+  at::Tensor segment_ids;
 };
 
 
@@ -164,8 +176,10 @@ class LlamaAttentionImpl : public torch::nn::Module {
   // key index start + t, start = keys cached before this call) attends to keys 0 .. start + t.
   // `allowed` [B, 1, T, S] bool (SequenceLayout::allowed_keys; S = cached + T) replaces that
   // causal mask.
+  // With `cp` (context parallelism) the queries and keys are this rank's chunks and attention
+  // runs over the whole sequence's keys (context_parallel::cp_attention); `allowed` is unused.
   at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, LlamaKVCache* cache,
-                     const at::Tensor& allowed = {});
+                     const at::Tensor& allowed = {}, const ContextParallelKeys& cp = {});
   LlamaLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
   LlamaRMSNorm q_norm{nullptr}, k_norm{nullptr};  // only with config.qk_norm
   // false: the explicit math path (matmul, causal mask, fp32 softmax, matmul), Hugging Face's
@@ -199,7 +213,8 @@ class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
  public:
   LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred, const LlamaParallel& parallel = {});
   at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
-                     const at::Tensor& allowed = {}, const at::Tensor& tokens = {});
+                     const at::Tensor& allowed = {}, const at::Tensor& tokens = {},
+                     const ContextParallelKeys& cp = {});
   LlamaAttention self_attn{nullptr};
   LlamaMLP mlp{nullptr};  // null in an MoE layer
   MoeBlock moe{nullptr};  // null in a dense layer
@@ -230,8 +245,12 @@ class LlamaModelImpl : public torch::nn::Module {
 
  private:
   at::Tensor run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
-                        const at::Tensor& allowed, const at::Tensor& tokens);
+                        const at::Tensor& allowed, const at::Tensor& tokens, const ContextParallelKeys& cp = {});
+  // Context parallelism: the whole sequence's length from this rank's part, after checking
+  // that no KV cache is used.
+  int64_t context_parallel_length(int64_t local_length, const LlamaKVCache* cache) const;
   LlamaConfig config_;
+  LlamaParallel parallel_;
 };
 TORCH_MODULE(LlamaModel);
 
@@ -256,6 +275,7 @@ class LlamaForCausalLMImpl : public CausalLM {
   void update_expert_bias(int64_t layer, const std::vector<int64_t>& tokens_per_expert) override;
   std::shared_ptr<Communicator> tensor_parallel() const override { return parallel_.tensor; }
   bool sequence_parallel() const override { return parallel_.sequence; }
+  std::shared_ptr<Communicator> context_parallel() const override { return parallel_.context; }
   TensorParallelSplit tensor_parallel_split(const std::string& name) const override;
   bool tensor_parallel_partial_grad(const std::string& name) const override;
 

@@ -38,7 +38,8 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, 
 }
 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTables& rope,
-                                       LlamaKVCache* cache, const at::Tensor& allowed_keys) {
+                                       LlamaKVCache* cache, const at::Tensor& allowed_keys,
+                                       const ContextParallelKeys& cp) {
   Communicator* tp = parallel_.tp_size() > 1 ? parallel_.tensor.get() : nullptr;
   // q, k and v read one input: the region is entered once (one all-reduce of its gradient).
   const at::Tensor x = tp ? tensor_parallel::enter_tensor_parallel_region(input, *tp, parallel_.sequence) : input;
@@ -54,15 +55,27 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
   at::Tensor v = v_proj(x).view({b, t, num_kv_heads_, head_dim_}).transpose(1, 2);
   q = apply_rotary(q, rope);
   k = apply_rotary(k, rope);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  at::Tensor out;
+  if (cp.global_positions.defined()) {
+    // This rank's queries against the whole sequence's keys, exchanged over the group; grouped
+    // query heads are matched inside.
+    context_parallel::CpAttentionOptions o;
+    o.algorithm = parallel_.cp_algorithm;
+    o.key_padding_mask = cp.key_padding_mask;
+    o.segment_ids = cp.segment_ids;
+    o.scale = scale;
+    out = context_parallel::cp_attention(q, k, v, cp.global_positions, *parallel_.context, o);
+    out = o_proj(out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_}));
+    return tp ? tensor_parallel::exit_tensor_parallel_region(out, *tp, parallel_.sequence) : out;
+  }
   if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
   const int64_t s = k.size(2), past = s - t;  // keys: past positions, then the t new ones
   k = repeat_kv(k, num_heads_ / num_kv_heads_);
   v = repeat_kv(v, num_heads_ / num_kv_heads_);
 
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   // Query i sits at position past + i and may see keys 0 .. past + i.
   auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
-  at::Tensor out;
   if (use_sdpa) {
     // Without cached keys this is SDPA's own causal mask; with them the diagonal moves by
     // `past`, which SDPA's is_causal (aligned top-left) does not do: an explicit mask then.

@@ -29,8 +29,9 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
 }
 
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const RotaryTables& rope,
-                                          LlamaKVCache* cache, const at::Tensor& allowed, const at::Tensor& tokens) {
-  at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed);
+                                          LlamaKVCache* cache, const at::Tensor& allowed, const at::Tensor& tokens,
+                                          const ContextParallelKeys& cp) {
+  at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed, cp);
   at::Tensor normed = post_attention_layernorm(h);
   return h + (moe ? moe(normed, tokens) : mlp(normed));
 }
@@ -38,7 +39,7 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const Rotary
 // ---- LlamaModel ---------------------------------------------------------------------------
 
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, const LlamaParallel& parallel)
-    : config_(c) {
+    : config_(c), parallel_(parallel) {
   config_.validate();
   embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred, parallel));
   layers = register_module("layers", torch::nn::ModuleList());
@@ -58,6 +59,18 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
     throw std::invalid_argument("LlamaModel::forward: expected input_ids [B, T], found shape " +
                                 c10::str(input_ids.sizes()));
   const int64_t t = input_ids.size(1);
+  if (parallel_.context) {
+    // This rank's chunks of a sequence starting at position 0.
+    const int64_t s = context_parallel_length(t, cache);
+    if (start_pos > 0)
+      throw std::invalid_argument("LlamaModel::forward: context parallelism starts every sequence at position 0, not " +
+                                  std::to_string(start_pos));
+    ContextParallelKeys keys;
+    keys.global_positions = context_parallel::cp_positions(s, parallel_.context->size(), parallel_.context->rank())
+                                .to(input_ids.device());
+    return run_layers(input_ids, rotary_tables(keys.global_positions, config_.head_dim(), config_.rope_theta), nullptr,
+                      {}, {}, keys);
+  }
   if (cache != nullptr && cache->num_layers() != num_layers())
     throw std::invalid_argument("LlamaModel::forward: the KV cache has " +
                                 std::to_string(cache->num_layers()) + " layers, the model " +
@@ -86,9 +99,27 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLa
                                 std::to_string(cache->num_layers()) + " layers, the model " +
                                 std::to_string(num_layers()));
   const int64_t past = cache != nullptr ? cache->length() : 0;
-  at::Tensor allowed = layout.allowed_keys(b, t, input_ids.device(), past);
-  at::Tensor positions = layout.position_ids.defined()
-                             ? layout.position_ids.to(input_ids.device(), at::kLong)
+  ContextParallelKeys keys;
+  at::Tensor allowed;
+  if (parallel_.context) {
+    // Every field of the layout is this rank's part; the masks compare global indices.
+    const int64_t s = context_parallel_length(t, cache);
+    keys.global_positions = context_parallel::cp_positions(s, parallel_.context->size(), parallel_.context->rank())
+                                .to(input_ids.device());
+    keys.key_padding_mask = layout.attention_mask.defined() ? layout.attention_mask.to(input_ids.device()) : at::Tensor();
+    keys.segment_ids = layout.segment_ids.defined() ? layout.segment_ids.to(input_ids.device()) : at::Tensor();
+    for (const auto& [field, value] : {std::pair<const char*, const at::Tensor*>{"attention_mask", &keys.key_padding_mask},
+                                       {"segment_ids", &keys.segment_ids}})
+      if (value->defined() && (value->dim() != 2 || value->size(0) != b || value->size(1) != t))
+        throw std::invalid_argument(std::string("LlamaModel::forward: under context parallelism ") + field +
+                                    " must be this rank's part [" + std::to_string(b) + ", " + std::to_string(t) +
+                                    "], found " + c10::str(value->sizes()));
+  } else {
+    allowed = layout.allowed_keys(b, t, input_ids.device(), past);
+  }
+  at::Tensor positions = layout.position_ids.defined() ? layout.position_ids.to(input_ids.device(), at::kLong)
+                         : keys.global_positions.defined()
+                             ? keys.global_positions
                              : at::arange(past, past + t, input_ids.options().dtype(at::kLong));
   const int64_t highest = positions.numel() > 0 ? positions.max().item<int64_t>() : 0;
   if (highest >= config_.max_position_embeddings || (positions.numel() > 0 && positions.min().item<int64_t>() < 0))
@@ -99,11 +130,25 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLa
   if (layout.attention_mask.defined())
     tokens = layout.attention_mask.narrow(1, past, t).to(input_ids.device()).ne(0).reshape({-1});
   return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, allowed,
-                    tokens);
+                    tokens, keys);
+}
+
+int64_t LlamaModelImpl::context_parallel_length(int64_t local_length, const LlamaKVCache* cache) const {
+  if (cache != nullptr)
+    throw std::invalid_argument("LlamaModel::forward: no KV cache under context parallelism (generation runs on one "
+                                "rank's whole sequence)");
+  const int64_t s = local_length * parallel_.context->size();
+  if (s > config_.max_position_embeddings)
+    throw std::invalid_argument("LlamaModel::forward: the whole sequence (" + std::to_string(local_length) + " x " +
+                                std::to_string(parallel_.context->size()) +
+                                " context-parallel ranks) exceeds max_position_embeddings " +
+                                std::to_string(config_.max_position_embeddings));
+  return s;
 }
 
 at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
-                                      const at::Tensor& allowed, const at::Tensor& tokens) {
+                                      const at::Tensor& allowed, const at::Tensor& tokens,
+                                      const ContextParallelKeys& cp) {
   at::Tensor hidden = mfsdp::call(*embed_tokens, input_ids);  // a unit of its own when untied
   const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
   for (int64_t i = 0; i < num_layers(); ++i) {
@@ -111,12 +156,12 @@ at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryT
     if (recompute_now) {
       // Captured by value: backward calls the function again after this frame is gone.
       hidden = recompute(
-          [layer, rope, allowed, tokens](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr), allowed, tokens)};
+          [layer, rope, allowed, tokens, cp](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr), allowed, tokens, cp)};
           },
           {hidden})[0];
     } else {
-      hidden = layer->call(hidden, rope, cache, allowed, tokens);
+      hidden = layer->call(hidden, rope, cache, allowed, tokens, cp);
     }
   }
   return norm(hidden);
@@ -152,6 +197,8 @@ LlamaParallel parallel_of(const LlamaOptions& o) {
   // Megatron turns sequence parallelism off without tensor parallelism.
   p.sequence = p.tensor != nullptr && o.sequence_parallel;
   p.expert = o.expert_parallel;
+  p.context = o.context_parallel && o.context_parallel->size() > 1 ? o.context_parallel : nullptr;
+  p.cp_algorithm = o.context_parallel_algorithm;
   return p;
 }
 

@@ -1,12 +1,15 @@
-// Tensor parallelism in the Llama family, with FSDP over the data-parallel ranks (TP-then-FSDP),
-// equals single-process training: a grouped-query model with q/k norms (whose gradients each
-// TP rank holds only part of) trained 3 AdamW steps with 2 micro-batches and active clipping
-// gives the losses, gradient norms and weights of one plain LibTorch process (torch::optim::AdamW
-// and clip_grad_norm_ over the whole model), at TP 2 (world 2) and TP 2 x DP 2 (world 4, the
-// mesh in Megatron's order: tensor-parallel ranks adjacent), with and without sequence
-// parallelism, tied and untied embeddings, every sharding strategy. The initial weights gathered
-// from the TP slices equal the one-process weights exactly, and the run that skips the gradient
-// sum of the partial parameters is shown to miss: the comparison can fail.
+// Tensor and context parallelism in the Llama family, with FSDP over the data-parallel (and
+// context-parallel) ranks, equal single-process training: a grouped-query model with q/k norms
+// (whose gradients each TP rank holds only part of) trained 3 AdamW steps with 2 micro-batches
+// and active clipping gives the losses, gradient norms and weights of one plain LibTorch process
+// (torch::optim::AdamW and clip_grad_norm_ over the whole model) on the mesh in Megatron's order
+// (tensor-parallel ranks adjacent, then context-parallel, then data-parallel):
+//  - TP 2 (world 2) and TP 2 x DP 2 (world 4), with and without sequence parallelism, tied and
+//    untied embeddings, every sharding strategy; the run that skips the gradient sum of the
+//    partial parameters is shown to miss, so the comparison can fail;
+//  - CP 2 (world 2) with all-gather and ring attention, causal and packed sequences, CP 2 x DP 2
+//    and TP 2 x CP 2 (world 4); FSDP shards over DP x CP as Megatron-FSDP does.
+// The initial weights gathered from the TP slices equal the one-process weights exactly.
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
@@ -46,13 +49,9 @@ mfsdp::ModelConfig llama_config(bool tied) {
                                             {"untie_embeddings_and_output_weights", !tied}});
 }
 
-mfsdp::ModelBuildOptions build_options(std::shared_ptr<mfsdp::Communicator> tp = nullptr, bool sp = false,
-                                       bool deferred = false) {
+mfsdp::ModelBuildOptions build_options() {
   mfsdp::ModelBuildOptions o;
   o.init_seed = 11;
-  o.tensor_parallel = std::move(tp);
-  o.sequence_parallel = sp;
-  o.deferred_init = deferred;
   return o;
 }
 
@@ -60,6 +59,16 @@ mfsdp::ModelBuildOptions build_options(std::shared_ptr<mfsdp::Communicator> tp =
 at::Tensor chunk_tokens(int step, int chunk) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(1000 * step + chunk);
   return at::randint(kVocab, {kPerMicro, kSeq + 1}, gen);
+}
+
+// Packed rows: two samples of 3 and 5 tokens in each row, positions restarting per sample.
+mfsdp::SequenceLayout packed_layout() {
+  mfsdp::SequenceLayout layout;
+  const at::Tensor segments = at::tensor({0, 0, 0, 1, 1, 1, 1, 1}, at::kLong);
+  const at::Tensor positions = at::tensor({0, 1, 2, 0, 1, 2, 3, 4}, at::kLong);
+  layout.segment_ids = segments.unsqueeze(0).expand({kPerMicro, kSeq}).contiguous();
+  layout.position_ids = positions.unsqueeze(0).expand({kPerMicro, kSeq}).contiguous();
+  return layout;
 }
 
 struct Trace {
@@ -74,7 +83,7 @@ std::map<std::string, at::Tensor> weights(const torch::nn::Module& m) {
 }
 
 // One process, the whole model, every chunk of the global batch in turn.
-Trace reference(int dp, bool tied) {
+Trace reference(int dp, bool tied, bool packed) {
   const mfsdp::ModelConfig config = llama_config(tied);
   std::shared_ptr<mfsdp::CausalLM> model = config.spec->build(config, build_options());
   std::vector<at::Tensor> decay, no_decay;
@@ -91,7 +100,9 @@ Trace reference(int dp, bool tied) {
     double loss = 0;
     for (int c = 0; c < chunks; ++c) {
       const at::Tensor t = chunk_tokens(step, c);
-      at::Tensor l = mfsdp::lm_loss(model->forward(t.narrow(1, 0, kSeq)), t.narrow(1, 1, kSeq)) / chunks;
+      const at::Tensor ids = t.narrow(1, 0, kSeq);
+      at::Tensor logits = packed ? model->forward(ids, packed_layout()) : model->forward(ids);
+      at::Tensor l = mfsdp::lm_loss(logits, t.narrow(1, 1, kSeq)) / chunks;
       l.backward();
       loss += l.item<double>();
     }
@@ -105,6 +116,9 @@ Trace reference(int dp, bool tied) {
 
 struct Layout {
   int tp = 2;
+  int cp = 1;
+  mfsdp::context_parallel::CpAlgorithm algorithm = mfsdp::context_parallel::CpAlgorithm::kAllGather;
+  bool packed = false;
   bool sp = false;
   bool tied = false;
   bool deferred = false;
@@ -113,7 +127,10 @@ struct Layout {
 };
 
 std::string describe(const Layout& l, int world) {
-  return " (world " + std::to_string(world) + ", TP " + std::to_string(l.tp) + (l.sp ? " + SP" : "") +
+  return " (world " + std::to_string(world) + ", TP " + std::to_string(l.tp) + (l.sp ? " + SP" : "") + ", CP " +
+         std::to_string(l.cp) +
+         (l.cp > 1 ? (l.algorithm == mfsdp::context_parallel::CpAlgorithm::kRing ? " ring" : " all-gather") : "") +
+         (l.packed ? ", packed" : "") +
          (l.tied ? ", tied" : ", untied") + (l.deferred ? ", deferred init" : "") + ", " +
          mfsdp::to_string(l.strategy) + (l.sum_partial ? "" : ", partial gradients NOT summed") + ")";
 }
@@ -126,18 +143,29 @@ double relative(const at::Tensor& got, const at::Tensor& want) {
 // Trains the layout and returns the largest relative weight error against one process (after
 // checking losses, norms and the initial weights).
 double train_and_compare(mfsdp::Communicator& comm, const Layout& l) {
-  const int world = comm.size(), dp = world / l.tp;
+  namespace cp_ns = mfsdp::context_parallel;
+  const int world = comm.size(), dp = world / (l.tp * l.cp);
   const std::string where = describe(l, world);
   auto world_comm = std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
-  // Megatron's order: tensor-parallel ranks vary fastest.
-  auto mesh = std::make_shared<mfsdp::DeviceMesh>(world_comm, std::vector<int>{dp, l.tp},
-                                                  std::vector<std::string>{"dp", "tp"});
-  const std::shared_ptr<mfsdp::Communicator> tp = mesh->get("tp");
+  // Megatron's order: tensor-parallel ranks vary fastest, then context-parallel, then data.
+  auto mesh = std::make_shared<mfsdp::DeviceMesh>(world_comm, std::vector<int>{dp, l.cp, l.tp},
+                                                  std::vector<std::string>{"dp", "cp", "tp"});
+  // FSDP shards over DP x CP: the ranks with this rank's tensor-parallel coordinate.
+  auto fsdp_mesh = std::make_shared<mfsdp::DeviceMesh>(world_comm, std::vector<int>{dp * l.cp, l.tp},
+                                                       std::vector<std::string>{"dp_cp", "tp"});
+  const std::shared_ptr<mfsdp::Communicator> tp = mesh->get("tp"), cp = mesh->get("cp");
   EXPECT_EQ(tp->rank(), comm.rank() % l.tp) << where;
+  EXPECT_EQ(cp->rank(), comm.rank() / l.tp % l.cp) << where;
   const mfsdp::ModelConfig config = llama_config(l.tied);
-  std::shared_ptr<mfsdp::CausalLM> model = config.spec->build(config, build_options(tp, l.sp, l.deferred));
+  mfsdp::ModelBuildOptions build = build_options();
+  build.tensor_parallel = tp;
+  build.sequence_parallel = l.sp;
+  build.deferred_init = l.deferred;
+  build.context_parallel = cp;
+  build.context_parallel_algorithm = l.algorithm;
+  std::shared_ptr<mfsdp::CausalLM> model = config.spec->build(config, build);
   mfsdp::FullyShardOptions options;
-  options.comm = mesh->get("dp");
+  options.comm = fsdp_mesh->get("dp_cp");
   options.strategy = l.strategy;
   mfsdp::FsdpHandle root = mfsdp::shard_model(*model, options);
   mfsdp::AdamWOptions adamw;
@@ -146,7 +174,7 @@ double train_and_compare(mfsdp::Communicator& comm, const Layout& l) {
   std::unique_ptr<mfsdp::DistributedOptimizer> opt = mfsdp::make_adamw(root, adamw);
   mfsdp::set_tensor_parallel_norm(*model, root, *opt);
 
-  const Trace want = reference(dp, l.tied);
+  const Trace want = reference(dp, l.tied, l.packed);
   const auto initial = mfsdp::gather_tensor_parallel(*model, root.full_state_dict(/*all_ranks=*/true));
   EXPECT_EQ(initial.size(), want.initial.size()) << where;
   for (const auto& [name, value] : initial) {
@@ -163,9 +191,19 @@ double train_and_compare(mfsdp::Communicator& comm, const Layout& l) {
     for (int m = 0; m < kMicro; ++m) {
       root.set_requires_gradient_sync(m == kMicro - 1);
       const at::Tensor t = chunk_tokens(step, dp_rank * kMicro + m);
-      at::Tensor logits = model->call(t.narrow(1, 0, kSeq));
+      // This rank's chunks of the sequence: ids, labels and the layout alike. Each CP rank's
+      // loss is the mean over its own tokens; FSDP's 1 / (DP x CP) averages them.
+      auto mine = [&](const at::Tensor& x) { return cp_ns::shard_sequence(x, 1, l.cp, cp->rank()); };
+      const at::Tensor ids = mine(t.narrow(1, 0, kSeq)), labels = mine(t.narrow(1, 1, kSeq));
+      mfsdp::SequenceLayout layout;
+      if (l.packed) {
+        layout.segment_ids = mine(packed_layout().segment_ids);
+        layout.position_ids = mine(packed_layout().position_ids);
+      }
+      at::Tensor logits = l.packed ? model->call(ids, layout) : model->call(ids);
       EXPECT_EQ(logits.size(-1), kVocab / l.tp) << "no rank forms the full-vocabulary logits" << where;
-      at::Tensor loss = mfsdp::tensor_parallel::vocab_parallel_lm_loss(logits, t.narrow(1, 1, kSeq), *tp) / kMicro;
+      EXPECT_EQ(logits.size(1), kSeq / l.cp) << where;
+      at::Tensor loss = mfsdp::tensor_parallel::vocab_parallel_lm_loss(logits, labels, *tp) / kMicro;
       loss.backward();
       local += loss.item<double>();
     }
@@ -173,8 +211,8 @@ double train_and_compare(mfsdp::Communicator& comm, const Layout& l) {
     got.grad_norms.push_back(opt->clip_grad_norm(kClip));
     opt->step(kLr);
     root.zero_grad();
-    at::Tensor sum = at::full({1}, local / dp, at::kDouble);
-    mesh->get("dp")->all_reduce(sum);
+    at::Tensor sum = at::full({1}, local / (dp * l.cp), at::kDouble);
+    fsdp_mesh->get("dp_cp")->all_reduce(sum);
     got.losses.push_back(sum.item<double>());
   }
 
@@ -237,12 +275,42 @@ MFSDP_DIST_TEST(TensorParallelModel, Tp2TimesDp2EveryStrategyMatchesOneProcess, 
     }
 }
 
+MFSDP_DIST_TEST(ContextParallelModel, Cp2MatchesOneProcessWithBothAlgorithms, {2}) {
+  for (auto algorithm : {mfsdp::context_parallel::CpAlgorithm::kAllGather, mfsdp::context_parallel::CpAlgorithm::kRing})
+    for (bool packed : {false, true}) {
+      Layout l;
+      l.tp = 1;
+      l.cp = 2;
+      l.algorithm = algorithm;
+      l.packed = packed;
+      train_and_compare(comm, l);
+    }
+}
+
+MFSDP_DIST_TEST(ContextParallelModel, Cp2TimesDp2AndTp2TimesCp2MatchOneProcess, {4}) {
+  for (auto s : kStrategies) {
+    Layout l;
+    l.tp = 1;
+    l.cp = 2;
+    l.strategy = s;
+    train_and_compare(comm, l);
+  }
+  Layout both;
+  both.cp = 2;
+  both.sp = true;
+  both.packed = true;
+  both.algorithm = mfsdp::context_parallel::CpAlgorithm::kRing;
+  train_and_compare(comm, both);
+}
+
 // Megatron's checks: a split dimension that does not divide by TP is refused, naming it.
 TEST(TensorParallelModel, SizesThatDoNotDivideAreRefusedNamingTheField) {
   const mfsdp::ModelConfig config = llama_config(false);
   auto three = mfsdp::make_simulated_communicator(0, 3);
   try {
-    config.spec->build(config, build_options(three));
+    mfsdp::ModelBuildOptions o = build_options();
+    o.tensor_parallel = three;
+    config.spec->build(config, o);
     ADD_FAILURE() << "TP 3 of 4 heads was accepted";
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("num_attention_heads (4)"), std::string::npos) << e.what();
