@@ -14,6 +14,7 @@
 #include <string>
 
 #include "mfsdp/comm/comm.h"
+#include "mfsdp/models/tensor_parallel.h"
 
 namespace mfsdp {
 namespace {
@@ -129,7 +130,12 @@ GeneratedBatch generate_batch(CausalLM& model, const std::vector<std::vector<int
     layout.attention_mask = key_mask.to(device);
     at::Tensor logits = model.call(input.to(device), layout, &cache);  // [B, T, V]
     // The last column is every row's newest token (left padding aligns the rows' ends).
-    at::Tensor last = logits.select(1, logits.size(1) - 1).to(at::kCPU, at::kFloat);
+    at::Tensor last = logits.select(1, logits.size(1) - 1);
+    // A tensor-parallel model gives each rank its vocabulary slice: every rank samples from the
+    // whole vocabulary (the same draws: the same seed on every rank of the group).
+    if (const auto tp = model.tensor_parallel(); tp && tp->size() > 1)
+      last = tensor_parallel::gather_from_tensor_parallel_region(last.contiguous(), *tp);
+    last = last.to(at::kCPU, at::kFloat);
     at::Tensor scaled = temperature == 1.0 ? last : last / temperature;
     at::Tensor log_probs = at::log_softmax(scaled, -1);  // unfiltered, as verl reports them
 

@@ -16,6 +16,7 @@
 #include "mfsdp/comm/device_mesh.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/generate.h"
 #include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/models/tensor_parallel.h"
@@ -301,6 +302,26 @@ MFSDP_DIST_TEST(ContextParallelModel, Cp2TimesDp2AndTp2TimesCp2MatchOneProcess, 
   both.packed = true;
   both.algorithm = mfsdp::context_parallel::CpAlgorithm::kRing;
   train_and_compare(comm, both);
+}
+
+// Generation from a tensor-parallel model (each rank's logits are its vocabulary slice) samples
+// the same tokens as one process: greedy, and sampled with the same seed on every rank.
+MFSDP_DIST_TEST(TensorParallelModel, GeneratesTheTokensOfOneProcess, {2}) {
+  auto world = std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
+  const mfsdp::ModelConfig config = llama_config(false);
+  std::shared_ptr<mfsdp::CausalLM> whole = config.spec->build(config, build_options());
+  mfsdp::ModelBuildOptions split = build_options();
+  split.tensor_parallel = world;
+  std::shared_ptr<mfsdp::CausalLM> sliced = config.spec->build(config, split);
+  at::NoGradGuard no_grad;
+  for (bool greedy : {true, false}) {
+    mfsdp::GenerateOptions o;
+    o.max_new_tokens = 6;
+    o.greedy = greedy;
+    o.seed = 5;
+    const std::vector<int64_t> prompt = {3, 14, 15, 9, 2};
+    EXPECT_EQ(mfsdp::generate(*sliced, prompt, o), mfsdp::generate(*whole, prompt, o)) << "greedy " << greedy;
+  }
 }
 
 // Megatron's checks: a split dimension that does not divide by TP is refused, naming it.

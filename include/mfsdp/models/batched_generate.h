@@ -1,5 +1,6 @@
 // Batched generation for rollouts (GRPO): many prompts at once, left-padded, one KV cache for the
-// batch, each row with its own RNG so that its tokens do not depend on the other rows.
+// batch, each row with its own RNG so that its tokens do not depend on the other rows. A
+// tensor-parallel model's vocabulary slices are gathered before sampling.
 //
 //   mfsdp::SamplingOptions o;  o.max_new_tokens = 32;  o.temperature = 0.7;  o.stop_ids = {eos};
 //   std::vector<uint64_t> seeds;
