@@ -202,6 +202,15 @@ void CheckpointFileSystem::remove_all(const std::string& path) {
   if (ec) throw std::runtime_error("checkpoint: cannot remove '" + path + "': " + ec.message());
 }
 
+void CheckpointFileSystem::append_to_shard(int fd, const std::string& path, const char* data, size_t length) {
+  for (size_t done = 0; done < length;) {
+    const ssize_t n = ::write(fd, data + done, length - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw std::runtime_error("writing '" + path + "' failed: " + std::strerror(errno));
+    done += static_cast<size_t>(n);
+  }
+}
+
 void CheckpointFileSystem::sync_directory(const std::string& dir) {
   checkpoint::fsync_path(dir, O_RDONLY | O_DIRECTORY);
 }

@@ -5,6 +5,8 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <cstring>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -41,16 +43,119 @@ std::shared_ptr<CausalLM> build_model(const ModelConfig& cfg, const std::map<std
   std::shared_ptr<CausalLM> model = cfg.spec->build(cfg, options);
   torch::NoGradGuard no_grad;
   for (auto& [name, p] : model_tensors(*model)) {
-    const at::Tensor t = source.read(kModelPrefix + name);
-    if (!at::isFloatingType(t.scalar_type()))
-      throw std::invalid_argument(where + ": tensor '" + name + "' is " + c10::toString(t.scalar_type()) +
+    const at::ScalarType stored = source.dtype(kModelPrefix + name);
+    if (!at::isFloatingType(stored))
+      throw std::invalid_argument(where + ": tensor '" + name + "' is " + c10::toString(stored) +
                                   ", not a floating-point tensor");
-    p.copy_(t);
+    source.read_range(kModelPrefix + name, 0, p.view({-1}));  // converted piece by piece, no second copy
   }
   return model;
 }
 
+// Elements compared at a time when checking a tied head against the embedding.
+constexpr int64_t kCompareChunk = int64_t{1} << 22;
+
+// Whether two tensors of `source` hold the same values, read a piece at a time.
+bool equal_tensors(const TensorSource& source, const std::string& a, const std::string& b) {
+  if (source.dtype(a) != source.dtype(b) || source.shape(a) != source.shape(b)) return false;
+  const int64_t numel = source.numel(a);
+  for (int64_t at = 0; at < numel; at += kCompareChunk) {
+    const int64_t n = std::min(kCompareChunk, numel - at);
+    if (!at::equal(source.read_elements(a, at, n), source.read_elements(b, at, n))) return false;
+  }
+  return true;
+}
+
+// Every rank's string, in rank order (collective): the error each rank met, so that all throw.
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(comm.device());
+  at::Tensor lengths = at::empty({comm.size()}, longs);
+  comm.all_gather(lengths, at::full({1}, static_cast<int64_t>(text.size()), longs));
+  const at::Tensor lengths_cpu = lengths.cpu();
+  std::vector<int64_t> counts(lengths_cpu.data_ptr<int64_t>(), lengths_cpu.data_ptr<int64_t>() + comm.size());
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  at::Tensor mine = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
+  if (!text.empty()) std::memcpy(mine.data_ptr(), text.data(), text.size());
+  at::Tensor all = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(comm.device()));
+  comm.all_gather(all, mine.to(comm.device()), {counts});
+  const at::Tensor all_cpu = all.cpu();
+  std::vector<std::string> out;
+  const char* p = reinterpret_cast<const char*>(all_cpu.data_ptr());
+  for (int64_t c : counts) {
+    out.emplace_back(p, static_cast<size_t>(c));
+    p += c;
+  }
+  return out;
+}
+
 }  // namespace
+
+HfModel describe_hf_model(const TensorSource& source) {
+  if (source.is_checkpoint()) throw std::logic_error("describe_hf_model: " + source.description() + " is a checkpoint");
+  HfModel m;
+  m.where = source.description();
+  m.config = config_from_hf(source.model_config(), m.where + ": config.json");
+  for (const std::string& name : source.names())
+    if (starts_with(name, kModelPrefix)) m.shapes[name.substr(kModelPrefix.size())] = source.shape(name);
+  std::vector<std::string> names;
+  for (const auto& kv : m.shapes) names.push_back(kv.first);
+  m.config = m.config.spec->with_hf_tensors(m.config, names, m.where);  // tensors a family may leave out
+  for (auto it = m.shapes.begin(); it != m.shapes.end();)
+    it = ends_with(it->first, "rotary_emb.inv_freq") ? m.shapes.erase(it) : std::next(it);
+  if (m.config.hf.value("tie_word_embeddings", false) && m.shapes.count("lm_head.weight") &&
+      m.shapes.count("model.embed_tokens.weight")) {
+    if (!equal_tensors(source, kModelPrefix + "lm_head.weight", kModelPrefix + "model.embed_tokens.weight"))
+      throw std::invalid_argument(m.where + ": config.json has tie_word_embeddings true, but 'lm_head.weight' "
+                                  "differs from 'model.embed_tokens.weight'");
+    m.shapes.erase("lm_head.weight");
+  }
+  check_model_tensors(m.shapes, m.config, m.where);
+  for (const auto& [name, shape] : m.shapes)
+    if (!at::isFloatingType(source.dtype(kModelPrefix + name)))
+      throw std::invalid_argument(m.where + ": tensor '" + name + "' is " +
+                                  c10::toString(source.dtype(kModelPrefix + name)) + ", not a floating-point tensor");
+  return m;
+}
+
+int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicator& world) {
+  torch::NoGradGuard no_grad;
+  int64_t bytes = 0;
+  std::string error;
+  try {
+    const TensorSource source(hf_dir);
+    if (source.is_checkpoint()) throw std::invalid_argument("'" + hf_dir + "' is a checkpoint, not a Hugging Face folder");
+    const HfModel described = describe_hf_model(source);
+    // Slices of parameters, then the module buffers (held whole by every rank).
+    std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::pair<int64_t, at::Tensor>>>> reads;
+    for (const LocalShard& s : model.local_shards()) reads.push_back({s.name, {s.global_shape, {s.offset, s.local}}});
+    for (const auto& [name, b] : model.buffers()) reads.push_back({name, {b.sizes().vec(), {0, b.view({-1})}}});
+    for (const auto& [name, what] : reads) {
+      const auto it = described.shapes.find(name);
+      if (it == described.shapes.end())
+        throw std::invalid_argument(described.where + " has no tensor '" + name + "', which the model holds");
+      if (it->second != what.first)
+        throw std::invalid_argument(described.where + ": tensor '" + name + "' has shape " +
+                                    c10::str(at::IntArrayRef(it->second)) + ", the model expects " +
+                                    c10::str(at::IntArrayRef(what.first)));
+    }
+    for (const auto& [name, what] : reads) {
+      const at::Tensor& dst = what.second.second;
+      if (dst.numel() == 0) continue;
+      source.read_range(kModelPrefix + name, what.second.first, dst);
+      bytes += dst.numel() * static_cast<int64_t>(c10::elementSize(source.dtype(kModelPrefix + name)));
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  const std::vector<std::string> errors = all_gather_strings(world, error);
+  if (!error.empty()) throw std::invalid_argument(error);
+  for (size_t r = 0; r < errors.size(); ++r)
+    if (!errors[r].empty())
+      throw std::invalid_argument("loading '" + hf_dir + "' failed on rank " + std::to_string(r) + ": " + errors[r]);
+  model.refresh_model_weights();  // main weights -> model weights; starts no all-gather
+  return bytes;
+}
 
 LoadedModel load_model(const std::string& path, const std::string& model_config_file) {
   namespace fs = std::filesystem;
@@ -74,24 +179,15 @@ LoadedModel load_model(const std::string& path, const std::string& model_config_
   // The model's tensors by HF name: a checkpoint stores them as "model.<HF name>", and
   // TensorSource names an HF folder's tensors the same way (tensor_source.h).
   std::map<std::string, std::vector<int64_t>> shapes;
-  for (const std::string& name : source.names())
-    if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = source.shape(name);
-  if (!source.is_checkpoint()) {
+  if (source.is_checkpoint()) {
+    for (const std::string& name : source.names())
+      if (starts_with(name, kModelPrefix)) shapes[name.substr(kModelPrefix.size())] = source.shape(name);
+  } else {
     // What import_hf accepts from transformers' folders, so `--model HF` and `--model
     // $(mfsdp-ckpt import-hf HF)` load the same model.
-    std::vector<std::string> names;
-    for (const auto& kv : shapes) names.push_back(kv.first);
-    c = c.spec->with_hf_tensors(c, names, where);  // tensors a family may leave out (Qwen2's biases)
-    for (auto it = shapes.begin(); it != shapes.end();)
-      it = ends_with(it->first, "rotary_emb.inv_freq") ? shapes.erase(it) : std::next(it);
-    if (c.hf.value("tie_word_embeddings", false) && shapes.count("lm_head.weight") && shapes.count("model.embed_tokens.weight")) {
-      const at::Tensor head = source.read(kModelPrefix + "lm_head.weight");
-      const at::Tensor embed = source.read(kModelPrefix + "model.embed_tokens.weight");
-      if (head.scalar_type() != embed.scalar_type() || head.sizes() != embed.sizes() || !at::equal(head, embed))
-        throw std::invalid_argument(where + ": config.json has tie_word_embeddings true, but 'lm_head.weight' "
-                                    "differs from 'model.embed_tokens.weight'");
-      shapes.erase("lm_head.weight");
-    }
+    HfModel described = describe_hf_model(source);
+    c = described.config;
+    shapes = std::move(described.shapes);
   }
   LoadedModel loaded;
   loaded.model = build_model(c, shapes, source, where);

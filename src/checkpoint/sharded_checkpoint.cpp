@@ -11,6 +11,7 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
+#include "checkpoint/save_steps.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/data/crc32c.h"
 #include "mfsdp/data/directory_tree.h"
@@ -93,36 +94,6 @@ std::vector<LocalShard> model_shards(const FsdpHandle& model, int world_rank, in
   return out;
 }
 
-std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer, int world_rank,
-                                  int world_size) {
-  std::vector<std::pair<std::string, std::vector<at::Tensor>>> state;
-  if (optimizer != nullptr) state = optimizer->state();
-  std::vector<Piece> out;
-  for (const LocalShard& s : model_shards(model, world_rank, world_size)) {
-    auto [begin, count] = replica_share(s.local.numel(), s.replicas, s.replica);
-    auto add = [&](const std::string& tensor, const at::Tensor& flat) {
-      out.push_back({tensor, s.global_shape, s.offset + begin, flat.narrow(0, begin, count)});
-    };
-    add(model_key(s.name), s.local);
-    if (s.shard_index < 0) continue;
-    for (const auto& [key, tensors] : state)
-      add(optimizer_key(s.name, key),
-          tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()));
-  }
-  // Generator states: this rank's own, as U8 tensors.
-  auto add_generator = [&](const std::string& label, const at::Generator& gen) {
-    at::Tensor st = gen.get_state();
-    out.push_back({checkpoint::rng_tensor_name(world_rank, label), {st.numel()}, 0, st.view({-1})});
-  };
-  add_generator("cpu", at::detail::getDefaultCPUGenerator());
-  for (const LocalShard& s : model.local_shards())
-    if (s.local.is_cuda()) {
-      add_generator("cuda", at::globalContext().defaultGenerator(s.local.device()));
-      break;
-    }
-  return out;
-}
-
 // Writes `pieces` as `file` and returns their chunk records (byte ranges from the written header).
 std::vector<ChunkRecord> write_pieces(const std::string& file, const std::vector<Piece>& pieces) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -153,24 +124,6 @@ nlohmann::json records_to_json(const std::vector<ChunkRecord>& records) {
   return out;
 }
 
-nlohmann::json base_metadata(const CheckpointInfo& info, int world_size, const DistributedOptimizer* optimizer) {
-  nlohmann::json optimizer_json = nullptr;
-  if (optimizer != nullptr) {
-    nlohmann::json keys = nlohmann::json::array();
-    for (const auto& [key, tensors] : optimizer->state()) keys.push_back(key);
-    optimizer_json = {{"name", optimizer->name()}, {"step", optimizer->steps()}, {"state", keys}};
-  }
-  return {{"format", kCheckpointFormatName},
-          {"version", kCheckpointFormatVersion},
-          {"iteration", info.iteration},
-          {"consumed_samples", info.consumed_samples},
-          {"world_size", world_size},
-          {"args", info.args},
-          {"model_config", info.model_config},
-          {"scheduler", info.scheduler},
-          {"optimizer", optimizer_json}};
-}
-
 // What saves that never finished leave in SAVE: iter_N.tmp folders (a full disk, a kill) and
 // the temporary files of `latest`'s atomic write (a kill between its write and its rename). Left
 // there, the bytes of a save that failed for want of space would make the next one fail too.
@@ -197,23 +150,68 @@ void discard_unfinished(const std::string& tmp) {
 
 }  // namespace
 
-void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
-                     const FsdpHandle& model, const DistributedOptimizer* optimizer, const CheckpointInfo& info,
-                     CheckpointFormat format) {
-  if (!world) throw std::invalid_argument("save_checkpoint: the communicator is null");
-  if (info.iteration < 0) throw std::invalid_argument("save_checkpoint: negative iteration");
-  at::NoGradGuard no_grad;
-  const int rank = world->rank(), size = world->size();
-  const std::string tmp = checkpoint_iteration_dir(save_dir, info.iteration) + ".tmp";
-  std::string error;
-  if (rank == 0) error = capture_error([&] { prepare_tmp_dir(save_dir, info.iteration); });
-  raise_first_error(all_gather_strings(*world, error), rank, "save_checkpoint: creating '" + tmp + "'");
+namespace checkpoint {
 
-  // Every rank: its own file. The outcome travels with the chunk list.
-  const nlohmann::json meta = base_metadata(info, size, optimizer);
+std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer, int world_rank,
+                                  int world_size) {
+  std::vector<std::pair<std::string, std::vector<at::Tensor>>> state;
+  if (optimizer != nullptr) state = optimizer->state();
+  std::vector<Piece> out;
+  for (const LocalShard& s : model_shards(model, world_rank, world_size)) {
+    auto [begin, count] = replica_share(s.local.numel(), s.replicas, s.replica);
+    auto add = [&](const std::string& tensor, const at::Tensor& flat) {
+      out.push_back({tensor, s.global_shape, s.offset + begin, flat.narrow(0, begin, count)});
+    };
+    add(model_key(s.name), s.local);
+    if (s.shard_index < 0) continue;
+    for (const auto& [key, tensors] : state)
+      add(optimizer_key(s.name, key),
+          tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()));
+  }
+  // Generator states: this rank's own, as U8 tensors.
+  auto add_generator = [&](const std::string& label, const at::Generator& gen) {
+    at::Tensor st = gen.get_state();
+    out.push_back({checkpoint::rng_tensor_name(world_rank, label), {st.numel()}, 0, st.view({-1})});
+  };
+  add_generator("cpu", at::detail::getDefaultCPUGenerator());
+  for (const LocalShard& s : model.local_shards())
+    if (s.local.is_cuda()) {
+      add_generator("cuda", at::globalContext().defaultGenerator(s.local.device()));
+      break;
+    }
+  return out;
+}
+
+nlohmann::json save_metadata(const CheckpointInfo& info, int world_size, const DistributedOptimizer* optimizer) {
+  nlohmann::json optimizer_json = nullptr;
+  if (optimizer != nullptr) {
+    nlohmann::json keys = nlohmann::json::array();
+    for (const auto& [key, tensors] : optimizer->state()) keys.push_back(key);
+    optimizer_json = {{"name", optimizer->name()}, {"step", optimizer->steps()}, {"state", keys}};
+  }
+  return {{"format", kCheckpointFormatName},
+          {"version", kCheckpointFormatVersion},
+          {"iteration", info.iteration},
+          {"consumed_samples", info.consumed_samples},
+          {"world_size", world_size},
+          {"args", info.args},
+          {"model_config", info.model_config},
+          {"scheduler", info.scheduler},
+          {"optimizer", optimizer_json}};
+}
+
+std::string begin_save(const std::string& save_dir, Communicator& world, int64_t iteration) {
+  const std::string tmp = checkpoint_iteration_dir(save_dir, iteration) + ".tmp";
+  std::string error;
+  if (world.rank() == 0) error = capture_error([&] { prepare_tmp_dir(save_dir, iteration); });
+  raise_first_error(all_gather_strings(world, error), world.rank(), "save_checkpoint: creating '" + tmp + "'");
+  return tmp;
+}
+
+nlohmann::json write_rank_report(const std::string& tmp, int rank, const std::vector<Piece>& pieces,
+                                 const nlohmann::json& meta, CheckpointFormat format) {
   nlohmann::json report;
-  error = capture_error([&] {
-    const std::vector<Piece> pieces = pieces_to_save(model, optimizer, rank, world->size());
+  const std::string error = capture_error([&] {
     if (format == CheckpointFormat::kFsdpDtensor) {
       report = checkpoint::write_dcp_rank_file(tmp, rank, pieces, meta);
     } else {
@@ -222,7 +220,13 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
     }
   });
   if (!error.empty()) report = {{"error", error}};
-  std::vector<std::string> texts = all_gather_strings(*world, report.dump());
+  return report;
+}
+
+void finish_save(const std::string& save_dir, Communicator& world, const std::string& tmp, int64_t iteration,
+                 const nlohmann::json& report, const nlohmann::json& meta, CheckpointFormat format) {
+  const int rank = world.rank(), size = world.size();
+  std::vector<std::string> texts = all_gather_strings(world, report.dump());
   std::vector<nlohmann::json> reports;
   std::vector<std::string> errors;
   for (const auto& t : texts) {
@@ -233,7 +237,7 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
   if (failed && rank == 0) discard_unfinished(tmp);
   raise_first_error(errors, rank, "save_checkpoint: writing shard files");
 
-  error.clear();
+  std::string error;
   if (rank == 0) {
     error = capture_error([&] {
       if (format == CheckpointFormat::kFsdpDtensor) {
@@ -250,12 +254,33 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
         legacy["tensors"] = checkpoint::merge_chunk_records(records);
         checkpoint::write_file_atomically(tmp + "/" + checkpoint::kMetadataFile, legacy.dump(1));
       }
-      checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration),
-                                    info.iteration);
+      checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, iteration), iteration);
     });
   }
   if (!error.empty() && fs::exists(tmp)) discard_unfinished(tmp);  // not yet committed: nothing reads it
-  raise_first_error(all_gather_strings(*world, error), rank, "save_checkpoint: committing '" + tmp + "'");
+  raise_first_error(all_gather_strings(world, error), rank, "save_checkpoint: committing '" + tmp + "'");
+}
+
+}  // namespace checkpoint
+
+void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
+                     const FsdpHandle& model, const DistributedOptimizer* optimizer, const CheckpointInfo& info,
+                     CheckpointFormat format) {
+  if (!world) throw std::invalid_argument("save_checkpoint: the communicator is null");
+  if (info.iteration < 0) throw std::invalid_argument("save_checkpoint: negative iteration");
+  at::NoGradGuard no_grad;
+  const int rank = world->rank();
+  const std::string tmp = checkpoint::begin_save(save_dir, *world, info.iteration);
+  // Every rank: its own file. The outcome travels with the chunk list.
+  const nlohmann::json meta = checkpoint::save_metadata(info, world->size(), optimizer);
+  nlohmann::json report;
+  try {
+    report = checkpoint::write_rank_report(
+        tmp, rank, checkpoint::pieces_to_save(model, optimizer, rank, world->size()), meta, format);
+  } catch (const std::exception& e) {
+    report = {{"error", std::string(e.what())}};
+  }
+  checkpoint::finish_save(save_dir, *world, tmp, info.iteration, report, meta, format);
 }
 
 void write_checkpoint(const std::string& save_dir, const std::map<std::string, at::Tensor>& model_tensors,
@@ -264,7 +289,7 @@ void write_checkpoint(const std::string& save_dir, const std::map<std::string, a
   std::vector<Piece> pieces;
   for (const auto& [name, t] : model_tensors)
     pieces.push_back({model_key(name), t.sizes().vec(), 0, t.detach().reshape({-1})});
-  const nlohmann::json meta = base_metadata(info, 1, nullptr);
+  const nlohmann::json meta = checkpoint::save_metadata(info, 1, nullptr);
   try {
     if (format == CheckpointFormat::kFsdpDtensor) {
       checkpoint::write_dcp_metadata(tmp, {checkpoint::write_dcp_rank_file(tmp, 0, pieces, meta)});

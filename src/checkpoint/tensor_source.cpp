@@ -145,6 +145,16 @@ at::Tensor TensorSource::read_elements(const std::string& name, int64_t offset, 
   return files_[file].load_elements(n, offset, count);
 }
 
+void TensorSource::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
+  if (!contains(name)) no_tensor(*this, name);
+  if (reader_) {
+    if (dst.numel() > 0) reader_->read_range(name, offset, dst);
+    return;
+  }
+  const auto& [file, n] = hf_.at(name);
+  files_[file].read_elements_into(n, offset, dst);
+}
+
 json TensorSource::model_config() const {
   if (reader_) return reader_->metadata().value("model_config", json::object());
   return read_json_file((fs::path(path_) / kConfigFile).string(), "HF config");

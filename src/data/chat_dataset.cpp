@@ -168,7 +168,7 @@ void write_sft_jsonl(const std::string& path, const std::vector<SftExample>& exa
   write_lines(path, lines);
 }
 
-std::vector<RlExample> read_rl_jsonl(const std::string& path) {
+std::vector<RlExample> read_rl_jsonl(const std::string& path, const std::function<void(const RlExample&)>& check) {
   std::vector<RlExample> examples;
   for_each_record(path, [&](const json& j, const std::function<void(const std::string&)>& fail) {
     RlExample ex;
@@ -200,6 +200,13 @@ std::vector<RlExample> read_rl_jsonl(const std::string& path) {
 
     auto extra = j.find("extra_info");
     if (extra != j.end()) ex.extra_info_json = extra->dump();
+    if (check) {
+      try {
+        check(ex);
+      } catch (const std::invalid_argument& e) {
+        fail(e.what());
+      }
+    }
     examples.push_back(std::move(ex));
   });
   return examples;

@@ -267,14 +267,29 @@ double countdown_reward(const std::string& response, const std::string& ground_t
   return std::fabs(value - static_cast<double>(truth.target)) < 1e-5 ? kCorrect : kFormat;
 }
 
+namespace {
+
+[[noreturn]] void no_rule_reward(const std::string& data_source) {
+  throw std::invalid_argument("no rule reward for data_source \"" + data_source +
+                              "\" (known: exact, arith, openai/gsm8k, gsm8k, countdown; or choose one "
+                              "with --reward exact|gsm8k|countdown)");
+}
+
+}  // namespace
+
 double compute_score(const std::string& data_source, const std::string& response,
                      const std::string& ground_truth) {
   if (data_source == "exact" || data_source == "arith") return exact_match_reward(response, ground_truth);
   if (data_source == "openai/gsm8k" || data_source == "gsm8k") return gsm8k_reward(response, ground_truth);
   if (data_source == "countdown") return countdown_reward(response, ground_truth);
-  throw std::invalid_argument("no rule reward for data_source \"" + data_source +
-                              "\" (known: exact, arith, openai/gsm8k, gsm8k, countdown; or choose one "
-                              "with --reward exact|gsm8k|countdown)");
+  no_rule_reward(data_source);
+}
+
+void check_reward_for(const std::string& reward, const std::string& data_source) {
+  if (reward != "auto") return;
+  for (const char* known : {"exact", "arith", "openai/gsm8k", "gsm8k", "countdown"})
+    if (data_source == known) return;
+  no_rule_reward(data_source);
 }
 
 double compute_score_by_name(const std::string& reward, const std::string& data_source,

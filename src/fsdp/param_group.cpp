@@ -187,14 +187,25 @@ void ParamGroup::copy_main_to_model_weights() {
     replicate_->all_gather(model_weights_.data(), model_weights_.range(main_weights_.begin(), layout_.sub_shard()));
 }
 
-void ParamGroup::load_flat(const at::Tensor& flat) {
+void ParamGroup::load_values(const std::vector<at::Tensor>& values) {
+  if (values.size() != params_.size())
+    throw std::logic_error(describe() + ": load_values got " + std::to_string(values.size()) + " values for " +
+                           std::to_string(params_.size()) + " parameters");
   wait_unshard();
   auto copy_into = [&](const FlatBuffer& b) {
-    b.data().copy_(flat.narrow(0, b.begin(), b.data().numel()));
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const FlatBuffer::ParamSlice s = b.slice_of(i);
+      if (s.length == 0) continue;
+      b.data().narrow(0, s.local_offset, s.length).copy_(values[i].reshape({-1}).narrow(0, s.param_offset, s.length));
+    }
   };
   if (requires_grad_ && !main_weights_.aliases(model_weights_)) copy_into(main_weights_);
   copy_into(model_weights_);
-  if (model_weights_.sharded() && state_ == ShardState::kUnsharded) unsharded_.copy_(flat);
+  if (model_weights_.sharded() && state_ == ShardState::kUnsharded)
+    for (size_t i = 0; i < params_.size(); ++i) {
+      const auto& e = layout_.entries[i];
+      unsharded_.narrow(0, e.offset, e.numel).copy_(values[i].reshape({-1}));
+    }
 }
 
 int64_t ParamGroup::main_weight_bytes() const {

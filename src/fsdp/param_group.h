@@ -80,9 +80,11 @@ class ParamGroup {
   const FlatBuffer& main_weights() const { return main_weights_; }  // undefined when frozen
   Communicator& shard_group() const { return *comm_; }
   Communicator* replicas() const { return replicate_.get(); }  // HSDP; null otherwise
-  // Overwrites the weights with `flat` ([P] values in the layout, any dtype and device): this
-  // rank's shard of the main and model weights, and the unsharded buffer while gathered.
-  void load_flat(const at::Tensor& flat);
+  // Overwrites the weights with the parameters' full values (group order, any dtype and device):
+  // this rank's slice of each into the main and model weights, and the whole into the unsharded
+  // buffer while gathered. Each slice is copied (and converted) straight from its value: no
+  // full-size flat copy of the group is made. Padding keeps its zeros.
+  void load_values(const std::vector<at::Tensor>& values);
 
   int64_t model_weight_bytes() const { return model_weights_.nbytes(); }
   int64_t main_weight_bytes() const;  // excluding memory shared with the model weights

@@ -73,14 +73,8 @@ std::vector<at::Tensor> gather_full_parameters(const ParamGroup& group) {
 }
 
 void load_full_parameters(ParamGroup& group, const std::vector<at::Tensor>& values) {
-  // Staged in fp64 on the CPU (exact for every parameter dtype), copied into the device buffers.
-  const FlatLayout& layout = group.layout();
-  at::Tensor flat = at::zeros({layout.total()}, at::TensorOptions().dtype(at::kDouble));
-  for (size_t i = 0; i < group.params().size(); ++i) {
-    const auto& e = layout.entries[i];
-    flat.narrow(0, e.offset, e.numel).copy_(values[i].reshape(-1));
-  }
-  group.load_flat(flat);
+  // Each rank's slices straight from the values (no full-size staging of the group).
+  group.load_values(values);
 }
 
 }  // namespace mfsdp::detail

@@ -2,7 +2,7 @@
 // them: this rank's shard of each parameter (LocalShard: checkpoint boxes), the optimizer's flat
 // shard with its weight-decay segments, and full values gathered from, or loaded into, the shards.
 // The group keeps its buffers and their lifecycle (param_group.h); these only read them, or write
-// through ParamGroup::load_flat.
+// through ParamGroup::load_values.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -8,6 +8,7 @@
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/hf_interop.h"
+#include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/data/chat_template.h"
 #include "mfsdp/data/rewards.h"
@@ -30,26 +31,24 @@ using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
 
 // The reference policy: the same model, sharded like the policy, forward only (no optimizer, no
-// gradients), loaded from --ref-load, --hf-load or the --load checkpoint (--finetune).
-ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const std::shared_ptr<Communicator>& comm,
-                            const std::map<std::string, at::Tensor>& start_weights) {
+// gradients), loaded from --ref-load, --hf-load or the --load checkpoint (--finetune): a
+// checkpoint by load_checkpoint, a Hugging Face folder by load_hf_shards, so each rank reads only
+// its ranges into a skeleton built with deferred init (every value is overwritten).
+ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const std::shared_ptr<Communicator>& comm) {
   PretrainArgs a = g.base;
-  a.init_model_with_meta_device = false;
   a.recompute_activations = false;
-  ShardedModel ref = build_sharded_model(config, a, shard_options_from_args(a, comm, /*per_token_loss=*/true));
+  ShardedModel ref = build_sharded_model(config, a, shard_options_from_args(a, comm, /*per_token_loss=*/true),
+                                         /*values_loaded=*/true);
   const std::string from = !g.ref_load.empty() ? g.ref_load : !g.hf_load.empty() ? g.hf_load : g.base.load_dir;
-  if (!g.ref_load.empty() || (from == g.base.load_dir && !from.empty())) {
-    if (is_checkpoint(from)) {
-      CheckpointLoadOptions o;
-      o.load_optimizer = false;
-      o.load_rng = false;
-      load_checkpoint(from, comm, ref.root, nullptr, o);
-      return ref;
-    }
-    ref.root.load_full_state_dict(weights_held_by(*ref.model, load_full_weights(from)));
-    return ref;
+  if (from.empty()) throw std::logic_error("mfsdp-grpo: the reference policy has no --ref-load, --hf-load or --load");
+  if (is_checkpoint(from)) {
+    CheckpointLoadOptions o;
+    o.load_optimizer = false;
+    o.load_rng = false;
+    load_checkpoint(from, comm, ref.root, nullptr, o);
+  } else {
+    load_hf_shards(from, ref.root, *comm);
   }
-  ref.root.load_full_state_dict(weights_held_by(*ref.model, start_weights));
   return ref;
 }
 
@@ -146,8 +145,10 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
     train_ = generate_tasks(g_.data.generator("train"));
     if (g_.data.gen_val_size > 0) val_ = generate_tasks(g_.data.generator("test"));
   } else {
-    train_ = read_rl_jsonl(g_.data.train_files);
-    if (!g_.data.val_files.empty()) val_ = read_rl_jsonl(g_.data.val_files);
+    // Every prompt's data_source must have a reward before anything trains (--reward auto).
+    const auto has_reward = [&](const RlExample& e) { check_reward_for(g_.reward, e.data_source); };
+    train_ = read_rl_jsonl(g_.data.train_files, has_reward);
+    if (!g_.data.val_files.empty()) val_ = read_rl_jsonl(g_.data.val_files, has_reward);
   }
   for (size_t i = 0; i < train_.size(); ++i) {
     std::vector<int64_t> ids = apply_chat_template(*tokenizer_, chat_template_, train_[i].prompt, true).ids;
@@ -165,11 +166,10 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
   }
 
   StartingPoint start = starting_point(a, g_.hf_load, tokenizer_->vocab_size());
-  run_ = std::make_unique<TrainingRun>(a, start.config, comm_, log_, /*per_token_loss=*/true, grpo_tool_flags(g_));
-  resume_iteration_ = run_->start(start.weights.empty() ? nullptr : &start.weights).iteration;
-  if (g_.use_kl_loss) ref_ = std::make_unique<ReferencePolicy>(
-      ReferencePolicy{load_reference(g_, start.config, comm_, start.weights)});
-  start.weights.clear();
+  run_ = std::make_unique<TrainingRun>(a, start.config, comm_, log_, /*per_token_loss=*/true, grpo_tool_flags(g_),
+                                       start.hf_folder);
+  resume_iteration_ = run_->start().iteration;
+  if (g_.use_kl_loss) ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, start.config, comm_)});
   if (run_->prints()) {
     log_ << " mfsdp-grpo: " << train_.size() << " training prompts, " << val_.size() << " held out; "
          << g_.train_batch_size << " prompts x " << g_.rollout_n << " responses per step; chat template "

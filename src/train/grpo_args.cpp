@@ -140,6 +140,7 @@ void validate_grpo_args(GrpoArgs& a, int dp, int64_t tokenizer_vocab) {
                                             "--micro-batch-size x ranks = " +
                                             std::to_string(a.base.micro_batch_size) + " x " + std::to_string(dp));
   a.base.global_batch_size = sequences;
+  refuse_tensor_and_context_parallel(a.base, "mfsdp-grpo");
   validate_training_args(a.base, dp, tokenizer_vocab);
 }
 

@@ -20,6 +20,11 @@ MemoryPlan plan_training_memory(const PretrainArgs& args, int world) {
   // Under expert parallelism the model holds one expert-parallel rank's experts (every rank holds
   // as many); the group only says which, and nothing is exchanged.
   if (ep > 1) options.expert_parallel = make_simulated_communicator(0, ep);
+  // Tensor parallelism: one TP rank's slices (every TP rank holds as many), sharded by FSDP over
+  // the world / TP ranks of its data- and context-parallel group.
+  const int tp = static_cast<int>(args.tensor_model_parallel_size);
+  if (tp > 1) options.tensor_parallel = make_simulated_communicator(0, tp);
+  world /= tp;
   const ModelConfig config = model_config_from_args(args);
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
   const FullyShardOptions shard = shard_options_from_args(args, nullptr, args.calculate_per_token_loss);

@@ -18,7 +18,8 @@ namespace mfsdp {
 // micro-batches and optimizer states.
 StepShape training_step_shape(const CausalLM& model, const PretrainArgs& args);
 
-// The plan for `world` ranks of the model and flags in `args` (validated).
+// The plan for `world` ranks (the job's; under tensor parallelism FSDP shards over world / TP) of
+// the model and flags in `args` (validated).
 MemoryPlan plan_training_memory(const PretrainArgs& args, int world);
 
 // --memory-plan: the plan for comm's world size, printed on rank 0 (every rank of a simulated

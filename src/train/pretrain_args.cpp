@@ -228,6 +228,10 @@ const std::vector<Flag>& flags() {
                         "checkpoint format to save: fsdp_dtensor (PyTorch DCP with Megatron-FSDP's keys) or mfsdp (the "
                         "earlier metadata.json + safetensors); --load reads either",
                         "fsdp_dtensor", "mfsdp"),
+            BOOL_FLAG("--async-save", async_save,
+                      "with --save: copy the shards to CPU staging buffers and write them on a background thread "
+                      "while training goes on; each save commits at the next save or at the end "
+                      "(--ckpt-format fsdp_dtensor)"),
             STRING_FLAG("--dump-param-to-param-group-map", dump_param_to_param_group_map,
                         "write Megatron's {parameter: optimizer group} map into this folder (a DCP folder; "
                         "mfsdp-ckpt print-torch-dcp-in-json turns it into the JSON the torch_dist conversion takes)"),
@@ -262,6 +266,19 @@ const std::vector<Flag>& flags() {
                         "no_shard, nothing (HSDP); optim, main weights, gradients and optimizer state "
                         "(HFSDP; needs optim_grads_params)",
                         "no_shard", "optim"),
+            INT_FLAG("--tensor-model-parallel-size", tensor_model_parallel_size,
+                     "tensor parallelism: split each layer's heads and MLP and the vocabulary over this many "
+                     "adjacent ranks (FSDP shards each rank's slices over the rest)"),
+            BOOL_FLAG("--sequence-parallel", sequence_parallel,
+                      "with tensor parallelism: norms and residuals on sequence slices between the "
+                      "tensor-parallel regions"),
+            INT_FLAG("--context-parallel-size", context_parallel_size,
+                     "context parallelism: split every sequence over this many ranks (load-balanced chunks; "
+                     "FSDP shards over data x context-parallel ranks)"),
+            STRING_FLAG("--cp-comm-type", cp_comm_type,
+                        "how context-parallel attention exchanges keys and values: all_gather (the default "
+                        "here, measured faster) or p2p (a ring, less memory)",
+                        "all_gather", "p2p"),
          }},
         {Section::kRuntime,
          {
@@ -504,10 +521,61 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
         number(kMaxDatasetSamples) + " the datasets can index");
 }
 
-void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
+namespace {
+
+// The mesh's checks (Megatron's arguments.py and its layers' divide()): tensor- and
+// context-parallel sizes that divide the world and what they split; returns the data-parallel
+// size. What mfsdp does not combine with them yet is refused naming the flags.
+int checked_data_parallel_size(const PretrainArgs& a, int world) {
+  const int64_t tp = a.tensor_model_parallel_size, cp = a.context_parallel_size;
+  if (tp == 1 && cp == 1) return world;
+  const std::string tp_flag = "--tensor-model-parallel-size", cp_flag = "--context-parallel-size";
+  const std::string which = tp > 1 ? tp_flag : cp_flag;
+  if (world % (tp * cp) != 0)
+    flag_error(which, std::to_string(tp) + " x " + cp_flag + " " + std::to_string(cp) +
+                          " does not divide the world size " + std::to_string(world));
+  if (tp > 1) {
+    const int64_t groups = a.group_query_attention ? a.num_query_groups : a.num_attention_heads;
+    for (const auto& [flag, value] : {std::pair<std::string, int64_t>{"--num-attention-heads", a.num_attention_heads},
+                                      {a.group_query_attention ? "--num-query-groups" : "--num-attention-heads", groups},
+                                      {"--ffn-hidden-size", a.ffn_hidden_size}})
+      if (value > 0 && value % tp != 0)
+        flag_error(tp_flag, std::to_string(tp) + " does not divide " + flag + " " + std::to_string(value));
+    if (a.num_experts > 0)
+      flag_error(tp_flag, "with --num-experts: mfsdp does not split experts over tensor-parallel ranks "
+                          "(Megatron's --expert-tensor-parallel-size); use --expert-model-parallel-size");
+    if (!a.save.empty() || !a.load.empty())
+      flag_error(tp_flag, "with --save or --load: checkpoints of tensor-parallel slices (2-D DCP boxes) are not "
+                          "written by mfsdp yet; train without them or use --export-hf");
+  }
+  if (cp > 1 && a.seq_length % (2 * cp) != 0)
+    flag_error(cp_flag, "--seq-length " + std::to_string(a.seq_length) + " does not divide by 2 x " +
+                            std::to_string(cp) + " (the load-balanced chunks)");
+  if (a.expert_model_parallel_size > 1)
+    flag_error("--expert-model-parallel-size", "with " + which + " > 1 is not supported by mfsdp yet");
+  if (a.num_distributed_optimizer_instances > 1)
+    flag_error("--num-distributed-optimizer-instances", "with " + which + " > 1 is not supported by mfsdp yet");
+  if (a.simulate_world_size > 0 && !a.memory_plan)
+    flag_error("--simulate-world-size", "with " + which + " > 1 needs --memory-plan");
+  return static_cast<int>(world / (tp * cp));
+}
+
+}  // namespace
+
+void refuse_tensor_and_context_parallel(const PretrainArgs& a, const std::string& program) {
+  for (const auto& [flag, value] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", a.tensor_model_parallel_size},
+                                    {"--context-parallel-size", a.context_parallel_size}})
+    if (value > 1)
+      flag_error(flag, std::to_string(value) + ": " + program +
+                           " does not split its batches over tensor- or context-parallel ranks yet (mfsdp-pretrain does)");
+}
+
+void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab) {
   // Each section's own values first (config/sections.h), then what joins sections.
   static_cast<ModelSection&>(a).validate();
   static_cast<const MoeSection&>(a).validate(a.num_layers);
+  static_cast<const FsdpSection&>(a).validate();
+  const int dp = checked_data_parallel_size(a, world);
   if (a.expert_model_parallel_size > 1 && dp % a.expert_model_parallel_size != 0)
     flag_error("--expert-model-parallel-size", std::to_string(a.expert_model_parallel_size) +
                                                    " does not divide the data-parallel size " + std::to_string(dp));
@@ -523,7 +591,6 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   static_cast<const TrainingSection&>(a).validate();
   static_cast<const OptimizerSection&>(a).validate();
   static_cast<const CheckpointSection&>(a).validate();
-  static_cast<const FsdpSection&>(a).validate();
   static_cast<const RuntimeSection&>(a).validate();
   static_cast<const LoggingSection&>(a).validate();
   static_cast<const ProfilingSection&>(a).validate();
@@ -552,7 +619,8 @@ void validate_training_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (vocab < 2)
     flag_error(a.tokenizer_type.empty() ? "--tokenizer-type" : "--vocab-size",
                "no vocabulary: give --tokenizer-type (and its files), or --vocab-size with --mock-data");
-  const int64_t m = a.make_vocab_size_divisible_by;
+  // Megatron pads to a multiple of --make-vocab-size-divisible-by x tensor-parallel size.
+  const int64_t m = a.make_vocab_size_divisible_by * a.tensor_model_parallel_size;
   a.real_vocab_size = vocab;
   a.padded_vocab_size = (vocab + m - 1) / m * m;
   if (a.padded_vocab_size > kMaxVocabSize)

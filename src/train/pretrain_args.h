@@ -66,11 +66,16 @@ struct ToolFlags {
 // unknown flag, a missing or malformed value, or a value outside its allowed set.
 PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const ToolFlags& tool = {});
 
-// Checks what needs the data-parallel size and the tokenizer's vocabulary, and derives
-// num_micro_batches, ffn size and padded vocab size. Throws naming the flag(s).
-// validate_training_args checks everything but the pretraining data (--data-path / --mock-data).
-void validate_pretrain_args(PretrainArgs& args, int data_parallel_size, int64_t tokenizer_vocab);
-void validate_training_args(PretrainArgs& args, int data_parallel_size, int64_t tokenizer_vocab);
+// Checks what needs the world size (the data-parallel size is the world over the tensor- and
+// context-parallel sizes) and the tokenizer's vocabulary, and derives num_micro_batches, ffn size
+// and padded vocab size. Throws naming the flag(s). validate_training_args checks everything but
+// the pretraining data (--data-path / --mock-data).
+void validate_pretrain_args(PretrainArgs& args, int world_size, int64_t tokenizer_vocab);
+void validate_training_args(PretrainArgs& args, int world_size, int64_t tokenizer_vocab);
+// mfsdp-sft and mfsdp-grpo: --tensor-model-parallel-size and --context-parallel-size above 1 are
+// refused naming the flag and `program` (their packed, masked and rollout batches are not split
+// over such ranks yet; mfsdp-pretrain takes both).
+void refuse_tensor_and_context_parallel(const PretrainArgs& args, const std::string& program);
 
 // Every flag's value as --help shows it ({"--lr": "0.0001", ...}), recorded in checkpoints.
 std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args, const ToolFlags& tool = {});

@@ -167,9 +167,8 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
   if (args.data.generated() || !args.data.val_files.empty()) val = load_sft_data("test", args, *tokenizer, chat_template);
 
   StartingPoint start = starting_point(a, args.hf_load, tokenizer->vocab_size());
-  TrainingRun run(a, start.config, comm, log, /*per_token_loss=*/true, sft_tool_flags(args));
-  const ResumePoint resume = run.start(start.weights.empty() ? nullptr : &start.weights);
-  start.weights.clear();
+  TrainingRun run(a, start.config, comm, log, /*per_token_loss=*/true, sft_tool_flags(args), start.hf_folder);
+  const ResumePoint resume = run.start();
   std::shared_ptr<CausalLM>& model = run.model();
   const at::Device device = comm->device();
   const int64_t pad = tokenizer->eod();

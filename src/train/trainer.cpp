@@ -11,7 +11,9 @@
 #include "mfsdp/data/gpt_dataset.h"
 #include "mfsdp/data/tokenizer.h"
 #include "mfsdp/models/generate.h"
+#include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/lm_loss.h"
+#include "mfsdp/models/tensor_parallel.h"
 #include "train/model_memory_plan.h"
 #include "train/training_run.h"
 
@@ -59,11 +61,13 @@ void print_sample(const PretrainArgs& a, TrainingRun& run, std::ostream& log) {
 
 PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicator>& comm,
                         std::ostream& log) {
-  const int rank = comm->rank(), dp = comm->size();
+  // Data-parallel replicas: the world over the tensor- and context-parallel ranks, which share
+  // their replica's micro-batches (parallel_groups.h).
+  const int dp = comm->size() / static_cast<int>(a.tensor_model_parallel_size * a.context_parallel_size);
   const bool simulated = is_simulated(*comm);
-  const bool print = rank == 0 || simulated;
+  const bool print = comm->rank() == 0 || simulated;
   if (simulated)
-    log << " SIMULATED: this process plays rank " << rank << " of " << dp
+    log << " SIMULATED: this process plays rank " << comm->rank() << " of " << comm->size()
         << " ranks; collectives are local copies, so memory and time per rank are those of the real job"
            " but losses are not\n";
   torch::manual_seed(a.seed);
@@ -90,29 +94,39 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   // Every buffer each unit will hold on this rank, before any is allocated (as llm.c prints its
   // buffers): the plan is fully_shard's own layout, equal to what the run holds
   // (tests/dist/memory_plan_test.cpp), and the end-of-run report measures it again.
-  if (print) log << format_memory_plan(plan_training_memory(a, dp));
+  if (print) log << format_memory_plan(plan_training_memory(a, comm->size()));
   TrainingRun run(a, model_config_from_args(a), comm, log, a.calculate_per_token_loss);
   std::shared_ptr<CausalLM>& model = run.model();
   const ResumePoint resume = run.start();
+  const ParallelGroups& groups = run.groups();
+  const int rank = groups.dp_rank;  // which replica's micro-batches this rank reads
 
   PretrainResult result;
   result.first_loss = std::nan("");
 
   // Loss of one micro-batch, scaled so that the gradients of a step are those of the mean loss
   // over the global batch (Megatron: mean per micro-batch / micro-batches, 1/dp in the
-  // reduction; or, per token, sum / tokens of the global batch with no 1/dp scaling).
+  // reduction; or, per token, sum / tokens of the global batch with no 1/dp scaling). Under
+  // context parallelism each rank holds its chunks of the sequence (ids and labels alike) and
+  // the reduction's 1/(dp x cp) averages the chunks' means; under tensor parallelism the logits
+  // are this rank's vocabulary slice and the loss is computed across the group.
   const double tokens_per_global_batch = static_cast<double>(gbs * a.seq_length);
   auto micro_loss = [&](const at::Tensor& cpu_tokens, double* reported) {
     at::Tensor tokens = cpu_tokens.to(comm->device());  // the model's device (the communicator's)
     at::Tensor input = tokens.narrow(1, 0, a.seq_length);
     at::Tensor labels = tokens.narrow(1, 1, a.seq_length);
+    if (groups.context_parallel) {
+      input = context_parallel::shard_sequence(input, 1, groups.cp, groups.context_parallel->rank());
+      labels = context_parallel::shard_sequence(labels, 1, groups.cp, groups.context_parallel->rank());
+    }
     at::Tensor logits = model->call(input);
+    Communicator* tp = groups.tensor_parallel.get();
     if (a.calculate_per_token_loss) {
-      TokenLossSum s = lm_loss_sum(logits, labels);
+      TokenLossSum s = tp ? tensor_parallel::vocab_parallel_lm_loss_sum(logits, labels, *tp) : lm_loss_sum(logits, labels);
       *reported += s.sum.item<double>();
       return s.sum / tokens_per_global_batch;
     }
-    at::Tensor loss = lm_loss(logits, labels);
+    at::Tensor loss = tp ? tensor_parallel::vocab_parallel_lm_loss(logits, labels, *tp) : lm_loss(logits, labels);
     *reported += loss.item<double>() / a.num_micro_batches;
     return loss / static_cast<double>(a.num_micro_batches);
   };
@@ -130,7 +144,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
         total += loss;
       }
     double mean = total / batches_per_eval;
-    if (a.calculate_per_token_loss) mean = mean * dp / tokens_per_global_batch;  // sum -> mean
+    if (a.calculate_per_token_loss) mean = mean * groups.dp_cp() / tokens_per_global_batch;  // sum -> mean
     mean = run.all_reduce_mean(mean);
     if (print) {
       log << " validation loss at iteration " << iteration << " | lm loss: " << std::scientific
@@ -170,7 +184,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
       return loss;
     });
     const double norm = stats.grad_norm, lr = stats.lr;
-    if (a.calculate_per_token_loss) step_loss = step_loss * dp / tokens_per_global_batch;
+    if (a.calculate_per_token_loss) step_loss = step_loss * groups.dp_cp() / tokens_per_global_batch;
     window_loss += step_loss;
     ++window_iters;
 
@@ -187,7 +201,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
       r.grad_norm = norm;
       r.iter_time_s = iter_s;
       r.tokens_per_sec = gbs * a.seq_length / iter_s;
-      r.tflops_per_rank = flops_per_iter / iter_s / dp / 1e12;
+      r.tflops_per_rank = flops_per_iter / iter_s / comm->size() / 1e12;
       r.mem_bytes = peak_memory_bytes(comm->device());
       run.add_norms(r, stats);
       run.record(r);

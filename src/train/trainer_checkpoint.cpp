@@ -3,9 +3,11 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
+#include "mfsdp/checkpoint/async_save.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 
 namespace mfsdp {
@@ -71,6 +73,22 @@ void reconcile_schedule(const PretrainArgs& a, const nlohmann::json& saved, LRSc
                                   ", this run has " + value.dump() +
                                   " (pass --override-opt_param-scheduler to use this run's, or "
                                   "--use-checkpoint-opt_param-scheduler to use the checkpoint's)");
+}
+
+// The saves of --async-save in flight: one per process, as there is one training run.
+AsyncCheckpointSaver& async_saver() {
+  // The file system the writers use is made first, so that it is destroyed after the saver, whose
+  // destructor waits for a writer still running when the process exits on an error.
+  checkpoint_file_system();
+  static AsyncCheckpointSaver saver;
+  return saver;
+}
+
+void log_committed(const std::optional<int64_t>& iteration, const std::shared_ptr<Communicator>& world,
+                   const std::string& how, std::ostream& log) {
+  if (!iteration || world->rank() != 0) return;
+  log << " committed checkpoint of iteration " << *iteration << " (written in the background; " << how << ")\n";
+  log.flush();
 }
 
 // Who wrote the checkpoint and which iteration it records, for the start-up line.
@@ -150,6 +168,22 @@ void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
   info.model_config = config.spec->hf_config(config, a.bf16 ? at::kBFloat16 : at::kFloat);
   info.scheduler = schedule_json(schedule);
   const auto start = std::chrono::steady_clock::now();
+  if (a.async_save) {
+    AsyncCheckpointSaver& saver = async_saver();
+    const int64_t previous = saver.iteration_in_flight();
+    saver.save(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info);
+    if (previous >= 0) log_committed(previous, world, "at the next save", log);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (world->rank() == 0) {
+      log << " checkpoint of iteration " << iteration << " staged in " << seconds << " s ("
+          << saver.staging_bytes() / 1048576.0 << " MiB of staging buffers per rank), being written to "
+          << checkpoint_iteration_dir(a.save, iteration) << " in the background (--async-save)\n";
+      log.flush();
+    }
+    const bool last = iteration >= a.train_iters || (a.exit_interval > 0 && iteration % a.exit_interval == 0);
+    if (last) finish_training_checkpoints(world, log);  // the process ends next: wait for it
+    return;
+  }
   save_checkpoint(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info,
                   checkpoint_format_from_name(a.ckpt_format));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -158,6 +192,21 @@ void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
         << " in " << seconds << " s\n";
     log.flush();
   }
+}
+
+void finish_training_checkpoints(const std::shared_ptr<Communicator>& world, std::ostream& log) {
+  AsyncCheckpointSaver& saver = async_saver();
+  if (!saver.in_flight()) return;
+  const auto start = std::chrono::steady_clock::now();
+  const std::optional<int64_t> done = saver.finish(world);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  log_committed(done, world, "waited " + std::to_string(seconds) + " s for the writers", log);
+}
+
+void poll_training_checkpoints(const std::shared_ptr<Communicator>& world, std::ostream& log) {
+  AsyncCheckpointSaver& saver = async_saver();
+  if (!saver.in_flight()) return;
+  log_committed(saver.try_finish(world), world, "found done after an iteration", log);
 }
 
 }  // namespace mfsdp

@@ -30,10 +30,23 @@ ResumePoint load_training_checkpoint(const PretrainArgs& args, const ModelConfig
                                      DistributedOptimizer& optimizer, LRSchedule& schedule,
                                      std::ostream& log);
 
-// --save: the checkpoint of `iteration`. Collective.
+// --save: the checkpoint of `iteration`. Collective. With --async-save it first commits the
+// save in flight (waiting for its writers), then stages this one and returns while writer threads
+// write it; the save of the run's last iteration (--train-iters, or an --exit-interval stop) is
+// waited for and committed before returning, since the process ends after it.
 void save_training_checkpoint(const PretrainArgs& args, const ModelConfig& config,
                               const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
                               int64_t iteration, std::ostream& log, const ToolFlags& tool = {});
+
+// --async-save: commits the save in flight, waiting for its writers (a write that failed on any
+// rank throws here, naming the rank and the file). Call before the process exits. Collective;
+// does nothing without a save in flight.
+void finish_training_checkpoints(const std::shared_ptr<Communicator>& world, std::ostream& log);
+
+// --async-save, once per iteration: commits the save in flight if every rank's writer is done
+// (one small all-reduce, so every rank decides alike; Megatron's maybe_finalize_async_save).
+// Collective; does nothing without a save in flight.
+void poll_training_checkpoints(const std::shared_ptr<Communicator>& world, std::ostream& log);
 
 }  // namespace mfsdp

@@ -16,6 +16,7 @@
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/models/tensor_parallel_training.h"
 
 namespace mfsdp {
 
@@ -94,12 +95,19 @@ FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shar
 }
 
 ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& a,
-                                 const FullyShardOptions& shard) {
+                                 const FullyShardOptions& shard, bool values_loaded, const ParallelGroups* groups) {
   ModelBuildOptions options;
-  options.deferred_init = a.init_model_with_meta_device;
+  options.deferred_init = a.init_model_with_meta_device || values_loaded;
   options.recompute_layers = a.recompute_activations;
   options.init_seed = static_cast<uint64_t>(a.seed);
   options.moe = moe_training_from_args(a);
+  if (groups != nullptr) {
+    options.tensor_parallel = groups->tensor_parallel;
+    options.sequence_parallel = a.sequence_parallel;
+    options.context_parallel = groups->context_parallel;
+    options.context_parallel_algorithm = a.cp_comm_type == "p2p" ? context_parallel::CpAlgorithm::kRing
+                                                                 : context_parallel::CpAlgorithm::kAllGather;
+  }
   std::shared_ptr<DeviceMesh> mesh;
   if (a.expert_model_parallel_size > 1) {
     const int ep = static_cast<int>(a.expert_model_parallel_size), world = shard.comm->size();
@@ -120,26 +128,6 @@ ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& 
   return {model, root, mesh};
 }
 
-namespace {
-std::map<std::string, at::Tensor> weights_of(const CausalLM& model) {
-  std::map<std::string, at::Tensor> weights;
-  for (const auto& [name, t] : model_tensors(model)) weights[name] = t.detach();
-  return weights;
-}
-}  // namespace
-
-std::map<std::string, at::Tensor> weights_held_by(const CausalLM& model, std::map<std::string, at::Tensor> full) {
-  const auto held = model.named_parameters();
-  for (auto it = full.begin(); it != full.end();)
-    it = held.find(it->first) == nullptr && it->first.find(".experts.") != std::string::npos ? full.erase(it)
-                                                                                             : std::next(it);
-  return full;
-}
-
-std::map<std::string, at::Tensor> load_full_weights(const std::string& path) {
-  return weights_of(*load_model(path).model);
-}
-
 StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, int64_t tokenizer_vocab) {
   StartingPoint p;
   if (!a.load_dir.empty()) {
@@ -154,9 +142,9 @@ StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, 
     if (!is_hf_folder(hf_load))
       throw std::invalid_argument("--hf-load " + hf_load +
                                   ": not a Hugging Face model folder (config.json and model.safetensors)");
-    LoadedModel loaded = load_model(hf_load);
-    p.config = loaded.config;
-    p.weights = weights_of(*loaded.model);
+    // Headers and config.json only: each rank reads its own ranges in TrainingRun::start.
+    p.config = describe_hf_model(TensorSource(hf_load)).config;
+    p.hf_folder = hf_load;
     p.description = "Hugging Face folder " + hf_load;
   } else {
     p.config = model_config_from_args(a);
@@ -181,15 +169,18 @@ std::string sibling_path(const std::string& metrics_file, const std::string& ext
 }
 
 TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, std::shared_ptr<Communicator> comm,
-                         std::ostream& log, bool per_token_loss, ToolFlags tool)
+                         std::ostream& log, bool per_token_loss, ToolFlags tool, std::string hf_folder)
     : args_(args),
       config_(config),
       comm_(std::move(comm)),
       log_(log),
       tool_(std::move(tool)),
+      hf_folder_(std::move(hf_folder)),
       per_token_loss_(per_token_loss),
       print_(comm_->rank() == 0 || is_simulated(*comm_)),
-      sharded_(build_sharded_model(config, args, shard_options_from_args(args, comm_, per_token_loss))),
+      groups_(parallel_groups(args, comm_)),
+      sharded_(build_sharded_model(config, args, shard_options_from_args(args, groups_.fsdp, per_token_loss),
+                                   /*values_loaded=*/!args.load_dir.empty() || !hf_folder_.empty(), &groups_)),
       metrics_(print_ ? args.metrics_file : ""),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
       profiler_(args, comm_->rank(), comm_->device().is_cuda(), log) {
@@ -208,7 +199,24 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
     o.weight_decay = args.weight_decay;
     optimizer_ = make_sgd(sharded_.root, o);
   }
+  // Tensor parallelism: the gradient norm also sums over the TP group (replicated parameters
+  // counted once).
+  set_tensor_parallel_norm(*sharded_.model, sharded_.root, *optimizer_);
   if (!args.dump_param_to_param_group_map.empty()) write_param_group_map();
+  if (print_ && groups_.mesh)
+    log_ << " parallelism: " << comm_->size() << " ranks = data-parallel " << groups_.dp << " x context-parallel "
+         << groups_.cp << " x tensor-parallel " << groups_.tp
+         << " (tensor-parallel ranks adjacent, then context-parallel); FSDP ("
+         << args.data_parallel_sharding_strategy << ") shards over " << groups_.fsdp->size() << " ranks"
+         << (groups_.tp > 1 ? std::string(args.sequence_parallel ? ", sequence parallel" : "") +
+                                  "; each tensor-parallel rank holds 1/" + std::to_string(groups_.tp) +
+                                  " of the heads, MLP and vocabulary"
+                            : std::string())
+         << (groups_.cp > 1 ? "; each context-parallel rank 2 of the " + std::to_string(2 * groups_.cp) +
+                                  " chunks of every sequence (attention by " +
+                                  (args.cp_comm_type == "p2p" ? "ring" : "all-gather") + ")"
+                            : std::string())
+         << "\n";
   if (print_) print_expert_buffers();
   if (print_ && args.num_distributed_optimizer_instances > 1) {
     const int64_t instances = args.num_distributed_optimizer_instances;
@@ -226,12 +234,12 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
   schedule_.style = args.lr_decay_style;
 }
 
-ResumePoint TrainingRun::start(const std::map<std::string, at::Tensor>* initial) {
+ResumePoint TrainingRun::start() {
   ResumePoint resume;
-  if (!args_.load_dir.empty() || (!args_.load.empty() && initial == nullptr)) {
+  if (!args_.load_dir.empty() || (!args_.load.empty() && hf_folder_.empty())) {
     resume = load_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_);
-  } else if (initial != nullptr) {
-    sharded_.root.load_full_state_dict(weights_held_by(*sharded_.model, *initial));
+  } else if (!hf_folder_.empty()) {
+    load_hf_shards(hf_folder_, sharded_.root, *comm_);
   }
   last_saved_ = resume.iteration;
   return resume;
@@ -271,6 +279,8 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
     sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
     if (!std::isfinite(micro_batch(m))) loss_finite = false;
   }
+  // Megatron's finalize_model_grads: gradients each tensor-parallel rank holds only part of.
+  sum_partial_gradients(*sharded_.model, sharded_.root);
   StepStats s;
   collect_router_stats(s);
   // Megatron's finalize_model_grads: the aux-loss-free biases move by this step's global counts.
@@ -284,6 +294,13 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   // (on its replica 0 under no_shard): zero gradient elements after clipping, before the step;
   // the sum of squares of the parameters (main weights) after it.
   const bool norms = args_.log_params_norm || args_.log_num_zeros_in_grad;
+  // Each element once over the ranks: on its replica 0, and a parameter every tensor-parallel
+  // rank holds whole on TP rank 0 only.
+  const bool tp_duplicates_here = groups_.tensor_parallel && groups_.tensor_parallel->rank() != 0;
+  auto counted = [&](const LocalShard& p) {
+    return p.replica == 0 &&
+           !(tp_duplicates_here && sharded_.model->tensor_parallel_split(p.name) == TensorParallelSplit::kReplicated);
+  };
   at::Tensor sums;
   if (norms) {
     at::NoGradGuard no_grad;
@@ -291,7 +308,7 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
     if (args_.log_num_zeros_in_grad) {
       const std::vector<OptimizerShard> shards = sharded_.root.optimizer_shards();
       for (const LocalShard& p : sharded_.root.local_shards())
-        if (at::Tensor g = grad_of(p, shards); g.defined() && p.replica == 0)
+        if (at::Tensor g = grad_of(p, shards); g.defined() && counted(p))
           sums[0].add_(g.numel() - at::count_nonzero(g));
     }
   }
@@ -306,7 +323,7 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
     if (args_.log_params_norm) {
       at::Tensor squares = sums.narrow(0, 1, 1);
       for (const LocalShard& p : sharded_.root.local_shards())
-        if (p.replica == 0) add_squares(squares, p.local);
+        if (counted(p)) add_squares(squares, p.local);
     }
     comm_->all_reduce(sums, {ReduceOp::kSum});
     const at::Tensor host = sums.cpu();
@@ -537,9 +554,11 @@ void TrainingRun::save(int64_t iteration) {
 }
 
 bool TrainingRun::after_iteration(int64_t it) {
+  poll_training_checkpoints(comm_, log_);  // --async-save: commits a save whose writers are done (collective)
   if (!args_.save.empty() && args_.save_interval > 0 && it % args_.save_interval == 0) save(it);
   if (args_.exit_interval > 0 && it % args_.exit_interval == 0 && it != args_.train_iters) {
     if (!args_.save.empty() && last_saved_ != it) save(it);
+    finish_training_checkpoints(comm_, log_);  // --async-save: the exit waits for the last save
     if (print_) log_ << " exiting at iteration " << it << " (--exit-interval " << args_.exit_interval << ")\n";
     return true;
   }
@@ -573,6 +592,9 @@ RolloutModel& TrainingRun::rollout_model() {
 
 std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_ranks) const {
   // Without expert parallelism rank 0 alone may gather; with it every rank takes part.
+  // Tensor parallelism: every rank its whole slices, then the slices of each TP group gathered.
+  if (groups_.tensor_parallel)
+    return gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(/*all_ranks=*/true));
   std::map<std::string, at::Tensor> full = sharded_.root.full_state_dict(all_ranks || sharded_.expert_mesh != nullptr);
   if (!sharded_.expert_mesh) return full;
   // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
@@ -638,6 +660,7 @@ void export_hf_folder(const PretrainArgs& a, const ModelConfig& config,
 
 void TrainingRun::finish_checkpoint(int64_t last) {
   if (!args_.save.empty() && last_saved_ != last) save(last);
+  finish_training_checkpoints(comm_, log_);  // --async-save: the exit waits for the last save
 }
 
 void TrainingRun::finish(int64_t last, const std::string& curve_title) {

@@ -21,6 +21,7 @@
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
 #include "train/metrics.h"
+#include "train/parallel_groups.h"
 #include "train/pretrain_args.h"
 #include "train/rollout_model.h"
 #include "train/step_profiler.h"
@@ -49,29 +50,29 @@ struct ShardedModel {
   // otherwise.
   std::shared_ptr<DeviceMesh> expert_mesh;
 };
-// Builds the model and shards it, layers then the root. With --init-model-with-meta-device every
-// layer is materialised and sharded in turn, so no rank ever holds the whole model. Under expert
-// parallelism each rank builds only its experts, and each layer's experts are a unit sharded
-// over the expert-data-parallel group (the ranks holding the same experts).
+// Builds the model and shards it, layers then the root. With --init-model-with-meta-device, or
+// `values_loaded` (every value is about to be overwritten by a load), every layer is materialised
+// and sharded in turn, so no rank ever holds the whole model (deferred init equals eager init bit
+// for bit, docs/model.md). Under expert parallelism each rank builds only its experts, and each
+// layer's experts are a unit sharded over the expert-data-parallel group (the ranks holding the
+// same experts).
+// `groups` (tensor and context parallelism): the model is built with their groups and `shard`
+// must shard over groups->fsdp.
 ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& args,
-                                 const FullyShardOptions& shard);
+                                 const FullyShardOptions& shard, bool values_loaded = false,
+                                 const ParallelGroups* groups = nullptr);
 
-// Where fine-tuning starts (mfsdp-sft, mfsdp-grpo): the model config and, from a Hugging Face
-// folder, the weights. In order: --load holding a checkpoint (its model_config; the weights are
-// loaded by TrainingRun::start), `hf_load` (config.json and the weights, fp32 on the CPU), the
-// model flags (args.padded_vocab_size from the tokenizer). Errors name the flag: a tokenizer
-// with more ids than the model's vocabulary, a folder that is not a model.
+// Where fine-tuning starts (mfsdp-sft, mfsdp-grpo): the model config and, for a Hugging Face
+// folder, where its weights are. In order: --load holding a checkpoint (its model_config; the
+// weights are loaded by TrainingRun::start), `hf_load` (config.json and the safetensors headers,
+// checked by describe_hf_model; no weight is read here: TrainingRun::start streams each rank's
+// ranges), the model flags (args.padded_vocab_size from the tokenizer). Errors name the flag: a
+// tokenizer with more ids than the model's vocabulary, a folder that is not a model.
 struct StartingPoint {
   ModelConfig config;
-  std::map<std::string, at::Tensor> weights;  // empty unless from hf_load
-  std::string description;                    // for the log
+  std::string hf_folder;    // the --hf-load folder the weights come from; empty otherwise
+  std::string description;  // for the log
 };
-// The part of full weights `model` holds: under expert parallelism a rank builds only its own
-// experts, so the others' are left out (the full weights were checked against the model's
-// config when they were read).
-std::map<std::string, at::Tensor> weights_held_by(const CausalLM& model, std::map<std::string, at::Tensor> full);
-// The full weights (by HF name, fp32, CPU) of a Hugging Face folder or a checkpoint (load_model).
-std::map<std::string, at::Tensor> load_full_weights(const std::string& path);
 StartingPoint starting_point(const PretrainArgs& args, const std::string& hf_load, int64_t tokenizer_vocab);
 
 // The file next to the metrics file with another extension (metrics.jsonl -> metrics.svg).
@@ -87,13 +88,17 @@ class NonFiniteError : public std::runtime_error {
 class TrainingRun {
  public:
   // Builds the sharded model, the optimizer (--optimizer) and the LR schedule. `tool` names the
-  // trainer's own flags (recorded in checkpoints next to Megatron's).
+  // trainer's own flags (recorded in checkpoints next to Megatron's). `hf_folder`: the Hugging
+  // Face folder start() loads (StartingPoint::hf_folder). A run that loads its weights (--load of
+  // a checkpoint, or `hf_folder`) builds its skeleton with deferred init whatever
+  // --init-model-with-meta-device says: the values are overwritten, so no rank needs the whole
+  // model.
   TrainingRun(const PretrainArgs& args, const ModelConfig& config, std::shared_ptr<Communicator> comm,
-              std::ostream& log, bool per_token_loss, ToolFlags tool = {});
+              std::ostream& log, bool per_token_loss, ToolFlags tool = {}, std::string hf_folder = {});
 
-  // --load (resume, or --finetune for weights only); else, when `initial` is given, the full
-  // weights (by HF name) of a Hugging Face folder or another model. Collective.
-  ResumePoint start(const std::map<std::string, at::Tensor>* initial = nullptr);
+  // --load (resume, or --finetune for weights only); else the Hugging Face folder given to the
+  // constructor, each rank reading only the element ranges it holds (load_hf_shards). Collective.
+  ResumePoint start();
 
   struct StepStats {
     double grad_norm = 0;
@@ -154,6 +159,9 @@ class TrainingRun {
 
   const PretrainArgs& args() const { return args_; }
   const std::shared_ptr<Communicator>& comm() const { return comm_; }
+  // The mesh's groups: the data-parallel size and this rank's replica (its share of the data),
+  // the tensor- and context-parallel groups (null when not split).
+  const ParallelGroups& groups() const { return groups_; }
   std::ostream& log() const { return log_; }
   std::shared_ptr<CausalLM>& model() { return sharded_.model; }
   FsdpHandle& root() { return sharded_.root; }
@@ -182,8 +190,10 @@ class TrainingRun {
   std::shared_ptr<Communicator> comm_;
   std::ostream& log_;
   ToolFlags tool_;
+  std::string hf_folder_;  // loaded by start() unless --load holds a checkpoint
   bool per_token_loss_;  // gradients summed over the ranks (no 1 / dp)
   bool print_;
+  ParallelGroups groups_;  // before sharded_, which is built over its groups
   ShardedModel sharded_;
   std::unique_ptr<DistributedOptimizer> optimizer_;
   LRSchedule schedule_;

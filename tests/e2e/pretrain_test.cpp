@@ -311,6 +311,21 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --simulate-world-size 4"
                 " --num-distributed-optimizer-instances 2",
        "--num-distributed-optimizer-instances: HSDP with --expert-model-parallel-size 2"},
+      {kModel + " --tensor-model-parallel-size 0", "--tensor-model-parallel-size: must be >= 1"},
+      {kModel + " --tensor-model-parallel-size 2",
+       "--tensor-model-parallel-size: 2 x --context-parallel-size 1 does not divide the world size 1"},
+      {kModel + " --simulate-world-size 3 --memory-plan --tensor-model-parallel-size 3",
+       "--tensor-model-parallel-size: 3 does not divide --num-attention-heads 4"},
+      {kModel + " --simulate-world-size 4 --memory-plan --context-parallel-size 2 --seq-length 18",
+       "--context-parallel-size: --seq-length 18 does not divide by 2 x 2"},
+      {kModel + " --simulate-world-size 2 --memory-plan --tensor-model-parallel-size 2 --save /tmp/mfsdp-never",
+       "--tensor-model-parallel-size: with --save or --load"},
+      {kModel + " --simulate-world-size 2 --tensor-model-parallel-size 2",
+       "--simulate-world-size: with --tensor-model-parallel-size > 1 needs --memory-plan"},
+      {kModel + " --simulate-world-size 2 --memory-plan --context-parallel-size 2 --num-experts 4 --moe-router-topk 2"
+                " --expert-model-parallel-size 2",
+       "--expert-model-parallel-size: with --context-parallel-size > 1"},
+      {kModel + " --cp-comm-type a2a", "--cp-comm-type"},
   };
   for (const auto& c : cases) {
     Outcome r = run("env RANK=0 WORLD_SIZE=1 " + pretrain + c.flags);
@@ -449,6 +464,68 @@ TEST(Pretrain, HybridShardingTrainsLikeOneRank) {
     ASSERT_FALSE(measured.empty()) << real->output;
     EXPECT_EQ(planned_bytes_line(plan.output), measured.substr(0, measured.find(", buffer pool"))) << plan.output;
   }
+}
+
+// Tensor parallelism (with and without sequence parallelism), context parallelism (all-gather
+// and ring attention) and both together, with data parallelism beside them, train like one rank:
+// losses, gradient norms and parameter norms within 1e-5 over 6 iterations, mean and per-token
+// losses (Megatron pads the vocabulary to --make-vocab-size-divisible-by x TP, so the TP runs
+// halve that flag to train the one-rank model's 64 rows). AdamW's eps is 1e-3 in every run here, one rank's included: TP and CP sum some products
+// in another order, and with eps 1e-8 Adam turns a gradient element that nearly cancels into a
+// step of up to lr either way (tests/dist/parallel_llama_test.cpp measures it). A rank of a
+// TP 2 x DP 2 job holds what its memory plan says.
+TEST(Pretrain, TensorAndContextParallelTrainLikeOneRank) {
+  mfsdp::testing::TempDir dir("mfsdp-ndp");
+  const std::string flags = kModel + " --train-iters 6 --log-params-norm --adam-eps 1e-3";
+  auto records = [&](int ranks, const std::string& extra, const std::string& name, Outcome* out = nullptr) {
+    const std::string metrics = dir.file(name + ".jsonl");
+    Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node " + std::to_string(ranks) + " " +
+                    bin("MFSDP_PRETRAIN_BIN") + flags + extra + " --metrics-file " + metrics);
+    EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
+    if (out) *out = r;
+    return train_records(metrics);
+  };
+  struct Layout {
+    int ranks;
+    const char* extra;
+    const char* banner;  // the start-up line's sizes
+  };
+  for (const char* loss : {"", " --calculate-per-token-loss"}) {
+    const auto one = records(1, loss, std::string("one") + (*loss ? "_tok" : ""));
+    ASSERT_EQ(one.size(), 6u);
+    int n = 0;
+    for (const Layout l :
+         {Layout{2, " --tensor-model-parallel-size 2 --make-vocab-size-divisible-by 32", "data-parallel 1 x context-parallel 1 x tensor-parallel 2"},
+          Layout{4, " --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 32",
+                 "data-parallel 2 x context-parallel 1 x tensor-parallel 2"},
+          Layout{2, " --context-parallel-size 2 --cp-comm-type p2p",
+                 "data-parallel 1 x context-parallel 2 x tensor-parallel 1"},
+          Layout{4, " --context-parallel-size 2 --data-parallel-sharding-strategy optim",
+                 "data-parallel 2 x context-parallel 2 x tensor-parallel 1"},
+          Layout{4, " --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --make-vocab-size-divisible-by 32",
+                 "data-parallel 1 x context-parallel 2 x tensor-parallel 2"}}) {
+      const std::string extra = std::string(l.extra) + loss;
+      Outcome r;
+      const auto got = records(l.ranks, extra, "layout" + std::to_string(n++) + (*loss ? "_tok" : ""), &r);
+      ASSERT_EQ(got.size(), one.size()) << extra << "\n" << r.output;
+      EXPECT_NE(r.output.find(std::string(" parallelism: ") + std::to_string(l.ranks) + " ranks = " + l.banner),
+                std::string::npos)
+          << r.output;
+      for (size_t i = 0; i < one.size(); ++i)
+        for (const char* key : {"lm_loss", "grad_norm", "params_norm"}) {
+          const double want = one[i][key].get<double>();
+          EXPECT_NEAR(got[i][key].get<double>(), want, 1e-5 * std::abs(want)) << extra << " " << key << " it " << i + 1;
+        }
+    }
+  }
+  Outcome real;
+  records(4, " --tensor-model-parallel-size 2", "bytes_tp", &real);
+  Outcome plan = run(bin("MFSDP_PRETRAIN_BIN") + flags +
+                     " --tensor-model-parallel-size 2 --memory-plan --simulate-world-size 4");
+  ASSERT_EQ(plan.exit_code, 0) << plan.output;
+  const std::string measured = buffer_bytes_line(real.output);
+  ASSERT_FALSE(measured.empty()) << real.output;
+  EXPECT_EQ(planned_bytes_line(plan.output), measured.substr(0, measured.find(", buffer pool"))) << plan.output;
 }
 
 namespace {

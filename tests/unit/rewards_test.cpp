@@ -230,6 +230,20 @@ TEST(RlJsonl, ErrorsNameFileAndLine) {
                {"example 0", "extra_info_json is not valid JSON"});
 }
 
+// mfsdp-grpo checks every prompt's data_source at load: a source no rule reward takes is that
+// line's error under --reward auto, and any source is fine with a named reward.
+TEST(RlJsonl, AnUnknownDataSourceIsTheLinesErrorAtLoad) {
+  TempDir dir;
+  const std::string path = dir.file("rl.jsonl");
+  write_text(path,
+             "{\"data_source\": \"arith\", \"prompt\": \"p\", \"reward_model\": {\"ground_truth\": \"1\"}}\n"
+             "{\"data_source\": \"openai/gsm8k\", \"prompt\": \"p\", \"reward_model\": {\"ground_truth\": \"1\"}}\n"
+             "{\"data_source\": \"lighteval/MATH\", \"prompt\": \"p\", \"reward_model\": {\"ground_truth\": \"1\"}}\n");
+  expect_error([&] { read_rl_jsonl(path, [](const RlExample& e) { check_reward_for("auto", e.data_source); }); },
+               {path + ":3: ", "no rule reward for data_source \"lighteval/MATH\"", "--reward"});
+  EXPECT_EQ(read_rl_jsonl(path, [](const RlExample& e) { check_reward_for("exact", e.data_source); }).size(), 3u);
+}
+
 // ---- rewards -----------------------------------------------------------------------------------
 
 TEST(ExactMatchReward, StripsSurroundingWhitespaceOnly) {

@@ -75,6 +75,10 @@ class CheckpointFileSystem {
   virtual void remove_all(const std::string& path);
   // fsync of a folder, so the renames inside it are on disk.
   virtual void sync_directory(const std::string& dir);
+  // Appends `length` bytes to a rank's open shard file `fd` (`path` names it in errors): every
+  // byte of a .distcp file goes through here, on the writer thread of an asynchronous save
+  // (AsyncCheckpointSaver) or on the caller's. Throws std::runtime_error naming `path`.
+  virtual void append_to_shard(int fd, const std::string& path, const char* data, size_t length);
 };
 
 // The file system saves commit through (one per process). Passing nullptr restores the default.

@@ -1,11 +1,18 @@
-// load_model: an unsharded model for inference (mfsdp-generate, GRPO's rollouts, --hf-load)
-// from a sharded checkpoint of any world size or a Hugging Face folder of a registered model family.
+// load_model: an unsharded model for inference (mfsdp-generate) from a sharded checkpoint of any
+// world size or a Hugging Face folder of a registered model family; and the streaming Hugging Face
+// load of the trainers' --hf-load: a folder described from its headers (describe_hf_model), then
+// each rank's element ranges read straight into its shards (load_hf_shards), so no rank holds the
+// whole model (docs/checkpoints.md, "Hugging Face").
 #pragma once
 
-#include <string>
-
+#include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/model_spec.h"
 
 namespace mfsdp {
@@ -32,5 +39,30 @@ struct LoadedModel {
 // `model_config_file`: the model as a Hugging Face config.json, for a checkpoint that records no
 // model_config (PyTorch's dcp.save; checkpoint_model_config in tensor_source.h).
 LoadedModel load_model(const std::string& path, const std::string& model_config_file = "");
+
+class TensorSource;
+
+// A Hugging Face folder's model, known from config.json and the safetensors headers alone.
+struct HfModel {
+  ModelConfig config;                                  // with_hf_tensors applied
+  std::map<std::string, std::vector<int64_t>> shapes;  // the model's tensors by HF name
+  std::string where;                                   // "Hugging Face folder '<dir>'"
+};
+// What load_model accepts from a folder, checked without reading a weight: the config (errors name
+// config.json), the tensors a family may leave out, "rotary_emb.inv_freq" ignored, a tied
+// "lm_head.weight" equal to the embedding (compared a piece at a time), check_model_tensors, and
+// every model tensor floating point. std::invalid_argument naming the folder otherwise.
+HfModel describe_hf_model(const TensorSource& source);
+
+// --hf-load into a sharded model built from describe_hf_model(...).config (deferred init: the
+// values are overwritten): every rank reads, for each parameter slice it holds
+// (FsdpHandle::local_shards: its shard, its experts only under expert parallelism) and for the
+// module buffers, just those elements from the safetensors files, converted to the buffer's dtype
+// piece by piece (TensorSource::read_range), then refreshes the model weights from the main
+// weights. Collective over `world`: an error on any rank (a tensor the model holds that the
+// folder lacks or shapes otherwise, a short file) throws on every rank, naming the rank, the file
+// and the tensor; the model's values are then undefined (the trainers exit). Returns the bytes
+// this rank read.
+int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicator& world);
 
 }  // namespace mfsdp

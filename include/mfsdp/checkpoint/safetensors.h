@@ -71,6 +71,14 @@ class SafetensorsFile {
   // (sharded checkpoints read only the part a rank owns). Throws naming the file and tensor
   // when the range is outside the tensor.
   at::Tensor load_elements(const std::string& name, int64_t offset, int64_t count) const;
+  // Elements [offset, offset + dst.numel()) of the tensor into the 1-D `dst` (any dtype, any
+  // device), read and converted at most kRangeChunkBytes of the file at a time: a rank loading
+  // its shard of a bf16 tensor into fp32 main weights never holds the range twice. Read with
+  // pread, not mmap: a mapping's touched pages count in the process's RSS until unmapped, and a
+  // file truncated under a mapping is a SIGBUS instead of an error naming it. Throws naming the
+  // file and tensor when the range is outside the tensor or the file changed since open().
+  void read_elements_into(const std::string& name, int64_t offset, const at::Tensor& dst) const;
+  static constexpr uint64_t kRangeChunkBytes = uint64_t{16} << 20;
   // [begin, end) of the tensor's bytes, counted from the start of the file.
   std::pair<uint64_t, uint64_t> file_byte_range(const std::string& name) const;
   // Every tensor, by name.

@@ -60,6 +60,10 @@ class TensorSource {
   at::Tensor read(const std::string& name) const;
   // Elements [offset, offset + count) of the flattened tensor, as a 1-D CPU tensor.
   at::Tensor read_elements(const std::string& name, int64_t offset, int64_t count) const;
+  // Elements [offset, offset + dst.numel()) of the flattened tensor into the 1-D `dst`, converted
+  // to dst's dtype and device piece by piece (SafetensorsFile::read_elements_into,
+  // CheckpointReader::read_range): how a rank reads its shard without a copy of the range.
+  void read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const;
   // The checkpoint's model_config, or the HF folder's config.json (an empty object if none).
   nlohmann::json model_config() const;
   const CheckpointReader* checkpoint() const { return reader_.get(); }

@@ -7,6 +7,7 @@
 // out of this header.
 #pragma once
 
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -52,8 +53,11 @@ struct RlExample {
 //   "reward_model": {"style": "rule", "ground_truth": <string, number or object>},
 //   "data_source": string,
 //   "extra_info": optional, any JSON value (kept as its JSON text).
-// Blank lines skipped; errors as read_sft_jsonl ("<path>:<line>: <what>").
-std::vector<RlExample> read_rl_jsonl(const std::string& path);
+// Blank lines skipped; errors as read_sft_jsonl ("<path>:<line>: <what>"). `check`, when given,
+// runs on every example as it is read; the std::invalid_argument it throws becomes that line's
+// error (the trainer checks each data_source has a reward before training starts).
+std::vector<RlExample> read_rl_jsonl(const std::string& path,
+                                     const std::function<void(const RlExample&)>& check = {});
 
 // Writes the schema above. A ground truth that is itself valid JSON of an object or array (as
 // countdown's {"target":..,"numbers":[..]}) is written as that JSON value; any other ground truth

@@ -37,6 +37,11 @@ double countdown_reward(const std::string& response, const std::string& ground_t
 double compute_score(const std::string& data_source, const std::string& response,
                      const std::string& ground_truth);
 
+// Throws the std::invalid_argument compute_score would throw for `data_source` (naming it and
+// the known ones) when `reward` ("auto") dispatches on it and no rule reward takes it: what a
+// prompt file is checked with at load, line by line, before any prompt is scored.
+void check_reward_for(const std::string& reward, const std::string& data_source);
+
 // The --reward override: "auto" dispatches on data_source (compute_score); "exact", "gsm8k" and
 // "countdown" pick the reward whatever the data_source. Other names: std::invalid_argument.
 double compute_score_by_name(const std::string& reward, const std::string& data_source,

@@ -16,6 +16,7 @@
 #include <stdexcept>
 
 #include "checkpoint/formats/pickle.h"
+#include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/torch_save.h"
 #include "mfsdp/data/crc32c.h"
 
@@ -675,12 +676,7 @@ FileWriter::~FileWriter() {
 
 Location FileWriter::write_bytes(const std::string& bytes) {
   if (fd_ < 0) throw std::logic_error("FileWriter: '" + path_ + "' is closed");
-  for (size_t done = 0; done < bytes.size();) {
-    const ssize_t n = ::write(fd_, bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw std::runtime_error("writing '" + path_ + "' failed: " + std::strerror(errno));
-    done += static_cast<size_t>(n);
-  }
+  checkpoint_file_system().append_to_shard(fd_, path_, bytes.data(), bytes.size());
   Location l{name_, size_, bytes.size(), crc32c(bytes.data(), bytes.size())};
   size_ += bytes.size();
   return l;

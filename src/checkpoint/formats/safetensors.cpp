@@ -415,6 +415,39 @@ at::Tensor SafetensorsFile::load_elements(const std::string& name, int64_t offse
   return t;
 }
 
+void SafetensorsFile::read_elements_into(const std::string& name, int64_t offset, const at::Tensor& dst) const {
+  const Entry& e = entry(name);
+  const int64_t numel = static_cast<int64_t>(c10::multiply_integers(e.shape));
+  const int64_t count = dst.numel();
+  if (dst.dim() != 1 || offset < 0 || offset > numel || count > numel - offset)
+    bad_tensor(path_, name, "elements [" + std::to_string(offset) + ", " + std::to_string(offset + count) +
+                                ") are outside its " + std::to_string(numel) + " elements");
+  if (count == 0) return;
+  const uint64_t size = file_size_of(path_);
+  if (size != file_size_)
+    bad_tensor(path_, name, "file size changed from " + std::to_string(file_size_) + " to " + std::to_string(size) +
+                                " since it was opened");
+  const uint64_t item = c10::elementSize(e.dtype);
+  const uint64_t first = data_start_ + e.begin + static_cast<uint64_t>(offset) * item;
+  try {
+    // Same dtype in host memory: the bytes go straight into place.
+    if (dst.is_cpu() && dst.scalar_type() == e.dtype && dst.is_contiguous()) {
+      read_exact(path_, first, dst.data_ptr(), static_cast<uint64_t>(count) * item);
+      return;
+    }
+    const int64_t per_chunk = std::max<int64_t>(1, static_cast<int64_t>(kRangeChunkBytes / item));
+    at::Tensor buffer = at::empty({std::min(per_chunk, count)}, at::TensorOptions().dtype(e.dtype));
+    for (int64_t done = 0; done < count;) {
+      const int64_t n = std::min(per_chunk, count - done);
+      read_exact(path_, first + static_cast<uint64_t>(done) * item, buffer.data_ptr(), static_cast<uint64_t>(n) * item);
+      dst.narrow(0, done, n).copy_(buffer.narrow(0, 0, n));
+      done += n;
+    }
+  } catch (const std::invalid_argument& ex) {
+    bad_tensor(path_, name, ex.what());
+  }
+}
+
 std::pair<uint64_t, uint64_t> SafetensorsFile::file_byte_range(const std::string& name) const {
   const Entry& e = entry(name);
   return {data_start_ + e.begin, data_start_ + e.end};

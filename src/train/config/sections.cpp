@@ -234,12 +234,20 @@ void CheckpointSection::validate() const {
   if (ckpt_step < -1)
     flag_error("--ckpt-step", "must be an iteration >= 0 (or -1: the latest), got " + std::to_string(ckpt_step));
   if (no_save_optim && save.empty()) flag_error("--no-save-optim", "needs --save");
+  if (async_save && save.empty()) flag_error("--async-save", "needs --save");
+  // The earlier format's writer (safetensors) has no staging path; it is kept one release only.
+  if (async_save && ckpt_format != "fsdp_dtensor")
+    flag_error("--async-save", "needs --ckpt-format fsdp_dtensor (got --ckpt-format " + ckpt_format + ")");
   if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
     flag_error("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
 }
 
 void FsdpSection::validate() const {
   if (fsdp_double_buffer && fsdp_trace_pool) flag_error("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
+  if (tensor_model_parallel_size < 1)
+    flag_error("--tensor-model-parallel-size", "must be >= 1, got " + std::to_string(tensor_model_parallel_size));
+  if (context_parallel_size < 1)
+    flag_error("--context-parallel-size", "must be >= 1, got " + std::to_string(context_parallel_size));
   if (num_distributed_optimizer_instances < 1)
     flag_error("--num-distributed-optimizer-instances",
                "must be >= 1, got " + std::to_string(num_distributed_optimizer_instances));

@@ -154,6 +154,7 @@ struct CheckpointSection {
   bool override_opt_param_scheduler = false;        // resume with this run's LR schedule
   bool use_checkpoint_opt_param_scheduler = false;  // resume with the checkpoint's LR schedule
   std::string ckpt_format = "fsdp_dtensor";         // or "mfsdp" (the earlier format)
+  bool async_save = false;  // --async-save: stage shards, write them on a thread, commit at the next save
   std::string export_hf;                            // ours: write a Hugging Face folder at the end
   std::string dump_param_to_param_group_map;        // folder for Megatron's parameter -> group map
   void validate() const;
@@ -176,6 +177,13 @@ struct FsdpSection {
   // consecutive ranks; each instance shards the model, the instances replicate it.
   int64_t num_distributed_optimizer_instances = 1;
   std::string outer_dp_sharding_strategy = "no_shard";  // across instances: no_shard (HSDP) or optim
+  // The device mesh (train/parallel_groups.h): tensor and context parallelism, Megatron's names.
+  int64_t tensor_model_parallel_size = 1;
+  bool sequence_parallel = false;
+  int64_t context_parallel_size = 1;
+  // How context-parallel attention exchanges keys and values: p2p (a ring) or all_gather. The
+  // default is all_gather, not Megatron's p2p: it measured 8x faster here (docs/PERFORMANCE.md).
+  std::string cp_comm_type = "all_gather";
   void validate() const;
 };
 
