@@ -350,6 +350,17 @@ std::vector<nlohmann::json> train_records(const std::string& metrics) {
   return out;
 }
 
+// mfsdp-pretrain on `ranks` ranks with `flags`, its metrics in `metrics`: the training records
+// (a failed run fails the test, its output shown); the run's outcome into `out` if given.
+std::vector<nlohmann::json> launch_records(const std::string& metrics, int ranks, const std::string& flags,
+                                           Outcome* out = nullptr) {
+  Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node " + std::to_string(ranks) + " " +
+                  bin("MFSDP_PRETRAIN_BIN") + flags + " --metrics-file " + metrics);
+  EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.output;
+  if (out) *out = r;
+  return train_records(metrics);
+}
+
 // --log-params-norm and --log-num-zeros-in-grad: Megatron's " num zeros: N | params norm: X"
 // after the grad norm, the same numbers with 1 rank and 2 ZeRO-3 ranks, the last params norm
 // that of the exported weights (computed here from model.safetensors), and at least the zeros
@@ -400,12 +411,7 @@ TEST(Pretrain, HybridShardingTrainsLikeOneRank) {
   mfsdp::testing::TempDir dir("mfsdp-hsdp");
   const std::string flags = kModel + " --train-iters 6 --log-params-norm --log-num-zeros-in-grad";
   auto records = [&](int ranks, const std::string& extra, const std::string& name, Outcome* out = nullptr) {
-    const std::string metrics = dir.file(name + ".jsonl");
-    Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node " + std::to_string(ranks) + " " +
-                    bin("MFSDP_PRETRAIN_BIN") + flags + extra + " --metrics-file " + metrics);
-    EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
-    if (out) *out = r;
-    return train_records(metrics);
+    return launch_records(dir.file(name + ".jsonl"), ranks, flags + extra, out);
   };
   const auto one = records(1, "", "one");
   ASSERT_EQ(one.size(), 6u);
@@ -478,12 +484,7 @@ TEST(Pretrain, TensorAndContextParallelTrainLikeOneRank) {
   mfsdp::testing::TempDir dir("mfsdp-ndp");
   const std::string flags = kModel + " --train-iters 6 --log-params-norm --adam-eps 1e-3";
   auto records = [&](int ranks, const std::string& extra, const std::string& name, Outcome* out = nullptr) {
-    const std::string metrics = dir.file(name + ".jsonl");
-    Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node " + std::to_string(ranks) + " " +
-                    bin("MFSDP_PRETRAIN_BIN") + flags + extra + " --metrics-file " + metrics);
-    EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
-    if (out) *out = r;
-    return train_records(metrics);
+    return launch_records(dir.file(name + ".jsonl"), ranks, flags + extra, out);
   };
   struct Layout {
     int ranks;
