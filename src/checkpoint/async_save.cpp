@@ -45,7 +45,7 @@ int64_t AsyncCheckpointSaver::staging_bytes() const { return staging_.defined() 
 
 void AsyncCheckpointSaver::save(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
                                 const FsdpHandle& model, const DistributedOptimizer* optimizer,
-                                const CheckpointInfo& info) {
+                                const CheckpointInfo& info, const TensorSlices& slices) {
   if (!world) throw std::invalid_argument("AsyncCheckpointSaver::save: the communicator is null");
   if (info.iteration < 0) throw std::invalid_argument("AsyncCheckpointSaver::save: negative iteration");
   finish(world);  // one save in flight at a time: the next waits for the previous
@@ -59,7 +59,7 @@ void AsyncCheckpointSaver::save(const std::string& save_dir, const std::shared_p
   // A staging failure (out of memory) becomes this rank's report, as a failed write would, so
   // every rank still has a save in flight and the ranks agree on the outcome when it commits.
   try {
-    std::vector<checkpoint::TensorPiece> live = checkpoint::pieces_to_save(model, optimizer, rank, world->size());
+    std::vector<checkpoint::TensorPiece> live = checkpoint::pieces_to_save(model, optimizer, rank, world->size(), slices);
     int64_t total = 0;
     bool on_cuda = false;
     for (const auto& p : live) {
@@ -75,7 +75,8 @@ void AsyncCheckpointSaver::save(const std::string& save_dir, const std::shared_p
       at::Tensor staged = staging_.narrow(0, offset, bytes).view(p.data.scalar_type()).view({p.data.numel()});
       staged.copy_(p.data);  // blocking: the values are those of this iteration when it returns
       offset += aligned(bytes);
-      pending->pieces.push_back({std::move(p.tensor), std::move(p.shape), p.offset, staged});
+      pending->pieces.push_back(
+          {std::move(p.tensor), std::move(p.shape), p.offset, staged, std::move(p.slice_shape), std::move(p.origin)});
     }
   } catch (const std::exception& e) {
     pending->report = {{"error", "staging iteration " + std::to_string(info.iteration) + " for '" + pending->tmp +

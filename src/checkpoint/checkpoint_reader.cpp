@@ -222,6 +222,42 @@ void CheckpointReader::read_range(const std::string& name, int64_t offset, const
   }
 }
 
+void CheckpointReader::read_slice_range(const std::string& name, const std::vector<int64_t>& slice_shape,
+                                        const std::vector<int64_t>& origin, int64_t offset, const at::Tensor& dst) const {
+  const std::vector<int64_t> whole = shape(name);
+  bool inside = slice_shape.size() == whole.size() && origin.size() == whole.size();
+  int64_t numel = 1;
+  for (size_t d = 0; inside && d < whole.size(); ++d) {
+    inside = origin[d] >= 0 && slice_shape[d] >= 0 && origin[d] <= whole[d] - slice_shape[d];
+    numel *= slice_shape[d];
+  }
+  const int64_t count = dst.numel();
+  if (!inside || dst.dim() != 1 || offset < 0 || offset > numel || count > numel - offset)
+    throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "' of shape " +
+                                c10::str(at::IntArrayRef(whole)) + ": cannot read elements [" + std::to_string(offset) +
+                                ", " + std::to_string(offset + count) + ") of its slice " +
+                                c10::str(at::IntArrayRef(slice_shape)) + " at " + c10::str(at::IntArrayRef(origin)));
+  const std::vector<dcp::Box> boxes = checkpoint::slice_range_boxes(slice_shape, origin, offset, offset + count);
+  std::vector<at::Tensor> views;
+  int64_t flat = 0;
+  for (const dcp::Box& b : boxes) {
+    views.push_back(dst.narrow(0, flat, b.numel()).view(b.sizes));
+    flat += b.numel();
+  }
+  if (dcp_) {
+    const checkpoint::RowSource& source = dcp_->sources.at(name);
+    if (source.runs.size() == 1 && source.runs[0].first == 0 && dcp_->reader->tensor(source.key).shape == whole)
+      return dcp_->reader->read_boxes(source.key, boxes, views);
+  }
+  // A tensor made of rows of another (Megatron's fused tensors) or stored as element ranges
+  // (the mfsdp format): each box's contiguous runs.
+  int64_t at = 0;
+  for (const auto& [start, length] : checkpoint::slice_range_runs(whole, slice_shape, origin, offset, offset + count)) {
+    read_range(name, start, dst.narrow(0, at, length));
+    at += length;
+  }
+}
+
 at::Tensor CheckpointReader::read(const std::string& name) const {
   at::Tensor out = at::empty(shape(name), at::TensorOptions().dtype(dtype(name)));
   read_range(name, 0, out.view({-1}));

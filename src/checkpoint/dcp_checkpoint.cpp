@@ -83,6 +83,51 @@ std::vector<std::string> dcp_path(const std::string& key) {
   return {key};
 }
 
+std::vector<dcp::Box> slice_range_boxes(const std::vector<int64_t>& slice_shape, const std::vector<int64_t>& origin,
+                                        int64_t begin, int64_t end) {
+  std::vector<dcp::Box> boxes = dcp::flat_range_boxes(slice_shape, begin, end);
+  for (dcp::Box& b : boxes)
+    for (size_t d = 0; d < origin.size() && d < b.offsets.size(); ++d) b.offsets[d] += origin[d];
+  return boxes;
+}
+
+namespace {
+
+// The runs of `box` in the row-major flattening of a tensor of `shape`: (first element, length)
+// in order, each as long as the box allows (whole trailing dimensions merge into one run).
+std::vector<std::pair<int64_t, int64_t>> box_runs(const std::vector<int64_t>& shape, const dcp::Box& box) {
+  const size_t rank = shape.size();
+  if (rank == 0) return {{0, 1}};
+  size_t inner = rank - 1;  // dims [inner, rank) form one contiguous run
+  int64_t run = box.sizes[inner];
+  while (inner > 0 && box.sizes[inner] == shape[inner]) run *= box.sizes[--inner];
+  std::vector<int64_t> stride(rank, 1);
+  for (size_t d = rank - 1; d > 0; --d) stride[d - 1] = stride[d] * shape[d];
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (int64_t s : box.sizes)
+    if (s == 0) return runs;
+  std::vector<int64_t> index(inner, 0);  // position in the outer dims [0, inner)
+  for (;;) {
+    int64_t start = 0;
+    for (size_t d = 0; d < rank; ++d) start += (box.offsets[d] + (d < inner ? index[d] : 0)) * stride[d];
+    runs.emplace_back(start, run);
+    size_t d = inner;
+    while (d > 0 && ++index[d - 1] == box.sizes[d - 1]) index[--d] = 0;
+    if (d == 0) return runs;
+  }
+}
+
+}  // namespace
+
+std::vector<std::pair<int64_t, int64_t>> slice_range_runs(const std::vector<int64_t>& shape,
+                                                          const std::vector<int64_t>& slice_shape,
+                                                          const std::vector<int64_t>& origin, int64_t begin, int64_t end) {
+  std::vector<std::pair<int64_t, int64_t>> runs;
+  for (const dcp::Box& box : slice_range_boxes(slice_shape, origin, begin, end))
+    for (const auto& run : box_runs(shape, box)) runs.push_back(run);
+  return runs;
+}
+
 nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::vector<TensorPiece>& pieces,
                                    const nlohmann::json& metadata) {
   dcp::FileWriter file(dir, dcp::rank_file_name(rank));
@@ -90,7 +135,9 @@ nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::
   for (const TensorPiece& p : pieces) {
     nlohmann::json chunks = nlohmann::json::array();
     int64_t flat = p.offset;
-    for (const dcp::Box& box : dcp::flat_range_boxes(p.shape, p.offset, p.offset + p.data.numel())) {
+    const bool sliced = !p.slice_shape.empty();
+    for (const dcp::Box& box : sliced ? slice_range_boxes(p.slice_shape, p.origin, p.offset, p.offset + p.data.numel())
+                                      : dcp::flat_range_boxes(p.shape, p.offset, p.offset + p.data.numel())) {
       const dcp::Location l = file.write_tensor(p.data.narrow(0, flat - p.offset, box.numel()).view(box.sizes));
       flat += box.numel();
       chunks.push_back({{"offsets", box.offsets}, {"sizes", box.sizes}, {"offset", l.offset}, {"length", l.length},

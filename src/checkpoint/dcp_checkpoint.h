@@ -32,12 +32,25 @@ std::vector<std::string> dcp_path(const std::string& key);
 
 // One tensor's piece a rank writes: elements [offset, offset + data.numel()) of the flattened
 // tensor `tensor` (a canonical name) of global `shape`.
+// Under tensor parallelism (TensorSlice, checkpoint.h) the elements are those of the rank's slice
+// of `slice_shape` at `origin` in the tensor; empty: the whole tensor.
 struct TensorPiece {
   std::string tensor;
   std::vector<int64_t> shape;
   int64_t offset = 0;
   at::Tensor data;  // 1-D
+  std::vector<int64_t> slice_shape = {}, origin = {};
 };
+
+// The boxes of `shape` holding elements [begin, end) of the flattened slice of `slice_shape` at
+// `origin` (dcp::flat_range_boxes of the slice, moved to where the slice lies).
+std::vector<dcp::Box> slice_range_boxes(const std::vector<int64_t>& slice_shape, const std::vector<int64_t>& origin,
+                                        int64_t begin, int64_t end);
+// The same elements as runs of the flattened tensor of `shape`: (first element, length) in
+// order, for readers of flat ranges (the mfsdp format, safetensors files, fused tensors).
+std::vector<std::pair<int64_t, int64_t>> slice_range_runs(const std::vector<int64_t>& shape,
+                                                          const std::vector<int64_t>& slice_shape,
+                                                          const std::vector<int64_t>& origin, int64_t begin, int64_t end);
 
 // Writes this rank's __<rank>_0.distcp into `dir`: every piece as DCP chunks (boxes of the
 // global tensor), and on rank 0 also the non-tensor entries of `metadata` (mfsdp's metadata.json

@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
+#include "checkpoint/dcp_checkpoint.h"
 #include "checkpoint/interop_util.h"
 #include "mfsdp/checkpoint/hf_interop.h"
 #include "mfsdp/checkpoint/tensor_source.h"
@@ -118,7 +119,7 @@ HfModel describe_hf_model(const TensorSource& source) {
   return m;
 }
 
-int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicator& world) {
+int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicator& world, const TensorSlices& slices) {
   torch::NoGradGuard no_grad;
   int64_t bytes = 0;
   std::string error;
@@ -130,19 +131,36 @@ int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicato
     std::vector<std::pair<std::string, std::pair<std::vector<int64_t>, std::pair<int64_t, at::Tensor>>>> reads;
     for (const LocalShard& s : model.local_shards()) reads.push_back({s.name, {s.global_shape, {s.offset, s.local}}});
     for (const auto& [name, b] : model.buffers()) reads.push_back({name, {b.sizes().vec(), {0, b.view({-1})}}});
+    auto slice_of = [&](const std::string& name) {
+      const auto it = slices.find(name);
+      return it == slices.end() ? nullptr : &it->second;
+    };
     for (const auto& [name, what] : reads) {
       const auto it = described.shapes.find(name);
       if (it == described.shapes.end())
         throw std::invalid_argument(described.where + " has no tensor '" + name + "', which the model holds");
-      if (it->second != what.first)
+      const TensorSlice* slice = slice_of(name);
+      const std::vector<int64_t>& expected = slice ? slice->whole_shape : what.first;
+      if (it->second != expected)
         throw std::invalid_argument(described.where + ": tensor '" + name + "' has shape " +
                                     c10::str(at::IntArrayRef(it->second)) + ", the model expects " +
-                                    c10::str(at::IntArrayRef(what.first)));
+                                    c10::str(at::IntArrayRef(expected)) +
+                                    (slice ? " (its tensor-parallel slices put together)" : ""));
     }
     for (const auto& [name, what] : reads) {
       const at::Tensor& dst = what.second.second;
       if (dst.numel() == 0) continue;
-      source.read_range(kModelPrefix + name, what.second.first, dst);
+      const int64_t offset = what.second.first;
+      if (const TensorSlice* slice = slice_of(name)) {  // the runs of the whole tensor the slice covers
+        int64_t at = 0;
+        for (const auto& [start, length] :
+             checkpoint::slice_range_runs(slice->whole_shape, what.first, slice->origin, offset, offset + dst.numel())) {
+          source.read_range(kModelPrefix + name, start, dst.narrow(0, at, length));
+          at += length;
+        }
+      } else {
+        source.read_range(kModelPrefix + name, offset, dst);
+      }
       bytes += dst.numel() * static_cast<int64_t>(c10::elementSize(source.dtype(kModelPrefix + name)));
     }
   } catch (const std::exception& e) {

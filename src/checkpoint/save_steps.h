@@ -21,8 +21,9 @@ std::string begin_save(const std::string& save_dir, Communicator& world, int64_t
 
 // What this rank writes: its shards of the model and optimizer state (views of the live
 // tensors, so they must be written or copied before training changes them) and its generators.
+// `slices`: its tensor-parallel slices (TensorSlice), each a box of the whole tensor.
 std::vector<TensorPiece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer,
-                                        int world_rank, int world_size);
+                                        int world_rank, int world_size, const TensorSlices& slices = {});
 
 // The "mfsdp_metadata" record of a save: progress, world size, optimizer name, step and keys.
 nlohmann::json save_metadata(const CheckpointInfo& info, int world_size, const DistributedOptimizer* optimizer);

@@ -97,8 +97,12 @@ std::vector<LocalShard> model_shards(const FsdpHandle& model, int world_rank, in
 // Writes `pieces` as `file` and returns their chunk records (byte ranges from the written header).
 std::vector<ChunkRecord> write_pieces(const std::string& file, const std::vector<Piece>& pieces) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const Piece& p : pieces)
+  for (const Piece& p : pieces) {
+    if (!p.slice_shape.empty())
+      throw std::invalid_argument("checkpoint format mfsdp stores 1-D element ranges of whole tensors and cannot hold '" +
+                                  p.tensor + "', a tensor-parallel slice: save as fsdp_dtensor");
     if (p.data.numel() > 0) tensors.emplace_back(checkpoint::chunk_key(p.tensor, p.offset), p.data);
+  }
   write_safetensors(file, tensors, {{"format", "mfsdp.fsdp_dtensor.shard"}});
   SafetensorsFile written(file);
   std::vector<ChunkRecord> records;
@@ -153,14 +157,20 @@ void discard_unfinished(const std::string& tmp) {
 namespace checkpoint {
 
 std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOptimizer* optimizer, int world_rank,
-                                  int world_size) {
+                                  int world_size, const TensorSlices& slices) {
   std::vector<std::pair<std::string, std::vector<at::Tensor>>> state;
   if (optimizer != nullptr) state = optimizer->state();
   std::vector<Piece> out;
   for (const LocalShard& s : model_shards(model, world_rank, world_size)) {
+    const auto slice = slices.find(s.name);
+    if (slice != slices.end() && !slice->second.writes) continue;  // another tensor-parallel rank writes it
     auto [begin, count] = replica_share(s.local.numel(), s.replicas, s.replica);
     auto add = [&](const std::string& tensor, const at::Tensor& flat) {
-      out.push_back({tensor, s.global_shape, s.offset + begin, flat.narrow(0, begin, count)});
+      if (slice == slices.end())
+        out.push_back({tensor, s.global_shape, s.offset + begin, flat.narrow(0, begin, count)});
+      else
+        out.push_back({tensor, slice->second.whole_shape, s.offset + begin, flat.narrow(0, begin, count),
+                       s.global_shape, slice->second.origin});
     };
     add(model_key(s.name), s.local);
     if (s.shard_index < 0) continue;
@@ -265,7 +275,7 @@ void finish_save(const std::string& save_dir, Communicator& world, const std::st
 
 void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
                      const FsdpHandle& model, const DistributedOptimizer* optimizer, const CheckpointInfo& info,
-                     CheckpointFormat format) {
+                     CheckpointFormat format, const TensorSlices& slices) {
   if (!world) throw std::invalid_argument("save_checkpoint: the communicator is null");
   if (info.iteration < 0) throw std::invalid_argument("save_checkpoint: negative iteration");
   at::NoGradGuard no_grad;
@@ -276,7 +286,7 @@ void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communic
   nlohmann::json report;
   try {
     report = checkpoint::write_rank_report(
-        tmp, rank, checkpoint::pieces_to_save(model, optimizer, rank, world->size()), meta, format);
+        tmp, rank, checkpoint::pieces_to_save(model, optimizer, rank, world->size(), slices), meta, format);
   } catch (const std::exception& e) {
     report = {{"error", std::string(e.what())}};
   }
@@ -324,10 +334,13 @@ void check_shape(const CheckpointReader& reader, const std::string& tensor, cons
                                 c10::str(at::IntArrayRef(expected)));
 }
 
-void stage(const CheckpointReader& reader, const std::string& tensor, int64_t offset, const at::Tensor& dst,
-           Staged& staged) {
+// Elements [offset, offset + dst.numel()) of the rank's tensor (its `slice` of the checkpoint's
+// tensor under tensor parallelism) into a staged copy for `dst`.
+void stage(const CheckpointReader& reader, const std::string& tensor, const LocalShard& s, const TensorSlice* slice,
+           const at::Tensor& dst, Staged& staged) {
   at::Tensor values = at::empty({dst.numel()}, dst.options());
-  if (dst.numel() > 0) reader.read_range(tensor, offset, values);
+  if (dst.numel() > 0 && slice == nullptr) reader.read_range(tensor, s.offset, values);
+  if (dst.numel() > 0 && slice != nullptr) reader.read_slice_range(tensor, s.global_shape, slice->origin, s.offset, values);
   staged.copies.emplace_back(dst, values);
 }
 
@@ -375,17 +388,20 @@ Staged stage_checkpoint(const CheckpointReader& reader, const FsdpHandle& model,
   for (const LocalShard& s : shards) {
     const std::string key = model_key(s.name);
     if (!reader.contains(key)) continue;  // not strict: keeps its values
-    check_shape(reader, key, s.global_shape);
-    stage(reader, key, s.offset, s.local, staged);
+    const auto found = options.slices.find(s.name);
+    const TensorSlice* slice = found == options.slices.end() ? nullptr : &found->second;
+    const std::vector<int64_t>& whole_shape = slice ? slice->whole_shape : s.global_shape;
+    check_shape(reader, key, whole_shape);
+    stage(reader, key, s, slice, s.local, staged);
     if (s.shard_index < 0) continue;
     for (const auto& [state_key, tensors] : state) {
       const std::string okey = optimizer_key(s.name, state_key);
       if (!reader.contains(okey))
         throw std::invalid_argument("checkpoint '" + reader.dir() + "' has no optimizer tensor '" + okey +
                                     "' (use --no-load-optim to start the optimizer afresh)");
-      check_shape(reader, okey, s.global_shape);
-      stage(reader, okey, s.offset,
-            tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()), staged);
+      check_shape(reader, okey, whole_shape);
+      stage(reader, okey, s, slice, tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()),
+            staged);
     }
   }
 

@@ -15,6 +15,7 @@
 #include "mfsdp/data/verifiable_tasks.h"
 #include "mfsdp/models/batched_generate.h"
 #include "mfsdp/models/lm_loss.h"
+#include "mfsdp/models/tensor_parallel.h"
 #include "mfsdp/models/token_stats.h"
 #include "mfsdp/train/policy_loss.h"
 #include "train/chat_eval.h"
@@ -52,11 +53,14 @@ ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const 
   return ref;
 }
 
+// `multiple`: the length is rounded up to it (sequence parallelism splits the rows over the
+// tensor-parallel ranks); the extra tokens are padding, no key and no target.
 RolloutBatch collate_rollouts(const std::vector<Rollout>& rollouts, const std::vector<size_t>& rows,
-                              const at::Tensor& advantages, int64_t pad, bool mask_truncated) {
+                              const at::Tensor& advantages, int64_t pad, bool mask_truncated, int64_t multiple) {
   int64_t length = 2;
   for (size_t r : rows)
     length = std::max<int64_t>(length, static_cast<int64_t>(rollouts[r].prompt_ids.size() + rollouts[r].response_ids.size()));
+  length = (length + multiple - 1) / multiple * multiple;
   const auto b = static_cast<int64_t>(rows.size());
   auto i64 = at::TensorOptions().dtype(at::kLong);
   RolloutBatch out;
@@ -93,8 +97,24 @@ RolloutBatch collate_rollouts(const std::vector<Rollout>& rollouts, const std::v
   return out;
 }
 
+// The entropy [B, L] fp32 of vocabulary-parallel logits [B, L, V/tp] without assembling the
+// vocabulary on any rank: with z = logits - max, S = sum exp z and E = sum z exp z summed over the
+// group, entropy = log S - E / S. Differentiable: the sums leave the region by all-reduce
+// (backward: identity), as Megatron's vocab-parallel cross entropy does.
+at::Tensor vocab_parallel_entropy(const at::Tensor& logits_shard, Communicator& tp) {
+  const at::Tensor z32 = logits_shard.to(at::kFloat);
+  at::Tensor max = std::get<0>(z32.detach().max(-1, /*keepdim=*/true)).contiguous();
+  tp.all_reduce(max, {ReduceOp::kMax});
+  const at::Tensor z = z32 - max;
+  const at::Tensor e = z.exp();
+  const at::Tensor s = tensor_parallel::reduce_from_tensor_parallel_region(e.sum(-1), tp);
+  const at::Tensor ez = tensor_parallel::reduce_from_tensor_parallel_region((e * z).sum(-1), tp);
+  return s.log() - ez / s;
+}
+
 // log_softmax(logits / temperature) at the labels, [B, L] fp32 (verl's log-probs of the
-// rollout distribution), and the entropy of that distribution when asked.
+// rollout distribution), and the entropy of that distribution when asked. Under tensor
+// parallelism both from the vocabulary slices.
 struct PolicyOutputs {
   at::Tensor log_probs;
   at::Tensor entropy;
@@ -106,7 +126,13 @@ PolicyOutputs policy_outputs(CausalLM& model, const RolloutBatch& batch, double 
   at::Tensor logits = model.call(batch.input_ids.to(device), layout);
   if (temperature != 1.0) logits = logits / temperature;
   PolicyOutputs out;
-  out.log_probs = token_log_probs(logits, batch.labels.to(device));
+  const at::Tensor labels = batch.labels.to(device);
+  if (const std::shared_ptr<Communicator> tp = model.tensor_parallel(); tp && tp->size() > 1) {
+    out.log_probs = -tensor_parallel::vocab_parallel_cross_entropy(logits, labels, *tp);
+    if (entropy) out.entropy = vocab_parallel_entropy(logits, *tp);
+    return out;
+  }
+  out.log_probs = token_log_probs(logits, labels);
   if (entropy) out.entropy = token_entropy(logits);
   return out;
 }
@@ -127,7 +153,6 @@ double GrpoStep::metric(const std::string& name) const {
 GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std::ostream& log)
     : g_(std::move(args)), comm_(std::move(comm)), log_(log) {
   const PretrainArgs& a = g_.base;
-  const int dp = comm_->size();
   torch::manual_seed(a.seed);
   tokenizer_ = make_torch_safe_tokenizer({a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file});
   if (!tokenizer_)
@@ -169,6 +194,12 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
   run_ = std::make_unique<TrainingRun>(a, start.config, comm_, log_, /*per_token_loss=*/true, grpo_tool_flags(g_),
                                        start.hf_folder);
   resume_iteration_ = run_->start().iteration;
+  // The prompts split over the data-parallel replicas; the tensor-parallel ranks of a replica
+  // generate and train on the same ones (the same seeds, so the same tokens).
+  const int dp = run_->groups().dp;
+  dp_rank_ = run_->groups().dp_rank;
+  replicas_ = run_->groups().fsdp;
+  if (a.tensor_model_parallel_size > 1 && a.sequence_parallel) length_multiple_ = a.tensor_model_parallel_size;
   if (g_.use_kl_loss) ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, start.config, comm_)});
   if (run_->prints()) {
     log_ << " mfsdp-grpo: " << train_.size() << " training prompts, " << val_.size() << " held out; "
@@ -229,7 +260,7 @@ double GrpoTrainer::validate(int64_t iteration) {
 }
 
 GrpoStep GrpoTrainer::rollout(int64_t iteration) {
-  const int rank = comm_->rank();
+  const int rank = dp_rank_;
   const uint64_t seed = static_cast<uint64_t>(g_.base.seed);
   GrpoStep step;
   step.iteration = iteration;
@@ -271,7 +302,7 @@ GrpoStep GrpoTrainer::rollout(int64_t iteration) {
 }
 
 void GrpoTrainer::score(GrpoStep& step) {
-  const int rank = comm_->rank();
+  const int rank = dp_rank_;
   // Scores of the whole batch on every rank (batch std).
   at::Tensor scores = at::zeros({g_.train_batch_size * g_.rollout_n}, at::kDouble);
   for (size_t i = 0; i < step.rollouts.size(); ++i) {
@@ -283,7 +314,7 @@ void GrpoTrainer::score(GrpoStep& step) {
   }
   {
     at::Tensor s = scores.to(comm_->device());
-    comm_->all_reduce(s, {ReduceOp::kSum});
+    replicas_->all_reduce(s, {ReduceOp::kSum});
     step.scores = s.cpu();
   }
   std::vector<int64_t> groups(static_cast<size_t>(step.scores.size(0)));
@@ -299,9 +330,12 @@ void GrpoTrainer::score(GrpoStep& step) {
     lengths[2] += r.truncated ? 1 : 0;
   }
   const double total_sequences = static_cast<double>(step.scores.size(0));
-  step.response_tokens = run_->all_reduce_sum(lengths[0]);
+  at::Tensor sums = at::tensor({lengths[0], lengths[2]}, at::kDouble).to(comm_->device());
+  replicas_->all_reduce(sums, {ReduceOp::kSum});
+  sums = sums.cpu();
+  step.response_tokens = sums[0].item<double>();
   const double length_max = run_->all_reduce_max(lengths[1]);
-  const double truncated_count = run_->all_reduce_sum(lengths[2]);
+  const double truncated_count = sums[1].item<double>();
   const at::Tensor group_std = step.scores.view({-1, g_.rollout_n}).std(1, /*unbiased=*/g_.rollout_n > 1);
   auto& m = step.metrics;
   m.emplace_back("critic/score/mean", step.scores.mean().item<double>());
@@ -324,7 +358,8 @@ void GrpoTrainer::log_probs(GrpoStep& step) {
     std::vector<size_t> rows;
     for (int64_t i = first; i < std::min(first + a.micro_batch_size, local_sequences_); ++i)
       rows.push_back(static_cast<size_t>(i));
-    step.micro.push_back(collate_rollouts(step.rollouts, rows, step.advantages, pad_, g_.mask_truncated_completions));
+    step.micro.push_back(
+        collate_rollouts(step.rollouts, rows, step.advantages, pad_, g_.mask_truncated_completions, length_multiple_));
   }
   auto t0 = Clock::now();
   double diff_sum = 0, diff_max = 0, diff_tokens = 0, log_diff_max = 0;
@@ -350,7 +385,7 @@ void GrpoTrainer::log_probs(GrpoStep& step) {
   }
   step.ref_s = seconds_since(t0);
   at::Tensor t = at::tensor({diff_sum, diff_tokens}, at::kDouble).to(device);
-  comm_->all_reduce(t, {ReduceOp::kSum});
+  replicas_->all_reduce(t, {ReduceOp::kSum});
   t = t.cpu();
   step.metrics.emplace_back("training/rollout_probs_diff_mean", t[0].item<double>() / std::max(1.0, t[1].item<double>()));
   step.metrics.emplace_back("training/rollout_probs_diff_max", run_->all_reduce_max(diff_max));
@@ -377,7 +412,7 @@ void GrpoTrainer::update(GrpoStep& step) {
         local[1] += c.global_sequences;
       }
       at::Tensor c = at::tensor({local[0], local[1]}, at::kDouble).to(device);
-      comm_->all_reduce(c, {ReduceOp::kSum});
+      replicas_->all_reduce(c, {ReduceOp::kSum});
       c = c.cpu();
       LossNormalizer norm;
       norm.global_tokens = c[0].item<double>();
@@ -419,7 +454,7 @@ void GrpoTrainer::update(GrpoStep& step) {
                              token_sum},
                             at::kDouble)
                      .to(device);
-  comm_->all_reduce(t, {ReduceOp::kSum});
+  replicas_->all_reduce(t, {ReduceOp::kSum});
   t = t.cpu();
   const double updates = static_cast<double>(optimizer_steps);
   const double tokens = std::max(1.0, t[6].item<double>());

@@ -52,10 +52,10 @@ struct GrpoArgs {
 ToolFlags grpo_tool_flags(GrpoArgs& args);
 // Parses and checks what needs no data or communicator. Throws std::invalid_argument naming the flag.
 GrpoArgs parse_grpo_args(const std::vector<std::string>& argv);
-// Checks what needs the data-parallel size (--train-batch-size and --ppo-mini-batch-size against
-// --micro-batch-size x ranks) and sets base.global_batch_size (sequences per optimizer step),
-// then validate_training_args.
-void validate_grpo_args(GrpoArgs& args, int data_parallel_size, int64_t tokenizer_vocab);
+// Checks what needs the number of ranks (--train-batch-size and --ppo-mini-batch-size against
+// --micro-batch-size x data-parallel ranks, the world over --tensor-model-parallel-size) and sets
+// base.global_batch_size (sequences per optimizer step), then validate_training_args.
+void validate_grpo_args(GrpoArgs& args, int world_size, int64_t tokenizer_vocab);
 
 struct GrpoResult {
   double val_score_before = -1;  // -1: no validation set

@@ -2,6 +2,8 @@
 // that need no data (parse) or the data-parallel size (validate).
 #include "train/grpo.h"
 
+#include <algorithm>
+
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/data/rewards.h"
 #include "train/chat_eval.h"
@@ -108,6 +110,18 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   if (!(a.top_p > 0 && a.top_p <= 1)) flag_error("--top-p", "must be in (0, 1]");
   if (a.clip_ratio_low < 0 || a.clip_ratio_high < 0) flag_error("--clip-ratio-low", "clip ratios must be >= 0");
   if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
+  refuse_tensor_and_context_parallel(a.base, "mfsdp-grpo");  // before the launcher: it needs flags only
+  if (a.base.tensor_model_parallel_size > 1) {
+    const std::string tp = "--tensor-model-parallel-size " + std::to_string(a.base.tensor_model_parallel_size);
+    if (!a.hf_load.empty())
+      flag_error("--hf-load", "with " + tp + ": reading a Hugging Face folder into tensor-parallel slices is not "
+                              "built yet");
+    if (a.use_kl_loss)
+      flag_error("--use-kl-loss", "with " + tp + ": the reference policy is not built tensor-parallel yet");
+    if (a.base.sequence_parallel && a.rollout_mode == "sharded")
+      flag_error("--rollout-mode", "sharded with --sequence-parallel: decoding one token at a time cannot be split "
+                                   "along the sequence; use --rollout-mode full");
+  }
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load");
   if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
@@ -129,7 +143,12 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   return a;
 }
 
-void validate_grpo_args(GrpoArgs& a, int dp, int64_t tokenizer_vocab) {
+void validate_grpo_args(GrpoArgs& a, int world, int64_t tokenizer_vocab) {
+  refuse_tensor_and_context_parallel(a.base, "mfsdp-grpo");
+  // The prompts split over the data-parallel replicas; a replica's tensor-parallel ranks share them.
+  const int64_t tp = std::max<int64_t>(1, a.base.tensor_model_parallel_size);
+  if (world % tp != 0) validate_training_args(a.base, world, tokenizer_vocab);  // names the flag
+  const int dp = static_cast<int>(world / tp);
   if (a.train_batch_size % dp != 0)
     flag_error("--train-batch-size", std::to_string(a.train_batch_size) + " prompts do not split over " +
                                          std::to_string(dp) + " ranks");
@@ -140,8 +159,7 @@ void validate_grpo_args(GrpoArgs& a, int dp, int64_t tokenizer_vocab) {
                                             "--micro-batch-size x ranks = " +
                                             std::to_string(a.base.micro_batch_size) + " x " + std::to_string(dp));
   a.base.global_batch_size = sequences;
-  refuse_tensor_and_context_parallel(a.base, "mfsdp-grpo");
-  validate_training_args(a.base, dp, tokenizer_vocab);
+  validate_training_args(a.base, world, tokenizer_vocab);
 }
 
 }  // namespace mfsdp

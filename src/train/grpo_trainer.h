@@ -116,6 +116,11 @@ class GrpoTrainer {
   ChatEvalOptions eval_options_;
   SamplingOptions sampling_;
   int64_t prompts_per_rank_ = 0, local_sequences_ = 0, mini_batches_ = 0, local_per_mini_ = 0;
+  // This rank's data-parallel replica (its prompts) and the ranks whose sums make the batch's:
+  // the data-parallel ranks of its tensor-parallel coordinate (the world without TP).
+  int dp_rank_ = 0;
+  std::shared_ptr<Communicator> replicas_;
+  int64_t length_multiple_ = 1;  // rows padded to a multiple of it (sequence parallelism)
 };
 
 }  // namespace mfsdp

@@ -40,8 +40,15 @@ void print_memory_plan(const PretrainArgs& args, const std::shared_ptr<Communica
   const MemoryPlan plan = plan_training_memory(args, comm->size());
   if (comm->rank() != 0 && !is_simulated(*comm)) return;
   log << (is_simulated(*comm) ? " SIMULATED" : "") << " memory plan of rank " << comm->rank() << " of "
-      << comm->size() << " (--memory-plan: nothing was allocated or trained)\n"
-      << format_memory_plan(plan);
+      << comm->size() << " (--memory-plan: nothing was allocated or trained)\n";
+  // Under TP or CP the table's "per rank of" is the FSDP group's size (DP x CP), not the job's.
+  const int64_t tp = args.tensor_model_parallel_size, cp = args.context_parallel_size;
+  if (tp * cp > 1)
+    log << " mesh: " << comm->size() << " ranks = data-parallel " << comm->size() / (tp * cp)
+        << " x context-parallel " << cp << " x tensor-parallel " << tp << "; FSDP shards each tensor-parallel rank's "
+        << (tp > 1 ? "slice" : "parameters") << " over its data- x context-parallel group of " << comm->size() / tp
+        << " ranks\n";
+  log << format_memory_plan(plan);
   log << " planned memory per rank (MiB): model weights " << plan.model_weights / 1048576.0 << ", main weights "
       << plan.main_weights / 1048576.0 << ", main grads " << plan.main_grads / 1048576.0 << ", optimizer state "
       << plan.optimizer_state / 1048576.0 << ", transient peak " << plan.transient_peak / 1048576.0 << "\n";

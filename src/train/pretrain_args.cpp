@@ -544,17 +544,15 @@ int checked_data_parallel_size(const PretrainArgs& a, int world) {
     if (a.num_experts > 0)
       flag_error(tp_flag, "with --num-experts: mfsdp does not split experts over tensor-parallel ranks "
                           "(Megatron's --expert-tensor-parallel-size); use --expert-model-parallel-size");
-    if (!a.save.empty() || !a.load.empty())
-      flag_error(tp_flag, "with --save or --load: checkpoints of tensor-parallel slices (2-D DCP boxes) are not "
-                          "written by mfsdp yet; train without them or use --export-hf");
+    if (!a.save.empty() && a.ckpt_format == "mfsdp")
+      flag_error("--ckpt-format", "mfsdp stores 1-D element ranges, which cannot hold a tensor-parallel slice; "
+                                  "use fsdp_dtensor (the default) with " + tp_flag + " " + std::to_string(tp));
   }
   if (cp > 1 && a.seq_length % (2 * cp) != 0)
     flag_error(cp_flag, "--seq-length " + std::to_string(a.seq_length) + " does not divide by 2 x " +
                             std::to_string(cp) + " (the load-balanced chunks)");
   if (a.expert_model_parallel_size > 1)
     flag_error("--expert-model-parallel-size", "with " + which + " > 1 is not supported by mfsdp yet");
-  if (a.num_distributed_optimizer_instances > 1)
-    flag_error("--num-distributed-optimizer-instances", "with " + which + " > 1 is not supported by mfsdp yet");
   if (a.simulate_world_size > 0 && !a.memory_plan)
     flag_error("--simulate-world-size", "with " + which + " > 1 needs --memory-plan");
   return static_cast<int>(world / (tp * cp));
@@ -563,6 +561,19 @@ int checked_data_parallel_size(const PretrainArgs& a, int world) {
 }  // namespace
 
 void refuse_tensor_and_context_parallel(const PretrainArgs& a, const std::string& program) {
+  // mfsdp-pretrain and mfsdp-sft split their batches over both. mfsdp-grpo takes tensor
+  // parallelism only: its rollouts and log-probs run padded batches whose lengths change every
+  // step, and its sharded rollout decodes with a KV cache, which context parallelism has not.
+  if (program == "mfsdp-sft" || program == "mfsdp-pretrain") return;
+  if (program == "mfsdp-grpo") {
+    if (a.context_parallel_size > 1)
+      flag_error("--context-parallel-size", std::to_string(a.context_parallel_size) +
+                                                ": mfsdp-grpo does not split sequences over context-parallel ranks "
+                                                "(its generation uses a KV cache, which context parallelism has "
+                                                "not); use --tensor-model-parallel-size (mfsdp-pretrain and "
+                                                "mfsdp-sft take both)");
+    return;
+  }
   for (const auto& [flag, value] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", a.tensor_model_parallel_size},
                                     {"--context-parallel-size", a.context_parallel_size}})
     if (value > 1)

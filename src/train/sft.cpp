@@ -5,13 +5,16 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <sstream>
 
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/data/chat_template.h"
 #include "mfsdp/data/verifiable_tasks.h"
 #include "mfsdp/models/batched_generate.h"
+#include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/lm_loss.h"
+#include "mfsdp/models/tensor_parallel.h"
 #include "mfsdp/models/token_stats.h"
 #include "mfsdp/train/policy_loss.h"
 #include "train/chat_eval.h"
@@ -75,6 +78,9 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
   if (a.max_new_tokens > kMaxSequenceLength)
     flag_error("--max-new-tokens", "must be at most " + std::to_string(kMaxSequenceLength) + " (a model's longest "
                                    "sequence), got " + std::to_string(a.max_new_tokens));
+  if (!a.hf_load.empty() && a.base.tensor_model_parallel_size > 1)
+    flag_error("--hf-load", "with --tensor-model-parallel-size " + std::to_string(a.base.tensor_model_parallel_size) +
+                                ": reading a Hugging Face folder into tensor-parallel slices is not built yet");
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load (it starts from the folder)");
   if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
@@ -128,20 +134,99 @@ SftData load_sft_data(const std::string& split, const SftArgs& a, const Tokenize
   return d;
 }
 
+// Rows right-padded to a multiple of `multiple` tokens (context parallelism cuts every row into
+// 2 x CP chunks, sequence parallelism each rank's part into TP slices): padding is no key and no
+// target, so the loss is that of the unpadded batch.
+SftBatch pad_to_multiple(SftBatch b, int64_t multiple, int64_t pad) {
+  const int64_t length = b.input_ids.size(1);
+  const int64_t extra = (multiple - length % multiple) % multiple;
+  if (extra == 0) return b;
+  auto grow = [&](const at::Tensor& t, double value) {
+    return at::cat({t, at::full({t.size(0), extra}, value, t.options())}, 1);
+  };
+  b.input_ids = grow(b.input_ids, static_cast<double>(pad));
+  b.labels = grow(b.labels, static_cast<double>(pad));
+  b.label_mask = grow(b.label_mask, 0);
+  b.attention_mask = grow(b.attention_mask, 0);
+  b.position_ids = grow(b.position_ids, 0);
+  b.segment_ids = grow(b.segment_ids, -1);
+  return b;
+}
+
+// How a micro-batch is split over the model-parallel ranks of its replica.
+struct Split {
+  Communicator* tensor_parallel = nullptr;   // vocabulary-parallel logits: the loss across the group
+  Communicator* context_parallel = nullptr;  // each rank its load-balanced chunks of every row
+  int64_t multiple = 1;                      // rows are padded to a multiple of this many tokens
+};
+Split split_of(const ParallelGroups& g, const PretrainArgs& a) {
+  Split s;
+  s.tensor_parallel = g.tensor_parallel.get();
+  s.context_parallel = g.context_parallel.get();
+  if (s.context_parallel) s.multiple *= 2 * g.cp;
+  if (s.tensor_parallel && a.sequence_parallel) s.multiple *= g.tp;
+  return s;
+}
+
+// This rank's part of a full [B, L] tensor: its context-parallel chunks (Megatron's load-balanced
+// 2 x CP split, as the model cuts its positions), or all of it.
+at::Tensor local_part(const at::Tensor& full, const Split& split) {
+  return split.context_parallel ? context_parallel::shard_sequence(full, 1, split.context_parallel->size(),
+                                                                   split.context_parallel->rank())
+                                : full;
+}
+
+// -log p(label) per token of this rank's part of the (padded) micro-batch, [B, L / CP] fp32. Under
+// tensor parallelism from the vocabulary slices (no rank forms full-vocabulary logits).
+at::Tensor token_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const Split& split,
+                        const at::Device& device) {
+  SequenceLayout layout;
+  layout.position_ids = local_part(cpu.position_ids, split).to(device);
+  layout.attention_mask = local_part(cpu.attention_mask, split).to(device);
+  layout.segment_ids = local_part(cpu.segment_ids, split).to(device);
+  at::Tensor logits = model->call(local_part(cpu.input_ids, split).to(device), layout);
+  const at::Tensor labels = local_part(cpu.labels, split).to(device);
+  return split.tensor_parallel ? tensor_parallel::vocab_parallel_cross_entropy(logits, labels, *split.tensor_parallel)
+                               : -token_log_probs(logits, labels);
+}
+
 // Per-token loss of a micro-batch as a [sequences, L] matrix (one row per packed conversation,
-// so seq-mean modes average per conversation, not per packed row) with its target mask.
+// so seq-mean modes average per conversation, not per packed row) with its target mask. Only
+// without context parallelism: a rank then holds whole rows.
 struct SequenceLosses {
   at::Tensor loss;  // [S, L] fp32
   at::Tensor mask;  // [S, L] fp32
 };
-SequenceLosses sequence_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const at::Device& device) {
-  SequenceLayout layout;
-  layout.position_ids = cpu.position_ids.to(device);
-  layout.attention_mask = cpu.attention_mask.to(device);
-  layout.segment_ids = cpu.segment_ids.to(device);
-  at::Tensor logits = model->call(cpu.input_ids.to(device), layout);
-  at::Tensor loss = -token_log_probs(logits, cpu.labels.to(device));  // [B, L]
-  return {per_sequence(loss, layout.segment_ids), per_sequence(cpu.label_mask.to(device), layout.segment_ids)};
+SequenceLosses sequence_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const Split& split,
+                               const at::Device& device) {
+  const at::Tensor loss = token_losses(model, cpu, split, device);  // [B, L]
+  const at::Tensor segments = cpu.segment_ids.to(device);
+  return {per_sequence(loss, segments), per_sequence(cpu.label_mask.to(device), segments)};
+}
+
+// The weight of every token of a full micro-batch [B, L] in the loss (what agg_loss computes,
+// as a weighted sum): token-mean mask / global tokens; seq-mean-token-mean mask / (its
+// conversation's target tokens x global conversations). Under context parallelism each rank
+// weights its chunks with its part of these, so the sum over the ranks is the loss of whole
+// conversations, whose token counts no one rank sees.
+at::Tensor token_weights(const SftBatch& cpu, LossAggMode agg, const LossNormalizer& norm) {
+  at::Tensor w = cpu.label_mask.to(at::kDouble).clone();
+  if (agg == LossAggMode::kTokenMean) return (w / norm.global_tokens).to(at::kFloat);
+  auto weight = w.accessor<double, 2>();
+  auto seg = cpu.segment_ids.accessor<int64_t, 2>();
+  for (int64_t b = 0; b < w.size(0); ++b) {
+    std::map<int64_t, double> tokens;
+    for (int64_t t = 0; t < w.size(1); ++t) tokens[seg[b][t]] += weight[b][t];
+    for (int64_t t = 0; t < w.size(1); ++t)
+      if (weight[b][t] != 0) weight[b][t] /= tokens[seg[b][t]] * norm.global_sequences;
+  }
+  return w.to(at::kFloat);
+}
+
+double sum_over(Communicator& group, double value) {
+  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(group.device()));
+  group.all_reduce(t, {ReduceOp::kSum});
+  return t.item<double>();
 }
 
 std::vector<const SftRow*> pick(const std::vector<SftRow>& rows, const std::vector<int64_t>& index) {
@@ -154,7 +239,6 @@ std::vector<const SftRow*> pick(const std::vector<SftRow>& rows, const std::vect
 
 SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::ostream& log) {
   const PretrainArgs& a = args.base;
-  const int rank = comm->rank(), dp = comm->size();
   torch::manual_seed(a.seed);
   auto tokenizer = make_torch_safe_tokenizer({a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file});
   if (!tokenizer)
@@ -172,6 +256,16 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
   std::shared_ptr<CausalLM>& model = run.model();
   const at::Device device = comm->device();
   const int64_t pad = tokenizer->eod();
+  // Data-parallel replicas read their own rows; the tensor- and context-parallel ranks of a
+  // replica read the same ones (parallel_groups.h). Sums of losses and counts run over the DP x CP
+  // ranks of one tensor-parallel coordinate (a TP group's ranks hold the same loss).
+  const ParallelGroups& groups = run.groups();
+  const int rank = groups.dp_rank, dp = groups.dp;
+  const Split split = split_of(groups, a);
+  Communicator& replicas = *groups.fsdp;
+  auto batch_of = [&](const std::vector<SftRow>& rows, const std::vector<int64_t>& index) {
+    return pad_to_multiple(collate_sft_rows(pick(rows, index), pad), split.multiple, pad);
+  };
   if (run.prints()) {
     // Pre-tokenized files were rendered upstream: the template applies to conversations only.
     const bool conversations = !train.pretokenized || !val.examples.empty();
@@ -211,7 +305,20 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
         for (int64_t i = first; i < std::min(first + a.micro_batch_size, limit); ++i) index.push_back(i);
         const bool idle = index.empty();
         if (idle) index.push_back(0);
-        SequenceLosses s = sequence_losses(model, collate_sft_rows(pick(val.rows, index), pad), device);
+        const SftBatch batch = batch_of(val.rows, index);
+        if (split.context_parallel) {
+          // This rank's chunks, weighted by whole conversations' counts; the counts once per CP group.
+          const at::Tensor loss = token_losses(model, batch, split, device);
+          if (idle) continue;
+          const at::Tensor w = local_part(token_weights(batch, agg, LossNormalizer{1, 1, 0}), split).to(device);
+          sums[0] += (loss * w).sum().item<double>();
+          if (split.context_parallel->rank() != 0) continue;
+          const at::Tensor tokens = per_sequence(batch.label_mask, batch.segment_ids).sum(1);
+          sums[1] += tokens.sum().item<double>();
+          sums[2] += (tokens > 0).sum().item<double>();
+          continue;
+        }
+        SequenceLosses s = sequence_losses(model, batch, split, device);
         if (idle) continue;
         const at::Tensor tokens = s.mask.sum(1);
         sums[0] += agg == LossAggMode::kTokenMean
@@ -222,7 +329,7 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
       }
     }
     at::Tensor t = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble).to(device);
-    comm->all_reduce(t, {ReduceOp::kSum});
+    replicas.all_reduce(t, {ReduceOp::kSum});
     t = t.cpu();
     const double loss = t[0].item<double>() / std::max(1.0, t[agg == LossAggMode::kTokenMean ? 1 : 2].item<double>());
     r.lm_loss = loss;
@@ -267,29 +374,37 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
     std::vector<SftBatch> batches;
     double counts[2] = {0, 0};
     for (int64_t m = 0; m < a.num_micro_batches; ++m) {
-      batches.push_back(collate_sft_rows(pick(train.rows, sampler.rows(it, m, rank)), pad));
+      batches.push_back(batch_of(train.rows, sampler.rows(it, m, rank)));
       // Conversations with targets: per_sequence's rows beyond a row's own sequences are empty
       // and are not conversations.
       const at::Tensor tokens = per_sequence(batches.back().label_mask, batches.back().segment_ids).sum(1);
       counts[0] += tokens.sum().item<double>();
       counts[1] += (tokens > 0).sum().item<double>();
     }
+    // Every CP rank of a replica counted its whole micro-batches.
     at::Tensor c = at::tensor({counts[0], counts[1]}, at::kDouble).to(device);
-    comm->all_reduce(c, {ReduceOp::kSum});
-    c = c.cpu();
+    replicas.all_reduce(c, {ReduceOp::kSum});
+    c = c.cpu() / static_cast<double>(groups.cp);
     LossNormalizer norm;
     norm.global_tokens = c[0].item<double>();
     norm.global_sequences = c[1].item<double>();
     double step_loss = 0;
     const auto stats = run.step(it, a.num_micro_batches, [&](int64_t m) {
-      SequenceLosses s = sequence_losses(model, batches[static_cast<size_t>(m)], device);
-      at::Tensor loss = agg_loss(s.loss, s.mask, agg, norm);
+      const SftBatch& batch = batches[static_cast<size_t>(m)];
+      at::Tensor loss;
+      if (split.context_parallel) {
+        const at::Tensor w = local_part(token_weights(batch, agg, norm), split).to(device);
+        loss = (token_losses(model, batch, split, device) * w).sum();
+      } else {
+        SequenceLosses s = sequence_losses(model, batch, split, device);
+        loss = agg_loss(s.loss, s.mask, agg, norm);
+      }
       const double value = loss.item<double>();
       step_loss += value;
       loss.backward();
       return value;
     });
-    step_loss = run.all_reduce_sum(step_loss);
+    step_loss = sum_over(replicas, step_loss);
     window_loss += step_loss;
     window_tokens += norm.global_tokens;
     ++window_iters;

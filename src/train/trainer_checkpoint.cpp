@@ -106,10 +106,30 @@ std::string checkpoint_origin(const LoadedCheckpoint& got) {
 
 }  // namespace
 
+TensorSlices tensor_parallel_checkpoint_slices(const CausalLM& model, const FsdpHandle& root) {
+  TensorSlices slices;
+  const std::shared_ptr<Communicator> tp = model.tensor_parallel();
+  if (!tp || tp->size() == 1) return slices;
+  for (const LocalShard& s : root.local_shards()) {
+    TensorSlice& slice = slices[s.name];
+    slice.whole_shape = s.global_shape;  // fully_shard's "global" tensor is the rank's slice
+    slice.origin.assign(s.global_shape.size(), 0);
+    const TensorParallelSplit split = model.tensor_parallel_split(s.name);
+    if (split == TensorParallelSplit::kReplicated) {
+      slice.writes = tp->rank() == 0;
+      continue;
+    }
+    const size_t dim = split == TensorParallelSplit::kColumns ? 1 : 0;
+    slice.origin[dim] = tp->rank() * s.global_shape[dim];
+    slice.whole_shape[dim] *= tp->size();
+  }
+  return slices;
+}
+
 ResumePoint load_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
                                      const std::shared_ptr<Communicator>& world, FsdpHandle& model,
                                      DistributedOptimizer& optimizer, LRSchedule& schedule,
-                                     std::ostream& log) {
+                                     std::ostream& log, const TensorSlices& slices) {
   const bool print = world->rank() == 0;
   if (a.load_dir.empty()) {  // validation refused this unless starting afresh is allowed
     if (print)
@@ -120,6 +140,7 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const ModelConfig& c
   CheckpointLoadOptions options;
   options.load_optimizer = !a.finetune && !a.no_load_optim;
   options.load_rng = !a.finetune && !a.no_load_rng;
+  options.slices = slices;
   // The config is checked before any tensor is read, so a mismatch names the flag, not a shape.
   {
     CheckpointReader reader(a.load_dir);
@@ -160,7 +181,8 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const ModelConfig& c
 void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
                               const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
-                              int64_t iteration, std::ostream& log, const ToolFlags& tool) {
+                              int64_t iteration, std::ostream& log, const ToolFlags& tool,
+                              const TensorSlices& slices) {
   CheckpointInfo info;
   info.iteration = iteration;
   info.consumed_samples = iteration * a.global_batch_size;
@@ -171,7 +193,7 @@ void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
   if (a.async_save) {
     AsyncCheckpointSaver& saver = async_saver();
     const int64_t previous = saver.iteration_in_flight();
-    saver.save(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info);
+    saver.save(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info, slices);
     if (previous >= 0) log_committed(previous, world, "at the next save", log);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (world->rank() == 0) {
@@ -185,7 +207,7 @@ void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
     return;
   }
   save_checkpoint(a.save, world, model, a.no_save_optim ? nullptr : &optimizer, info,
-                  checkpoint_format_from_name(a.ckpt_format));
+                  checkpoint_format_from_name(a.ckpt_format), slices);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (world->rank() == 0) {
     log << " saved checkpoint at iteration " << iteration << " to " << checkpoint_iteration_dir(a.save, iteration)

@@ -6,13 +6,21 @@
 #include <memory>
 #include <ostream>
 
+#include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/causal_lm.h"
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
 #include "train/pretrain_args.h"
 
 namespace mfsdp {
+
+// Where each of this rank's parameters of `model` (sharded as `root`) lies in the whole tensor
+// a checkpoint or a Hugging Face folder holds, under tensor parallelism
+// (CausalLM::tensor_parallel_split): split ones at their rank's rows or columns, replicated ones
+// written by tensor-parallel rank 0 only. Empty without tensor parallelism.
+TensorSlices tensor_parallel_checkpoint_slices(const CausalLM& model, const FsdpHandle& root);
 
 struct ResumePoint {
   int64_t iteration = 0;         // the last completed iteration
@@ -28,7 +36,7 @@ struct ResumePoint {
 ResumePoint load_training_checkpoint(const PretrainArgs& args, const ModelConfig& config,
                                      const std::shared_ptr<Communicator>& world, FsdpHandle& model,
                                      DistributedOptimizer& optimizer, LRSchedule& schedule,
-                                     std::ostream& log);
+                                     std::ostream& log, const TensorSlices& slices = {});
 
 // --save: the checkpoint of `iteration`. Collective. With --async-save it first commits the
 // save in flight (waiting for its writers), then stages this one and returns while writer threads
@@ -37,7 +45,8 @@ ResumePoint load_training_checkpoint(const PretrainArgs& args, const ModelConfig
 void save_training_checkpoint(const PretrainArgs& args, const ModelConfig& config,
                               const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
-                              int64_t iteration, std::ostream& log, const ToolFlags& tool = {});
+                              int64_t iteration, std::ostream& log, const ToolFlags& tool = {},
+                              const TensorSlices& slices = {});
 
 // --async-save: commits the save in flight, waiting for its writers (a write that failed on any
 // rank throws here, naming the rank and the file). Call before the process exits. Collective;

@@ -220,8 +220,10 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
   if (print_) print_expert_buffers();
   if (print_ && args.num_distributed_optimizer_instances > 1) {
     const int64_t instances = args.num_distributed_optimizer_instances;
-    log_ << " HSDP: " << instances << " instances of " << comm_->size() / instances
-         << " consecutive data-parallel ranks; each instance shards the model ("
+    log_ << " HSDP: " << instances << " instances of " << groups_.fsdp->size() / instances << " consecutive "
+         << (groups_.cp > 1 ? "data- x context-parallel" : "data-parallel")
+         << (groups_.tp > 1 ? " ranks (of one tensor-parallel coordinate)" : " ranks")
+         << "; each instance shards the model ("
          << args.data_parallel_sharding_strategy << "), "
          << (args.outer_dp_sharding_strategy == "optim"
                  ? "the instances split each shard's main weights, gradients and optimizer state (HFSDP)\n"
@@ -237,9 +239,10 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
 ResumePoint TrainingRun::start() {
   ResumePoint resume;
   if (!args_.load_dir.empty() || (!args_.load.empty() && hf_folder_.empty())) {
-    resume = load_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_);
+    resume = load_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_,
+                                      tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
   } else if (!hf_folder_.empty()) {
-    load_hf_shards(hf_folder_, sharded_.root, *comm_);
+    load_hf_shards(hf_folder_, sharded_.root, *comm_, tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
   }
   last_saved_ = resume.iteration;
   return resume;
@@ -549,7 +552,8 @@ void TrainingRun::write_param_group_map() {
 
 void TrainingRun::save(int64_t iteration) {
   if (args_.check_for_nan_in_loss_and_grad) check_finite_weights(iteration);
-  save_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, iteration, log_, tool_);
+  save_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, iteration, log_, tool_,
+                           tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
   last_saved_ = iteration;
 }
 

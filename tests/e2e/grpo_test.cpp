@@ -116,6 +116,40 @@ TEST(Grpo, RolloutLogProbsEqualTheTrainingForward) {
   }
 }
 
+// Tensor parallelism: the policy's log-probs and entropy from vocabulary slices, the prompts split
+// over the data-parallel replicas only (a replica's TP ranks generate the same rollouts from the
+// same seeds). The same steps as one rank (scores exactly, losses and norms to fp32 rounding), with
+// the rollout from a gathered full copy (TP 2, TP 2 x DP 2 with sequence parallelism) and from the
+// tensor-parallel shards themselves (TP 2, --rollout-mode sharded). The one-rank run pads the
+// vocabulary to 258 as TP 2 does.
+TEST(Grpo, TensorParallelStepsLikeOneRank) {
+  TempDir dir("mfsdp-grpo-tp");
+  const std::string flags = "--train-iters 2 --make-vocab-size-divisible-by 2";
+  const std::string tp = " --tensor-model-parallel-size 2 --make-vocab-size-divisible-by 1";
+  GrpoRun one = grpo(dir, 1, flags + " --micro-batch-size 16", "one");
+  ASSERT_EQ(one.steps.size(), 2u) << one.output;
+  EXPECT_GT(metric(one.steps[0], "actor/grad_norm"), 0);
+  struct Layout {
+    int ranks;
+    const char* flags;
+  };
+  int n = 0;
+  for (const Layout l : {Layout{2, " --micro-batch-size 8"}, Layout{2, " --micro-batch-size 4 --rollout-mode sharded"},
+                         Layout{4, " --micro-batch-size 4 --sequence-parallel"}}) {
+    const std::string tag = "tp" + std::to_string(n++);
+    GrpoRun got = grpo(dir, l.ranks, flags + l.flags + tp, tag);
+    ASSERT_EQ(got.steps.size(), 2u) << tag << "\n" << got.output;
+    EXPECT_NE(got.output.find(" parallelism: " + std::to_string(l.ranks) + " ranks = data-parallel " +
+                              std::to_string(l.ranks / 2) + " x context-parallel 1 x tensor-parallel 2"),
+              std::string::npos)
+        << got.output;
+    for (size_t i = 0; i < 2; ++i) {
+      expect_same_step(got.steps[i], one.steps[i], tag + l.flags + ", step " + std::to_string(i + 1), 1e-4);
+      EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), 1e-5) << tag << ", step " << i + 1;
+    }
+  }
+}
+
 TEST(Grpo, ResumeIsBitExact) {
   TempDir dir("mfsdp-grpo-resume");
   const std::string flags = "--micro-batch-size 4 --train-iters 4 --optimizer adam --lr 1e-3";
@@ -166,4 +200,10 @@ TEST(Grpo, BadFlagsAreNamed) {
                "--rollout-n: --train-batch-size 1024 x 2048 responses per step is more than 1048576");
   expect_error("--train-iters 1 --max-response-length 4294967296", "--max-response-length: must be at most 4194304");
   expect_error("--train-iters 1 --gen-train-size 4294967296", "--gen-train-size: must be at most 4194304");
+  // Tensor parallelism with what is not built for it; no context parallelism.
+  expect_error("--train-iters 1 --context-parallel-size 2", "--context-parallel-size: 2: mfsdp-grpo does not split");
+  expect_error("--train-iters 1 --tensor-model-parallel-size 2 --use-kl-loss",
+               "--use-kl-loss: with --tensor-model-parallel-size 2");
+  expect_error("--train-iters 1 --tensor-model-parallel-size 2 --sequence-parallel --rollout-mode sharded",
+               "--rollout-mode: sharded with --sequence-parallel");
 }

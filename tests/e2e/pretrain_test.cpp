@@ -318,8 +318,9 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
        "--tensor-model-parallel-size: 3 does not divide --num-attention-heads 4"},
       {kModel + " --simulate-world-size 4 --memory-plan --context-parallel-size 2 --seq-length 18",
        "--context-parallel-size: --seq-length 18 does not divide by 2 x 2"},
-      {kModel + " --simulate-world-size 2 --memory-plan --tensor-model-parallel-size 2 --save /tmp/mfsdp-never",
-       "--tensor-model-parallel-size: with --save or --load"},
+      {kModel + " --simulate-world-size 2 --memory-plan --tensor-model-parallel-size 2 --save /tmp/mfsdp-never"
+                " --ckpt-format mfsdp",
+       "--ckpt-format: mfsdp stores 1-D element ranges, which cannot hold a tensor-parallel slice"},
       {kModel + " --simulate-world-size 2 --tensor-model-parallel-size 2",
        "--simulate-world-size: with --tensor-model-parallel-size > 1 needs --memory-plan"},
       {kModel + " --simulate-world-size 2 --memory-plan --context-parallel-size 2 --num-experts 4 --moe-router-topk 2"
@@ -473,7 +474,7 @@ TEST(Pretrain, HybridShardingTrainsLikeOneRank) {
 }
 
 // Tensor parallelism (with and without sequence parallelism), context parallelism (all-gather
-// and ring attention) and both together, with data parallelism beside them, train like one rank:
+// and ring attention) and both together, with data parallelism or HSDP beside them, train like one rank:
 // losses, gradient norms and parameter norms within 1e-5 over 6 iterations, mean and per-token
 // losses (Megatron pads the vocabulary to --make-vocab-size-divisible-by x TP, so the TP runs
 // halve that flag to train the one-rank model's 64 rows). AdamW's eps is 1e-3 in every run here, one rank's included: TP and CP sum some products
@@ -504,7 +505,13 @@ TEST(Pretrain, TensorAndContextParallelTrainLikeOneRank) {
           Layout{4, " --context-parallel-size 2 --data-parallel-sharding-strategy optim",
                  "data-parallel 2 x context-parallel 2 x tensor-parallel 1"},
           Layout{4, " --tensor-model-parallel-size 2 --sequence-parallel --context-parallel-size 2 --make-vocab-size-divisible-by 32",
-                 "data-parallel 1 x context-parallel 2 x tensor-parallel 2"}}) {
+                 "data-parallel 1 x context-parallel 2 x tensor-parallel 2"},
+          // HSDP over the data- x context-parallel ranks: instances of the CP group (HFSDP), and
+          // two replicas of each tensor-parallel rank's slices.
+          Layout{4, " --context-parallel-size 2 --num-distributed-optimizer-instances 2 --outer-dp-sharding-strategy optim",
+                 "data-parallel 2 x context-parallel 2 x tensor-parallel 1"},
+          Layout{4, " --tensor-model-parallel-size 2 --num-distributed-optimizer-instances 2 --make-vocab-size-divisible-by 32",
+                 "data-parallel 2 x context-parallel 1 x tensor-parallel 2"}}) {
       const std::string extra = std::string(l.extra) + loss;
       Outcome r;
       const auto got = records(l.ranks, extra, "layout" + std::to_string(n++) + (*loss ? "_tok" : ""), &r);

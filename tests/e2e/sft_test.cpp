@@ -201,6 +201,64 @@ TEST(Sft, PackedLossEqualsUnpacked) {
   }
 }
 
+// Tensor parallelism (vocabulary-parallel token losses), context parallelism (each rank its
+// load-balanced chunks of every row: ids, labels, positions, segments and loss weights) and both,
+// beside data parallelism: losses and gradient norms over 3 SGD steps equal one rank's within
+// 1e-5 (as Pretrain.TensorAndContextParallelTrainLikeOneRank), both loss modes, on conversations
+// of mixed lengths (one per row) and packed ones (several per row, positions restarting). The
+// one-rank runs pad the vocabulary to 258 as TP 2 does (--make-vocab-size-divisible-by 2).
+TEST(Sft, TensorAndContextParallelTrainLikeOneRank) {
+  TempDir dir("mfsdp-sft-ndp");
+  mfsdp::write_sft_jsonl(dir.file("mixed.jsonl"), conversations(8, /*uniform=*/false));
+  mfsdp::write_sft_jsonl(dir.file("packed.jsonl"), conversations(16, /*uniform=*/true));
+  struct Layout {
+    int ranks;
+    const char* flags;
+    const char* banner;
+  };
+  const std::string tp = " --tensor-model-parallel-size 2 --make-vocab-size-divisible-by 1";
+  for (const std::string mode : {"token-mean", "seq-mean-token-mean"})
+    for (const bool packed : {false, true}) {
+      // Unpacked: 8 rows; packed: 16 conversations of ~27 tokens, two to a row of 64 (8 rows).
+      const std::string data = dir.file(packed ? "packed.jsonl" : "mixed.jsonl");
+      const std::string common = " --train-files " + data + " --val-files " + data +
+                                 " --val-generate-samples 2 --max-new-tokens 4" +
+                                 (packed ? " --packing" : "") + " --loss-agg-mode " + mode +
+                                 " --global-batch-size 8 --train-iters 3 --optimizer sgd --lr 0.2"
+                                 " --sgd-momentum 0 --clip-grad 0";
+      const std::string name = mode + (packed ? "_packed" : "_mixed");
+      RunResult one = sft(dir, 1, common + " --micro-batch-size 4 --make-vocab-size-divisible-by 2", name + "_one");
+      ASSERT_EQ(one.train.size(), 3u) << one.output;
+      if (packed) EXPECT_NE(one.output.find("8 packed rows"), std::string::npos) << one.output;
+      int n = 0;
+      for (const Layout l : {Layout{4, " --micro-batch-size 2", "data-parallel 2 x context-parallel 1 x tensor-parallel 2"},
+                             Layout{4, " --micro-batch-size 2 --context-parallel-size 2 --cp-comm-type p2p",
+                                    "data-parallel 2 x context-parallel 2 x tensor-parallel 1"},
+                             Layout{4, " --micro-batch-size 4 --context-parallel-size 2 --sequence-parallel",
+                                    "data-parallel 1 x context-parallel 2 x tensor-parallel 2"}}) {
+        const bool with_tp = std::string(l.banner).find("tensor-parallel 2") != std::string::npos;
+        const std::string flags = common + l.flags + (with_tp ? tp : " --make-vocab-size-divisible-by 2");
+        const std::string tag = name + "_layout" + std::to_string(n++);
+        RunResult got = sft(dir, l.ranks, flags, tag);
+        ASSERT_EQ(got.train.size(), one.train.size()) << tag << "\n" << got.output;
+        EXPECT_NE(got.output.find(std::string(" parallelism: 4 ranks = ") + l.banner), std::string::npos)
+            << got.output;
+        for (size_t i = 0; i < one.train.size(); ++i)
+          for (const char* key : {"lm_loss", "grad_norm"}) {
+            const double want = one.train[i][key].get<double>();
+            EXPECT_NEAR(got.train[i][key].get<double>(), want, 1e-5 * std::abs(want))
+                << tag << " " << key << " iteration " << i + 1;
+          }
+        // The held-out loss after training (each rank its chunks of its rows) and greedy answers.
+        ASSERT_FALSE(got.eval.empty()) << got.output;
+        ASSERT_FALSE(one.eval.empty()) << one.output;
+        const double want = one.eval.back()["lm_loss"].get<double>();
+        EXPECT_NEAR(got.eval.back()["lm_loss"].get<double>(), want, 1e-5 * std::abs(want)) << tag << " validation";
+        EXPECT_EQ(got.eval.back()["val/exact_match"], one.eval.back()["val/exact_match"]) << tag;
+      }
+    }
+}
+
 TEST(Sft, LearnsValidatesAndExports) {
   TempDir dir("mfsdp-sft-learn");
   std::vector<mfsdp::SftExample> train, val;
@@ -253,6 +311,8 @@ TEST(Sft, BadInputIsNamed) {
   expect_error(" --train-iters 1 --gen-task arith --gen-train-size 4294967296", 2,
                "--gen-train-size: must be at most 4194304");
   expect_error(" --train-iters 1 --gen-task arith --gen-digits 19", 2, "--gen-digits: must be in 1..18, got 19");
+  expect_error(" --train-iters 1 --gen-task arith --tensor-model-parallel-size 2 --hf-load x", 2,
+               "--hf-load: with --tensor-model-parallel-size 2: reading a Hugging Face folder into tensor-parallel");
   {
     std::ofstream(dir.file("broken.jsonl")) << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, "
                                                "{\"role\": \"assistant\", \"content\": \"yo\"}]}\n{not json\n";

@@ -37,7 +37,7 @@ class AsyncCheckpointSaver {
   // which throws if it failed); then rank 0 prepares SAVE/iter_<info.iteration>.tmp, every rank
   // stages its shards and starts its writer, and the call returns. The fsdp_dtensor format only.
   void save(const std::string& save_dir, const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
-            const DistributedOptimizer* optimizer, const CheckpointInfo& info);
+            const DistributedOptimizer* optimizer, const CheckpointInfo& info, const TensorSlices& slices = {});
 
   // Collective: waits for this rank's writer, then commits the save in flight. A write that
   // failed on any rank throws on every rank, naming that rank and its error (the file), removes

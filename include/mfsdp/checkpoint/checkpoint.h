@@ -99,15 +99,30 @@ struct CheckpointInfo {
   nlohmann::json scheduler = nlohmann::json::object();     // LR schedule fields
 };
 
+// Under tensor parallelism a rank's parameter is a slice of the whole tensor the checkpoint holds:
+// Megatron-FSDP saves TP slices as DTensor shards of the whole tensor, so a checkpoint of TP 2
+// loads at TP 1 or 4 and in PyTorch's dcp.load into a whole model. A rank writes its FSDP shard
+// of the slice as boxes of the whole tensor and reads back the boxes its shard covers now.
+struct TensorSlice {
+  std::vector<int64_t> whole_shape;  // the tensor in the checkpoint
+  std::vector<int64_t> origin;       // where the rank's slice starts in it, per dimension
+  bool writes = true;                // false on the ranks whose copy of a replicated tensor
+                                     // another tensor-parallel rank writes (each element once)
+};
+using TensorSlices = std::map<std::string, TensorSlice>;  // by parameter name; absent: held whole
+
 // Saves SAVE/iter_<iteration>/ and then points latest_checkpointed_iteration.txt at it.
 // Collective over `world` (every rank of the job; the model's communicators are subgroups of
 // it). Atomic: written under SAVE/iter_<iteration>.tmp, renamed when every rank's shard file is
 // on disk, `latest` rewritten last, so a crash leaves the previous checkpoint as latest. A
 // failure on any rank throws on every rank (naming the rank and file) and commits nothing.
 // `optimizer` may be null (model only). Replaces an existing checkpoint of the same iteration.
+// `slices`: the rank's tensor-parallel slices (fsdp_dtensor only; the mfsdp format cannot hold
+// them: std::invalid_argument).
 void save_checkpoint(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
                      const FsdpHandle& model, const DistributedOptimizer* optimizer,
-                     const CheckpointInfo& info, CheckpointFormat format = CheckpointFormat::kFsdpDtensor);
+                     const CheckpointInfo& info, CheckpointFormat format = CheckpointFormat::kFsdpDtensor,
+                     const TensorSlices& slices = {});
 
 struct CheckpointLoadOptions {
   std::optional<int64_t> iteration;  // unset: latest_checkpointed_iteration.txt
@@ -117,6 +132,7 @@ struct CheckpointLoadOptions {
   // Strict: every model tensor must be in the checkpoint and every "model." tensor of the
   // checkpoint in the model. Not strict: missing tensors keep their values and are listed.
   bool strict = true;
+  TensorSlices slices;  // the rank's tensor-parallel slices (see TensorSlice)
 };
 
 struct LoadedCheckpoint {
@@ -196,6 +212,10 @@ class CheckpointReader {
   // Elements [offset, offset + dst.numel()) of the flattened tensor into the 1-D `dst`
   // (converted to dst's dtype and device).
   void read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const;
+  // Elements [offset, offset + dst.numel()) of the flattened slice of `slice_shape` at `origin`
+  // of the tensor (a tensor-parallel rank's share, TensorSlice) into the 1-D `dst`.
+  void read_slice_range(const std::string& name, const std::vector<int64_t>& slice_shape,
+                        const std::vector<int64_t>& origin, int64_t offset, const at::Tensor& dst) const;
   // Every stored byte against the checksums the save recorded (docs/checkpoints.md, "Checksums"),
   // without loading tensors: throws std::invalid_argument naming the first file, tensor and byte
   // range that differ, or a checkpoint saved without checksums. Returns {entries, bytes} checked.

@@ -125,6 +125,10 @@ class Reader {
   // Elements [offset, offset + dst.numel()) of the flattened tensor into the 1-D `dst` (any
   // dtype and device: converted). Throws if any of them is in no chunk.
   void read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const;
+  // Each box of the tensor into the tensor of its size at the same index of `dsts` (any dtype
+  // and device: converted), each chunk read once: what a tensor-parallel rank reads of a whole
+  // tensor. Throws if a box is not inside the tensor or any of its elements is in no chunk.
+  void read_boxes(const std::string& name, const std::vector<Box>& boxes, const std::vector<at::Tensor>& dsts) const;
   at::Tensor read(const std::string& name) const;  // the whole tensor, on CPU
   std::string read_bytes(const std::string& name) const;
   // A bytes entry that holds a torch.save'd value (what dcp.save writes for "iteration": 7), as
@@ -136,6 +140,10 @@ class Reader {
   void attach_checksums(const std::string& metadata_bytes);
   // Throws unless the bytes of `l` match its crc32c (if it has one and the file holds them).
   void verify(const Location& l, const std::string& what) const;
+  // read_range's and read_box's work: `dst` (of want's size) from the chunks overlapping `want`;
+  // `loaded` keeps the chunks read, so a chunk several boxes overlap is read once per call.
+  void read_box_into(const std::string& name, const Box& want, const at::Tensor& dst,
+                     std::map<size_t, at::Tensor>& loaded) const;
   std::string dir_;
   Metadata metadata_;
   bool has_checksums_ = false;

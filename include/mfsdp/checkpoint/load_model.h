@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/model_spec.h"
@@ -62,7 +63,9 @@ HfModel describe_hf_model(const TensorSource& source);
 // weights. Collective over `world`: an error on any rank (a tensor the model holds that the
 // folder lacks or shapes otherwise, a short file) throws on every rank, naming the rank, the file
 // and the tensor; the model's values are then undefined (the trainers exit). Returns the bytes
-// this rank read.
-int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicator& world);
+// this rank read. `slices`: the rank's tensor-parallel slices (TensorSlice, checkpoint.h), read
+// as the runs of the whole tensors they cover.
+int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicator& world,
+                       const TensorSlices& slices = {});
 
 }  // namespace mfsdp

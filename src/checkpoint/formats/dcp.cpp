@@ -586,41 +586,63 @@ void Reader::read_range(const std::string& name, int64_t offset, const at::Tenso
     throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "': cannot read elements [" +
                                 std::to_string(offset) + ", " + std::to_string(offset + count) + ") of " +
                                 std::to_string(numel));
-  at::NoGradGuard no_grad;
   std::map<size_t, at::Tensor> loaded;  // chunks read for this call, by index
   int64_t flat = offset;
   for (const Box& want : flat_range_boxes(e.shape, offset, offset + count)) {
-    at::Tensor dview = dst.narrow(0, flat - offset, want.numel()).view(want.sizes);
+    read_box_into(name, want, dst.narrow(0, flat - offset, want.numel()).view(want.sizes), loaded);
     flat += want.numel();
-    int64_t covered = 0;
-    for (size_t i = 0; i < e.chunks.size(); ++i) {
-      const Box& have = e.chunks[i].box;
-      at::Tensor src, part = dview;
-      bool empty = false;
-      std::vector<std::pair<int64_t, int64_t>> src_ranges;  // per dimension: start, length
-      for (size_t d = 0; d < want.sizes.size() && !empty; ++d) {
-        const int64_t lo = std::max(want.offsets[d], have.offsets[d]);
-        const int64_t hi = std::min(want.offsets[d] + want.sizes[d], have.offsets[d] + have.sizes[d]);
-        if (hi <= lo) empty = true;
-        else {
-          src_ranges.emplace_back(lo - have.offsets[d], hi - lo);
-          part = part.narrow(static_cast<int64_t>(d), lo - want.offsets[d], hi - lo);
-        }
-      }
-      if (empty || have.numel() == 0) continue;
-      auto it = loaded.find(i);
-      if (it == loaded.end()) it = loaded.emplace(i, read_chunk(name, e.chunks[i])).first;
-      src = it->second;
-      for (size_t d = 0; d < src_ranges.size(); ++d)
-        src = src.narrow(static_cast<int64_t>(d), src_ranges[d].first, src_ranges[d].second);
-      part.copy_(src);
-      covered += part.numel();
-    }
-    if (covered != want.numel())
-      throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "': the chunks " +
-                                  (covered < want.numel() ? "do not cover" : "overlap in") + " the box at offsets " +
-                                  box_str(want.offsets) + " of size " + box_str(want.sizes));
   }
+}
+
+void Reader::read_boxes(const std::string& name, const std::vector<Box>& boxes, const std::vector<at::Tensor>& dsts) const {
+  const TensorEntry& e = tensor(name);
+  if (boxes.size() != dsts.size()) throw std::logic_error("Reader::read_boxes: boxes and destinations differ in number");
+  std::map<size_t, at::Tensor> loaded;
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    const Box& want = boxes[i];
+    bool inside = want.offsets.size() == e.shape.size() && want.sizes.size() == e.shape.size();
+    for (size_t d = 0; inside && d < e.shape.size(); ++d)
+      inside = want.offsets[d] >= 0 && want.sizes[d] >= 0 && want.offsets[d] <= e.shape[d] - want.sizes[d];
+    if (!inside || dsts[i].sizes().vec() != want.sizes)
+      throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "' of size " + box_str(e.shape) +
+                                  ": cannot read the box at offsets " + box_str(want.offsets) + " of size " +
+                                  box_str(want.sizes) + " into a tensor of size " + box_str(dsts[i].sizes().vec()));
+    read_box_into(name, want, dsts[i], loaded);
+  }
+}
+
+void Reader::read_box_into(const std::string& name, const Box& want, const at::Tensor& dview,
+                           std::map<size_t, at::Tensor>& loaded) const {
+  const TensorEntry& e = tensor(name);
+  at::NoGradGuard no_grad;
+  int64_t covered = 0;
+  for (size_t i = 0; i < e.chunks.size(); ++i) {
+    const Box& have = e.chunks[i].box;
+    at::Tensor src, part = dview;
+    bool empty = false;
+    std::vector<std::pair<int64_t, int64_t>> src_ranges;  // per dimension: start, length
+    for (size_t d = 0; d < want.sizes.size() && !empty; ++d) {
+      const int64_t lo = std::max(want.offsets[d], have.offsets[d]);
+      const int64_t hi = std::min(want.offsets[d] + want.sizes[d], have.offsets[d] + have.sizes[d]);
+      if (hi <= lo) empty = true;
+      else {
+        src_ranges.emplace_back(lo - have.offsets[d], hi - lo);
+        part = part.narrow(static_cast<int64_t>(d), lo - want.offsets[d], hi - lo);
+      }
+    }
+    if (empty || have.numel() == 0) continue;
+    auto it = loaded.find(i);
+    if (it == loaded.end()) it = loaded.emplace(i, read_chunk(name, e.chunks[i])).first;
+    src = it->second;
+    for (size_t d = 0; d < src_ranges.size(); ++d)
+      src = src.narrow(static_cast<int64_t>(d), src_ranges[d].first, src_ranges[d].second);
+    part.copy_(src);
+    covered += part.numel();
+  }
+  if (covered != want.numel())
+    throw std::invalid_argument("checkpoint '" + dir_ + "', tensor '" + name + "': the chunks " +
+                                (covered < want.numel() ? "do not cover" : "overlap in") + " the box at offsets " +
+                                box_str(want.offsets) + " of size " + box_str(want.sizes));
 }
 
 at::Tensor Reader::read(const std::string& name) const {
