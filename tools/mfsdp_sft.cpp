@@ -24,7 +24,6 @@ int main(int argc, char** argv) {
     return args.base;
   };
   tool.validate = [](mfsdp::PretrainArgs& a, int world, int64_t vocab) {
-    mfsdp::refuse_tensor_and_context_parallel(a, "mfsdp-sft");
     mfsdp::validate_training_args(a, world, vocab);
   };
   tool.run = [&](const std::shared_ptr<mfsdp::Communicator>& comm) { mfsdp::run_sft(args, comm, std::cout); };

@@ -22,6 +22,7 @@
 #include "train/rollout_model.h"
 #include "train/sft_data.h"
 #include "train/tool_flags.h"
+#include "train/trainer_checkpoint.h"
 #include "train/training_run.h"
 
 namespace mfsdp {
@@ -35,20 +36,24 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 // gradients), loaded from --ref-load, --hf-load or the --load checkpoint (--finetune): a
 // checkpoint by load_checkpoint, a Hugging Face folder by load_hf_shards, so each rank reads only
 // its ranges into a skeleton built with deferred init (every value is overwritten).
-ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const std::shared_ptr<Communicator>& comm) {
+// Under tensor parallelism it is split like the policy, each rank reading its slices.
+ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const std::shared_ptr<Communicator>& comm,
+                            const ParallelGroups& groups) {
   PretrainArgs a = g.base;
   a.recompute_activations = false;
-  ShardedModel ref = build_sharded_model(config, a, shard_options_from_args(a, comm, /*per_token_loss=*/true),
-                                         /*values_loaded=*/true);
+  ShardedModel ref = build_sharded_model(config, a, shard_options_from_args(a, groups.fsdp, /*per_token_loss=*/true),
+                                         /*values_loaded=*/true, &groups);
+  const TensorSlices slices = tensor_parallel_checkpoint_slices(*ref.model, ref.root);
   const std::string from = !g.ref_load.empty() ? g.ref_load : !g.hf_load.empty() ? g.hf_load : g.base.load_dir;
   if (from.empty()) throw std::logic_error("mfsdp-grpo: the reference policy has no --ref-load, --hf-load or --load");
   if (is_checkpoint(from)) {
     CheckpointLoadOptions o;
     o.load_optimizer = false;
     o.load_rng = false;
+    o.slices = slices;
     load_checkpoint(from, comm, ref.root, nullptr, o);
   } else {
-    load_hf_shards(from, ref.root, *comm);
+    load_hf_shards(from, ref.root, *comm, slices);
   }
   return ref;
 }
@@ -200,7 +205,7 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
   dp_rank_ = run_->groups().dp_rank;
   replicas_ = run_->groups().fsdp;
   if (a.tensor_model_parallel_size > 1 && a.sequence_parallel) length_multiple_ = a.tensor_model_parallel_size;
-  if (g_.use_kl_loss) ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, start.config, comm_)});
+  if (g_.use_kl_loss) ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, start.config, comm_, run_->groups())});
   if (run_->prints()) {
     log_ << " mfsdp-grpo: " << train_.size() << " training prompts, " << val_.size() << " held out; "
          << g_.train_batch_size << " prompts x " << g_.rollout_n << " responses per step; chat template "

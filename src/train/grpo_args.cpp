@@ -11,6 +11,19 @@
 
 namespace mfsdp {
 
+namespace {
+
+// Rollouts decode with a KV cache, which context parallelism has not; tensor parallelism is taken.
+void refuse_context_parallel(const PretrainArgs& a) {
+  if (a.context_parallel_size > 1)
+    flag_error("--context-parallel-size", std::to_string(a.context_parallel_size) +
+                                              ": mfsdp-grpo does not split sequences over context-parallel ranks "
+                                              "(its generation uses a KV cache, which context parallelism has not); "
+                                              "use --tensor-model-parallel-size (mfsdp-pretrain and mfsdp-sft take both)");
+}
+
+}  // namespace
+
 ToolFlags grpo_tool_flags(GrpoArgs& a) {
   ToolFlags t;
   t.program = "mfsdp-grpo";
@@ -110,14 +123,9 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   if (!(a.top_p > 0 && a.top_p <= 1)) flag_error("--top-p", "must be in (0, 1]");
   if (a.clip_ratio_low < 0 || a.clip_ratio_high < 0) flag_error("--clip-ratio-low", "clip ratios must be >= 0");
   if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
-  refuse_tensor_and_context_parallel(a.base, "mfsdp-grpo");  // before the launcher: it needs flags only
+  refuse_context_parallel(a.base);  // before the launcher: it needs flags only
   if (a.base.tensor_model_parallel_size > 1) {
     const std::string tp = "--tensor-model-parallel-size " + std::to_string(a.base.tensor_model_parallel_size);
-    if (!a.hf_load.empty())
-      flag_error("--hf-load", "with " + tp + ": reading a Hugging Face folder into tensor-parallel slices is not "
-                              "built yet");
-    if (a.use_kl_loss)
-      flag_error("--use-kl-loss", "with " + tp + ": the reference policy is not built tensor-parallel yet");
     if (a.base.sequence_parallel && a.rollout_mode == "sharded")
       flag_error("--rollout-mode", "sharded with --sequence-parallel: decoding one token at a time cannot be split "
                                    "along the sequence; use --rollout-mode full");
@@ -144,7 +152,7 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
 }
 
 void validate_grpo_args(GrpoArgs& a, int world, int64_t tokenizer_vocab) {
-  refuse_tensor_and_context_parallel(a.base, "mfsdp-grpo");
+  refuse_context_parallel(a.base);
   // The prompts split over the data-parallel replicas; a replica's tensor-parallel ranks share them.
   const int64_t tp = std::max<int64_t>(1, a.base.tensor_model_parallel_size);
   if (world % tp != 0) validate_training_args(a.base, world, tokenizer_vocab);  // names the flag

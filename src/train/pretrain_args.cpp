@@ -560,27 +560,6 @@ int checked_data_parallel_size(const PretrainArgs& a, int world) {
 
 }  // namespace
 
-void refuse_tensor_and_context_parallel(const PretrainArgs& a, const std::string& program) {
-  // mfsdp-pretrain and mfsdp-sft split their batches over both. mfsdp-grpo takes tensor
-  // parallelism only: its rollouts and log-probs run padded batches whose lengths change every
-  // step, and its sharded rollout decodes with a KV cache, which context parallelism has not.
-  if (program == "mfsdp-sft" || program == "mfsdp-pretrain") return;
-  if (program == "mfsdp-grpo") {
-    if (a.context_parallel_size > 1)
-      flag_error("--context-parallel-size", std::to_string(a.context_parallel_size) +
-                                                ": mfsdp-grpo does not split sequences over context-parallel ranks "
-                                                "(its generation uses a KV cache, which context parallelism has "
-                                                "not); use --tensor-model-parallel-size (mfsdp-pretrain and "
-                                                "mfsdp-sft take both)");
-    return;
-  }
-  for (const auto& [flag, value] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", a.tensor_model_parallel_size},
-                                    {"--context-parallel-size", a.context_parallel_size}})
-    if (value > 1)
-      flag_error(flag, std::to_string(value) + ": " + program +
-                           " does not split its batches over tensor- or context-parallel ranks yet (mfsdp-pretrain does)");
-}
-
 void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab) {
   // Each section's own values first (config/sections.h), then what joins sections.
   static_cast<ModelSection&>(a).validate();

@@ -72,10 +72,6 @@ PretrainArgs parse_pretrain_args(const std::vector<std::string>& argv, const Too
 // the pretraining data (--data-path / --mock-data).
 void validate_pretrain_args(PretrainArgs& args, int world_size, int64_t tokenizer_vocab);
 void validate_training_args(PretrainArgs& args, int world_size, int64_t tokenizer_vocab);
-// mfsdp-sft and mfsdp-grpo: --tensor-model-parallel-size and --context-parallel-size above 1 are
-// refused naming the flag and `program` (their packed, masked and rollout batches are not split
-// over such ranks yet; mfsdp-pretrain takes both).
-void refuse_tensor_and_context_parallel(const PretrainArgs& args, const std::string& program);
 
 // Every flag's value as --help shows it ({"--lr": "0.0001", ...}), recorded in checkpoints.
 std::map<std::string, std::string> pretrain_args_values(const PretrainArgs& args, const ToolFlags& tool = {});

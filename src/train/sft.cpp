@@ -78,9 +78,6 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
   if (a.max_new_tokens > kMaxSequenceLength)
     flag_error("--max-new-tokens", "must be at most " + std::to_string(kMaxSequenceLength) + " (a model's longest "
                                    "sequence), got " + std::to_string(a.max_new_tokens));
-  if (!a.hf_load.empty() && a.base.tensor_model_parallel_size > 1)
-    flag_error("--hf-load", "with --tensor-model-parallel-size " + std::to_string(a.base.tensor_model_parallel_size) +
-                                ": reading a Hugging Face folder into tensor-parallel slices is not built yet");
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load (it starts from the folder)");
   if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");

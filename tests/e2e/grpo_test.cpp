@@ -148,6 +148,22 @@ TEST(Grpo, TensorParallelStepsLikeOneRank) {
       EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), 1e-5) << tag << ", step " << i + 1;
     }
   }
+  // The reference policy (--use-kl-loss) is split like the policy; both read a 1-rank
+  // checkpoint into their tensor-parallel slices.
+  GrpoRun start = grpo(dir, 1, "--train-iters 1 --make-vocab-size-divisible-by 2 --micro-batch-size 16 --save " +
+                                   dir.file("start"), "start");
+  ASSERT_EQ(start.steps.size(), 1u) << start.output;
+  const std::string kl = " --load " + dir.file("start") + " --finetune --use-kl-loss --kl-loss-coef 0.1 --kl-loss-type k3";
+  GrpoRun kl_one = grpo(dir, 1, flags + " --micro-batch-size 16" + kl, "kl_one");
+  GrpoRun kl_tp = grpo(dir, 2, flags + " --micro-batch-size 8" + kl + tp, "kl_tp");
+  ASSERT_EQ(kl_one.steps.size(), 2u) << kl_one.output;
+  ASSERT_EQ(kl_tp.steps.size(), 2u) << kl_tp.output;
+  EXPECT_EQ(metric(kl_tp.steps[0], "actor/kl_loss"), 0.0);  // the policy is the reference
+  for (size_t i = 0; i < 2; ++i) {
+    expect_same_step(kl_tp.steps[i], kl_one.steps[i], "kl_tp, step " + std::to_string(i + 1), 1e-4);
+    const double want = metric(kl_one.steps[i], "actor/kl_loss");
+    EXPECT_NEAR(metric(kl_tp.steps[i], "actor/kl_loss"), want, 1e-3 * std::abs(want) + 1e-9) << "step " << i + 1;
+  }
 }
 
 TEST(Grpo, ResumeIsBitExact) {
@@ -202,8 +218,6 @@ TEST(Grpo, BadFlagsAreNamed) {
   expect_error("--train-iters 1 --gen-train-size 4294967296", "--gen-train-size: must be at most 4194304");
   // Tensor parallelism with what is not built for it; no context parallelism.
   expect_error("--train-iters 1 --context-parallel-size 2", "--context-parallel-size: 2: mfsdp-grpo does not split");
-  expect_error("--train-iters 1 --tensor-model-parallel-size 2 --use-kl-loss",
-               "--use-kl-loss: with --tensor-model-parallel-size 2");
   expect_error("--train-iters 1 --tensor-model-parallel-size 2 --sequence-parallel --rollout-mode sharded",
                "--rollout-mode: sharded with --sequence-parallel");
 }

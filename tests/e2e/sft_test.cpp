@@ -259,6 +259,31 @@ TEST(Sft, TensorAndContextParallelTrainLikeOneRank) {
     }
 }
 
+// --hf-load into tensor-parallel slices: each TP rank reads its rows or columns of every tensor
+// from the safetensors files; the run then trains as one rank started from the same folder does.
+TEST(Sft, TensorParallelStartsFromAHuggingFaceFolder) {
+  TempDir dir("mfsdp-sft-tp-hf");
+  mfsdp::write_sft_jsonl(dir.file("data.jsonl"), conversations(8, /*uniform=*/false));
+  const std::string common = " --train-files " + dir.file("data.jsonl") +
+                             " --global-batch-size 8 --optimizer sgd --lr 0.2 --sgd-momentum 0 --clip-grad 0";
+  RunResult made = sft(dir, 1, common + " --micro-batch-size 4 --train-iters 1 --make-vocab-size-divisible-by 2 --export-hf " +
+                                   dir.file("hf"), "made");
+  ASSERT_EQ(made.train.size(), 1u) << made.output;
+  const std::string from = common + " --train-iters 3 --hf-load " + dir.file("hf");
+  RunResult one = sft(dir, 1, from + " --micro-batch-size 4", "one");
+  RunResult tp = sft(dir, 2, from + " --micro-batch-size 4 --tensor-model-parallel-size 2", "tp");
+  ASSERT_EQ(one.train.size(), 3u) << one.output;
+  ASSERT_EQ(tp.train.size(), 3u) << tp.output;
+  EXPECT_NE(tp.output.find(" parallelism: 2 ranks = data-parallel 1 x context-parallel 1 x tensor-parallel 2"),
+            std::string::npos)
+      << tp.output;
+  for (size_t i = 0; i < 3; ++i)
+    for (const char* key : {"lm_loss", "grad_norm"}) {
+      const double want = one.train[i][key].get<double>();
+      EXPECT_NEAR(tp.train[i][key].get<double>(), want, 1e-5 * std::abs(want)) << key << " iteration " << i + 1;
+    }
+}
+
 TEST(Sft, LearnsValidatesAndExports) {
   TempDir dir("mfsdp-sft-learn");
   std::vector<mfsdp::SftExample> train, val;
@@ -311,8 +336,6 @@ TEST(Sft, BadInputIsNamed) {
   expect_error(" --train-iters 1 --gen-task arith --gen-train-size 4294967296", 2,
                "--gen-train-size: must be at most 4194304");
   expect_error(" --train-iters 1 --gen-task arith --gen-digits 19", 2, "--gen-digits: must be in 1..18, got 19");
-  expect_error(" --train-iters 1 --gen-task arith --tensor-model-parallel-size 2 --hf-load x", 2,
-               "--hf-load: with --tensor-model-parallel-size 2: reading a Hugging Face folder into tensor-parallel");
   {
     std::ofstream(dir.file("broken.jsonl")) << "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, "
                                                "{\"role\": \"assistant\", \"content\": \"yo\"}]}\n{not json\n";
