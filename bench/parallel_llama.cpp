@@ -13,12 +13,15 @@
 // steps after the first, the job's tokens per second (dp counts every rank's tokens: the job
 // trains world x batch sequences per step, the other modes batch sequences), the persistent bytes
 // of rank 0 (model weights, main weights, main grads, AdamW state) and its peak RSS. The loss is
-// printed so a broken mode shows.
+// printed so a broken mode shows. Last, cpu_s: the median CPU seconds rank 0's process used per
+// timed step (CLOCK_PROCESS_CPUTIME_ID, all its threads): less sensitive than step_s to other
+// programs sharing the cores, since time spent runnable but not running does not count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -73,6 +76,13 @@ Args parse_args(int argc, char** argv) {
     throw std::invalid_argument("--mode " + a.mode + ": expected dp, tp, tp_sp, cp_allgather or cp_ring");
   if (a.steps < 2) throw std::invalid_argument("--steps must be >= 2 (the first step is not timed)");
   return a;
+}
+
+// CPU seconds this process has used, all threads.
+double process_cpu_s() {
+  timespec ts{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+  return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
 // Peak resident set of this process (VmHWM).
@@ -131,7 +141,7 @@ int main(int argc, char** argv) {
     mfsdp::set_tensor_parallel_norm(*model, root, *opt);
 
     const int world_size = world->size(), rank = world->rank();
-    std::vector<double> times;
+    std::vector<double> times, cpu_times;
     double loss_value = 0;
     for (int64_t step = 0; step < a.steps; ++step) {
       // dp: each rank its own sequences; tp and cp: one shared batch.
@@ -144,6 +154,7 @@ int main(int argc, char** argv) {
       }
       world->barrier();
       const auto start = std::chrono::steady_clock::now();
+      const double cpu_start = process_cpu_s();
       at::Tensor logits = model->call(ids);
       at::Tensor loss = tp_mode ? mfsdp::tensor_parallel::vocab_parallel_lm_loss(logits, labels, *world)
                                 : mfsdp::lm_loss(logits, labels);
@@ -154,11 +165,16 @@ int main(int argc, char** argv) {
       root.zero_grad();
       world->barrier();
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      if (step > 0) times.push_back(seconds);
+      const double cpu_seconds = process_cpu_s() - cpu_start;
+      if (step > 0) {
+        times.push_back(seconds);
+        cpu_times.push_back(cpu_seconds);
+      }
       loss_value = loss.item<double>();
     }
     std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2];
+    std::sort(cpu_times.begin(), cpu_times.end());
+    const double median = times[times.size() / 2], cpu_median = cpu_times[cpu_times.size() / 2];
     const int64_t tokens_per_step = a.batch * a.seq * (a.mode == "dp" ? world_size : 1);
     mfsdp::MemoryReport m = root.memory();
     int64_t state = 0;
@@ -166,9 +182,10 @@ int main(int argc, char** argv) {
       for (const auto& t : tensors) state += t.nbytes();
     const double persistent = (m.model_weights + m.main_weights + m.main_grads + state) / 1048576.0;
     if (rank == 0)
-      std::printf("mode %s ranks %d step_s %.4f tokens_per_s %.1f persistent_mib %.2f peak_rss_mib %.1f loss %.4f\n",
+      std::printf("mode %s ranks %d step_s %.4f tokens_per_s %.1f persistent_mib %.2f peak_rss_mib %.1f loss %.4f "
+                  "cpu_s %.4f\n",
                   a.mode.c_str(), world_size, median, tokens_per_step / median, persistent, peak_rss_mib(),
-                  loss_value);
+                  loss_value, cpu_median);
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "parallel_llama: " << e.what() << std::endl;
