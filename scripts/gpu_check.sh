@@ -321,6 +321,26 @@ if ((GPU_BENCH)); then
   else
     log "MoE step time: skipped, $t s left for it"
   fi
+  # Tensor parallelism on GPUs: a 20-iteration smoke run of TP 2 (and TP 2 x DP 2 where there are
+  # 4 GPUs) with sequence parallelism, NCCL, bf16. TP needs one GPU per rank: on one GPU it is
+  # recorded as not run, never run on the CPU in its place.
+  t=$(allow 60 10)
+  if ((gpus < 2)); then
+    log "TP smoke: not run, tensor parallelism needs 2 GPUs and this machine has $gpus"
+  elif ((t >= 30)); then
+    start=$SECONDS
+    tp_ranks=$(( gpus >= 4 ? 4 : 2 ))
+    timeout -k 5 "$t" "$BUILD_DIR/mfsdp-run" --nproc-per-node "$tp_ranks" "$BUILD_DIR/mfsdp-pretrain" --device cuda --bf16 \
+      --mock-data --vocab-size 32000 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 4096 \
+      --num-attention-heads 16 --group-query-attention --num-query-groups 8 --swiglu --seq-length 1024 \
+      --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size $((tp_ranks)) --train-iters 20 \
+      --lr 3e-4 --log-interval 5 --tensor-model-parallel-size 2 --sequence-parallel >"$out/tp_smoke.txt" 2>&1
+    rc=$?
+    log "TP smoke on $tp_ranks GPUs (TP 2, sequence parallel, bf16): exit $rc, $((SECONDS - start)) s (tp_smoke.txt)"
+    grep -E 'parallelism:|iteration +(5|20)/' "$out/tp_smoke.txt" | cut -c1-300 | tee -a "$summary"
+  else
+    log "TP smoke: skipped, $t s left for it"
+  fi
   # Where run b's step goes: iterations 5..6 of it under --profile --use-pytorch-profiler, the
   # trace summed by bench/trace_summary.py (into bench_step_time.txt; the trace itself, gzipped,
   # into bench_raw.tar.gz when under 8 MiB).
