@@ -132,7 +132,13 @@ nlohmann::json write_dcp_rank_file(const std::string& dir, int rank, const std::
                                    const nlohmann::json& metadata) {
   dcp::FileWriter file(dir, dcp::rank_file_name(rank));
   nlohmann::json tensors = nlohmann::json::array(), bytes = nlohmann::json::array();
-  for (const TensorPiece& p : pieces) {
+  for (const TensorPiece& piece : pieces) {
+    TensorPiece read;  // a piece read only now, dropped after it is written
+    if (!piece.data.defined()) {
+      read = piece;
+      read.data = piece.read();
+    }
+    const TensorPiece& p = piece.data.defined() ? piece : read;
     nlohmann::json chunks = nlohmann::json::array();
     int64_t flat = p.offset;
     const bool sliced = !p.slice_shape.empty();

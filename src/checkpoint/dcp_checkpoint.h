@@ -15,6 +15,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -40,6 +41,9 @@ struct TensorPiece {
   int64_t offset = 0;
   at::Tensor data;  // 1-D
   std::vector<int64_t> slice_shape = {}, origin = {};
+  // When `data` is undefined: gives it when the piece is written, so a writer holds one piece at a
+  // time (write_checkpoint of a model larger than memory).
+  std::function<at::Tensor()> read = {};
 };
 
 // The boxes of `shape` holding elements [begin, end) of the flattened slice of `slice_shape` at

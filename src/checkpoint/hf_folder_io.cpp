@@ -16,6 +16,7 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/interop_util.h"
 #include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/checkpoint/safetensors.h"
 
 namespace fs = std::filesystem;
@@ -115,49 +116,24 @@ at::ScalarType export_hf(const std::string& ckpt, const std::string& out_dir,
 void import_hf(const std::string& hf_dir, const std::string& out_ckpt) {
   const std::string where = "HF folder '" + hf_dir + "'";
   if (!fs::is_directory(hf_dir)) throw std::invalid_argument(where + " does not exist or is not a folder");
-  const std::string config_path = (fs::path(hf_dir) / kConfigFile).string();
-  if (!fs::exists(config_path)) throw std::invalid_argument(where + " has no config.json");
-  const json hf_config = read_json_file(config_path, "HF config");
-  ModelConfig cfg;
-  try {
-    cfg = model_config_from_hf(hf_config);
-  } catch (const std::invalid_argument& e) {
-    throw std::invalid_argument(config_path + ": " + e.what());
-  }
-  std::map<std::string, at::Tensor> tensors = read_safetensors_folder(hf_dir);
-
-  std::vector<std::string> names;
-  for (const auto& kv : tensors) names.push_back(kv.first);
-  // Tensors a family may leave out (Qwen2's q/k/v biases: all or none); others are named.
-  cfg = cfg.spec->with_hf_tensors(cfg, names, where);
-  for (auto it = tensors.begin(); it != tensors.end();)
-    it = ends_with(it->first, "rotary_emb.inv_freq") ? tensors.erase(it) : std::next(it);
-  if (cfg.hf.value("tie_word_embeddings", false) && tensors.count("lm_head.weight") && tensors.count("model.embed_tokens.weight")) {
-    const at::Tensor& head = tensors["lm_head.weight"];
-    const at::Tensor& embed = tensors["model.embed_tokens.weight"];
-    if (head.scalar_type() != embed.scalar_type() || head.sizes() != embed.sizes() || !at::equal(head, embed))
-      throw std::invalid_argument(where + ": config.json has tie_word_embeddings true, but 'lm_head.weight' differs "
-                                  "from 'model.embed_tokens.weight' (set tie_word_embeddings to false to keep both)");
-    tensors.erase("lm_head.weight");
-  }
-  std::map<std::string, std::vector<int64_t>> shapes;
-  for (const auto& [name, t] : tensors) shapes[name] = t.sizes().vec();
-  check_model_tensors(shapes, cfg, where);
-  for (const auto& [name, t] : tensors)
-    if (!at::isFloatingType(t.scalar_type()))
-      throw std::invalid_argument(where + ": tensor '" + name + "' is " + safetensors_dtype_name(t.scalar_type()) +
-                                  ", not a floating-point tensor");
-  const at::ScalarType dtype = tensors.at("model.embed_tokens.weight").scalar_type();
+  // Checked before a weight is read (config, tensor names and shapes, a tied head, float types),
+  // then written a tensor at a time: the import holds one tensor, never the model.
+  const TensorSource source(hf_dir);
+  const HfModel described = describe_hf_model(source);
+  const at::ScalarType dtype = source.dtype(kModelPrefix + "model.embed_tokens.weight");
   if (!is_output_float(dtype))
     throw std::invalid_argument(where + ": tensor 'model.embed_tokens.weight' is " + safetensors_dtype_name(dtype) +
                                 "; weights must be float32, bfloat16 or float16");
-
   CheckpointInfo info;
   info.iteration = 0;
   info.consumed_samples = 0;
-  info.model_config = cfg.spec->hf_config(cfg, dtype);
+  info.model_config = described.config.spec->hf_config(described.config, dtype);
   info.args = {{"imported_from", hf_dir}};
-  write_checkpoint(out_ckpt, tensors, info);
+  write_checkpoint(out_ckpt, described.shapes, [&](const std::string& name) {
+    at::Tensor t = at::empty(described.shapes.at(name), at::TensorOptions().dtype(source.dtype(kModelPrefix + name)));
+    source.read_range(kModelPrefix + name, 0, t.view({-1}));
+    return t;
+  }, info);
 }
 
 }  // namespace mfsdp

@@ -317,6 +317,31 @@ void write_checkpoint(const std::string& save_dir, const std::map<std::string, a
   checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration), info.iteration);
 }
 
+void write_checkpoint(const std::string& save_dir, const std::map<std::string, std::vector<int64_t>>& shapes,
+                      const std::function<at::Tensor(const std::string&)>& read, const CheckpointInfo& info) {
+  const std::string tmp = prepare_tmp_dir(save_dir, info.iteration);
+  std::vector<Piece> pieces;
+  for (const auto& [name, shape] : shapes) {
+    Piece p{model_key(name), shape, 0, at::Tensor()};
+    p.read = [&read, &name = name, shape = shape] {
+      at::Tensor t = read(name);
+      if (t.sizes().vec() != shape)
+        throw std::logic_error("write_checkpoint: '" + name + "' was read as " + c10::str(t.sizes()) + ", not " +
+                               c10::str(at::IntArrayRef(shape)));
+      return t.detach().reshape({-1});
+    };
+    pieces.push_back(std::move(p));
+  }
+  try {
+    const nlohmann::json meta = checkpoint::save_metadata(info, 1, nullptr);
+    checkpoint::write_dcp_metadata(tmp, {checkpoint::write_dcp_rank_file(tmp, 0, pieces, meta)});
+  } catch (...) {
+    discard_unfinished(tmp);
+    throw;
+  }
+  checkpoint::commit_checkpoint(save_dir, tmp, checkpoint_iteration_dir(save_dir, info.iteration), info.iteration);
+}
+
 namespace {
 
 // What one rank reads before anything is changed.

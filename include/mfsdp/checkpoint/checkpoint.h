@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -241,5 +242,10 @@ class CheckpointReader {
 // Atomic like save_checkpoint.
 void write_checkpoint(const std::string& save_dir, const std::map<std::string, at::Tensor>& model_tensors,
                       const CheckpointInfo& info, CheckpointFormat format = CheckpointFormat::kFsdpDtensor);
+// The same (fsdp_dtensor) with each tensor read only when it is written: `read(name)` gives the
+// tensor of `shapes`' shape, so one tensor is in memory at a time (mfsdp-ckpt import-hf of a model
+// larger than the machine's memory).
+void write_checkpoint(const std::string& save_dir, const std::map<std::string, std::vector<int64_t>>& shapes,
+                      const std::function<at::Tensor(const std::string&)>& read, const CheckpointInfo& info);
 
 }  // namespace mfsdp
