@@ -4,7 +4,7 @@ mixture-of-experts GPT) written twice, as transformers saves it and as Megatron-
 `torch_dist` checkpoint of the same weights.
 
     make_torch_dist_checkpoint.py OUT_DIR [--self-check] [--megatron-common-optimizer]
-                                  [--moe grouped|sequential]
+                                  [--moe grouped|sequential] [--tensor-parallel 1|2|4]
 
 Needs only torch and transformers (and safetensors, which transformers brings). Deterministic
 (torch.manual_seed(0); two runs give byte-identical files apart from .metadata), OMP threads 1;
@@ -17,7 +17,8 @@ OUT_DIR/hf/                 LlamaForCausalLM, fp32, save_pretrained (model.safet
                             transformers initializes to ones, are set to 1 + 0.1 * randn (same
                             generator) so that a test can tell the norms apart.
 OUT_DIR/torch_dist/         latest_checkpointed_iteration.txt ("3") and iter_0000003/ with
-                            metadata.json, common.pt, .metadata, __0_0.distcp, __1_0.distcp.
+                            metadata.json, common.pt, .metadata, __0_0.distcp, __1_0.distcp
+                            (one __<r>_0.distcp per TP rank r: see --tensor-parallel).
 OUT_DIR/param_to_param_group_map/
                             what --dump-param-to-param-group-map writes: a DCP directory of
                             {global unique param name: group id}, one process.
@@ -28,6 +29,20 @@ OUT_DIR/reference_logits.safetensors
 --self-check reads everything back (see self_check()); --megatron-common-optimizer writes
 common.pt's optimizer entry the way Megatron-Core really nests it (see "common.pt" below);
 --moe writes the mixture-of-experts model described under "Mixture of experts" below.
+--tensor-parallel N (dense model only; default 2, what the rest of this docstring describes)
+saves the same global tensors and values as Megatron with tensor parallelism N (the same keys
+but rng_state, one per TP rank: rng_state/shard_0.<r>_1.<N>), on N Gloo
+processes, one __<r>_0.distcp per TP rank r: N = 1 (every tensor one chunk in __0_0.distcp, fc1
+still two, gate and up: apply_swiglu_sharded_factory with axis_frag 1), 2, or 4 (4 heads over 4
+ranks with 2 query groups: Megatron's num_query_groups < TP case, allowed when TP is a multiple
+of num_query_groups (transformer_config.py), attention.py Attention.__init__ and
+get_query_key_value_tensors: linear_qkv is still a plain column-parallel linear of the global
+group-interleaved rows, so a rank's 16 rows are half a group, "q1 q2" or "k1 v1"). Only N = 2 was
+run through megatron-core (below); N = 1 and 4 take the same code paths with another TP size.
+The chunk sizes below then read 64/N (vocab, qkv rows), 32/N (linear_proj columns) and 48/N (fc1
+gate / up part, fc2 columns); args say tensor_model_parallel_size = world_size = N and
+make_vocab_size_divisible_by = 64 / N (so padded_vocab_size stays 64: Megatron pads the vocab
+to a multiple of make_vocab_size_divisible_by * TP).
 
 The torch_dist checkpoint is what Megatron-Core's GPTModel (Transformer Engine layer spec,
 SwiGLU, RMSNorm, no biases, untied output layer, RoPE) saves with tensor parallelism 2,
@@ -285,7 +300,8 @@ torch.set_num_threads(1)
 VOCAB, HIDDEN, FFN, LAYERS, HEADS, KV_HEADS, MAX_POS = 64, 32, 48, 2, 4, 2, 128
 HEAD_DIM = HIDDEN // HEADS
 EPS, ROPE_THETA, INIT_STD = 1e-5, 10000.0, 0.2
-TP = 2
+TP = 2  # --tensor-parallel (set_tensor_parallel); the MoE models need 2 (their EP ranks)
+TP_CHOICES = (1, 2, 4)
 ITERATION = 3
 LR, MIN_LR, WEIGHT_DECAY, BETAS, ADAM_EPS = 1e-3, 1e-4, 0.1, (0.9, 0.95), 1e-8
 STATE_SCALE = 0.001
@@ -293,6 +309,13 @@ STATE_SCALE = 0.001
 EXPERTS, TOPK, MOE_FFN, SHARED_FFN, EP = 4, 2, 16, 24, 2
 OPTIMIZER_STATES = ["exp_avg", "exp_avg_sq"]
 REFERENCE_IDS = (torch.arange(2 * 9) * 7 + 3).remainder(VOCAB).view(2, 9)
+
+
+def set_tensor_parallel(tp):
+    """--tensor-parallel: Megatron needs heads, FFN and the padded vocab divisible by TP."""
+    global TP
+    assert tp in TP_CHOICES and HEADS % tp == 0 and FFN % tp == 0 and VOCAB % tp == 0, tp
+    TP = tp
 
 
 class Model:
@@ -568,6 +591,7 @@ def rank_state_dict(model, tensors, rank):
 
 def save_rank(rank, world, store, tensors_path, iter_dir, moe):
     torch.set_num_threads(1)
+    set_tensor_parallel(world)  # a spawned process imports this module afresh
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         tensors = torch.load(tensors_path, weights_only=True)
@@ -586,7 +610,7 @@ def make_args(model):
     args = argparse.Namespace(
         num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
         num_query_groups=KV_HEADS, group_query_attention=True, kv_channels=HEAD_DIM,
-        padded_vocab_size=VOCAB, vocab_size=VOCAB, make_vocab_size_divisible_by=32,
+        padded_vocab_size=VOCAB, vocab_size=VOCAB, make_vocab_size_divisible_by=VOCAB // TP,
         swiglu=True, gated_linear_unit=True, untie_embeddings_and_output_weights=True,
         normalization="RMSNorm", norm_epsilon=EPS, rotary_base=ROPE_THETA, rotary_percent=1.0,
         rotary_interleaved=False, position_embedding_type="rope", use_rotary_position_embeddings=True,
@@ -822,7 +846,8 @@ def self_check(out, model):
             problems.append(what)
 
     # Files.
-    expect(sorted(os.listdir(iter_dir)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "common.pt", "metadata.json"],
+    expect(sorted(os.listdir(iter_dir)) == sorted([".metadata", "common.pt", "metadata.json"] +
+                                                  [f"__{r}_0.distcp" for r in range(TP)]),
            f"iter dir files {sorted(os.listdir(iter_dir))}")
     with open(os.path.join(out, "torch_dist", "latest_checkpointed_iteration.txt")) as f:
         expect(f.read() == "3", "tracker file")
@@ -855,18 +880,28 @@ def self_check(out, model):
         return md.storage_data[MetadataIndex(key, torch.Size(offsets))].relative_path
 
     if model.moe is None:
-        expect(len(md.state_dict_metadata) == 46, f"{len(md.state_dict_metadata)} keys")
-        chunk_count = {"tp": 2, "replicated": 1, "swiglu": 4}
+        expect(len(md.state_dict_metadata) == 44 + TP, f"{len(md.state_dict_metadata)} keys")  # rng_state: 1 per rank
+        chunk_count = {"tp": TP, "replicated": 1, "swiglu": 2 * TP}
         for key, (kind, _, lead, _) in layout.items():
             n = chunk_count[kind] * (LAYERS if lead else 1)
             expect(len(md.state_dict_metadata[key].chunks) == n, f"{key}: expected {n} chunks")
         expect(chunks_of("decoder.layers.mlp.linear_fc1.weight") ==
                sorted(((i, o, 0), (1, FFN // TP, HIDDEN)) for i in range(LAYERS) for o in range(0, 2 * FFN, FFN // TP)),
                "fc1 chunks are not the swiglu factory's")
+        qkv_rows, proj_cols = (HEADS + 2 * KV_HEADS) * HEAD_DIM // TP, HEADS * HEAD_DIM // TP
         expect(chunks_of("decoder.layers.self_attention.linear_qkv.weight") ==
-               sorted(((i, r * 32, 0), (1, 32, HIDDEN)) for i in range(LAYERS) for r in range(TP)), "qkv chunks")
+               sorted(((i, r * qkv_rows, 0), (1, qkv_rows, HIDDEN)) for i in range(LAYERS) for r in range(TP)),
+               "qkv chunks")
         expect([o for o, _ in chunks_of("decoder.layers.self_attention.linear_proj.weight")] ==
-               sorted((i, 0, 16 * r) for i in range(LAYERS) for r in range(TP)), "linear_proj chunks")
+               sorted((i, 0, proj_cols * r) for i in range(LAYERS) for r in range(TP)), "linear_proj chunks")
+        # Each TP rank's chunks in its own file: [gate_r; up_r] of fc1, its vocab rows.
+        for r in range(TP):
+            for key, offsets in (("decoder.layers.mlp.linear_fc1.weight", (1, r * FFN // TP, 0)),
+                                 ("decoder.layers.mlp.linear_fc1.weight", (1, FFN + r * FFN // TP, 0)),
+                                 ("optimizer.state.exp_avg.output_layer.weight", (r * VOCAB // TP, 0)),
+                                 ("decoder.layers.mlp.linear_fc2.weight", (0, 0, r * FFN // TP))):
+                expect(file_of(key, offsets) == f"__{r}_0.distcp", f"{key} {offsets}: not in TP rank {r}'s file")
+        expect(file_of("decoder.final_layernorm.weight", (0,)) == "__0_0.distcp", "final_layernorm: not rank 0's")
     else:
         # Each expert's two fc1 halves and its fc2, in its owner's file (EP rank e // 2).
         fc1 = model.layer_key(0, "mlp.experts.experts.linear_fc1.weight")
@@ -929,10 +964,11 @@ def self_check(out, model):
         got = to_hf(lambda k: sd["optimizer.state.fp32_param." + k])
         expect(set(got) == set(hf) and all(torch.equal(got[n], w) for n, w in hf.items()),
                "fp32_param: the HF tensors do not come back")
-        # TP rank 1's qkv chunk holds exactly KV group 1 (q heads 2,3, k head 1, v head 1).
+        # Global qkv rows 32..63 (TP rank 1's chunk with TP 2) are exactly KV group 1 (q heads 2,3,
+        # k head 1, v head 1), whatever the TP of the save.
         l0 = hf["model.layers.0.self_attn.q_proj.weight"]
         expect(torch.equal(sd["optimizer.state.fp32_param.decoder.layers.self_attention.linear_qkv.weight"][0, 32:48],
-                           l0[16:32]), "qkv: rank 1's rows 0..15 are not q heads 2,3")
+                           l0[16:32]), "qkv: global rows 32..47 are not q heads 2,3")
     else:
         # Expert 3 of layer 0 is HF's experts.3 (the expert axis is the global expert index).
         g = sd["optimizer.state.fp32_param." + model.layer_key(0, "mlp.experts.experts.linear_fc1.weight")]
@@ -1004,7 +1040,12 @@ def main():
                         help='common.pt optimizer as Megatron-Core nests it, without "params"')
     parser.add_argument("--moe", choices=["grouped", "sequential"],
                         help="a mixture-of-experts GPT (see the docstring) instead of the dense Llama")
+    parser.add_argument("--tensor-parallel", type=int, choices=TP_CHOICES, default=TP,
+                        help="the TP size of the Megatron save (one .distcp file per TP rank; dense model only)")
     opts = parser.parse_args()
+    if opts.moe and opts.tensor_parallel != 2:
+        parser.error("--moe writes TP 2 / EP 2 only (its 2 ranks are the expert-parallel ranks)")
+    set_tensor_parallel(opts.tensor_parallel)
     start = time.time()
     out = os.path.abspath(opts.out_dir)
     for sub in ("hf", "torch_dist", "param_to_param_group_map", "reference_logits.safetensors"):
@@ -1029,7 +1070,7 @@ def main():
     md = FileSystemReader(iter_dir).read_metadata()
     n_chunks = sum(len(getattr(v, "chunks", [])) for v in md.state_dict_metadata.values())
     parallel = f"TP={TP}" if model.moe is None else f"TP={TP}, EP={EP} (expert TP 1), {opts.moe} experts"
-    print(f"torch_dist: {iter_dir} iteration {ITERATION}, {parallel} (2 Gloo ranks), "
+    print(f"torch_dist: {iter_dir} iteration {ITERATION}, {parallel} ({TP} Gloo ranks), "
           f"{len(md.state_dict_metadata)} DCP keys "
           f"({n_chunks} tensor chunks), bf16 weights + fp32 fp32_param/exp_avg/exp_avg_sq, common.pt, metadata.json")
 

@@ -17,10 +17,14 @@
 // tensor per expert under the saving model's names, each transformers' expert exactly (so a
 // wrong expert index fails), optimizer state alike, and mfsdp's logits are transformers'.
 // Expert tensors outside Megatron's layout, or disagreeing with num_experts, are refused by name.
+// Tensor parallel sources (the script's --tensor-parallel 1, 2, 4: one .distcp per TP rank,
+// column-parallel chunks by rows, row-parallel by columns, fc1 as apply_swiglu_sharded_factory's
+// two [gate_r] / [up_r] chunks per rank, norms written by rank 0) convert to the same checkpoint.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include "harness/dist_test.h"
@@ -75,6 +79,36 @@ std::map<std::string, at::Tensor> hf_weights(const std::string& dir) {
   return mfsdp::SafetensorsFile(dir + "/fixture/hf/model.safetensors").load_all();
 }
 
+// The converted checkpoint in d/converted, read as the model: transformers' fp32 weights of
+// d/fixture/hf exactly, exp_avg / exp_avg_sq the fixture's 0.001 * w and its square.
+void expect_hf_weights_and_state(const std::string& d) {
+  mfsdp::CheckpointReader reader(d + "/converted");
+  for (const auto& [name, w] : hf_weights(d)) {
+    ASSERT_TRUE(reader.contains("model." + name)) << name;
+    EXPECT_TRUE(at::equal(reader.read("model." + name), w)) << name;
+    EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg"), w * 0.001, 1e-6, 0)) << name;
+    EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg_sq"), (w * 0.001).pow(2), 1e-6, 0))
+        << name;
+  }
+}
+
+// mfsdp's model loaded from d/converted gives transformers' logits (d/fixture/reference_logits).
+void expect_reference_logits(const std::string& d, const std::string& what) {
+  const mfsdp::LoadedModel loaded = mfsdp::load_model(d + "/converted");
+  mfsdp::SafetensorsFile reference(d + "/fixture/reference_logits.safetensors");
+  at::Tensor logits;
+  {
+    at::NoGradGuard no_grad;
+    logits = loaded.model->forward(reference.load("input_ids"));
+  }
+  const at::Tensor want = reference.load("logits");
+  ASSERT_EQ(logits.sizes(), want.sizes());
+  const double diff = (logits - want).abs().max().item<double>();
+  EXPECT_LT(diff, 1e-4) << what << ": mfsdp's logits vs transformers' (largest " << want.abs().max().item<double>()
+                        << ")";
+  std::cout << what << ": mfsdp vs transformers logits max |diff| " << diff << "\n";
+}
+
 TEST(TorchDistReference, ConvertsToFsdpDtensorThatMfsdpTrainsFrom) {
   mfsdp::testing::TempDir dir("mfsdp-torch-dist");
   const std::string d = dir.path().string();
@@ -103,13 +137,7 @@ TEST(TorchDistReference, ConvertsToFsdpDtensorThatMfsdpTrainsFrom) {
     EXPECT_EQ(reader.metadata()["iteration"], 3);
     EXPECT_EQ(reader.metadata()["model_config"]["num_key_value_heads"], 2);
     EXPECT_EQ(reader.metadata()["optimizer"]["step"], 3);
-    for (const auto& [name, w] : hf_weights(d)) {
-      ASSERT_TRUE(reader.contains("model." + name)) << name;
-      EXPECT_TRUE(at::equal(reader.read("model." + name), w)) << name;
-      EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg"), w * 0.001, 1e-6, 0)) << name;
-      EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg_sq"), (w * 0.001).pow(2), 1e-6, 0))
-          << name;
-    }
+    expect_hf_weights_and_state(d);
 
     // The inspector's commands.
     std::ostringstream out;
@@ -158,9 +186,9 @@ TEST(TorchDistReference, ConvertsToFsdpDtensorThatMfsdpTrainsFrom) {
   });
 }
 
-// The fixture with `flags` (--moe ...) in dir/fixture, converted with --swiglu and its param map
-// into dir/converted/iter_0000003 by the tool; the tool's output.
-std::string make_moe_fixture(const std::string& dir, const std::string& flags) {
+// The fixture with `flags` (--moe ..., --tensor-parallel ...) in dir/fixture, converted with
+// --swiglu and its param map into dir/converted/iter_0000003 by the tool; the tool's output.
+std::string convert_fixture(const std::string& dir, const std::string& flags) {
   const auto outcome = mfsdp::testing::run_command("env OMP_NUM_THREADS=1 '" + kPython + "' '" + kScript + "' '" +
                                                    dir + "/fixture' " + flags);
   EXPECT_EQ(outcome.exit_code, 0) << outcome.output;
@@ -184,31 +212,14 @@ void expect_transformers_model(const std::string& d, const std::string& model_ty
   EXPECT_EQ(reader.metadata()["optimizer"]["step"], 3);
   const auto hf = hf_weights(d);
   EXPECT_TRUE(hf.count("model.layers.0.mlp.experts.3.down_proj.weight"));
-  for (const auto& [name, w] : hf) {
-    ASSERT_TRUE(reader.contains("model." + name)) << name;
-    EXPECT_TRUE(at::equal(reader.read("model." + name), w)) << name;
-    EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg"), w * 0.001, 1e-6, 0)) << name;
-    EXPECT_TRUE(at::allclose(reader.read("optimizer.state." + name + ".exp_avg_sq"), (w * 0.001).pow(2), 1e-6, 0))
-        << name;
-  }
-  const mfsdp::LoadedModel loaded = mfsdp::load_model(d + "/converted");
-  mfsdp::SafetensorsFile reference(d + "/fixture/reference_logits.safetensors");
-  at::Tensor logits;
-  {
-    at::NoGradGuard no_grad;
-    logits = loaded.model->forward(reference.load("input_ids"));
-  }
-  const at::Tensor want = reference.load("logits");
-  ASSERT_EQ(logits.sizes(), want.sizes());
-  const double diff = (logits - want).abs().max().item<double>();
-  EXPECT_LT(diff, 1e-4) << "mfsdp's logits vs transformers' (largest " << want.abs().max().item<double>() << ")";
-  std::cout << model_type << ": mfsdp vs transformers logits max |diff| " << diff << "\n";
+  expect_hf_weights_and_state(d);
+  expect_reference_logits(d, model_type);
 }
 
 TEST(TorchDistReference, ConvertsGroupedGemmMoeThatMfsdpRunsAsTransformers) {
   mfsdp::testing::TempDir dir("mfsdp-torch-dist-moe");
   const std::string d = dir.path().string();
-  make_moe_fixture(d, "--moe grouped --megatron-common-optimizer");
+  convert_fixture(d, "--moe grouped --megatron-common-optimizer");
   if (HasFailure()) return;
   // Megatron-FSDP's names: per layer, per expert (TEGroupedMLP's weight<j>), SwiGLU split.
   mfsdp::dcp::Reader raw(d + "/converted/iter_0000003");
@@ -233,7 +244,7 @@ TEST(TorchDistReference, ConvertsGroupedGemmMoeThatMfsdpRunsAsTransformers) {
 TEST(TorchDistReference, ConvertsSequentialMoeWithSharedExpertAndDenseLayer) {
   mfsdp::testing::TempDir dir("mfsdp-torch-dist-moe");
   const std::string d = dir.path().string();
-  make_moe_fixture(d, "--moe sequential");
+  convert_fixture(d, "--moe sequential");
   if (HasFailure()) return;
   // SequentialMLP's names (local_experts.<global j>); layer 1 is dense.
   mfsdp::dcp::Reader raw(d + "/converted/iter_0000003");
@@ -249,6 +260,62 @@ TEST(TorchDistReference, ConvertsSequentialMoeWithSharedExpertAndDenseLayer) {
   EXPECT_EQ(raw.read_object("optimizer.param_to_group_meta.module.module.module.decoder.layers.0.mlp.experts."
                             "local_experts.3.linear_fc1.weight_w.is_expert_parallel"), true);
   expect_transformers_model(d, "qwen2_moe");
+}
+
+// The same Llama saved by Megatron with TP 1, 2 and 4 converts to one checkpoint: every tensor
+// equal to TP 1's bit for bit (transformers' weights: a chunk put at the wrong offset, or fc1's
+// gate / up fragments read as one row block per rank, changes them), every other entry equal but
+// the args (their TP) and mfsdp_metadata's converted_from; and the model loads and gives
+// transformers' logits.
+TEST(TorchDistReference, ConvertsTensorParallelSourcesToTheSameCheckpoint) {
+  mfsdp::testing::TempDir dir("mfsdp-torch-dist-tp");
+  const std::string d = dir.path().string();
+  const std::vector<int> tps = {1, 2, 4};
+  for (int tp : tps) convert_fixture(d + "/tp" + std::to_string(tp), "--tensor-parallel " + std::to_string(tp));
+  if (HasFailure()) return;
+  const std::string one_dir = d + "/tp1";
+  const mfsdp::dcp::Reader one(one_dir + "/converted/iter_0000003");
+  const nlohmann::json one_meta = one.read_object("mfsdp_metadata");
+  for (int tp : tps) {
+    const std::string t = d + "/tp" + std::to_string(tp);
+    SCOPED_TRACE("TP " + std::to_string(tp));
+    // The source as TP `tp` writes it: a file per TP rank, fc1 two chunks per rank and layer.
+    const mfsdp::dcp::Reader source(t + "/fixture/torch_dist/iter_0000003");
+    std::set<std::string> files;
+    for (const auto& [key, entry] : source.metadata().tensors)
+      for (const auto& chunk : entry.chunks) files.insert(chunk.location.file);
+    EXPECT_EQ(files.size(), static_cast<size_t>(tp));
+    EXPECT_EQ(source.tensor("decoder.layers.mlp.linear_fc1.weight").chunks.size(), static_cast<size_t>(2 * 2 * tp));
+    EXPECT_EQ(source.tensor("output_layer.weight").chunks.size(), static_cast<size_t>(tp));
+    EXPECT_EQ(source.tensor("decoder.final_layernorm.weight").chunks.size(), 1u);
+
+    const mfsdp::dcp::Reader other(t + "/converted/iter_0000003");
+    EXPECT_EQ(other.read_object("args", mfsdp::ObjectPolicy::kDescribeObjects)["tensor_model_parallel_size"], tp);
+    if (tp == 1) continue;
+    std::vector<std::string> one_keys, other_keys;
+    for (const auto& [key, entry] : one.metadata().tensors) one_keys.push_back(key);
+    for (const auto& [key, entry] : other.metadata().tensors) other_keys.push_back(key);
+    ASSERT_EQ(one_keys, other_keys);
+    for (const std::string& key : one_keys) {
+      EXPECT_EQ(other.tensor(key).dtype, one.tensor(key).dtype) << key;
+      EXPECT_TRUE(at::equal(other.read(key), one.read(key))) << key;
+    }
+    std::vector<std::string> one_objects, other_objects;
+    for (const auto& [key, l] : one.metadata().bytes) one_objects.push_back(key);
+    for (const auto& [key, l] : other.metadata().bytes) other_objects.push_back(key);
+    ASSERT_EQ(one_objects, other_objects);
+    for (const std::string& key : one_objects) {
+      if (key == "args" || key == "mfsdp_metadata") continue;
+      EXPECT_EQ(other.read_bytes(key), one.read_bytes(key)) << key;
+    }
+    nlohmann::json meta = other.read_object("mfsdp_metadata"), want = one_meta;
+    meta["args"].erase("converted_from");
+    want["args"].erase("converted_from");
+    EXPECT_EQ(meta, want);
+  }
+  expect_hf_weights_and_state(one_dir);
+  expect_hf_weights_and_state(d + "/tp4");
+  expect_reference_logits(d + "/tp4", "TP 4 source");
 }
 
 TEST(TorchDistReference, RefusesExpertTensorsOutsideMegatronsLayoutNamingThem) {
