@@ -34,8 +34,19 @@ constexpr uint32_t kMaxRequestBytes = 2 * kMaxValueBytes + kMaxKeyBytes + 64;
 constexpr std::chrono::milliseconds kGreetingTimeout{10000};
 // A request whose first byte arrived must be complete this soon, and an answer taken this soon.
 constexpr std::chrono::milliseconds kRequestTimeout{60000};
+// A connection that holds part of a request and sends nothing more for this long while the
+// request buffers of all connections are full (kMaxBufferedBytes) is closed: it holds the
+// others up. A rank sends a request whole, without pausing.
+constexpr std::chrono::milliseconds kStalledRequestTimeout{5000};
 // Connections that have not proved the token yet, at most; a new one closes the oldest.
 constexpr size_t kMaxUnprovenConnections = 64;
+// The unfinished requests and greetings of all connections together, at most this many bytes:
+// without it every client with the token could make rank 0 hold a request of the largest size,
+// and connections are not counted. It holds the greetings, one request of the largest size (so
+// a rank that sends one is served in its turn) and beside it one that sets a value of the
+// largest size (src/comm/store_server.cpp checks). When it is full, connections sending
+// requests wait to be read.
+constexpr size_t kMaxBufferedBytes = size_t{64} << 20;
 
 enum Status : uint8_t { kOk = 0, kRefused = 1, kBadRequest = 2, kTimedOut = 3 };
 
@@ -87,7 +98,8 @@ class Writer {
 // Reads the fields of one frame's body; throws ProtocolError past its end or over a limit.
 class Reader {
  public:
-  explicit Reader(const std::string& body) : p_(body.data()), left_(body.size()) {}
+  explicit Reader(const std::string& body) : Reader(body.data(), body.size()) {}
+  Reader(const char* body, size_t size) : p_(body), left_(size) {}
   uint8_t u8() { return fixed<uint8_t>(); }
   uint32_t u32() { return fixed<uint32_t>(); }
   int64_t i64() { return fixed<int64_t>(); }

@@ -3,20 +3,33 @@
 // (never ahead of them, whatever length a frame claims) and handled frame by frame; a get or
 // wait for keys that do not exist yet parks its connection until a write makes them exist or
 // its timeout passes. Deadlines close connections that dawdle; nothing else ever waits.
+//
+// Memory: all connections' unfinished requests together stay within kMaxBufferedBytes. The
+// connection whose request began first (the oldest) may always read up to its frame limit, so
+// some request always completes; the others share what is left and, once it is full, are not
+// polled for input: their clients wait in send() (backpressure) instead of rank 0 buffering
+// them. A connection that holds part of a request and sends nothing more while the buffers are
+// full is closed after kStalledRequestTimeout, so silent holders cannot stall the ranks until
+// kRequestTimeout. Buffers are given back to the system when they empty or their connection
+// closes (PageAllocator), so rank 0's RSS goes back down after a large or hostile request.
 #include "comm/store_server.h"
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <new>
 
 #include "comm/store_protocol.h"
 #include "mfsdp/comm/comm.h"
@@ -31,6 +44,53 @@ using namespace store_wire;
 constexpr Clock::time_point kNever = Clock::time_point::max();
 constexpr size_t kReadChunk = 64 << 10;
 constexpr int kReadChunksPerRound = 16;  // per connection and poll round, so none starves others
+// What the oldest request may always hold (its frame limit and one byte past it), and what the
+// greetings may hold (they are not held back: each is small and they are at most
+// kMaxUnprovenConnections); the other connections share the rest of kMaxBufferedBytes.
+constexpr size_t kOldestReserve = 4 + size_t{kMaxRequestBytes} + 1;
+constexpr size_t kGreetingsReserve = kMaxUnprovenConnections * (4 + size_t{kMaxGreetingBytes} + 1);
+static_assert(kMaxBufferedBytes >= kOldestReserve + kGreetingsReserve + 4 + kMaxValueBytes +
+                                        kMaxKeyBytes + 64,
+              "beside the oldest request, another that sets a value of the largest size fits");
+constexpr size_t kSharedBytes = kMaxBufferedBytes - kOldestReserve - kGreetingsReserve;
+
+// The connections' buffers take their large blocks straight from mmap and give them back with
+// munmap, so what a connection held leaves rank 0's RSS when it is freed. From malloc it did
+// not: glibc keeps freed blocks in the thread's arena (after large frees it raises its mmap and
+// trim thresholds, up to 32 and 64 MiB), and rank 0 stayed 49 MiB larger after hostile
+// connections had closed (tests/dist/rendezvous_security_test.cpp).
+template <typename T>
+struct PageAllocator {
+  using value_type = T;
+  static constexpr size_t kFromBytes = 64 << 10;  // smaller blocks: malloc, as std::allocator
+  PageAllocator() = default;
+  template <typename U>
+  PageAllocator(const PageAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = n * sizeof(T);
+    void* p = bytes < kFromBytes ? std::malloc(bytes)
+                                 : ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                                          MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == nullptr || p == MAP_FAILED) throw std::bad_alloc();
+    return static_cast<T*>(p);
+  }
+  void deallocate(T* p, size_t n) {
+    const size_t bytes = n * sizeof(T);
+    if (bytes < kFromBytes) {
+      std::free(p);
+    } else {
+      ::munmap(p, bytes);
+    }
+  }
+  friend bool operator==(const PageAllocator&, const PageAllocator&) { return true; }
+  friend bool operator!=(const PageAllocator&, const PageAllocator&) { return false; }
+};
+using Buffer = std::basic_string<char, std::char_traits<char>, PageAllocator<char>>;
+
+// Empties `b` and gives its memory back (clear() would keep the capacity).
+void release(Buffer& b) { Buffer().swap(b); }
+
+void put(Buffer& out, const std::string& frame) { out.append(frame.data(), frame.size()); }
 
 // Equal tokens, compared in a time that does not depend on where they differ.
 bool same_token(const std::string& a, const std::string& b) {
@@ -46,8 +106,11 @@ struct Connection {
   bool proven = false;   // its greeting proved the job token
   bool closing = false;  // close once `out` is sent (after a refusal or a bad request)
   bool dead = false;
-  std::string in;   // received, not handled yet
-  std::string out;  // to send, from out_done on
+  Buffer in;   // received, not handled yet
+  uint64_t in_started = 0;          // when `in` last went from empty to not: the request's turn
+  Clock::time_point last_byte{};    // when bytes last arrived
+  bool held_back = false;           // this poll round: not polled for input (the buffers are full)
+  Buffer out;  // to send, from out_done on
   size_t out_done = 0;
   // Before the proof: when the greeting is due. After: when a started request or an answer
   // not taken yet is due; kNever while idle.
@@ -103,8 +166,12 @@ class Server {
       fds.push_back({wake_, POLLIN, 0});
       fds.push_back({listener_, static_cast<short>(now >= accept_paused_until_ ? POLLIN : 0), 0});
       Clock::time_point next = now + milliseconds(1000);
+      plan_reads();
       for (auto& c : conns_) {
-        short events = c->closing ? 0 : POLLIN;
+        // A connection held back is still told about its peer closing (POLLRDHUP), so what it
+        // holds is freed at once.
+        c->held_back = !c->closing && c->proven && c.get() != oldest_ && shared_left_ < kReadChunk;
+        short events = c->closing ? 0 : c->held_back ? POLLRDHUP : POLLIN;
         if (c->out_done < c->out.size()) events |= POLLOUT;
         fds.push_back({c->fd.get(), events, 0});
         polled.push_back(c.get());
@@ -122,7 +189,12 @@ class Server {
         Connection& c = *polled[i];
         const short rev = fds[i + 2].revents;
         if (c.dead) continue;  // dropped while another connection was handled
-        if (rev & (POLLIN | POLLHUP | POLLERR)) receive(c);
+        // Its client went away while it waited to be read: its request cannot complete.
+        if (c.held_back && (rev & (POLLRDHUP | POLLHUP | POLLERR))) {
+          drop(c, "");
+          continue;
+        }
+        if (rev & (POLLIN | POLLHUP | POLLERR)) receive(c, now);
         if (!c.dead && (rev & POLLOUT)) flush(c, now);
       }
       for (auto& c : conns_)
@@ -140,6 +212,23 @@ class Server {
     if (!why.empty()) note_(why);
     c.fd.reset();
     c.dead = true;
+    release(c.in);  // now, not when the connection is erased: the budget counts it until then
+    release(c.out);
+    c.out_done = 0;
+  }
+
+  // This round's oldest request and what the others may still read (kSharedBytes less what
+  // all but the oldest hold; greetings counted too, though they are not held back).
+  void plan_reads() {
+    oldest_ = nullptr;
+    for (auto& c : conns_)
+      if (!c->dead && c->proven && !c->closing && !c->in.empty() &&
+          (oldest_ == nullptr || c->in_started < oldest_->in_started))
+        oldest_ = c.get();
+    size_t others = 0;
+    for (auto& c : conns_)
+      if (!c->dead && c.get() != oldest_) others += c->in.size();
+    shared_left_ = others < kSharedBytes ? kSharedBytes - others : 0;
   }
 
   void accept_all(Clock::time_point now) {
@@ -182,14 +271,22 @@ class Server {
   // Buffers what has arrived, up to one byte past one frame of the largest size this
   // connection may send (a client sends its next request only after the answer to the last):
   // handle_frames() then refuses what is too large.
-  void receive(Connection& c) {
+  // The oldest request and greetings read up to their limit; the others no more than the
+  // shared bytes left.
+  void receive(Connection& c, Clock::time_point now) {
     const size_t limit = frame_limit(c);
+    const bool shares = c.proven && &c != oldest_;
     char buf[kReadChunk];
     for (int round = 0; round < kReadChunksPerRound && c.in.size() <= limit; ++round) {
-      const size_t room = std::min(sizeof buf, limit + 1 - c.in.size());
+      const size_t room = std::min({sizeof buf, limit + 1 - c.in.size(),
+                                    shares ? shared_left_ : sizeof buf});
+      if (room == 0) return;  // the next round holds it back, or reads it when there is room
       const ssize_t n = ::recv(c.fd.get(), buf, room, 0);
       if (n > 0) {
+        if (c.in.empty()) c.in_started = ++requests_started_;
         c.in.append(buf, static_cast<size_t>(n));
+        c.last_byte = now;
+        if (&c != oldest_) shared_left_ -= std::min(shared_left_, static_cast<size_t>(n));
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
@@ -215,8 +312,14 @@ class Server {
                                           " bytes is over the limit of " +
                                           std::to_string(kMaxRequestBytes), now);
       if (c.in.size() < 4 + size_t{n}) break;
-      const std::string body = c.in.substr(4, n);
-      c.in.erase(0, 4 + size_t{n});
+      Buffer body;
+      if (c.in.size() == 4 + size_t{n}) {  // the usual case: no copy of a large request
+        body.swap(c.in);
+        body.erase(0, 4);
+      } else {
+        body = c.in.substr(4, n);
+        c.in.erase(0, 4 + size_t{n});
+      }
       if (c.proven) c.deadline = kNever;
       try {
         if (c.proven) {
@@ -230,8 +333,10 @@ class Server {
                              "); closed");
         refuse(c, kBadRequest, e.what(), now);
       }
+      release(body);
     }
     if (c.dead) return;
+    if (c.in.empty()) release(c.in);
     if (c.in.size() > frame_limit(c))
       return drop(c, "a client from " + c.peer + " sent more than one " +
                          (c.proven ? "request" : "greeting") + " without waiting for the answer; closed");
@@ -239,8 +344,8 @@ class Server {
     if (c.proven && !c.in.empty() && c.deadline == kNever) c.deadline = now + kRequestTimeout;
   }
 
-  void handle_greeting(Connection& c, const std::string& body, Clock::time_point now) {
-    Reader r(body);
+  void handle_greeting(Connection& c, const Buffer& body, Clock::time_point now) {
+    Reader r(body.data(), body.size());
     if (r.u64() != kMagic) throw ProtocolError("no mfsdp greeting");
     const std::string token = r.str(kMaxJobTokenBytes, "job token");
     const int64_t rank = r.i64();
@@ -260,19 +365,19 @@ class Server {
     }
     if (!refusal.empty()) {
       note_("refused a client from " + c.peer + ": " + reason);
-      c.out += Writer().u64(kMagic).u8(kRefused).str(refusal).frame();
+      put(c.out, Writer().u64(kMagic).u8(kRefused).str(refusal).frame());
       c.closing = true;
       flush(c, now);
       return;
     }
     c.proven = true;
     c.deadline = kNever;
-    c.out += Writer().u64(kMagic).u8(kOk).str("").frame();
+    put(c.out, Writer().u64(kMagic).u8(kOk).str("").frame());
     flush(c, now);
   }
 
-  void handle_request(Connection& c, const std::string& body, Clock::time_point now) {
-    Reader r(body);
+  void handle_request(Connection& c, const Buffer& body, Clock::time_point now) {
+    Reader r(body.data(), body.size());
     const auto op = static_cast<Op>(r.u8());
     switch (op) {
       case kSet: {
@@ -389,6 +494,17 @@ class Server {
     for (auto& cp : conns_) {
       Connection& c = *cp;
       if (c.dead) continue;
+      // Part of a request, then nothing, while the others wait for room: it is not held back
+      // by the server (nothing of it waits in its socket), so its client stopped sending.
+      if (c.proven && !c.in.empty() && !c.closing && shared_left_ < kReadChunk &&
+          now - c.last_byte >= kStalledRequestTimeout && unread_bytes(c) == 0) {
+        drop(c, "a rank's connection from " + c.peer + " held " + std::to_string(c.in.size()) +
+                    " bytes of an unfinished request and sent nothing for " +
+                    std::to_string(kStalledRequestTimeout.count()) + " ms while the store's " +
+                    "request buffers (" + std::to_string(kMaxBufferedBytes >> 20) +
+                    " MiB for all connections) were full; closed");
+        continue;
+      }
       if (now >= c.deadline) {
         drop(c, c.proven ? "a rank's connection from " + c.peer + " left a request or an " +
                                "answer unfinished for " + std::to_string(kRequestTimeout.count()) +
@@ -415,15 +531,22 @@ class Server {
     }
   }
 
+  // Bytes that arrived on c's socket and are not read yet (-1: unknown).
+  static int unread_bytes(const Connection& c) {
+    int n = 0;
+    return ::ioctl(c.fd.get(), FIONREAD, &n) == 0 ? n : -1;
+  }
+
   void answer(Connection& c, Writer w, Clock::time_point now) {
-    c.out += w.frame();
+    put(c.out, w.frame());
     flush(c, now);
   }
 
   // An answer that says what was wrong, then the connection closes.
   void refuse(Connection& c, Status status, const std::string& why, Clock::time_point now) {
     note_("closed a rank's connection from " + c.peer + ": " + why);
-    c.out += Writer().u8(status).str(why).frame();
+    release(c.in);  // nothing more is read from it
+    put(c.out, Writer().u8(status).str(why).frame());
     c.closing = true;
     flush(c, now);
   }
@@ -443,7 +566,7 @@ class Server {
         return drop(c, "");
       }
     }
-    c.out.clear();
+    release(c.out);
     c.out_done = 0;
     if (c.closing) return drop(c, "");
     if (c.proven && c.in.empty()) c.deadline = kNever;
@@ -460,6 +583,9 @@ class Server {
   std::map<std::string, std::string> data_;
   std::vector<std::unique_ptr<Connection>> conns_;
   Clock::time_point accept_paused_until_{};
+  Connection* oldest_ = nullptr;  // this round's oldest request (plan_reads)
+  size_t shared_left_ = 0;        // what connections other than the oldest may still read
+  uint64_t requests_started_ = 0;
 };
 
 }  // namespace

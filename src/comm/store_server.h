@@ -4,9 +4,10 @@
 // its greeting proves the job token and names a rank and the world size of this job; until
 // then at most kMaxGreetingBytes are read from it, and it is closed after kGreetingTimeout.
 // Requests of a proven client are capped (keys, values: src/comm/store_protocol.h), a request
-// must arrive whole within kRequestTimeout, and answers go out without blocking: one thread
-// polls every connection, so no client, silent, slow or hostile, holds up another, start-up or
-// exit. Clients that are refused or dropped are reported on stderr, one line each, at most one
+// must arrive whole within kRequestTimeout, the unfinished requests of all connections together
+// are held to kMaxBufferedBytes (past it, senders wait; one holding part of a request silently
+// is closed), and answers go out without blocking: one thread polls every connection, so no
+// client, silent, slow or hostile, holds up another, start-up or exit. Clients that are refused or dropped are reported on stderr, one line each, at most one
 // a minute after the first few.
 #pragma once
 

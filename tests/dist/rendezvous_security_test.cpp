@@ -244,6 +244,22 @@ class RawClient {
     }
     return true;
   }
+  // Sends what the server takes until all is sent or it took nothing for `stall`; the bytes
+  // sent (a server that stops reading leaves the rest in the sockets' buffers).
+  size_t send_until_stalled(const std::string& bytes, milliseconds stall) {
+    size_t done = 0;
+    while (done < bytes.size()) {
+      const ssize_t n = ::send(fd_, bytes.data() + done, bytes.size() - done, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n > 0) {
+        done += static_cast<size_t>(n);
+        continue;
+      }
+      if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) break;
+      pollfd p{fd_, POLLOUT, 0};
+      if (::poll(&p, 1, static_cast<int>(stall.count())) <= 0) break;
+    }
+    return done;
+  }
   // Reads until the server closes the connection; false if it has not within `bound`.
   bool closed_by_server(milliseconds bound = kBound) {
     const auto until = Clock::now() + bound;
@@ -374,6 +390,84 @@ TEST(RendezvousSecurity, OversizedRequestsDoNotGrowRankZero) {
   const auto& result = job.finish();
   EXPECT_TRUE(result.ok()) << describe(result, job.output());
   expect_contains(job.output(), {"not an mfsdp", "closed"});  // rank 0 says what it dropped
+}
+
+// Many connections with the token, each sending most of a request of the largest size and
+// then nothing: rank 0 buffers at most kMaxBufferedBytes of them all together (it used to buffer
+// up to 32 MiB for each, for as many as connected: 8 took 197 MB, kept after they closed); a
+// rank's requests, small and large, are still served meanwhile (the silent ones are closed once
+// they hold the buffers up, kStalledRequestTimeout); and the memory is given back when they go.
+TEST(RendezvousSecurity, PartialRequestsOfManyConnectionsShareOneBound) {
+  if (in_rank()) return rank_program();
+  TempDir dir("mfsdp-rdzv");
+  const int port = launch::pick_free_port();
+  const std::string token = launch::launcher_job_token();
+  Job job(job_specs(2, port, token, dir.path().string(), {{0, {{kHold, "1"}}}, {1, {{kHold, "1"}}}}));
+  ASSERT_TRUE(wait_for_file(dir.file("ready"), kBound)) << job.output();
+  const pid_t rank0 = std::stoi(read_file(dir.file("ready")));
+  const int64_t before = status_kib(rank0, "VmRSS"), peak_before = status_kib(rank0, "VmHWM");
+  const int64_t bound_kib = static_cast<int64_t>(wire::kMaxBufferedBytes >> 10);
+  constexpr int64_t kSlackKib = 8 << 10;  // allocator and stack noise, not buffers
+
+  // 10 x 24 MiB: 240 MiB if each connection were buffered on its own, 3.75 times the bound.
+  constexpr int kClients = 10;
+  const std::string partial = std::string(reinterpret_cast<const char*>(&wire::kMaxRequestBytes), 4) +
+                              std::string(size_t{24} << 20, 'v');
+  std::vector<std::unique_ptr<RawClient>> clients;
+  size_t pushed = 0;
+  for (int i = 0; i < kClients; ++i) {
+    clients.push_back(std::make_unique<RawClient>(port));
+    ASSERT_EQ(greeting_answer(clients.back()->greeting(token, 1, 2)).first, wire::kOk);
+    pushed += clients.back()->send_until_stalled(partial, milliseconds(300));
+  }
+  std::this_thread::sleep_for(milliseconds(500));  // what rank 0 reads of it, it has read now
+  const int64_t held = status_kib(rank0, "VmRSS");
+
+  // A rank's requests while the silent connections hold the buffers: served.
+  auto store = mfsdp::connect_store_client(client_info(port, token), kBound);
+  const auto t0 = Clock::now();
+  store->set("during", std::vector<uint8_t>(100, 1));
+  EXPECT_EQ(store->get("during").size(), 100u);
+  const double small_s = seconds_since(t0);
+  const std::vector<uint8_t> large(8 << 20, 2);
+  store->set("large", large);
+  EXPECT_EQ(store->get("large"), large);
+  store->deleteKey("large");
+  const double large_s = seconds_since(t0) - small_s;
+  const int64_t peak = status_kib(rank0, "VmHWM");
+
+  clients.clear();  // the hostile connections close
+  int64_t after = 0;
+  for (const auto until = Clock::now() + milliseconds(10000); Clock::now() < until;) {
+    std::this_thread::sleep_for(milliseconds(200));
+    after = status_kib(rank0, "VmRSS");
+    if (after - before < kSlackKib) break;
+  }
+  store->set("after", std::vector<uint8_t>(16, 3));  // the same connection still serves
+  EXPECT_EQ(store->get("after").size(), 16u);
+  {  // and a request of the largest size (over what the other connections share) is served
+    const std::vector<uint8_t> x(wire::kMaxValueBytes, 4), y(wire::kMaxValueBytes, 5);
+    store->set("cas", x);
+    EXPECT_EQ(store->compareSet("cas", x, y), y);
+    store->deleteKey("cas");
+  }
+
+  std::cout << kClients << " connections pushed " << (pushed >> 20) << " MiB of partial requests; "
+            << "rank 0 RSS " << before << " KiB before, " << held << " KiB while they were held (+"
+            << (held - before) << " KiB; bound " << bound_kib << " KiB), peak +"
+            << (peak - peak_before) << " KiB, " << after << " KiB after they closed (+"
+            << (after - before) << " KiB); a rank's small request took " << small_s
+            << " s, its 8 MiB set and get " << large_s << " s meanwhile" << std::endl;
+  EXPECT_GT(before, 0);
+  EXPECT_LT(held - before, bound_kib + kSlackKib) << "rank 0 buffered more than the bound";
+  EXPECT_LT(peak - peak_before, bound_kib + kSlackKib + (8 << 10) * 3)  // the 8 MiB value: request, store, answer
+      << "rank 0's peak RSS grew past the bound";
+  EXPECT_LT(after - before, kSlackKib) << "rank 0 kept the memory after the connections closed";
+
+  write_file(dir.file("finish"), "");
+  const auto& result = job.finish();
+  EXPECT_TRUE(result.ok()) << describe(result, job.output());
+  expect_contains(job.output(), {"bytes of an unfinished request and sent nothing for", "were full; closed"});
 }
 
 // A stranger that sends part of a greeting and a client with the token that sends part of a
