@@ -5,7 +5,8 @@
 #   hf-load      --hf-load HF            (a random LlamaForCausalLM transformers saved, fp32)
 #   ckpt-load    --load CKPT --finetune  (the same weights as an mfsdp checkpoint: mfsdp-ckpt import-hf)
 #   meta         the same model from flags with --init-model-with-meta-device (the target's base)
-#   eager        the same model from flags without it (every rank builds the whole model first)
+#   eager        the same model from flags with --no-init-model-with-meta-device (every rank builds
+#                the whole model first; deferred init is the default)
 #
 # The four run in interleaved rounds (ROUNDS, default 2), so drift of the machine hits all alike;
 # each rank's peak comes from bench/peak_rss.py (getrusage of the rank). Prints, per way, the
@@ -40,7 +41,7 @@ run_way() {  # way -> "max mean" of the per-rank peaks (MiB)
     hf-load) extra=(--hf-load "$WORK/hf") ;;
     ckpt-load) extra=(--load "$WORK/ckpt" --finetune "${FLAGS[@]}") ;;
     meta) extra=("${FLAGS[@]}" --init-model-with-meta-device) ;;
-    eager) extra=("${FLAGS[@]}") ;;
+    eager) extra=("${FLAGS[@]}" --no-init-model-with-meta-device) ;;
   esac
   local log="$WORK/$1.log"
   "$BUILD/mfsdp-run" --nproc-per-node "$NPROC" "$PY" "$ROOT/bench/peak_rss.py" "${SFT[@]}" "${extra[@]}" >"$log" 2>&1 ||

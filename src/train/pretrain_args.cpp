@@ -246,7 +246,13 @@ const std::vector<Flag>& flags() {
             BOOL_FLAG("--use-distributed-optimizer", use_distributed_optimizer,
                       "shard the optimizer (always on here)"),
             BOOL_FLAG("--init-model-with-meta-device", init_model_with_meta_device,
-                      "materialise and shard one layer at a time"),
+                      "materialise and shard one layer at a time (on by default in mfsdp: the values equal eager "
+                      "init's, and no rank ever holds the whole model)"),
+            {"--no-init-model-with-meta-device",
+             "(mfsdp) build every rank's whole model first, then shard it (eager init: the same values, a whole "
+             "model's memory per rank)",
+             false, {}, [](PretrainArgs& a, const std::string&) { a.init_model_with_meta_device = false; },
+             [](const PretrainArgs& a) { return std::string(a.init_model_with_meta_device ? "off" : "on"); }},
             BOOL_FLAG("--grad-reduce-in-bf16", grad_reduce_in_bf16, "reduce gradients in bf16"),
             BOOL_FLAG("--no-fsdp-prefetch", no_fsdp_prefetch,
                       "(mfsdp) do not all-gather the next unit while the current one computes"),

@@ -166,7 +166,7 @@ struct FsdpSection {
   std::string data_parallel_sharding_strategy = "optim_grads_params";
   bool no_gradient_accumulation_fusion = false;
   bool use_distributed_optimizer = false;
-  bool init_model_with_meta_device = false;
+  bool init_model_with_meta_device = true;  // mfsdp's default (Megatron's is off): no rank holds the model
   bool grad_reduce_in_bf16 = false;
   bool no_fsdp_prefetch = false;                        // ours: no all-gather prefetch
   bool no_fsdp_all_gather_in_start_param_sync = false;  // ours: nothing in flight between steps
