@@ -29,6 +29,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace mfsdp {
 
@@ -75,5 +76,29 @@ std::string torch_save_namespace(const nlohmann::json& fields);
 
 // torch.save(tensor) in memory: a contiguous CPU copy of `tensor` as the archive torch.load reads.
 std::string torch_save_tensor(const at::Tensor& tensor);
+
+// The same archive as the bytes around the tensor's, which stay where they are: head, then the
+// `data.nbytes()` bytes at data.data_ptr(), then tail == torch_save_tensor(tensor). `data` is
+// `tensor` on the CPU, contiguous (no copy when it already is). For writers that put the
+// storage into a file straight from memory (dcp::FileWriter).
+struct TorchSaveParts {
+  at::Tensor data;
+  std::string head, tail;
+};
+TorchSaveParts torch_save_tensor_parts(const at::Tensor& tensor);
+
+// What read_torch_save_tensor reads, described without reading the storage: the tensor is
+// as_strided(sizes, strides, storage_offset) of the `data_bytes` bytes of dtype at
+// [data_at, data_at + data_bytes) of the archive's window (data_at counts from `offset`). The
+// same checks as read_torch_save_tensor (errors the same), except that the storage's bytes are
+// not read.
+struct TorchSaveTensorLayout {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> sizes, strides;
+  int64_t storage_offset = 0;  // elements
+  uint64_t data_at = 0, data_bytes = 0;
+};
+TorchSaveTensorLayout read_torch_save_tensor_layout(const std::string& path, uint64_t offset, uint64_t length,
+                                                    const std::string& what);
 
 }  // namespace mfsdp

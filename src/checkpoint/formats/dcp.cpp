@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -444,6 +445,136 @@ bool is_dcp_directory(const std::string& dir) { return fs::is_regular_file(fs::p
 
 // ---- Reader --------------------------------------------------------------------------------------
 
+namespace {
+
+// Chunks move between the file and memory in blocks of this size, each checksummed right after
+// pread filled it or right before write copies it (while it is in cache), and written or read
+// where the tensor's storage lies: no copy in between (bench/ckpt_throughput.sh).
+constexpr uint64_t kIoBlock = 1u << 20;
+
+std::invalid_argument checksum_mismatch(const std::string& what, uint32_t expected, uint32_t found,
+                                        const std::string& dir) {
+  return std::invalid_argument(what + ": the bytes do not match their checksum (CRC-32C " + crc32c_hex(expected) +
+                               " in '" + (fs::path(dir) / kChecksumsFile).string() + "', " + crc32c_hex(found) +
+                               " read): the file was changed or damaged after the save");
+}
+
+// Reader::verify's check: throws unless the bytes of `l` match its crc32c (if it has one and the
+// file holds them).
+void verify_location(const std::string& dir, const Location& l, const std::string& what) {
+  if (!l.crc32c) return;
+  const std::string path = (fs::path(dir) / l.file).string();
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec || l.offset > size || l.length > size - l.offset) return;  // the reader names what is missing
+  const uint32_t found = crc32c_of_file_range(path, l.offset, l.length);
+  if (found != *l.crc32c) throw checksum_mismatch(what, *l.crc32c, found, dir);
+}
+
+class ReadOnlyFile {
+ public:
+  ReadOnlyFile(const std::string& path, const std::string& what) : what_(what) {
+    fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) throw std::invalid_argument(what + ": cannot open: " + std::strerror(errno));
+  }
+  ~ReadOnlyFile() { ::close(fd_); }
+  ReadOnlyFile(const ReadOnlyFile&) = delete;
+  ReadOnlyFile& operator=(const ReadOnlyFile&) = delete;
+
+  // Bytes [at, at + n) into dst; their CRC-32C extends *crc when crc is not null.
+  void read(uint64_t at, void* dst, uint64_t n, uint32_t* crc) const {
+    auto* p = static_cast<char*>(dst);
+    for (uint64_t done = 0; done < n;) {
+      const uint64_t want = std::min<uint64_t>(n - done, kIoBlock);
+      const ssize_t r = ::pread(fd_, p + done, want, static_cast<off_t>(at + done));
+      if (r < 0 && errno == EINTR) continue;
+      if (r <= 0)
+        throw std::invalid_argument(what_ + ": reading failed: " + (r == 0 ? "unexpected end of file" : std::strerror(errno)));
+      if (crc) *crc = crc32c_extend(*crc, p + done, static_cast<size_t>(r));
+      done += static_cast<uint64_t>(r);
+    }
+  }
+
+ private:
+  std::string what_;
+  int fd_ = -1;
+};
+
+// The layout of the archive at `l`; a damaged archive is named as such (its checksum) first.
+TorchSaveTensorLayout chunk_layout(const std::string& dir, const Location& l, const std::string& what) {
+  try {
+    return read_torch_save_tensor_layout((fs::path(dir) / l.file).string(), l.offset, l.length, what);
+  } catch (const std::invalid_argument&) {
+    verify_location(dir, l, what);
+    throw;
+  }
+}
+
+// The storage bytes of the archive at `l` (laid out as `layout`) into dst, checking the whole
+// archive against its CRC-32C, if it has one, in the same pass.
+void read_chunk_storage(const std::string& dir, const Location& l, const TorchSaveTensorLayout& layout, void* dst,
+                        const std::string& what) {
+  const ReadOnlyFile file((fs::path(dir) / l.file).string(), what);
+  if (!l.crc32c) {
+    file.read(l.offset + layout.data_at, dst, layout.data_bytes, nullptr);
+    return;
+  }
+  uint32_t crc = 0;
+  std::string around(static_cast<size_t>(std::max(layout.data_at, l.length - layout.data_at - layout.data_bytes)), '\0');
+  file.read(l.offset, around.data(), layout.data_at, &crc);
+  file.read(l.offset + layout.data_at, dst, layout.data_bytes, &crc);
+  const uint64_t tail_at = layout.data_at + layout.data_bytes;
+  file.read(l.offset + tail_at, around.data(), l.length - tail_at, &crc);
+  if (crc != *l.crc32c) throw checksum_mismatch(what, *l.crc32c, crc, dir);
+}
+
+std::string chunk_what(const std::string& dir, const std::string& name, const TensorChunk& chunk) {
+  const Location& l = chunk.location;
+  return "checkpoint file '" + (fs::path(dir) / l.file).string() + "', bytes [" + std::to_string(l.offset) + ", " +
+         std::to_string(l.offset + l.length) + ") (tensor '" + name + "', chunk at offsets " +
+         box_str(chunk.box.offsets) + ")";
+}
+
+// The archive holds what the metadata says (after its checksum, which names damage first).
+void check_chunk_layout(const std::string& dir, const TensorEntry& e, const TensorChunk& chunk,
+                        const TorchSaveTensorLayout& layout, const std::string& what) {
+  if (layout.sizes == chunk.box.sizes && layout.dtype == e.dtype) return;
+  verify_location(dir, chunk.location, what);
+  throw std::invalid_argument(what + ": holds a " + std::string(c10::toString(layout.dtype)) + " tensor of size " +
+                              box_str(layout.sizes) + ", the metadata says " + c10::toString(e.dtype) + " of size " +
+                              box_str(chunk.box.sizes));
+}
+
+// Whether the chunk's storage is exactly its tensor's elements in order, so that it can be read
+// straight into a contiguous tensor of its size.
+bool dense_layout(const TorchSaveTensorLayout& layout) {
+  int64_t numel = 1;
+  for (size_t d = layout.sizes.size(); d-- > 0;) {
+    if (layout.sizes[d] != 1 && layout.strides[d] != numel) return false;
+    numel *= layout.sizes[d];
+  }
+  return layout.storage_offset == 0 &&
+         layout.data_bytes == static_cast<uint64_t>(numel) * c10::elementSize(layout.dtype);
+}
+
+// Reader::read_chunk into `dst` (contiguous, on the CPU, of the chunk's size and the entry's
+// dtype), without a buffer in between when the archive stores the chunk densely.
+void read_chunk_into(const Reader& r, const std::string& name, const TensorChunk& chunk, const at::Tensor& dst) {
+  const TensorEntry& e = r.tensor(name);
+  const std::string what = chunk_what(r.dir(), name, chunk);
+  const TorchSaveTensorLayout layout = chunk_layout(r.dir(), chunk.location, what);
+  check_chunk_layout(r.dir(), e, chunk, layout, what);
+  if (dense_layout(layout)) return read_chunk_storage(r.dir(), chunk.location, layout, dst.data_ptr(), what);
+  dst.copy_(r.read_chunk(name, chunk));
+}
+
+bool readable_in_place(const at::Tensor& dst, at::ScalarType dtype) {
+  return dst.device().is_cpu() && dst.scalar_type() == dtype && dst.is_contiguous() && dst.layout() == at::kStrided &&
+         !dst.is_conj() && !dst.is_neg();
+}
+
+}  // namespace
+
 Reader::Reader(const std::string& dir) : dir_(dir) {
   const std::string file = (fs::path(dir) / kMetadataFile).string();
   std::ifstream in(file, std::ios::binary);
@@ -543,18 +674,7 @@ std::pair<int64_t, uint64_t> Reader::verify_checksums() const {
   return {entries, bytes};
 }
 
-void Reader::verify(const Location& l, const std::string& what) const {
-  if (!l.crc32c) return;
-  const std::string path = (fs::path(dir_) / l.file).string();
-  std::error_code ec;
-  const uint64_t size = fs::file_size(path, ec);
-  if (ec || l.offset > size || l.length > size - l.offset) return;  // the reader names what is missing
-  const uint32_t found = crc32c_of_file_range(path, l.offset, l.length);
-  if (found != *l.crc32c)
-    throw std::invalid_argument(what + ": the bytes do not match their checksum (CRC-32C " + crc32c_hex(*l.crc32c) +
-                                " in '" + (fs::path(dir_) / kChecksumsFile).string() + "', " + crc32c_hex(found) +
-                                " read): the file was changed or damaged after the save");
-}
+void Reader::verify(const Location& l, const std::string& what) const { verify_location(dir_, l, what); }
 
 const TensorEntry& Reader::tensor(const std::string& name) const {
   auto it = metadata_.tensors.find(name);
@@ -563,18 +683,14 @@ const TensorEntry& Reader::tensor(const std::string& name) const {
 }
 
 at::Tensor Reader::read_chunk(const std::string& name, const TensorChunk& chunk) const {
-  const Location& l = chunk.location;
-  const std::string what = "checkpoint file '" + (fs::path(dir_) / l.file).string() + "', bytes [" +
-                           std::to_string(l.offset) + ", " + std::to_string(l.offset + l.length) + ") (tensor '" +
-                           name + "', chunk at offsets " + box_str(chunk.box.offsets) + ")";
-  verify(l, what);
-  at::Tensor t = read_torch_save_tensor((fs::path(dir_) / l.file).string(), l.offset, l.length, what);
   const TensorEntry& e = tensor(name);
-  if (t.sizes().vec() != chunk.box.sizes || t.scalar_type() != e.dtype)
-    throw std::invalid_argument(what + ": holds a " + std::string(c10::toString(t.scalar_type())) + " tensor of size " +
-                                box_str(t.sizes().vec()) + ", the metadata says " + c10::toString(e.dtype) + " of size " +
-                                box_str(chunk.box.sizes));
-  return t;
+  const std::string what = chunk_what(dir_, name, chunk);
+  const TorchSaveTensorLayout layout = chunk_layout(dir_, chunk.location, what);
+  check_chunk_layout(dir_, e, chunk, layout, what);
+  at::Tensor storage =
+      at::empty({static_cast<int64_t>(layout.data_bytes / c10::elementSize(layout.dtype))}, at::TensorOptions().dtype(layout.dtype));
+  read_chunk_storage(dir_, chunk.location, layout, storage.data_ptr(), what);
+  return storage.as_strided(layout.sizes, layout.strides, layout.storage_offset);
 }
 
 void Reader::read_range(const std::string& name, int64_t offset, const at::Tensor& dst) const {
@@ -631,6 +747,14 @@ void Reader::read_box_into(const std::string& name, const Box& want, const at::T
       }
     }
     if (empty || have.numel() == 0) continue;
+    bool whole_chunk = true;  // then read it where it goes, once (mfsdp's loads: every chunk)
+    for (size_t d = 0; d < src_ranges.size(); ++d)
+      whole_chunk = whole_chunk && src_ranges[d].first == 0 && src_ranges[d].second == have.sizes[d];
+    if (whole_chunk && !loaded.count(i) && readable_in_place(part, e.dtype)) {
+      read_chunk_into(*this, name, e.chunks[i], part);
+      covered += part.numel();
+      continue;
+    }
     auto it = loaded.find(i);
     if (it == loaded.end()) it = loaded.emplace(i, read_chunk(name, e.chunks[i])).first;
     src = it->second;
@@ -704,7 +828,31 @@ Location FileWriter::write_bytes(const std::string& bytes) {
   return l;
 }
 
-Location FileWriter::write_tensor(const at::Tensor& chunk) { return write_bytes(torch_save_tensor(chunk)); }
+// torch.save's archive around the tensor's storage, which goes to the file from where it lies,
+// checksummed a block at a time just before write copies it.
+Location FileWriter::write_tensor(const at::Tensor& chunk) {
+  if (fd_ < 0) throw std::logic_error("FileWriter: '" + path_ + "' is closed");
+  const TorchSaveParts parts = torch_save_tensor_parts(chunk);
+  CheckpointFileSystem& files = checkpoint_file_system();
+  const char* data = static_cast<const char*>(parts.data.data_ptr());
+  const uint64_t n = parts.data.nbytes();
+  uint32_t crc = crc32c(parts.head.data(), parts.head.size());
+  files.append_to_shard(fd_, path_, parts.head.data(), parts.head.size());
+  for (uint64_t done = 0; done < n; done += kIoBlock) {
+    const size_t block = static_cast<size_t>(std::min<uint64_t>(kIoBlock, n - done));
+    crc = crc32c_extend(crc, data + done, block);
+    files.append_to_shard(fd_, path_, data + done, block);
+  }
+  crc = crc32c_extend(crc, parts.tail.data(), parts.tail.size());
+  files.append_to_shard(fd_, path_, parts.tail.data(), parts.tail.size());
+  const uint64_t length = parts.head.size() + n + parts.tail.size();
+  Location l{name_, size_, length, crc};
+  size_ += length;
+  // Starts writing the chunk to the disk now, while the next ones are encoded, so that close()'s
+  // fsync waits for the last ones only (a hint: errors show in fsync).
+  if (length >= kIoBlock) ::sync_file_range(fd_, static_cast<off_t>(l.offset), static_cast<off_t>(length), SYNC_FILE_RANGE_WRITE);
+  return l;
+}
 
 Location FileWriter::write_object(const nlohmann::json& value) { return write_bytes(torch_save_value(value)); }
 

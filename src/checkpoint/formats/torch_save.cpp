@@ -95,6 +95,10 @@ class TensorBuilder {
     return view(storage_id(*a[0]->pid), a[1]->i, size, stride, name);
   }
 
+  // Set before tensor(): the first storage is described in `layout`, not read (tensor() then
+  // returns an undefined tensor).
+  TorchSaveTensorLayout* layout = nullptr;
+
  private:
   [[noreturn]] void fail(const std::string& what) const { zip_.window().fail("data.pkl " + what); }
 
@@ -159,6 +163,13 @@ class TensorBuilder {
                            c10::toString(st.dtype) + " elements");
       const uint64_t at = zip_.data_offset(entry);
       zip_.window().check(at, bytes, "storage " + quote(entry));  // before allocating for it
+      if (layout != nullptr) {
+        if (need > static_cast<int64_t>(bytes))
+          zip_.window().fail("storage " + quote(entry) + " is " + std::to_string(bytes) + " bytes, tensor " +
+                             quote(name) + " needs " + std::to_string(need));
+        *layout = {st.dtype, size, stride, offset, at, bytes};
+        return at::Tensor();
+      }
       at::Tensor buf = at::empty({static_cast<int64_t>(bytes / item)}, at::TensorOptions().dtype(st.dtype));
       zip_.window().read(at, buf.data_ptr(), bytes, "storage " + quote(entry));
       cached = storages_.emplace(st.key, buf).first;
@@ -297,6 +308,20 @@ at::Tensor read_torch_save_tensor(const std::string& path, uint64_t offset, uint
   return *t;
 }
 
+TorchSaveTensorLayout read_torch_save_tensor_layout(const std::string& path, uint64_t offset, uint64_t length,
+                                                    const std::string& what) {
+  check_little_endian_host();
+  const ZipReader zip(path, what, offset, length);
+  const std::string prefix = archive_prefix(zip);
+  const auto data = unpickle_data(zip, prefix);
+  TensorBuilder builder(zip, prefix);
+  TorchSaveTensorLayout layout;
+  builder.layout = &layout;
+  if (!builder.tensor(data->root(), ""))
+    zip.window().fail(std::string("data.pkl holds a ") + pickle::kind_name(data->root().kind) + ", not a tensor");
+  return layout;
+}
+
 std::string read_torch_save_pickle(const std::string& path, uint64_t offset, uint64_t length, const std::string& what) {
   const ZipReader zip(path, what, offset, length);
   return zip.read(archive_prefix(zip) + "data.pkl");
@@ -332,7 +357,7 @@ std::string torch_save_namespace(const nlohmann::json& fields) {
   return torch_save_pickle(w.finish());
 }
 
-std::string torch_save_tensor(const at::Tensor& tensor) {
+TorchSaveParts torch_save_tensor_parts(const at::Tensor& tensor) {
   check_little_endian_host();
   const at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
   const char* storage_type = nullptr;
@@ -364,11 +389,31 @@ std::string torch_save_tensor(const at::Tensor& tensor) {
   w.reduce();
   w.tuple();
   w.reduce();
-  std::string data(static_cast<const char*>(t.data_ptr()), t.nbytes());
-  return zip::write_stored_zip({{"archive/data.pkl", w.finish()},
-                                {"archive/byteorder", "little"},
-                                {"archive/data/0", std::move(data)},
-                                {"archive/version", "3\n"}});
+  const std::string data_pkl = w.finish(), byteorder = "little", version = "3\n";
+  const uint64_t bytes = t.nbytes();
+  auto entry = [](const char* name, const std::string& data) {
+    return zip::StoredEntry{name, data.size(), zip::crc32(0, data.data(), data.size())};
+  };
+  const std::vector<std::string> frame =
+      zip::stored_zip_frame({entry("archive/data.pkl", data_pkl),
+                             entry("archive/byteorder", byteorder),
+                             {"archive/data/0", bytes, zip::crc32(0, t.data_ptr(), bytes)},
+                             entry("archive/version", version)});
+  TorchSaveParts out;
+  out.data = t;
+  out.head = frame[0] + data_pkl + frame[1] + byteorder + frame[2];
+  out.tail = frame[3] + version + frame[4];
+  return out;
+}
+
+std::string torch_save_tensor(const at::Tensor& tensor) {
+  const TorchSaveParts parts = torch_save_tensor_parts(tensor);
+  std::string out;
+  out.reserve(parts.head.size() + parts.data.nbytes() + parts.tail.size());
+  out += parts.head;
+  out.append(static_cast<const char*>(parts.data.data_ptr()), parts.data.nbytes());
+  out += parts.tail;
+  return out;
 }
 
 }  // namespace mfsdp

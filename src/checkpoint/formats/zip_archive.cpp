@@ -5,6 +5,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <cerrno>
@@ -188,14 +192,15 @@ std::string ZipReader::read(const std::string& name) const {
   return file_.read(data_offset(name), entry(name).size, "zip entry " + quote(name));
 }
 
-// ---- writing ---------------------------------------------------------------------------------------
+// ---- CRC-32 -------------------------------------------------------------------------------------
 
 namespace {
 
 // zip's CRC-32 (reflected 0xEDB88320), eight bytes per step ("slicing-by-8", as zlib's
 // portable code): a byte-at-a-time table loop made this checksum nearly half of a checkpoint
 // save's time (bench/ckpt_throughput.sh). Little-endian loads; torch.save is little-endian only.
-uint32_t crc32(const std::string& data) {
+// `c` is the register (the inverted CRC).
+uint32_t crc32_tables(uint32_t c, const unsigned char* p, size_t left) {
   static const auto tables = [] {
     std::array<std::array<uint32_t, 256>, 8> t{};
     for (uint32_t n = 0; n < 256; ++n) {
@@ -207,9 +212,6 @@ uint32_t crc32(const std::string& data) {
       for (uint32_t n = 0; n < 256; ++n) t[k][n] = (t[k - 1][n] >> 8) ^ t[0][t[k - 1][n] & 0xff];
     return t;
   }();
-  const auto* p = reinterpret_cast<const unsigned char*>(data.data());
-  size_t left = data.size();
-  uint32_t c = 0xffffffffu;
   for (; left >= 8; p += 8, left -= 8) {
     uint32_t lo, hi;
     std::memcpy(&lo, p, 4);
@@ -219,8 +221,83 @@ uint32_t crc32(const std::string& data) {
         tables[3][hi & 0xff] ^ tables[2][(hi >> 8) & 0xff] ^ tables[1][(hi >> 16) & 0xff] ^ tables[0][hi >> 24];
   }
   for (; left > 0; ++p, --left) c = tables[0][(c ^ *p) & 0xff] ^ (c >> 8);
-  return c ^ 0xffffffffu;
+  return c;
 }
+
+#if defined(__x86_64__)
+// Folding with carry-less multiplication (Intel, "Fast CRC Computation for Generic Polynomials
+// Using PCLMULQDQ Instruction", 2009), four 128-bit lanes, then Barrett reduction; the constants
+// are that paper's for the reflected CRC-32 (as in Linux's crc32-pclmul and Chromium's zlib).
+// `n` >= 64 and a multiple of 16; `c` is the register. ~10x the tables.
+__attribute__((target("sse4.2,pclmul"))) inline __m128i clmul_fold(__m128i acc, __m128i next, __m128i k) {
+  const __m128i lo = _mm_clmulepi64_si128(acc, k, 0x00);
+  return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(acc, k, 0x11), next), lo);
+}
+
+__attribute__((target("sse4.2,pclmul"))) uint32_t crc32_clmul(uint32_t c, const unsigned char* p, size_t n) {
+  alignas(16) static const uint64_t k1k2[] = {0x0154442bd4ull, 0x01c6e41596ull};
+  alignas(16) static const uint64_t k3k4[] = {0x01751997d0ull, 0x00ccaa009eull};
+  alignas(16) static const uint64_t k5k0[] = {0x0163cd6124ull, 0x0000000000ull};
+  alignas(16) static const uint64_t poly[] = {0x01db710641ull, 0x01f7011641ull};
+  auto load = [](const unsigned char* q) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)); };
+  __m128i x1 = load(p), x2 = load(p + 16), x3 = load(p + 32), x4 = load(p + 48);
+  x1 = _mm_xor_si128(x1, _mm_cvtsi32_si128(static_cast<int>(c)));
+  __m128i k = _mm_load_si128(reinterpret_cast<const __m128i*>(k1k2));
+  p += 64;
+  n -= 64;
+  for (; n >= 64; p += 64, n -= 64) {
+    const __m128i x5 = _mm_clmulepi64_si128(x1, k, 0x00), x6 = _mm_clmulepi64_si128(x2, k, 0x00),
+                  x7 = _mm_clmulepi64_si128(x3, k, 0x00), x8 = _mm_clmulepi64_si128(x4, k, 0x00);
+    x1 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x1, k, 0x11), x5), load(p));
+    x2 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x2, k, 0x11), x6), load(p + 16));
+    x3 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x3, k, 0x11), x7), load(p + 32));
+    x4 = _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(x4, k, 0x11), x8), load(p + 48));
+  }
+  k = _mm_load_si128(reinterpret_cast<const __m128i*>(k3k4));
+  x1 = clmul_fold(clmul_fold(clmul_fold(x1, x2, k), x3, k), x4, k);
+  for (; n >= 16; p += 16, n -= 16) x1 = clmul_fold(x1, load(p), k);
+  // 128 -> 64 bits, then 64 -> 32 with Barrett's reduction.
+  x2 = _mm_clmulepi64_si128(x1, k, 0x10);
+  x3 = _mm_setr_epi32(~0, 0, ~0, 0);
+  x1 = _mm_xor_si128(_mm_srli_si128(x1, 8), x2);
+  k = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(k5k0));
+  x2 = _mm_srli_si128(x1, 4);
+  x1 = _mm_xor_si128(_mm_clmulepi64_si128(_mm_and_si128(x1, x3), k, 0x00), x2);
+  k = _mm_load_si128(reinterpret_cast<const __m128i*>(poly));
+  x2 = _mm_clmulepi64_si128(_mm_and_si128(x1, x3), k, 0x10);
+  x2 = _mm_clmulepi64_si128(_mm_and_si128(x2, x3), k, 0x00);
+  return static_cast<uint32_t>(_mm_extract_epi32(_mm_xor_si128(x1, x2), 1));
+}
+
+bool has_clmul() {
+  static const bool yes = __builtin_cpu_supports("pclmul") && __builtin_cpu_supports("sse4.2");
+  return yes;
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32_portable(uint32_t crc, const void* data, size_t n) {
+  return ~crc32_tables(~crc, static_cast<const unsigned char*>(data), n);
+}
+
+uint32_t crc32(uint32_t crc, const void* data, size_t n) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  uint32_t c = ~crc;
+#if defined(__x86_64__)
+  if (n >= 64 && has_clmul()) {
+    const size_t whole = n & ~size_t{15};
+    c = crc32_clmul(c, p, whole);
+    p += whole;
+    n -= whole;
+  }
+#endif
+  return ~crc32_tables(c, p, n);
+}
+
+// ---- writing ---------------------------------------------------------------------------------------
+
+namespace {
 
 void put(std::string& out, uint64_t v, int n) {
   for (int k = 0; k < n; ++k) out.push_back(static_cast<char>((v >> (8 * k)) & 0xff));
@@ -228,14 +305,18 @@ void put(std::string& out, uint64_t v, int n) {
 
 }  // namespace
 
-std::string write_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries) {
+std::vector<std::string> stored_zip_frame(const std::vector<StoredEntry>& entries) {
   constexpr uint64_t kAlign = 64, kLimit = 0xfffffffeull;
-  std::string out, directory;
-  for (const auto& [name, data] : entries) {
-    if (data.size() > kLimit || out.size() > kLimit || name.size() > 0xffff)
+  std::vector<std::string> frame(entries.size() + 1);
+  std::string directory;
+  uint64_t at = 0;  // archive bytes so far
+  for (size_t i = 0; i < entries.size(); ++i) {
+    const StoredEntry& e = entries[i];
+    const std::string& name = e.name;
+    if (e.size > kLimit || at > kLimit || name.size() > 0xffff)
       throw std::invalid_argument("zip: entry '" + name + "' is beyond the 4 GiB limit of this writer (no zip64)");
-    const uint32_t crc = crc32(data);
-    const uint64_t header_at = out.size();
+    std::string& out = frame[i];
+    const uint64_t header_at = at;
     // The extra field ("FB", as torch.save writes it) pads the data to a 64-byte boundary.
     const uint64_t unpadded = header_at + 30 + name.size() + 4;
     const uint64_t extra = 4 + (kAlign - unpadded % kAlign) % kAlign;
@@ -244,16 +325,16 @@ std::string write_stored_zip(const std::vector<std::pair<std::string, std::strin
     put(out, 0, 2);   // flags
     put(out, 0, 2);   // method: stored
     put(out, 0, 4);   // time, date
-    put(out, crc, 4);
-    put(out, data.size(), 4);
-    put(out, data.size(), 4);
+    put(out, e.crc32, 4);
+    put(out, e.size, 4);
+    put(out, e.size, 4);
     put(out, name.size(), 2);
     put(out, extra, 2);
     out += name;
     put(out, 0x4246, 2);  // "FB"
     put(out, extra - 4, 2);
     out.append(extra - 4, 'Z');
-    out += data;
+    at += out.size() + e.size;
 
     put(directory, 0x02014b50, 4);
     put(directory, 0x031e, 2);  // made by: unix, 3.0
@@ -261,9 +342,9 @@ std::string write_stored_zip(const std::vector<std::pair<std::string, std::strin
     put(directory, 0, 2);
     put(directory, 0, 2);
     put(directory, 0, 4);
-    put(directory, crc, 4);
-    put(directory, data.size(), 4);
-    put(directory, data.size(), 4);
+    put(directory, e.crc32, 4);
+    put(directory, e.size, 4);
+    put(directory, e.size, 4);
     put(directory, name.size(), 2);
     put(directory, 0, 2);  // extra
     put(directory, 0, 2);  // comment
@@ -273,18 +354,33 @@ std::string write_stored_zip(const std::vector<std::pair<std::string, std::strin
     put(directory, header_at, 4);
     directory += name;
   }
-  if (out.size() > kLimit || entries.size() > 0xfffe)
+  if (at > kLimit || entries.size() > 0xfffe)
     throw std::invalid_argument("zip: archive beyond the 4 GiB limit of this writer (no zip64)");
-  const uint64_t cd_at = out.size();
-  out += directory;
+  std::string& out = frame.back();
+  out = std::move(directory);
+  const uint64_t directory_size = out.size();
   put(out, 0x06054b50, 4);
   put(out, 0, 2);
   put(out, 0, 2);
   put(out, entries.size(), 2);
   put(out, entries.size(), 2);
-  put(out, directory.size(), 4);
-  put(out, cd_at, 4);
+  put(out, directory_size, 4);
+  put(out, at, 4);
   put(out, 0, 2);
+  return frame;
+}
+
+std::string write_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries) {
+  std::vector<StoredEntry> described;
+  for (const auto& [name, data] : entries) described.push_back({name, data.size(), crc32(0, data.data(), data.size())});
+  const std::vector<std::string> frame = stored_zip_frame(described);
+  std::string out;
+  size_t total = 0;
+  for (const std::string& f : frame) total += f.size();
+  for (const auto& e : entries) total += e.second.size();
+  out.reserve(total);
+  for (size_t i = 0; i < entries.size(); ++i) out += frame[i], out += entries[i].second;
+  out += frame.back();
   return out;
 }
 

@@ -85,4 +85,21 @@ class ZipReader {
 // torch.save aligns storages. Throws std::invalid_argument past the non-zip64 limits (4 GiB).
 std::string write_stored_zip(const std::vector<std::pair<std::string, std::string>>& entries);
 
+// The same archive without copying the entries' data: frame[i] precedes entry i's bytes and
+// frame.back() (central directory, end record) follows the last, so frame[0] + data0 + frame[1]
+// + data1 + ... + frame.back() == write_stored_zip(entries). A checkpoint writes a tensor's
+// storage from where it lies this way (src/checkpoint/formats/dcp.cpp).
+struct StoredEntry {
+  std::string name;
+  uint64_t size = 0;
+  uint32_t crc32 = 0;  // crc32(0, data, size)
+};
+std::vector<std::string> stored_zip_frame(const std::vector<StoredEntry>& entries);
+
+// zip's CRC-32 (zlib's crc32(crc, data, n): start from 0, continue from a previous result). Folds
+// 64 bytes a step with carry-less multiplies (PCLMULQDQ) where the CPU has them (checked at run
+// time), else slicing by 8.
+uint32_t crc32(uint32_t crc, const void* data, size_t n);
+uint32_t crc32_portable(uint32_t crc, const void* data, size_t n);  // the table path alone (tests)
+
 }  // namespace mfsdp::zip
