@@ -54,6 +54,21 @@ std::map<int64_t, Step> steps_of(const std::string& metrics) {
 
 std::string read_file(const std::string& path) { return mfsdp::testing::slurp(path); }
 
+// A resumed run's 4 iterations (metrics `resumed`) against the uninterrupted run's (`whole`):
+// equal bit for bit when `exact`, else within fp32 rounding of sums in another order (1e-5).
+void expect_resumed_like(const std::string& whole, const std::string& resumed, const std::string& name, bool exact) {
+  auto a = steps_of(whole), b = steps_of(resumed);
+  ASSERT_EQ(b.size(), 4u) << name;
+  for (auto& [it, step] : b) {
+    if (exact) {
+      EXPECT_EQ(step.loss, a.at(it).loss) << name << " iteration " << it;
+      EXPECT_EQ(step.grad_norm, a.at(it).grad_norm) << name << " iteration " << it;
+    } else {
+      EXPECT_NEAR(step.loss, a.at(it).loss, 1e-5 * a.at(it).loss) << name << " iteration " << it;
+    }
+  }
+}
+
 void expect_exact_resume(const std::string& strategy) {
   TempDir dir("mfsdp-resume");
   const std::string s = " --data-parallel-sharding-strategy " + strategy;
@@ -162,16 +177,7 @@ TEST(PretrainCheckpoint, HybridShardingResumesAndReshards) {
     CommandOutcome second = pretrain(r.ranks, r.flags + " --load " + dir.file(r.from) + " --metrics-file " +
                                                   dir.file(r.name + ".jsonl"));
     ASSERT_EQ(second.exit_code, 0) << r.name << "\n" << second.output;
-    auto a = steps_of(dir.file("whole.jsonl")), b = steps_of(dir.file(r.name + ".jsonl"));
-    ASSERT_EQ(b.size(), 4u) << r.name << "\n" << second.output;
-    for (auto& [it, step] : b) {
-      if (r.exact) {
-        EXPECT_EQ(step.loss, a.at(it).loss) << r.name << " iteration " << it;
-        EXPECT_EQ(step.grad_norm, a.at(it).grad_norm) << r.name << " iteration " << it;
-      } else {
-        EXPECT_NEAR(step.loss, a.at(it).loss, 1e-5 * a.at(it).loss) << r.name << " iteration " << it;
-      }
-    }
+    expect_resumed_like(dir.file("whole.jsonl"), dir.file(r.name + ".jsonl"), r.name + "\n" + second.output, r.exact);
   }
 }
 
@@ -205,16 +211,7 @@ TEST(PretrainCheckpoint, TensorParallelResumesAndReshards) {
                           Resume{1, vocab, "tp_dp", "async_to_one", false}}) {
     ASSERT_TRUE(run(r.ranks, r.flags + " --load " + dir.file(r.from) + " --metrics-file " + dir.file(r.name + ".jsonl")))
         << r.name;
-    auto a = steps_of(dir.file("whole.jsonl")), b = steps_of(dir.file(r.name + ".jsonl"));
-    ASSERT_EQ(b.size(), 4u) << r.name;
-    for (auto& [it, step] : b) {
-      if (r.exact) {
-        EXPECT_EQ(step.loss, a.at(it).loss) << r.name << " iteration " << it;
-        EXPECT_EQ(step.grad_norm, a.at(it).grad_norm) << r.name << " iteration " << it;
-      } else {
-        EXPECT_NEAR(step.loss, a.at(it).loss, 1e-5 * a.at(it).loss) << r.name << " iteration " << it;
-      }
-    }
+    expect_resumed_like(dir.file("whole.jsonl"), dir.file(r.name + ".jsonl"), r.name, r.exact);
   }
   // PyTorch reads each TP checkpoint whole (dcp_to_torch_save assembles every tensor from its
   // chunks) and compares it with the 1-rank checkpoint: same keys and shapes, values within 1e-4
