@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/comm/comm.h"
@@ -94,21 +95,27 @@ int main(int argc, char** argv) {
     for (int rep = 0; rep < reps; ++rep) {
       if (op == "load" && !drop_cache.empty() && comm->rank() == 0 && std::system(drop_cache.c_str()) != 0)
         throw std::runtime_error("--drop-cache-cmd failed: " + drop_cache);
-      comm->barrier();
-      const auto start = std::chrono::steady_clock::now();
-      if (op == "save") {
-        mfsdp::CheckpointInfo info;
-        info.iteration = 1;  // every rep replaces the same iteration, as the torch side rewrites its folder
-        mfsdp::save_checkpoint(dir, comm, root, opt.get(), info);
-      } else {
-        mfsdp::load_checkpoint(dir, comm, root, opt.get());
+      // Loads both ways: into the shards (the trainers', "mfsdp") and staged, all or nothing.
+      for (const bool all_or_nothing : op == "save" ? std::vector<bool>{false} : std::vector<bool>{false, true}) {
+        comm->barrier();
+        const auto start = std::chrono::steady_clock::now();
+        if (op == "save") {
+          mfsdp::CheckpointInfo info;
+          info.iteration = 1;  // every rep replaces the same iteration, as the torch side rewrites its folder
+          mfsdp::save_checkpoint(dir, comm, root, opt.get(), info);
+        } else {
+          mfsdp::CheckpointLoadOptions options;
+          options.all_or_nothing = all_or_nothing;
+          mfsdp::load_checkpoint(dir, comm, root, opt.get(), options);
+        }
+        const double seconds =
+            slowest(*comm, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        if (comm->rank() == 0)
+          std::printf("{\"impl\": \"%s\", \"op\": \"%s\", \"ranks\": %d, \"bytes\": %lld, \"seconds\": %.6f}\n",
+                      all_or_nothing ? "mfsdp all-or-nothing" : "mfsdp", op.c_str(), comm->size(),
+                      static_cast<long long>(bytes), seconds);
+        std::fflush(stdout);
       }
-      const double seconds =
-          slowest(*comm, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      if (comm->rank() == 0)
-        std::printf("{\"impl\": \"mfsdp\", \"op\": \"%s\", \"ranks\": %d, \"bytes\": %lld, \"seconds\": %.6f}\n",
-                    op.c_str(), comm->size(), static_cast<long long>(bytes), seconds);
-      std::fflush(stdout);
     }
     return 0;
   } catch (const std::exception& e) {

@@ -72,6 +72,8 @@ for impl in impls:
         med[impl, op] = statistics.median(sel) if sel else float("nan")
         cells.append(f"{med[impl, op]:10.3f}")
     print(f"{impl:24s} | " + " | ".join(cells))
-for impl in impls[1:]:
-    print(f"mfsdp / {impl}: " + ", ".join(f"{op} {med['mfsdp', op] / med[impl, op]:.2f}x" for op in ops))
+for base in [i for i in impls if i.startswith("mfsdp")]:
+    for impl in [i for i in impls if not i.startswith("mfsdp")]:
+        print(f"{base} / {impl}: " + ", ".join(f"{op} {med[base, op] / med[impl, op]:.2f}x" for op in ops
+                                                if med[base, op] == med[base, op]))
 PY

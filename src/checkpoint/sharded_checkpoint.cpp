@@ -362,11 +362,12 @@ void check_shape(const CheckpointReader& reader, const std::string& tensor, cons
 // Elements [offset, offset + dst.numel()) of the rank's tensor (its `slice` of the checkpoint's
 // tensor under tensor parallelism) into a staged copy for `dst`.
 void stage(const CheckpointReader& reader, const std::string& tensor, const LocalShard& s, const TensorSlice* slice,
-           const at::Tensor& dst, Staged& staged) {
-  at::Tensor values = at::empty({dst.numel()}, dst.options());
+           const at::Tensor& dst, Staged& staged, bool all_or_nothing) {
+  const bool in_place = !all_or_nothing && dst.is_contiguous();
+  at::Tensor values = in_place ? dst.view({-1}) : at::empty({dst.numel()}, dst.options());
   if (dst.numel() > 0 && slice == nullptr) reader.read_range(tensor, s.offset, values);
   if (dst.numel() > 0 && slice != nullptr) reader.read_slice_range(tensor, s.global_shape, slice->origin, s.offset, values);
-  staged.copies.emplace_back(dst, values);
+  if (!in_place) staged.copies.emplace_back(dst, values);
 }
 
 // `anywhere`: the model tensors of every rank (under expert parallelism a rank holds only its
@@ -417,7 +418,7 @@ Staged stage_checkpoint(const CheckpointReader& reader, const FsdpHandle& model,
     const TensorSlice* slice = found == options.slices.end() ? nullptr : &found->second;
     const std::vector<int64_t>& whole_shape = slice ? slice->whole_shape : s.global_shape;
     check_shape(reader, key, whole_shape);
-    stage(reader, key, s, slice, s.local, staged);
+    stage(reader, key, s, slice, s.local, staged, options.all_or_nothing);
     if (s.shard_index < 0) continue;
     for (const auto& [state_key, tensors] : state) {
       const std::string okey = optimizer_key(s.name, state_key);
@@ -426,7 +427,7 @@ Staged stage_checkpoint(const CheckpointReader& reader, const FsdpHandle& model,
                                     "' (use --no-load-optim to start the optimizer afresh)");
       check_shape(reader, okey, whole_shape);
       stage(reader, okey, s, slice, tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()),
-            staged);
+            staged, options.all_or_nothing);
     }
   }
 

@@ -51,6 +51,7 @@ ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const 
     o.load_optimizer = false;
     o.load_rng = false;
     o.slices = slices;
+    o.all_or_nothing = false;  // a failed load ends the run
     load_checkpoint(from, comm, ref.root, nullptr, o);
   } else {
     load_hf_shards(from, ref.root, *comm, slices);

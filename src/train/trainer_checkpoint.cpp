@@ -141,6 +141,7 @@ ResumePoint load_training_checkpoint(const PretrainArgs& a, const ModelConfig& c
   options.load_optimizer = !a.finetune && !a.no_load_optim;
   options.load_rng = !a.finetune && !a.no_load_rng;
   options.slices = slices;
+  options.all_or_nothing = false;  // the process exits on a failed load: read straight into the shards
   // The config is checked before any tensor is read, so a mismatch names the flag, not a shape.
   {
     CheckpointReader reader(a.load_dir);
