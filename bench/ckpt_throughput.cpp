@@ -10,7 +10,10 @@
 // Each rep is timed from a barrier to the slowest rank's end (the collective save includes the
 // commit). Prints one JSON line per rep on rank 0: {"impl", "op", "ranks", "bytes", "seconds"}; the
 // bytes are those of the checkpoint's tensor data (12 x parameters), the same count the torch side
-// reports. `--drop-cache-cmd CMD` runs CMD on rank 0 before every load rep (page cache).
+// reports. `--drop-cache-cmd CMD` runs CMD on rank 0 before every load rep (page cache). Each save
+// rep writes into an emptied folder: rank 0 removes the previous rep's checkpoint before the timed
+// region, as a training job saves a new iteration each time (deleting old checkpoints, where a job
+// does, is not part of its saves); the torch side does the same.
 #include <torch/torch.h>
 
 #include <chrono>
@@ -21,6 +24,7 @@
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/comm/comm.h"
+#include "mfsdp/data/directory_tree.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/optim/optim.h"
 
@@ -97,11 +101,12 @@ int main(int argc, char** argv) {
         throw std::runtime_error("--drop-cache-cmd failed: " + drop_cache);
       // Loads both ways: into the shards (the trainers', "mfsdp") and staged, all or nothing.
       for (const bool all_or_nothing : op == "save" ? std::vector<bool>{false} : std::vector<bool>{false, true}) {
+        if (op == "save" && comm->rank() == 0) mfsdp::remove_tree(dir);
         comm->barrier();
         const auto start = std::chrono::steady_clock::now();
         if (op == "save") {
           mfsdp::CheckpointInfo info;
-          info.iteration = 1;  // every rep replaces the same iteration, as the torch side rewrites its folder
+          info.iteration = 1;
           mfsdp::save_checkpoint(dir, comm, root, opt.get(), info);
         } else {
           mfsdp::CheckpointLoadOptions options;

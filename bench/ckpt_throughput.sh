@@ -3,7 +3,7 @@
 # torch.distributed.checkpoint (FileSystemWriter with TORCH_THREADS writer threads, the .venv's
 # torch), on the same sharded model and AdamW state (bench/ckpt_throughput.cpp,
 # bench/ckpt_throughput_torch.py), the same NPROC ranks, interleaved round after round:
-#   save           NPROC ranks write the checkpoint (each rep replaces it)
+#   save           NPROC ranks write the checkpoint (into an emptied folder: the previous rep's is removed untimed)
 #   load           NPROC ranks read it back into the model and optimizer
 #   load@OTHER     OTHER_NPROC ranks read the NPROC-rank checkpoint (resharding)
 # GB/s per rank = checkpoint bytes (12 x parameters) / slowest rank's seconds / ranks; median of
@@ -34,7 +34,8 @@ torch_dcp() {  # ranks op threads
   OMP_NUM_THREADS=1 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$1" \
     "$ROOT/bench/ckpt_throughput_torch.py" --dir "$WORK/torch$3" --op "$2" --threads "$3" "${common[@]}" \
     2>"$WORK/torch.err" | grep '^{' | sed "s/\"op\": \"load\"/\"op\": \"load$4\"/" >> "$OUT" ||
-    { echo "torch run failed ($1 ranks, $2, threads $3):" >&2; tail -20 "$WORK/torch.err" >&2; exit 1; }
+    { echo "torch run failed ($1 ranks, $2, threads $3); its stderr: ${TMPDIR:-/tmp}/ckpt-bench-torch.err" >&2
+      cp "$WORK/torch.err" "${TMPDIR:-/tmp}/ckpt-bench-torch.err"; grep -v '^ ' "$WORK/torch.err" | tail -20 >&2; exit 1; }
 }
 for round in $(seq "$ROUNDS"); do
   echo "round $round" >&2

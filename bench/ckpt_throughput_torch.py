@@ -6,11 +6,13 @@ and the root over gloo, AdamW after one step; saves {"model", "optimizer"} state
 FileSystemWriter(thread_count=--threads), or loads them with dcp.load and set_state_dict (any world
 size). Launched by torchrun. Each rep is timed from a barrier to the slowest rank's end; rank 0
 prints one JSON line per rep: {"impl", "op", "ranks", "bytes", "seconds"}, bytes = 12 x parameters
-(fp32 weights and both moments), as the mfsdp side counts them.
+(fp32 weights and both moments), as the mfsdp side counts them. Each save rep writes into an emptied
+folder (rank 0 removes the previous rep's before the timed region), as the mfsdp side does.
 """
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import time
 
@@ -67,6 +69,8 @@ def main():
     for _ in range(args.reps):
         if args.op == "load" and args.drop_cache_cmd and dist.get_rank() == 0:
             subprocess.run(args.drop_cache_cmd, shell=True, check=True)
+        if args.op == "save" and dist.get_rank() == 0:
+            shutil.rmtree(args.dir, ignore_errors=True)  # untimed, as the mfsdp side does
         dist.barrier()
         start = time.monotonic()
         if args.op == "save":
@@ -82,6 +86,10 @@ def main():
             print(json.dumps({"impl": f"torch dcp (threads {args.threads})", "op": args.op,
                               "ranks": dist.get_world_size(), "bytes": nbytes, "seconds": t.item()}), flush=True)
     dist.destroy_process_group()
+    # Leave without running C++ static destructors: on this torch, now and then a writer thread
+    # still joinable at interpreter exit aborts the process ("terminate called without an active
+    # exception") after every result has been printed, which failed whole benchmark runs.
+    os._exit(0)
 
 
 if __name__ == "__main__":

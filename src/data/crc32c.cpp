@@ -143,6 +143,40 @@ bool has_arm_crc() {
 
 }  // namespace
 
+namespace {
+
+constexpr uint32_t kReflectedPolynomial = 0x82f63b78u;  // 0x1EDC6F41, bit-reversed
+
+// a * b modulo the polynomial, both in the reflected representation (bit 31 is x^0).
+uint32_t multiply_mod(uint32_t a, uint32_t b) {
+  uint32_t product = 0;
+  for (uint32_t bit = 1u << 31; bit != 0; bit >>= 1) {
+    if (a & bit) product ^= b;
+    b = (b & 1) ? (b >> 1) ^ kReflectedPolynomial : b >> 1;
+  }
+  return product;
+}
+
+// x^(8 n) modulo the polynomial: the factor that moves a CRC past n zero bytes. Square and
+// multiply over the bits of 8 n.
+uint32_t x_to_8n(uint64_t n) {
+  uint32_t result = 1u << 31;  // x^0
+  uint32_t power = 1u << 23;   // x^8
+  for (; n != 0; n >>= 1) {
+    if (n & 1) result = multiply_mod(power, result);
+    power = multiply_mod(power, power);
+  }
+  return result;
+}
+
+}  // namespace
+
+// The pre- and post-inversion of both CRCs cancel (CRC is affine), so appending B to A is
+// crc(A) shifted over |B| zero bytes, xor crc(B).
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
+  return multiply_mod(x_to_8n(length_b), crc_a) ^ crc_b;
+}
+
 uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t size) {
   return ~extend_table(~crc, static_cast<const unsigned char*>(data), size);
 }

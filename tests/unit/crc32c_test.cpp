@@ -44,6 +44,24 @@ TEST(Crc32c, ExtendingEqualsOneCallAtEverySplit) {
     EXPECT_EQ(mfsdp::crc32c_extend(mfsdp::crc32c(s.data(), split), s.data() + split, s.size() - split), whole);
 }
 
+// crc32c_combine against the CRC of the joined bytes computed directly: every split of a short
+// input (an empty A or B included) and a few megabyte-long B's (the square-and-multiply over
+// many bits of the length).
+TEST(Crc32c, CombiningEqualsTheCrcOfTheJoinedBytes) {
+  std::string s(3 << 20, '\0');
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<char>(i * 2654435761u >> 24);
+  for (size_t split = 0; split <= 100; ++split)
+    EXPECT_EQ(mfsdp::crc32c_combine(mfsdp::crc32c(s.data(), split), mfsdp::crc32c(s.data() + split, 100 - split), 100 - split),
+              mfsdp::crc32c(s.data(), 100))
+        << "split at " << split;
+  for (size_t length_b : {size_t{1} << 20, (size_t{1} << 20) + 3, s.size() - 77}) {
+    const size_t length_a = s.size() - length_b;
+    EXPECT_EQ(mfsdp::crc32c_combine(mfsdp::crc32c(s.data(), length_a), mfsdp::crc32c(s.data() + length_a, length_b), length_b),
+              mfsdp::crc32c(s.data(), s.size()))
+        << length_b << " bytes of B";
+  }
+}
+
 // Long inputs take the three-stream path (24 KiB steps); 7-byte pieces never do. Both must agree,
 // at lengths around the step.
 TEST(Crc32c, LongInputsEqualTheSamePiecesFedSevenBytesAtATime) {

@@ -15,6 +15,7 @@
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/dcp.h"
+#include "mfsdp/checkpoint/torch_save.h"
 #include "mfsdp/data/crc32c.h"
 #include "mfsdp/data/directory_tree.h"
 
@@ -269,6 +270,58 @@ TEST(DcpChecksums, WrittenForEveryEntryAndVerifiedOnRead) {
   dw.finish();
   EXPECT_TRUE(dcp::Reader(out.path().string()).has_checksums());
   EXPECT_TRUE(at::equal(dcp::Reader(out.path().string()).read("x"), at::arange(4.0)));
+}
+
+// CRC-32 of zip (its polynomial, bit by bit): what zip tools check and torch.load does not.
+uint32_t zip_crc32_bitwise(const char* p, size_t n) {
+  uint32_t c = 0xffffffff;
+  for (size_t i = 0; i < n; ++i) {
+    c ^= static_cast<unsigned char>(p[i]);
+    for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (0xedb88320u & (0u - (c & 1)));
+  }
+  return ~c;
+}
+
+uint32_t le32(const std::string& s, size_t at) {
+  return static_cast<uint32_t>(static_cast<unsigned char>(s[at])) | static_cast<uint32_t>(static_cast<unsigned char>(s[at + 1])) << 8 |
+         static_cast<uint32_t>(static_cast<unsigned char>(s[at + 2])) << 16 | static_cast<uint32_t>(static_cast<unsigned char>(s[at + 3])) << 24;
+}
+
+// FileWriter checksums a tensor's storage a 1 MiB block at a time as it writes it and fills the
+// zip header's CRC in afterwards: the CRC in the local header and in the central directory of
+// every chunk equal the storage's computed here bit by bit, and the chunk's CRC-32C that of its
+// bytes in the file, for storages of no, a few, exactly 1 MiB and 3 MiB + 28 bytes.
+TEST(DcpWriter, ZipAndChunkChecksumsHoldAcrossBlocks) {
+  TempDir dir;
+  const std::string d = dir.path().string();
+  std::vector<at::Tensor> tensors;
+  std::vector<dcp::Location> where;
+  {
+    dcp::FileWriter file(d, dcp::rank_file_name(0));
+    for (int64_t numel : {int64_t{0}, int64_t{5}, int64_t{1} << 18, (int64_t{3} << 18) + 7}) {
+      tensors.push_back(at::randn({numel}));
+      where.push_back(file.write_tensor(tensors.back()));
+    }
+    file.close();
+  }
+  const std::string contents = slurp(d + "/" + dcp::rank_file_name(0));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const dcp::Location& l = where[i];
+    const std::string chunk = contents.substr(l.offset, l.length);
+    ASSERT_TRUE(l.crc32c.has_value());
+    EXPECT_EQ(*l.crc32c, mfsdp::crc32c(chunk.data(), chunk.size())) << tensors[i].numel() << " elements";
+    const uint32_t want = zip_crc32_bitwise(static_cast<const char*>(tensors[i].data_ptr()), tensors[i].nbytes());
+    const std::string name = "/data/0";
+    const size_t in_local = chunk.find(name), in_directory = chunk.find(name, in_local + 1);
+    ASSERT_NE(in_directory, std::string::npos);
+    const size_t local = chunk.rfind(std::string("PK\x03\x04", 4), in_local);
+    const size_t central = chunk.rfind(std::string("PK\x01\x02", 4), in_directory);
+    ASSERT_NE(local, std::string::npos);
+    ASSERT_NE(central, std::string::npos);
+    EXPECT_EQ(le32(chunk, local + 14), want) << tensors[i].numel() << " elements, local header";
+    EXPECT_EQ(le32(chunk, central + 16), want) << tensors[i].numel() << " elements, central directory";
+    EXPECT_TRUE(at::equal(mfsdp::read_torch_save_tensor(d + "/" + l.file, l.offset, l.length, "chunk"), tensors[i]));
+  }
 }
 
 TEST(DcpChecksums, AFlippedTensorByteIsAnErrorNamingFileTensorAndRange) {

@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,12 +81,15 @@ std::string torch_save_tensor(const at::Tensor& tensor);
 // The same archive as the bytes around the tensor's, which stay where they are: head, then the
 // `data.nbytes()` bytes at data.data_ptr(), then tail == torch_save_tensor(tensor). `data` is
 // `tensor` on the CPU, contiguous (no copy when it already is). For writers that put the
-// storage into a file straight from memory (dcp::FileWriter).
+// storage into a file straight from memory (dcp::FileWriter). `data_crc32`, when given, is taken
+// as the zip CRC-32 of the storage instead of reading it: a writer that checksums the storage as
+// it writes it asks first with a placeholder, then again with the CRC (head and tail keep their
+// sizes).
 struct TorchSaveParts {
   at::Tensor data;
   std::string head, tail;
 };
-TorchSaveParts torch_save_tensor_parts(const at::Tensor& tensor);
+TorchSaveParts torch_save_tensor_parts(const at::Tensor& tensor, std::optional<uint32_t> data_crc32 = std::nullopt);
 
 // What read_torch_save_tensor reads, described without reading the storage: the tensor is
 // as_strided(sizes, strides, storage_offset) of the `data_bytes` bytes of dtype at

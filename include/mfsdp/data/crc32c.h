@@ -16,6 +16,10 @@ namespace mfsdp {
 
 uint32_t crc32c_extend(uint32_t crc, const void* data, size_t size);
 inline uint32_t crc32c(const void* data, size_t size) { return crc32c_extend(0, data, size); }
+// The CRC-32C of bytes A followed by bytes B, from crc32c(A), crc32c(B) and B's length, in
+// O(log length) steps (multiplication by x^(8 length) modulo the polynomial) without the bytes:
+// for writers that learn A's final bytes only after B went by (dcp::FileWriter's zip header).
+uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
 // The table path alone, whatever the CPU has (what other CPUs run; tests compare the two).
 uint32_t crc32c_extend_portable(uint32_t crc, const void* data, size_t size);
 

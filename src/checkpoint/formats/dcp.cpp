@@ -17,6 +17,7 @@
 #include <stdexcept>
 
 #include "checkpoint/formats/pickle.h"
+#include "checkpoint/formats/zip_archive.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/torch_save.h"
 #include "mfsdp/data/crc32c.h"
@@ -828,23 +829,39 @@ Location FileWriter::write_bytes(const std::string& bytes) {
   return l;
 }
 
-// torch.save's archive around the tensor's storage, which goes to the file from where it lies,
-// checksummed a block at a time just before write copies it.
+// torch.save's archive around the tensor's storage, which goes to the file from where it lies in
+// one pass: each 1 MiB block is read from memory once, for the zip CRC-32, and is still in the
+// cache for the CRC-32C and for write's copy (a separate zip CRC pass over the whole storage
+// first cost ~15% of a save). The head, which holds the zip CRC, is written with a placeholder
+// and rewritten in place once the CRC is known (same length); the chunk's CRC-32C is put together
+// from its three parts' (crc32c_combine).
 Location FileWriter::write_tensor(const at::Tensor& chunk) {
   if (fd_ < 0) throw std::logic_error("FileWriter: '" + path_ + "' is closed");
-  const TorchSaveParts parts = torch_save_tensor_parts(chunk);
+  const TorchSaveParts placeholder = torch_save_tensor_parts(chunk, 0);
   CheckpointFileSystem& files = checkpoint_file_system();
-  const char* data = static_cast<const char*>(parts.data.data_ptr());
-  const uint64_t n = parts.data.nbytes();
-  uint32_t crc = crc32c(parts.head.data(), parts.head.size());
-  files.append_to_shard(fd_, path_, parts.head.data(), parts.head.size());
+  const char* data = static_cast<const char*>(placeholder.data.data_ptr());
+  const uint64_t n = placeholder.data.nbytes();
+  files.append_to_shard(fd_, path_, placeholder.head.data(), placeholder.head.size());
+  uint32_t zip_crc = 0, data_crc = 0;
   for (uint64_t done = 0; done < n; done += kIoBlock) {
     const size_t block = static_cast<size_t>(std::min<uint64_t>(kIoBlock, n - done));
-    crc = crc32c_extend(crc, data + done, block);
+    zip_crc = zip::crc32(zip_crc, data + done, block);
+    data_crc = crc32c_extend(data_crc, data + done, block);
     files.append_to_shard(fd_, path_, data + done, block);
   }
-  crc = crc32c_extend(crc, parts.tail.data(), parts.tail.size());
+  const TorchSaveParts parts = torch_save_tensor_parts(placeholder.data, zip_crc);
+  if (parts.head.size() != placeholder.head.size())
+    throw std::logic_error("FileWriter: the zip header of a chunk of '" + path_ + "' changed size with its CRC");
+  // Not through the file-system seam, which appends only: these bytes were appended above.
+  for (size_t done = 0; done < parts.head.size();) {
+    const ssize_t w = ::pwrite(fd_, parts.head.data() + done, parts.head.size() - done, static_cast<off_t>(size_ + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) throw std::runtime_error("writing '" + path_ + "' failed: " + std::strerror(errno));
+    done += static_cast<size_t>(w);
+  }
   files.append_to_shard(fd_, path_, parts.tail.data(), parts.tail.size());
+  const uint32_t crc = crc32c_combine(crc32c_combine(crc32c(parts.head.data(), parts.head.size()), data_crc, n),
+                                      crc32c(parts.tail.data(), parts.tail.size()), parts.tail.size());
   const uint64_t length = parts.head.size() + n + parts.tail.size();
   Location l{name_, size_, length, crc};
   size_ += length;

@@ -357,7 +357,7 @@ std::string torch_save_namespace(const nlohmann::json& fields) {
   return torch_save_pickle(w.finish());
 }
 
-TorchSaveParts torch_save_tensor_parts(const at::Tensor& tensor) {
+TorchSaveParts torch_save_tensor_parts(const at::Tensor& tensor, std::optional<uint32_t> data_crc32) {
   check_little_endian_host();
   const at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
   const char* storage_type = nullptr;
@@ -397,7 +397,7 @@ TorchSaveParts torch_save_tensor_parts(const at::Tensor& tensor) {
   const std::vector<std::string> frame =
       zip::stored_zip_frame({entry("archive/data.pkl", data_pkl),
                              entry("archive/byteorder", byteorder),
-                             {"archive/data/0", bytes, zip::crc32(0, t.data_ptr(), bytes)},
+                             {"archive/data/0", bytes, data_crc32 ? *data_crc32 : zip::crc32(0, t.data_ptr(), bytes)},
                              entry("archive/version", version)});
   TorchSaveParts out;
   out.data = t;
