@@ -14,6 +14,7 @@
 
 #include "checkpoint/dcp_checkpoint.h"
 #include "checkpoint/interop_util.h"
+#include "checkpoint/rank_strings.h"
 #include "mfsdp/checkpoint/hf_interop.h"
 #include "mfsdp/checkpoint/tensor_source.h"
 
@@ -67,28 +68,6 @@ bool equal_tensors(const TensorSource& source, const std::string& a, const std::
   return true;
 }
 
-// Every rank's string, in rank order (collective): the error each rank met, so that all throw.
-std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {
-  const auto longs = at::TensorOptions().dtype(at::kLong).device(comm.device());
-  at::Tensor lengths = at::empty({comm.size()}, longs);
-  comm.all_gather(lengths, at::full({1}, static_cast<int64_t>(text.size()), longs));
-  const at::Tensor lengths_cpu = lengths.cpu();
-  std::vector<int64_t> counts(lengths_cpu.data_ptr<int64_t>(), lengths_cpu.data_ptr<int64_t>() + comm.size());
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  at::Tensor mine = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
-  if (!text.empty()) std::memcpy(mine.data_ptr(), text.data(), text.size());
-  at::Tensor all = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(comm.device()));
-  comm.all_gather(all, mine.to(comm.device()), {counts});
-  const at::Tensor all_cpu = all.cpu();
-  std::vector<std::string> out;
-  const char* p = reinterpret_cast<const char*>(all_cpu.data_ptr());
-  for (int64_t c : counts) {
-    out.emplace_back(p, static_cast<size_t>(c));
-    p += c;
-  }
-  return out;
-}
 
 }  // namespace
 
@@ -166,7 +145,7 @@ int64_t load_hf_shards(const std::string& hf_dir, FsdpHandle& model, Communicato
   } catch (const std::exception& e) {
     error = e.what();
   }
-  const std::vector<std::string> errors = all_gather_strings(world, error);
+  const std::vector<std::string> errors = checkpoint::all_gather_strings(world, error);
   if (!error.empty()) throw std::invalid_argument(error);
   for (size_t r = 0; r < errors.size(); ++r)
     if (!errors[r].empty())

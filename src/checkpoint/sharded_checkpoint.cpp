@@ -11,6 +11,7 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/dcp_checkpoint.h"
+#include "checkpoint/rank_strings.h"
 #include "checkpoint/save_steps.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/data/crc32c.h"
@@ -21,32 +22,10 @@ namespace fs = std::filesystem;
 namespace mfsdp {
 namespace {
 
+using checkpoint::all_gather_strings;
 using checkpoint::ChunkRecord;
 using Piece = checkpoint::TensorPiece;
 
-// Every rank's string, in rank order. Collective; carries chunk lists and errors.
-std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& text) {
-  const at::Device device = comm.device();
-  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
-  at::Tensor lengths = at::empty({comm.size()}, longs);
-  comm.all_gather(lengths, at::full({1}, static_cast<int64_t>(text.size()), longs));
-  at::Tensor lengths_cpu = lengths.cpu();
-  std::vector<int64_t> counts(lengths_cpu.data_ptr<int64_t>(), lengths_cpu.data_ptr<int64_t>() + comm.size());
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  at::Tensor mine = at::empty({static_cast<int64_t>(text.size())}, at::kByte);
-  if (!text.empty()) std::memcpy(mine.data_ptr(), text.data(), text.size());
-  at::Tensor all = at::empty({total}, at::TensorOptions().dtype(at::kByte).device(device));
-  comm.all_gather(all, mine.to(device), {counts});
-  at::Tensor all_cpu = all.cpu();
-  std::vector<std::string> out;
-  const char* p = reinterpret_cast<const char*>(all_cpu.data_ptr());
-  for (int64_t c : counts) {
-    out.emplace_back(p, static_cast<size_t>(c));
-    p += c;
-  }
-  return out;
-}
 
 // Throws on every rank if any rank reported an error (an empty string is success).
 void raise_first_error(const std::vector<std::string>& errors, int my_rank, const std::string& what) {
