@@ -68,7 +68,6 @@ bool equal_tensors(const TensorSource& source, const std::string& a, const std::
   return true;
 }
 
-
 }  // namespace
 
 HfModel describe_hf_model(const TensorSource& source) {
