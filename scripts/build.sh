@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [ ! -f build/CMakeCache.txt ]; then
-  cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release >/dev/null
+  # Quiet, but for the line naming the CUDA toolkit LibTorch is configured with: the system's, or
+  # without one the NVIDIA wheels scripts/setup.sh put into .venv (CMakeLists.txt).
+  cmake -S . -B build "${generator[@]}" -DCMAKE_BUILD_TYPE=Release |
+    sed -n 's/^-- \(mfsdp: CUDA toolkit .*\)/\1/p'
 fi
 cmake --build build -j "$(nproc)" "$@"

@@ -4,7 +4,8 @@
 #     amd64 an aarch64 cross compiler and qemu, for one test);
 #   - a project-local Python virtual environment, .venv (ignored by git), holding the exactly
 #     pinned wheels of scripts/requirements.txt: torch, whose LibTorch every target is built
-#     against (CMakeLists.txt finds it there), and the test/benchmark references.
+#     against (CMakeLists.txt finds it there), and the test/benchmark references;
+#   - only where the system has no CUDA toolkit: NVIDIA's nvcc and header wheels, into .venv too.
 # Idempotent: when everything is present it prints nothing and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,10 +58,44 @@ if [ ! -f "$stamp" ] || ! cmp -s scripts/requirements.txt "$stamp"; then
   echo "setup: Python environment ready in $(( $(date +%s) - start )) s"
 fi
 
-# The CUDA configuration of the wheel's LibTorch needs the CUDA toolkit (nvcc and headers) at
-# build time only; say so early instead of failing deep inside find_package(Torch).
-if ! command -v nvcc >/dev/null && [ ! -x /usr/local/cuda/bin/nvcc ] && [ -z "${CUDA_HOME:-}" ]; then
-  echo "setup: warning: no CUDA toolkit (nvcc) found; the CUDA-enabled LibTorch in $venv needs one" \
-       "to configure. Install it, set CUDA_HOME, or build against a CPU-only LibTorch" \
-       "(docs/building.md)." >&2
+# The CUDA configuration of the wheel's LibTorch needs a CUDA toolkit (nvcc, the runtime headers)
+# to configure and build. Without one on the system (nvcc on PATH, in $CUDA_HOME or $CUDA_PATH, or
+# /usr/local/cuda), install NVIDIA's toolkit wheels into .venv (~110 MB to download, ~290 MB):
+# nvcc, nvvm (cicc, libdevice), the crt headers and cuda_profiler_api.h land in
+# site-packages/nvidia/cu13, beside the runtime, cuBLAS, NVTX and CCCL that torch's own
+# dependencies put there, which makes that folder a whole toolkit; CMakeLists.txt uses it when it
+# finds no system toolkit. Pinned to torch's CUDA: torch 2.15.0 requires cuda-toolkit==13.2.2,
+# whose extras pin each component (nvidia-cuda-nvcc==13.2.86.*), so that cuda-toolkit version with
+# the nvcc and profiler extras is the compiler of the CUDA torch was built with. The stamp holds
+# the requirements too: a new torch pin (maybe a new CUDA) reinstalls them.
+have_system_cuda() {
+  command -v nvcc >/dev/null && return 0
+  local d
+  for d in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda; do
+    [ -n "$d" ] && [ -x "$d/bin/nvcc" ] && return 0
+  done
+  return 1
+}
+cuda_stamp=$venv/.mfsdp-cuda-wheels
+if ! have_system_cuda && { [ ! -f "$cuda_stamp" ] || ! cmp -s scripts/requirements.txt "$cuda_stamp"; }; then
+  read -r cuda_toolkit site < <("$venv/bin/python" -c 'import importlib.metadata as m, sysconfig
+try: v = m.version("cuda-toolkit")
+except m.PackageNotFoundError: v = "-"
+print(v, sysconfig.get_paths()["purelib"])')
+  if [ "$cuda_toolkit" = - ]; then
+    echo "setup: warning: no CUDA toolkit (nvcc) found and torch in $venv names no cuda-toolkit" \
+         "version to match; install the CUDA toolkit or set CUDA_HOME to configure its" \
+         "CUDA-enabled LibTorch, or build against a CPU-only LibTorch (docs/building.md)." >&2
+  else
+    echo "setup: no system CUDA toolkit: installing CUDA $cuda_toolkit's nvcc and headers (NVIDIA's wheels) into $venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-cache-dir \
+      "cuda-toolkit[nvcc,profiler]==$cuda_toolkit"
+    # The wheels ship only versioned libraries (libcudart.so.13); a toolkit also has the
+    # unversioned names the linker and CMake's FindCUDAToolkit look for (libcudart.so).
+    for lib in "$site"/nvidia/cu[0-9]*/lib/lib*.so.[0-9]*; do
+      dev=${lib%%.so.*}.so
+      if [ -e "$lib" ] && [ ! -e "$dev" ]; then ln -sf "$(basename "$lib")" "$dev"; fi
+    done
+    cp scripts/requirements.txt "$cuda_stamp"
+  fi
 fi
