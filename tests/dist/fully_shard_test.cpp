@@ -211,7 +211,9 @@ MFSDP_DIST_TEST(FullyShard, HybridShardingMatchesSingleProcess, {4}) {
     check_equivalence(comm, zero3, false, {}, 1e-5, mfsdp::GradientScaling::kAverageInCollective, mesh, hfsdp);
     mfsdp::MixedPrecisionPolicy bf16;
     bf16.param_dtype = at::kBFloat16;
-    check_equivalence(comm, zero3, true, bf16, 3e-2, mfsdp::GradientScaling::kDivideByWorld, mesh, hfsdp);
+    // SGD, not AdamW, against the fp32 reference: bf16 + AdamW measures luck (see
+    // Bf16ComputeTracksFp32Reference); SGD's momentum state is still split across the replicas.
+    check_equivalence(comm, zero3, false, bf16, 3e-2, mfsdp::GradientScaling::kDivideByWorld, mesh, hfsdp);
     // One root sums one kind of main weights: a unit that splits them under a root that does not
     // (or the reverse) is refused when the root is made.
     Net net = make_net();

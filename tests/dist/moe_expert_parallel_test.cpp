@@ -17,7 +17,12 @@
 namespace {
 
 constexpr int kSteps = 3, kMicro = 2, kPerMicro = 2, kSeq = 8, kVocab = 64;
-constexpr double kLr = 0.01, kWd = 0.1, kClip = 0.5;
+// AdamW's eps is 1e-3, not 1e-8 (as in parallel_llama_test.cpp): EP sums the experts' outputs and
+// gradients in another order than one process, so a near-cancelling gradient element can flip sign
+// by rounding, and with eps 1e-8 Adam turns that into a full step of lr either way (measured: an
+// expert weight off by 1.2e-5 of its largest on AVX-512, 8.8e-6 on AVX2); eps 1e-3 keeps steps
+// proportional to gradients (worst 1.5e-7), so weights compare at 1e-5 like the losses.
+constexpr double kLr = 0.01, kWd = 0.1, kClip = 0.5, kEps = 1e-3;
 
 mfsdp::ModelConfig moe_config() {
   return mfsdp::model_config_from_megatron({{"num_layers", 2},
@@ -66,9 +71,9 @@ Trace reference(int world) {
   std::vector<at::Tensor> decay, no_decay;
   for (auto& p : model->parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(kLr).weight_decay(kWd)));
-  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(kLr).weight_decay(0)));
-  torch::optim::AdamW opt(groups, torch::optim::AdamWOptions(kLr));
+  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(kLr).weight_decay(kWd).eps(kEps)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(torch::optim::AdamWOptions(kLr).weight_decay(0).eps(kEps)));
+  torch::optim::AdamW opt(groups, torch::optim::AdamWOptions(kLr).eps(kEps));
   const int chunks = world * kMicro;
   model->set_aux_loss_scale(1.0 / chunks);
   Trace trace;
@@ -104,6 +109,7 @@ void check_expert_parallel(mfsdp::Communicator& comm, int ep, mfsdp::ShardingStr
   mfsdp::FsdpHandle root = mfsdp::shard_model(*model, options, mesh->get("edp"));
   mfsdp::AdamWOptions adamw;
   adamw.weight_decay = kWd;
+  adamw.eps = kEps;
   std::unique_ptr<mfsdp::DistributedOptimizer> opt = mfsdp::make_adamw(root, adamw);
   model->set_aux_loss_scale(1.0 / kMicro);  // the gradients' 1 / world does the rest
 

@@ -468,7 +468,9 @@ TEST(LlamaModel, KvCacheDecodingMatchesFullForward) {
   EXPECT_EQ(cache.length(), 3);
   for (int64_t t = 3; t < 7; ++t) pieces.push_back(model->forward(ids.narrow(1, t, 1), &cache, t));
   EXPECT_EQ(cache.length(), 7);
-  expect_close(torch::cat(pieces, 1), full, 1e-6, "incremental logits");
+  // 1e-5 of the largest logit, as SdpaMatchesTheMathPath: other matmul shapes, and MKL/oneDNN sum in
+  // other orders on other CPUs (measured 3e-7 here); a cache of another prefix is off by 0.6.
+  expect_close(torch::cat(pieces, 1), full, 1e-5, "incremental logits");
   // A start position that disagrees with the cache, or positions past the maximum, are errors.
   EXPECT_THROW(model->forward(ids.narrow(1, 0, 1), &cache, 3), std::invalid_argument);
   EXPECT_THROW(model->forward(random_ids(1, 65, c.vocab_size, 1)), std::invalid_argument);
