@@ -11,18 +11,18 @@
 #      differently on Intel and AMD, and hundreds of clipped Adam steps amplify that);
 #   4. a summary with the curves' files. It fails (exit 1, a line saying why) when no checkpoint
 #      falls in [warm_min, warm_max], when GRPO did not start from the chosen one, or when it raised
-#      the held-out accuracy by less than min_gain (0.30 in 200 steps; 0.15 in 150 at DEMO_SIZE=ci).
+#      the held-out accuracy by less than min_gain (0.30 in 300 steps; 0.15 in 150 at DEMO_SIZE=ci).
 # DEMO_SIZE=ci runs a prefix of the same demo (ctest ReadmeCommands.post_training_at_ci_size): SFT
 # stops at iteration 500 (--exit-interval; every measured seed and kernel path reached 0.20 by
 # 400, docs/PERFORMANCE.md) with the same checkpoints as the full run, and GRPO runs the first 150
-# steps of the full run's 200 (the learning rate is constant after warm-up, so they are the same
+# steps of the full run's 300 (the learning rate is constant after warm-up, so they are the same
 # steps). DEMO_OUT moves the output folder; DEMO_SEED (default 1234) seeds the model's
 # initialisation, the data order and the rollouts (the task and its held-out split stay fixed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 size=${DEMO_SIZE:-full}
 case "$size" in
-  full) sft_stop=(); grpo_iters=200 min_gain=0.30 ;;
+  full) sft_stop=(); grpo_iters=300 min_gain=0.30 ;;
   ci) sft_stop=(--exit-interval 500); grpo_iters=150 min_gain=0.15 ;;
   *) echo "post_training_demo: DEMO_SIZE is 'full' or 'ci', not '$size'" >&2; exit 2 ;;
 esac
