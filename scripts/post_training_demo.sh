@@ -58,12 +58,9 @@ build/mfsdp-run --nproc-per-node 2 build/mfsdp-sft "${model[@]}" "${task[@]}" \
 sft_seconds=$(( $(date +%s) - start ))
 
 # The starting checkpoint: the first validation whose exact match reaches warm_min.
-read -r warm_iter warm_match < <(grep 'validation at iteration' "$out/sft.log" |
-  sed -n 's/.*validation at iteration \([0-9]*\) .*exact match: \([0-9.]*\).*/\1 \2/p' |
-  awk -v lo="$warm_min" '$2 >= lo { print; exit }') || true
-curve=$(grep 'validation at iteration' "$out/sft.log" |
-  sed -n 's/.*validation at iteration \([0-9]*\) .*exact match: \([0-9.]*\).*/\1:\2/p' | paste -sd' ')
-echo "   SFT held-out exact match by iteration: $curve"
+points=$(sed -n 's/.*validation at iteration \([0-9]*\) .*exact match: \([0-9.]*\).*/\1 \2/p' "$out/sft.log")
+read -r warm_iter warm_match < <(awk -v lo="$warm_min" '$2 >= lo { print; exit }' <<<"$points") || true
+echo "   SFT held-out exact match by iteration: $(tr ' ' ':' <<<"$points" | paste -sd' ')"
 [ -n "${warm_iter:-}" ] ||
   { echo "post_training_demo: FAILED: no SFT checkpoint reached held-out exact match $warm_min"; exit 1; }
 awk -v m="$warm_match" -v hi="$warm_max" 'BEGIN { exit !(m <= hi) }' ||
