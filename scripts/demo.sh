@@ -38,7 +38,7 @@ build/mfsdp-preprocess --input "$out/fortunes.txt" --output-prefix "$out/fortune
 
 echo "== pretraining: Llama (4 layers, d=128, GQA, SwiGLU, RoPE) on 2 ranks, ZeRO-3"
 start=$(date +%s)
-build/mfsdp-run --nproc-per-node 2 build/mfsdp-pretrain \
+build/mfsdp-run --nproc-per-node 2 build/mfsdp-pretrain --device cpu \
   --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params \
   --no-gradient-accumulation-fusion --use-distributed-optimizer --ckpt-format fsdp_dtensor \
   --data-path "$out/fortunes_text_document" --tokenizer-type ByteLevelTokenizer --split 98,2,0 \

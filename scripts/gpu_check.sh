@@ -10,6 +10,15 @@
 #   scripts/gpu_check.sh --fetch-debs        # here, with internet and apt: the packages below
 #   scripts/gpu_check.sh                     # there, as root, from the repository root
 #   scripts/gpu_check.sh --configure-only    # unpack + configure only (a check of the recipe)
+#   scripts/gpu_check.sh --correctness       # build, the GPU tier, the stream-order and memcheck
+#                                            # runs; no benchmarks, no rest of the suite; budget
+#                                            # 330 s, so that a second call fits the 15 minutes
+#
+# Beside the GPU tier (ctest -L gpu) it runs the FSDP stream-order tests again under
+# MFSDP_DEBUG_STREAM_SLEEP (a GPU sleep before every collective on the communication stream,
+# then on the compute stream: a missing dependency becomes wrong bits, docs/comm.md), and the
+# NCCL tests under compute-sanitizer's memcheck where the machine allows it. One GPU cannot run
+# NCCL between ranks ("duplicate GPU"): the summary then says multi-rank NCCL was not tested.
 #
 # The GPU machine has no internet and none of the Debian packages the build needs beside
 # LibTorch: --fetch-debs downloads them (apt-get download, no dependencies resolved), and the
@@ -30,9 +39,9 @@
 # gets the rest (ctest --stop-time), and the summary is always written.
 #
 # Files in $OUT (8 at most, each cut to its last 15 MiB): summary.txt, system.txt (GPU, tool and
-# library versions), build.txt (unpack + configure + build), ctest_gpu.txt,
-# bench_collectives.txt, bench_step_time.txt, ctest_all.txt, bench_raw.tar.gz (raw benchmark
-# outputs and metrics).
+# library versions), build.txt (unpack + configure + build), ctest_gpu.txt, checks.txt (the
+# stream-order runs and memcheck), bench_step_time.txt, ctest_all.txt, bench_raw.tar.gz (raw
+# benchmark outputs and metrics; the collective, MoE and TP logs, whose tables are in the summary).
 #
 # Environment: PYTHON [python3: the PyTorch to build against; also MFSDP_PYTHON of the tests]
 #   BUILD_DIR [build-gpu] DEB_PREFIX [.device/root] GPU_CHECK_BUDGET [570] CTEST_JOBS [4]
@@ -42,7 +51,8 @@
 #   GPU_PROFILE [1; 0 skips the profiled run b: --profile --use-pytorch-profiler, summed by
 #   bench/trace_summary.py]
 #   and gpu_step_time.sh's (LAYERS, HIDDEN, PRECISIONS, ITERS, ...), which pass through.
-# Exit status: 0 when the build and the GPU tier passed; 1 otherwise; 2 on bad usage.
+# Exit status: 0 when the build, the GPU tier and the stream-order runs passed (and memcheck found
+# no error); 1 otherwise; 2 on bad usage.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
@@ -60,8 +70,9 @@ mode=check
 case ${1:-} in
   --fetch-debs) mode=fetch ;;
   --configure-only) mode=configure ;;
+  --correctness) mode=correctness ;;
   "") ;;
-  *) echo "usage: scripts/gpu_check.sh [--fetch-debs | --configure-only]" >&2; exit 2 ;;
+  *) echo "usage: scripts/gpu_check.sh [--fetch-debs | --configure-only | --correctness]" >&2; exit 2 ;;
 esac
 
 # ---- here: download the packages ---------------------------------------------------------------
@@ -80,10 +91,12 @@ fi
 
 # ---- there: budget, output files ---------------------------------------------------------------
 BUDGET=${GPU_CHECK_BUDGET:-570}
+[[ $mode == correctness ]] && BUDGET=${GPU_CHECK_BUDGET:-330}
 BUILD_DIR=$(realpath -m "${BUILD_DIR:-build-gpu}")
 DEB_PREFIX=$(realpath -m "${DEB_PREFIX:-.device/root}")
 CTEST_JOBS=${CTEST_JOBS:-4}
 GPU_BENCH=${GPU_BENCH:-1}
+[[ $mode == correctness ]] && GPU_BENCH=0
 GPU_PROFILE=${GPU_PROFILE:-1}
 python=${PYTHON:-python3}
 python=$(command -v "$python") || { echo "gpu_check: PYTHON=${PYTHON:-python3} not found" >&2; exit 2; }
@@ -253,6 +266,54 @@ elif ((rc == 0)); then
   grep -m3 -E 'SKIPPED|needs a CUDA GPU' "$out/ctest_gpu.txt" | tee -a "$summary"
 fi
 
+gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+if ((gpus < 2)); then
+  log "multi-rank NCCL: NOT TESTED ($gpus GPU): NCCL cannot put two ranks on one GPU, so every collective ran at world size 1 (a local copy); see docs/building.md's support matrix"
+fi
+
+# ---- stream order under injected GPU sleeps ---------------------------------------------------------
+# The FSDP tests that compare bits with a reference, again with every collective delayed on the
+# communication stream, then with the compute stream delayed before each collective is ordered
+# after it (MFSDP_DEBUG_STREAM_SLEEP, src/comm/nccl_communicator.cpp): a missing event wait then
+# gives wrong bits deterministically, not once in a thousand runs.
+sleep_tests='FsdpGpu[.](PrefetchOnCommStreamsGivesTheSameWeights|EveryStrategyMatchesSingleProcess)'
+for where in comm compute; do
+  t=$(allow 60 40)
+  start=$SECONDS
+  (cd "$BUILD_DIR" && MFSDP_DEBUG_STREAM_SLEEP=$where:${GPU_SLEEP_CYCLES:-20000000} \
+     timeout -k 5 "$t" ctest -L gpu -R "$sleep_tests" --no-tests=error --output-on-failure --timeout "$t") \
+    >"$work/sleep_$where.txt" 2>&1
+  rc=$?
+  { echo "== stream order, MFSDP_DEBUG_STREAM_SLEEP=$where"; cat "$work/sleep_$where.txt"; } >>"$out/checks.txt"
+  log "stream order with a GPU sleep on the $where stream ($sleep_tests): $(ctest_result "$work/sleep_$where.txt"); $((SECONDS - start)) s, exit $rc (checks.txt)"
+  ((rc)) && status=1
+done
+
+# ---- compute-sanitizer memcheck --------------------------------------------------------------------
+# Memory freed while a stream still uses it, out-of-bounds kernels: the NCCL communicator's tests
+# with the caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1, so that every free is real).
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+t=$(allow 90 30)
+if [[ -z $sanitizer ]]; then
+  log "memcheck: not run, compute-sanitizer not found"
+elif ((t < 30)); then
+  log "memcheck: skipped, $t s left for it"
+else
+  start=$SECONDS
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 5 "$t" "$sanitizer" --tool memcheck --error-exitcode 3 \
+    "$BUILD_DIR/tests/nccl_communicator_test" \
+    --gtest_filter='NcclCommunicator.CollectivesOnCudaTensors:NcclCommunicator.PrescaleAndBothLowPrecisionSums:NcclCommunicator.SplitGroupsWorkAndTheirMemoryIsRecorded' \
+    >"$work/memcheck.txt" 2>&1
+  rc=$?
+  { echo "== memcheck"; cat "$work/memcheck.txt"; } >>"$out/checks.txt"
+  case $rc in
+    0) log "memcheck (compute-sanitizer, NCCL communicator tests): no errors; $((SECONDS - start)) s" ;;
+    3) log "memcheck: ERRORS found (checks.txt)"; grep -m10 -E '=========' "$work/memcheck.txt" | tee -a "$summary"; status=1 ;;
+    *) log "memcheck: did not complete, exit $rc (refused by this machine or out of time; checks.txt):"
+       tail -5 "$work/memcheck.txt" | cut -c1-300 | tee -a "$summary" ;;
+  esac
+fi
+
 # The carried wheels whose module this Python cannot import yet, into $1 (for PYTHONPATH).
 install_wheels() {  # dir
   local whl module
@@ -279,17 +340,16 @@ if ((GPU_BENCH)); then
     mkdir -p "$work/raw/collectives"
     BUILD=$BUILD_DIR PYTHON=$python BACKEND=nccl ROUNDS=${CB_ROUNDS:-3} TMPDIR=$work/raw/collectives \
       timeout -k 5 "$t" bench/collective_bandwidth.sh --max-bytes "${CB_MAX_BYTES:-256M}" \
-      >"$out/bench_collectives.txt" 2>&1
+      >"$work/raw/bench_collectives.txt" 2>&1
     rc=$?
-    log "collective bandwidth, NCCL, ours vs c10d nccl: exit $rc, $((SECONDS - start)) s (bench_collectives.txt)"
-    sed -n '/^# median over/,$p' "$out/bench_collectives.txt" | grep -v '^# raw outputs' | tee -a "$summary"
+    log "collective bandwidth, NCCL, ours vs c10d nccl: exit $rc, $((SECONDS - start)) s (bench_raw.tar.gz raw/bench_collectives.txt)"
+    sed -n '/^# median over/,$p' "$work/raw/bench_collectives.txt" | grep -v '^# raw outputs' | tee -a "$summary"
   else
     log "collective bandwidth: skipped, $t s left for it"
   fi
   site=$work/site
   install_wheels "$site"
   # One GPU, then all: gpu_step_time.sh once per value, each under what the budget leaves.
-  gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
   nprocs=(1)
   ((gpus > 1)) && nprocs+=("$gpus")
   for n in "${nprocs[@]}"; do
@@ -313,10 +373,10 @@ if ((GPU_BENCH)); then
     start=$SECONDS
     DEVICE=cuda NPROC=$(( gpus > 1 ? 2 : 1 )) RUNS="ep1 $( ((gpus > 1)) && echo ep2) grouped dense" EXTRA=--bf16 \
       ROUNDS=2 BUILD=$BUILD_DIR PYTHON=$python OUT=$work/raw/moe \
-      timeout -k 5 "$t" bench/moe_step_time.sh >"$out/bench_moe.txt" 2>"$work/raw/moe.log"
+      timeout -k 5 "$t" bench/moe_step_time.sh >"$work/raw/bench_moe.txt" 2>"$work/raw/moe.log"
     rc=$?
-    log "MoE step time on the GPU, per-expert vs grouped GEMM vs dense: exit $rc, $((SECONDS - start)) s (bench_moe.txt)"
-    tee -a "$summary" <"$out/bench_moe.txt"
+    log "MoE step time on the GPU, per-expert vs grouped GEMM vs dense: exit $rc, $((SECONDS - start)) s (bench_raw.tar.gz raw/bench_moe.txt)"
+    tee -a "$summary" <"$work/raw/bench_moe.txt"
     ((rc)) && tail -15 "$work/raw/moe.log" | cut -c1-400 | tee -a "$summary"
   else
     log "MoE step time: skipped, $t s left for it"
@@ -334,10 +394,10 @@ if ((GPU_BENCH)); then
       --mock-data --vocab-size 32000 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 4096 \
       --num-attention-heads 16 --group-query-attention --num-query-groups 8 --swiglu --seq-length 1024 \
       --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size $((tp_ranks)) --train-iters 20 \
-      --lr 3e-4 --log-interval 5 --tensor-model-parallel-size 2 --sequence-parallel >"$out/tp_smoke.txt" 2>&1
+      --lr 3e-4 --log-interval 5 --tensor-model-parallel-size 2 --sequence-parallel >"$work/raw/tp_smoke.txt" 2>&1
     rc=$?
-    log "TP smoke on $tp_ranks GPUs (TP 2, sequence parallel, bf16): exit $rc, $((SECONDS - start)) s (tp_smoke.txt)"
-    grep -E 'parallelism:|iteration +(5|20)/' "$out/tp_smoke.txt" | cut -c1-300 | tee -a "$summary"
+    log "TP smoke on $tp_ranks GPUs (TP 2, sequence parallel, bf16): exit $rc, $((SECONDS - start)) s (bench_raw.tar.gz raw/tp_smoke.txt)"
+    grep -E 'parallelism:|iteration +(5|20)/' "$work/raw/tp_smoke.txt" | cut -c1-300 | tee -a "$summary"
   else
     log "TP smoke: skipped, $t s left for it"
   fi
@@ -370,7 +430,9 @@ fi
 
 # ---- the rest of the suite, while time remains ---------------------------------------------------
 t=$(allow 100000 10)
-if ((t >= 60)); then
+if [[ $mode == correctness ]]; then
+  log "rest of the suite: not run (--correctness)"
+elif ((t >= 60)); then
   start=$SECONDS
   # Not the README-command tests nor the no-CUDA-toolkit install test: they run scripts/setup.sh,
   # which installs Debian packages and wheels, and the GPU machine has no network.

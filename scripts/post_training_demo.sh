@@ -49,7 +49,7 @@ task=(--gen-task arith --gen-digits 2 --gen-seed 7 --gen-train-size 7000 --gen-v
 # ~400 (docs/PERFORMANCE.md).
 echo "== SFT: 2-digit addition in chat format, 2 ranks, ZeRO-3 (evaluated and saved every 25 iterations)"
 start=$(date +%s)
-build/mfsdp-run --nproc-per-node 2 build/mfsdp-sft "${model[@]}" "${task[@]}" \
+build/mfsdp-run --nproc-per-node 2 build/mfsdp-sft --device cpu "${model[@]}" "${task[@]}" \
   --max-length 48 --micro-batch-size 32 --global-batch-size 64 --train-iters 1000 \
   --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 50 --weight-decay 0.01 \
   --clip-grad 1.0 --log-interval 50 --eval-interval 25 --eval-iters 2 --val-generate-samples 400 \
@@ -82,7 +82,7 @@ echo "   128 prompts x 4 responses per step, exact-match reward, KL to a sharded
 # little for twice the update time); a small KL loss to the SFT checkpoint (low_var_kl, 0.001),
 # verl's default, keeping the policy near it without slowing it.
 start=$(date +%s)
-build/mfsdp-run --nproc-per-node 2 build/mfsdp-grpo "${model[@]}" "${task[@]}" \
+build/mfsdp-run --nproc-per-node 2 build/mfsdp-grpo --device cpu "${model[@]}" "${task[@]}" \
   --load "$warm" --finetune --max-prompt-length 32 --max-response-length 6 \
   --train-batch-size 128 --rollout-n 4 --micro-batch-size 128 --train-iters "$grpo_iters" \
   --lr 5e-4 --lr-warmup-iters 10 --lr-decay-style constant --clip-grad 1.0 --temperature 1.0 \

@@ -8,6 +8,12 @@
 #include <stdexcept>
 #include <thread>
 
+#ifdef MFSDP_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <cuda_runtime_api.h>
+#endif
+
 #include "checkpoint/save_steps.h"
 
 namespace mfsdp {
@@ -29,6 +35,25 @@ constexpr int64_t kAlign = 64;
 
 int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// `bytes` of staging: plain memory for CPU shards; page-locked for shards on CUDA (`cuda`), so
+// the device copies run at full speed, taken from CUDA at exactly that size and handed back when
+// the tensor dies. Not PyTorch's pinned allocator (pinned_memory(true)): it rounds every block up
+// to a power of two and keeps freed blocks cached, so 17 GiB of staging would pin 32 GiB, and a
+// buffer that grows would leave the old one pinned as well.
+at::Tensor staging_buffer(int64_t bytes, std::optional<at::Device> cuda) {
+  const auto bytes_type = at::TensorOptions().dtype(at::kByte);
+  if (!cuda || bytes == 0) return at::empty({bytes}, bytes_type);
+#ifdef MFSDP_WITH_CUDA
+  c10::cuda::CUDAGuard guard(*cuda);
+  void* data = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&data, static_cast<size_t>(bytes), cudaHostAllocDefault));
+  return at::from_blob(data, {bytes}, [](void* p) { cudaFreeHost(p); }, bytes_type);
+#else
+  // Without mfsdp's CUDA path (MFSDP_CUDA=OFF over a CUDA LibTorch) only PyTorch's allocator.
+  return at::empty({bytes}, bytes_type.pinned_memory(true));
+#endif
+}
+
 }  // namespace
 
 AsyncCheckpointSaver::AsyncCheckpointSaver() = default;
@@ -42,6 +67,10 @@ bool AsyncCheckpointSaver::in_flight() const { return pending_ != nullptr; }
 int64_t AsyncCheckpointSaver::iteration_in_flight() const { return pending_ ? pending_->iteration : -1; }
 
 int64_t AsyncCheckpointSaver::staging_bytes() const { return staging_.defined() ? staging_.numel() : 0; }
+
+int64_t AsyncCheckpointSaver::pinned_bytes() const { return staging_pinned_ ? staging_bytes() : 0; }
+
+const void* AsyncCheckpointSaver::staging_data() const { return staging_.defined() ? staging_.data_ptr() : nullptr; }
 
 void AsyncCheckpointSaver::save(const std::string& save_dir, const std::shared_ptr<Communicator>& world,
                                 const FsdpHandle& model, const DistributedOptimizer* optimizer,
@@ -61,14 +90,17 @@ void AsyncCheckpointSaver::save(const std::string& save_dir, const std::shared_p
   try {
     std::vector<checkpoint::TensorPiece> live = checkpoint::pieces_to_save(model, optimizer, rank, world->size(), slices);
     int64_t total = 0;
-    bool on_cuda = false;
+    std::optional<at::Device> cuda;
     for (const auto& p : live) {
       total += aligned(p.data.numel() * static_cast<int64_t>(p.data.element_size()));
-      on_cuda = on_cuda || p.data.is_cuda();
+      if (!cuda && p.data.is_cuda()) cuda = p.data.device();
     }
-    // Pinned host memory lets the device copy run at full speed; CPU shards need plain memory.
-    if (!staging_.defined() || staging_.numel() < total || staging_.is_pinned() != on_cuda)
-      staging_ = at::empty({total}, at::TensorOptions().dtype(at::kByte).pinned_memory(on_cuda));
+    if (!staging_.defined() || staging_.numel() < total || staging_pinned_ != cuda.has_value()) {
+      staging_ = at::Tensor();  // the old buffer goes back first: never both at once
+      staging_pinned_ = false;
+      staging_ = staging_buffer(total, cuda);
+      staging_pinned_ = cuda.has_value();
+    }
     int64_t offset = 0;
     for (auto& p : live) {
       const int64_t bytes = p.data.numel() * static_cast<int64_t>(p.data.element_size());

@@ -53,20 +53,34 @@ RankSlices even_slices(int64_t numel, int world) {
   return slices_from_counts(counts);
 }
 
-void check_tensor(const char* op, const char* role, const at::Tensor& t, c10::DeviceType device) {
-  if (!t.defined()) bad_call(op, std::string(role) + " tensor is undefined");
-  if (t.device().type() != device) {
-    std::ostringstream s;
-    s << role << " tensor is on " << t.device() << ", this communicator works on "
-      << c10::DeviceTypeName(device) << " tensors";
-    bad_call(op, s.str());
+std::string device_mismatch(const at::Device& tensor, const at::Device& comm) {
+  const bool index_differs = comm.has_index() && tensor.has_index() && tensor.index() != comm.index();
+  if (tensor.type() == comm.type() && !index_differs) return "";
+  std::ostringstream s;
+  s << "is on " << tensor << ", this communicator works on ";
+  if (comm.has_index()) {
+    s << comm;
+  } else {
+    s << c10::DeviceTypeName(comm.type());
   }
+  s << " tensors";
+  return s.str();
+}
+
+void check_tensor(const char* op, const char* role, const at::Tensor& t, const at::Device& device) {
+  if (!t.defined()) bad_call(op, std::string(role) + " tensor is undefined");
+  const std::string mismatch = device_mismatch(t.device(), device);
+  if (!mismatch.empty()) bad_call(op, std::string(role) + " tensor " + mismatch);
   if (!t.is_contiguous()) bad_call(op, std::string(role) + " tensor is not contiguous");
+}
+
+void check_tensor(const char* op, const char* role, const at::Tensor& t, c10::DeviceType device) {
+  check_tensor(op, role, t, at::Device(device));
 }
 
 RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
                              const AllGatherOptions& options, int rank, int world,
-                             c10::DeviceType device) {
+                             const at::Device& device) {
   const char* op = "all_gather";
   check_tensor(op, "output", output, device);
   check_tensor(op, "input", input, device);
@@ -88,7 +102,7 @@ RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
 
 RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& input,
                                  const ReduceScatterOptions& options, int rank, int world,
-                                 c10::DeviceType device) {
+                                 const at::Device& device) {
   const char* op = "reduce_scatter";
   check_tensor(op, "output", output, device);
   check_tensor(op, "input", input, device);
@@ -117,7 +131,7 @@ RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& inp
 
 AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& input,
                                  const AllToAllOptions& options, int rank, int world,
-                                 c10::DeviceType device) {
+                                 const at::Device& device) {
   const char* op = "all_to_all_single";
   const std::string me = "rank " + std::to_string(rank) + ": ";
   check_tensor(op, (me + "output").c_str(), output, device);
@@ -135,7 +149,7 @@ AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& inp
                      c10::str(output.sizes()) + ")");
   // Writing received rows over rows still to be sent would corrupt them (meta tensors have no
   // memory to overlap).
-  if (device != c10::kMeta) {
+  if (device.type() != c10::kMeta) {
     const auto overlap = at::get_overlap_status(output, input);
     if (overlap == at::MemOverlapStatus::Full || overlap == at::MemOverlapStatus::Partial)
       bad_call(op, me + "output and input overlap (it cannot run in place)");
@@ -176,6 +190,22 @@ AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& inp
     return slices_from_counts(rows);
   };
   return {elements(in), elements(out)};
+}
+
+RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
+                             const AllGatherOptions& options, int rank, int world,
+                             c10::DeviceType device) {
+  return all_gather_layout(output, input, options, rank, world, at::Device(device));
+}
+RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const ReduceScatterOptions& options, int rank, int world,
+                                 c10::DeviceType device) {
+  return reduce_scatter_layout(output, input, options, rank, world, at::Device(device));
+}
+AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const AllToAllOptions& options, int rank, int world,
+                                 c10::DeviceType device) {
+  return all_to_all_layout(output, input, options, rank, world, at::Device(device));
 }
 
 void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, double prescale) {

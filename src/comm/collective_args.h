@@ -25,15 +25,29 @@ RankSlices slices_from_counts(const std::vector<int64_t>& counts);
 // numel split into `world` contiguous slices that differ by at most one element.
 RankSlices even_slices(int64_t numel, int world);
 
-// Throws std::invalid_argument naming `op` and `role` unless `t` is defined, contiguous and on
-// `device`'s type.
+// Why a tensor on `tensor` may not go to a communicator working on `comm`, "" when it may: the
+// device types differ, or both name an index and the indexes differ. A `comm` without an index
+// (at::kCPU, or a bare c10::DeviceType below) takes every index of its type. NCCL checks pointers
+// only with NCCL_CHECK_POINTERS=1, so a tensor of another GPU would otherwise be an
+// illegal-address crash rather than an error naming it.
+std::string device_mismatch(const at::Device& tensor, const at::Device& comm);
+
+// Throws std::invalid_argument naming `op` and `role` (and both devices) unless `t` is defined,
+// contiguous and on `device` (device_mismatch). The c10::DeviceType forms check the type only.
+void check_tensor(const char* op, const char* role, const at::Tensor& t, const at::Device& device);
 void check_tensor(const char* op, const char* role, const at::Tensor& t, c10::DeviceType device);
 
 // Validates an all-gather call (dtype match, counts, output size) and returns its layout.
 RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
                              const AllGatherOptions& options, int rank, int world,
+                             const at::Device& device);
+RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
+                             const AllGatherOptions& options, int rank, int world,
                              c10::DeviceType device);
 // Validates a reduce-scatter call and returns its layout.
+RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const ReduceScatterOptions& options, int rank, int world,
+                                 const at::Device& device);
 RankSlices reduce_scatter_layout(const at::Tensor& output, const at::Tensor& input,
                                  const ReduceScatterOptions& options, int rank, int world,
                                  c10::DeviceType device);
@@ -46,6 +60,9 @@ struct AllToAllLayout {
 };
 // Validates an all_to_all_single call (tensors, dtypes, trailing shapes, splits, no overlap) and
 // returns its layout. The peers' splits cannot be checked here (the backends do what they can).
+AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& input,
+                                 const AllToAllOptions& options, int rank, int world,
+                                 const at::Device& device);
 AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& input,
                                  const AllToAllOptions& options, int rank, int world,
                                  c10::DeviceType device);

@@ -1,14 +1,24 @@
 #include <torch/cuda.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <stdexcept>
+#include <utility>
+#include <vector>
 
 #include "comm/cpu_communicator.h"
+#include "comm/device_selection.h"
 #include "comm/store.h"
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/comm/rendezvous.h"
 
 #ifdef MFSDP_WITH_CUDA
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
+
 #include "comm/nccl_communicator.h"
 #endif
 
@@ -48,25 +58,77 @@ void Communicator::all_to_all_single(const at::Tensor& output, const at::Tensor&
 }
 void Communicator::barrier(const BarrierOptions& options) { barrier_async(options)->wait(); }
 
-at::Device resolve_device(const std::string& choice, int local_rank, int local_world_size) {
+at::Device select_device(const std::string& choice, int local_rank, int local_world_size, int gpus,
+                         const std::optional<std::string>& cuda_visible_devices) {
   if (choice != "auto" && choice != "cpu" && choice != "cuda")
     throw std::invalid_argument("--device: unknown value '" + choice + "' (expected auto, cpu or cuda)");
   if (choice == "cpu") return at::kCPU;
+  const std::string visible =
+      cuda_visible_devices ? " (CUDA_VISIBLE_DEVICES='" + *cuda_visible_devices + "')" : std::string();
+  if (gpus == 0) {
+    if (choice == "auto") return at::kCPU;
+    throw std::invalid_argument(
+        "--device cuda: no CUDA GPU is usable here (torch::cuda::device_count() == 0" + visible +
+        ", or a build without CUDA); use --device cpu");
+  }
+  const int local_ranks = std::max(local_world_size, 1);
+  // One GPU per task: Slurm's --gpus-per-task=1 (or a per-rank CUDA_VISIBLE_DEVICES) shows each
+  // rank only its own GPU, as device 0. Ranks that in fact share it are refused when the NCCL
+  // communicator is created (check_one_rank_per_gpu), naming them.
+  if (gpus == 1 && local_ranks > 1) return at::Device(at::kCUDA, 0);
+  // Some GPUs, fewer than the ranks: falling back to the CPU would train there without a word.
+  if (gpus < local_ranks)
+    throw std::invalid_argument(
+        "--device " + choice + ": this rank sees " + std::to_string(gpus) + " GPUs" + visible + " but " +
+        std::to_string(local_ranks) +
+        " ranks run on its node: each rank needs a GPU of its own, either every GPU of the node "
+        "visible to every rank (LOCAL_RANK picks one, torchrun's convention) or exactly one per "
+        "rank (Slurm --gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank); start at most " +
+        std::to_string(gpus) + " ranks per node, or use --device cpu");
+  if (local_rank < 0 || local_rank >= gpus)
+    throw std::invalid_argument("--device " + choice + ": LOCAL_RANK " + std::to_string(local_rank) +
+                                " has no GPU of its own (this rank sees " + std::to_string(gpus) + visible +
+                                "); start at most one rank per GPU");
+  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+}
+
+at::Device resolve_device(const std::string& choice, int local_rank, int local_world_size) {
 #ifdef MFSDP_WITH_CUDA
   const int gpus = static_cast<int>(torch::cuda::device_count());
 #else
   const int gpus = 0;  // a CPU-only build cannot use a GPU even where one is present
 #endif
-  if (choice == "auto" && gpus < std::max(local_world_size, 1)) return at::kCPU;
-  if (gpus == 0)
-    throw std::invalid_argument(
-        "--device cuda: no CUDA GPU is usable here (torch::cuda::device_count() == 0, or a build "
-        "without CUDA); use --device cpu");
-  if (local_rank < 0 || local_rank >= gpus)
-    throw std::invalid_argument("--device " + choice + ": LOCAL_RANK " + std::to_string(local_rank) +
-                                " has no GPU of its own (this machine has " + std::to_string(gpus) +
-                                "); start at most one rank per GPU");
-  return at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(local_rank));
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  return select_device(choice, local_rank, local_world_size, gpus,
+                       visible != nullptr ? std::optional<std::string>(visible) : std::nullopt);
+}
+
+void check_one_rank_per_gpu(c10d::Store& store, int rank, int world_size, const std::string& gpu_id,
+                            const std::string& gpu, std::chrono::milliseconds timeout) {
+  auto bytes = [](const std::string& s) { return std::vector<uint8_t>(s.begin(), s.end()); };
+  const std::string me = std::to_string(rank);
+  // The first rank to claim the GPU owns it; compareSet answers with the owner.
+  const std::vector<uint8_t> claim = store.compareSet("mfsdp/gpu/owner/" + gpu_id, {}, bytes(me));
+  const int owner = std::stoi(std::string(claim.begin(), claim.end()));
+  if (owner != rank)
+    store.set("mfsdp/gpu/shared",
+              bytes("ranks " + std::to_string(std::min(owner, rank)) + " and " +
+                    std::to_string(std::max(owner, rank)) + " both use GPU " + gpu +
+                    ": NCCL needs a GPU of its own for every rank; give each rank its own GPU "
+                    "(every GPU visible to every rank and LOCAL_RANK picking one, or Slurm "
+                    "--gpus-per-task=1 / CUDA_VISIBLE_DEVICES per rank), start at most one rank "
+                    "per GPU, or use --device cpu"));
+  // Every rank decides only once all have claimed, so all fail together (a rank left alone in
+  // NCCL's init would wait there for the others for ever). A sharer's set precedes its add.
+  if (store.add("mfsdp/gpu/claimed", 1) == world_size) store.set("mfsdp/gpu/all_claimed", bytes("1"));
+  store.wait({"mfsdp/gpu/all_claimed"}, timeout);
+  if (!store.check({"mfsdp/gpu/shared"})) return;
+  const std::vector<uint8_t> what = store.get("mfsdp/gpu/shared");
+  // Rank 0 serves the store: it leaves only once every rank has read the message (as in
+  // hold_store_until_start_up_ends), or a peer would see the connection drop instead.
+  if (store.add("mfsdp/gpu/told", 1) == world_size) store.set("mfsdp/gpu/all_told", bytes("1"));
+  if (rank == 0) store.wait({"mfsdp/gpu/all_told"}, timeout);
+  throw std::invalid_argument("communicator 'nccl': " + std::string(what.begin(), what.end()));
 }
 
 std::string backend_for(const at::Device& device) { return device.is_cuda() ? "nccl" : "gloo"; }
@@ -89,6 +151,27 @@ void hold_store_until_start_up_ends(c10d::Store& store, const RendezvousInfo& in
   for (int r = 0; r < info.world_size; ++r) store.get("mfsdp/start_up_done/" + std::to_string(r));
 }
 
+#ifdef MFSDP_WITH_CUDA
+// GPU `device`'s UUID in nvidia-smi's form (GPU-8c2f...; unique across machines), and how
+// messages name it.
+std::pair<std::string, std::string> gpu_identity(int device) {
+  cudaDeviceProp prop{};
+  C10_CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  std::string uuid = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    char hex[3];
+    std::snprintf(hex, sizeof hex, "%02x", static_cast<unsigned char>(prop.uuid.bytes[i]));
+    uuid += hex;
+    if (i == 3 || i == 5 || i == 7 || i == 9) uuid += '-';
+  }
+  char bus[32];
+  std::snprintf(bus, sizeof bus, "%04x:%02x:%02x.0", prop.pciDomainID, prop.pciBusID, prop.pciDeviceID);
+  char host[256] = {};
+  if (gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  return {uuid, uuid + " (PCI bus " + bus + " on host " + host + ")"};
+}
+#endif
+
 }  // namespace
 
 std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
@@ -108,7 +191,19 @@ std::shared_ptr<Communicator> init_communicator(const RendezvousInfo& info,
   if (options.backend == "gloo") comm = make_cpu_communicator(store, info, options);
 #ifdef MFSDP_WITH_CUDA
   if (options.backend == "nccl") {
-    int device = options.device_index >= 0 ? options.device_index : info.local_rank;
+    const int device = options.device_index >= 0
+                           ? options.device_index
+                           : resolve_device("cuda", info.local_rank, info.local_world_size).index();
+    const int gpus = static_cast<int>(torch::cuda::device_count());
+    if (device >= gpus)
+      throw std::invalid_argument("communicator 'nccl': device index " + std::to_string(device) +
+                                  ", but this process sees " + std::to_string(gpus) + " GPUs");
+    // The rank's GPU stays current on this thread, as torch.cuda.set_device(local_rank) makes
+    // it: the caching allocator, plain at::kCUDA tensors and kernels launched without a guard
+    // all use the current device, which would otherwise be cuda:0 on every rank.
+    c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+    const auto [gpu_id, gpu] = gpu_identity(device);
+    check_one_rank_per_gpu(*store, info.rank, info.world_size, gpu_id, gpu, startup);
     comm = make_nccl_communicator(store, info, device, options.timeout, startup);
   }
 #endif

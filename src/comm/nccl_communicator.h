@@ -9,9 +9,18 @@
 // until wait() (Work keeps references; we never call recordStream, so the caching allocator
 // must not see them freed early). Temporaries live on the communication stream.
 //
-// Timeouts: a watchdog thread polls unfinished work; past its timeout, or when NCCL reports an
-// asynchronous error, the NCCL communicator is aborted and every pending and later call fails
-// with CommError naming the operation and rank.
+// Reductions: bf16/fp16 use NCCL's own kernels in that dtype unless the caller asks for the
+// rank-order fp32 sum (LowPrecisionSum, comm.h); a prescale is an NCCL PreMulSum.
+//
+// Groups: new_group splits this communicator (ncclCommSplit), sharing its resources unless
+// GroupOptions says otherwise; no unique id goes through the store.
+//
+// Failures never hang: communicators are nonblocking and every NCCL call in progress is polled
+// until the collective's timeout (init and split included). A watchdog thread polls unfinished
+// work; past its timeout, or when NCCL reports an asynchronous error, it aborts the communicator
+// (never while another thread is inside an NCCL call on it: nccl_call_guards.h) and, like c10d's
+// async error handling, ends the process, so that no host code computes on with the buffers of
+// a failed collective (MFSDP_NCCL_ASYNC_ERROR_HANDLING=0: every later call throws instead).
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Store.hpp>

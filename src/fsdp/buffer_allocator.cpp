@@ -1,10 +1,12 @@
 #include "fsdp/buffer_allocator.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -14,7 +16,11 @@ namespace {
 constexpr size_t kAlign = 64;  // every placed buffer starts on a cache line
 size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
+// c10::Allocator::allocate takes no device: CUDA's caching allocator uses the thread's current
+// one. So `device` is made current around it; otherwise a rank whose thread still had cuda:0
+// current got cuda:0 memory under tensors saying cuda:<rank>. (at::empty guards itself.)
 c10::DataPtr plain_allocation(size_t bytes, c10::Device device) {
+  const c10::OptionalDeviceGuard guard(device.has_index() ? std::optional<c10::Device>(device) : std::nullopt);
   return c10::GetAllocator(device.type())->allocate(bytes);
 }
 

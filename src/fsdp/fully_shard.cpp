@@ -71,10 +71,13 @@ std::vector<at::Tensor> run_forward(UnitState& unit,
 
 at::Tensor cast_forward_input(const UnitState& unit, const at::Tensor& input) {
   const auto& dtype = unit.options().mixed_precision.param_dtype;
-  if (!dtype || !input.defined() || !at::isFloatingType(input.scalar_type()) ||
-      input.scalar_type() == *dtype)
-    return input;
-  return input.to(*dtype);
+  at::Tensor cast = input;
+  if (dtype && input.defined() && at::isFloatingType(input.scalar_type()) && input.scalar_type() != *dtype)
+    cast = input.to(*dtype);
+  // Every tensor input passes here, so this is where a unit with frozen parameters learns when
+  // its backward is done (UnitState::attach_post_backward). The header hands the unit over as
+  // const; it comes from find_unit, never a const object.
+  return const_cast<UnitState&>(unit).attach_post_backward(cast);
 }
 
 }  // namespace detail

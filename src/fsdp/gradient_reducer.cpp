@@ -96,19 +96,23 @@ PendingReduction GradientReducer::reduce(Communicator& comm, double divide_facto
   }
   const double scale = average_in_collective ? 1.0 : 1.0 / divide_factor;
   const ReduceOp op = average_in_collective ? ReduceOp::kAvg : ReduceOp::kSum;
-  // The wire dtype (--grad-reduce-in-bf16: bf16); communicators accumulate it in fp32.
+  // The wire dtype (--grad-reduce-in-bf16: bf16), summed as s_.low_precision_sum says.
   at::Tensor wire = grads.scalar_type() == s_.comm_dtype ? grads : grads.to(s_.comm_dtype);
   PendingReduction pending;
   at::Tensor reduced;  // what this rank receives: the whole buffer or its shard
   if (!main_grads_.sharded()) {
     if (scale != 1.0) wire.mul_(scale);
-    pending.work = comm.all_reduce_async(wire, {op});
+    AllReduceOptions ar;
+    ar.op = op;
+    ar.low_precision_sum = s_.low_precision_sum;
+    pending.work = comm.all_reduce_async(wire, ar);
     reduced = wire;
   } else {
     reduced = at::empty({s_.layout->shard}, wire.options());
     ReduceScatterOptions rs;
     rs.op = op;
-    rs.prescale = scale;
+    rs.prescale = scale;  // NCCL: a PreMulSum, no scaled copy of the gradients
+    rs.low_precision_sum = s_.low_precision_sum;
     pending.work = comm.reduce_scatter_async(reduced, wire, rs);
   }
   pending.finish_fn = [this, wire, reduced, op] {
@@ -118,9 +122,13 @@ PendingReduction GradientReducer::reduce(Communicator& comm, double divide_facto
       mine = at::empty({s_.layout->sub_shard()}, reduced.options());
       ReduceScatterOptions across;
       across.op = op;
+      across.low_precision_sum = s_.low_precision_sum;
       s_.replicate->reduce_scatter(mine, reduced, across);
     } else if (s_.replicate) {
-      s_.replicate->all_reduce(reduced, {op});  // HSDP: across replicas
+      AllReduceOptions ar;
+      ar.op = op;
+      ar.low_precision_sum = s_.low_precision_sum;
+      s_.replicate->all_reduce(reduced, ar);  // HSDP: across replicas
     }
     main_grads_.data().add_(mine.to(s_.grad_dtype));
     drop_unsharded();
@@ -134,15 +142,19 @@ void GradientReducer::finish_deferred() {
   // that the next sync adds only new local gradients to the value this rank already reduced.
   const at::Tensor& full = main_grads_.data();
   at::Tensor own = main_grads_.own();
+  ReduceScatterOptions rs;
+  rs.low_precision_sum = s_.low_precision_sum;
+  AllReduceOptions ar;
+  ar.low_precision_sum = s_.low_precision_sum;
   if (!s_.replicate) {
-    s_.comm->reduce_scatter(own, full);
+    s_.comm->reduce_scatter(own, full, rs);
   } else {
     // HSDP: only gradients new since the last sync may cross replicas, so the value this rank
     // already holds (identical on every replica) is taken out and put back around the exchange.
     if (!synced_.defined()) synced_ = at::zeros_like(own);
     own.sub_(synced_);
-    s_.comm->reduce_scatter(own, full);
-    s_.replicate->all_reduce(own);
+    s_.comm->reduce_scatter(own, full, rs);
+    s_.replicate->all_reduce(own, ar);
     own.add_(synced_);
     synced_.copy_(own);
   }

@@ -85,6 +85,8 @@ struct ReducerSetup {
   int rank = 0;
   at::Device device = at::kCPU;
   at::ScalarType compute_dtype = at::kFloat, grad_dtype = at::kFloat, comm_dtype = at::kFloat;
+  // How a bf16/fp16 comm_dtype is summed (MixedPrecisionPolicy::grad_reduce_sum).
+  LowPrecisionSum low_precision_sum = LowPrecisionSum::kNative;
   // ZeRO-1: replicated main grads under sharded main weights, reduced once at the end of a
   // synced backward.
   bool deferred = false;

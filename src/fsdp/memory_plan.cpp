@@ -111,10 +111,14 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
           if (i == root_joins) sum = touch(*units[0], sum);
           if (i >= n || step.forward_order[i].expert_group) continue;
           // A layer, and inside its forward the expert groups listed after it.
+          // Inputs pass cast_forward_input, as in a real call (a unit with frozen parameters
+          // marks them there to know when its whole backward is done).
           sum = detail::run_forward(*units[i], [&] {
-            at::Tensor inner = touch(*units[i], sum);
+            at::Tensor inner = touch(*units[i], detail::cast_forward_input(*units[i], sum));
             for (size_t j = i + 1; j < n && step.forward_order[j].expert_group; ++j)
-              inner = detail::run_forward(*units[j], [&] { return touch(*units[j], inner); });
+              inner = detail::run_forward(*units[j], [&] {
+                return touch(*units[j], detail::cast_forward_input(*units[j], inner));
+              });
             return inner;
           });
         }

@@ -95,6 +95,7 @@ ParamGroup::ParamGroup(std::vector<GroupParam> params, const FullyShardOptions& 
     setup.compute_dtype = compute_dtype_;
     setup.grad_dtype = plan.grad_dtype;
     setup.comm_dtype = options.mixed_precision.grad_comm_dtype.value_or(plan.grad_dtype);
+    setup.low_precision_sum = options.mixed_precision.grad_reduce_sum;
     FlatBuffer main_grads =
         FlatBuffer::zeros(&layout_, rank_, placement.main_grads, on_device.dtype(plan.grad_dtype), replica);
     setup.deferred = !main_grads.sharded() && main_weights_.sharded();

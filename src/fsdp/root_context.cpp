@@ -5,22 +5,36 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
+#include <mutex>
 
 #include "fsdp/unit_state.h"
 
 namespace mfsdp::detail {
 
-Communicator& CommContext::reduce_scatter(const std::shared_ptr<Communicator>& shard_group) {
-  for (const auto& [group, reducer] : reducers_)
-    if (group == shard_group) return *reducer;
-  std::shared_ptr<Communicator> reducer = shard_group;
-  if (shard_group->device().is_cuda()) {
-    std::vector<int> everyone(shard_group->size());
-    for (int r = 0; r < shard_group->size(); ++r) everyone[r] = r;
-    reducer = shard_group->new_group(everyone, "fsdp_reduce_scatter");
-  }
-  reducers_.emplace_back(shard_group, reducer);
-  return *reducer;
+namespace {
+// Shard group -> its reduction communicator, both held weakly: the units own the reducers, and
+// a group or reducer that died is made again at the next fully_shard over it.
+std::mutex reducers_mutex;
+std::vector<std::pair<std::weak_ptr<Communicator>, std::weak_ptr<Communicator>>> reducers;
+}  // namespace
+
+std::shared_ptr<Communicator> reduction_communicator(const std::shared_ptr<Communicator>& shard_group) {
+  if (!shard_group->device().is_cuda()) return shard_group;
+  std::lock_guard<std::mutex> lock(reducers_mutex);
+  reducers.erase(std::remove_if(reducers.begin(), reducers.end(),
+                                [](const auto& e) { return e.first.expired() || e.second.expired(); }),
+                 reducers.end());
+  for (const auto& [group, reducer] : reducers)
+    if (group.lock() == shard_group)
+      if (auto alive = reducer.lock()) return alive;
+  std::vector<int> everyone(shard_group->size());
+  for (int r = 0; r < shard_group->size(); ++r) everyone[r] = r;
+  // Its own resources: it runs beside the shard group, from another stream (comm.h, GroupOptions).
+  GroupOptions options;
+  options.share_resources = false;
+  std::shared_ptr<Communicator> reducer = shard_group->new_group(everyone, "fsdp_reduce_scatter", options);
+  reducers.emplace_back(shard_group, reducer);
+  return reducer;
 }
 
 RootContext::RootContext(std::vector<UnitState*> members, const FullyShardOptions& root_options)

@@ -1,6 +1,7 @@
-// RootContext: what every unit under one root shares (docs/fully_shard.md): the communicators,
-// the transient-memory counter and allocator, the gradient reductions in flight, the execution
-// order, the end-of-backward callback and the step hooks.
+// RootContext: what every unit under one root shares (docs/fully_shard.md): the transient-memory
+// counter and allocator, the gradient reductions in flight, the execution order, the
+// end-of-backward callback and the step hooks. Beside it, the reduction communicators, which
+// fully_shard makes per shard group (reduction_communicator below).
 //
 // Built once, by the root, on its first use (the first forward, or a handle call that needs it:
 // optimizer shards, state dicts, memory), like FSDP2's lazy init: only then is it known which
@@ -30,27 +31,23 @@ class UnitState;
 // stream, so a reduce-scatter never queues behind the next unit's all-gather (FSDP2 and
 // Megatron-FSDP do the same); NCCL orders each against the compute stream with events
 // (src/comm/nccl_communicator.cpp). On the CPU both are the shard group itself: one comm thread.
-// The second communicator is made at the first gradient reduction, which every rank reaches in
-// the same order (making one is collective); the context itself may be built by a call on one
-// rank only (memory(), events()). Units under one root may shard over different groups (experts
-// over their expert-data-parallel group, the rest over the data-parallel one): each shard group
-// gets its own reduction communicator.
-class CommContext {
- public:
-  // The communicator the gradients of units sharded over `shard_group` are reduced on.
-  Communicator& reduce_scatter(const std::shared_ptr<Communicator>& shard_group);
-
- private:
-  std::vector<std::pair<std::shared_ptr<Communicator>, std::shared_ptr<Communicator>>> reducers_;
-};
+//
+// The second communicator is made by fully_shard (UnitState's constructor), where every rank of
+// the shard group takes part in the same order, as new_group needs (it is collective over the
+// whole parent: include/mfsdp/comm/comm.h); not in the first backward, at peak activation memory
+// on autograd's thread, and not in RootContext, which may be built by a call on one rank only
+// (memory(), events()). Every unit sharded over the same group shares one: made at the first
+// fully_shard over that group, it lives while a unit holds it. Units under one root may shard
+// over different groups (experts over their expert-data-parallel group, the rest over the
+// data-parallel one): each shard group gets its own.
+std::shared_ptr<Communicator> reduction_communicator(const std::shared_ptr<Communicator>& shard_group);
 
 class RootContext {
  public:
-  // `units`: every unit under the root, the root last. Collective on CUDA (makes a communicator).
+  // `units`: every unit under the root, the root last. Not collective.
   RootContext(std::vector<UnitState*> units, const FullyShardOptions& root_options);
 
   std::vector<UnitState*> units;  // in creation order, the root last
-  CommContext comm;
   TransientCounter transient;
   std::shared_ptr<BufferAllocator> allocator;  // transient buffers of every unit under the root
   double divide_factor = 1.0;

@@ -49,8 +49,28 @@ std::vector<LocalShard> local_shards(const ParamGroup& group) {
   return out;
 }
 
-std::vector<at::Tensor> gather_full_parameters(const ParamGroup& group) {
-  const FlatBuffer& source = group.requires_grad() ? group.main_weights() : group.model_weights();
+namespace {
+const FlatBuffer& full_source(const ParamGroup& group) {
+  return group.requires_grad() ? group.main_weights() : group.model_weights();
+}
+}  // namespace
+
+int64_t full_gather_bytes(const ParamGroup& group) {
+  const FlatBuffer& source = full_source(group);
+  return source.sharded() ? group.layout().total() * static_cast<int64_t>(source.data().element_size()) : 0;
+}
+
+at::Tensor full_gather_scratch(const std::vector<const ParamGroup*>& groups) {
+  const ParamGroup* largest = nullptr;
+  for (const ParamGroup* g : groups)
+    if (full_gather_bytes(*g) > 0 && (!largest || full_gather_bytes(*g) > full_gather_bytes(*largest))) largest = g;
+  if (!largest) return {};
+  return at::empty({full_gather_bytes(*largest)}, full_source(*largest).data().options().dtype(at::kByte));
+}
+
+void for_each_full_parameter(const ParamGroup& group, const at::Tensor& scratch,
+                             const std::function<void(size_t, const at::Tensor&)>& visit) {
+  const FlatBuffer& source = full_source(group);
   at::Tensor full = source.data();
   if (source.outer_sharded()) {  // HFSDP: this shard from its replicas' sub-shards first
     full = at::empty({group.layout().shard}, source.data().options());
@@ -58,17 +78,19 @@ std::vector<at::Tensor> gather_full_parameters(const ParamGroup& group) {
   }
   if (source.sharded()) {
     at::Tensor shard = full;
-    full = at::empty({group.layout().total()}, source.data().options());
+    full = scratch.narrow(0, 0, full_gather_bytes(group)).view(shard.scalar_type());
     group.shard_group().all_gather(full, shard);
   }
-  std::vector<at::Tensor> values;
+  if (!visit) return;
   for (size_t i = 0; i < group.params().size(); ++i) {
     const auto& e = group.layout().entries[i];
-    values.push_back(full.narrow(0, e.offset, e.numel)
-                         .view(group.params()[i].shape)
-                         .to(group.params()[i].original_dtype)
-                         .clone());
+    visit(i, full.narrow(0, e.offset, e.numel).view(group.params()[i].shape).to(group.params()[i].original_dtype));
   }
+}
+
+std::vector<at::Tensor> gather_full_parameters(const ParamGroup& group) {
+  std::vector<at::Tensor> values;
+  for_each_full_parameter(group, full_gather_scratch({&group}), [&](size_t, const at::Tensor& full) { values.push_back(full.clone()); });
   return values;
 }
 

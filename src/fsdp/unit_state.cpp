@@ -38,6 +38,41 @@ struct PreBackward : torch::autograd::Function<PreBackward> {
   }
 };
 
+// One input node of a unit with frozen parameters, counted in `pending` from its forward until
+// its backward ran or its graph was freed without running it (a forward that never gets a
+// backward leaves no count behind). Holds the counter, not the unit, for its destructor: a
+// graph may outlive the module.
+struct InputTicket : torch::CustomClassHolder {
+  InputTicket(UnitState* u, std::shared_ptr<std::atomic<int>> p) : unit(u), pending(std::move(p)) { ++*pending; }
+  ~InputTicket() override { settle(); }
+  void settle() {
+    if (settled) return;
+    settled = true;
+    --*pending;
+  }
+  UnitState* unit;
+  std::shared_ptr<std::atomic<int>> pending;
+  bool settled = false;
+};
+
+// Identity on a forward input; its backward runs once the input's gradient is complete, i.e.
+// after every node of the unit's backward that leads to the input (FSDP2's
+// RegisterPostBackwardFunction on the module's inputs).
+struct PostBackward : torch::autograd::Function<PostBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            c10::intrusive_ptr<InputTicket> ticket) {
+    ctx->saved_data["ticket"] = c10::IValue::make_capsule(std::move(ticket));
+    return input;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto ticket = c10::static_intrusive_pointer_cast<InputTicket>(ctx->saved_data["ticket"].toCapsule());
+    ticket->settle();
+    ticket->unit->on_input_gradient();
+    return {grads[0], at::Tensor()};
+  }
+};
+
 // Runs after autograd accumulated a parameter's gradient (once per backward).
 struct GradientAccumulated : torch::autograd::FunctionPostHook {
   GradientAccumulated(UnitState* u, size_t g, size_t i) : unit(u), group(g), index(i) {}
@@ -58,8 +93,10 @@ UnitState::UnitState(torch::nn::Module& module, std::vector<std::unique_ptr<Para
       groups_(std::move(groups)),
       options_(options),
       members_{this},
-      reshard_after_forward_(options.reshard_after_forward) {
+      reshard_after_forward_(options.reshard_after_forward),
+      reducer_(reduction_communicator(options.comm)) {
   register_gradient_hooks();
+  for (auto& g : groups_) has_frozen_ |= !g->requires_grad();
 }
 
 UnitState::~UnitState() {
@@ -277,6 +314,7 @@ void UnitState::pre_backward() {
   set_phase(Phase::kBackward);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
+  input_gradient_seen_ = false;
   if (unshard_in_backward_) start_unshard(nullptr);
   // Overlap: gather the unit whose backward comes next while this one computes.
   if (options_.prefetch)
@@ -292,7 +330,29 @@ void UnitState::on_gradient_accumulated(size_t group, size_t index) {
   // A gradient without our pre-backward (the forward bypassed mfsdp::call): adopt it anyway.
   if (phase_ != Phase::kBackward) pre_backward();
   groups_[group]->gradients().adopt(index);
-  if (++hooks_fired_ == hooks_expected_) post_backward();
+  if (++hooks_fired_ == hooks_expected_) maybe_post_backward();
+}
+
+at::Tensor UnitState::attach_post_backward(const at::Tensor& input) {
+  if (!has_frozen_ || !input.defined() || !input.requires_grad() || !at::GradMode::is_enabled()) return input;
+  return PostBackward::apply(input, c10::make_intrusive<InputTicket>(this, inputs_pending_));
+}
+
+void UnitState::on_input_gradient() {
+  if (phase_ != Phase::kBackward) return;  // not in a backward of ours: the end of backward decides
+  input_gradient_seen_ = true;
+  maybe_post_backward();
+}
+
+void UnitState::maybe_post_backward() {
+  if (hooks_fired_ < hooks_expected_) return;
+  // A trainable weight's readers in backward all feed its gradient, so its hook marks their end.
+  // A frozen weight has no hook, and a node that runs after the last trainable parameter's may
+  // still read it (LoRA's x W^T beside its adapter, frozen attention under a trainable MLP): wait
+  // until every input node of the unit ran, i.e. its whole backward is done. Without one (the
+  // inputs need no gradient, or are not tensors), the end of backward reshards it.
+  if (has_frozen_ && (!input_gradient_seen_ || *inputs_pending_ > 0)) return;
+  post_backward();
 }
 
 void UnitState::post_backward() {
@@ -309,7 +369,7 @@ void UnitState::post_backward() {
     context().limit_pending(0);
     for (auto& g : groups_) {
       PendingReduction r = g->gradients().reduce(
-          context().comm.reduce_scatter(options_.comm), context().divide_factor,
+          *reducer_, context().divide_factor,
           options_.gradient_scaling == GradientScaling::kAverageInCollective);
       if (r.work || r.finish_fn) context().pending.push_back(std::move(r));
     }
@@ -318,17 +378,20 @@ void UnitState::post_backward() {
 }
 
 void UnitState::finish_backward() {
-  // Units where some trainable parameter received no gradient never reached post_backward.
+  // Units where some trainable parameter received no gradient, or with frozen parameters and
+  // no input node, never reached post_backward.
   if (phase_ == Phase::kBackward && !reduced_this_backward_) post_backward();
   if (phase_ != Phase::kIdle) set_phase(Phase::kIdle);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
+  input_gradient_seen_ = false;
 }
 
 void UnitState::abandon_backward() {
   if (phase_ == Phase::kBackward) set_phase(Phase::kIdle);
   hooks_fired_ = 0;
   reduced_this_backward_ = false;
+  input_gradient_seen_ = false;
   for (auto& g : groups_) g->gradients().drop_unsharded();
   reshard();
 }

@@ -8,9 +8,13 @@
 //                   not the first units of the backward order when training)
 //   pre_backward -> unshard; gradient buffer ready; queue the root's end-of-backward callback;
 //                   prefetch the next unit in backward order (reverse post-forward order)
-//   parameter post-accumulate hooks -> when every trainable parameter's hook fired:
+//   parameter post-accumulate hooks -> when every trainable parameter's hook fired and, for a
+//                   unit with frozen parameters, its inputs' gradients are complete too (the
+//                   identity node fully_shard.cpp's cast_forward_input puts on its inputs):
 //   post_backward -> reduce gradients (async; one unit's reductions in flight), reshard
-//   end of backward (root callback) -> post_backward for units whose hooks did not all fire,
+//   end of backward (root callback) -> post_backward for units that did not get there (a
+//                   trainable parameter without a gradient, frozen parameters and no input
+//                   that needs a gradient),
 //                   drain reductions, ZeRO-1 reduce-scatter, everything resharded (without
 //                   gradient sync, i.e. another micro-batch follows: all but the first two
 //                   units of the forward order)
@@ -18,6 +22,7 @@
 
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
 #include <deque>
 #include <memory>
 #include <vector>
@@ -72,6 +77,12 @@ class UnitState {
   std::vector<at::Tensor> post_forward(const std::vector<at::Tensor>& outputs);
   void pre_backward();
   void on_gradient_accumulated(size_t group, size_t index);
+  // Units with frozen parameters: `input` (a forward input) through an identity node whose
+  // backward runs once the input's gradient is complete, i.e. after every node of the unit's
+  // backward that leads to it (FSDP2's RegisterPostBackwardFunction); other units, inputs that
+  // need no gradient, no grad mode: `input` itself.
+  at::Tensor attach_post_backward(const at::Tensor& input);
+  void on_input_gradient();
   void post_backward();
   // Called by the root's end-of-backward callback.
   void finish_backward();
@@ -93,6 +104,8 @@ class UnitState {
   std::vector<at::Tensor> attach_pre_backward(const std::vector<at::Tensor>& outputs);
   bool kept_for_backward() const;
   void register_gradient_hooks();
+  // post_backward once every trainable hook fired and, with frozen parameters, every input node ran.
+  void maybe_post_backward();
 
   torch::nn::Module* module_;
   std::vector<std::unique_ptr<ParamGroup>> groups_;
@@ -105,8 +118,17 @@ class UnitState {
   bool unshard_in_backward_ = true;
   bool requires_gradient_sync_ = true;
   Phase phase_ = Phase::kIdle;
+  // Where the gradients are reduced: reduction_communicator(options.comm), made at construction
+  // (fully_shard), not in the backward (root_context.h).
+  std::shared_ptr<Communicator> reducer_;
   int hooks_expected_ = 0;  // trainable parameters
   int hooks_fired_ = 0;     // in the current backward
+  // Frozen parameters: their last reader in backward is not marked by any hook of theirs.
+  bool has_frozen_ = false;
+  // Input nodes (attach_post_backward) made and neither run nor freed with their graph; shared
+  // with the nodes, which may outlive the unit.
+  std::shared_ptr<std::atomic<int>> inputs_pending_ = std::make_shared<std::atomic<int>>(0);
+  bool input_gradient_seen_ = false;  // an input node ran in the current backward
   bool reduced_this_backward_ = false;
   bool prefetched_ = false;  // all-gather started by prefetch(), not yet used by a forward/backward
   // The AccumulateGrad nodes hold our hooks; a tensor keeps only a weak reference to them.

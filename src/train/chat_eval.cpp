@@ -61,8 +61,7 @@ std::pair<double, int64_t> answer_share(TrainingRun& run, int64_t count,
                                         const Tokenizer& tokenizer, const ChatEvalOptions& o,
                                         const std::function<double(int64_t, const std::string&)>& score) {
   const int rank = run.comm()->rank(), dp = run.comm()->size();
-  RolloutModel& rollout = run.rollout_model();
-  rollout.load_from(run.gather_full_weights());
+  RolloutModel& rollout = run.load_rollout_model();
   const int64_t end_of_turn = chat_end_of_turn_id(tokenizer, o.chat_template);
   SamplingOptions sampling;
   sampling.greedy = true;

@@ -143,6 +143,14 @@ PolicyOutputs policy_outputs(CausalLM& model, const RolloutBatch& batch, double 
   return out;
 }
 
+// The tensors of `b` the update reads, on the device before its forward: a pageable copy after
+// the forward would hold the host until the forward has run, with the backward not yet queued.
+RolloutBatch on_device(const RolloutBatch& b, const at::Device& device) {
+  RolloutBatch d = b;
+  for (at::Tensor* t : {&d.input_ids, &d.labels, &d.mask, &d.attention_mask, &d.advantages}) *t = to_device(*t, device);
+  return d;
+}
+
 }  // namespace
 
 
@@ -288,8 +296,7 @@ GrpoStep GrpoTrainer::rollout(int64_t iteration) {
   {
     torch::NoGradGuard no_grad;
     if (g_.rollout_mode == "full") {
-      RolloutModel& copy = run_->rollout_model();
-      copy.load_from(run_->gather_full_weights());
+      RolloutModel& copy = run_->load_rollout_model();
       step.update_weights_s = seconds_since(t0);
       generated = generate_batch(copy.model(), gen_prompts, seeds, sampling_);
       copy.release();
@@ -404,51 +411,52 @@ void GrpoTrainer::update(GrpoStep& step) {
   const auto t0 = Clock::now();
   const ClipOptions clip{g_.clip_ratio_low, g_.clip_ratio_high, g_.clip_ratio_c};
   const int64_t micro_per_mini = local_per_mini_ / a.micro_batch_size;
-  // Sums over the update of token-weighted metrics; divided by the tokens at the end.
-  double pg_loss_sum = 0, kl_loss_sum = 0, entropy_sum = 0, clipfrac_sum = 0, clipfrac_lower_sum = 0,
-         ppo_kl_sum = 0, token_sum = 0, grad_norm_sum = 0;
+  // Every mini-batch's denominators over all ranks, before any micro-batch runs, in one
+  // all-reduce; and each micro-batch's tokens. From the host's masks: nothing is read from the
+  // device until the update's metrics at the end.
+  std::vector<double> tokens_of;
+  at::Tensor counts = at::zeros({2 * mini_batches_}, at::kDouble);
+  for (int64_t k = 0; k < mini_batches_ * micro_per_mini; ++k) {
+    const LossNormalizer c = local_loss_counts(step.micro[static_cast<size_t>(k)].mask);
+    tokens_of.push_back(c.global_tokens);
+    counts[2 * (k / micro_per_mini)] += c.global_tokens;
+    counts[2 * (k / micro_per_mini) + 1] += c.global_sequences;
+  }
+  counts = counts.to(device);
+  replicas_->all_reduce(counts, {ReduceOp::kSum});
+  counts = counts.cpu();
+  // Sums over the update, on the device: pg_loss, kl_loss, entropy, then the token-weighted
+  // clipfrac, clipfrac_lower and ppo_kl, and the tokens (divided by the tokens at the end).
+  at::Tensor sums = at::zeros({7}, at::TensorOptions().dtype(at::kDouble).device(device));
+  double grad_norm_sum = 0;
   int64_t optimizer_steps = 0;
   for (int64_t epoch = 0; epoch < g_.ppo_epochs; ++epoch)
     for (int64_t mb = 0; mb < mini_batches_; ++mb) {
-      // The mini-batch's denominators over all ranks, before its micro-batches run.
-      double local[2] = {0, 0};
-      for (int64_t k = mb * micro_per_mini; k < (mb + 1) * micro_per_mini; ++k) {
-        const LossNormalizer c = local_loss_counts(step.micro[static_cast<size_t>(k)].mask);
-        local[0] += c.global_tokens;
-        local[1] += c.global_sequences;
-      }
-      at::Tensor c = at::tensor({local[0], local[1]}, at::kDouble).to(device);
-      replicas_->all_reduce(c, {ReduceOp::kSum});
-      c = c.cpu();
       LossNormalizer norm;
-      norm.global_tokens = c[0].item<double>();
-      norm.global_sequences = c[1].item<double>();
+      norm.global_tokens = counts[2 * mb].item<double>();
+      norm.global_sequences = counts[2 * mb + 1].item<double>();
       norm.norm_length = static_cast<double>(g_.max_response_length);
       const auto stats = run_->step(step.iteration, micro_per_mini, [&](int64_t m) {
         const size_t k = static_cast<size_t>(mb * micro_per_mini + m);
-        const RolloutBatch& b = step.micro[k];
-        const at::Tensor mask = b.mask.to(device);
+        const RolloutBatch b = on_device(step.micro[k], device);
         PolicyOutputs out = policy_outputs(*run_->model(), b, g_.temperature, device, /*entropy=*/true);
-        const at::Tensor adv = b.advantages.to(device).unsqueeze(1).expand_as(mask);
-        PolicyLossResult pg = clipped_policy_loss(step.old_log_probs[k], out.log_probs, adv, mask, clip, agg_, norm);
+        const at::Tensor adv = b.advantages.unsqueeze(1).expand_as(b.mask);
+        PolicyLossResult pg = clipped_policy_loss(step.old_log_probs[k], out.log_probs, adv, b.mask, clip, agg_, norm);
         at::Tensor loss = pg.pg_loss;
-        const double tokens = mask.sum().item<double>();
-        const at::Tensor entropy = agg_loss(out.entropy, mask, agg_, norm);
+        const double tokens = tokens_of[k];
+        const at::Tensor entropy = agg_loss(out.entropy, b.mask, agg_, norm);
         if (g_.entropy_coeff != 0) loss = loss - g_.entropy_coeff * entropy;
+        at::Tensor kl = at::zeros({}, sums.options());
         if (ref_) {
-          const at::Tensor kl = agg_loss(kl_penalty(out.log_probs, step.ref_log_probs[k], kl_type_), mask, agg_, norm);
+          kl = agg_loss(kl_penalty(out.log_probs, step.ref_log_probs[k], kl_type_), b.mask, agg_, norm);
           loss = loss + g_.kl_loss_coef * kl;
-          kl_loss_sum += kl.item<double>();
         }
-        const double value = loss.item<double>();
         loss.backward();
-        pg_loss_sum += pg.pg_loss.item<double>();
-        entropy_sum += entropy.item<double>();
-        clipfrac_sum += pg.pg_clipfrac.item<double>() * tokens;
-        clipfrac_lower_sum += pg.pg_clipfrac_lower.item<double>() * tokens;
-        ppo_kl_sum += pg.ppo_kl.item<double>() * tokens;
-        token_sum += tokens;
-        return value;
+        auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble); };
+        sums.add_(at::stack({f64(pg.pg_loss), f64(kl), f64(entropy), f64(pg.pg_clipfrac) * tokens,
+                             f64(pg.pg_clipfrac_lower) * tokens, f64(pg.ppo_kl) * tokens,
+                             at::full({}, tokens, sums.options())}));
+        return loss.detach();
       });
       grad_norm_sum += stats.grad_norm;
       step.lr = stats.lr;
@@ -456,12 +464,8 @@ void GrpoTrainer::update(GrpoStep& step) {
       ++optimizer_steps;
     }
   step.update_s = seconds_since(t0);
-  at::Tensor t = at::tensor({pg_loss_sum, kl_loss_sum, entropy_sum, clipfrac_sum, clipfrac_lower_sum, ppo_kl_sum,
-                             token_sum},
-                            at::kDouble)
-                     .to(device);
-  replicas_->all_reduce(t, {ReduceOp::kSum});
-  t = t.cpu();
+  replicas_->all_reduce(sums, {ReduceOp::kSum});
+  const at::Tensor t = sums.cpu();
   const double updates = static_cast<double>(optimizer_steps);
   const double tokens = std::max(1.0, t[6].item<double>());
   step.grad_norm = grad_norm_sum / updates;

@@ -254,6 +254,10 @@ const std::vector<Flag>& flags() {
              false, {}, [](PretrainArgs& a, const std::string&) { a.init_model_with_meta_device = false; },
              [](const PretrainArgs& a) { return std::string(a.init_model_with_meta_device ? "off" : "on"); }},
             BOOL_FLAG("--grad-reduce-in-bf16", grad_reduce_in_bf16, "reduce gradients in bf16"),
+            BOOL_FLAG("--grad-reduce-rank-order-fp32", grad_reduce_rank_order_fp32,
+                      "(mfsdp) with --grad-reduce-in-bf16: sum the bf16 gradients in fp32 in rank order, rounded "
+                      "once (reproducible bits for any world size; point to point instead of NCCL's bf16 "
+                      "reduction kernels)"),
             BOOL_FLAG("--no-fsdp-prefetch", no_fsdp_prefetch,
                       "(mfsdp) do not all-gather the next unit while the current one computes"),
             BOOL_FLAG("--no-fsdp-all-gather-in-start-param-sync", no_fsdp_all_gather_in_start_param_sync,
@@ -296,8 +300,11 @@ const std::vector<Flag>& flags() {
                         "timeout of every collective: a rank that stops answering is named in an error after "
                         "this long (fractions of a minute allowed)"),
             STRING_FLAG("--device", device,
-                        "(mfsdp) where to train: auto (CUDA when a GPU is present; LOCAL_RANK picks it, NCCL), "
-                        "cpu (the CPU communicator) or cuda", "auto", "cpu", "cuda"),
+                        "(mfsdp) where to train: auto (CUDA and NCCL when this rank sees a GPU: cuda:LOCAL_RANK "
+                        "when it sees a GPU per local rank, cuda:0 when it sees just one, as under Slurm's "
+                        "--gpus-per-task=1; an error with more than one but fewer than the local ranks; the CPU "
+                        "without a GPU), cpu (the CPU communicator) or cuda (as auto, an error without a GPU)",
+                        "auto", "cpu", "cuda"),
             STRING_FLAG("--cpu-comm-shared-memory", cpu_comm_shared_memory,
                         "(mfsdp) CPU backend: on, the collectives' bulk data through one /dev/shm segment when every "
                         "rank is on this host; off, over TCP (unset: on, unless MFSDP_SHM=0)",
@@ -624,6 +631,8 @@ void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab)
                                                      std::to_string(a.padded_vocab_size) + ", more than " +
                                                      std::to_string(kMaxVocabSize));
   if (a.grad_reduce_in_bf16 && !a.bf16) flag_error("--grad-reduce-in-bf16", "needs --bf16");
+  if (a.grad_reduce_rank_order_fp32 && !a.grad_reduce_in_bf16)
+    flag_error("--grad-reduce-rank-order-fp32", "needs --grad-reduce-in-bf16 (other gradients are reduced in fp32)");
   resolve_load(a);
   if (a.simulate_world_size > 0 && (!a.save.empty() || !a.load.empty() || !a.sample_prompt.empty() ||
                                     !a.export_hf.empty()))

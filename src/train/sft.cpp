@@ -174,15 +174,18 @@ at::Tensor local_part(const at::Tensor& full, const Split& split) {
 }
 
 // -log p(label) per token of this rank's part of the (padded) micro-batch, [B, L / CP] fp32. Under
-// tensor parallelism from the vocabulary slices (no rank forms full-vocabulary logits).
+// tensor parallelism from the vocabulary slices (no rank forms full-vocabulary logits). Every
+// tensor is copied to the device before the forward, none after it: a copy from pageable memory
+// would hold the host until the forward has run, with the backward not yet queued.
 at::Tensor token_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const Split& split,
                         const at::Device& device) {
   SequenceLayout layout;
-  layout.position_ids = local_part(cpu.position_ids, split).to(device);
-  layout.attention_mask = local_part(cpu.attention_mask, split).to(device);
-  layout.segment_ids = local_part(cpu.segment_ids, split).to(device);
-  at::Tensor logits = model->call(local_part(cpu.input_ids, split).to(device), layout);
-  const at::Tensor labels = local_part(cpu.labels, split).to(device);
+  layout.position_ids = to_device(local_part(cpu.position_ids, split), device);
+  layout.attention_mask = to_device(local_part(cpu.attention_mask, split), device);
+  layout.segment_ids = to_device(local_part(cpu.segment_ids, split), device);
+  const at::Tensor input = to_device(local_part(cpu.input_ids, split), device);
+  const at::Tensor labels = to_device(local_part(cpu.labels, split), device);
+  at::Tensor logits = model->call(input, layout);
   return split.tensor_parallel ? tensor_parallel::vocab_parallel_cross_entropy(logits, labels, *split.tensor_parallel)
                                : -token_log_probs(logits, labels);
 }
@@ -196,9 +199,14 @@ struct SequenceLosses {
 };
 SequenceLosses sequence_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const Split& split,
                                const at::Device& device) {
+  // per_sequence of the device's losses, with the conversations' one-hot made on the host:
+  // per_sequence would read the number of conversations from the device, after the forward.
+  const at::Tensor one_hot =
+      to_device(per_sequence(at::ones(cpu.segment_ids.sizes(), at::kFloat), cpu.segment_ids), device);  // [B x S, L]
+  const at::Tensor mask = to_device(per_sequence(cpu.label_mask, cpu.segment_ids), device);
   const at::Tensor loss = token_losses(model, cpu, split, device);  // [B, L]
-  const at::Tensor segments = cpu.segment_ids.to(device);
-  return {per_sequence(loss, segments), per_sequence(cpu.label_mask.to(device), segments)};
+  const int64_t b = loss.size(0), l = loss.size(1);
+  return {(loss.unsqueeze(1) * one_hot.view({b, -1, l})).reshape({-1, l}), mask};
 }
 
 // The weight of every token of a full micro-batch [B, L] in the loss (what agg_loss computes,
@@ -287,7 +295,9 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
     r.eval = true;
     r.lm_loss = std::nan("");
     if (val.rows.empty()) return r;
-    double sums[3] = {0, 0, 0};  // loss sum (token-mean) or sum of sequence means, tokens, sequences
+    // Loss sum (token-mean) or sum of sequence means, tokens, sequences: summed on the device
+    // (the counts of context-parallel rows on the host, from the batch), read once.
+    at::Tensor sums = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device));
     {
       torch::NoGradGuard no_grad;
       const int64_t limit = a.eval_iters > 0 ? std::min<int64_t>(a.eval_iters * a.global_batch_size,
@@ -307,10 +317,10 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
           // This rank's chunks, weighted by whole conversations' counts; the counts once per CP group.
           const at::Tensor loss = token_losses(model, batch, split, device);
           if (idle) continue;
-          const at::Tensor w = local_part(token_weights(batch, agg, LossNormalizer{1, 1, 0}), split).to(device);
-          sums[0] += (loss * w).sum().item<double>();
+          const at::Tensor w = to_device(local_part(token_weights(batch, agg, LossNormalizer{1, 1, 0}), split), device);
+          sums[0] += (loss * w).sum().to(at::kDouble);
           if (split.context_parallel->rank() != 0) continue;
-          const at::Tensor tokens = per_sequence(batch.label_mask, batch.segment_ids).sum(1);
+          const at::Tensor tokens = per_sequence(batch.label_mask, batch.segment_ids).sum(1);  // host
           sums[1] += tokens.sum().item<double>();
           sums[2] += (tokens > 0).sum().item<double>();
           continue;
@@ -318,16 +328,14 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
         SequenceLosses s = sequence_losses(model, batch, split, device);
         if (idle) continue;
         const at::Tensor tokens = s.mask.sum(1);
-        sums[0] += agg == LossAggMode::kTokenMean
-                       ? (s.loss * s.mask).sum().item<double>()
-                       : ((s.loss * s.mask).sum(1) / tokens.clamp_min(1)).sum().item<double>();
-        sums[1] += tokens.sum().item<double>();
-        sums[2] += (tokens > 0).sum().item<double>();
+        sums[0] += agg == LossAggMode::kTokenMean ? (s.loss * s.mask).sum().to(at::kDouble)
+                                                  : ((s.loss * s.mask).sum(1) / tokens.clamp_min(1)).sum().to(at::kDouble);
+        sums[1] += tokens.sum().to(at::kDouble);
+        sums[2] += (tokens > 0).sum().to(at::kDouble);
       }
     }
-    at::Tensor t = at::tensor({sums[0], sums[1], sums[2]}, at::kDouble).to(device);
-    replicas.all_reduce(t, {ReduceOp::kSum});
-    t = t.cpu();
+    replicas.all_reduce(sums, {ReduceOp::kSum});
+    const at::Tensor t = sums.cpu();
     const double loss = t[0].item<double>() / std::max(1.0, t[agg == LossAggMode::kTokenMean ? 1 : 2].item<double>());
     r.lm_loss = loss;
     r.extra.emplace_back("val/loss", loss);
@@ -385,23 +393,20 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
     LossNormalizer norm;
     norm.global_tokens = c[0].item<double>();
     norm.global_sequences = c[1].item<double>();
-    double step_loss = 0;
     const auto stats = run.step(it, a.num_micro_batches, [&](int64_t m) {
       const SftBatch& batch = batches[static_cast<size_t>(m)];
       at::Tensor loss;
       if (split.context_parallel) {
-        const at::Tensor w = local_part(token_weights(batch, agg, norm), split).to(device);
+        const at::Tensor w = to_device(local_part(token_weights(batch, agg, norm), split), device);
         loss = (token_losses(model, batch, split, device) * w).sum();
       } else {
         SequenceLosses s = sequence_losses(model, batch, split, device);
         loss = agg_loss(s.loss, s.mask, agg, norm);
       }
-      const double value = loss.item<double>();
-      step_loss += value;
       loss.backward();
-      return value;
+      return loss.detach();
     });
-    step_loss = sum_over(replicas, step_loss);
+    const double step_loss = sum_over(replicas, stats.loss);
     window_loss += step_loss;
     window_tokens += norm.global_tokens;
     ++window_iters;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <ATen/record_function.h>
+#include <c10/core/DeviceGuard.h>
 #include <torch/csrc/autograd/profiler_kineto.h>
 
 #include <algorithm>
@@ -37,11 +38,12 @@ void cuda_check(cudaError_t e, const char* what) {
 
 }  // namespace
 
-StepProfiler::StepProfiler(const PretrainArgs& args, int64_t rank, bool cuda, std::ostream& log)
+StepProfiler::StepProfiler(const PretrainArgs& args, int64_t rank, c10::Device device, std::ostream& log)
     : enabled_(args.profile && std::find(args.profile_ranks.begin(), args.profile_ranks.end(), rank) !=
                                    args.profile_ranks.end()),
       kineto_(args.use_pytorch_profiler),
-      cuda_(cuda),
+      device_(device),
+      cuda_(device.is_cuda()),
       first_(args.profile_step_start + 1),
       last_(args.profile_step_end),
       rank_(rank),
@@ -104,6 +106,8 @@ void StepProfiler::start() {
     enableProfiler(config, activities);
   } else {
 #ifdef MFSDP_WITH_CUDA
+    // CUDA's runtime calls act on the thread's current device: make it the run's.
+    const c10::DeviceGuard guard(device_);
     cuda_check(cudaProfilerStart(), "cudaProfilerStart");
 #endif
     enableProfiler(prof::ProfilerConfig(prof::ProfilerState::NVTX, /*report_input_shapes=*/true),
@@ -116,12 +120,16 @@ void StepProfiler::stop() {
   running_ = false;
 #ifdef MFSDP_WITH_CUDA
   // The step's kernels may still run; torch.profiler waits for them the same way before it stops.
-  if (cuda_) cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  if (cuda_) {
+    const c10::DeviceGuard guard(device_);
+    cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  }
 #endif
   std::unique_ptr<torch::autograd::profiler::ProfilerResult> result = torch::autograd::profiler::disableProfiler();
   const std::string range = "iterations " + std::to_string(first_) + ".." + std::to_string(recorded_last_);
   if (!kineto_) {
 #ifdef MFSDP_WITH_CUDA
+    const c10::DeviceGuard guard(device_);
     cuda_check(cudaProfilerStop(), "cudaProfilerStop");
 #endif
     log_ << " rank " << rank_ << ": nsys capture range of " << range << " ended\n";

@@ -8,6 +8,8 @@
 //     (torch.autograd.profiler.emit_nvtx), for `nsys profile --capture-range=cudaProfilerApi`.
 #pragma once
 
+#include <c10/core/Device.h>
+
 #include <cstdint>
 #include <memory>
 #include <ostream>
@@ -23,8 +25,9 @@ namespace mfsdp {
 
 class StepProfiler {
  public:
-  // Profiles only when args.profile and `rank` is one of args.profile_ranks.
-  StepProfiler(const PretrainArgs& args, int64_t rank, bool cuda, std::ostream& log);
+  // Profiles only when args.profile and `rank` is one of args.profile_ranks; `device` is the
+  // run's (the communicator's), which CUDA's profiler calls and the final sync act on.
+  StepProfiler(const PretrainArgs& args, int64_t rank, c10::Device device, std::ostream& log);
   ~StepProfiler();
   StepProfiler(const StepProfiler&) = delete;
   StepProfiler& operator=(const StepProfiler&) = delete;
@@ -42,6 +45,7 @@ class StepProfiler {
 
   bool enabled_ = false;
   bool kineto_ = false;
+  c10::Device device_ = c10::kCPU;
   bool cuda_ = false;
   bool running_ = false;
   int64_t first_ = 0, last_ = 0;  // the 1-based iterations profiled

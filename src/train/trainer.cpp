@@ -31,7 +31,8 @@ std::string hms(double seconds) {
 
 // --sample-prompt: gathers the full model (collective) and, on rank 0, prints a sample.
 void print_sample(const PretrainArgs& a, TrainingRun& run, std::ostream& log) {
-  auto state = run.gather_full_weights(/*all_ranks=*/false);  // every expert too, under expert parallelism
+  // Every expert too, under expert parallelism; on the host, as the sample model is built there.
+  auto state = run.gather_full_weights(/*all_ranks=*/false, /*cpu_offload=*/true);
   if (run.comm()->rank() != 0) return;
   ModelBuildOptions options;
   options.moe = moe_training_from_args(a);
@@ -104,15 +105,21 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   PretrainResult result;
   result.first_loss = std::nan("");
 
+  // A tensor divisor for the reported loss: CUDA divides by a host scalar as a multiply by its
+  // reciprocal, which can round otherwise than the host's division it has always been.
+  const at::Tensor micro_batches = at::scalar_tensor(static_cast<double>(a.num_micro_batches),
+                                                     at::TensorOptions().dtype(at::kDouble).device(comm->device()));
   // Loss of one micro-batch, scaled so that the gradients of a step are those of the mean loss
   // over the global batch (Megatron: mean per micro-batch / micro-batches, 1/dp in the
   // reduction; or, per token, sum / tokens of the global batch with no 1/dp scaling). Under
   // context parallelism each rank holds its chunks of the sequence (ids and labels alike) and
   // the reduction's 1/(dp x cp) averages the chunks' means; under tensor parallelism the logits
   // are this rank's vocabulary slice and the loss is computed across the group.
+  // Returns that loss and the one reported (detached, fp64, on the device: no micro-batch reads
+  // it, so the host never waits for the forward before queuing the backward).
   const double tokens_per_global_batch = static_cast<double>(gbs * a.seq_length);
-  auto micro_loss = [&](const at::Tensor& cpu_tokens, double* reported) {
-    at::Tensor tokens = cpu_tokens.to(comm->device());  // the model's device (the communicator's)
+  auto micro_loss = [&](const at::Tensor& cpu_tokens) -> std::pair<at::Tensor, at::Tensor> {
+    at::Tensor tokens = to_device(cpu_tokens, comm->device());  // the model's device (the communicator's)
     at::Tensor input = tokens.narrow(1, 0, a.seq_length);
     at::Tensor labels = tokens.narrow(1, 1, a.seq_length);
     if (groups.context_parallel) {
@@ -123,27 +130,24 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
     Communicator* tp = groups.tensor_parallel.get();
     if (a.calculate_per_token_loss) {
       TokenLossSum s = tp ? tensor_parallel::vocab_parallel_lm_loss_sum(logits, labels, *tp) : lm_loss_sum(logits, labels);
-      *reported += s.sum.item<double>();
-      return s.sum / tokens_per_global_batch;
+      return std::pair{s.sum / tokens_per_global_batch, s.sum.detach().to(at::kDouble)};
     }
     at::Tensor loss = tp ? tensor_parallel::vocab_parallel_lm_loss(logits, labels, *tp) : lm_loss(logits, labels);
-    *reported += loss.item<double>() / a.num_micro_batches;
-    return loss / static_cast<double>(a.num_micro_batches);
+    return std::pair{loss / static_cast<double>(a.num_micro_batches),
+                     loss.detach().to(at::kDouble) / micro_batches};
   };
 
   auto evaluate = [&](int64_t iteration) {
     if (!datasets.valid || a.eval_iters == 0) return std::nan("");
     torch::NoGradGuard no_grad;
-    double total = 0;
+    // Summed on the device, read once.
+    at::Tensor total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(comm->device()));
     const int64_t batches_per_eval = a.eval_iters;
     const int64_t first_batch = (iteration / a.eval_interval) * batches_per_eval;
     for (int64_t b = 0; b < batches_per_eval; ++b)
-      for (int64_t m = 0; m < a.num_micro_batches; ++m) {
-        double loss = 0;
-        micro_loss(datasets.valid->micro_batch(layout, first_batch + b, m, rank), &loss);
-        total += loss;
-      }
-    double mean = total / batches_per_eval;
+      for (int64_t m = 0; m < a.num_micro_batches; ++m)
+        total.add_(micro_loss(datasets.valid->micro_batch(layout, first_batch + b, m, rank)).second);
+    double mean = total.item<double>() / batches_per_eval;
     if (a.calculate_per_token_loss) mean = mean * groups.dp_cp() / tokens_per_global_batch;  // sum -> mean
     mean = run.all_reduce_mean(mean);
     if (print) {
@@ -176,14 +180,13 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
     log << " checkpoint iteration " << resume.iteration << " reaches --train-iters " << a.train_iters
         << ": nothing to train\n";
   for (; it <= a.train_iters; ++it) {
-    double step_loss = 0;
     const TrainingRun::StepStats stats = run.step(it, a.num_micro_batches, [&](int64_t m) {
-      double loss = 0;
-      micro_loss(datasets.train->micro_batch(layout, it - 1, m, rank), &loss).backward();
-      step_loss += loss;
-      return loss;
+      auto [loss, reported] = micro_loss(datasets.train->micro_batch(layout, it - 1, m, rank));
+      loss.backward();
+      return reported;
     });
     const double norm = stats.grad_norm, lr = stats.lr;
+    double step_loss = stats.loss;
     if (a.calculate_per_token_loss) step_loss = step_loss * groups.dp_cp() / tokens_per_global_batch;
     window_loss += step_loss;
     ++window_iters;

@@ -90,6 +90,7 @@ FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shar
   if (a.fsdp_trace_pool) o.buffer_allocator = BufferAllocatorKind::kTracePool;
   if (a.bf16) o.mixed_precision.param_dtype = at::kBFloat16;
   if (a.grad_reduce_in_bf16) o.mixed_precision.grad_comm_dtype = at::kBFloat16;
+  if (a.grad_reduce_rank_order_fp32) o.mixed_precision.grad_reduce_sum = LowPrecisionSum::kRankOrderFp32;
   o.gradient_scaling = per_token_loss ? GradientScaling::kNone : GradientScaling::kDivideByWorld;
   return o;
 }
@@ -183,7 +184,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
                                    /*values_loaded=*/!args.load_dir.empty() || !hf_folder_.empty(), &groups_)),
       metrics_(print_ ? args.metrics_file : ""),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
-      profiler_(args, comm_->rank(), comm_->device().is_cuda(), log) {
+      profiler_(args, comm_->rank(), comm_->device(), log) {
   if (args.optimizer == "adam") {
     AdamWOptions o;
     o.beta1 = args.adam_beta1;
@@ -270,17 +271,25 @@ at::Tensor grad_of(const LocalShard& s, const std::vector<OptimizerShard>& shard
 
 }  // namespace
 
+at::Tensor to_device(const at::Tensor& host, const at::Device& device) {
+  if (!device.is_cuda() || !host.device().is_cpu()) return host.to(device);
+  // The pinned block is not reused before the copy has run (the host allocator records it).
+  return host.pin_memory().to(device, /*non_blocking=*/true);
+}
+
 TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
-                                         const std::function<double(int64_t)>& micro_batch) {
+                                         const std::function<at::Tensor(int64_t)>& micro_batch) {
   profiler_.before_step(iteration);
   // The balancing losses are averaged over the micro-batches (and, with per-token losses, whose
   // gradients are summed over the ranks, over the ranks too), as the language-model loss is.
   sharded_.model->set_aux_loss_scale(1.0 / static_cast<double>(micro_batches * (per_token_loss_ ? comm_->size() : 1)));
   sharded_.model->take_router_stats();  // drop what evaluation or generation routed
-  bool loss_finite = true;
+  // The reported losses summed on the device: reading each one would hold the host until the
+  // device has run its forward, every micro-batch. A NaN or Inf in any makes the sum non-finite.
+  at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
   for (int64_t m = 0; m < micro_batches; ++m) {
     sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
-    if (!std::isfinite(micro_batch(m))) loss_finite = false;
+    loss.add_(micro_batch(m).detach().to(loss.device(), at::kDouble));
   }
   // Megatron's finalize_model_grads: gradients each tensor-parallel rank holds only part of.
   sum_partial_gradients(*sharded_.model, sharded_.root);
@@ -289,10 +298,12 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   // Megatron's finalize_model_grads: the aux-loss-free biases move by this step's global counts.
   for (const StepStats::MoeLayer& m : s.moe_layers) sharded_.model->update_expert_bias(m.layer, m.tokens_per_expert);
   {
+    // The step's first host read: the norm's (Megatron reads it here too).
     RECORD_USER_SCOPE("mfsdp::clip_grad_norm");
     s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);  // a non-finite norm leaves the grads as they are
   }
-  if (args_.check_for_nan_in_loss_and_grad) check_finite(iteration, loss_finite, s.grad_norm);
+  // The second: the loss, with the NaN check's flags when it is on.
+  s.loss = args_.check_for_nan_in_loss_and_grad ? check_finite(iteration, loss, s.grad_norm) : loss.item<double>();
   // Megatron's diagnostics, summed over the ranks in one all-reduce, each element counted once
   // (on its replica 0 under no_shard): zero gradient elements after clipping, before the step;
   // the sum of squares of the parameters (main weights) after it.
@@ -386,31 +397,32 @@ const char* const kNanCheckEnd =
 
 }  // namespace
 
-void TrainingRun::check_finite(int64_t iteration, bool loss_finite, double grad_norm) {
+double TrainingRun::check_finite(int64_t iteration, const at::Tensor& loss, double grad_norm) {
   at::NoGradGuard no_grad;
   const int world = comm_->size();
   // The norm is all-reduced, so every rank takes the same branch and the all-reduce below has
   // the same size everywhere: a flag per rank for its loss, then, only when the norm is not
-  // finite, the NaN and Inf counts of every parameter's gradient.
+  // finite, the NaN and Inf counts of every parameter's gradient. Built on the device, so the
+  // host reads once: the reduced counts and this rank's loss in one copy.
   const bool grads_finite = std::isfinite(grad_norm);
   TensorShapes all;
   if (!grads_finite) all = model_tensor_shapes(config_);
-  at::Tensor counts = at::zeros({world + 2 * static_cast<int64_t>(all.size())}, at::kDouble);
-  if (!loss_finite) counts[comm_->rank()] = 1.0;
+  const int64_t params = 2 * static_cast<int64_t>(all.size());
+  at::Tensor counts = at::zeros({world + params}, loss.options());
+  counts.narrow(0, comm_->rank(), 1).copy_(at::isfinite(loss).logical_not().reshape({1}));
   if (!grads_finite) {
     const std::vector<OptimizerShard> shards = sharded_.root.optimizer_shards();
     count_non_finite(sharded_.root.local_shards(), all, [&](const LocalShard& p) { return grad_of(p, shards); },
-                     counts.narrow(0, world, 2 * static_cast<int64_t>(all.size())));
+                     counts.narrow(0, world, params));
   }
-  at::Tensor reduced = counts.to(comm_->device());
-  comm_->all_reduce(reduced, {ReduceOp::kSum});
-  reduced = reduced.cpu();
-  const double* c = reduced.data_ptr<double>();
+  comm_->all_reduce(counts, {ReduceOp::kSum});
+  const at::Tensor host = at::cat({counts, loss.reshape({1})}).cpu();
+  const double* c = host.data_ptr<double>();
 
   std::string ranks;
   for (int r = 0; r < world; ++r)
     if (c[r] > 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  if (ranks.empty() && grads_finite) return;
+  if (ranks.empty() && grads_finite) return c[world + params];
   std::ostringstream why;
   why << "iteration " << iteration << ": ";
   if (!ranks.empty()) why << "the loss is NaN or Inf on rank " << ranks << " of " << world;
@@ -594,12 +606,23 @@ RolloutModel& TrainingRun::rollout_model() {
   return *rollout_;
 }
 
-std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_ranks) const {
+RolloutModel& TrainingRun::load_rollout_model() {
+  RolloutModel& copy = rollout_model();
+  if (!groups_.tensor_parallel && !sharded_.expert_mesh)
+    copy.load_from(sharded_.root);
+  else
+    copy.load_from(gather_full_weights(/*all_ranks=*/true, /*cpu_offload=*/true));
+  return copy;
+}
+
+std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_ranks, bool cpu_offload) const {
   // Without expert parallelism rank 0 alone may gather; with it every rank takes part.
-  // Tensor parallelism: every rank its whole slices, then the slices of each TP group gathered.
+  // Tensor parallelism: every rank its whole slices, then the slices of each TP group gathered
+  // (each tensor sent to the device and back to the map's device: one at a time there).
   if (groups_.tensor_parallel)
-    return gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(/*all_ranks=*/true));
-  std::map<std::string, at::Tensor> full = sharded_.root.full_state_dict(all_ranks || sharded_.expert_mesh != nullptr);
+    return gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(FullStateDictOptions{true, cpu_offload}));
+  std::map<std::string, at::Tensor> full =
+      sharded_.root.full_state_dict(FullStateDictOptions{all_ranks || sharded_.expert_mesh != nullptr, cpu_offload});
   if (!sharded_.expert_mesh) return full;
   // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
   // (the rank that has it) broadcasts it to the others, in the model's parameter order.
@@ -676,7 +699,7 @@ void TrainingRun::finish(int64_t last, const std::string& curve_title) {
     log_ << " loss curve: " << svg << "\n";
   }
   if (!args_.export_hf.empty()) {
-    auto state = gather_full_weights(/*all_ranks=*/false);
+    auto state = gather_full_weights(/*all_ranks=*/false, /*cpu_offload=*/true);
     if (comm_->rank() == 0) export_hf_folder(args_, config_, state, log_);
   }
   if (print_) {

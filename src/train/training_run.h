@@ -78,6 +78,11 @@ StartingPoint starting_point(const PretrainArgs& args, const std::string& hf_loa
 // The file next to the metrics file with another extension (metrics.jsonl -> metrics.svg).
 std::string sibling_path(const std::string& metrics_file, const std::string& extension);
 
+// `host` on `device` without holding the host: on CUDA through pinned memory and a non-blocking
+// copy (a pageable copy waits until the device has run everything queued before it); else
+// `host.to(device)`.
+at::Tensor to_device(const at::Tensor& host, const at::Device& device);
+
 // Thrown by TrainingRun::step on every rank when --check-for-nan-in-loss-and-grad finds a NaN
 // or Inf loss or gradient.
 class NonFiniteError : public std::runtime_error {
@@ -101,6 +106,7 @@ class TrainingRun {
   ResumePoint start();
 
   struct StepStats {
+    double loss = 0;  // the sum of the micro-batches' reported losses on this rank
     double grad_norm = 0;
     double lr = 0;
     double params_norm = 0;        // with --log-params-norm: L2 norm of every parameter after the step
@@ -119,12 +125,15 @@ class TrainingRun {
   };
   // One optimizer step of `iteration` (1-based): micro_batch(m) for m = 0 .. micro_batches - 1
   // runs that micro-batch's forward and backward (gradients are reduced after the last one
-  // only) and returns its loss on this rank (any scale: only its finiteness is looked at); then
-  // clip (--clip-grad), step at the schedule's lr, zero the gradients. Profiled with --profile.
+  // only) and returns the loss it reports on this rank, a scalar tensor on the model's device
+  // (any dtype and scale; summed in fp64 into StepStats::loss); then clip (--clip-grad), step at
+  // the schedule's lr, zero the gradients. Profiled with --profile.
+  // The losses stay on the device and are read once, after the last backward (with the NaN
+  // check's flags when it is on), so no micro-batch waits for the device to drain.
   // --check-for-nan-in-loss-and-grad: when a rank's loss or a reduced gradient is NaN or Inf,
   // every rank throws NonFiniteError (the same message: the iteration, the ranks of the losses,
   // the parameters whose shards hold the values) before the optimizer step. Collective.
-  StepStats step(int64_t iteration, int64_t micro_batches, const std::function<double(int64_t)>& micro_batch);
+  StepStats step(int64_t iteration, int64_t micro_batches, const std::function<at::Tensor(int64_t)>& micro_batch);
   // The " | num zeros: N | params norm: X" of the log line (empty when neither flag is given),
   // and the same values into a metrics record (num_zeros_in_grad, params_norm); for an MoE model
   // also " | load_balancing_loss: X | z_loss: Y" (with --moe-per-layer-logging each layer's loss
@@ -147,10 +156,15 @@ class TrainingRun {
   // The plain copy generation runs on (GRPO's rollout, greedy evaluation), built once per run on
   // first use; load_from() / release() it around each use.
   RolloutModel& rollout_model();
+  // rollout_model() loaded with the current weights (collective), never holding a second full
+  // copy on the device: the shards stream into it one group at a time, or under tensor or expert
+  // parallelism the whole tensors are joined through the host.
+  RolloutModel& load_rollout_model();
 
   // Full weights by HF name (collective), in fp32: on every rank, or with all_ranks false at
-  // least on rank 0 (others may get an empty map).
-  std::map<std::string, at::Tensor> gather_full_weights(bool all_ranks = true) const;
+  // least on rank 0 (others may get an empty map). cpu_offload: each tensor moved to the host as
+  // it is gathered, so the device holds one group (or tensor) at a time, not the whole model.
+  std::map<std::string, at::Tensor> gather_full_weights(bool all_ranks = true, bool cpu_offload = false) const;
   // Prints on rank 0 only (every rank in a simulated run).
   bool prints() const { return print_; }
   double all_reduce_mean(double value) const;
@@ -177,9 +191,10 @@ class TrainingRun {
   void collect_router_stats(StepStats& stats);
   // The start-up line of an MoE model: this rank's expert and dense main weights.
   void print_expert_buffers() const;
-  // --check-for-nan-in-loss-and-grad after clipping (`grad_norm`: the global norm, the same on
-  // every rank). Throws NonFiniteError. Collective.
-  void check_finite(int64_t iteration, bool loss_finite, double grad_norm);
+  // --check-for-nan-in-loss-and-grad after clipping (`loss`: this rank's summed loss on the
+  // device; `grad_norm`: the global norm, the same on every rank). Throws NonFiniteError; else
+  // returns `loss`, read in the same copy as the flags. Collective.
+  double check_finite(int64_t iteration, const at::Tensor& loss, double grad_norm);
   // --check-for-nan-in-loss-and-grad before a checkpoint is written: no NaN or Inf weights (a
   // step with finite gradients can still overflow them). Throws NonFiniteError. Collective.
   void check_finite_weights(int64_t iteration);

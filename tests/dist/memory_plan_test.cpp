@@ -114,7 +114,7 @@ Measured measure(const PretrainArgs& a, const std::shared_ptr<mfsdp::Communicato
       at::Tensor logits = run.model()->call(tokens.narrow(1, 0, a.seq_length));
       at::Tensor loss = mfsdp::lm_loss(logits, tokens.narrow(1, 1, a.seq_length)) / static_cast<double>(a.num_micro_batches);
       loss.backward();
-      return loss.item<double>();
+      return loss.detach();
     });
   const mfsdp::MemoryReport m = run.root().memory();
   Measured out{m.model_weights, m.main_weights, m.main_grads, 0, m.transient_peak};

@@ -2,6 +2,8 @@
 // - --log-num-zeros-in-grad and --log-params-norm give, under every sharding strategy, the
 //   numbers of a plain (unsharded) model taking the same SGD step on the same global batch, and
 //   the closed form of the zero count (the embedding rows of token ids that are not in the batch);
+// - the step's loss is the sum of what the micro-batches report (left on the device), the plain
+//   model's loss of this rank's rows;
 // - --check-for-nan-in-loss-and-grad stops every rank with the same error, naming the iteration,
 //   the rank whose loss is NaN and the parameters whose reduced gradient shards hold NaN or Inf
 //   (injected through the micro-batch function, after backward), before the optimizer step;
@@ -106,10 +108,12 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
     const mfsdp::PretrainArgs a = args_for(strategy, world);
     std::ostringstream log;
     mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, /*per_token_loss=*/false);
+    double reported = 0;  // what the micro-batches report, summed here as the step must
     const auto stats = run.step(1, micro_batches, [&](int64_t m) {
       at::Tensor loss = micro_loss(run, world == 1 ? m : rank, micro_batches);
       loss.backward();
-      return loss.item<double>();
+      reported += loss.item<double>();
+      return loss.detach();
     });
 
     // The same step on one plain model: mean loss of both rows, p -= lr * grad.
@@ -117,9 +121,14 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
     options.init_seed = static_cast<uint64_t>(a.seed);
     mfsdp::LlamaForCausalLM plain(mfsdp::llama_config_of(mfsdp::model_config_from_args(a)), options);
     at::Tensor loss = at::zeros({}, at::kFloat);
-    for (int64_t r = 0; r < 2; ++r)
-      loss = loss + mfsdp::lm_loss(plain->forward(row(r).narrow(1, 0, kSeq)), row(r).narrow(1, 1, kSeq)) / 2.0;
+    double row_loss[2];
+    for (int64_t r = 0; r < 2; ++r) {
+      const at::Tensor l = mfsdp::lm_loss(plain->forward(row(r).narrow(1, 0, kSeq)), row(r).narrow(1, 1, kSeq));
+      row_loss[r] = l.item<double>();
+      loss = loss + l / 2.0;
+    }
     loss.backward();
+    const double plain_loss_of_rank = world == 1 ? (row_loss[0] + row_loss[1]) / 2 : row_loss[rank];
     int64_t zeros = 0;
     double squares = 0;
     {
@@ -138,6 +147,9 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
     const int64_t closed_form = (kVocab - static_cast<int64_t>(ids.size())) * kHidden;
 
     EXPECT_EQ(stats.num_zeros_in_grad, closed_form) << strategy << " world " << world;
+    EXPECT_EQ(stats.loss, reported) << strategy << " world " << world;
+    // This rank's rows' mean loss (rows m, or row `rank`) on the plain model, before its step.
+    EXPECT_NEAR(stats.loss, plain_loss_of_rank, 1e-5) << strategy << " world " << world;
     EXPECT_EQ(zeros, closed_form) << strategy;
     EXPECT_NEAR(stats.params_norm, std::sqrt(squares), 1e-6 * std::sqrt(squares)) << strategy << " world " << world;
     // What the log line and the metrics record carry.
@@ -164,7 +176,7 @@ MFSDP_DIST_TEST(TrainingRun, NanLossOnOneRankStopsEveryRankBeforeTheStep, {1, 2}
       at::Tensor loss = micro_loss(run, world == 1 ? m : rank, 2 / world);
       loss.backward();
       // The last rank's last micro-batch reports NaN (its gradients stay finite).
-      return rank == world - 1 && m == 2 / world - 1 ? std::nan("") : loss.item<double>();
+      return rank == world - 1 && m == 2 / world - 1 ? at::full({}, std::nan(""), loss.options()) : loss.detach();
     });
   } catch (const mfsdp::NonFiniteError& e) {
     error = e.what();
@@ -192,7 +204,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteGradientsAreNamedByParameter, {1, 2}) {
         poison_grad(run, "model.layers.1.mlp.down_proj.weight", -1, std::nan(""));
         poison_grad(run, "lm_head.weight", 0, INFINITY);
       }
-      return loss.item<double>();
+      return loss.detach();
     };
     std::string error;
     try {
@@ -217,7 +229,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteGradientsAreNamedByParameter, {1, 2}) {
       at::Tensor loss = micro_loss(off, world == 1 ? m : rank, 2 / world);
       loss.backward();
       if (m == 2 / world - 1) poison_grad(off, "model.layers.1.mlp.down_proj.weight", -1, std::nan(""));
-      return loss.item<double>();
+      return loss.detach();
     };
     const auto stats = off.step(1, 2 / world, off_batch);
     EXPECT_TRUE(std::isnan(stats.grad_norm)) << strategy;
@@ -275,7 +287,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteExpertGradientsNameTheirOwnExpert, {2}) {
     at::Tensor loss = micro_loss(run, rank, 1);
     loss.backward();
     poison_grad(run, poisoned, 0, std::nan(""));
-    return loss.item<double>();
+    return loss.detach();
   };
   std::string error;
   try {

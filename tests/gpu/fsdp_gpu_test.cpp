@@ -88,15 +88,18 @@ std::pair<at::Tensor, at::Tensor> batch(int step, int world) {
   return {x, y};
 }
 
-// Single-process reference on the GPU: the whole global batch, torch AdamW.
-std::map<std::string, at::Tensor> reference_after_training(int world) {
+// Single-process reference on this rank's GPU (not cuda:0: a rank touching another GPU is what
+// the runtime must not do): the whole global batch, torch AdamW.
+std::map<std::string, at::Tensor> reference_after_training(const mfsdp::Communicator& comm) {
+  const int world = comm.size();
+  const at::Device device = comm.device();
   Net net = make_net();
-  net->to(at::Device(at::kCUDA, 0));
+  net->to(device);
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.0));
   for (int step = 0; step < kSteps; ++step) {
     auto [x, y] = batch(step, world);
     opt.zero_grad();
-    at::Tensor loss = at::mse_loss(net->forward(x.cuda()), y.cuda());
+    at::Tensor loss = at::mse_loss(net->forward(x.to(device)), y.to(device));
     loss.backward();
     opt.step();
   }
@@ -150,7 +153,7 @@ TEST(FsdpGpu, EveryStrategyMatchesSingleProcess) {
   MFSDP_REQUIRE_GPU();
   mfsdp::testing::run_distributed(on_gpus(), [](mfsdp::Communicator& comm) {
     ASSERT_TRUE(comm.device().is_cuda());
-    const auto reference = reference_after_training(comm.size());
+    const auto reference = reference_after_training(comm);
     for (auto strategy : {mfsdp::ShardingStrategy::kNoShard, mfsdp::ShardingStrategy::kOptim,
                           mfsdp::ShardingStrategy::kOptimGrads, mfsdp::ShardingStrategy::kOptimGradsParams}) {
       mfsdp::FullyShardOptions o;
@@ -166,7 +169,7 @@ TEST(FsdpGpu, EveryStrategyMatchesSingleProcess) {
 TEST(FsdpGpu, Bf16ComputeAndBf16ReductionTrackTheFp32Reference) {
   MFSDP_REQUIRE_GPU();
   mfsdp::testing::run_distributed(on_gpus(), [](mfsdp::Communicator& comm) {
-    const auto reference = reference_after_training(comm.size());
+    const auto reference = reference_after_training(comm);
     mfsdp::FullyShardOptions o;
     o.mixed_precision.param_dtype = at::kBFloat16;
     o.mixed_precision.grad_comm_dtype = at::kBFloat16;

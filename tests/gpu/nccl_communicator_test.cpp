@@ -3,9 +3,13 @@
 // CPU machines where CI runs); scripts/gpu_check.sh runs them on a borrowed GPU machine.
 // Expected values are computed on the CPU from arange formulas, not by the code under test.
 #include <ATen/ATen.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 #include <torch/cuda.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 
@@ -24,6 +28,7 @@ namespace {
 
 std::shared_ptr<mfsdp::Communicator> single_rank_nccl() {
   mfsdp::RendezvousInfo info;
+  info.world_size = 1;
   info.master_port = mfsdp::launch::pick_free_port();
   info.source = "explicit";
   mfsdp::CommOptions options;
@@ -99,6 +104,121 @@ TEST(NcclCommunicator, RejectsCpuTensors) {
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("cpu"), std::string::npos) << e.what();
   }
+}
+
+// A prescaled reduction is an NCCL PreMulSum (no scaled copy of the input); both ways of summing
+// bf16 give the known values at world size 1 (factors and values exact in bf16).
+TEST(NcclCommunicator, PrescaleAndBothLowPrecisionSums) {
+  MFSDP_REQUIRE_GPU();
+  auto comm = single_rank_nccl();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16})
+    for (mfsdp::LowPrecisionSum how : {mfsdp::LowPrecisionSum::kNative, mfsdp::LowPrecisionSum::kRankOrderFp32}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (how == mfsdp::LowPrecisionSum::kNative ? " native" : " rank order"));
+      at::Tensor values = at::arange(16, at::kFloat).to(dtype);
+      at::Tensor out = at::zeros({16}, cuda(dtype));
+      mfsdp::ReduceScatterOptions rs;
+      rs.prescale = 0.25;
+      rs.low_precision_sum = how;
+      comm->reduce_scatter(out, values.cuda(), rs);
+      EXPECT_TRUE(at::equal(out.cpu(), values * 0.25));
+      rs.op = mfsdp::ReduceOp::kAvg;
+      comm->reduce_scatter(out, values.cuda(), rs);
+      EXPECT_TRUE(at::equal(out.cpu(), values * 0.25));
+      rs.op = mfsdp::ReduceOp::kMax;  // no PreMulMax in NCCL: a scaled copy
+      comm->reduce_scatter(out, values.cuda(), rs);
+      EXPECT_TRUE(at::equal(out.cpu(), values * 0.25));
+      at::Tensor summed = values.cuda();
+      mfsdp::AllReduceOptions ar;
+      ar.low_precision_sum = how;
+      comm->all_reduce(summed, ar);
+      EXPECT_TRUE(at::equal(summed.cpu(), values));
+    }
+  torch::cuda::synchronize();
+}
+
+size_t free_bytes() {
+  size_t free = 0, total = 0;
+  cudaMemGetInfo(&free, &total);
+  return free;
+}
+
+// Sub-groups are split from their parent (ncclCommSplit), sharing its resources or not; the
+// device memory each creation takes is printed for the record (GPU_CHECK's log: one GPU says
+// little about the buffers of many peers, the 8-GPU number is still to measure).
+TEST(NcclCommunicator, SplitGroupsWorkAndTheirMemoryIsRecorded) {
+  MFSDP_REQUIRE_GPU();
+  torch::cuda::synchronize();
+  const size_t before_world = free_bytes();
+  auto comm = single_rank_nccl();
+  const size_t after_world = free_bytes();
+  auto shared = comm->new_group({0}, "shared");
+  const size_t after_shared = free_bytes();
+  mfsdp::GroupOptions own;
+  own.share_resources = false;
+  auto separate = comm->new_group({0}, "separate", own);
+  const size_t after_separate = free_bytes();
+  std::printf("communicator device memory (MiB): world %.1f, split sharing %.1f, split with its own %.1f\n",
+              (double(before_world) - double(after_world)) / (1 << 20),
+              (double(after_world) - double(after_shared)) / (1 << 20),
+              (double(after_shared) - double(after_separate)) / (1 << 20));
+  for (auto& group : {shared, separate}) {
+    at::Tensor t = at::arange(8, cuda(at::kFloat));
+    group->all_reduce(t);
+    EXPECT_TRUE(at::equal(t.cpu(), at::arange(8, at::kFloat)));
+    EXPECT_EQ(group->size(), 1);
+  }
+}
+
+// A world whose peer never comes: the nonblocking init ends with an error at the rendezvous
+// timeout instead of blocking forever inside ncclCommInitRank.
+TEST(NcclCommunicator, InitWithoutItsPeerFailsAtTheTimeout) {
+  MFSDP_REQUIRE_GPU();
+  mfsdp::RendezvousInfo info;
+  info.world_size = 2;
+  info.rank = 0;
+  info.master_port = mfsdp::launch::pick_free_port();
+  info.source = "explicit";
+  mfsdp::CommOptions options;
+  options.backend = "nccl";
+  options.device_index = 0;
+  options.rendezvous_timeout = std::chrono::seconds(5);
+  try {
+    mfsdp::init_communicator(info, options);
+    FAIL() << "an init without its peer returned";
+  } catch (const mfsdp::CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("rendezvous"), std::string::npos) << e.what();
+  }
+}
+
+// MFSDP_DEBUG_STREAM_SLEEP=comm:<cycles> holds the communication stream before each collective:
+// a collective stays unfinished while the host goes on, and a reader that skips wait() sees the
+// old bits, deterministically: what the FSDP tests run under it rely on (scripts/gpu_check.sh).
+TEST(NcclCommunicator, StreamSleepMakesAMissingWaitVisible) {
+  MFSDP_REQUIRE_GPU();
+  setenv("MFSDP_DEBUG_STREAM_SLEEP", "comm:2000000000", 1);  // ~1 s at 2 GHz
+  auto comm = single_rank_nccl();
+  unsetenv("MFSDP_DEBUG_STREAM_SLEEP");
+  at::Tensor input = at::ones({1024}, cuda(at::kFloat));
+  at::Tensor output = at::zeros({1024}, cuda(at::kFloat));
+  mfsdp::WorkHandle work = comm->all_gather_async(output, input);
+  EXPECT_FALSE(work->is_completed()) << "the sleep did not hold the communication stream";
+  at::Tensor early = output.sum();  // no wait(): the compute stream races the collective
+  EXPECT_EQ(early.item<float>(), 0.0f) << "read before the all-gather without waiting for it";
+  work->wait();
+  EXPECT_EQ(output.sum().item<float>(), 1024.0f);
+}
+
+// A malformed switch is refused, naming it, when the communicator is made.
+TEST(NcclCommunicator, RefusesAMalformedStreamSleep) {
+  MFSDP_REQUIRE_GPU();
+  setenv("MFSDP_DEBUG_STREAM_SLEEP", "comm", 1);
+  try {
+    single_rank_nccl();
+    ADD_FAILURE() << "MFSDP_DEBUG_STREAM_SLEEP=comm accepted";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("MFSDP_DEBUG_STREAM_SLEEP"), std::string::npos) << e.what();
+  }
+  unsetenv("MFSDP_DEBUG_STREAM_SLEEP");
 }
 
 }  // namespace

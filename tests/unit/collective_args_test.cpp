@@ -119,3 +119,71 @@ TEST(CollectiveArgs, SimulatedAllToAll) {
   at::Tensor m_out = at::empty({64 * 3, 16}, at::TensorOptions().device(at::kMeta));
   meta->all_to_all_single_async(m_out, at::empty({64 * 3, 16}, at::TensorOptions().device(at::kMeta)))->wait();
 }
+
+namespace {
+
+const at::Device kCuda0(at::kCUDA, 0), kCuda1(at::kCUDA, 1);
+
+// A tensor whose metadata says `device`, over host memory nothing reads: the checks look at
+// metadata only, and this machine may have no GPU (let alone two).
+at::Tensor tensor_on(const at::Device& device, std::vector<float>& memory) {
+  return at::for_blob(memory.data(), {static_cast<int64_t>(memory.size())})
+      .target_device(device)
+      .options(at::TensorOptions().dtype(at::kFloat).device(device))
+      .deleter([](void*) {})
+      .make_tensor();
+}
+
+// `f` throws std::invalid_argument naming every one of `parts`.
+template <class F>
+void expect_refused(F f, std::vector<std::string> parts) {
+  try {
+    f();
+    ADD_FAILURE() << "accepted; expected an error naming " << parts.front();
+  } catch (const std::invalid_argument& e) {
+    for (const std::string& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+
+TEST(CollectiveArgs, DeviceMismatchComparesTheIndexWhenTheCommunicatorHasOne) {
+  EXPECT_EQ(mfsdp::device_mismatch(kCuda0, kCuda0), "");
+  EXPECT_EQ(mfsdp::device_mismatch(kCuda1, kCuda1), "");
+  EXPECT_EQ(mfsdp::device_mismatch(at::Device(at::kCPU), at::Device(at::kCPU)), "");
+  EXPECT_EQ(mfsdp::device_mismatch(kCuda1, at::Device(at::kCUDA)), "");  // a type only: any index
+  EXPECT_EQ(mfsdp::device_mismatch(kCuda1, kCuda0), "is on cuda:1, this communicator works on cuda:0 tensors");
+  EXPECT_EQ(mfsdp::device_mismatch(kCuda0, kCuda1), "is on cuda:0, this communicator works on cuda:1 tensors");
+  EXPECT_EQ(mfsdp::device_mismatch(at::Device(at::kCPU), kCuda0),
+            "is on cpu, this communicator works on cuda:0 tensors");
+  EXPECT_EQ(mfsdp::device_mismatch(kCuda0, at::Device(at::kCPU)), "is on cuda:0, this communicator works on CPU tensors");
+}
+
+// NCCL would take a cuda:1 tensor on a cuda:0 communicator and crash on an illegal address; the
+// at::Device forms refuse it naming the op, the tensor's device and the communicator's.
+TEST(CollectiveArgs, TensorOfAnotherGpuIsRefused) {
+  std::vector<float> a(6), b(6), c(3), d(3);
+  const at::Tensor out0 = tensor_on(kCuda0, a), out1 = tensor_on(kCuda1, b);
+  const at::Tensor in0 = tensor_on(kCuda0, c), in1 = tensor_on(kCuda1, d);
+  ASSERT_EQ(out1.device(), kCuda1);
+  ASSERT_EQ(in0.device(), kCuda0);
+
+  EXPECT_NO_THROW(mfsdp::check_tensor("all_reduce", "input", out0, kCuda0));
+  expect_refused([&] { mfsdp::check_tensor("all_reduce", "input", out1, kCuda0); },
+                 {"all_reduce: input tensor is on cuda:1, this communicator works on cuda:0 tensors"});
+  // The c10::DeviceType form checks the type only, as before.
+  EXPECT_NO_THROW(mfsdp::check_tensor("all_reduce", "input", out1, c10::kCUDA));
+  expect_refused([&] { mfsdp::check_tensor("broadcast", "input", out0, c10::kCPU); },
+                 {"broadcast: input tensor is on cuda:0, this communicator works on CPU tensors"});
+
+  // Rank 0 of 2: 3 input elements, 6 output elements.
+  EXPECT_EQ(mfsdp::all_gather_layout(out0, in0, {}, 0, 2, kCuda0).total, 6);
+  expect_refused([&] { mfsdp::all_gather_layout(out0, in1, {}, 0, 2, kCuda0); }, {"all_gather", "input", "cuda:1", "cuda:0"});
+  expect_refused([&] { mfsdp::all_gather_layout(out1, in1, {}, 0, 2, kCuda0); }, {"all_gather", "output", "cuda:1", "cuda:0"});
+  EXPECT_EQ(mfsdp::reduce_scatter_layout(in1, out1, {}, 1, 2, kCuda1).counts[1], 3);
+  expect_refused([&] { mfsdp::reduce_scatter_layout(in1, out0, {}, 0, 2, kCuda1); },
+                 {"reduce_scatter", "input", "cuda:0", "cuda:1"});
+  EXPECT_EQ(mfsdp::all_to_all_layout(out0, in0, splits({1, 2}, {1, 5}), 0, 2, kCuda0).recv.total, 6);
+  expect_refused([&] { mfsdp::all_to_all_layout(out1, in0, splits({1, 2}, {1, 5}), 0, 2, kCuda0); },
+                 {"all_to_all_single", "rank 0: output", "cuda:1", "cuda:0"});
+}

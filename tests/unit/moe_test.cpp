@@ -249,9 +249,14 @@ TEST(MoeBlock, OutputIsTheWeightedSumOfTheChosenExpertsTokenByToken) {
   EXPECT_TRUE(at::allclose(block->forward(x), y, 1e-5, 1e-5)) << "grouped GEMM differs from per-expert GEMMs";
 }
 
+// Experts 0 and 2 (the first and the last group of the grouped GEMM) get no token: all their
+// weights get exactly zero gradient on both paths, which agree on the busy expert's gradient.
 TEST(MoeBlock, AnExpertWithoutTokensGetsAZeroGradientAndCountsAreKept) {
   torch::manual_seed(4);
+  const at::Tensor x = at::rand({1, 6, 8}) + 0.1;
+  std::vector<at::Tensor> busy_grads;
   for (bool grouped : {false, true}) {
+    torch::manual_seed(40);
     mfsdp::MoeBlock block(8, config(3, 1), false);
     block->training_options.grouped_gemm = grouped;
     {
@@ -260,16 +265,55 @@ TEST(MoeBlock, AnExpertWithoutTokensGetsAZeroGradientAndCountsAreKept) {
       block->gate->weight.zero_();
       block->gate->weight[1].fill_(5.0);  // every positive-sum token goes to expert 1
     }
-    const at::Tensor x = at::rand({1, 6, 8}) + 0.1;
     block->forward(x).sum().backward();
-    const auto& idle = block->experts->expert(0);
-    ASSERT_TRUE(idle.gate->weight.grad().defined()) << "grouped " << grouped;
-    EXPECT_EQ(idle.gate->weight.grad().abs().sum().item<double>(), 0.0);
-    EXPECT_GT(block->experts->expert(1).down->weight.grad().abs().sum().item<double>(), 0.0);
+    for (int64_t idle : {0, 2}) {
+      auto& e = block->experts->expert(idle);
+      for (const at::Tensor& w : {e.gate->weight, e.up->weight, e.down->weight}) {
+        ASSERT_TRUE(w.grad().defined()) << "grouped " << grouped << ", expert " << idle;
+        EXPECT_EQ(w.grad().abs().sum().item<double>(), 0.0) << "grouped " << grouped << ", expert " << idle;
+      }
+    }
+    auto& busy = block->experts->expert(1);
+    EXPECT_GT(busy.down->weight.grad().abs().sum().item<double>(), 0.0);
+    busy_grads.push_back(at::cat({busy.gate->weight.grad().flatten(), busy.up->weight.grad().flatten(),
+                                  busy.down->weight.grad().flatten()}));
     const mfsdp::RouterStats stats = block->take_stats();
     EXPECT_EQ(stats.tokens_per_expert, (std::vector<int64_t>{0, 6, 0}));
     EXPECT_EQ(stats.forwards, 1);
     EXPECT_EQ(block->take_stats().forwards, 0);  // taken: reset
+  }
+  EXPECT_TRUE(at::allclose(busy_grads[0], busy_grads[1], 1e-5, 1e-6)) << "grouped GEMM's gradient differs";
+}
+
+// With a capacity factor the dropped (token, expert) pairs leave the sum: the output is, token by
+// token, the sum over the pairs the router kept of weight x expert(x), on both expert paths.
+TEST(MoeBlock, CapacityDroppedPairsLeaveTheOutput) {
+  torch::manual_seed(6);
+  MoeConfig c = config(4, 2);
+  mfsdp::MoeBlock block(16, c, false);
+  {
+    torch::NoGradGuard g;
+    for (auto& p : block->parameters()) p.normal_(0, 0.5);
+  }
+  block->training_options.capacity_factor = 0.5;  // 3 tokens per expert of 12 x 2 / 4 = 6
+  const at::Tensor x = at::randn({3, 4, 16});
+  const at::Tensor tokens = x.reshape({-1, 16});
+  const mfsdp::Routing r = mfsdp::route(at::linear(tokens, block->gate->weight), c, 0.5);
+  ASSERT_LT(r.map.sum().item<int64_t>(), 12 * 2) << "nothing dropped: the test would not test it";
+  for (bool grouped : {false, true}) {
+    block->training_options.grouped_gemm = grouped;
+    const at::Tensor y = block->forward(x).reshape({-1, 16});
+    for (int64_t t = 0; t < tokens.size(0); ++t) {
+      at::Tensor want = at::zeros({16});
+      const at::Tensor xt = tokens[t];
+      for (int64_t e = 0; e < 4; ++e) {
+        if (!r.map[t][e].item<bool>()) continue;
+        auto& ex = block->experts->expert(e);
+        at::Tensor h = at::silu(at::mv(ex.gate->weight, xt)) * at::mv(ex.up->weight, xt);
+        want = want + r.probs[t][e] * at::mv(ex.down->weight, h);
+      }
+      EXPECT_TRUE(at::allclose(y[t], want, 1e-5, 1e-5)) << "grouped " << grouped << ", token " << t;
+    }
   }
 }
 

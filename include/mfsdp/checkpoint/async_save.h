@@ -53,13 +53,21 @@ class AsyncCheckpointSaver {
   bool in_flight() const;
   // The iteration of the save in flight (-1: none).
   int64_t iteration_in_flight() const;
-  // Bytes of this rank's staging buffer (kept between saves, so later saves allocate nothing).
+  // Bytes of this rank's staging buffer (kept between saves, so later saves allocate nothing;
+  // replaced, the old one freed first, only when a save needs more): exactly what it holds.
   int64_t staging_bytes() const;
+  // Of those, the page-locked host memory this saver holds: all of them when the shards are on
+  // CUDA (taken from CUDA at exactly that size, not from PyTorch's caching pinned allocator,
+  // which rounds up to a power of two), else 0.
+  int64_t pinned_bytes() const;
+  // The staging buffer's first byte (nullptr: none yet), e.g. to ask CUDA what memory it is.
+  const void* staging_data() const;
 
  private:
   struct Pending;
   std::unique_ptr<Pending> pending_;
   at::Tensor staging_;  // one byte buffer, every piece a view of it
+  bool staging_pinned_ = false;
 };
 
 }  // namespace mfsdp

@@ -31,6 +31,16 @@ class CommError : public std::runtime_error {
 enum class ReduceOp { kSum, kAvg, kMax };
 const char* to_string(ReduceOp op);
 
+// How a bf16/fp16 sum or average is accumulated (docs/comm.md, "Reductions").
+//  kNative: the backend's own reduction kernels in the tensor's dtype (NCCL's ring, tree or NVLS
+//    algorithms, each hop rounding to the dtype), as Megatron-LM and c10d reduce bf16: the fast
+//    default. The bits may depend on the world size and NCCL's choice of algorithm.
+//  kRankOrderFp32: every rank's contribution summed in fp32 in rank order and rounded once, the
+//    dtype itself on the wire (point to point): reproducible, bit-equal to a single process
+//    summing the same parts, at the cost of NCCL's algorithms (an opt-in for reproducibility).
+// The CPU backend always sums in fp32 in rank order. Other dtypes are unaffected.
+enum class LowPrecisionSum { kNative, kRankOrderFp32 };
+
 // Handle to an issued collective (c10d's Work, reduced to what we need).
 class Work {
  public:
@@ -42,6 +52,16 @@ class Work {
   virtual bool is_completed() = 0;
 };
 using WorkHandle = std::shared_ptr<Work>;
+
+// How Communicator::new_group makes a group.
+struct GroupOptions {
+  // NCCL: the group shares its parent's channels and buffers (ncclCommSplit's splitShare), which
+  // saves the memory of a communicator of its own (about 0.5 GB each at scale). NCCL forbids
+  // issuing to a parent and a child sharing its resources from two threads at once, and their
+  // kernels share channels; so a communicator made to run beside its parent (FSDP's gradient
+  // reductions beside the all-gathers) asks for resources of its own. Other backends ignore it.
+  bool share_resources = true;
+};
 
 // Per-call options. A zero timeout means "the communicator's default".
 struct AllGatherOptions {
@@ -59,12 +79,14 @@ struct ReduceScatterOptions {
   // Elements of the reduced result each rank receives (size() == world size). Empty: equal
   // shards of input.numel() / world size. Counts may differ and may be zero.
   std::vector<int64_t> counts;
+  LowPrecisionSum low_precision_sum = LowPrecisionSum::kNative;
   std::chrono::milliseconds timeout{0};
 };
 
 struct AllReduceOptions {
   ReduceOp op = ReduceOp::kSum;
   std::chrono::milliseconds timeout{0};
+  LowPrecisionSum low_precision_sum = LowPrecisionSum::kNative;
 };
 
 struct BroadcastOptions {
@@ -136,10 +158,13 @@ class Communicator {
   virtual WorkHandle barrier_async(const BarrierOptions& options = {}) = 0;
 
   // A communicator over `ranks` (ranks of this communicator, ascending, including rank()), for
-  // meshes and subgroups. Collective over exactly the listed ranks, which must call it in the
-  // same order with the same `ranks` and `name`. Ranks are renumbered 0..ranks.size()-1.
+  // meshes and subgroups. Collective over this whole communicator (NCCL splits it: one
+  // ncclCommSplit sharing the parent's resources): every rank calls it in the same order with
+  // the same `name`, each naming the group it belongs to, so that the groups of one call
+  // partition the ranks (a group of one rank included). Ranks are renumbered 0..ranks.size()-1.
   virtual std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
-                                                  const std::string& name) = 0;
+                                                  const std::string& name,
+                                                  const GroupOptions& options = {}) = 0;
 
   // Synchronous forms: the async form followed by wait(), unless a backend has a faster path.
   virtual void all_gather(const at::Tensor& output, const at::Tensor& input,
@@ -163,7 +188,9 @@ struct CommOptions {
   // and connect the world communicator. Kept apart from `timeout` so that a short collective
   // timeout does not fail a job whose ranks start slowly (a loaded machine, a cold file cache).
   std::chrono::milliseconds rendezvous_timeout = std::chrono::minutes(5);
-  // CUDA device index for the NCCL backend; -1: LOCAL_RANK.
+  // CUDA device index for the NCCL backend; -1: chosen as --device cuda chooses (resolve_device).
+  // init_communicator makes it the process's current device (torch.cuda.set_device), so that
+  // allocations without an explicit device land on it.
   int device_index = -1;
   // CPU backend: move the collectives' bulk data through one /dev/shm segment when every rank is
   // on this host (docs/comm.md), else over TCP. Unset: on, unless the environment has
@@ -175,10 +202,11 @@ struct CommOptions {
   std::string socket_ifname;
 };
 
-// The tools' --device: "auto" (the GPU `local_rank` when this build has CUDA and the node has a
-// GPU for each of its `local_world_size` ranks, else the CPU: every rank decides the same),
-// "cpu" or "cuda" (cuda:local_rank; an error naming the value without a GPU or with a local rank
-// past the GPUs).
+// The tools' --device (docs/comm.md, "Devices"): "cpu"; "cuda": cuda:local_rank when the node
+// shows a GPU per local rank, cuda:0 when each rank sees one GPU of its own (Slurm's
+// --gpus-per-task=1 / a per-task CUDA_VISIBLE_DEVICES), an error naming the counts when some
+// GPUs are visible but fewer than the local ranks, or none; "auto": the same, but the CPU when
+// no GPU is visible or the build has no CUDA. Every rank decides the same.
 at::Device resolve_device(const std::string& choice, int local_rank, int local_world_size = 1);
 // The communicator backend for tensors on `device`: "nccl" for CUDA, "gloo" for the CPU.
 std::string backend_for(const at::Device& device);

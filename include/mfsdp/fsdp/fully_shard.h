@@ -28,6 +28,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -58,6 +59,9 @@ struct MixedPrecisionPolicy {
   at::ScalarType main_grads_dtype = at::kFloat;   // accumulated gradients the optimizer reads
   // Dtype gradients are reduced in (bf16 with --grad-reduce-in-bf16); unset: main_grads_dtype.
   std::optional<at::ScalarType> grad_comm_dtype;
+  // How a bf16/fp16 grad_comm_dtype is summed: NCCL's native kernels (the default, as Megatron
+  // and FSDP2), or in fp32 in rank order for reproducible bits (--grad-reduce-rank-order-fp32).
+  LowPrecisionSum grad_reduce_sum = LowPrecisionSum::kNative;
 };
 
 enum class GradientScaling {
@@ -67,6 +71,12 @@ enum class GradientScaling {
 };
 
 class DeviceMesh;
+
+// FsdpHandle::full_state_dict's options.
+struct FullStateDictOptions {
+  bool all_ranks = false;    // every rank gets the map, not only rank 0 of the job
+  bool cpu_offload = false;  // tensors on the CPU, each moved there as it is gathered
+};
 
 // Where unsharded weights and gradients get their memory (docs/fully_shard.md, allocators).
 enum class BufferAllocatorKind {
@@ -144,7 +154,10 @@ UnitState* find_unit(const torch::nn::Module& module);  // null when not a unit
 at::Tensor run_forward(UnitState& unit, const std::function<at::Tensor()>& forward);
 std::vector<at::Tensor> run_forward(UnitState& unit,
                                     const std::function<std::vector<at::Tensor>()>& forward);
-// Floating-point inputs are cast to the unit's param_dtype (FSDP2's cast_forward_inputs).
+// Floating-point inputs are cast to the unit's param_dtype (FSDP2's cast_forward_inputs). In a
+// unit with frozen parameters, an input that needs a gradient also gets an identity node whose
+// backward tells the unit its whole backward is done (FSDP2's RegisterPostBackwardFunction), so
+// that frozen weights stay gathered for every backward node that reads them.
 at::Tensor cast_forward_input(const UnitState& unit, const at::Tensor& input);
 template <class T>
 decltype(auto) cast_forward_input(const UnitState& unit, T&& arg) {
@@ -203,6 +216,19 @@ class FsdpHandle {
   // Full parameters and buffers by FQN (gathered from all ranks; every rank gets them when all_ranks, else
   // only rank 0 and the others get an empty map). Collective.
   std::map<std::string, at::Tensor> full_state_dict(bool all_ranks = false) const;
+  // The same, with `options.cpu_offload`: each tensor copied to host memory as it is gathered,
+  // so the device holds at most one parameter group's full values at a time (FSDP2's
+  // StateDictOptions(full_state_dict=True, cpu_offload=True)). Collective.
+  std::map<std::string, at::Tensor> full_state_dict(const FullStateDictOptions& options) const;
+  // Streams the full state dict: gathers one parameter group at a time and hands each full
+  // parameter, then each buffer, to `visit` before the next group is gathered. `full` is on the
+  // device, in the parameter's original dtype, and valid only during the call (a view of a
+  // gather buffer the next group reuses, or of the live weights when nothing is sharded): copy
+  // it to keep it. Called on rank 0 of the job (every rank with `all_ranks`), not on the others.
+  // Collective: every rank calls it. An exception from `visit` is rethrown after the last
+  // group, so the ranks' collectives stay matched.
+  void for_each_full_tensor(const std::function<void(const std::string& name, const at::Tensor& full)>& visit,
+                            bool all_ranks = false) const;
   // Loads full parameters and buffers (every rank passes the same map) into the shards. Throws
   // naming the missing, unexpected or mis-shaped tensor before changing anything.
   void load_full_state_dict(const std::map<std::string, at::Tensor>& state);

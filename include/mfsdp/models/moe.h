@@ -133,10 +133,12 @@ TORCH_MODULE(ExpertMlp);
 class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
  public:
   MoeExpertsImpl(int64_t hidden, const MoeConfig& config, int64_t first, int64_t count, bool deferred);
-  // tokens [n, H] sorted by local expert, counts [count] (CPU int64) rows per local expert ->
+  // tokens [n, H] sorted by local expert, counts [count] (int64) rows per local expert ->
   // each row through its expert, [n, H]. `grouped`: one grouped GEMM (at::_grouped_mm) over the
-  // weights stacked for the call, else one GEMM per expert (Megatron's SequentialMLP); an expert
-  // without rows still runs, so every expert has a gradient (zero) each step.
+  // weights stacked for the call, with counts on the tokens' device never read by the host;
+  // else one GEMM per expert (Megatron's SequentialMLP), which reads counts on the host (one
+  // wait for the device when they are on it). An expert without rows still runs, so every
+  // expert has a gradient (exactly zero) each step.
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& counts, bool grouped);
   ExpertMlpImpl& expert(int64_t local) { return *local_[static_cast<size_t>(local)]; }
   int64_t first() const { return first_; }

@@ -117,14 +117,29 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLa
   } else {
     allowed = layout.allowed_keys(b, t, input_ids.device(), past);
   }
-  at::Tensor positions = layout.position_ids.defined() ? layout.position_ids.to(input_ids.device(), at::kLong)
-                         : keys.global_positions.defined()
-                             ? keys.global_positions
-                             : at::arange(past, past + t, input_ids.options().dtype(at::kLong));
-  const int64_t highest = positions.numel() > 0 ? positions.max().item<int64_t>() : 0;
-  if (highest >= config_.max_position_embeddings || (positions.numel() > 0 && positions.min().item<int64_t>() < 0))
-    throw std::invalid_argument("LlamaModel::forward: position_ids must lie in [0, " +
-                                std::to_string(config_.max_position_embeddings) + ")");
+  // Positions are checked where they are known without reading the device: a read here would be
+  // a host sync in every forward, and the step must have none (tests/gpu/host_sync_gpu_test.cpp).
+  // Generated positions by their range, given ones on the CPU (the trainers build them there)
+  // before they move, given ones already on a GPU by an assertion on the device.
+  const int64_t limit = config_.max_position_embeddings;
+  const std::string out_of_range =
+      "LlamaModel::forward: position_ids must lie in [0, " + std::to_string(limit) + ")";
+  at::Tensor positions;
+  if (layout.position_ids.defined()) {
+    const at::Tensor& given = layout.position_ids;
+    if (given.numel() > 0 && given.device().is_cpu()) {
+      if (given.max().item<int64_t>() >= limit || given.min().item<int64_t>() < 0)
+        throw std::invalid_argument(out_of_range);
+    } else if (given.numel() > 0) {
+      at::_assert_async(at::logical_and(given.min() >= 0, given.max() < limit), out_of_range);
+    }
+    positions = given.to(input_ids.device(), at::kLong);
+  } else if (keys.global_positions.defined()) {
+    positions = keys.global_positions;  // [0, the global length): checked by context_parallel_length
+  } else {
+    if (past + t > limit) throw std::invalid_argument(out_of_range);
+    positions = at::arange(past, past + t, input_ids.options().dtype(at::kLong));
+  }
   // Padding positions route like any other but are not counted (Megatron's padding_mask).
   at::Tensor tokens;
   if (layout.attention_mask.defined())

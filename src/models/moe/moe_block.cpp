@@ -66,6 +66,22 @@ struct AllToAll : public torch::autograd::Function<AllToAll> {
   }
 };
 
+// The experts' weights stacked [n, ...] pass unchanged; the backward gives every expert without
+// rows (counts[j] == 0) exactly zero. CUDA's grouped GEMM leaves the weight gradient of a
+// zero-length group to its kernel, which on some GPUs writes garbage there (PyTorch issue
+// 172439, Blackwell); a `where`, not a product, so garbage that is NaN becomes zero too.
+struct ZeroIdleExperts : public torch::autograd::Function<ZeroIdleExperts> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& stacked,
+                            const at::Tensor& counts) {
+    ctx->saved_data["busy"] = counts.gt(0).view({-1, 1, 1}).to(stacked.device());
+    return stacked.view_as(stacked);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    return {at::where(ctx->saved_data["busy"].toTensor(), grad[0], 0), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, bool deferred) {
@@ -97,17 +113,28 @@ at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& c
                                     ") to be multiples of " + std::to_string(16 / item) + " in " +
                                     c10::toString(tokens.scalar_type()) + "; run without --moe-grouped-gemm");
     }
+    // Each weight as it is stored ([out, in], what the per-expert path multiplies by its
+    // transpose), stacked [n, out, in] (a plain copy: the experts are separate parameters, named
+    // one by one in checkpoints), and passed transposed: the column-major operand _grouped_mm
+    // takes as it is. The offsets stay on the tokens' device, so nothing here waits for the GPU.
     std::vector<at::Tensor> g, u, d;
     for (const ExpertMlp& e : local_) {
-      g.push_back(e->gate->weight.t());
-      u.push_back(e->up->weight.t());
-      d.push_back(e->down->weight.t());
+      g.push_back(e->gate->weight);
+      u.push_back(e->up->weight);
+      d.push_back(e->down->weight);
     }
-    at::Tensor offsets = counts.cumsum(0).to(tokens.device(), at::kInt);
-    at::Tensor h = at::silu(at::_grouped_mm(tokens, at::stack(g), offsets)) * at::_grouped_mm(tokens, at::stack(u), offsets);
-    return at::_grouped_mm(h, at::stack(d), offsets);
+    const at::Tensor offsets = counts.to(tokens.device()).cumsum(0).to(at::kInt);
+    auto stacked = [&](const std::vector<at::Tensor>& w) {
+      at::Tensor s = at::stack(w);
+      if (s.is_cuda()) s = ZeroIdleExperts::apply(s, counts);  // CPU's _grouped_mm gives zero itself
+      return s.transpose(1, 2);
+    };
+    at::Tensor h = at::silu(at::_grouped_mm(tokens, stacked(g), offsets)) * at::_grouped_mm(tokens, stacked(u), offsets);
+    return at::_grouped_mm(h, stacked(d), offsets);
   }
-  const int64_t* rows = counts.data_ptr<int64_t>();
+  // One GEMM per expert over its rows: the row counts on the host (one copy from the device).
+  const at::Tensor host = counts.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* rows = host.data_ptr<int64_t>();
   std::vector<at::Tensor> parts;
   int64_t start = 0;
   for (int64_t j = 0; j < n; ++j) {
@@ -137,13 +164,23 @@ MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferre
 }
 
 at::Tensor MoeBlockImpl::run_experts(const at::Tensor& tokens, const Routing& r) {
-  // (expert, token) of every routed pair, sorted by expert, then token.
-  at::Tensor pairs = r.map.t().nonzero();
-  at::Tensor expert_of = pairs.select(1, 0), token_of = pairs.select(1, 1);
-  at::Tensor counts = at::bincount(expert_of, {}, config_.num_experts);
+  // The routed (token, expert) pairs sorted by expert, then token (the order of
+  // r.map.t().nonzero()), found on the device without waiting for it: pair (t, e) goes to
+  // position start[e] + (the tokens up to t routed to e) - 1; the unrouted pairs all go to one
+  // slot past the end, dropped. Dropless routing gives every token exactly top_k experts, so the
+  // number of pairs is known; with capacity dropping it is read from the device (one wait).
+  const int64_t T = tokens.size(0), E = config_.num_experts;
+  const at::Tensor routed = r.map.to(at::kLong);
+  const at::Tensor counts = routed.sum(0);  // [E], rows per expert
+  const int64_t pairs = training_options.capacity_factor > 0 ? counts.sum().item<int64_t>() : T * config_.top_k;
+  const at::Tensor slot = at::where(r.map, routed.cumsum(0) - 1 + (counts.cumsum(0) - counts), pairs);
+  const at::Tensor pair = at::empty({pairs + 1}, routed.options())
+                              .scatter_(0, slot.view({-1}), at::arange(T * E, routed.options()))
+                              .narrow(0, 0, pairs);  // t * E + e of each pair, in order
+  const at::Tensor token_of = at::div(pair, E, "floor");
   at::Tensor sorted = tokens.index_select(0, token_of);
-  at::Tensor weight = r.probs.index({token_of, expert_of}).to(tokens.scalar_type()).unsqueeze(-1);
-  at::Tensor out = ep_ ? dispatch(sorted, counts) : experts(sorted, counts.to(at::kCPU), training_options.grouped_gemm);
+  at::Tensor weight = r.probs.reshape({-1}).index_select(0, pair).to(tokens.scalar_type()).unsqueeze(-1);
+  at::Tensor out = ep_ ? dispatch(sorted, counts) : experts(sorted, counts, training_options.grouped_gemm);
   return at::zeros_like(tokens).index_add(0, token_of, out * weight);
 }
 
@@ -152,28 +189,24 @@ at::Tensor MoeBlockImpl::dispatch(const at::Tensor& sorted, const at::Tensor& co
   // Every rank learns how many rows it gets from each rank for each of its experts.
   at::Tensor received = at::empty_like(counts);
   ep_->all_to_all_single(received, counts);
-  const at::Tensor send_host = counts.to(at::kCPU).view({ep, local}), recv_host = received.to(at::kCPU).view({ep, local});
-  std::vector<int64_t> send(ep), recv(ep);
-  for (int64_t q = 0; q < ep; ++q) {
-    send[q] = send_host[q].sum().item<int64_t>();
-    recv[q] = recv_host[q].sum().item<int64_t>();
-  }
+  // The all-to-all's split sizes are host values: the one wait for the device in this layer,
+  // both count vectors in one copy (Megatron's single D2H of the counts).
+  const at::Tensor host = at::cat({counts, received}).to(at::kCPU, at::kLong).view({2, ep, local});
+  const at::Tensor send_host = host[0].sum(1), recv_host = host[1].sum(1);
+  const std::vector<int64_t> send(send_host.data_ptr<int64_t>(), send_host.data_ptr<int64_t>() + ep),
+      recv(recv_host.data_ptr<int64_t>(), recv_host.data_ptr<int64_t>() + ep);
+  int64_t rows = 0;
+  for (int64_t r : recv) rows += r;
   at::Tensor arrived = AllToAll::apply(sorted, send, recv, ep_.get());
-  // Arrived rows are grouped by source rank, then local expert; the experts want them by local
-  // expert, then source rank.
-  const int64_t* c = recv_host.contiguous().data_ptr<int64_t>();
-  std::vector<int64_t> start(ep * local), order;
-  int64_t at = 0;
-  for (int64_t k = 0; k < ep * local; ++k) {
-    start[k] = at;
-    at += c[k];
-  }
-  order.reserve(at);
-  for (int64_t j = 0; j < local; ++j)
-    for (int64_t q = 0; q < ep; ++q)
-      for (int64_t i = 0; i < c[q * local + j]; ++i) order.push_back(start[q * local + j] + i);
-  at::Tensor by_expert = at::tensor(order, at::TensorOptions().dtype(at::kLong)).to(sorted.device());
-  at::Tensor y = experts(arrived.index_select(0, by_expert), recv_host.sum(0), training_options.grouped_gemm);
+  // Arrived rows are grouped by source rank q, then local expert j; the experts want them by j,
+  // then q: a stable sort of each row's key j * ep + q, on the device.
+  const at::Tensor group = at::arange(ep * local, received.options());  // q * local + j
+  const at::Tensor key = at::repeat_interleave(group.remainder(local) * ep + at::div(group, local, "floor"),
+                                               received, /*dim=*/0, rows);
+  const at::Tensor by_expert = std::get<1>(key.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+  // Rows per local expert: on the device for the grouped GEMM, on the host for per-expert GEMMs.
+  const at::Tensor per_expert = training_options.grouped_gemm ? received.view({ep, local}).sum(0) : host[1].sum(0);
+  at::Tensor y = experts(arrived.index_select(0, by_expert), per_expert, training_options.grouped_gemm);
   at::Tensor back = at::zeros_like(arrived).index_copy(0, by_expert, y);
   return AllToAll::apply(back, recv, send, ep_.get());
 }

@@ -168,6 +168,7 @@ struct FsdpSection {
   bool use_distributed_optimizer = false;
   bool init_model_with_meta_device = true;  // mfsdp's default (Megatron's is off): no rank holds the model
   bool grad_reduce_in_bf16 = false;
+  bool grad_reduce_rank_order_fp32 = false;  // ours: bf16 gradients summed in fp32 in rank order
   bool no_fsdp_prefetch = false;                        // ours: no all-gather prefetch
   bool no_fsdp_all_gather_in_start_param_sync = false;  // ours: nothing in flight between steps
   bool fsdp_double_buffer = false;
