@@ -192,8 +192,8 @@ class CpuCommunicator : public Communicator {
   }
   void barrier(const BarrierOptions& options) override { run(barrier_job(options)); }
 
-  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name,
-                                          const GroupOptions&) override {
+  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
+                                          const std::string& name) override {
     GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
     auto prefixed = c10::make_intrusive<c10d::PrefixStore>(plan.store_prefix, store_);
     return std::make_shared<CpuCommunicator>(prefixed, bind_host_, plan.my_index,

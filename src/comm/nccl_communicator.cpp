@@ -57,10 +57,16 @@ void nccl_wait(ncclResult_t r, ncclComm_t comm, Clock::time_point deadline, cons
   nccl_check(r, context);
 }
 
-ncclConfig_t nonblocking_config(int split_share) {
+// Every communicator is nonblocking (above). splitShare: whether the groups later split from it
+// share its channels and buffers, a property of the parent for all its children; off (c10d's
+// default) unless MFSDP_NCCL_SPLIT_SHARE=1, since communicators that share are serialised
+// through one NCCL stream, and FSDP reduces on a second communicator precisely to run beside
+// its all-gathers (docs/comm.md).
+ncclConfig_t nonblocking_config() {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
-  if (split_share >= 0) config.splitShare = split_share;
+  const char* share = std::getenv("MFSDP_NCCL_SPLIT_SHARE");
+  config.splitShare = share != nullptr && std::string(share) == "1" ? 1 : 0;
   return config;
 }
 
@@ -234,8 +240,9 @@ class NcclCommunicator : public Communicator {
                                    [&](int64_t c) { return c == s.counts[0]; });
     return launch("all_gather", options.timeout, {output, input}, [&](const Issue& in) {
       if (equal) {
-        in.call(ncclAllGather(input.data_ptr(), output.data_ptr(), input.nbytes(), ncclUint8, comm_,
-                              in.stream));
+        in.nccl([&] {
+          in.call(ncclAllGather(input.data_ptr(), output.data_ptr(), input.nbytes(), ncclUint8, comm_, in.stream));
+        });
         return;
       }
       at::Tensor flat = output.view(-1);
@@ -267,20 +274,22 @@ class NcclCommunicator : public Communicator {
         send = send * prescale;  // no PreMulMax in NCCL: a scaled temporary on the comm stream
         prescale = 1.0;
       }
-      ReductionOp op(comm_, options.op, prescale, input.scalar_type(), dtype, size());
       char* base = static_cast<char*>(send.data_ptr());
-      if (equal) {
-        in.call(ncclReduceScatter(base, output.data_ptr(), s.counts[0], dtype, op.op, comm_, in.stream));
-        return;
-      }
       const int64_t item = input.element_size();
-      ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
-      for (int r = 0; r < size(); ++r) {
-        if (s.counts[r] == 0) continue;
-        void* dst = r == rank_ ? output.data_ptr() : nullptr;  // used at the root only
-        in.call(ncclReduce(base + s.offsets[r] * item, dst, s.counts[r], dtype, op.op, r, comm_, in.stream));
-      }
-      group.end();
+      in.nccl([&] {
+        ReductionOp op(comm_, options.op, prescale, input.scalar_type(), dtype, size());
+        if (equal) {
+          in.call(ncclReduceScatter(base, output.data_ptr(), s.counts[0], dtype, op.op, comm_, in.stream));
+          return;
+        }
+        ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
+        for (int r = 0; r < size(); ++r) {
+          if (s.counts[r] == 0) continue;
+          void* dst = r == rank_ ? output.data_ptr() : nullptr;  // used at the root only
+          in.call(ncclReduce(base + s.offsets[r] * item, dst, s.counts[r], dtype, op.op, r, comm_, in.stream));
+        }
+        group.end();
+      });
     });
   }
 
@@ -301,9 +310,10 @@ class NcclCommunicator : public Communicator {
         return;
       }
       ncclDataType_t dtype = nccl_dtype(tensor.scalar_type(), "all_reduce");
-      ReductionOp op(comm_, options.op, 1.0, tensor.scalar_type(), dtype, size());
-      in.call(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, op.op, comm_,
-                            in.stream));
+      in.nccl([&] {
+        ReductionOp op(comm_, options.op, 1.0, tensor.scalar_type(), dtype, size());
+        in.call(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype, op.op, comm_, in.stream));
+      });
     });
   }
 
@@ -314,8 +324,10 @@ class NcclCommunicator : public Communicator {
                                   " is outside [0, " + std::to_string(size()) + ")");
     return launch("broadcast", options.timeout, {tensor}, [&](const Issue& in) {
       if (tensor.nbytes() == 0) return;
-      in.call(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.nbytes(), ncclUint8,
-                            options.root, comm_, in.stream));
+      in.nccl([&] {
+        in.call(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), tensor.nbytes(), ncclUint8, options.root,
+                              comm_, in.stream));
+      });
     });
   }
 
@@ -330,17 +342,19 @@ class NcclCommunicator : public Communicator {
           .copy_(input.view(-1).narrow(0, l.send.offsets[rank_], l.send.counts[rank_]));
       // Bytes, so that every dtype (bool too) goes as it is. Zero counts are skipped on both
       // sides alike, as long as the ranks' splits agree (the caller's contract).
-      ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
-      for (int r = 0; r < size(); ++r) {
-        if (r == rank_) continue;
-        if (l.send.counts[r] > 0)
-          in.call(ncclSend(src + l.send.offsets[r] * item, l.send.counts[r] * item, ncclUint8, r, comm_,
-                           in.stream));
-        if (l.recv.counts[r] > 0)
-          in.call(ncclRecv(dst + l.recv.offsets[r] * item, l.recv.counts[r] * item, ncclUint8, r, comm_,
-                           in.stream));
-      }
-      group.end();
+      in.nccl([&] {
+        ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
+        for (int r = 0; r < size(); ++r) {
+          if (r == rank_) continue;
+          if (l.send.counts[r] > 0)
+            in.call(ncclSend(src + l.send.offsets[r] * item, l.send.counts[r] * item, ncclUint8, r, comm_,
+                             in.stream));
+          if (l.recv.counts[r] > 0)
+            in.call(ncclRecv(dst + l.recv.offsets[r] * item, l.recv.counts[r] * item, ncclUint8, r, comm_,
+                             in.stream));
+        }
+        group.end();
+      });
     });
   }
 
@@ -354,58 +368,69 @@ class NcclCommunicator : public Communicator {
 
   // ncclCommSplit of this communicator: every rank calls it (the contract in comm.h), and the
   // groups of one call are disjoint, so a group's lowest rank is its colour. No unique id goes
-  // through the store, and NCCL reuses what it learnt of the topology. Bounded like every call.
-  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name,
-                                          const GroupOptions& options) override {
+  // through the store, and NCCL reuses what it learnt of the topology. Bounded like every call;
+  // at the deadline the parent is aborted, which also ends NCCL's background split job (it
+  // would otherwise write the child's handle into this frame after it returned).
+  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name) override {
     GroupPlan plan = plan_group(ranks, name, rank_, size(), global_ranks_, groups_created_);
     const std::string context = "new_group '" + name + "' on rank " + std::to_string(global_rank());
     c10::cuda::CUDAGuard guard(device_);
-    ncclConfig_t config = nonblocking_config(options.share_resources ? 1 : 0);
+    ncclConfig_t config = nonblocking_config();
     ncclComm_t child = nullptr;
-    gate_.issue<CommError>([&] {
-      const ncclResult_t r = ncclCommSplit(comm_, ranks.front(), plan.my_index, &child, &config);
-      try {
+    try {
+      gate_.issue<CommError>([&] {
+        const ncclResult_t r = ncclCommSplit(comm_, ranks.front(), plan.my_index, &child, &config);
         nccl_wait(r, child != nullptr ? child : comm_, Clock::now() + timeout_, context);
-      } catch (...) {
-        if (child != nullptr) ncclCommAbort(child);
-        throw;
-      }
-    });
+      });
+    } catch (const CommError& e) {
+      if (!gate_.aborted()) abort_communicator(e.what());
+      if (child != nullptr) ncclCommAbort(child);
+      throw;
+    }
     if (child == nullptr) throw CommError(context + ": ncclCommSplit returned no communicator");
     return std::make_shared<NcclCommunicator>(child, plan.my_index, std::move(plan.global_ranks), device_,
                                               timeout_, sleep_);
   }
 
  private:
-  // What a collective's body issues with: the communication stream, and `call`, which checks an
-  // NCCL result (polling one in progress until the collective's deadline).
+  // What a collective's body issues with: the communication stream; `nccl`, which runs NCCL
+  // calls through the issue gate (so never beside an abort: allocations and kernels stay outside
+  // it, where a stuck device cannot hold the gate); and `call`, which checks an NCCL result
+  // (polling one in progress until the collective's deadline).
   struct Issue {
     cudaStream_t stream;
     ncclComm_t comm;
     Clock::time_point deadline;
     std::string context;
+    detail::IssueGate* gate;
     void call(ncclResult_t r) const { nccl_wait(r, comm, deadline, context); }
+    template <class Calls>
+    void nccl(Calls&& calls) const {
+      gate->issue<CommError>(calls);
+    }
   };
 
   // The NCCL reduction for `op` in `dtype`: a prescale other than 1 (and an average with one)
-  // becomes a PreMulSum with the factor in the tensor's dtype, destroyed once the call using it
-  // was issued (NCCL allows that), so the input is never copied to be scaled.
+  // becomes a PreMulSum with the factor in the tensor's dtype, destroyed once the calls using it
+  // were issued (NCCL allows that), so the input is never copied to be scaled. Not destroyed when
+  // an issue failed: the communicator may still be in progress, and the abort that follows
+  // frees it.
   struct ReductionOp {
     ReductionOp(ncclComm_t comm, ReduceOp reduce, double prescale, at::ScalarType type,
                 ncclDataType_t dtype, int world)
-        : comm_(comm) {
+        : comm_(comm), exceptions_(std::uncaught_exceptions()) {
       if (prescale == 1.0) {
         op = reduce == ReduceOp::kSum ? ncclSum : reduce == ReduceOp::kAvg ? ncclAvg : ncclMax;  // ncclAvg: NCCL >= 2.10
         return;
       }
-      const double factor = reduce == ReduceOp::kAvg ? prescale / world : prescale;  // kMax: refused earlier
+      const double factor = reduce == ReduceOp::kAvg ? prescale / world : prescale;  // kMax: scaled by the caller
       at::Tensor scalar = at::full({}, factor, at::TensorOptions().dtype(type));  // host, in the dtype
       nccl_check(ncclRedOpCreatePreMulSum(&op, scalar.data_ptr(), dtype, ncclScalarHostImmediate, comm),
                  "ncclRedOpCreatePreMulSum");
       custom_ = true;
     }
     ~ReductionOp() {
-      if (custom_) ncclRedOpDestroy(op, comm_);
+      if (custom_ && std::uncaught_exceptions() == exceptions_) ncclRedOpDestroy(op, comm_);
     }
     ReductionOp(const ReductionOp&) = delete;
     ReductionOp& operator=(const ReductionOp&) = delete;
@@ -413,6 +438,7 @@ class NcclCommunicator : public Communicator {
 
    private:
     ncclComm_t comm_;
+    int exceptions_;
     bool custom_ = false;
   };
 
@@ -423,13 +449,15 @@ class NcclCommunicator : public Communicator {
   void gather_slices(const Issue& in, const at::Tensor& buffer, const RankSlices& s) {
     const int64_t item = buffer.element_size();
     char* base = static_cast<char*>(buffer.data_ptr());
-    ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
-    for (int r = 0; r < size(); ++r) {
-      if (s.counts[r] == 0) continue;
-      char* slot = base + s.offsets[r] * item;
-      in.call(ncclBroadcast(slot, slot, s.counts[r] * item, ncclUint8, r, comm_, in.stream));
-    }
-    group.end();
+    in.nccl([&] {
+      ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
+      for (int r = 0; r < size(); ++r) {
+        if (s.counts[r] == 0) continue;
+        char* slot = base + s.offsets[r] * item;
+        in.call(ncclBroadcast(slot, slot, s.counts[r] * item, ncclUint8, r, comm_, in.stream));
+      }
+      group.end();
+    });
   }
 
   // LowPrecisionSum::kRankOrderFp32's reduce-scatter: every rank sends slice r of `input` (its
@@ -444,7 +472,7 @@ class NcclCommunicator : public Communicator {
     at::Tensor rows = at::empty({n, count}, input.options());  // on the communication stream
     rows[rank_].copy_(input.narrow(0, s.offsets[rank_], count));
     char* src = static_cast<char*>(input.data_ptr());
-    {
+    in.nccl([&] {
       ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
       for (int r = 0; r < n; ++r) {
         if (r == rank_) continue;
@@ -452,40 +480,40 @@ class NcclCommunicator : public Communicator {
         if (count > 0) in.call(ncclRecv(rows[r].data_ptr(), count, wire, r, comm_, in.stream));
       }
       group.end();
-    }
+    });
     if (count == 0) return;
     reduce_in_rank_order(result, n, [&](int q) { return rows[q]; }, op, prescale);
     if (op == ReduceOp::kAvg) result.div_(n);
   }
 
   // Orders the collective after the caller's current stream, runs `body` on the communication
-  // stream (through the issue gate: never beside an abort) and registers the work with the
-  // watchdog. A call still in progress at the deadline aborts the communicator.
+  // stream (its NCCL calls through the issue gate) and registers the work with the watchdog. A
+  // call still in progress at the deadline aborts the communicator.
   WorkHandle launch(const char* op, std::chrono::milliseconds timeout, std::vector<at::Tensor> tensors,
                     const std::function<void(const Issue&)>& body) {
+    if (gate_.aborted())
+      throw CommError(where(op, global_rank()) + ": communicator is broken by an earlier failure: " +
+                      gate_.reason());
     const std::chrono::milliseconds limit = timeout.count() > 0 ? timeout : timeout_;
     c10::cuda::CUDAGuard guard(device_);
     auto work = std::make_shared<NcclWork>(op, next_seq_++, device_, limit, std::move(tensors));
-    const Issue in{stream_->stream(), comm_, Clock::now() + limit, where(op, global_rank())};
+    const Issue in{stream_->stream(), comm_, Clock::now() + limit, where(op, global_rank()), &gate_};
+    cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_).stream();
+    if (sleep_.where == StreamSleep::kCompute) at::cuda::sleep(sleep_.cycles);  // on the caller's stream
+    cudaEvent_t ready;
+    cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), op);
+    cuda_check(cudaEventRecord(ready, caller), op);
+    cuda_check(cudaStreamWaitEvent(stream_->stream(), ready, 0), op);
+    cudaEventDestroy(ready);  // safe: destruction is deferred until the event completed
     try {
-      gate_.issue<CommError>([&] {
-        cudaStream_t caller = c10::cuda::getCurrentCUDAStream(device_).stream();
-        if (sleep_.where == StreamSleep::kCompute) at::cuda::sleep(sleep_.cycles);  // on the caller's stream
-        cudaEvent_t ready;
-        cuda_check(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), op);
-        cuda_check(cudaEventRecord(ready, caller), op);
-        cuda_check(cudaStreamWaitEvent(stream_->stream(), ready, 0), op);
-        cudaEventDestroy(ready);  // safe: destruction is deferred until the event completed
-        c10::cuda::CUDAStreamGuard on_comm_stream(*stream_);
-        if (sleep_.where == StreamSleep::kComm) at::cuda::sleep(sleep_.cycles);
-        body(in);
-        cuda_check(cudaEventRecord(work->end_event(), stream_->stream()), op);
-      });
+      c10::cuda::CUDAStreamGuard on_comm_stream(*stream_);
+      if (sleep_.where == StreamSleep::kComm) at::cuda::sleep(sleep_.cycles);
+      body(in);
     } catch (const CommError& e) {
-      if (gate_.aborted()) throw;  // broken earlier: the gate's error names the first failure
-      abort_communicator(e.what());
+      if (!gate_.aborted()) abort_communicator(e.what());  // a call in progress at the deadline
       throw;
     }
+    cuda_check(cudaEventRecord(work->end_event(), stream_->stream()), op);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       release_completed();
@@ -538,7 +566,10 @@ class NcclCommunicator : public Communicator {
                                           : "timed out on rank " + std::to_string(global_rank()) +
                                                 " waiting for its peers";
           work->fail(why);
-          if (abort_communicator(why) && failure.empty()) failure = work->describe();
+          abort_communicator(why);
+          // Whoever aborted (this thread or the caller's at a deadline), a work the host may
+          // already have waited for is failed: end the process (below).
+          if (failure.empty()) failure = work->describe();
           it = pending_.erase(it);
           continue;
         }
@@ -599,7 +630,7 @@ ncclComm_t init_world_comm(c10d::Store& store, int rank, int world, int device,
                       " bytes in the store, expected " + std::to_string(sizeof(id)));
     std::memcpy(&id, bytes.data(), sizeof(id));
   }
-  ncclConfig_t config = nonblocking_config(-1);
+  ncclConfig_t config = nonblocking_config();
   ncclComm_t comm = nullptr;
   const ncclResult_t r = ncclCommInitRankConfig(&comm, world, id, rank, &config);
   try {

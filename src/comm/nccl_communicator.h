@@ -12,8 +12,8 @@
 // Reductions: bf16/fp16 use NCCL's own kernels in that dtype unless the caller asks for the
 // rank-order fp32 sum (LowPrecisionSum, comm.h); a prescale is an NCCL PreMulSum.
 //
-// Groups: new_group splits this communicator (ncclCommSplit), sharing its resources unless
-// GroupOptions says otherwise; no unique id goes through the store.
+// Groups: new_group splits this communicator (ncclCommSplit); no unique id goes through the
+// store. Communicators keep resources of their own (splitShare 0) unless MFSDP_NCCL_SPLIT_SHARE=1.
 //
 // Failures never hang: communicators are nonblocking and every NCCL call in progress is polled
 // until the collective's timeout (init and split included). A watchdog thread polls unfinished

@@ -97,8 +97,7 @@ class SimulatedCommunicator final : public Communicator {
 
   WorkHandle barrier_async(const BarrierOptions&) override { return done(); }
 
-  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name,
-                                          const GroupOptions&) override {
+  std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks, const std::string& name) override {
     const bool ascending = std::is_sorted(ranks.begin(), ranks.end()) &&
                            std::adjacent_find(ranks.begin(), ranks.end()) == ranks.end();
     auto me = std::find(ranks.begin(), ranks.end(), rank_);

@@ -29,10 +29,7 @@ std::shared_ptr<Communicator> reduction_communicator(const std::shared_ptr<Commu
       if (auto alive = reducer.lock()) return alive;
   std::vector<int> everyone(shard_group->size());
   for (int r = 0; r < shard_group->size(); ++r) everyone[r] = r;
-  // Its own resources: it runs beside the shard group, from another stream (comm.h, GroupOptions).
-  GroupOptions options;
-  options.share_resources = false;
-  std::shared_ptr<Communicator> reducer = shard_group->new_group(everyone, "fsdp_reduce_scatter", options);
+  std::shared_ptr<Communicator> reducer = shard_group->new_group(everyone, "fsdp_reduce_scatter");
   reducers.emplace_back(shard_group, reducer);
   return reducer;
 }

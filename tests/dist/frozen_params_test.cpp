@@ -288,9 +288,8 @@ class FakeGpuComm : public mfsdp::Communicator {
   mfsdp::WorkHandle all_reduce_async(const Tensor&, const mfsdp::AllReduceOptions&) override { return fail(); }
   mfsdp::WorkHandle broadcast_async(const Tensor&, const mfsdp::BroadcastOptions&) override { return fail(); }
   mfsdp::WorkHandle barrier_async(const mfsdp::BarrierOptions&) override { return fail(); }
-  std::shared_ptr<mfsdp::Communicator> new_group(const std::vector<int>& ranks, const std::string& name,
-                                                 const mfsdp::GroupOptions& options) override {
-    std::string what = name + (options.share_resources ? " shared" : " own");
+  std::shared_ptr<mfsdp::Communicator> new_group(const std::vector<int>& ranks, const std::string& name) override {
+    std::string what = name;
     for (int r : ranks) what += " " + std::to_string(r);
     made_->push_back(what);
     return std::make_shared<FakeGpuComm>(made_);
@@ -329,7 +328,7 @@ TEST(ReductionCommunicator, MadeByFullyShardOncePerShardGroup) {
   mfsdp::FullyShardOptions o;
   o.comm = data;
   mfsdp::fully_shard(*net->dense, o);
-  EXPECT_EQ(made, std::vector<std::string>{"fsdp_reduce_scatter own 0 1"});
+  EXPECT_EQ(made, std::vector<std::string>{"fsdp_reduce_scatter 0 1"});
   mfsdp::FullyShardOptions e = o;
   e.comm = experts;
   mfsdp::fully_shard(*net->experts, e);

@@ -19,15 +19,9 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/optim/optim.h"
+#include "harness/require_gpu.h"
 
 namespace {
-
-#define MFSDP_REQUIRE_GPU()                                                                   \
-  do {                                                                                        \
-    if (torch::cuda::device_count() == 0)                                                     \
-      GTEST_SKIP() << "needs a CUDA GPU: this machine has none (torch::cuda::device_count() " \
-                   << "== 0)";                                                                \
-  } while (0)
 
 struct WideImpl : torch::nn::Module {
   WideImpl(int64_t in, int64_t out) { fc = register_module("fc", torch::nn::Linear(in, out)); }

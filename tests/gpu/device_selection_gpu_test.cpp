@@ -24,6 +24,7 @@
 #include "launch/rank_processes.h"
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/comm/rendezvous.h"
+#include "harness/require_gpu.h"
 
 namespace {
 
@@ -33,13 +34,6 @@ using mfsdp::testing::expect_contains;
 constexpr const char* kChild = "MFSDP_DEVICE_SELECTION_CHILD";
 
 int gpu_count() { return static_cast<int>(torch::cuda::device_count()); }
-
-#define MFSDP_REQUIRE_GPU()                                                                   \
-  do {                                                                                        \
-    if (gpu_count() == 0)                                                                     \
-      GTEST_SKIP() << "needs a CUDA GPU: this machine has none (torch::cuda::device_count() " \
-                   << "== 0)";                                                                \
-  } while (0)
 
 // The child's part when this process is one of the two ranks started below ("" in the parent).
 std::string child_mode() {

@@ -28,17 +28,11 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/data/directory_tree.h"
 #include "mfsdp/fsdp/fully_shard.h"
+#include "harness/require_gpu.h"
 
 namespace {
 
 int gpu_count() { return static_cast<int>(torch::cuda::device_count()); }
-
-#define MFSDP_REQUIRE_GPU()                                                                   \
-  do {                                                                                        \
-    if (gpu_count() == 0)                                                                     \
-      GTEST_SKIP() << "needs a CUDA GPU: this machine has none (torch::cuda::device_count() " \
-                   << "== 0)";                                                                \
-  } while (0)
 
 // 1 rank, and 2 where there are two GPUs (one rank per GPU).
 mfsdp::testing::DistOptions on_gpus(std::string phase = "") {

@@ -28,6 +28,7 @@
 #include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/model_spec.h"
 #include "train/rollout_model.h"
+#include "harness/require_gpu.h"
 
 namespace {
 
@@ -60,8 +61,7 @@ mfsdp::LlamaConfig config() {
 }  // namespace
 
 TEST(FullStateDictGpu, OffloadAndStreamedRolloutHoldOneGroupOnTheDevice) {
-  if (torch::cuda::device_count() == 0)
-    GTEST_SKIP() << "needs a CUDA GPU: this machine has none (torch::cuda::device_count() == 0)";
+  MFSDP_REQUIRE_GPU();
   mfsdp::testing::DistOptions options;
   options.backend = "nccl";
   options.world_sizes = {1};

@@ -23,6 +23,7 @@
 #include "harness/dist_test.h"
 #include "mfsdp/models/lm_loss.h"
 #include "train/training_run.h"
+#include "harness/require_gpu.h"
 
 namespace {
 
@@ -105,8 +106,7 @@ std::vector<int64_t> syncs_per_step(mfsdp::Communicator& comm, int64_t micro_bat
 }
 
 TEST(HostSyncGpu, MicroBatchesDoNotWaitAndAStepWaitsAFixedFewTimes) {
-  if (torch::cuda::device_count() == 0)
-    GTEST_SKIP() << "needs a CUDA GPU: this machine has none (torch::cuda::device_count() == 0)";
+  MFSDP_REQUIRE_GPU();
   mfsdp::testing::DistOptions o;
   o.backend = "nccl";
   o.world_sizes = {1};

@@ -18,15 +18,9 @@
 #include <vector>
 
 #include "mfsdp/models/moe.h"
+#include "harness/require_gpu.h"
 
 namespace {
-
-#define MFSDP_REQUIRE_GPU()                                                                   \
-  do {                                                                                        \
-    if (torch::cuda::device_count() == 0)                                                     \
-      GTEST_SKIP() << "needs a CUDA GPU: this machine has none (torch::cuda::device_count() " \
-                   << "== 0)";                                                                \
-  } while (0)
 
 const at::Device kGpu(at::kCUDA, 0);
 constexpr int64_t kHidden = 64, kExperts = 5;

@@ -13,15 +13,9 @@
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "launch/rank_processes.h"
+#include "harness/require_gpu.h"
 
 namespace {
-
-#define MFSDP_REQUIRE_GPU()                                                                   \
-  do {                                                                                        \
-    if (torch::cuda::device_count() == 0)                                                     \
-      GTEST_SKIP() << "needs a CUDA GPU: this machine has none (torch::cuda::device_count() " \
-                   << "== 0)";                                                                \
-  } while (0)
 
 // One rank without the launcher, as tests/gpu/fsdp_gpu_test.cpp runs mfsdp-pretrain.
 std::vector<nlohmann::json> run_tool(const std::string& binary, const std::string& flags,

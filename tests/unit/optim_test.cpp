@@ -59,8 +59,8 @@ class CountingComm : public mfsdp::Communicator {
     return done();
   }
   mfsdp::WorkHandle barrier_async(const mfsdp::BarrierOptions&) override { return done(); }
-  std::shared_ptr<mfsdp::Communicator> new_group(const std::vector<int>&, const std::string&,
-                                                 const mfsdp::GroupOptions&) override {
+  std::shared_ptr<mfsdp::Communicator> new_group(const std::vector<int>&,
+                                                 const std::string&) override {
     throw std::logic_error("CountingComm has no subgroups");
   }
 

@@ -53,16 +53,6 @@ class Work {
 };
 using WorkHandle = std::shared_ptr<Work>;
 
-// How Communicator::new_group makes a group.
-struct GroupOptions {
-  // NCCL: the group shares its parent's channels and buffers (ncclCommSplit's splitShare), which
-  // saves the memory of a communicator of its own (about 0.5 GB each at scale). NCCL forbids
-  // issuing to a parent and a child sharing its resources from two threads at once, and their
-  // kernels share channels; so a communicator made to run beside its parent (FSDP's gradient
-  // reductions beside the all-gathers) asks for resources of its own. Other backends ignore it.
-  bool share_resources = true;
-};
-
 // Per-call options. A zero timeout means "the communicator's default".
 struct AllGatherOptions {
   // Elements contributed by each rank (size() == world size). Empty: every rank contributes
@@ -159,12 +149,11 @@ class Communicator {
 
   // A communicator over `ranks` (ranks of this communicator, ascending, including rank()), for
   // meshes and subgroups. Collective over this whole communicator (NCCL splits it: one
-  // ncclCommSplit sharing the parent's resources): every rank calls it in the same order with
-  // the same `name`, each naming the group it belongs to, so that the groups of one call
-  // partition the ranks (a group of one rank included). Ranks are renumbered 0..ranks.size()-1.
+  // ncclCommSplit): every rank calls it in the same order with the same `name`, each naming the
+  // group it belongs to, so that the groups of one call partition the ranks (a group of one rank
+  // included). Ranks are renumbered 0..ranks.size()-1.
   virtual std::shared_ptr<Communicator> new_group(const std::vector<int>& ranks,
-                                                  const std::string& name,
-                                                  const GroupOptions& options = {}) = 0;
+                                                  const std::string& name) = 0;
 
   // Synchronous forms: the async form followed by wait(), unless a backend has a faster path.
   virtual void all_gather(const at::Tensor& output, const at::Tensor& input,
