@@ -15,6 +15,7 @@
 #include <string>
 
 #include "harness/dist_test.h"
+#include "harness/tiny_llama.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/llama.h"
 #include "mfsdp/models/llama_hf_config.h"
@@ -220,14 +221,7 @@ MFSDP_DIST_TEST(FullStateDict, AThrowingCallbackLeavesTheRanksInStep, {2}) {
 }
 
 MFSDP_DIST_TEST(FullStateDict, RolloutModelStreamedFromTheShardsEqualsTheUnshardedLlama, {2}) {
-  mfsdp::LlamaConfig c;
-  c.vocab_size = 40;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = 32;
+  mfsdp::LlamaConfig c = mfsdp::testing::tiny_llama_config();
   mfsdp::LlamaOptions options;
   options.init_seed = 5;
   mfsdp::LlamaForCausalLM plain(c, options), policy(c, options);

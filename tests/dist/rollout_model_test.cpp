@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include "harness/dist_test.h"
+#include "harness/tiny_llama.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/batched_generate.h"
 #include "mfsdp/models/llama.h"
@@ -17,17 +18,7 @@ std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
   return std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});
 }
 
-mfsdp::LlamaConfig config() {
-  mfsdp::LlamaConfig c;
-  c.vocab_size = 40;
-  c.hidden_size = 16;
-  c.intermediate_size = 24;
-  c.num_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = 32;
-  return c;
-}
+mfsdp::LlamaConfig config() { return mfsdp::testing::tiny_llama_config(); }
 
 }  // namespace
 
