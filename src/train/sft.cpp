@@ -199,14 +199,13 @@ struct SequenceLosses {
 };
 SequenceLosses sequence_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const Split& split,
                                const at::Device& device) {
-  // per_sequence of the device's losses, with the conversations' one-hot made on the host:
-  // per_sequence would read the number of conversations from the device, after the forward.
-  const at::Tensor one_hot =
-      to_device(per_sequence(at::ones(cpu.segment_ids.sizes(), at::kFloat), cpu.segment_ids), device);  // [B x S, L]
+  // The number of conversations from the host copy: read from the device it would be a sync
+  // after the forward. Inputs are copied before the forward starts.
+  const int64_t segments = std::max<int64_t>(1, cpu.segment_ids.max().item<int64_t>() + 1);
+  const at::Tensor segment_ids = to_device(cpu.segment_ids, device);
   const at::Tensor mask = to_device(per_sequence(cpu.label_mask, cpu.segment_ids), device);
   const at::Tensor loss = token_losses(model, cpu, split, device);  // [B, L]
-  const int64_t b = loss.size(0), l = loss.size(1);
-  return {(loss.unsqueeze(1) * one_hot.view({b, -1, l})).reshape({-1, l}), mask};
+  return {per_sequence(loss, segment_ids, segments), mask};
 }
 
 // The weight of every token of a full micro-batch [B, L] in the loss (what agg_loss computes,

@@ -246,10 +246,10 @@ SftBatch collate_sft_rows(const std::vector<const SftRow*>& rows, int64_t pad_id
   return batch;
 }
 
-at::Tensor per_sequence(const at::Tensor& values, const at::Tensor& segment_ids) {
-  const int64_t segments = std::max<int64_t>(1, segment_ids.max().item<int64_t>() + 1);
+at::Tensor per_sequence(const at::Tensor& values, const at::Tensor& segment_ids, std::optional<int64_t> segments) {
+  if (!segments) segments = std::max<int64_t>(1, segment_ids.max().item<int64_t>() + 1);
   const at::Tensor one_hot =
-      (segment_ids.unsqueeze(1) == at::arange(segments, segment_ids.options()).view({1, -1, 1})).to(values.dtype());
+      (segment_ids.unsqueeze(1) == at::arange(*segments, segment_ids.options()).view({1, -1, 1})).to(values.dtype());
   return (values.unsqueeze(1) * one_hot).reshape({-1, values.size(1)});
 }
 

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -75,7 +76,10 @@ SftBatch collate_sft_rows(const std::vector<const SftRow*>& rows, int64_t pad_id
 // values [B, L] -> [B * S, L]: one row per packed sequence (S = the most sequences in a row),
 // zero outside it, so per-sequence aggregation (seq-mean modes) treats packed conversations as
 // the separate sequences they are. segment_ids as SftBatch's (-1: padding).
-at::Tensor per_sequence(const at::Tensor& values, const at::Tensor& segment_ids);
+// `segments`: their number when the caller knows it (from the host copy of segment_ids); unset,
+// it is read from segment_ids, a host sync when they are on a GPU.
+at::Tensor per_sequence(const at::Tensor& values, const at::Tensor& segment_ids,
+                        std::optional<int64_t> segments = std::nullopt);
 
 // Which rows each step, micro-batch and rank trains on: the rows in an order shuffled per epoch
 // with `seed`, global batch `it` (1-based) taking the next global_batch_size of them; within
