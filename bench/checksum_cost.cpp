@@ -20,9 +20,9 @@
 #include <vector>
 
 #include "mfsdp/checkpoint/dcp.h"
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 #include "mfsdp/data/dataset_checksums.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/data/indexed_dataset.h"
 
 namespace {

@@ -24,7 +24,7 @@
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/comm/comm.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/optim/optim.h"
 

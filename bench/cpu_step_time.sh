@@ -24,6 +24,8 @@
 #   q  as p, with glibc keeping freed memory as mfsdp does (GLIBC_TUNABLES; include/mfsdp/train/cpu_malloc.h)
 #   r  Megatron-FSDP itself (bench/torch_llama.py --impl megatron_fsdp, the megatron-fsdp package;
 #      DEVICE=cuda only: it cannot run without CUDA; skipped with a note when it is not importable)
+#   A, B  as a and b with the binaries of OLD_BUILD (another commit's build folder): is the step
+#      slower or faster than that commit's, in the same rounds? (RUNS="a b A B e")
 # DEVICE=cuda (bench/gpu_step_time.sh sets it) runs the same on GPUs, one rank per GPU, nccl;
 # the peak is then PEAK_TFLOPS (bf16 dense, from the GPU's datasheet) and the memory column is
 # the peak allocated by the CUDA caching allocator (mfsdp: rank 0's; PyTorch: every rank's).
@@ -44,6 +46,7 @@
 #   SEQ [128] MBS [4] GBS [16] VOCAB [1024] VOCAB_DIVISIBLE [128] UNTIE [0] ITERS [30]
 #   WARMUP [5] LR [1e-4] NPROC [2] THREADS [1] ROUNDS [1] RUNS [a b d e p] PRECISIONS [fp32 bf16]
 #   BASELINE_STRATEGY [optim_grads_params] BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python]
+#   OLD_BUILD [unset; runs A and B need it]
 #   DEVICE [cpu] PEAK_TFLOPS [DEVICE=cuda: required] PEAK_TFLOPS_FP32 [PEAK_TFLOPS / 2]
 #   OUT [a new temporary folder; kept] MFSDP_EXTRA_ARGS [] (appended to every mfsdp-pretrain
 #   command line)
@@ -86,7 +89,8 @@ source "$ROOT/bench/step_time_model.sh"
 check_step_time_settings
 [[ $DEVICE == cpu || $DEVICE == cuda ]] || die "DEVICE=$DEVICE: expected cpu or cuda"
 for r in $RUNS; do
-  [[ $r =~ ^[abcdfghkxepqr]$ ]] || die "RUNS: unknown run '$r' (known: a b c d f g h k x e p q r)"
+  [[ $r =~ ^[abcdfghkxepqrAB]$ ]] || die "RUNS: unknown run '$r' (known: a b c d f g h k x e p q r A B)"
+  [[ $r =~ ^[AB]$ && ! -x ${OLD_BUILD:-}/mfsdp-pretrain ]] && die "RUNS: run $r needs OLD_BUILD, a build folder with mfsdp-pretrain"
 done
 for p in $PRECISIONS; do
   [[ $p == fp32 || $p == bf16 ]] || die "PRECISIONS: unknown precision '$p' (fp32, bf16)"
@@ -122,8 +126,9 @@ run_mfsdp() {  # label round precision nproc strategy [flags...]
   local base="$OUT/$label.$precision.r$round" flags=()
   [[ $precision == bf16 ]] && flags=(--bf16)
   echo "  [$label] $precision round $round: mfsdp $n rank(s) x $THREADS thread(s), $strategy $*" >&2
-  env ${RUN_ENV:-} OMP_NUM_THREADS="$THREADS" "$BUILD/mfsdp-run" --nproc-per-node "$n" \
-    "$PYTHON" "$ROOT/bench/peak_rss.py" "$BUILD/mfsdp-pretrain" \
+  local build=${RUN_BUILD:-$BUILD}
+  env ${RUN_ENV:-} OMP_NUM_THREADS="$THREADS" "$build/mfsdp-run" --nproc-per-node "$n" \
+    "$PYTHON" "$ROOT/bench/peak_rss.py" "$build/mfsdp-pretrain" \
     "${MFSDP_ARGS[@]}" "${flags[@]}" --data-parallel-sharding-strategy "$strategy" "$@" \
     --metrics-file "$base.jsonl" >"$base.log" 2>&1 || fail "$label" "$base.log"
   [[ -s $base.jsonl ]] || fail "$label (no metrics written)" "$base.log"
@@ -151,6 +156,8 @@ run() {  # label round precision
     h) RUN_ENV=MFSDP_SHM=0 run_mfsdp h "$round" "$precision" "$NPROC" $zero3 ;;
     k) RUN_ENV=MFSDP_KEEP_FREED_MEMORY=0 run_mfsdp k "$round" "$precision" "$NPROC" $zero3 ;;
     x) run_mfsdp x "$round" "$precision" "$NPROC" $zero3 --optimizer-implementation fused ;;
+    A) RUN_BUILD=$OLD_BUILD run_mfsdp A "$round" "$precision" 1 "$BASELINE_STRATEGY" ;;
+    B) RUN_BUILD=$OLD_BUILD run_mfsdp B "$round" "$precision" "$NPROC" $zero3 ;;
     e) run_torch e "$round" "$precision" ddp ;;
     p) run_torch p "$round" "$precision" fsdp2 ;;
     q) RUN_ENV=GLIBC_TUNABLES=$KEEP_FREED_TUNABLES run_torch q "$round" "$precision" fsdp2 ;;
@@ -181,7 +188,7 @@ fi
 commit=$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)
 git -C "$ROOT" diff --quiet HEAD 2>/dev/null || commit="$commit (+ uncommitted changes)"
 export OUT WARMUP ITERS GBS SEQ NPROC THREADS BASELINE_STRATEGY ROUNDS RUNS PRECISIONS DEVICE SKIP_R
-export LAYERS HIDDEN FFN HEADS QUERY_GROUPS VOCAB VOCAB_DIVISIBLE UNTIE
+export LAYERS HIDDEN FFN HEADS QUERY_GROUPS VOCAB VOCAB_DIVISIBLE UNTIE OLD_BUILD=${OLD_BUILD:-}
 export MACHINE_NPROC=$(nproc) CPU_MODEL=${cpu_model:-unknown} COMMIT=$commit
 export DATE=$(date -u '+%Y-%m-%d %H:%M UTC') LOADAVG=$(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)
 export TORCH_VERSION MODEL_DESC="${MODEL_ARGS[*]}"

@@ -42,6 +42,8 @@ WHAT = {
     "p": ("PyTorch FSDP2 (fully_shard), %s" % backend, n),
     "q": ("PyTorch FSDP2, glibc keeping freed memory (GLIBC_TUNABLES)", n),
     "r": ("Megatron-FSDP (megatron-fsdp package), optim_grads_params", n),
+    "A": ("as a, OLD_BUILD %s" % env.get("OLD_BUILD", ""), 1),
+    "B": ("as b, OLD_BUILD %s" % env.get("OLD_BUILD", ""), n),
 }
 MEMORY_RE = re.compile(
     r"memory per rank \(MiB\): model weights ([0-9.e+-]+), main weights ([0-9.e+-]+), main grads "
@@ -161,6 +163,10 @@ for precision in precisions:
     ratio("ZeRO-3 peak memory vs Megatron-FSDP b/r", "b", "r", precision, "target <= 0.9", kind="rss")
     ratio("no_shard vs DDP d/e", "d", "e", precision, "> 1: mfsdp faster")
     ratio("scaling b/a", "b", "a", precision, "ideal %d" % n)
+    ratio("OLD_BUILD's scaling B/A", "B", "A", precision, "ideal %d" % n)
+    ratio("this build vs OLD_BUILD, 1 rank a/A", "a", "A", precision, "> 1: this build faster")
+    ratio("this build vs OLD_BUILD, ZeRO-3 b/B", "b", "B", precision, "> 1: this build faster")
+    ratio("OLD_BUILD's ZeRO-3 vs DDP B/e", "B", "e", precision, "as b/e, for the older build")
     ratio("overlap gain b/c", "b", "c", precision, "> 1: prefetch and early all-gather help")
     ratio("keeping freed memory b/k", "b", "k", precision, "> 1: include/mfsdp/train/cpu_malloc.h helps")
     ratio("shared memory vs TCP b/h", "b", "h", precision, "> 1: the shared-memory path helps")

@@ -5,7 +5,8 @@ models layer includes a model family's header.
 The layers, lowest first (docs/design.md, "Layers"): a file may include headers of its own layer
 and of the layers its entry lists, never one above. Public headers live in
 include/mfsdp/<layer>/, internal ones in src/<layer>/; tools/, tests/, bench/ and examples/ sit
-on top and may include anything. The build runs this check before compiling the library
+on top. The tools are the library's first users: they include public headers only (a private
+"train/..." header from a tool is an error), while tests may look inside. The build runs this check before compiling the library
 (CMakeLists.txt), so an upward include fails the build; tests/layers/check_layers_test.sh shows
 that it catches one.
 
@@ -20,18 +21,20 @@ import os
 import re
 import sys
 
-# Each layer and the layers below it that it may use. launch and data are torch-free (mfsdp-run
-# and mfsdp-preprocess link only them), compat is header-only glue over LibTorch's versions.
+# Each layer and the layers below it that it may use. base (CRC-32C, folder walks, splitmix64),
+# launch and data are torch-free (mfsdp-run and mfsdp-preprocess link only them), compat is
+# header-only glue over LibTorch's versions.
 BELOW = {
-    "launch": [],
-    "data": [],
+    "base": [],
+    "launch": ["base"],
+    "data": ["base"],
     "compat": [],
-    "comm": ["launch", "compat"],
-    "optim": ["comm", "launch", "compat"],
-    "fsdp": ["optim", "comm", "launch", "compat"],
-    "models": ["fsdp", "optim", "comm", "launch", "compat", "data"],
-    "checkpoint": ["models", "fsdp", "optim", "comm", "launch", "compat", "data"],
-    "train": ["checkpoint", "models", "fsdp", "optim", "comm", "launch", "compat", "data"],
+    "comm": ["launch", "compat", "base"],
+    "optim": ["comm", "launch", "compat", "base"],
+    "fsdp": ["optim", "comm", "launch", "compat", "base"],
+    "models": ["fsdp", "optim", "comm", "launch", "compat", "data", "base"],
+    "checkpoint": ["models", "fsdp", "optim", "comm", "launch", "compat", "data", "base"],
+    "train": ["checkpoint", "models", "fsdp", "optim", "comm", "launch", "compat", "data", "base"],
 }
 TOP = ("tools", "tests", "bench", "examples")
 # Who may not name a family: the layers above models, and the tools.
@@ -55,6 +58,11 @@ def layer_of_include(inc):
     if len(parts) > 1 and parts[0] in BELOW:
         return parts[0]
     return None
+
+
+def private_header(inc):
+    """A layer's internal header (src/<layer>/...), as opposed to its public mfsdp/<layer>/..."""
+    return not inc.startswith("mfsdp/") and layer_of_include(inc) is not None
 
 
 def families(root):
@@ -91,6 +99,11 @@ def check(root):
                         problems.append(f"{rel}:{line}: includes \"{m.group(1)}\" of the {family} model family; "
                                         f"above the models layer a model is reached through its ModelSpec "
                                         f"(mfsdp/models/model_spec.h)")
+                    elif top == "tools" and private_header(m.group(1)):
+                        line = text.count("\n", 0, m.start()) + 1
+                        problems.append(f"{rel}:{line}: includes the private header \"{m.group(1)}\" of the "
+                                        f"{layer_of_include(m.group(1))} layer; tools use the public API "
+                                        f"(include/mfsdp/<layer>/)")
                 if top == "tools":
                     continue
                 layer = layer_of_file(rel)

@@ -7,10 +7,11 @@
 // Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.
 #include <iostream>
 
-#include "train/model_memory_plan.h"
-#include "train/pretrain_args.h"
-#include "train/trainer.h"
-#include "train/trainer_main.h"
+#include "mfsdp/train/model_memory_plan.h"
+#include "mfsdp/train/pretrain_args.h"
+#include "mfsdp/train/trainer.h"
+#include "mfsdp/train/trainer_main.h"
+#include "mfsdp/train/training_run.h"
 
 int main(int argc, char** argv) {
   mfsdp::PretrainArgs args;
@@ -24,7 +25,9 @@ int main(int argc, char** argv) {
   tool.validate = mfsdp::validate_pretrain_args;
   tool.run = [&](const std::shared_ptr<mfsdp::Communicator>& comm) {
     if (args.memory_plan) {
-      mfsdp::print_memory_plan(args, comm, std::cout);
+      mfsdp::print_memory_plan(mfsdp::model_config_from_args(args, args, args.seq_length, args.padded_vocab_size), args, args, args,
+                               mfsdp::shard_options_from_args(args, args, nullptr, args.calculate_per_token_loss),
+                               args.num_micro_batches, comm, std::cout);
     } else {
       mfsdp::pretrain(args, comm, std::cout);
     }

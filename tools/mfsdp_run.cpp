@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 
 namespace {
 

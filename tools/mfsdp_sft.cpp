@@ -8,8 +8,8 @@
 // Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.
 #include <iostream>
 
-#include "train/sft.h"
-#include "train/trainer_main.h"
+#include "mfsdp/train/sft.h"
+#include "mfsdp/train/trainer_main.h"
 
 int main(int argc, char** argv) {
   mfsdp::SftArgs args;

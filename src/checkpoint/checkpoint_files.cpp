@@ -14,7 +14,7 @@
 #include <stdexcept>
 
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace fs = std::filesystem;
 

@@ -2,7 +2,7 @@
 // (include/mfsdp/checkpoint/checkpoint_inspector.h); convert-torch-dist-to-fsdp-dtensor is in
 // src/checkpoint/torch_dist_conversion.cpp.
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 #include <ATen/ATen.h>
 

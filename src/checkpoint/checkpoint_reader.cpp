@@ -1,6 +1,7 @@
 // CheckpointReader: metadata.json validation and element-range reads across shard files.
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -10,12 +11,15 @@
 #include "checkpoint/dcp_checkpoint.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/dcp.h"
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 
 namespace fs = std::filesystem;
 
 namespace mfsdp {
 namespace {
+
+// checkpoint_metadata_parse_count's counter.
+std::atomic<int64_t> metadata_parses{0};
 
 [[noreturn]] void bad(const std::string& file, const std::string& what) {
   throw std::invalid_argument("checkpoint file '" + file + "': " + what);
@@ -85,7 +89,10 @@ CheckpointFormat checkpoint_format_from_name(const std::string& name) {
   throw std::invalid_argument("unknown checkpoint format '" + name + "' (fsdp_dtensor or mfsdp)");
 }
 
+int64_t checkpoint_metadata_parse_count() { return metadata_parses.load(); }
+
 CheckpointReader::CheckpointReader(const std::string& path) : dir_(resolve_checkpoint_dir(path)) {
+  ++metadata_parses;
   if (dcp::is_dcp_directory(dir_)) {
     auto opened = std::make_shared<checkpoint::OpenedDcp>(checkpoint::open_dcp_checkpoint(dir_));
     metadata_ = std::move(opened->metadata);

@@ -1,4 +1,4 @@
-// Internal to the library: what the Hugging Face import/export (hf_folder_io.cpp), TensorSource
+// Internal to the library: what the Hugging Face import/export (hf_interop.cpp), TensorSource
 // (tensor_source.cpp), mfsdp-ckpt's operations (ckpt_operations.cpp, checkpoint_inspector.cpp,
 // torch_dist_conversion.cpp), the DCP key mapping (dcp_checkpoint.cpp, megatron_gpt_names.cpp)
 // and mfsdp-generate's loader (src/models/generate.cpp) share, defined once so that they cannot drift apart: the names a

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <optional>
 #include <regex>
 #include <set>
 #include <stdexcept>
@@ -14,8 +15,8 @@
 #include "checkpoint/rank_strings.h"
 #include "checkpoint/save_steps.h"
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/data/crc32c.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/crc32c.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace fs = std::filesystem;
 
@@ -429,12 +430,11 @@ Staged stage_checkpoint(const CheckpointReader& reader, const FsdpHandle& model,
   return staged;
 }
 
-}  // namespace
-
-LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_ptr<Communicator>& world,
-                                 FsdpHandle& model, DistributedOptimizer* optimizer,
-                                 const CheckpointLoadOptions& options) {
-  if (!world) throw std::invalid_argument("load_checkpoint: the communicator is null");
+// load_checkpoint from an open reader; `path` is what the errors of other ranks are reported under
+// (what the caller named).
+LoadedCheckpoint load_from(const CheckpointReader& reader, const std::string& path,
+                           const std::shared_ptr<Communicator>& world, FsdpHandle& model,
+                           DistributedOptimizer* optimizer, const CheckpointLoadOptions& options) {
   at::NoGradGuard no_grad;
   const int rank = world->rank();
   LoadedCheckpoint result;
@@ -448,7 +448,6 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
         anywhere.insert(text.substr(at, end - at));
   }
   std::string error = capture_error([&] {
-    CheckpointReader reader(resolve_checkpoint_dir(load_dir, options.iteration));
     result.path = reader.dir();
     result.metadata = reader.metadata();
     result.iteration = reader.metadata()["iteration"].get<int64_t>();
@@ -456,7 +455,7 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
     staged = stage_checkpoint(reader, model, optimizer, options, rank, world->size(), anywhere, result);
   });
   // Nothing is changed unless every rank staged everything.
-  raise_first_error(all_gather_strings(*world, error), rank, "load_checkpoint '" + load_dir + "'");
+  raise_first_error(all_gather_strings(*world, error), rank, "load_checkpoint '" + path + "'");
 
   for (auto& [dst, values] : staged.copies) dst.copy_(values);
   if (staged.optimizer_steps) {
@@ -470,6 +469,31 @@ LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_
   result.rng_loaded = !staged.generators.empty();
   model.refresh_model_weights();  // main weights -> model weights; starts no all-gather
   return result;
+}
+
+}  // namespace
+
+LoadedCheckpoint load_checkpoint(const CheckpointReader& reader, const std::shared_ptr<Communicator>& world,
+                                 FsdpHandle& model, DistributedOptimizer* optimizer,
+                                 const CheckpointLoadOptions& options) {
+  if (!world) throw std::invalid_argument("load_checkpoint: the communicator is null");
+  if (options.iteration)
+    throw std::invalid_argument("load_checkpoint '" + reader.dir() +
+                                "': options.iteration is for a load from a path; the reader is open on one iteration");
+  return load_from(reader, reader.dir(), world, model, optimizer, options);
+}
+
+LoadedCheckpoint load_checkpoint(const std::string& load_dir, const std::shared_ptr<Communicator>& world,
+                                 FsdpHandle& model, DistributedOptimizer* optimizer,
+                                 const CheckpointLoadOptions& options) {
+  if (!world) throw std::invalid_argument("load_checkpoint: the communicator is null");
+  std::optional<CheckpointReader> reader;
+  // The ranks agree on the open before the load's collectives, so a rank that cannot open it
+  // does not leave the others waiting.
+  const std::string error =
+      capture_error([&] { reader.emplace(resolve_checkpoint_dir(load_dir, options.iteration)); });
+  raise_first_error(all_gather_strings(*world, error), world->rank(), "load_checkpoint '" + load_dir + "'");
+  return load_from(*reader, load_dir, world, model, optimizer, options);
 }
 
 }  // namespace mfsdp

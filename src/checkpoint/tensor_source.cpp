@@ -6,10 +6,13 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <fstream>
+#include <set>
 #include <stdexcept>
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/interop_util.h"
+#include "mfsdp/models/model_spec.h"
 
 namespace fs = std::filesystem;
 
@@ -32,6 +35,66 @@ bool plain_file_name(const std::string& f) {
   return !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos && f.find('\\') == std::string::npos;
 }
 
+// The tensor names a safetensors file's header lists, read without checking the byte layout
+// (SafetensorsFile::open does); empty when the header cannot be read.
+std::vector<std::string> header_names(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char len[8];
+  if (!in.read(reinterpret_cast<char*>(len), 8)) return {};
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len[i];  // little-endian, whatever the host
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec || n > size - 8 || n > 100u * 1000u * 1000u) return {};  // the format's 100 MB header limit
+  std::string header(n, '\0');
+  if (!in.read(header.data(), static_cast<std::streamsize>(n))) return {};
+  const json h = json::parse(header, nullptr, /*allow_exceptions=*/false);
+  std::vector<std::string> names;
+  if (!h.is_object()) return names;
+  for (const auto& [name, entry] : h.items())
+    if (name != "__metadata__") names.push_back(name);
+  return names;
+}
+
+// A folder's safetensors files failed to open (`e`). A header that lost a tensor's entry leaves
+// that tensor's bytes behind, which open() can only report as a gap beside some other tensor; the
+// tensors the model of config.json has and no header lists are the cause, so they are named
+// first. `e` as it is when config.json is no model mfsdp builds or nothing is missing.
+[[noreturn]] void rethrow_naming_missing(const fs::path& dir, const std::string& where, const std::invalid_argument& e) {
+  std::vector<std::string> files = {kSingleFile};
+  if (fs::exists(dir / kIndexFile)) {
+    files.clear();
+    try {
+      const json index = read_json_file((dir / kIndexFile).string(), "safetensors index");
+      std::set<std::string> unique;
+      for (const auto& [name, file] : index.at("weight_map").items())
+        if (file.is_string() && plain_file_name(file.get<std::string>())) unique.insert(file.get<std::string>());
+      files.assign(unique.begin(), unique.end());
+    } catch (const std::exception&) {
+      throw e;
+    }
+  }
+  std::vector<std::string> names;
+  for (const std::string& f : files)
+    for (std::string& n : header_names((dir / f).string())) names.push_back(std::move(n));
+  std::vector<std::string> missing;
+  try {
+    ModelConfig config = model_config_from_hf(read_json_file((dir / kConfigFile).string(), "HF config"));
+    config = config.spec->with_hf_tensors(config, names, where);
+    const std::set<std::string> present(names.begin(), names.end());
+    for (const auto& [name, shape] : model_tensor_shapes(config))
+      if (!present.count(name)) missing.push_back(name);
+  } catch (const std::exception&) {
+    throw e;
+  }
+  if (missing.empty()) throw e;
+  std::string list;
+  for (size_t i = 0; i < missing.size() && i < 8; ++i) list += (i ? ", '" : "'") + missing[i] + "'";
+  if (missing.size() > 8) list += " and " + std::to_string(missing.size() - 8) + " more";
+  throw std::invalid_argument(where + ": missing tensor(s) " + list + ", which the model of config.json has and no " +
+                              "safetensors header lists; opening the files then fails: " + e.what());
+}
+
 }  // namespace
 
 bool is_hf_folder(const std::string& path) {
@@ -51,6 +114,15 @@ TensorSource::TensorSource(const std::string& path) : path_(path) {
                                 ", or an iteration folder with " + kDcpMetadataFile + " or " +
                                 checkpoint::kMetadataFile + ") nor a Hugging Face folder (config.json with " +
                                 kSingleFile + " or " + kIndexFile + ")");
+  const fs::path dir(path);
+  try {
+    open_hf_files(path);
+  } catch (const std::invalid_argument& e) {
+    rethrow_naming_missing(dir, description(), e);
+  }
+}
+
+void TensorSource::open_hf_files(const std::string& path) {
   const fs::path dir(path);
   std::map<std::string, std::string> weight_map;  // HF name -> file
   const std::string index_path = (dir / kIndexFile).string();

@@ -14,7 +14,7 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
 #include "mfsdp/checkpoint/dcp.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/models/model_spec.h"
 
 namespace fs = std::filesystem;

@@ -95,7 +95,7 @@ std::unique_ptr<ShmExchange> ShmExchange::connect(c10d::Store& store, int rank, 
       std::ostringstream s;
       // "/mfsdp-[TAG-]PID-NONCE": TAG (MFSDP_SHM_TAG, set by mfsdp-run per job) lets the launcher
       // unlink every segment of its job after its ranks exited, whenever they died
-      // (src/launch/rank_processes.h, remove_shm_segments).
+      // (include/mfsdp/launch/rank_processes.h, remove_shm_segments).
       s << "/mfsdp-" << shm_tag() << getpid() << "-" << std::hex << nonce;
       name = s.str();
       int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);

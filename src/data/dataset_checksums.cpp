@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <sys/stat.h>
 
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 #include "mfsdp/data/indexed_dataset.h"
 
 namespace mfsdp {

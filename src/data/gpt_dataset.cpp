@@ -2,7 +2,7 @@
 // include/mfsdp/data/gpt_dataset.h).
 #include "mfsdp/data/gpt_dataset.h"
 
-#include "mfsdp/data/splitmix64.h"
+#include "mfsdp/base/splitmix64.h"
 
 #include <ATen/ops/empty.h>
 

@@ -2,7 +2,7 @@
 // stdout/stderr on pipes; a single poll() loop reads lines, reaps children with waitpid(WNOHANG)
 // and runs the stop procedure (signal every running group, SIGKILL after the grace period) on the
 // first failure, the deadline or a forwarded signal. Plain POSIX: no torch headers here.
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 
 #include "launch/socket_fd.h"
 

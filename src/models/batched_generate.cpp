@@ -2,7 +2,7 @@
 // (include/mfsdp/models/batched_generate.h, docs/model.md).
 #include "mfsdp/models/batched_generate.h"
 
-#include "mfsdp/data/splitmix64.h"
+#include "mfsdp/base/splitmix64.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

@@ -1,6 +1,6 @@
 #include "models/param_init.h"
 
-#include "mfsdp/data/splitmix64.h"
+#include "mfsdp/base/splitmix64.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>

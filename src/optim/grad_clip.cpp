@@ -82,7 +82,7 @@ void ShardOptimizer::set_model_parallel(std::shared_ptr<Communicator> group,
   duplicated_ = std::move(duplicated);
 }
 
-double ShardOptimizer::clip_grad_norm(double max_norm) {
+at::Tensor ShardOptimizer::clip_grad_norm_on_device(double max_norm) {
   if (std::isnan(max_norm)) throw std::invalid_argument(name_ + ".clip_grad_norm: max_norm is NaN");
   at::NoGradGuard no_grad;
   const auto options = at::TensorOptions().dtype(at::kDouble).device(norm_device());
@@ -121,15 +121,22 @@ double ShardOptimizer::clip_grad_norm(double max_norm) {
   comm_->all_reduce(sharded_sq);
   at::Tensor total = sharded_sq + replicated_sq;
   if (model_parallel_) model_parallel_->all_reduce(total);  // the other slices of the parameters
-  const double norm = std::sqrt(total.item<double>());
+  // On the CPU the host is the device, so reading costs no wait: std::sqrt there, because ATen's
+  // CPU fp64 sqrt is not always correctly rounded (sqrt(0.8228409606810413) comes out one ulp
+  // above std::sqrt's), and the CPU runs' numbers were measured with std::sqrt. CUDA's double
+  // sqrt is correctly rounded.
+  const at::Tensor norm =
+      total.is_cuda() ? total.sqrt() : at::full({1}, std::sqrt(total.item<double>()), total.options());
 
-  // A non-finite norm is returned unscaled (torch would multiply every grad by NaN); the caller
-  // decides whether to skip the step.
-  if (max_norm > 0 && std::isfinite(norm)) {
-    const double clip_coef = max_norm / (norm + 1e-6);
-    if (clip_coef < 1) {
-      if (!all.empty()) at::_foreach_mul_(all, clip_coef);  // a rank may hold no elements
-    }
+  // A non-finite norm leaves the gradients unscaled (torch would multiply every grad by NaN); the
+  // caller decides whether to skip the step. The factor is the host's fp64 arithmetic on the
+  // device (the same roundings), and multiplying by exactly 1 changes nothing: no branch on the
+  // host, so nothing here waits for the device.
+  if (max_norm > 0 && !all.empty()) {  // a rank may hold no elements
+    // 0-dim, so the multiply reads it as a scalar in the gradients' own math (as a double did).
+    const at::Tensor n = norm.reshape({});
+    const at::Tensor coef = at::full_like(n, max_norm).div_(n + 1e-6).clamp_max_(1.0);
+    at::_foreach_mul_(all, at::where(at::isfinite(n), coef, at::ones_like(coef)));
   }
   return norm;
 }

@@ -32,7 +32,7 @@ std::vector<SegmentRun> plan_segment_runs(const OptimizerShard& shard, size_t in
 
 class ShardOptimizer : public DistributedOptimizer {
  public:
-  double clip_grad_norm(double max_norm) final;  // grad_clip.cpp
+  at::Tensor clip_grad_norm_on_device(double max_norm) final;  // grad_clip.cpp
   void set_model_parallel(std::shared_ptr<Communicator> group,
                           std::vector<std::vector<ElementRange>> duplicated) final;  // grad_clip.cpp
   void step(double lr) final;

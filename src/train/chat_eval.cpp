@@ -1,13 +1,13 @@
-#include "train/chat_eval.h"
+#include "mfsdp/train/chat_eval.h"
 
 #include <torch/torch.h>
 
 #include <functional>
 
-#include "mfsdp/data/chat_template.h"
-#include "mfsdp/data/rewards.h"
+#include "mfsdp/data/posttrain/chat_template.h"
+#include "mfsdp/data/posttrain/rewards.h"
 #include "mfsdp/models/batched_generate.h"
-#include "train/rollout_model.h"
+#include "mfsdp/train/rollout_model.h"
 
 namespace mfsdp {
 

@@ -1,4 +1,4 @@
-#include "train/grpo_trainer.h"
+#include "mfsdp/train/grpo_trainer.h"
 
 #include <torch/torch.h>
 
@@ -10,20 +10,21 @@
 #include "mfsdp/checkpoint/hf_interop.h"
 #include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/checkpoint/tensor_source.h"
-#include "mfsdp/data/chat_template.h"
-#include "mfsdp/data/rewards.h"
-#include "mfsdp/data/verifiable_tasks.h"
+#include "mfsdp/data/posttrain/chat_template.h"
+#include "mfsdp/data/posttrain/rewards.h"
+#include "mfsdp/data/posttrain/verifiable_tasks.h"
 #include "mfsdp/models/batched_generate.h"
 #include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/tensor_parallel.h"
 #include "mfsdp/models/token_stats.h"
 #include "mfsdp/train/policy_loss.h"
-#include "train/chat_eval.h"
-#include "train/rollout_model.h"
-#include "train/sft_data.h"
+#include "mfsdp/train/chat_eval.h"
+#include "mfsdp/train/rollout_model.h"
+#include "mfsdp/train/sft_data.h"
 #include "train/tool_flags.h"
-#include "train/trainer_checkpoint.h"
-#include "train/training_run.h"
+#include "mfsdp/train/trainer_checkpoint.h"
+#include "mfsdp/train/train_loop.h"
+#include "mfsdp/train/training_run.h"
 
 namespace mfsdp {
 
@@ -37,21 +38,26 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 // checkpoint by load_checkpoint, a Hugging Face folder by load_hf_shards, so each rank reads only
 // its ranges into a skeleton built with deferred init (every value is overwritten).
 // Under tensor parallelism it is split like the policy, each rank reading its slices.
-ShardedModel load_reference(const GrpoArgs& g, const ModelConfig& config, const std::shared_ptr<Communicator>& comm,
-                            const ParallelGroups& groups) {
-  PretrainArgs a = g.base;
-  a.recompute_activations = false;
-  ShardedModel ref = build_sharded_model(config, a, shard_options_from_args(a, groups.fsdp, /*per_token_loss=*/true),
-                                         /*values_loaded=*/true, &groups);
+ShardedModel load_reference(const GrpoArgs& g, const OpenedCheckpoint& load, const ModelConfig& config,
+                            const std::shared_ptr<Communicator>& comm, const ParallelGroups& groups) {
+  const PretrainArgs& a = g.base;
+  ModelBuildOptions options = model_build_options(a, a, a, a, /*values_loaded=*/true);
+  options.recompute_layers = false;  // forward only
+  ShardedModel ref = build_sharded_model(config, options, a.expert_model_parallel_size, a.attention_backend != "unfused",
+                                         shard_options_from_args(a, a, groups.fsdp, /*per_token_loss=*/true), &groups);
   const TensorSlices slices = tensor_parallel_checkpoint_slices(*ref.model, ref.root);
-  const std::string from = !g.ref_load.empty() ? g.ref_load : !g.hf_load.empty() ? g.hf_load : g.base.load_dir;
-  if (from.empty()) throw std::logic_error("mfsdp-grpo: the reference policy has no --ref-load, --hf-load or --load");
+  CheckpointLoadOptions o;
+  o.load_optimizer = false;
+  o.load_rng = false;
+  o.slices = slices;
+  o.all_or_nothing = false;  // a failed load ends the run
+  if (g.ref_load.empty() && g.hf_load.empty()) {
+    if (!load.reader) throw std::logic_error("mfsdp-grpo: the reference policy has no --ref-load, --hf-load or --load");
+    load_checkpoint(*load.reader, comm, ref.root, nullptr, o);
+    return ref;
+  }
+  const std::string from = !g.ref_load.empty() ? g.ref_load : g.hf_load;
   if (is_checkpoint(from)) {
-    CheckpointLoadOptions o;
-    o.load_optimizer = false;
-    o.load_rng = false;
-    o.slices = slices;
-    o.all_or_nothing = false;  // a failed load ends the run
     load_checkpoint(from, comm, ref.root, nullptr, o);
   } else {
     load_hf_shards(from, ref.root, *comm, slices);
@@ -204,9 +210,11 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
     train_prompts_.push_back(std::move(ids));
   }
 
-  StartingPoint start = starting_point(a, g_.hf_load, tokenizer_->vocab_size());
+  OpenedCheckpoint load = open_training_checkpoint(a);
+  StartingPoint start = starting_point(load, g_.hf_load, model_config_from_args(a, a, a.seq_length, a.padded_vocab_size),
+                                       a.seed, a.export_hf, tokenizer_->vocab_size());
   run_ = std::make_unique<TrainingRun>(a, start.config, comm_, log_, /*per_token_loss=*/true, grpo_tool_flags(g_),
-                                       start.hf_folder);
+                                       start.hf_folder, load);
   resume_iteration_ = run_->start().iteration;
   // The prompts split over the data-parallel replicas; the tensor-parallel ranks of a replica
   // generate and train on the same ones (the same seeds, so the same tokens).
@@ -214,7 +222,9 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
   dp_rank_ = run_->groups().dp_rank;
   replicas_ = run_->groups().fsdp;
   if (a.tensor_model_parallel_size > 1 && a.sequence_parallel) length_multiple_ = a.tensor_model_parallel_size;
-  if (g_.use_kl_loss) ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, start.config, comm_, run_->groups())});
+  // The reference reads --load's checkpoint through the reader the policy read (no second parse).
+  if (g_.use_kl_loss)
+    ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, load, start.config, comm_, run_->groups())});
   if (run_->prints()) {
     log_ << " mfsdp-grpo: " << train_.size() << " training prompts, " << val_.size() << " held out; "
          << g_.train_batch_size << " prompts x " << g_.rollout_n << " responses per step; chat template "
@@ -428,8 +438,7 @@ void GrpoTrainer::update(GrpoStep& step) {
   // Sums over the update, on the device: pg_loss, kl_loss, entropy, then the token-weighted
   // clipfrac, clipfrac_lower and ppo_kl, and the tokens (divided by the tokens at the end).
   at::Tensor sums = at::zeros({7}, at::TensorOptions().dtype(at::kDouble).device(device));
-  double grad_norm_sum = 0;
-  int64_t optimizer_steps = 0;
+  std::vector<at::Tensor> grad_norms;  // each optimizer step's, read with the sums at the end
   for (int64_t epoch = 0; epoch < g_.ppo_epochs; ++epoch)
     for (int64_t mb = 0; mb < mini_batches_; ++mb) {
       LossNormalizer norm;
@@ -458,15 +467,18 @@ void GrpoTrainer::update(GrpoStep& step) {
                              at::full({}, tokens, sums.options())}));
         return loss.detach();
       });
-      grad_norm_sum += stats.grad_norm;
+      grad_norms.push_back(stats.grad_norm);
       step.lr = stats.lr;
       step.last_stats = stats;
-      ++optimizer_steps;
     }
   step.update_s = seconds_since(t0);
   replicas_->all_reduce(sums, {ReduceOp::kSum});
-  const at::Tensor t = sums.cpu();
-  const double updates = static_cast<double>(optimizer_steps);
+  grad_norms.insert(grad_norms.begin(), sums);
+  const std::vector<double> read = read_on_host(grad_norms);  // the sums, then the norms
+  const at::Tensor t = at::tensor(std::vector<double>(read.begin(), read.begin() + 7), at::kDouble);
+  double grad_norm_sum = 0;
+  for (size_t i = 7; i < read.size(); ++i) grad_norm_sum += read[i];
+  const double updates = static_cast<double>(read.size() - 7);
   const double tokens = std::max(1.0, t[6].item<double>());
   step.grad_norm = grad_norm_sum / updates;
   auto& m = step.metrics;
@@ -481,7 +493,6 @@ void GrpoTrainer::update(GrpoStep& step) {
 }
 
 void GrpoTrainer::record(GrpoStep& step) {
-  const PretrainArgs& a = g_.base;
   const int64_t it = step.iteration;
   const double step_s = seconds_since(step.started);
   auto& m = step.metrics;
@@ -505,44 +516,67 @@ void GrpoTrainer::record(GrpoStep& step) {
   r.extra = m;
   run_->add_norms(r, step.last_stats);
   run_->record(r);
-  if (run_->prints() && (it % a.log_interval == 0 || it == a.train_iters)) {
+}
+
+void GrpoTrainer::print(const GrpoStep& step) const {
+  const PretrainArgs& a = g_.base;
+  if (run_->prints()) {
     char line[640];
     std::snprintf(line, sizeof line,
                   " step %5lld/%5lld | score: %.3f | zero-std groups: %.2f | response length: %.1f (clipped %.2f) | "
                   "pg_loss: %.4f | pg_clipfrac: %.3f | ppo_kl: %.2E | entropy: %.3f%s | grad norm: %.3f%s | "
                   "time (s): step %.2f, gen %.2f, update_weights %.3f, update_actor %.2f",
-                  (long long)it, (long long)a.train_iters, step.metric("critic/score/mean"),
+                  (long long)step.iteration, (long long)a.train_iters, step.metric("critic/score/mean"),
                   step.metric("frac_reward_zero_std"), step.metric("response_length/mean"),
                   step.metric("response_length/clip_ratio"), step.metric("actor/pg_loss"),
                   step.metric("actor/pg_clipfrac"), step.metric("actor/ppo_kl"), step.metric("actor/entropy"),
-                  ref_ ? (" | kl_loss: " + std::to_string(step.metric("actor/kl_loss"))).c_str() : "", r.grad_norm,
-                  run_->norms_log_text(step.last_stats).c_str(), step_s, step.gen_s, step.update_weights_s,
+                  ref_ ? (" | kl_loss: " + std::to_string(step.metric("actor/kl_loss"))).c_str() : "", step.grad_norm,
+                  run_->norms_log_text(step.last_stats).c_str(), step.metric("timing_s/step"), step.gen_s,
+                  step.update_weights_s,
                   step.update_s);
     log_ << line << "\n";
     log_.flush();
   }
 }
 
+namespace {
+
+// mfsdp-grpo's part of the loop (train_loop.h): an iteration is the stages of a GRPO step.
+class GrpoLoop : public Trainer {
+ public:
+  GrpoLoop(GrpoTrainer& grpo, GrpoResult& result) : Trainer(grpo.run()), grpo_(grpo), result_(result) {}
+
+  TrainingRun::StepStats train_step(int64_t iteration) override {
+    GrpoStep step = grpo_.rollout(iteration);
+    grpo_.score(step);
+    grpo_.log_probs(step);
+    grpo_.update(step);
+    grpo_.record(step);
+    result_.last_score_mean = step.metric("critic/score/mean");
+    last_ = std::move(step);
+    return last_.last_stats;
+  }
+  // Every step is recorded (verl's metrics per step); the log step prints its line.
+  void log(const LogWindow&) override { grpo_.print(last_); }
+  void evaluate(int64_t iteration) override { grpo_.validate(iteration); }
+
+ private:
+  GrpoTrainer& grpo_;
+  GrpoResult& result_;
+  GrpoStep last_;
+};
+
+}  // namespace
+
 GrpoResult GrpoTrainer::train() {
   const PretrainArgs& a = g_.base;
   GrpoResult result;
   result.val_score_before = validate(resume_iteration_);
-  for (int64_t it = resume_iteration_ + 1; it <= a.train_iters; ++it) {
-    GrpoStep step = rollout(it);
-    score(step);
-    log_probs(step);
-    update(step);
-    record(step);
-    result.last_score_mean = step.metric("critic/score/mean");
-    if (it % a.eval_interval == 0 && it != a.train_iters) validate(it);
-    if (run_->after_iteration(it)) {
-      result.iterations = it;
-      return result;
-    }
-  }
-  const int64_t last = std::max(a.train_iters, resume_iteration_);
-  result.iterations = last;
-  run_->finish_checkpoint(last);
+  GrpoLoop loop(*this, result);
+  const Trainer::Outcome end = loop.train({resume_iteration_, resume_iteration_ * g_.train_batch_size});
+  result.iterations = end.last;
+  if (end.stopped) return result;
+  const int64_t last = end.last;
   if (last > resume_iteration_) result.val_score_after = validate(last);
   // The reward curve: mean training score per step, validation score.
   if (run_->prints() && !a.metrics_file.empty()) {

@@ -1,12 +1,12 @@
 // mfsdp-grpo's flags (docs/grpo.md "Flags"): verl's names on top of Megatron's, and the checks
 // that need no data (parse) or the data-parallel size (validate).
-#include "train/grpo.h"
+#include "mfsdp/train/grpo.h"
 
 #include <algorithm>
 
 #include "mfsdp/checkpoint/tensor_source.h"
-#include "mfsdp/data/rewards.h"
-#include "train/chat_eval.h"
+#include "mfsdp/data/posttrain/rewards.h"
+#include "mfsdp/train/chat_eval.h"
 #include "train/tool_flags.h"
 
 namespace mfsdp {

@@ -1,4 +1,4 @@
-#include "train/metrics.h"
+#include "mfsdp/train/metrics.h"
 
 #include <sys/resource.h>
 #ifdef MFSDP_WITH_CUDA

@@ -1,14 +1,14 @@
-#include "train/parallel_groups.h"
+#include "mfsdp/train/parallel_groups.h"
 
 #include <string>
 #include <vector>
 
 namespace mfsdp {
 
-ParallelGroups parallel_groups(const PretrainArgs& a, const std::shared_ptr<Communicator>& world) {
+ParallelGroups parallel_groups(const FsdpSection& fsdp, const std::shared_ptr<Communicator>& world) {
   ParallelGroups g;
-  g.tp = static_cast<int>(a.tensor_model_parallel_size);
-  g.cp = static_cast<int>(a.context_parallel_size);
+  g.tp = static_cast<int>(fsdp.tensor_model_parallel_size);
+  g.cp = static_cast<int>(fsdp.context_parallel_size);
   g.dp = world->size() / (g.tp * g.cp);
   g.fsdp = world;
   g.dp_rank = world->rank();

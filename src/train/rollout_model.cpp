@@ -1,4 +1,4 @@
-#include "train/rollout_model.h"
+#include "mfsdp/train/rollout_model.h"
 
 #include <torch/torch.h>
 

@@ -1,4 +1,4 @@
-#include "train/sft.h"
+#include "mfsdp/train/sft.h"
 
 #include <torch/torch.h>
 
@@ -9,19 +9,20 @@
 #include <sstream>
 
 #include "mfsdp/checkpoint/tensor_source.h"
-#include "mfsdp/data/chat_template.h"
-#include "mfsdp/data/verifiable_tasks.h"
+#include "mfsdp/data/posttrain/chat_template.h"
+#include "mfsdp/data/posttrain/verifiable_tasks.h"
 #include "mfsdp/models/batched_generate.h"
 #include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/tensor_parallel.h"
 #include "mfsdp/models/token_stats.h"
 #include "mfsdp/train/policy_loss.h"
-#include "train/chat_eval.h"
-#include "train/sft_data.h"
-#include "train/task_source.h"
+#include "mfsdp/train/chat_eval.h"
+#include "mfsdp/train/sft_data.h"
+#include "mfsdp/train/task_source.h"
 #include "train/tool_flags.h"
-#include "train/training_run.h"
+#include "mfsdp/train/train_loop.h"
+#include "mfsdp/train/training_run.h"
 
 namespace mfsdp {
 
@@ -88,8 +89,6 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
 }
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 struct SftData {
   std::vector<SftExample> examples;  // none for pre-tokenized files
@@ -227,17 +226,222 @@ at::Tensor token_weights(const SftBatch& cpu, LossAggMode agg, const LossNormali
   return w.to(at::kFloat);
 }
 
-double sum_over(Communicator& group, double value) {
-  at::Tensor t = at::full({1}, value, at::TensorOptions().dtype(at::kDouble).device(group.device()));
-  group.all_reduce(t, {ReduceOp::kSum});
-  return t.item<double>();
-}
-
 std::vector<const SftRow*> pick(const std::vector<SftRow>& rows, const std::vector<int64_t>& index) {
   std::vector<const SftRow*> out;
   for (int64_t i : index) out.push_back(&rows[static_cast<size_t>(i)]);
   return out;
 }
+
+}  // namespace
+
+namespace {
+
+// mfsdp-sft's part of the loop (train_loop.h): the sampler's rows, the loss normalised by the
+// global batch's counts, validation loss and greedy exact match.
+class SftTrainer : public MicroBatchTrainer {
+ public:
+  SftTrainer(TrainingRun& run, const SftArgs& args, const SftData& train, const SftData& val, const Tokenizer& tokenizer,
+             const std::string& chat_template, SftResult& result)
+      : MicroBatchTrainer(run),
+        args_(args),
+        a_(args.base),
+        train_(train),
+        val_(val),
+        tokenizer_(tokenizer),
+        chat_template_(chat_template),
+        result_(result),
+        agg_(parse_loss_agg_mode(args.loss_agg_mode)),
+        groups_(run.groups()),
+        split_(split_of(groups_, a_)),
+        device_(run.comm()->device()),
+        pad_(tokenizer.eod()),
+        sampler_(static_cast<int64_t>(train.rows.size()), a_.micro_batch_size, groups_.dp, a_.num_micro_batches,
+                 static_cast<uint64_t>(a_.seed)),
+        row_counts_(train.rows.size()) {}
+
+  // The global batch's denominators, before any micro-batch runs (the loss is then the same
+  // whatever the split into micro-batches and ranks), from every rank's rows: the sampler tells
+  // each rank the others' rows, so no collective and no device read is needed.
+  TrainingRun::StepStats train_step(int64_t iteration) override {
+    norm_ = LossNormalizer{};
+    for (int64_t i : sampler_.global_batch(iteration)) {
+      const auto [tokens, sequences] = counts_of_row(i);
+      norm_.global_tokens += tokens;
+      norm_.global_sequences += sequences;
+    }
+    batches_.clear();
+    for (int64_t m = 0; m < a_.num_micro_batches; ++m)
+      batches_.push_back(batch_of(train_.rows, sampler_.rows(iteration, m, groups_.dp_rank)));
+    window_tokens_ += norm_.global_tokens;
+    return MicroBatchTrainer::train_step(iteration);
+  }
+
+  at::Tensor forward_backward(int64_t, int64_t m) override {
+    const SftBatch& batch = batches_[static_cast<size_t>(m)];
+    at::Tensor loss;
+    if (split_.context_parallel) {
+      const at::Tensor w = to_device(local_part(token_weights(batch, agg_, norm_), split_), device_);
+      loss = (token_losses(run_.model(), batch, split_, device_) * w).sum();
+    } else {
+      SequenceLosses s = sequence_losses(run_.model(), batch, split_, device_);
+      loss = agg_loss(s.loss, s.mask, agg_, norm_);
+    }
+    loss.backward();
+    return loss.detach();
+  }
+
+  void log(const LogWindow& w) override {
+    // Each step's loss summed over the DP x CP ranks of this tensor-parallel coordinate (a TP
+    // group's ranks hold the same loss), the window's steps in one all-reduce.
+    at::Tensor losses = at::tensor(w.losses, at::kDouble).to(device_);
+    groups_.fsdp->all_reduce(losses, {ReduceOp::kSum});
+    double window_loss = 0;
+    for (double step_loss : read_on_host({losses})) window_loss += step_loss;
+    IterationRecord r;
+    r.iteration = w.iteration;
+    r.consumed_samples = w.iteration * a_.global_batch_size;
+    r.lm_loss = window_loss / static_cast<double>(w.steps);
+    r.lr = w.last.lr;
+    r.grad_norm = w.grad_norm;
+    r.iter_time_s = w.seconds / static_cast<double>(w.steps);
+    r.tokens_per_sec = window_tokens_ / w.seconds;  // target tokens
+    r.mem_bytes = peak_memory_bytes(device_);
+    r.extra.emplace_back("train/loss", r.lm_loss);
+    run_.add_norms(r, w.last);
+    run_.record(r);
+    window_tokens_ = 0;
+    if (std::isnan(result_.first_loss)) result_.first_loss = r.lm_loss;
+    result_.final_loss = r.lm_loss;
+    if (!run_.prints()) return;
+    char line[512];
+    std::snprintf(line, sizeof line,
+                  " iteration %6lld/%6lld | consumed samples: %8lld | elapsed time per iteration (ms): %.1f | "
+                  "learning rate: %.6E | global batch size: %4lld | loss: %.6E | grad norm: %.3f%s | "
+                  "target tokens/s: %.1f | mem (MiB): %.1f",
+                  (long long)w.iteration, (long long)a_.train_iters, (long long)r.consumed_samples,
+                  r.iter_time_s * 1e3, r.lr, (long long)a_.global_batch_size, r.lm_loss, r.grad_norm,
+                  run_.norms_log_text(w.last).c_str(), r.tokens_per_sec, r.mem_bytes / 1048576.0);
+    run_.log() << line << "\n";
+    run_.log().flush();
+  }
+
+  void evaluate(int64_t iteration) override { evaluation(iteration); }
+
+  // Validation: the loss over held-out conversations (rank r takes every dp-th row) and greedy
+  // exact match of the last assistant message.
+  IterationRecord evaluation(int64_t iteration) {
+    IterationRecord r;
+    r.iteration = iteration;
+    r.consumed_samples = iteration * a_.global_batch_size;
+    r.eval = true;
+    r.lm_loss = std::nan("");
+    if (val_.rows.empty()) return r;
+    const int rank = groups_.dp_rank, dp = groups_.dp;
+    // Loss sum (token-mean) or sum of sequence means, tokens, sequences: summed on the device
+    // (the counts of context-parallel rows on the host, from the batch), read once.
+    at::Tensor sums = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    {
+      torch::NoGradGuard no_grad;
+      const int64_t limit = a_.eval_iters > 0 ? std::min<int64_t>(a_.eval_iters * a_.global_batch_size,
+                                                                  static_cast<int64_t>(val_.rows.size()))
+                                              : static_cast<int64_t>(val_.rows.size());
+      // Every rank runs the same number of (sharded, collective) forwards; a rank whose share
+      // ran out runs row 0 and counts nothing.
+      const int64_t per_round = dp * a_.micro_batch_size;
+      for (int64_t round = 0; round * per_round < limit; ++round) {
+        std::vector<int64_t> index;
+        const int64_t first = round * per_round + rank * a_.micro_batch_size;
+        for (int64_t i = first; i < std::min(first + a_.micro_batch_size, limit); ++i) index.push_back(i);
+        const bool idle = index.empty();
+        if (idle) index.push_back(0);
+        const SftBatch batch = batch_of(val_.rows, index);
+        if (split_.context_parallel) {
+          // This rank's chunks, weighted by whole conversations' counts; the counts once per CP group.
+          const at::Tensor loss = token_losses(run_.model(), batch, split_, device_);
+          if (idle) continue;
+          const at::Tensor w = to_device(local_part(token_weights(batch, agg_, LossNormalizer{1, 1, 0}), split_), device_);
+          sums[0] += (loss * w).sum().to(at::kDouble);
+          if (split_.context_parallel->rank() != 0) continue;
+          const at::Tensor tokens = per_sequence(batch.label_mask, batch.segment_ids).sum(1);  // host
+          sums[1] += tokens.sum().item<double>();
+          sums[2] += (tokens > 0).sum().item<double>();
+          continue;
+        }
+        SequenceLosses s = sequence_losses(run_.model(), batch, split_, device_);
+        if (idle) continue;
+        const at::Tensor tokens = s.mask.sum(1);
+        sums[0] += agg_ == LossAggMode::kTokenMean
+                       ? (s.loss * s.mask).sum().to(at::kDouble)
+                       : ((s.loss * s.mask).sum(1) / tokens.clamp_min(1)).sum().to(at::kDouble);
+        sums[1] += tokens.sum().to(at::kDouble);
+        sums[2] += (tokens > 0).sum().to(at::kDouble);
+      }
+    }
+    groups_.fsdp->all_reduce(sums, {ReduceOp::kSum});
+    const at::Tensor t = sums.cpu();
+    const double loss = t[0].item<double>() / std::max(1.0, t[agg_ == LossAggMode::kTokenMean ? 1 : 2].item<double>());
+    r.lm_loss = loss;
+    r.extra.emplace_back("val/loss", loss);
+    std::string detail;
+    if (args_.val_generate_samples > 0 && !val_.examples.empty()) {  // pre-tokenized: no prompts to answer
+      ChatEvalOptions e;
+      e.chat_template = chat_template_;
+      e.max_new_tokens = args_.max_new_tokens;
+      e.samples = args_.val_generate_samples;
+      const ChatEvalResult m = greedy_exact_match(run_, val_.examples, tokenizer_, e);
+      r.extra.emplace_back("val/exact_match", m.accuracy);
+      char buf[96];
+      std::snprintf(buf, sizeof buf, " | exact match: %.4f (%lld of %lld)", m.accuracy, (long long)m.correct,
+                    (long long)m.total);
+      detail = buf;
+    }
+    r.mem_bytes = peak_memory_bytes(device_);
+    if (run_.prints()) {
+      char line[160];
+      std::snprintf(line, sizeof line, " validation at iteration %lld | loss: %.6E", (long long)iteration, loss);
+      run_.log() << line << detail << "\n";
+      run_.log().flush();
+    }
+    run_.record(r);
+    return r;
+  }
+
+ private:
+  SftBatch batch_of(const std::vector<SftRow>& rows, const std::vector<int64_t>& index) const {
+    return pad_to_multiple(collate_sft_rows(pick(rows, index), pad_), split_.multiple, pad_);
+  }
+
+  // A training row's target tokens and conversations with targets (per_sequence's rows beyond a
+  // row's own sequences are empty and are not conversations), computed once per row.
+  std::pair<double, double> counts_of_row(int64_t i) {
+    std::optional<std::pair<double, double>>& c = row_counts_[static_cast<size_t>(i)];
+    if (!c) {
+      const SftBatch one = collate_sft_rows(pick(train_.rows, {i}), pad_);
+      const at::Tensor tokens = per_sequence(one.label_mask, one.segment_ids).sum(1);
+      c = std::pair{tokens.sum().item<double>(), (tokens > 0).sum().item<double>()};
+    }
+    return *c;
+  }
+
+  const SftArgs& args_;
+  const PretrainArgs& a_;
+  const SftData& train_;
+  const SftData& val_;
+  const Tokenizer& tokenizer_;
+  const std::string& chat_template_;
+  SftResult& result_;
+  LossAggMode agg_;
+  const ParallelGroups& groups_;
+  Split split_;
+  at::Device device_;
+  int64_t pad_;
+  SftSampler sampler_;
+  std::vector<std::optional<std::pair<double, double>>> row_counts_;
+  // The current step's.
+  LossNormalizer norm_;
+  std::vector<SftBatch> batches_;
+  double window_tokens_ = 0;
+};
 
 }  // namespace
 
@@ -249,27 +453,16 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
     flag_error("--tokenizer-type", "mfsdp-sft needs a text tokenizer: ByteLevelTokenizer, GPT2BPETokenizer or "
                             "HuggingFaceTokenizer");
   const std::string chat_template = resolve_chat_template(args.chat_template, *tokenizer);
-  const LossAggMode agg = parse_loss_agg_mode(args.loss_agg_mode);
   const SftData train = load_sft_data("train", args, *tokenizer, chat_template);
   SftData val;
   if (args.data.generated() || !args.data.val_files.empty()) val = load_sft_data("test", args, *tokenizer, chat_template);
 
-  StartingPoint start = starting_point(a, args.hf_load, tokenizer->vocab_size());
-  TrainingRun run(a, start.config, comm, log, /*per_token_loss=*/true, sft_tool_flags(args), start.hf_folder);
+  OpenedCheckpoint load = open_training_checkpoint(a);
+  StartingPoint start = starting_point(load, args.hf_load, model_config_from_args(a, a, a.seq_length, a.padded_vocab_size),
+                                       a.seed, a.export_hf, tokenizer->vocab_size());
+  TrainingRun run(a, start.config, comm, log, /*per_token_loss=*/true, sft_tool_flags(args), start.hf_folder,
+                  std::move(load));
   const ResumePoint resume = run.start();
-  std::shared_ptr<CausalLM>& model = run.model();
-  const at::Device device = comm->device();
-  const int64_t pad = tokenizer->eod();
-  // Data-parallel replicas read their own rows; the tensor- and context-parallel ranks of a
-  // replica read the same ones (parallel_groups.h). Sums of losses and counts run over the DP x CP
-  // ranks of one tensor-parallel coordinate (a TP group's ranks hold the same loss).
-  const ParallelGroups& groups = run.groups();
-  const int rank = groups.dp_rank, dp = groups.dp;
-  const Split split = split_of(groups, a);
-  Communicator& replicas = *groups.fsdp;
-  auto batch_of = [&](const std::vector<SftRow>& rows, const std::vector<int64_t>& index) {
-    return pad_to_multiple(collate_sft_rows(pick(rows, index), pad), split.multiple, pad);
-  };
   if (run.prints()) {
     // Pre-tokenized files were rendered upstream: the template applies to conversations only.
     const bool conversations = !train.pretokenized || !val.examples.empty();
@@ -282,180 +475,17 @@ SftResult run_sft(SftArgs args, const std::shared_ptr<Communicator>& comm, std::
         << "; model: " << start.description << "\n";
   }
 
-  SftSampler sampler(static_cast<int64_t>(train.rows.size()), a.micro_batch_size, dp, a.num_micro_batches,
-                     static_cast<uint64_t>(a.seed));
-
-  // Validation: the loss over held-out conversations (rank r takes every dp-th row) and greedy
-  // exact match of the last assistant message.
-  auto evaluate = [&](int64_t iteration) {
-    IterationRecord r;
-    r.iteration = iteration;
-    r.consumed_samples = iteration * a.global_batch_size;
-    r.eval = true;
-    r.lm_loss = std::nan("");
-    if (val.rows.empty()) return r;
-    // Loss sum (token-mean) or sum of sequence means, tokens, sequences: summed on the device
-    // (the counts of context-parallel rows on the host, from the batch), read once.
-    at::Tensor sums = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device));
-    {
-      torch::NoGradGuard no_grad;
-      const int64_t limit = a.eval_iters > 0 ? std::min<int64_t>(a.eval_iters * a.global_batch_size,
-                                                                 static_cast<int64_t>(val.rows.size()))
-                                             : static_cast<int64_t>(val.rows.size());
-      // Every rank runs the same number of (sharded, collective) forwards; a rank whose share
-      // ran out runs row 0 and counts nothing.
-      const int64_t per_round = dp * a.micro_batch_size;
-      for (int64_t round = 0; round * per_round < limit; ++round) {
-        std::vector<int64_t> index;
-        const int64_t first = round * per_round + rank * a.micro_batch_size;
-        for (int64_t i = first; i < std::min(first + a.micro_batch_size, limit); ++i) index.push_back(i);
-        const bool idle = index.empty();
-        if (idle) index.push_back(0);
-        const SftBatch batch = batch_of(val.rows, index);
-        if (split.context_parallel) {
-          // This rank's chunks, weighted by whole conversations' counts; the counts once per CP group.
-          const at::Tensor loss = token_losses(model, batch, split, device);
-          if (idle) continue;
-          const at::Tensor w = to_device(local_part(token_weights(batch, agg, LossNormalizer{1, 1, 0}), split), device);
-          sums[0] += (loss * w).sum().to(at::kDouble);
-          if (split.context_parallel->rank() != 0) continue;
-          const at::Tensor tokens = per_sequence(batch.label_mask, batch.segment_ids).sum(1);  // host
-          sums[1] += tokens.sum().item<double>();
-          sums[2] += (tokens > 0).sum().item<double>();
-          continue;
-        }
-        SequenceLosses s = sequence_losses(model, batch, split, device);
-        if (idle) continue;
-        const at::Tensor tokens = s.mask.sum(1);
-        sums[0] += agg == LossAggMode::kTokenMean ? (s.loss * s.mask).sum().to(at::kDouble)
-                                                  : ((s.loss * s.mask).sum(1) / tokens.clamp_min(1)).sum().to(at::kDouble);
-        sums[1] += tokens.sum().to(at::kDouble);
-        sums[2] += (tokens > 0).sum().to(at::kDouble);
-      }
-    }
-    replicas.all_reduce(sums, {ReduceOp::kSum});
-    const at::Tensor t = sums.cpu();
-    const double loss = t[0].item<double>() / std::max(1.0, t[agg == LossAggMode::kTokenMean ? 1 : 2].item<double>());
-    r.lm_loss = loss;
-    r.extra.emplace_back("val/loss", loss);
-    std::string detail;
-    if (args.val_generate_samples > 0 && !val.examples.empty()) {  // pre-tokenized: no prompts to answer
-      ChatEvalOptions e;
-      e.chat_template = chat_template;
-      e.max_new_tokens = args.max_new_tokens;
-      e.samples = args.val_generate_samples;
-      const ChatEvalResult m = greedy_exact_match(run, val.examples, *tokenizer, e);
-      r.extra.emplace_back("val/exact_match", m.accuracy);
-      char buf[96];
-      std::snprintf(buf, sizeof buf, " | exact match: %.4f (%lld of %lld)", m.accuracy, (long long)m.correct,
-                    (long long)m.total);
-      detail = buf;
-    }
-    r.mem_bytes = peak_memory_bytes(device);
-    if (run.prints()) {
-      char line[160];
-      std::snprintf(line, sizeof line, " validation at iteration %lld | loss: %.6E", (long long)iteration, loss);
-      log << line << detail << "\n";
-      log.flush();
-    }
-    run.record(r);
-    return r;
-  };
-
   SftResult result;
   result.first_loss = std::nan("");
-  const auto start_time = Clock::now();
-  auto window_start = start_time;
-  double window_loss = 0, window_tokens = 0;
-  int64_t window_iters = 0;
-  int64_t it = resume.iteration + 1;
-  if (it > a.train_iters && run.prints())
-    log << " checkpoint iteration " << resume.iteration << " reaches --train-iters " << a.train_iters
-        << ": nothing to train\n";
-  for (; it <= a.train_iters; ++it) {
-    // The global batch's denominators, before any micro-batch runs: the loss is then the same
-    // whatever the split into micro-batches and ranks.
-    std::vector<SftBatch> batches;
-    double counts[2] = {0, 0};
-    for (int64_t m = 0; m < a.num_micro_batches; ++m) {
-      batches.push_back(batch_of(train.rows, sampler.rows(it, m, rank)));
-      // Conversations with targets: per_sequence's rows beyond a row's own sequences are empty
-      // and are not conversations.
-      const at::Tensor tokens = per_sequence(batches.back().label_mask, batches.back().segment_ids).sum(1);
-      counts[0] += tokens.sum().item<double>();
-      counts[1] += (tokens > 0).sum().item<double>();
-    }
-    // Every CP rank of a replica counted its whole micro-batches.
-    at::Tensor c = at::tensor({counts[0], counts[1]}, at::kDouble).to(device);
-    replicas.all_reduce(c, {ReduceOp::kSum});
-    c = c.cpu() / static_cast<double>(groups.cp);
-    LossNormalizer norm;
-    norm.global_tokens = c[0].item<double>();
-    norm.global_sequences = c[1].item<double>();
-    const auto stats = run.step(it, a.num_micro_batches, [&](int64_t m) {
-      const SftBatch& batch = batches[static_cast<size_t>(m)];
-      at::Tensor loss;
-      if (split.context_parallel) {
-        const at::Tensor w = to_device(local_part(token_weights(batch, agg, norm), split), device);
-        loss = (token_losses(model, batch, split, device) * w).sum();
-      } else {
-        SequenceLosses s = sequence_losses(model, batch, split, device);
-        loss = agg_loss(s.loss, s.mask, agg, norm);
-      }
-      loss.backward();
-      return loss.detach();
-    });
-    const double step_loss = sum_over(replicas, stats.loss);
-    window_loss += step_loss;
-    window_tokens += norm.global_tokens;
-    ++window_iters;
-    if (it % a.log_interval == 0 || it == a.train_iters) {
-      const auto now = Clock::now();
-      const double seconds = std::chrono::duration<double>(now - window_start).count();
-      IterationRecord r;
-      r.iteration = it;
-      r.consumed_samples = it * a.global_batch_size;
-      r.lm_loss = window_loss / window_iters;
-      r.lr = stats.lr;
-      r.grad_norm = stats.grad_norm;
-      r.iter_time_s = seconds / window_iters;
-      r.tokens_per_sec = window_tokens / seconds;  // target tokens
-      r.mem_bytes = peak_memory_bytes(device);
-      r.extra.emplace_back("train/loss", r.lm_loss);
-      run.add_norms(r, stats);
-      run.record(r);
-      if (std::isnan(result.first_loss)) result.first_loss = r.lm_loss;
-      result.final_loss = r.lm_loss;
-      if (run.prints()) {
-        char line[512];
-        std::snprintf(line, sizeof line,
-                      " iteration %6lld/%6lld | consumed samples: %8lld | elapsed time per iteration (ms): %.1f | "
-                      "learning rate: %.6E | global batch size: %4lld | loss: %.6E | grad norm: %.3f%s | "
-                      "target tokens/s: %.1f | mem (MiB): %.1f",
-                      (long long)it, (long long)a.train_iters, (long long)r.consumed_samples, r.iter_time_s * 1e3,
-                      r.lr, (long long)a.global_batch_size, r.lm_loss, r.grad_norm, run.norms_log_text(stats).c_str(),
-                      r.tokens_per_sec, r.mem_bytes / 1048576.0);
-        log << line << "\n";
-        log.flush();
-      }
-      window_loss = window_tokens = 0;
-      window_iters = 0;
-      window_start = Clock::now();
-    }
-    if (it % a.eval_interval == 0 && it != a.train_iters) evaluate(it);
-    if (run.after_iteration(it)) {
-      result.iterations = it;
-      return result;
-    }
-  }
-  const int64_t last = std::max(a.train_iters, resume.iteration);
-  result.iterations = last;
-  run.finish_checkpoint(last);
-  IterationRecord final_eval = evaluate(last);
+  SftTrainer trainer(run, args, train, val, *tokenizer, chat_template, result);
+  const Trainer::Outcome end = trainer.train(resume);
+  result.iterations = end.last;
+  if (end.stopped) return result;
+  const IterationRecord final_eval = trainer.evaluation(end.last);
   result.final_val_loss = final_eval.lm_loss;
   for (const auto& [key, value] : final_eval.extra)
     if (key == "val/exact_match") result.val_exact_match = value;
-  run.finish(last, "SFT loss");
+  run.finish(end.last, "SFT loss");
   return result;
 }
 

@@ -1,6 +1,6 @@
-#include "train/sft_data.h"
+#include "mfsdp/train/sft_data.h"
 
-#include "mfsdp/data/splitmix64.h"
+#include "mfsdp/base/splitmix64.h"
 
 #include <torch/torch.h>
 
@@ -13,7 +13,7 @@
 #include <optional>
 #include <stdexcept>
 
-#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/posttrain/chat_template.h"
 
 namespace mfsdp {
 

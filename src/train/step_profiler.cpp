@@ -1,4 +1,4 @@
-#include "train/step_profiler.h"
+#include "mfsdp/train/step_profiler.h"
 
 #include <unistd.h>
 
@@ -38,16 +38,17 @@ void cuda_check(cudaError_t e, const char* what) {
 
 }  // namespace
 
-StepProfiler::StepProfiler(const PretrainArgs& args, int64_t rank, c10::Device device, std::ostream& log)
-    : enabled_(args.profile && std::find(args.profile_ranks.begin(), args.profile_ranks.end(), rank) !=
-                                   args.profile_ranks.end()),
-      kineto_(args.use_pytorch_profiler),
+StepProfiler::StepProfiler(const ProfilingSection& profiling, const LoggingSection& logging, int64_t rank,
+                           c10::Device device, std::ostream& log)
+    : enabled_(profiling.profile && std::find(profiling.profile_ranks.begin(), profiling.profile_ranks.end(), rank) !=
+                                        profiling.profile_ranks.end()),
+      kineto_(profiling.use_pytorch_profiler),
       device_(device),
       cuda_(device.is_cuda()),
-      first_(args.profile_step_start + 1),
-      last_(args.profile_step_end),
+      first_(profiling.profile_step_start + 1),
+      last_(profiling.profile_step_end),
       rank_(rank),
-      folder_(args.tensorboard_dir),
+      folder_(logging.tensorboard_dir),
       log_(log) {
   if (enabled_ && !kineto_ && !cuda_)
     throw std::invalid_argument("--profile: without --use-pytorch-profiler it is nsys's CUDA capture range, and this "

@@ -1,4 +1,4 @@
-#include "train/task_source.h"
+#include "mfsdp/train/task_source.h"
 
 #include <filesystem>
 

@@ -1,6 +1,6 @@
-#include "train/tensorboard_writer.h"
+#include "mfsdp/train/tensorboard_writer.h"
 
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include <filesystem>
 #include <stdexcept>
 
-#include "train/metrics.h"
+#include "mfsdp/train/metrics.h"
 
 namespace mfsdp {
 namespace {

@@ -1,4 +1,4 @@
-#include "train/trainer_checkpoint.h"
+#include "mfsdp/train/trainer_checkpoint.h"
 
 #include <chrono>
 #include <cmath>
@@ -49,7 +49,7 @@ void check_model_config(const nlohmann::json& saved, const ModelConfig& run, con
 }
 
 // Megatron's rule: the schedule flags must match the checkpoint's unless told which one wins.
-void reconcile_schedule(const PretrainArgs& a, const nlohmann::json& saved, LRSchedule& schedule,
+void reconcile_schedule(const CheckpointSection& a, const nlohmann::json& saved, LRSchedule& schedule,
                         const std::string& where) {
   if (!saved.is_object() || saved.empty() || a.override_opt_param_scheduler) return;
   LRSchedule from_ckpt;
@@ -126,39 +126,53 @@ TensorSlices tensor_parallel_checkpoint_slices(const CausalLM& model, const Fsdp
   return slices;
 }
 
-ResumePoint load_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
+OpenedCheckpoint open_training_checkpoint(const CheckpointSection& a) {
+  OpenedCheckpoint opened;
+  if (a.load.empty()) return opened;
+  CheckpointLocation at;
+  try {
+    at = locate_checkpoint(a.load, a.ckpt_step >= 0 ? std::optional<int64_t>(a.ckpt_step) : std::nullopt);
+  } catch (const std::invalid_argument& e) {
+    flag_error(a.ckpt_step >= 0 ? "--load / --ckpt-step" : "--load", e.what());
+  }
+  if (at.found())
+    opened.reader = std::make_shared<const CheckpointReader>(at.dir);
+  else
+    opened.missing = at.reason;
+  return opened;
+}
+
+ResumePoint load_training_checkpoint(const OpenedCheckpoint& opened, const CheckpointSection& a,
+                                     const TrainingSection& training, const ModelConfig& config,
                                      const std::shared_ptr<Communicator>& world, FsdpHandle& model,
-                                     DistributedOptimizer& optimizer, LRSchedule& schedule,
-                                     std::ostream& log, const TensorSlices& slices) {
+                                     DistributedOptimizer& optimizer, LRSchedule& schedule, std::ostream& log,
+                                     const TensorSlices& slices) {
   const bool print = world->rank() == 0;
-  if (a.load_dir.empty()) {  // validation refused this unless starting afresh is allowed
-    if (print)
-      log << " WARNING: --load " << a.load << " " << locate_checkpoint(a.load).reason
-          << "; training starts from scratch\n";
+  if (!opened.reader) {  // validation refused this unless starting afresh is allowed
+    if (print && !a.load.empty())
+      log << " WARNING: --load " << a.load << " " << opened.missing << "; training starts from scratch\n";
     return {};
   }
+  const CheckpointReader& reader = *opened.reader;
   CheckpointLoadOptions options;
   options.load_optimizer = !a.finetune && !a.no_load_optim;
   options.load_rng = !a.finetune && !a.no_load_rng;
   options.slices = slices;
   options.all_or_nothing = false;  // the process exits on a failed load: read straight into the shards
   // The config is checked before any tensor is read, so a mismatch names the flag, not a shape.
-  {
-    CheckpointReader reader(a.load_dir);
-    check_model_config(reader.metadata().value("model_config", nlohmann::json::object()), config, reader.dir());
-  }
+  check_model_config(reader.metadata().value("model_config", nlohmann::json::object()), config, reader.dir());
   const auto start = std::chrono::steady_clock::now();
-  LoadedCheckpoint got = load_checkpoint(a.load_dir, world, model, &optimizer, options);
+  LoadedCheckpoint got = load_checkpoint(reader, world, model, &optimizer, options);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   ResumePoint resume;
   if (!a.finetune) {
     reconcile_schedule(a, got.metadata.value("scheduler", nlohmann::json::object()), schedule, got.path);
     resume = {got.iteration, got.consumed_samples};
-    if (resume.consumed_samples != resume.iteration * a.global_batch_size)
+    if (resume.consumed_samples != resume.iteration * training.global_batch_size)
       throw std::invalid_argument("checkpoint '" + got.path + "': " + std::to_string(resume.consumed_samples) +
                                   " samples consumed in " + std::to_string(resume.iteration) +
                                   " iterations; resuming needs the same --global-batch-size (this run: " +
-                                  std::to_string(a.global_batch_size) + ")");
+                                  std::to_string(training.global_batch_size) + ")");
   }
   if (print) {
     log << " loaded checkpoint " << got.path << " (" << checkpoint_origin(got) << ") in " << seconds

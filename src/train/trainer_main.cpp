@@ -1,4 +1,4 @@
-#include "train/trainer_main.h"
+#include "mfsdp/train/trainer_main.h"
 
 #include <torch/torch.h>
 

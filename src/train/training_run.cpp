@@ -1,4 +1,4 @@
-#include "train/training_run.h"
+#include "mfsdp/train/training_run.h"
 
 #include <ATen/record_function.h>
 #include <torch/torch.h>
@@ -17,19 +17,21 @@
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/models/tensor_parallel_training.h"
+#include "mfsdp/train/train_loop.h"
 
 namespace mfsdp {
 
-nlohmann::json megatron_model_args(const PretrainArgs& a) {
+nlohmann::json megatron_model_args(const ModelSection& a, const MoeSection& moe, int64_t seq_length,
+                                   int64_t padded_vocab_size) {
   return {{"num_layers", a.num_layers},
           {"hidden_size", a.hidden_size},
           {"ffn_hidden_size", a.ffn_hidden_size},
           {"num_attention_heads", a.num_attention_heads},
           {"group_query_attention", a.group_query_attention},
           {"num_query_groups", a.num_query_groups},
-          {"padded_vocab_size", a.padded_vocab_size},
+          {"padded_vocab_size", padded_vocab_size},
           {"max_position_embeddings", a.max_position_embeddings},
-          {"seq_length", a.seq_length},
+          {"seq_length", seq_length},
           {"rotary_base", a.rotary_base},
           {"norm_epsilon", a.norm_epsilon},
           {"init_method_std", a.init_method_std},
@@ -40,22 +42,22 @@ nlohmann::json megatron_model_args(const PretrainArgs& a) {
           {"add_bias_linear", false},
           {"qk_layernorm", a.qk_layernorm},
           {"kv_channels", a.kv_channels > 0 ? nlohmann::json(a.kv_channels) : nlohmann::json()},
-          {"num_experts", a.num_experts},
-          {"moe_router_topk", a.moe_router_topk},
-          {"moe_ffn_hidden_size", a.moe_ffn_hidden_size},
-          {"moe_shared_expert_intermediate_size", a.moe_shared_expert_intermediate_size},
-          {"moe_shared_expert_gate", a.moe_shared_expert_gate},
-          {"moe_router_score_function", a.moe_router_score_function},
-          {"moe_router_pre_softmax", a.moe_router_pre_softmax},
-          {"moe_router_enable_expert_bias", a.moe_router_enable_expert_bias},
+          {"num_experts", moe.num_experts},
+          {"moe_router_topk", moe.moe_router_topk},
+          {"moe_ffn_hidden_size", moe.moe_ffn_hidden_size},
+          {"moe_shared_expert_intermediate_size", moe.moe_shared_expert_intermediate_size},
+          {"moe_shared_expert_gate", moe.moe_shared_expert_gate},
+          {"moe_router_score_function", moe.moe_router_score_function},
+          {"moe_router_pre_softmax", moe.moe_router_pre_softmax},
+          {"moe_router_enable_expert_bias", moe.moe_router_enable_expert_bias},
           {"moe_router_topk_scaling_factor",
-           a.moe_router_topk_scaling_factor > 0 ? nlohmann::json(a.moe_router_topk_scaling_factor) : nlohmann::json()},
-          {"moe_layer_freq", a.moe_layer_freq.front() == '['
-                                 ? nlohmann::json(a.moe_layer_pattern())
-                                 : nlohmann::json(a.moe_layer_pattern().front())}};
+           moe.moe_router_topk_scaling_factor > 0 ? nlohmann::json(moe.moe_router_topk_scaling_factor) : nlohmann::json()},
+          {"moe_layer_freq", moe.moe_layer_freq.front() == '['
+                                 ? nlohmann::json(moe.moe_layer_pattern())
+                                 : nlohmann::json(moe.moe_layer_pattern().front())}};
 }
 
-MoeTraining moe_training_from_args(const PretrainArgs& a) {
+MoeTraining moe_training_from_args(const MoeSection& a) {
   MoeTraining t;
   t.balancing = a.moe_router_load_balancing_type == "seq_aux_loss" ? MoeTraining::Balancing::kSeqAuxLoss
                 : a.moe_router_load_balancing_type == "none"       ? MoeTraining::Balancing::kNone
@@ -68,10 +70,13 @@ MoeTraining moe_training_from_args(const PretrainArgs& a) {
   return t;
 }
 
-ModelConfig model_config_from_args(const PretrainArgs& a) { return model_config_from_megatron(megatron_model_args(a)); }
+ModelConfig model_config_from_args(const ModelSection& model, const MoeSection& moe, int64_t seq_length,
+                                   int64_t padded_vocab_size) {
+  return model_config_from_megatron(megatron_model_args(model, moe, seq_length, padded_vocab_size));
+}
 
-FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shared_ptr<Communicator>& comm,
-                                          bool per_token_loss) {
+FullyShardOptions shard_options_from_args(const FsdpSection& a, const TrainingSection& training,
+                                          const std::shared_ptr<Communicator>& comm, bool per_token_loss) {
   FullyShardOptions o;
   o.comm = comm;
   const int instances = static_cast<int>(a.num_distributed_optimizer_instances);
@@ -88,30 +93,37 @@ FullyShardOptions shard_options_from_args(const PretrainArgs& a, const std::shar
   o.all_gather_in_start_param_sync = !a.no_fsdp_all_gather_in_start_param_sync;
   if (a.fsdp_double_buffer) o.buffer_allocator = BufferAllocatorKind::kDoubleBuffer;
   if (a.fsdp_trace_pool) o.buffer_allocator = BufferAllocatorKind::kTracePool;
-  if (a.bf16) o.mixed_precision.param_dtype = at::kBFloat16;
+  if (training.bf16) o.mixed_precision.param_dtype = at::kBFloat16;
   if (a.grad_reduce_in_bf16) o.mixed_precision.grad_comm_dtype = at::kBFloat16;
   if (a.grad_reduce_rank_order_fp32) o.mixed_precision.grad_reduce_sum = LowPrecisionSum::kRankOrderFp32;
   o.gradient_scaling = per_token_loss ? GradientScaling::kNone : GradientScaling::kDivideByWorld;
   return o;
 }
 
-ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& a,
-                                 const FullyShardOptions& shard, bool values_loaded, const ParallelGroups* groups) {
+ModelBuildOptions model_build_options(const ModelSection& model, const MoeSection& moe, const TrainingSection& training,
+                                      const FsdpSection& fsdp, bool values_loaded) {
   ModelBuildOptions options;
-  options.deferred_init = a.init_model_with_meta_device || values_loaded;
-  options.recompute_layers = a.recompute_activations;
-  options.init_seed = static_cast<uint64_t>(a.seed);
-  options.moe = moe_training_from_args(a);
+  options.deferred_init = fsdp.init_model_with_meta_device || values_loaded;
+  options.recompute_layers = model.recompute_activations;
+  options.init_seed = static_cast<uint64_t>(training.seed);
+  options.moe = moe_training_from_args(moe);
+  options.sequence_parallel = fsdp.sequence_parallel;
+  options.context_parallel_algorithm = fsdp.cp_comm_type == "p2p" ? context_parallel::CpAlgorithm::kRing
+                                                                  : context_parallel::CpAlgorithm::kAllGather;
+  return options;
+}
+
+ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions options, int64_t expert_parallel_size,
+                                 bool use_sdpa, const FullyShardOptions& shard, const ParallelGroups* groups) {
   if (groups != nullptr) {
     options.tensor_parallel = groups->tensor_parallel;
-    options.sequence_parallel = a.sequence_parallel;
     options.context_parallel = groups->context_parallel;
-    options.context_parallel_algorithm = a.cp_comm_type == "p2p" ? context_parallel::CpAlgorithm::kRing
-                                                                 : context_parallel::CpAlgorithm::kAllGather;
+  } else {
+    options.sequence_parallel = false;  // it splits over the tensor-parallel group
   }
   std::shared_ptr<DeviceMesh> mesh;
-  if (a.expert_model_parallel_size > 1) {
-    const int ep = static_cast<int>(a.expert_model_parallel_size), world = shard.comm->size();
+  if (expert_parallel_size > 1) {
+    const int ep = static_cast<int>(expert_parallel_size), world = shard.comm->size();
     const int64_t experts = config.hf.value("num_experts", config.hf.value("num_local_experts", int64_t{0}));
     if (experts == 0)
       flag_error("--expert-model-parallel-size", "the model (" + config.spec->describe(config) + ") has no experts");
@@ -123,20 +135,21 @@ ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& 
     options.expert_parallel = mesh->get("expert_parallel");
   }
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
-  model->set_use_sdpa(a.attention_backend != "unfused");
+  model->set_use_sdpa(use_sdpa);
   // With --init-model-with-meta-device each layer is materialised as it is sharded.
   FsdpHandle root = shard_model(*model, shard, mesh ? mesh->get("expert_data_parallel") : nullptr);
   return {model, root, mesh};
 }
 
-StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, int64_t tokenizer_vocab) {
+StartingPoint starting_point(const OpenedCheckpoint& load, const std::string& hf_load, const ModelConfig& from_flags,
+                             int64_t seed, const std::string& export_hf, int64_t tokenizer_vocab) {
   StartingPoint p;
-  if (!a.load_dir.empty()) {
-    CheckpointReader reader(a.load_dir);
+  if (load.reader) {
+    const CheckpointReader& reader = *load.reader;
     const nlohmann::json saved = reader.metadata().value("model_config", nlohmann::json::object());
     // A checkpoint that records no model (PyTorch's dcp.save) holds the model the flags describe;
     // loading checks every tensor's shape against it.
-    p.config = saved.empty() ? model_config_from_args(a) : model_config_from_hf(saved);
+    p.config = saved.empty() ? from_flags : model_config_from_hf(saved);
     p.description = "checkpoint " + reader.dir() + " (iteration " + reader.metadata()["iteration"].dump() +
                     (saved.empty() ? "; no model_config recorded: the model from the flags)" : ")");
   } else if (!hf_load.empty()) {
@@ -148,11 +161,11 @@ StartingPoint starting_point(const PretrainArgs& a, const std::string& hf_load, 
     p.hf_folder = hf_load;
     p.description = "Hugging Face folder " + hf_load;
   } else {
-    p.config = model_config_from_args(a);
-    p.description = "new model from the flags (seed " + std::to_string(a.seed) + ")";
+    p.config = from_flags;
+    p.description = "new model from the flags (seed " + std::to_string(seed) + ")";
     return p;
   }
-  if (!a.export_hf.empty())
+  if (!export_hf.empty())
     if (const std::string refusal = p.config.spec->hf_export_refusal(p.config); !refusal.empty())
       throw std::invalid_argument("--export-hf (" + p.description + "): " + refusal);
   if (tokenizer_vocab > p.config.vocab_size())
@@ -170,21 +183,25 @@ std::string sibling_path(const std::string& metrics_file, const std::string& ext
 }
 
 TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, std::shared_ptr<Communicator> comm,
-                         std::ostream& log, bool per_token_loss, ToolFlags tool, std::string hf_folder)
+                         std::ostream& log, bool per_token_loss, ToolFlags tool, std::string hf_folder,
+                         OpenedCheckpoint load)
     : args_(args),
       config_(config),
       comm_(std::move(comm)),
       log_(log),
       tool_(std::move(tool)),
       hf_folder_(std::move(hf_folder)),
+      load_(std::move(load)),
       per_token_loss_(per_token_loss),
       print_(comm_->rank() == 0 || is_simulated(*comm_)),
       groups_(parallel_groups(args, comm_)),
-      sharded_(build_sharded_model(config, args, shard_options_from_args(args, groups_.fsdp, per_token_loss),
-                                   /*values_loaded=*/!args.load_dir.empty() || !hf_folder_.empty(), &groups_)),
+      sharded_(build_sharded_model(
+          config, model_build_options(args, args, args, args, /*values_loaded=*/load_.reader || !hf_folder_.empty()),
+          args.expert_model_parallel_size, args.attention_backend != "unfused",
+          shard_options_from_args(args, args, groups_.fsdp, per_token_loss), &groups_)),
       metrics_(print_ ? args.metrics_file : ""),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
-      profiler_(args, comm_->rank(), comm_->device(), log) {
+      profiler_(args, args, comm_->rank(), comm_->device(), log) {
   if (args.optimizer == "adam") {
     AdamWOptions o;
     o.beta1 = args.adam_beta1;
@@ -239,9 +256,10 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
 
 ResumePoint TrainingRun::start() {
   ResumePoint resume;
-  if (!args_.load_dir.empty() || (!args_.load.empty() && hf_folder_.empty())) {
-    resume = load_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_,
+  if (load_.reader || (!args_.load.empty() && hf_folder_.empty())) {
+    resume = load_training_checkpoint(load_, args_, args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_,
                                       tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
+    load_ = {};  // the reader keeps the checkpoint's files open
   } else if (!hf_folder_.empty()) {
     load_hf_shards(hf_folder_, sharded_.root, *comm_, tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
   }
@@ -277,6 +295,14 @@ at::Tensor to_device(const at::Tensor& host, const at::Device& device) {
   return host.pin_memory().to(device, /*non_blocking=*/true);
 }
 
+double TrainingRun::StepStats::loss_value() const {
+  return loss_on_host ? *loss_on_host : read_on_host({loss})[0];
+}
+
+double TrainingRun::StepStats::grad_norm_value() const {
+  return grad_norm_on_host ? *grad_norm_on_host : read_on_host({grad_norm})[0];
+}
+
 TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
                                          const std::function<at::Tensor(int64_t)>& micro_batch) {
   profiler_.before_step(iteration);
@@ -298,12 +324,12 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   // Megatron's finalize_model_grads: the aux-loss-free biases move by this step's global counts.
   for (const StepStats::MoeLayer& m : s.moe_layers) sharded_.model->update_expert_bias(m.layer, m.tokens_per_expert);
   {
-    // The step's first host read: the norm's (Megatron reads it here too).
     RECORD_USER_SCOPE("mfsdp::clip_grad_norm");
-    s.grad_norm = optimizer_->clip_grad_norm(args_.clip_grad);  // a non-finite norm leaves the grads as they are
+    s.grad_norm = optimizer_->clip_grad_norm_on_device(args_.clip_grad);  // a non-finite norm leaves the grads as they are
   }
-  // The second: the loss, with the NaN check's flags when it is on.
-  s.loss = args_.check_for_nan_in_loss_and_grad ? check_finite(iteration, loss, s.grad_norm) : loss.item<double>();
+  s.loss = loss;
+  // The step's only host read, and only with the NaN check: the loss and the norm with its flags.
+  if (args_.check_for_nan_in_loss_and_grad) check_finite(iteration, s);
   // Megatron's diagnostics, summed over the ranks in one all-reduce, each element counted once
   // (on its replica 0 under no_shard): zero gradient elements after clipping, before the step;
   // the sum of squares of the parameters (main weights) after it.
@@ -397,32 +423,40 @@ const char* const kNanCheckEnd =
 
 }  // namespace
 
-double TrainingRun::check_finite(int64_t iteration, const at::Tensor& loss, double grad_norm) {
+void TrainingRun::check_finite(int64_t iteration, StepStats& s) {
   at::NoGradGuard no_grad;
   const int world = comm_->size();
-  // The norm is all-reduced, so every rank takes the same branch and the all-reduce below has
-  // the same size everywhere: a flag per rank for its loss, then, only when the norm is not
-  // finite, the NaN and Inf counts of every parameter's gradient. Built on the device, so the
-  // host reads once: the reduced counts and this rank's loss in one copy.
+  // One all-reduce of a flag per rank for its loss, read in one copy with this rank's loss and
+  // the norm (all-reduced already, so every rank then takes the same branch). Only when the norm
+  // is not finite, a second one: the NaN and Inf counts of every parameter's gradient, to name
+  // them (a failing step, so its extra read costs nothing that matters).
+  at::Tensor flags = at::isfinite(s.loss).logical_not().to(at::kDouble).reshape({1});
+  at::Tensor counts = at::zeros({world}, flags.options());
+  counts.narrow(0, comm_->rank(), 1).copy_(flags);
+  comm_->all_reduce(counts, {ReduceOp::kSum});
+  const std::vector<double> read = read_on_host({s.loss, s.grad_norm, counts});
+  s.loss_on_host = read[0];
+  s.grad_norm_on_host = read[1];
+  const double grad_norm = read[1];
   const bool grads_finite = std::isfinite(grad_norm);
+  const at::Tensor host_counts = at::tensor(std::vector<double>(read.begin() + 2, read.end()), at::kDouble);
   TensorShapes all;
   if (!grads_finite) all = model_tensor_shapes(config_);
   const int64_t params = 2 * static_cast<int64_t>(all.size());
-  at::Tensor counts = at::zeros({world + params}, loss.options());
-  counts.narrow(0, comm_->rank(), 1).copy_(at::isfinite(loss).logical_not().reshape({1}));
+  at::Tensor param_counts = at::zeros({params}, counts.options());
   if (!grads_finite) {
     const std::vector<OptimizerShard> shards = sharded_.root.optimizer_shards();
     count_non_finite(sharded_.root.local_shards(), all, [&](const LocalShard& p) { return grad_of(p, shards); },
-                     counts.narrow(0, world, params));
+                     param_counts);
+    comm_->all_reduce(param_counts, {ReduceOp::kSum});
   }
-  comm_->all_reduce(counts, {ReduceOp::kSum});
-  const at::Tensor host = at::cat({counts, loss.reshape({1})}).cpu();
+  const at::Tensor host = at::cat({host_counts, param_counts.cpu()});
   const double* c = host.data_ptr<double>();
 
   std::string ranks;
   for (int r = 0; r < world; ++r)
     if (c[r] > 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(r);
-  if (ranks.empty() && grads_finite) return c[world + params];
+  if (ranks.empty() && grads_finite) return;
   std::ostringstream why;
   why << "iteration " << iteration << ": ";
   if (!ranks.empty()) why << "the loss is NaN or Inf on rank " << ranks << " of " << world;
@@ -655,12 +689,12 @@ namespace {
 
 // --export-hf: config.json + model.safetensors (fp32, or bf16 with --bf16) and, for a
 // HuggingFaceTokenizer, its tokenizer files, so transformers loads the folder as it is.
-void export_hf_folder(const PretrainArgs& a, const ModelConfig& config,
-                      const std::map<std::string, at::Tensor>& state, std::ostream& log) {
+void export_hf_folder(const CheckpointSection& a, const TokenizerSection& tokenizer, bool bf16,
+                      const ModelConfig& config, const std::map<std::string, at::Tensor>& state, std::ostream& log) {
   namespace fs = std::filesystem;
   if (const std::string refusal = config.spec->hf_export_refusal(config); !refusal.empty())
     throw std::invalid_argument("--export-hf: " + refusal);
-  const at::ScalarType dtype = a.bf16 ? at::kBFloat16 : at::kFloat;
+  const at::ScalarType dtype = bf16 ? at::kBFloat16 : at::kFloat;
   fs::create_directories(a.export_hf);
   {
     std::ofstream out(a.export_hf + "/config.json", std::ios::trunc);
@@ -670,9 +704,9 @@ void export_hf_folder(const PretrainArgs& a, const ModelConfig& config,
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const auto& [name, t] : state) tensors.emplace_back(name, t.to(dtype));
   write_safetensors(a.export_hf + "/model.safetensors", tensors, {{"format", "pt"}});
-  if (a.tokenizer_type == "HuggingFaceTokenizer") {
-    const fs::path from = fs::is_directory(a.tokenizer_model) ? fs::path(a.tokenizer_model)
-                                                              : fs::path(a.tokenizer_model).parent_path();
+  if (tokenizer.tokenizer_type == "HuggingFaceTokenizer") {
+    const fs::path from = fs::is_directory(tokenizer.tokenizer_model) ? fs::path(tokenizer.tokenizer_model)
+                                                                      : fs::path(tokenizer.tokenizer_model).parent_path();
     // transformers 5 keeps the chat template in chat_template.jinja, older ones in
     // chat_template.json or tokenizer_config.json.
     for (const char* file : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -700,7 +734,7 @@ void TrainingRun::finish(int64_t last, const std::string& curve_title) {
   }
   if (!args_.export_hf.empty()) {
     auto state = gather_full_weights(/*all_ranks=*/false, /*cpu_offload=*/true);
-    if (comm_->rank() == 0) export_hf_folder(args_, config_, state, log_);
+    if (comm_->rank() == 0) export_hf_folder(args_, args_, args_.bf16, config_, state, log_);
   }
   if (print_) {
     MemoryReport m = sharded_.root.memory();

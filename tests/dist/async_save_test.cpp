@@ -20,7 +20,7 @@
 #include "harness/uneven_net.h"
 #include "mfsdp/checkpoint/async_save.h"
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/optim/optim.h"
 

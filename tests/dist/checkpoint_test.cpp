@@ -18,7 +18,7 @@
 #include "mfsdp/checkpoint/dcp.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/comm/device_mesh.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/optim/optim.h"
 

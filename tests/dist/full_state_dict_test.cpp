@@ -20,7 +20,7 @@
 #include "mfsdp/models/llama.h"
 #include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/models/model_spec.h"
-#include "train/rollout_model.h"
+#include "mfsdp/train/rollout_model.h"
 
 namespace {
 

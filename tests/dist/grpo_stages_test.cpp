@@ -1,4 +1,4 @@
-// mfsdp-grpo's stages (src/train/grpo_trainer.h) driven one by one on 1 and 2 ranks, each
+// mfsdp-grpo's stages (include/mfsdp/train/grpo_trainer.h) driven one by one on 1 and 2 ranks, each
 // checked against what it must hand the next, computed here independently:
 //   rollout:   --rollout-n responses per prompt of this rank, each within --max-response-length,
 //              with one sampler log-prob per token;
@@ -19,7 +19,7 @@
 
 #include "harness/dist_test.h"
 #include "mfsdp/data/tokenizer.h"
-#include "train/grpo_trainer.h"
+#include "mfsdp/train/grpo_trainer.h"
 
 namespace {
 

@@ -14,8 +14,8 @@
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/fsdp/memory_plan.h"
 #include "mfsdp/models/llama.h"
-#include "train/model_memory_plan.h"
-#include "train/training_run.h"
+#include "mfsdp/train/model_memory_plan.h"
+#include "mfsdp/train/training_run.h"
 
 namespace {
 
@@ -99,6 +99,13 @@ PretrainArgs tiny_args(const Variant& v, int world) {
   return a;
 }
 
+// The plan mfsdp-pretrain prints for these flags on `world` ranks.
+MemoryPlan plan_of(const PretrainArgs& a, int world) {
+  return mfsdp::plan_training_memory(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), a, a, a,
+                                     mfsdp::shard_options_from_args(a, a, nullptr, a.calculate_per_token_loss),
+                                     a.num_micro_batches, world);
+}
+
 struct Measured {
   int64_t model_weights = 0, main_weights = 0, main_grads = 0, optimizer_state = 0, transient_peak = 0;
 };
@@ -106,7 +113,7 @@ struct Measured {
 // Two training steps of the trainer's own run (the plan is of a step from the second on).
 Measured measure(const PretrainArgs& a, const std::shared_ptr<mfsdp::Communicator>& comm) {
   std::ostringstream log;
-  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), comm, log, /*per_token_loss=*/false);
+  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), comm, log, /*per_token_loss=*/false);
   torch::manual_seed(comm->rank());
   for (int64_t it = 1; it <= a.train_iters; ++it)
     run.step(it, a.num_micro_batches, [&](int64_t) {
@@ -140,7 +147,7 @@ std::string mismatch(const MemoryPlan& plan, const Measured& m) {
 void expect_plan_matches(const std::shared_ptr<mfsdp::Communicator>& comm, const std::vector<Variant>& variants) {
   for (const Variant& v : variants) {
     const PretrainArgs a = tiny_args(v, comm->size());
-    const MemoryPlan plan = mfsdp::plan_training_memory(a, comm->size());
+    const MemoryPlan plan = plan_of(a, comm->size());
     const Measured measured = measure(a, comm);
     EXPECT_GT(measured.transient_peak, 0) << v.describe(comm->size());
     EXPECT_EQ(mismatch(plan, measured), "") << v.describe(comm->size()) << "\n" << mfsdp::format_memory_plan(plan);
@@ -177,28 +184,28 @@ TEST(MemoryPlan, CatchesAPlanOffByOneUnit) {
   for (const char* strategy : {"optim", "optim_grads_params"}) {
     const PretrainArgs a = tiny_args({strategy}, comm->size());
     const Measured measured = measure(a, comm);
-    ASSERT_EQ(mismatch(mfsdp::plan_training_memory(a, comm->size()), measured), "") << strategy;
+    ASSERT_EQ(mismatch(plan_of(a, comm->size()), measured), "") << strategy;
 
     mfsdp::ModelBuildOptions deferred;
     deferred.deferred_init = true;
-    const mfsdp::ModelConfig config = mfsdp::model_config_from_args(a);
+    const mfsdp::ModelConfig config = mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size);
     std::shared_ptr<mfsdp::CausalLM> model = config.spec->build(config, deferred);
-    mfsdp::StepShape one_unit_too_few = mfsdp::training_step_shape(*model, a);
+    mfsdp::StepShape one_unit_too_few = mfsdp::training_step_shape(*model, a, a.num_micro_batches);
     one_unit_too_few.forward_order.pop_back();  // lm_head
     const MemoryPlan too_few = mfsdp::plan_memory(
-        *model, one_unit_too_few, mfsdp::shard_options_from_args(a, nullptr, false), comm->size());
+        *model, one_unit_too_few, mfsdp::shard_options_from_args(a, a, nullptr, false), comm->size());
     EXPECT_NE(mismatch(too_few, measured), "") << strategy;
 
     PretrainArgs one_more_layer = a;
     ++one_more_layer.num_layers;
-    EXPECT_NE(mismatch(mfsdp::plan_training_memory(one_more_layer, comm->size()), measured), "") << strategy;
+    EXPECT_NE(mismatch(plan_of(one_more_layer, comm->size()), measured), "") << strategy;
   }
 }
 
 // The table names every group and its sizes; the totals are the sums of its rows.
 TEST(MemoryPlan, TableListsEveryGroupAndTheTotals) {
   const PretrainArgs a = tiny_args({"optim_grads_params", true, false, 1}, 64);
-  const MemoryPlan plan = mfsdp::plan_training_memory(a, 64);
+  const MemoryPlan plan = plan_of(a, 64);
   ASSERT_EQ(plan.groups.size(), 5u);  // root (final norm), embed_tokens, 2 layers, lm_head
   int64_t model = 0, main = 0, grads = 0, state = 0;
   for (const mfsdp::GroupMemory& g : plan.groups) {

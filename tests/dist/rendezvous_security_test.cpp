@@ -25,7 +25,7 @@
 #include "comm/store_protocol.h"
 #include "harness/expect_error.h"
 #include "harness/temp_dir.h"
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/comm/rendezvous.h"
 

@@ -1,4 +1,4 @@
-// The rollout copy of a sharded policy (src/train/rollout_model.h): after an optimizer step it
+// The rollout copy of a sharded policy (include/mfsdp/train/rollout_model.h): after an optimizer step it
 // holds exactly FsdpHandle::full_state_dict's values (bit for bit), under every sharding
 // strategy, and greedy generation from it equals generation from an unsharded model that took
 // the same step. Real processes, 1 and 2 ranks.
@@ -10,7 +10,7 @@
 #include "mfsdp/models/batched_generate.h"
 #include "mfsdp/models/llama.h"
 #include "mfsdp/models/llama_hf_config.h"
-#include "train/rollout_model.h"
+#include "mfsdp/train/rollout_model.h"
 
 namespace {
 

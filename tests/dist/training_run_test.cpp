@@ -1,4 +1,4 @@
-// TrainingRun::step (src/train/training_run.h) in real processes, 1 and 2 ranks:
+// TrainingRun::step (include/mfsdp/train/training_run.h) in real processes, 1 and 2 ranks:
 // - --log-num-zeros-in-grad and --log-params-norm give, under every sharding strategy, the
 //   numbers of a plain (unsharded) model taking the same SGD step on the same global batch, and
 //   the closed form of the zero count (the embedding rows of token ids that are not in the batch);
@@ -19,7 +19,7 @@
 #include "harness/dist_test.h"
 #include "mfsdp/models/llama.h"
 #include "mfsdp/models/llama_hf_config.h"
-#include "train/training_run.h"
+#include "mfsdp/train/training_run.h"
 
 namespace {
 
@@ -107,7 +107,7 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
   for (const char* strategy : {"no_shard", "optim", "optim_grads", "optim_grads_params"}) {
     const mfsdp::PretrainArgs a = args_for(strategy, world);
     std::ostringstream log;
-    mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, /*per_token_loss=*/false);
+    mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), borrow(comm), log, /*per_token_loss=*/false);
     double reported = 0;  // what the micro-batches report, summed here as the step must
     const auto stats = run.step(1, micro_batches, [&](int64_t m) {
       at::Tensor loss = micro_loss(run, world == 1 ? m : rank, micro_batches);
@@ -119,7 +119,7 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
     // The same step on one plain model: mean loss of both rows, p -= lr * grad.
     mfsdp::LlamaOptions options;
     options.init_seed = static_cast<uint64_t>(a.seed);
-    mfsdp::LlamaForCausalLM plain(mfsdp::llama_config_of(mfsdp::model_config_from_args(a)), options);
+    mfsdp::LlamaForCausalLM plain(mfsdp::llama_config_of(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size)), options);
     at::Tensor loss = at::zeros({}, at::kFloat);
     double row_loss[2];
     for (int64_t r = 0; r < 2; ++r) {
@@ -147,9 +147,9 @@ MFSDP_DIST_TEST(TrainingRun, NormsAndZerosEqualAPlainModelsStep, {1, 2}) {
     const int64_t closed_form = (kVocab - static_cast<int64_t>(ids.size())) * kHidden;
 
     EXPECT_EQ(stats.num_zeros_in_grad, closed_form) << strategy << " world " << world;
-    EXPECT_EQ(stats.loss, reported) << strategy << " world " << world;
+    EXPECT_EQ(stats.loss_value(), reported) << strategy << " world " << world;
     // This rank's rows' mean loss (rows m, or row `rank`) on the plain model, before its step.
-    EXPECT_NEAR(stats.loss, plain_loss_of_rank, 1e-5) << strategy << " world " << world;
+    EXPECT_NEAR(stats.loss_value(), plain_loss_of_rank, 1e-5) << strategy << " world " << world;
     EXPECT_EQ(zeros, closed_form) << strategy;
     EXPECT_NEAR(stats.params_norm, std::sqrt(squares), 1e-6 * std::sqrt(squares)) << strategy << " world " << world;
     // What the log line and the metrics record carry.
@@ -168,7 +168,7 @@ MFSDP_DIST_TEST(TrainingRun, NanLossOnOneRankStopsEveryRankBeforeTheStep, {1, 2}
   const int world = comm.size(), rank = comm.rank();
   const mfsdp::PretrainArgs a = args_for("optim_grads_params", world);
   std::ostringstream log;
-  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
+  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), borrow(comm), log, false);
   const auto before = weights(run);
   std::string error;
   try {
@@ -194,7 +194,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteGradientsAreNamedByParameter, {1, 2}) {
   for (const char* strategy : {"no_shard", "optim_grads_params"}) {
     const mfsdp::PretrainArgs a = args_for(strategy, world);
     std::ostringstream log;
-    mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
+    mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), borrow(comm), log, false);
     const auto before = weights(run);
     auto micro_batch = [&](int64_t m) {
       at::Tensor loss = micro_loss(run, world == 1 ? m : rank, 2 / world);
@@ -224,7 +224,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteGradientsAreNamedByParameter, {1, 2}) {
     // --no-check-for-nan-in-loss-and-grad: the step goes through (and poisons the weights).
     mfsdp::PretrainArgs unchecked = a;
     unchecked.check_for_nan_in_loss_and_grad = false;
-    mfsdp::TrainingRun off(unchecked, mfsdp::model_config_from_args(unchecked), borrow(comm), log, false);
+    mfsdp::TrainingRun off(unchecked, mfsdp::model_config_from_args(unchecked, unchecked, unchecked.seq_length, unchecked.padded_vocab_size), borrow(comm), log, false);
     auto off_batch = [&](int64_t m) {
       at::Tensor loss = micro_loss(off, world == 1 ? m : rank, 2 / world);
       loss.backward();
@@ -232,7 +232,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteGradientsAreNamedByParameter, {1, 2}) {
       return loss.detach();
     };
     const auto stats = off.step(1, 2 / world, off_batch);
-    EXPECT_TRUE(std::isnan(stats.grad_norm)) << strategy;
+    EXPECT_TRUE(std::isnan(stats.grad_norm_value())) << strategy;
     EXPECT_TRUE(weights(off).at("model.layers.1.mlp.down_proj.weight").isnan().any().item<bool>()) << strategy;
   }
 }
@@ -245,7 +245,7 @@ MFSDP_DIST_TEST(TrainingRun, NoCheckpointOfNonFiniteWeights, {1, 2}) {
   a.save_interval = 1;
   a.train_iters = 2;
   std::ostringstream log;
-  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
+  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), borrow(comm), log, false);
   // One weight element turns NaN (as an overflowing step would leave it), on the rank holding it.
   for (const mfsdp::LocalShard& s : run.root().local_shards())
     if (s.name == "model.norm.weight" && s.offset == 0 && s.local.numel() > 0) {
@@ -278,7 +278,7 @@ MFSDP_DIST_TEST(TrainingRun, NonFiniteExpertGradientsNameTheirOwnExpert, {2}) {
   a.expert_model_parallel_size = 2;
   mfsdp::validate_training_args(a, 2, 0);
   std::ostringstream log;
-  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a), borrow(comm), log, false);
+  mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), borrow(comm), log, false);
   const std::string poisoned = "model.layers.1.block_sparse_moe.experts.3.w2.weight";  // rank 1's (Mixtral's names)
   bool held = false;
   for (const mfsdp::LocalShard& s : run.root().local_shards()) held = held || s.name == poisoned;

@@ -180,15 +180,18 @@ std::string bytes_of(const at::Tensor& t) {
 }
 
 // The specification's layout, written here: an 8-byte little-endian header length, the JSON header
-// (padded with spaces to 8 bytes), the tensors' bytes in header order.
-void write_safetensors_by_hand(const std::string& path, const Tensors& tensors) {
+// (padded with spaces to 8 bytes), the tensors' bytes in header order. The tensors named in
+// `left_out_of_header` keep their bytes but have no header entry: a header a tensor was deleted from.
+void write_safetensors_by_hand(const std::string& path, const Tensors& tensors,
+                               const std::set<std::string>& left_out_of_header = {}) {
   const std::map<at::ScalarType, std::string> names = {{at::kFloat, "F32"}, {at::kBFloat16, "BF16"}, {at::kHalf, "F16"}};
   ordered_json header = {{"__metadata__", {{"format", "pt"}}}};
   std::string data;
   for (const auto& [name, t] : tensors) {
     const uint64_t begin = data.size();
     data += bytes_of(t);
-    header[name] = {{"dtype", names.at(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
+    if (!left_out_of_header.count(name))
+      header[name] = {{"dtype", names.at(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {begin, data.size()}}};
   }
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -497,6 +500,64 @@ TEST(CkptTool, ImportRejectsFoldersThatDoNotMatchTheConfigAndWritesNothing) {
     for (const std::string& part : c.expected) expect_contains(r.output, {part});
     EXPECT_FALSE(fs::exists(out)) << "something was written to " << out;
   }
+}
+
+// A Qwen3-MoE folder's errors in the file's words: config.json's keys (not MoeConfig's top_k,
+// moe_layers, topk_scaling_factor, expert_bias) and, for an expert whose header entry was deleted
+// (its bytes left behind), the tensor's name rather than only the gap its bytes leave.
+TEST(CkptTool, ImportOfAnMoeFolderNamesConfigKeysAndTheMissingExpert) {
+  TempDir tmp("mfsdp-ckpt");
+  mfsdp::LlamaConfig cfg = tiny_config(false);
+  cfg.qk_norm = true;
+  cfg.moe.num_experts = 4;
+  cfg.moe.top_k = 2;
+  cfg.moe.ffn_hidden_size = 8;
+  cfg.moe.norm_topk_prob = false;
+  const Tensors tensors = model_tensors(cfg);
+  const json config = mfsdp::llama_hf_config(cfg, at::kFloat);
+  ASSERT_EQ(config["model_type"], "qwen3_moe");
+  {
+    write_hf_folder(tmp.file("good"), tensors, config);
+    Outcome r = ckpt("import-hf " + tmp.file("good") + " " + tmp.file("good_out"));
+    ASSERT_EQ(r.exit_code, 0) << r.output;  // the folder the cases below break
+  }
+  struct Case {
+    std::string key;
+    json value;
+    std::vector<std::string> expected;
+  };
+  const std::vector<Case> cases = {
+      {"num_experts_per_tok", 5, {"'num_experts_per_tok'", "num_experts (4)", "found 5"}},
+      {"decoder_sparse_step", 3, {"'decoder_sparse_step'", "3 leaves no MoE layer"}},
+      {"mlp_only_layers", {0, 1}, {"'mlp_only_layers'", "[0,1] leaves no MoE layer"}},
+      {"moe_router_topk_scaling_factor", -1.5, {"'moe_router_topk_scaling_factor'", "found -1.5"}},
+      {"moe_router_enable_expert_bias", true, {"'moe_router_enable_expert_bias'", "sigmoid"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.key);
+    const std::string in = tmp.file("in_" + c.key), out = tmp.file("out_" + c.key);
+    json bad = config;
+    bad[c.key] = c.value;
+    write_hf_folder(in, tensors, bad);
+    Outcome r = ckpt("import-hf " + in + " " + out);
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    expect_contains(r.output, {"mfsdp-ckpt: Hugging Face folder '" + in + "'", "config.json"});
+    for (const std::string& part : c.expected) expect_contains(r.output, {part});
+    for (const char* internal : {"'top_k'", "'moe_layers'", "'topk_scaling_factor'", "'expert_bias'"})
+      EXPECT_EQ(r.output.find(internal), std::string::npos) << r.output;
+    EXPECT_FALSE(fs::exists(out));
+  }
+
+  const std::string lost = "model.layers.0.mlp.experts.3.down_proj.weight";
+  ASSERT_TRUE(tensors.count(lost));
+  const std::string in = tmp.file("in_lost"), out = tmp.file("out_lost");
+  fs::create_directories(in);
+  write_safetensors_by_hand(in + "/model.safetensors", tensors, {lost});
+  std::ofstream(in + "/config.json") << config.dump(2);
+  Outcome r = ckpt("import-hf " + in + " " + out);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  expect_contains(r.output, {"mfsdp-ckpt: Hugging Face folder '" + in + "': missing tensor(s) '" + lost + "'"});
+  EXPECT_FALSE(fs::exists(out));
 }
 
 TEST(CkptTool, ImportAcceptsTiedHeadsRopeBuffersAndQwen2WithoutBiases) {

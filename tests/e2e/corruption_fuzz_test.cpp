@@ -1,17 +1,16 @@
 // Corruption is caught, never loaded: fuzzers for what mfsdp reads from disk. A real 2-rank
-// ZeRO-3 checkpoint of mfsdp-pretrain (fsdp_dtensor and the earlier mfsdp format) and an indexed
-// dataset with its checksums are mutated thousands of times (tests/harness/fork_fuzz.h: bit
-// flips, overwrites, truncation, insertion, deletion, data copied to the wrong place, deleted
-// files), each mutated copy read in a forked child. Every read must be refused or give back
-// exactly the original values: zero silent loads, crashes and hangs. The trainer itself refuses
-// a checkpoint with one flipped byte, naming the file, tensor and byte range.
+// ZeRO-3 checkpoint of mfsdp-pretrain (fsdp_dtensor and the earlier mfsdp format) is mutated
+// thousands of times (tests/harness/fork_fuzz.h: bit flips, overwrites, truncation, insertion,
+// deletion, data copied to the wrong place, deleted files), each mutated copy read in a forked
+// child. Every read must be refused or give back exactly the original values: zero silent loads,
+// crashes and hangs. The trainer itself refuses a checkpoint with one flipped byte, naming the
+// file, tensor and byte range. The indexed dataset's fuzzer: corruption_fuzz_dataset_test.cpp.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <map>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -22,9 +21,7 @@
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/dcp.h"
-#include "mfsdp/data/dataset_checksums.h"
-#include "mfsdp/data/directory_tree.h"
-#include "mfsdp/data/indexed_dataset.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace {
 
@@ -108,44 +105,6 @@ void fuzz_checkpoint(const std::string& format, int rounds, unsigned seed) {
 TEST(CorruptionFuzz, FsdpDtensorCheckpointOfTwoRanks) { fuzz_checkpoint("fsdp_dtensor", 1500, 11); }
 
 TEST(CorruptionFuzz, EarlierFormatCheckpointOfTwoRanks) { fuzz_checkpoint("mfsdp", 1000, 12); }
-
-// 3 blocks of checksummed .bin (uint16 tokens), sequences of many lengths, some across blocks.
-TEST(CorruptionFuzz, IndexedDatasetWithChecksums) {
-  TempDir dir("mfsdp-fuzz-data");
-  const std::string prefix = dir.file("corpus");
-  std::mt19937 rng(5);
-  std::vector<std::vector<int64_t>> docs;
-  {
-    mfsdp::IndexedDatasetWriter w(prefix, mfsdp::TokenDType::kUInt16);
-    int64_t tokens = 0;
-    while (tokens < 1'300'000) {
-      std::vector<int64_t> d(1 + rng() % 40000);
-      for (auto& t : d) t = rng() % 50000;
-      tokens += static_cast<int64_t>(d.size());
-      w.add_document(d);
-      docs.push_back(std::move(d));
-    }
-    w.finalize();
-  }
-  ASSERT_TRUE(fs::exists(mfsdp::dataset_checksums_path(prefix)));
-  auto load = [&] {
-    mfsdp::IndexedDataset ds(prefix);
-    if (ds.size() != static_cast<int64_t>(docs.size()) || ds.num_documents() != static_cast<int64_t>(docs.size()))
-      return false;
-    for (size_t i = 0; i < docs.size(); ++i)
-      if (ds.get(static_cast<int64_t>(i)) != docs[i]) return false;
-    return true;
-  };
-  ASSERT_TRUE(load());
-  const FuzzCounts c = fuzz_files({prefix + ".bin", prefix + ".idx", mfsdp::dataset_checksums_path(prefix)}, 1500, 13, load);
-  std::printf("indexed dataset (%zu sequences, %ju .bin bytes): %s\n%s\n", docs.size(),
-              static_cast<uintmax_t>(fs::file_size(prefix + ".bin")), describe(c).c_str(),
-              harmless_examples(c).c_str());
-  EXPECT_EQ(c.silent, 0) << "first: " << c.first_silent;
-  EXPECT_EQ(c.crashed, 0);
-  EXPECT_EQ(c.hung, 0);
-  EXPECT_GT(c.refused, 1500 * 9 / 10);
-}
 
 // The trainer, not only the reader: one flipped bit in a weight of a chunk of rank 1's file
 // (a valid float still) stops --load on every rank with the file, the tensor and the byte range,

@@ -13,7 +13,7 @@
 #include <gtest/gtest.h>
 
 #include "harness/temp_dir.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 #include <chrono>
 #include <cstdio>
@@ -28,7 +28,7 @@
 #include <thread>
 #include <vector>
 
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 
 namespace mfsdp::launch {
 namespace {

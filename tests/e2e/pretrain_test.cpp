@@ -28,7 +28,7 @@
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/safetensors.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/data/indexed_dataset.h"
 
 namespace {
@@ -220,6 +220,9 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
   const std::string pretrain = bin("MFSDP_PRETRAIN_BIN");
   std::string on_data = kModel;
   on_data.replace(on_data.find(" --mock-data"), 12, " --data-path /nonexistent/mfsdp_corpus_text_document");
+  std::string no_swiglu = kModel;
+  no_swiglu.replace(no_swiglu.find(" --swiglu"), 9, "");
+  const std::string moe = kModel + " --num-experts 4 --moe-router-topk 2";
   struct Case {
     std::string flags, expected;
   } cases[] = {
@@ -328,6 +331,22 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
                 " --expert-model-parallel-size 2",
        "--expert-model-parallel-size: with --context-parallel-size > 1"},
       {kModel + " --cp-comm-type a2a", "--cp-comm-type"},
+      // Values the model's config.json reader, its layer pattern or LibTorch refused only after
+      // start-up, naming an internal field (exit 1), or that were taken and ignored.
+      {kModel + " --num-experts 1000000", "--num-experts: must be at most 4096"},
+      {kModel + " --kv-channels 1099511627776", "--kv-channels: must be at most 131072"},
+      {kModel + " --kv-channels 2 --num-attention-heads 1000",
+       "--num-attention-heads: must be at most --hidden-size 32"},
+      {moe + " --moe-ffn-hidden-size 1099511627776", "--moe-ffn-hidden-size: must be at most 1048576"},
+      {moe + " --moe-shared-expert-intermediate-size 1099511627776",
+       "--moe-shared-expert-intermediate-size: must be at most 1048576"},
+      {moe + " --moe-layer-freq '[0,0]'", "--moe-layer-freq: [0,0] makes no layer an MoE layer"},
+      {moe + " --moe-layer-freq '[1]'", "--moe-layer-freq: lists 1 layers, --num-layers is 2"},
+      {kModel + " --moe-layer-freq=", "--moe-layer-freq: expected a positive integer"},
+      {moe + " --moe-expert-capacity-factor 1e300", "--moe-expert-capacity-factor: must be at most --num-experts 4"},
+      {moe + " --moe-expert-capacity-factor 1e18", "--moe-expert-capacity-factor: must be at most --num-experts 4"},
+      {kModel + " --split -2147483649", "--split: '-2147483649': '-' is not part of a weight"},
+      {no_swiglu + " --num-experts 4 --moe-router-topk 2", "--num-experts: needs --swiglu"},
   };
   for (const auto& c : cases) {
     Outcome r = run("env RANK=0 WORLD_SIZE=1 " + pretrain + c.flags);
@@ -335,7 +354,8 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
     EXPECT_NE(r.output.find(c.expected), std::string::npos) << c.flags << "\n" << r.output;
     EXPECT_EQ(r.output.find(" device:"), std::string::npos) << "the run started: " << r.output;
     EXPECT_EQ(r.output.find("elapsed time per iteration"), std::string::npos) << "training started: " << r.output;
-    for (const char* internal : {"AdamWOptions", "SGDOptions", "LlamaConfig", "LRSchedule"})
+    for (const char* internal :
+         {"AdamWOptions", "SGDOptions", "LlamaConfig", "LRSchedule", "HF config.json", "Megatron argument"})
       EXPECT_EQ(r.output.find(internal), std::string::npos) << c.flags << "\n" << r.output;
   }
 }

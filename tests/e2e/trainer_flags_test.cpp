@@ -51,6 +51,10 @@ TEST(TrainerFlags, SftAndGrpoRefuseBadValuesBeforeAnyWork) {
     expect_flag_error(tool + " --distributed-timeout-minutes 0", "--distributed-timeout-minutes");
     expect_flag_error(tool + " --hf-load /nonexistent/mfsdp-model", "--hf-load: '/nonexistent/mfsdp-model' is not");
     expect_flag_error(tool + " --save /etc/passwd/ckpt", "--save");
+    // The MoE model of a --load checkpoint takes it too: bounded without --num-experts.
+    expect_flag_error(tool + " --moe-expert-capacity-factor 1e300",
+                      "--moe-expert-capacity-factor: must be at most 4096");
+    expect_flag_error(tool + " --num-experts 4 --moe-layer-freq '[0,0]'", "--moe-layer-freq: [0,0] makes no layer");
   }
   std::string sft_files = kSftFlags;
   sft_files.replace(sft_files.find(" --gen-task arith"), 17, " --train-files /nonexistent/train.jsonl");

@@ -21,7 +21,7 @@
 
 #include "fsdp/buffer_allocator.h"
 #include "harness/expect_error.h"
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/comm/rendezvous.h"
 #include "harness/require_gpu.h"

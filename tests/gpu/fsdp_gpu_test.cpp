@@ -24,9 +24,9 @@
 #include "harness/dist_test.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "harness/require_gpu.h"
 

@@ -27,7 +27,7 @@
 #include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/model_spec.h"
-#include "train/rollout_model.h"
+#include "mfsdp/train/rollout_model.h"
 #include "harness/require_gpu.h"
 
 namespace {

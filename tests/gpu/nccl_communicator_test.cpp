@@ -15,7 +15,7 @@
 #include <string>
 
 #include "comm/nccl_communicator.h"
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 #include "mfsdp/comm/comm.h"
 #include "harness/require_gpu.h"
 #include "mfsdp/comm/rendezvous.h"

@@ -12,7 +12,7 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 #include "harness/require_gpu.h"
 
 namespace {

@@ -8,9 +8,9 @@
 #include <map>
 #include <sstream>
 
-#include "launch/rank_processes.h"
+#include "mfsdp/launch/rank_processes.h"
 #include "mfsdp/comm/rendezvous.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace mfsdp::testing {
 namespace {

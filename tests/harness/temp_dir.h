@@ -9,7 +9,7 @@
 #include <string>
 #include <system_error>
 
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace mfsdp::testing {
 

@@ -2,7 +2,8 @@
 # scripts/check_layers.py, the build step that keeps the layers one-way: the sources as they are
 # pass; a copy of them with an upward include planted in a .cpp, in a public header and through an
 # internal header, a header outside any layer's folder, and a model family's headers included
-# from the train layer and from a tool, fails naming each file and line.
+# from the train layer and from a tool, and a private train header included from a tool, fails
+# naming each file and line.
 # Usage: check_layers_test.sh SOURCE_DIR PYTHON
 set -euo pipefail
 src=$1 python=$2
@@ -23,10 +24,12 @@ echo '#include "mfsdp/models/llama_hf_config.h"' >> "$work/src/train/sft.cpp"
 sft_line=$(line_of_last "$work/src/train/sft.cpp")
 echo '#include "models/llama/llama_spec.h"' >> "$work/tools/mfsdp_generate.cpp"
 generate_line=$(line_of_last "$work/tools/mfsdp_generate.cpp")
+echo '#include "train/tool_flags.h"' >> "$work/tools/mfsdp_pretrain.cpp"
+pretrain_line=$(line_of_last "$work/tools/mfsdp_pretrain.cpp")
 echo '#pragma once' > "$work/include/mfsdp/stray.h"
 # Sideways and downward stay allowed: data is torch-free and beside comm, checkpoint may use data;
 # the family-neutral model headers are for everyone.
-echo '#include "mfsdp/data/crc32c.h"' >> "$work/src/checkpoint/load_model.cpp"
+echo '#include "mfsdp/base/crc32c.h"' >> "$work/src/checkpoint/load_model.cpp"
 echo '#include "mfsdp/models/causal_lm.h"' >> "$work/src/train/sft.cpp"
 
 set +e
@@ -42,5 +45,6 @@ expect "src/models/llama/llama.cpp:$llama_line: the models layer includes \"chec
 expect "include/mfsdp/stray.h: not inside a layer's folder"
 expect "src/train/sft.cpp:$sft_line: includes \"mfsdp/models/llama_hf_config.h\" of the llama model family"
 expect "tools/mfsdp_generate.cpp:$generate_line: includes \"models/llama/llama_spec.h\" of the llama model family"
-[[ $(grep -c "layer includes\|not inside\|model family" <<<"$out") == 6 ]] || { echo "FAIL: want exactly 6 problems"; exit 1; }
+expect "tools/mfsdp_pretrain.cpp:$pretrain_line: includes the private header \"train/tool_flags.h\" of the train layer"
+[[ $(grep -c "layer includes\|not inside\|model family\|private header" <<<"$out") == 7 ]] || { echo "FAIL: want exactly 7 problems"; exit 1; }
 echo PASS

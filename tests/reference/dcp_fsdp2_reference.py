@@ -24,6 +24,7 @@ then the root, FSDP2's defaults. Keep in sync with the C++ test: batch(k), EVAL_
 hyperparameters (weight decay on parameters of 2 or more dimensions only, as mfsdp), 6 sequences
 per step split evenly over the ranks, mean cross-entropy per rank, gradients averaged over ranks.
 """
+import importlib
 import json
 import os
 import socket
@@ -190,10 +191,17 @@ def main():
         sys.exit(__doc__)
     mode, path, config_path, expected_path, world = sys.argv[1:6]
     print(f"torch {torch.__version__}")
-    ctx = mp.get_context("spawn")
+    # Forked ranks, not spawned: a spawned rank imports torch and transformers afresh (~4 s of CPU
+    # each on 2 cores, most of this script's time). They are imported here once, before the fork;
+    # the parent holds no process group and runs torch on one thread.
+    for module in ("safetensors.torch", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+                   "transformers.models.llama.modeling_llama"):
+        importlib.import_module(module)
+    torch.set_num_threads(1)
+    ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
-    mp.spawn(worker, args=(int(world), free_port(), mode, path, config_path, expected_path, results),
-             nprocs=int(world), join=True)
+    mp.start_processes(worker, args=(int(world), free_port(), mode, path, config_path, expected_path, results),
+                       nprocs=int(world), join=True, start_method="fork")
     ok = results.get()
     print("OK" if ok else "FAILED")
     sys.exit(0 if ok else 1)

@@ -27,7 +27,7 @@
 #include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/checkpoint/tensor_source.h"
-#include "train/training_run.h"
+#include "mfsdp/train/training_run.h"
 
 namespace {
 
@@ -79,7 +79,8 @@ void check_every_shard(mfsdp::Communicator& comm) {
       SCOPED_TRACE(strategy + (bf16 ? " bf16" : " fp32"));
       const mfsdp::PretrainArgs a = args_for(strategy, bf16);
       mfsdp::ShardedModel m = mfsdp::build_sharded_model(
-          config, a, mfsdp::shard_options_from_args(a, borrow(comm), /*per_token_loss=*/true), /*values_loaded=*/true);
+          config, mfsdp::model_build_options(a, a, a, a, /*values_loaded=*/true), a.expert_model_parallel_size,
+          /*use_sdpa=*/true, mfsdp::shard_options_from_args(a, a, borrow(comm), /*per_token_loss=*/true));
       const int64_t read = mfsdp::load_hf_shards(hf, m.root, comm);
       if (strategy != "no_shard" && comm.size() > 1) EXPECT_LT(read, model_bytes) << "a rank read the whole model";
       for (const mfsdp::LocalShard& s : m.root.local_shards()) {

@@ -8,7 +8,7 @@ mixture-of-experts GPT) written twice, as transformers saves it and as Megatron-
 
 Needs only torch and transformers (and safetensors, which transformers brings). Deterministic
 (torch.manual_seed(0); two runs give byte-identical files apart from .metadata), OMP threads 1;
-about 12 s on 2 cores (16 s with --self-check), most of it imports.
+about 5 s on 2 cores, most of it imports.
 
 OUT_DIR/hf/                 LlamaForCausalLM, fp32, save_pretrained (model.safetensors +
                             config.json): vocab 64, hidden 32, intermediate 48, 2 layers, 4 heads,
@@ -48,7 +48,7 @@ The torch_dist checkpoint is what Megatron-Core's GPTModel (Transformer Engine l
 SwiGLU, RMSNorm, no biases, untied output layer, RoPE) saves with tensor parallelism 2,
 pipeline 1, data parallel 1, --bf16 and the non-distributed mixed-precision optimizer
 (Float16OptimizerWithFloat16Params around TE FusedAdam). The DCP files are written by
-torch.distributed.checkpoint.save on 2 Gloo processes that this script spawns, each holding its
+torch.distributed.checkpoint.save on 2 Gloo processes that this script forks, each holding its
 TP rank's chunks, with flatten_state_dict=False (so .metadata.planner_data is None, as with
 Megatron's MCoreSavePlanner) and pre-serialized BYTES items (MCoreSavePlanner.transform_object).
 
@@ -591,7 +591,7 @@ def rank_state_dict(model, tensors, rank):
 
 def save_rank(rank, world, store, tensors_path, iter_dir, moe):
     torch.set_num_threads(1)
-    set_tensor_parallel(world)  # a spawned process imports this module afresh
+    set_tensor_parallel(world)  # (a forked process has it already; kept for any start method)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
         tensors = torch.load(tensors_path, weights_only=True)
@@ -715,8 +715,10 @@ def write_torch_dist(out, model, tensors, megatron_nesting):
     with tempfile.TemporaryDirectory(prefix="mkckpt-") as tmp:
         tensors_path = os.path.join(tmp, "tensors.pt")
         torch.save(tensors, tensors_path)
+        # Forked, not spawned: a spawned rank imports torch afresh (~2.5 s each on 2 cores, most of
+        # the fixture's time at TP 4). The parent holds no process group and runs torch on one thread.
         mp.start_processes(save_rank, args=(TP, os.path.join(tmp, "store"), tensors_path, iter_dir, model.moe),
-                           nprocs=TP, join=True, start_method="spawn")
+                           nprocs=TP, join=True, start_method="fork")
     torch.save(make_common(model, megatron_nesting), os.path.join(iter_dir, "common.pt"))
     with open(os.path.join(iter_dir, "metadata.json"), "w") as f:
         json.dump({"sharded_backend": "torch_dist", "sharded_backend_version": 1}, f)

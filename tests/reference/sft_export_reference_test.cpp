@@ -42,8 +42,8 @@
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/checkpoint/safetensors.h"
-#include "mfsdp/data/chat_dataset.h"
-#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/posttrain/chat_dataset.h"
+#include "mfsdp/data/posttrain/chat_template.h"
 #include "mfsdp/data/tokenizer.h"
 
 namespace {
@@ -123,9 +123,12 @@ class SftExportReference : public ::testing::Test {
     ASSERT_TRUE(fs::exists(kPython))
         << "the reference Python " << kPython << " (CMake's MFSDP_PYTHON) does not exist: run scripts/setup.sh, "
         << "which creates the project's .venv with torch, transformers, tokenizers and safetensors";
-    CommandOutcome r = mfsdp::testing::run_command(q(kPython) + " -c 'import torch, transformers, tokenizers, safetensors'");
+    // Looked up, not imported: importing torch takes seconds, and the test's own Python runs import them.
+    CommandOutcome r = mfsdp::testing::run_command(
+        q(kPython) + " -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in "
+                     "(\"torch\", \"transformers\", \"tokenizers\", \"safetensors\")))'");
     ASSERT_EQ(r.exit_code, 0) << "the reference Python " << kPython
-                              << " cannot import torch, transformers, tokenizers and safetensors: run scripts/setup.sh\n"
+                              << " does not have torch, transformers, tokenizers and safetensors: run scripts/setup.sh\n"
                               << r.output;
   }
 };

@@ -1,6 +1,6 @@
 // Built-in chat templates. First on tokenizers whose ids are the bytes of the text, so every
 // expected id sequence and loss mask is written out by hand from the template's definition
-// (include/mfsdp/data/chat_template.h): ByteLevelTokenizer for "plain", and for the others a
+// (include/mfsdp/data/posttrain/chat_template.h): ByteLevelTokenizer for "plain", and for the others a
 // tokenizer.json whose vocabulary is the 256 byte symbols (id = byte, no merges) plus the added
 // tokens a test names. (hf_tokenizer_test compares chatml with transformers' apply_chat_template
 // on trained BPEs.) Then llama3, llama3.1 and qwen3 token for token against transformers'
@@ -22,7 +22,7 @@
 #include "harness/expect_error.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/posttrain/chat_template.h"
 #include "mfsdp/data/tokenizer.h"
 
 namespace mfsdp {

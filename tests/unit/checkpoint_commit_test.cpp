@@ -16,7 +16,7 @@
 #include "checkpoint/checkpoint_files.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/checkpoint.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace fs = std::filesystem;
 

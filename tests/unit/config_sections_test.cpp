@@ -1,17 +1,19 @@
-// The trainers' configuration sections (src/train/config/sections.h): each section's own checks
+// The trainers' configuration sections (include/mfsdp/train/config/sections.h): each section's own checks
 // name the flag, its defaults derive as Megatron's do (values worked by hand), and each tool
 // takes and lists exactly its sections.
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <set>
+#include <stdexcept>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "harness/expect_error.h"
-#include "train/grpo.h"
-#include "train/pretrain_args.h"
-#include "train/sft.h"
+#include "mfsdp/train/grpo.h"
+#include "mfsdp/train/pretrain_args.h"
+#include "mfsdp/train/sft.h"
 
 namespace {
 
@@ -69,6 +71,119 @@ TEST(ConfigSections, EachSectionChecksItsOwnValuesNamingTheFlag) {
   pretraining.simulate_rank = 1;
   EXPECT_NE(error_of([&] { pretraining.validate(); }).find("--simulate-rank: needs --simulate-world-size"),
             std::string::npos);
+}
+
+// What the model would refuse only once it is built (the MoE layers are SwiGLU MLPs, a list of
+// layers is one 0/1 per layer with at least one MoE layer) and what LibTorch would fail on at the
+// first step (a capacity past int64) are refused by the section, naming the flag.
+TEST(ConfigSections, MoeChecksNameTheFlag) {
+  mfsdp::ModelSection model;
+  model.num_layers = 2;
+  model.swiglu = true;
+  auto error = [&](std::function<void(mfsdp::MoeSection&)> set) {
+    mfsdp::MoeSection moe;
+    moe.num_experts = 4;
+    set(moe);
+    return error_of([&] { moe.validate(model); });
+  };
+  EXPECT_EQ(error([](mfsdp::MoeSection&) {}), "<no exception>");
+  EXPECT_EQ(error([](mfsdp::MoeSection& m) { m.moe_layer_freq = "[1,0]"; }), "<no exception>");
+  // Twice experts / top-k, which already keeps every token: at most --num-experts, so taken.
+  EXPECT_EQ(error([](mfsdp::MoeSection& m) { m.moe_expert_capacity_factor = 4; }), "<no exception>");
+  EXPECT_NE(error([](mfsdp::MoeSection& m) { m.moe_expert_capacity_factor = 1e300; })
+                .find("--moe-expert-capacity-factor: must be at most --num-experts 4"),
+            std::string::npos);
+  EXPECT_NE(error([](mfsdp::MoeSection& m) { m.moe_layer_freq = "[0,0]"; })
+                .find("--moe-layer-freq: [0,0] makes no layer an MoE layer"),
+            std::string::npos);
+  EXPECT_NE(error([](mfsdp::MoeSection& m) { m.moe_layer_freq = "[1]"; })
+                .find("--moe-layer-freq: lists 1 layers, --num-layers is 2"),
+            std::string::npos);
+  EXPECT_NE(error([](mfsdp::MoeSection& m) { m.moe_layer_freq = "[]"; }).find("--moe-layer-freq: lists 0 layers"),
+            std::string::npos);
+  EXPECT_NE(error([](mfsdp::MoeSection& m) { m.num_experts = 4097; }).find("--num-experts: must be at most 4096"),
+            std::string::npos);
+  EXPECT_NE(error([](mfsdp::MoeSection& m) { m.moe_ffn_hidden_size = int64_t{1} << 40; })
+                .find("--moe-ffn-hidden-size: must be at most 1048576"),
+            std::string::npos);
+  EXPECT_NE(error([](mfsdp::MoeSection& m) { m.moe_shared_expert_intermediate_size = int64_t{1} << 40; })
+                .find("--moe-shared-expert-intermediate-size: must be at most 1048576"),
+            std::string::npos);
+  // Without --num-experts, the syntax of --moe-layer-freq and a capacity any model here can take.
+  EXPECT_NE(error([](mfsdp::MoeSection& m) {
+                  m.num_experts = 0;
+                  m.moe_layer_freq = "";
+                })
+                .find("--moe-layer-freq: expected a positive integer"),
+            std::string::npos);
+  EXPECT_NE(error([](mfsdp::MoeSection& m) {
+                  m.num_experts = 0;
+                  m.moe_expert_capacity_factor = 1e18;
+                })
+                .find("--moe-expert-capacity-factor: must be at most 4096"),
+            std::string::npos);
+  model.swiglu = false;
+  EXPECT_NE(error([](mfsdp::MoeSection&) {}).find("--num-experts: needs --swiglu"), std::string::npos);
+}
+
+// Megatron's --split weights: numbers separated by commas (or slashes, or spaces), nothing else;
+// Megatron's own regex would read "-2147483649" as 2147483649.
+TEST(ConfigSections, SplitTakesNonNegativeWeightsOnly) {
+  for (const char* good : {"969,30,1", "99,1", "0.9 0.1 0", "90/5/5", "1"}) {
+    mfsdp::DataSection data;
+    data.split = good;
+    EXPECT_EQ(error_of([&] { data.validate(); }), "<no exception>") << good;
+  }
+  for (const auto& [bad, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"-2147483649", "--split: '-2147483649': '-' is not part of a weight"},
+           {"1,-1", "'-' is not part of a weight"},
+           {"1e3,1", "'e' is not part of a weight"},
+           {"abc", "--split"},
+           {"0,0,0", "must not all be 0"},
+           {"1,1,1,1", "expected one to three weights"},
+           {std::string(400, '9'), "is not a number"}}) {
+    mfsdp::DataSection data;
+    data.split = bad;
+    EXPECT_NE(error_of([&] { data.validate(); }).find(expected), std::string::npos) << bad;
+  }
+}
+
+// A section's flags write that section: the value as parsed, shown back as --help shows it.
+TEST(ConfigSections, EachSectionsFlagsWriteItsOwnFields) {
+  auto find = [](std::vector<mfsdp::ToolFlag>& flags, const std::string& name) -> mfsdp::ToolFlag& {
+    for (auto& f : flags)
+      if (f.name == name) return f;
+    throw std::runtime_error(name + " not declared");
+  };
+  mfsdp::OptimizerSection optimizer;
+  std::vector<mfsdp::ToolFlag> flags = optimizer.flags();
+  EXPECT_EQ(find(flags, "--lr").show(), "0.0001");
+  find(flags, "--lr").set("0.5");
+  find(flags, "--lr-decay-style").set("cosine");
+  EXPECT_EQ(optimizer.lr, 0.5);
+  EXPECT_EQ(optimizer.lr_decay_style, "cosine");
+  EXPECT_EQ(find(flags, "--lr-decay-style").choices, (std::vector<std::string>{"constant", "linear", "cosine"}));
+  EXPECT_NE(error_of([&] { find(flags, "--adam-eps").set("1e-8x"); }).find("--adam-eps: expected a finite number"),
+            std::string::npos);
+
+  mfsdp::TrainingSection training;
+  flags = training.flags();
+  mfsdp::ToolFlag& no_check = find(flags, "--no-check-for-nan-in-loss-and-grad");
+  EXPECT_FALSE(no_check.takes_value);
+  EXPECT_EQ(no_check.show(), "off");
+  no_check.set("");
+  EXPECT_FALSE(training.check_for_nan_in_loss_and_grad);
+  EXPECT_EQ(no_check.show(), "on");
+  EXPECT_EQ(find(flags, "--check-for-nan-in-loss-and-grad").show(), "off");
+
+  mfsdp::ProfilingSection profiling;
+  flags = profiling.flags();
+  mfsdp::ToolFlag& ranks = find(flags, "--profile-ranks");
+  EXPECT_TRUE(ranks.many_values);
+  ranks.set("0 2 5");
+  EXPECT_EQ(profiling.profile_ranks, (std::vector<int64_t>{0, 2, 5}));
+  EXPECT_EQ(ranks.show(), "0 2 5");
+  EXPECT_THROW(find(flags, "--lr"), std::runtime_error);  // not the profiling section's
 }
 
 TEST(ConfigSections, ModelDefaultsDeriveAsMegatronsDo) {

@@ -1,9 +1,9 @@
 // Built for aarch64 and run under qemu by tests/unit/crc32c_aarch64_test.sh: the ARMv8 crc32c path
-// (src/data/crc32c.cpp) against the published values (RFC 3720 B.4) and against the table path.
+// (src/base/crc32c.cpp) against the published values (RFC 3720 B.4) and against the table path.
 #include <cstdio>
 #include <string>
 #include <vector>
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 int main() {
   int bad = 0;
   auto expect = [&](uint32_t got, uint32_t want, const char* what) {

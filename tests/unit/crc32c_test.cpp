@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "harness/temp_dir.h"
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 
 namespace {
 

@@ -16,8 +16,8 @@
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/dcp.h"
 #include "mfsdp/checkpoint/torch_save.h"
-#include "mfsdp/data/crc32c.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/crc32c.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// mfsdp's folder walks (include/mfsdp/data/directory_tree.h) against what the tree holds by
+// mfsdp's folder walks (include/mfsdp/base/directory_tree.h) against what the tree holds by
 // construction, and against find(1) for what a tree holds.
 #include <gtest/gtest.h>
 
@@ -9,7 +9,7 @@
 #include <string>
 
 #include "harness/temp_dir.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace {
 

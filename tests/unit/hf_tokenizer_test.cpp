@@ -19,7 +19,7 @@
 #include "harness/expect_error.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
-#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/posttrain/chat_template.h"
 #include "mfsdp/data/tokenizer.h"
 #include "mfsdp/data/tokenizer_hf.h"
 

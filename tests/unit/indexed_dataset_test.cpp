@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 #include "mfsdp/data/dataset_checksums.h"
 #include "mfsdp/data/indexed_dataset.h"
 

@@ -12,8 +12,8 @@
 
 #include "mfsdp/models/llama.h"
 #include "mfsdp/models/llama_hf_config.h"
-#include "train/pretrain_args.h"
-#include "train/training_run.h"
+#include "mfsdp/train/pretrain_args.h"
+#include "mfsdp/train/training_run.h"
 
 namespace {
 
@@ -52,7 +52,7 @@ int64_t built_parameter_count(const mfsdp::PretrainArgs& a) {
   mfsdp::LlamaOptions options;
   options.deferred_init = true;  // full shapes, no storage
   options.init_seed = 0;
-  mfsdp::LlamaForCausalLM model(mfsdp::llama_config_of(mfsdp::model_config_from_args(a)), options);
+  mfsdp::LlamaForCausalLM model(mfsdp::llama_config_of(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size)), options);
   int64_t n = 0;
   for (const auto& p : model->parameters()) n += p.numel();
   return n;
@@ -91,9 +91,45 @@ TEST(MegatronModelFlags, ParameterCountIsMegatronsFormula) {
   }
 }
 
+// The size flags that reach the model through its config.json (the MoE sizes, the head width)
+// are bounded where the model's reader bounds them: the largest value the flags take makes a
+// model config the reader accepts, and a larger one is refused by the flags, naming the flag
+// (not the config.json field).
+TEST(MegatronModelFlags, SizeBoundsAreTheModelsAndNameTheFlag) {
+  const std::vector<std::string> moe = {"--hidden-size", "64", "--swiglu", "--num-experts", "4",
+                                        "--moe-router-topk", "2"};
+  const std::vector<std::string> dense = {"--hidden-size", "64"};
+  struct Case {
+    std::vector<std::string> base;
+    std::string flag;
+    int64_t most;
+  };
+  const std::vector<Case> cases = {
+      {{"--hidden-size", "64", "--swiglu", "--moe-router-topk", "2"}, "--num-experts", 4096},
+      {moe, "--moe-ffn-hidden-size", int64_t{1} << 20},
+      {moe, "--moe-shared-expert-intermediate-size", int64_t{1} << 20},
+      {dense, "--kv-channels", int64_t{1} << 17},
+      {{"--hidden-size", "64", "--kv-channels", "2"}, "--num-attention-heads", 64},
+  };
+  for (const Case& c : cases) {
+    std::vector<std::string> flags = c.base;
+    flags.insert(flags.end(), {c.flag, std::to_string(c.most)});
+    const mfsdp::PretrainArgs a = args_from(flags);
+    EXPECT_NO_THROW(mfsdp::llama_config_of(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size))) << c.flag << " " << c.most;
+    flags.back() = std::to_string(c.most + 2);  // still even, as --kv-channels must be
+    try {
+      args_from(flags);
+      ADD_FAILURE() << c.flag << " " << c.most + 2 << " was taken";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()).rfind(c.flag + ": must be at most", 0), 0u) << e.what();
+    }
+  }
+}
+
 // Without --swiglu the MLP is Megatron's: down_proj(gelu(up_proj(x))), the erf GeLU, no gate.
 TEST(MegatronModelFlags, WithoutSwigluTheMlpIsGelu) {
-  mfsdp::LlamaConfig c = mfsdp::llama_config_of(mfsdp::model_config_from_args(args_from({"--hidden-size", "64"})));
+  const mfsdp::PretrainArgs a = args_from({"--hidden-size", "64"});
+  mfsdp::LlamaConfig c = mfsdp::llama_config_of(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size));
   EXPECT_FALSE(c.swiglu);
   torch::manual_seed(3);
   mfsdp::LlamaMLP mlp(c, /*deferred=*/false);

@@ -15,9 +15,9 @@
 #include <sstream>
 
 #include "harness/temp_dir.h"
-#include "mfsdp/data/chat_dataset.h"
-#include "mfsdp/data/rewards.h"
-#include "mfsdp/data/verifiable_tasks.h"
+#include "mfsdp/data/posttrain/chat_dataset.h"
+#include "mfsdp/data/posttrain/rewards.h"
+#include "mfsdp/data/posttrain/verifiable_tasks.h"
 
 namespace {
 

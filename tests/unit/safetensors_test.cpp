@@ -20,7 +20,7 @@
 #include "harness/temp_dir.h"
 #include "mfsdp/models/llama_hf_config.h"
 #include "mfsdp/checkpoint/safetensors.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 namespace {
 

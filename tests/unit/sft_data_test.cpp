@@ -1,4 +1,4 @@
-// mfsdp-sft's data pieces (src/train/sft_data.h) against hand-made sequences: truncation keeps
+// mfsdp-sft's data pieces (include/mfsdp/train/sft_data.h) against hand-made sequences: truncation keeps
 // the side it says, packing places sequences by first-fit decreasing with positions restarting
 // and labels never crossing a packed boundary, padding is never a target, per_sequence splits a
 // packed row into its sequences, and the sampler visits every row once per epoch.
@@ -8,7 +8,7 @@
 #include <set>
 
 #include "mfsdp/data/tokenizer.h"
-#include "train/sft_data.h"
+#include "mfsdp/train/sft_data.h"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <fstream>
 #include <unistd.h>
 
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/data/tokenizer.h"
 
 namespace fs = std::filesystem;

@@ -22,6 +22,8 @@
 //   mfsdp::CheckpointInfo info{iteration, consumed_samples, args_json, config_json, sched_json};
 //   mfsdp::save_checkpoint("ckpt", world, root, optimizer.get(), info);
 //   mfsdp::LoadedCheckpoint got = mfsdp::load_checkpoint("ckpt", world, root, optimizer.get());
+// Implemented in src/checkpoint/: sharded_checkpoint.cpp (save and load), checkpoint_reader.cpp
+// (CheckpointReader), checkpoint_location.cpp (locate_checkpoint), dcp_checkpoint.cpp (the DCP files).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -185,11 +187,23 @@ bool is_checkpoint(const std::string& path);
 // "<dir>/iter_0000100".
 std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration);
 
+class CheckpointReader;
+
 // Loads into `model` (and `optimizer` unless null or options.load_optimizer is false), resharding
 // to the current layout. Every rank stages what it reads and checks it; only when every rank
 // succeeded is anything copied in, so an error (naming the file and tensor) leaves the model and
 // optimizer unchanged on every rank (unless options.all_or_nothing is false). Collective over
 // `world`; an error on any rank throws on every rank.
+// This form reads from `reader`, opened by the caller on every rank on the same checkpoint, so
+// one open serves the load and whatever else the caller reads (the trainer's model-config check,
+// GRPO's reference policy): the metadata is parsed once. options.iteration must be unset (the
+// reader already names its iteration folder): std::invalid_argument otherwise.
+LoadedCheckpoint load_checkpoint(const CheckpointReader& reader, const std::shared_ptr<Communicator>& world,
+                                 FsdpHandle& model, DistributedOptimizer* optimizer,
+                                 const CheckpointLoadOptions& options = {});
+// The same from a path (locate_checkpoint's rule, at options.iteration if set): opens one
+// CheckpointReader per rank (a rank that cannot open it fails every rank, naming `load_dir`)
+// and loads from it.
 LoadedCheckpoint load_checkpoint(const std::string& load_dir,
                                  const std::shared_ptr<Communicator>& world, FsdpHandle& model,
                                  DistributedOptimizer* optimizer,
@@ -205,7 +219,9 @@ class CheckpointReader {
   // Megatron's or PyTorch's entries say, plus "tensors" with each tensor's "key" on disk).
   // Validates the metadata (format, version, chunks inside every tensor); a shard file is
   // validated against the metadata when it is first read. Errors are std::invalid_argument
-  // naming the file and, where one is at fault, the tensor.
+  // naming the file and, where one is at fault, the tensor. Construction is the one place the
+  // metadata (.metadata and its pickled "mfsdp_metadata", or metadata.json) is parsed, so open
+  // a checkpoint once and pass the reader on (load_checkpoint takes it).
   explicit CheckpointReader(const std::string& path);
 
   const std::string& dir() const { return dir_; }  // the iter_NNNNNNN folder
@@ -243,6 +259,11 @@ class CheckpointReader {
   // A DCP checkpoint: its reader, and where each canonical tensor's elements are on disk.
   std::shared_ptr<const checkpoint::OpenedDcp> dcp_;
 };
+
+// Test seam: how many times this process has parsed a checkpoint's metadata (counted as a
+// CheckpointReader starts parsing it, so a parse that fails counts too), so a test can check that a load opens its checkpoint once
+// per rank (tests/dist/checkpoint_reader_once_test.cpp). Thread-safe; never reset.
+int64_t checkpoint_metadata_parse_count();
 
 // Writes a complete checkpoint from whole tensors in one process (converters, HF import):
 // "model.<name>" for every entry of `model_tensors`, no optimizer state or RNG, as one shard file.

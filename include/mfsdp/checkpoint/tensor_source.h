@@ -69,6 +69,10 @@ class TensorSource {
   const CheckpointReader* checkpoint() const { return reader_.get(); }
 
  private:
+  // An HF folder's index and safetensors headers (the constructor names a tensor missing from
+  // them first when they fail to open).
+  void open_hf_files(const std::string& path);
+
   std::string path_;
   std::unique_ptr<CheckpointReader> reader_;
   std::vector<SafetensorsFile> files_;                        // HF folder: its safetensors files

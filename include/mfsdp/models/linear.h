@@ -1,5 +1,6 @@
 // The linear projection every model family builds from (its own type, so parameters can be
 // deferred: see llama.h "Initialisation").
+// Header-only.
 #pragma once
 
 #include <ATen/core/Tensor.h>

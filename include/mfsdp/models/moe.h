@@ -23,6 +23,7 @@
 //   aux_loss (Switch/GShard):  coeff x E / (k T^2) x sum_e (sum_t p_te) x tokens_e
 //   seq_aux_loss:              the same per sequence, averaged over the sequences
 //   z_loss:                    coeff x mean_t (logsumexp_e logits_te)^2
+// Implemented in src/models/moe/: router.cpp (the router), moe_block.cpp (the block, its experts and dispatch).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -6,6 +6,7 @@
 // vectorised ops per shard, not a loop over parameters. Gradient clipping uses the global norm:
 // the sum of squares over local shards, all-reduced over the data-parallel communicator unless
 // the shard is replicated on every rank (no_shard), where the local sum already is the global one.
+// Implemented in src/optim/: distributed_optimizer.cpp, adamw.cpp, sgd.cpp, grad_clip.cpp, lr_schedule.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -83,8 +84,15 @@ class DistributedOptimizer {
   virtual ~DistributedOptimizer() = default;
 
   // Clips gradients to `max_norm` by global L2 norm (no-op when max_norm <= 0) and returns the
-  // global norm before clipping. Collective over the communicator (and the model-parallel group).
-  virtual double clip_grad_norm(double max_norm) = 0;
+  // global norm before clipping: a 1-element fp64 tensor on the optimizer's device, not read, so
+  // the host queues the optimizer step without waiting for the device (as torch's
+  // clip_grad_norm_ and TorchTitan do; the trainer reads the norm at log steps). The clip factor
+  // is computed on the device as on the host before (max_norm / (norm + 1e-6), applied when
+  // below 1); a non-finite norm leaves the gradients unscaled. Collective over the communicator
+  // (and the model-parallel group).
+  virtual at::Tensor clip_grad_norm_on_device(double max_norm) = 0;
+  // The same, the norm read on the host.
+  double clip_grad_norm(double max_norm) { return clip_grad_norm_on_device(max_norm).item<double>(); }
 
   // Tensor parallelism: the shards hold this rank's slices of the model's parameters, so the
   // global norm also sums over `group`, the ranks holding the other slices (Megatron's

@@ -20,7 +20,7 @@
 #include "checkpoint/formats/zip_archive.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/torch_save.h"
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 
 namespace fs = std::filesystem;
 

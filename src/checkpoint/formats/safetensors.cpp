@@ -1,6 +1,6 @@
 // The safetensors format: see include/mfsdp/checkpoint/safetensors.h and docs/safetensors.md.
 #include "mfsdp/checkpoint/safetensors.h"
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>

@@ -234,8 +234,12 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
   const bool mixtral = model_type == "mixtral";
   m.mixtral_names = mixtral;
   // transformers maps num_experts and num_local_experts to one another (attribute_map).
-  m.num_experts = find(c, "num_experts") != nullptr ? required_int(c, "num_experts") : required_int(c, "num_local_experts");
+  const char* experts_key = find(c, "num_experts") != nullptr ? "num_experts" : "num_local_experts";
+  m.num_experts = required_int(c, experts_key);
   m.top_k = required_int(c, "num_experts_per_tok");
+  if (m.top_k > m.num_experts)
+    bad("num_experts_per_tok", "expected 1 .. " + std::string(experts_key) + " (" + std::to_string(m.num_experts) +
+                                   "), found " + std::to_string(m.top_k));
   if (mixtral) {
     m.ffn_hidden_size = cfg.intermediate_size;
     if (find(c, "moe_dense_intermediate_size") != nullptr) cfg.intermediate_size = required_int(c, "moe_dense_intermediate_size");
@@ -253,7 +257,7 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
     m.shared_expert_intermediate_size = required_int(c, "shared_expert_intermediate_size");
   }
   if (m.shared_expert_intermediate_size > 0) m.shared_expert_gate = optional_bool(c, "moe_shared_expert_gate", m.shared_expert_gate);
-  check_bound(find(c, "num_experts") != nullptr ? "num_experts" : "num_local_experts", m.num_experts, 4096);
+  check_bound(experts_key, m.num_experts, 4096);
   check_bound(mixtral ? "intermediate_size" : "moe_intermediate_size", m.ffn_hidden_size, int64_t{1} << 20);
   check_bound("shared_expert_intermediate_size", m.shared_expert_intermediate_size, int64_t{1} << 20);
   const int64_t step = mixtral ? 1 : optional_int(c, "decoder_sparse_step", 1);
@@ -261,6 +265,13 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
   m.moe_layers.assign(cfg.num_layers, true);
   for (int64_t i = 0; i < cfg.num_layers; ++i)
     m.moe_layers[i] = (i + 1) % step == 0 && std::find(dense.begin(), dense.end(), i) == dense.end();
+  // No MoE layer left is said of the key that left none: the step alone, else the dense list.
+  if (std::none_of(m.moe_layers.begin(), m.moe_layers.end(), [](bool x) { return x; })) {
+    const std::string layers = " of the " + std::to_string(cfg.num_layers) + " layers (num_hidden_layers)";
+    if (step > cfg.num_layers) bad("decoder_sparse_step", std::to_string(step) + " leaves no MoE layer" + layers);
+    bad("mlp_only_layers", find(c, "mlp_only_layers")->dump() + " leaves no MoE layer" + layers +
+                               (mixtral ? "" : " with decoder_sparse_step " + std::to_string(step)));
+  }
   if (std::all_of(m.moe_layers.begin(), m.moe_layers.end(), [](bool x) { return x; })) m.moe_layers.clear();
   if (const json* score = find(c, "moe_router_score_function")) {
     if (!score->is_string() || (score->get<std::string>() != "softmax" && score->get<std::string>() != "sigmoid"))
@@ -268,7 +279,13 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
     m.score = score->get<std::string>() == "sigmoid" ? MoeConfig::Score::kSigmoid : MoeConfig::Score::kSoftmax;
   }
   m.expert_bias = optional_bool(c, "moe_router_enable_expert_bias", false);
+  if (m.expert_bias && m.score != MoeConfig::Score::kSigmoid)
+    bad("moe_router_enable_expert_bias", "true needs moe_router_score_function \"sigmoid\" (aux-loss-free "
+        "balancing scores experts with a sigmoid, as in Megatron-LM)");
   m.topk_scaling_factor = optional_double(c, "moe_router_topk_scaling_factor", 1.0);
+  if (m.topk_scaling_factor <= 0)
+    bad("moe_router_topk_scaling_factor", "expected a positive number, found " +
+                                              find(c, "moe_router_topk_scaling_factor")->dump());
 }
 
 }  // namespace
@@ -391,8 +408,8 @@ LlamaConfig llama_config_from_hf(const json& c) {
     cfg.validate();
   } catch (const std::invalid_argument& e) {
     // What is left for validate() to find is said in config.json's words: its field names are
-    // LlamaConfig's (num_layers is num_hidden_layers, init_std initializer_range, MoE fields
-    // the num_experts / moe_* keys read above).
+    // LlamaConfig's (num_layers is num_hidden_layers, init_std initializer_range). The MoE
+    // fields' checks are read_moe's, in the file's keys, so none reaches here.
     std::string what = e.what();
     for (const std::string prefix : {"LlamaConfig.", "MoeConfig."})
       for (size_t at; (at = what.find(prefix)) != std::string::npos;) what.erase(at, prefix.size());

@@ -1,16 +1,19 @@
-// Each section's own checks (src/train/config/sections.h). The messages name the flag, as
+// Each section's own checks (include/mfsdp/train/config/sections.h). The messages name the flag, as
 // Megatron's argparse errors do, and each check says why the value cannot train.
-#include "train/config/sections.h"
+#include "mfsdp/train/config/sections.h"
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <tuple>
 
+#include "mfsdp/data/gpt_dataset.h"
 #include "mfsdp/models/model_spec.h"
+#include "train/tool_flags.h"
 
 namespace mfsdp {
 namespace {
@@ -92,6 +95,123 @@ const std::vector<Section>& all_sections() {
   return all;
 }
 
+std::vector<ToolFlag> ModelSection::flags() {
+  return {
+      int_flag("--num-layers", num_layers, "decoder layers"),
+      int_flag("--hidden-size", hidden_size, "model width"),
+      int_flag("--ffn-hidden-size", ffn_hidden_size,
+               "MLP width (0: Megatron's default, 4 x hidden, or with --swiglu int(4 x hidden x 2/3 / 64) x 64)"),
+      int_flag("--num-attention-heads", num_attention_heads, "attention heads"),
+      bool_flag("--group-query-attention", group_query_attention, "grouped-query attention"),
+      int_flag("--num-query-groups", num_query_groups, "key/value heads with --group-query-attention"),
+      int_flag("--max-position-embeddings", max_position_embeddings, "longest position (0: --seq-length)"),
+      string_flag("--normalization", normalization, "normalization layer", {"RMSNorm"}),
+      bool_flag("--swiglu", swiglu,
+                "SwiGLU MLP (gate_proj, up_proj, down_proj), as Llama and Qwen2 have; without it Megatron's GeLU "
+                "MLP (up_proj, down_proj), which has no Hugging Face export"),
+      string_flag("--position-embedding-type", position_embedding_type, "position embedding", {"rope"}),
+      double_flag("--rotary-base", rotary_base, "RoPE base (theta)"),
+      bool_flag("--untie-embeddings-and-output-weights", untie_embeddings_and_output_weights,
+                "separate output layer (lm_head) instead of the embedding"),
+      double_flag("--init-method-std", init_method_std, "std of the normal weight init"),
+      double_flag("--norm-epsilon", norm_epsilon, "RMSNorm epsilon"),
+      int_flag("--make-vocab-size-divisible-by", make_vocab_size_divisible_by,
+               "pad the embedding rows to a multiple of this"),
+      bool_flag("--recompute-activations", recompute_activations, "full activation recompute per layer"),
+      string_flag("--recompute-granularity", recompute_granularity, "recompute granularity", {"full"}),
+      bool_flag("--qk-layernorm", qk_layernorm, "RMSNorm over each query and key head before RoPE (Qwen3)"),
+      int_flag("--kv-channels", kv_channels, "each attention head's width (0: --hidden-size / --num-attention-heads)"),
+  };
+}
+
+void ModelSection::validate() {
+  at_least("--ffn-hidden-size", static_cast<double>(ffn_hidden_size), 0);
+  at_least("--max-position-embeddings", static_cast<double>(max_position_embeddings), 0);
+  at_most("--num-layers", num_layers, kMaxLayers);
+  at_most("--hidden-size", hidden_size, kMaxHiddenSize);
+  at_most("--ffn-hidden-size", ffn_hidden_size, kMaxFfnHiddenSize);
+  at_most("--max-position-embeddings", max_position_embeddings, kMaxSequenceLength);
+  at_least("--init-method-std", init_method_std, 0);
+  at_least("--norm-epsilon", norm_epsilon, 0);
+  fits_fp32("--init-method-std", init_method_std);
+  fits_fp32("--norm-epsilon", norm_epsilon);
+  if (!(rotary_base > 0)) flag_error("--rotary-base", "must be > 0, got " + number(rotary_base));
+  positive("--num-layers", num_layers);
+  positive("--hidden-size", hidden_size);
+  positive("--num-attention-heads", num_attention_heads);
+  at_least("--kv-channels", static_cast<double>(kv_channels), 0);
+  at_most("--kv-channels", kv_channels, kMaxHiddenSize);  // the model's bound on head_dim
+  if (kv_channels % 2 != 0) flag_error("--kv-channels", "must be even for RoPE, got " + std::to_string(kv_channels));
+  if (kv_channels == 0 && hidden_size % num_attention_heads != 0)
+    flag_error("--hidden-size", std::to_string(hidden_size) + " is not divisible by --num-attention-heads " +
+                                    std::to_string(num_attention_heads));
+  // The model's bound (a head is at least one channel of the width).
+  if (num_attention_heads > hidden_size)
+    flag_error("--num-attention-heads", "must be at most --hidden-size " + std::to_string(hidden_size) + ", got " +
+                                            std::to_string(num_attention_heads));
+  if (!group_query_attention) num_query_groups = num_attention_heads;
+  positive("--num-query-groups", num_query_groups);
+  if (kv_channels == 0 && hidden_size / num_attention_heads % 2 != 0)
+    flag_error("--num-attention-heads", "gives an odd head size " + std::to_string(hidden_size / num_attention_heads) +
+                                            " (--hidden-size / --num-attention-heads); RoPE needs an even one");
+  if (num_attention_heads % num_query_groups != 0)
+    flag_error("--num-query-groups", std::to_string(num_query_groups) + " does not divide --num-attention-heads " +
+                                         std::to_string(num_attention_heads));
+  if (ffn_hidden_size == 0) {
+    ffn_hidden_size = megatron_default_ffn_hidden_size(hidden_size, swiglu);
+    if (ffn_hidden_size == 0)
+      flag_error("--ffn-hidden-size", "is needed: Megatron's default with --swiglu, int(4 x --hidden-size " +
+                                          std::to_string(hidden_size) + " x 2/3 / 64) x 64, is 0");
+  }
+  positive("--make-vocab-size-divisible-by", make_vocab_size_divisible_by);
+  if (make_vocab_size_divisible_by > kMaxVocabSize)
+    flag_error("--make-vocab-size-divisible-by", "must be at most " + std::to_string(kMaxVocabSize) +
+                                                     " (the largest vocabulary), got " +
+                                                     std::to_string(make_vocab_size_divisible_by));
+  if (!recompute_granularity.empty()) recompute_activations = true;
+}
+
+std::vector<ToolFlag> MoeSection::flags() {
+  return {
+      int_flag("--num-experts", num_experts, "experts per MoE layer (0: a dense model)"),
+      int_flag("--moe-router-topk", moe_router_topk, "experts each token is routed to"),
+      int_flag("--moe-ffn-hidden-size", moe_ffn_hidden_size, "each expert's MLP width (0: --ffn-hidden-size)"),
+      int_flag("--moe-shared-expert-intermediate-size", moe_shared_expert_intermediate_size,
+               "width of the shared expert every token also goes through (0: none)"),
+      bool_flag("--moe-shared-expert-gate", moe_shared_expert_gate,
+                "scale the shared expert's output by sigmoid(x w) (Qwen2-MoE)"),
+      string_flag("--moe-router-score-function", moe_router_score_function,
+                  "router scores: softmax over the experts, or sigmoid (DeepSeek-V3)", {"softmax", "sigmoid"}),
+      bool_flag("--moe-router-pre-softmax", moe_router_pre_softmax,
+                "softmax over every expert, then the top-k, not renormalised (default: renormalised top-k)"),
+      double_flag("--moe-router-topk-scaling-factor", moe_router_topk_scaling_factor,
+                  "multiply the top-k weights by this (0: no scaling)"),
+      string_flag("--moe-router-load-balancing-type", moe_router_load_balancing_type,
+                  "balancing loss: over the micro-batch (aux_loss), per sequence (seq_aux_loss) or none",
+                  {"aux_loss", "seq_aux_loss", "none"}),
+      double_flag("--moe-aux-loss-coeff", moe_aux_loss_coeff, "weight of the load-balancing loss (0: off)"),
+      double_flag("--moe-z-loss-coeff", moe_z_loss_coeff, "weight of the router z-loss (0: off)"),
+      double_flag("--moe-expert-capacity-factor", moe_expert_capacity_factor,
+                  "each expert takes at most tokens x top-k / experts x this, dropping the least probable "
+                  "(0: dropless)"),
+      string_flag("--moe-token-dispatcher-type", moe_token_dispatcher_type,
+                  "how tokens reach their experts' ranks: all-to-all", {"alltoall"}),
+      bool_flag("--moe-grouped-gemm", moe_grouped_gemm,
+                "the experts as one grouped GEMM (at::_grouped_mm) instead of one GEMM per expert"),
+      string_flag("--moe-layer-freq", moe_layer_freq,
+                  "which layers are MoE layers: every N-th from layer 0, or a list such as [1,0,1,0]"),
+      bool_flag("--moe-router-enable-expert-bias", moe_router_enable_expert_bias,
+                "aux-loss-free balancing: a per-expert bias on the routing scores, moved after each step "
+                "toward equal token counts (sigmoid scores)"),
+      double_flag("--moe-router-bias-update-rate", moe_router_bias_update_rate,
+                  "how far the expert bias moves per step (with --moe-router-enable-expert-bias)"),
+      bool_flag("--moe-per-layer-logging", moe_per_layer_logging,
+                "log each MoE layer's balancing loss and tokens per expert (metrics file, TensorBoard)"),
+      int_flag("--expert-model-parallel-size", expert_model_parallel_size,
+               "ranks the experts of a layer are split over (1: every rank holds every expert)"),
+  };
+}
+
 std::vector<int64_t> MoeSection::moe_layer_pattern() const {
   const std::string& f = moe_layer_freq;
   if (!f.empty() && f.front() == '[' && f.back() == ']') {
@@ -117,13 +237,27 @@ std::vector<int64_t> MoeSection::moe_layer_pattern() const {
   return {n};
 }
 
-void MoeSection::validate(int64_t num_layers) const {
+void MoeSection::validate(const ModelSection& model) const {
   if (num_experts < 0) flag_error("--num-experts", "must be >= 0, got " + std::to_string(num_experts));
+  at_most("--num-experts", num_experts, kMaxExperts);
   if (expert_model_parallel_size < 1)
     flag_error("--expert-model-parallel-size", "must be >= 1, got " + std::to_string(expert_model_parallel_size));
+  // Megatron's capacity, ceil(tokens x top-k / experts x factor), keeps every token once the
+  // factor reaches experts / top-k; a larger one drops nothing more, and one far larger
+  // overflows the int64 count LibTorch's topk takes. Checked without --num-experts too: the MoE
+  // model of an mfsdp-sft or mfsdp-grpo --load takes it (it has at most kMaxExperts experts).
+  at_least("--moe-expert-capacity-factor", moe_expert_capacity_factor, 0);
+  const int64_t most_factor = num_experts > 0 ? num_experts : kMaxExperts;
+  if (moe_expert_capacity_factor > static_cast<double>(most_factor))
+    flag_error("--moe-expert-capacity-factor",
+               "must be at most " + std::string(num_experts > 0 ? "--num-experts " : "") + std::to_string(most_factor) +
+                   " (a factor of experts / --moe-router-topk already keeps every token; 0: dropless), got " +
+                   number(moe_expert_capacity_factor));
+  const std::vector<int64_t> pattern = moe_layer_pattern();  // its syntax: the trainer reads it in any case
   // Without --num-experts the model may still have experts (mfsdp-sft and mfsdp-grpo take the
   // model of --load or --hf-load): build_sharded_model checks --expert-model-parallel-size there.
   if (num_experts == 0) return;
+  if (!model.swiglu) flag_error("--num-experts", "needs --swiglu: the experts are SwiGLU MLPs (gate, up and down)");
   if (moe_router_topk < 1 || moe_router_topk > num_experts)
     flag_error("--moe-router-topk", "must be 1 .. --num-experts " + std::to_string(num_experts) + ", got " +
                                         std::to_string(moe_router_topk));
@@ -131,71 +265,80 @@ void MoeSection::validate(int64_t num_layers) const {
     flag_error("--expert-model-parallel-size", std::to_string(expert_model_parallel_size) +
                                                    " does not divide --num-experts " + std::to_string(num_experts));
   at_least("--moe-ffn-hidden-size", static_cast<double>(moe_ffn_hidden_size), 0);
+  at_most("--moe-ffn-hidden-size", moe_ffn_hidden_size, kMaxFfnHiddenSize);
   at_least("--moe-shared-expert-intermediate-size", static_cast<double>(moe_shared_expert_intermediate_size), 0);
-  at_least("--moe-router-topk-scaling-factor", moe_router_topk_scaling_factor, 0);
-  at_least("--moe-aux-loss-coeff", moe_aux_loss_coeff, 0);
-  at_least("--moe-z-loss-coeff", moe_z_loss_coeff, 0);
-  at_least("--moe-expert-capacity-factor", moe_expert_capacity_factor, 0);
+  at_most("--moe-shared-expert-intermediate-size", moe_shared_expert_intermediate_size, kMaxFfnHiddenSize);
+  for (auto [flag, v] : {std::pair{"--moe-router-topk-scaling-factor", moe_router_topk_scaling_factor},
+                         {"--moe-aux-loss-coeff", moe_aux_loss_coeff}, {"--moe-z-loss-coeff", moe_z_loss_coeff},
+                         {"--moe-router-bias-update-rate", moe_router_bias_update_rate}}) {
+    at_least(flag, v, 0);
+    fits_fp32(flag, v);
+  }
   if (moe_shared_expert_gate && moe_shared_expert_intermediate_size == 0)
     flag_error("--moe-shared-expert-gate", "needs --moe-shared-expert-intermediate-size");
   if (moe_router_pre_softmax && moe_router_score_function != "softmax")
     flag_error("--moe-router-pre-softmax", "is for --moe-router-score-function softmax");
   if (moe_router_enable_expert_bias && moe_router_score_function != "sigmoid")
     flag_error("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid (as in Megatron-LM)");
-  at_least("--moe-router-bias-update-rate", moe_router_bias_update_rate, 0);
-  const std::vector<int64_t> pattern = moe_layer_pattern();
-  if (pattern.size() > 1 && static_cast<int64_t>(pattern.size()) != num_layers)
-    flag_error("--moe-layer-freq", "lists " + std::to_string(pattern.size()) + " layers, --num-layers is " +
-                                       std::to_string(num_layers));
+  if (moe_layer_freq.front() == '[') {  // a list: one 0/1 per layer, at least one 1
+    if (static_cast<int64_t>(pattern.size()) != model.num_layers)
+      flag_error("--moe-layer-freq", "lists " + std::to_string(pattern.size()) + " layers, --num-layers is " +
+                                         std::to_string(model.num_layers));
+    if (std::find(pattern.begin(), pattern.end(), 1) == pattern.end())
+      flag_error("--moe-layer-freq", moe_layer_freq + " makes no layer an MoE layer (--num-experts " +
+                                         std::to_string(num_experts) + " needs at least one)");
+  }
 }
 
-void ModelSection::validate() {
-  at_least("--ffn-hidden-size", static_cast<double>(ffn_hidden_size), 0);
-  at_least("--max-position-embeddings", static_cast<double>(max_position_embeddings), 0);
-  at_most("--num-layers", num_layers, kMaxLayers);
-  at_most("--hidden-size", hidden_size, kMaxHiddenSize);
-  at_most("--ffn-hidden-size", ffn_hidden_size, kMaxFfnHiddenSize);
-  at_most("--max-position-embeddings", max_position_embeddings, kMaxSequenceLength);
-  at_least("--init-method-std", init_method_std, 0);
-  at_least("--norm-epsilon", norm_epsilon, 0);
-  fits_fp32("--init-method-std", init_method_std);
-  fits_fp32("--norm-epsilon", norm_epsilon);
-  if (!(rotary_base > 0)) flag_error("--rotary-base", "must be > 0, got " + number(rotary_base));
-  positive("--num-layers", num_layers);
-  positive("--hidden-size", hidden_size);
-  positive("--num-attention-heads", num_attention_heads);
-  at_least("--kv-channels", static_cast<double>(kv_channels), 0);
-  if (kv_channels % 2 != 0) flag_error("--kv-channels", "must be even for RoPE, got " + std::to_string(kv_channels));
-  if (kv_channels == 0 && hidden_size % num_attention_heads != 0)
-    flag_error("--hidden-size", std::to_string(hidden_size) + " is not divisible by --num-attention-heads " +
-                                    std::to_string(num_attention_heads));
-  if (!group_query_attention) num_query_groups = num_attention_heads;
-  positive("--num-query-groups", num_query_groups);
-  if (kv_channels == 0 && hidden_size / num_attention_heads % 2 != 0)
-    flag_error("--num-attention-heads", "gives an odd head size " + std::to_string(hidden_size / num_attention_heads) +
-                                            " (--hidden-size / --num-attention-heads); RoPE needs an even one");
-  if (num_attention_heads % num_query_groups != 0)
-    flag_error("--num-query-groups", std::to_string(num_query_groups) + " does not divide --num-attention-heads " +
-                                         std::to_string(num_attention_heads));
-  if (ffn_hidden_size == 0) {
-    ffn_hidden_size = megatron_default_ffn_hidden_size(hidden_size, swiglu);
-    if (ffn_hidden_size == 0)
-      flag_error("--ffn-hidden-size", "is needed: Megatron's default with --swiglu, int(4 x --hidden-size " +
-                                          std::to_string(hidden_size) + " x 2/3 / 64) x 64, is 0");
-  }
-  positive("--make-vocab-size-divisible-by", make_vocab_size_divisible_by);
-  if (make_vocab_size_divisible_by > kMaxVocabSize)
-    flag_error("--make-vocab-size-divisible-by", "must be at most " + std::to_string(kMaxVocabSize) +
-                                                     " (the largest vocabulary), got " +
-                                                     std::to_string(make_vocab_size_divisible_by));
-  if (!recompute_granularity.empty()) recompute_activations = true;
+std::vector<ToolFlag> TokenizerSection::flags() {
+  return {
+      string_flag("--tokenizer-type", tokenizer_type, "tokenizer",
+                  {"ByteLevelTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer",
+                   "NullTokenizer"}),
+      string_flag("--tokenizer-model", tokenizer_model,
+                  "SentencePiece model file; for HuggingFaceTokenizer a tokenizer.json or its folder"),
+      string_flag("--vocab-file", vocab_file, "GPT-2 vocab.json"),
+      string_flag("--merge-file", merge_file, "GPT-2 merges.txt"),
+  };
+}
+
+std::vector<ToolFlag> DataSection::flags() {
+  return {
+      int_flag("--seq-length", seq_length, "tokens per sample"),
+      int_flag("--vocab-size", vocab_size, "vocabulary with --mock-data and no tokenizer"),
+      string_flag("--data-path", data_path, "prefix of a Megatron .bin/.idx pair"),
+      string_flag("--split", split, "train,valid,test weights"),
+      bool_flag("--mock-data", mock_data, "synthetic tokens instead of --data-path"),
+  };
 }
 
 void DataSection::validate() const {
+  // Megatron reads the weights as re.findall(r"[.0-9]+", split): "-1,2" would train on 1,2 and
+  // "1e3" on 1,3. Only numbers and their separators are taken here.
+  if (const size_t at = split.find_first_not_of("0123456789., /"); at != std::string::npos)
+    flag_error("--split", "'" + split + "': '" + split[at] +
+                              "' is not part of a weight; expected up to three non-negative weights separated by "
+                              "commas, e.g. 969,30,1");
+  parse_split(split);  // one to three numbers, not all 0 (gpt_dataset.h; names --split)
   at_least("--vocab-size", static_cast<double>(vocab_size), 0);
   at_most("--vocab-size", vocab_size, kMaxVocabSize);
   at_most("--seq-length", seq_length, kMaxSequenceLength);
   positive("--seq-length", seq_length);
+}
+
+std::vector<ToolFlag> TrainingSection::flags() {
+  return {
+      int_flag("--micro-batch-size", micro_batch_size, "samples per rank and micro-batch"),
+      int_flag("--global-batch-size", global_batch_size, "samples per iteration (0: micro-batch x data-parallel size)"),
+      int_flag("--train-iters", train_iters, "iterations"),
+      int_flag("--seed", seed, "random seed (model init and data order)"),
+      bool_flag("--bf16", bf16, "bf16 compute with fp32 main weights and grads"),
+      bool_flag("--check-for-nan-in-loss-and-grad", check_for_nan_in_loss_and_grad,
+                "stop when a rank's loss or a reduced gradient is NaN or Inf, naming the iteration and the "
+                "parameters, before the optimizer step (on unless --no-check-for-nan-in-loss-and-grad)"),
+      bool_flag("--no-check-for-nan-in-loss-and-grad", check_for_nan_in_loss_and_grad,
+                "train on through NaN and Inf losses and gradients", /*value=*/false),
+  };
 }
 
 void TrainingSection::validate() const {
@@ -204,6 +347,27 @@ void TrainingSection::validate() const {
   if (train_iters < 0) flag_error("--train-iters", "must be >= 0");
   // Megatron seeds numpy's RandomState with it, which takes 0 .. 2^32 - 1; so does the data order here.
   if (seed < 0 || seed > 4294967295LL) flag_error("--seed", "must be in [0, 4294967295], got " + std::to_string(seed));
+}
+
+std::vector<ToolFlag> OptimizerSection::flags() {
+  return {
+      double_flag("--lr", lr, "peak learning rate"),
+      double_flag("--min-lr", min_lr, "learning rate at the end of decay"),
+      string_flag("--lr-decay-style", lr_decay_style, "decay after warmup", {"constant", "linear", "cosine"}),
+      int_flag("--lr-warmup-iters", lr_warmup_iters, "linear warmup iterations"),
+      int_flag("--lr-decay-iters", lr_decay_iters, "iteration where decay ends (0: --train-iters)"),
+      double_flag("--weight-decay", weight_decay, "decoupled weight decay (not on 1-D params)"),
+      double_flag("--adam-beta1", adam_beta1, "Adam beta1"),
+      double_flag("--adam-beta2", adam_beta2, "Adam beta2"),
+      double_flag("--adam-eps", adam_eps, "Adam epsilon"),
+      double_flag("--sgd-momentum", sgd_momentum, "SGD momentum"),
+      double_flag("--clip-grad", clip_grad, "global gradient-norm clip (0: off)"),
+      string_flag("--optimizer", optimizer, "optimizer (adam is AdamW)", {"adam", "sgd"}),
+      string_flag("--optimizer-implementation", optimizer_implementation,
+                  "AdamW's kernels: unfused (op for op as torch::optim::AdamW, the bit-exact reference), fused "
+                  "(at::_fused_adamw_, torch.optim.AdamW(fused=True)'s single pass) or auto (fused on CUDA, as "
+                  "Megatron's fused Adam; unfused on the CPU)", {"auto", "unfused", "fused"}),
+  };
 }
 
 void OptimizerSection::validate() const {
@@ -219,6 +383,41 @@ void OptimizerSection::validate() const {
     flag_error("--optimizer-implementation", "fused is AdamW's kernel; --optimizer " + optimizer + " has none");
   if (min_lr > lr) flag_error("--min-lr", "is larger than --lr");
   if (lr_warmup_iters < 0) flag_error("--lr-warmup-iters", "must be >= 0");
+}
+
+std::vector<ToolFlag> CheckpointSection::flags() {
+  return {
+      string_flag("--export-hf", export_hf,
+                  "(mfsdp) at the end, write the model as a Hugging Face folder (config.json, model.safetensors, "
+                  "the tokenizer files of a HuggingFaceTokenizer) here"),
+      string_flag("--save", save, "checkpoint folder to save into (in --ckpt-format)"),
+      int_flag("--save-interval", save_interval, "iterations between checkpoints (0: only at the end)"),
+      string_flag("--load", load,
+                  "checkpoint to start from: a save folder (its latest iteration) or an iteration folder "
+                  "(iter_NNNNNNN, or any torch.distributed.checkpoint folder)"),
+      int_flag("--ckpt-step", ckpt_step,
+               "with --load of a save folder: load this iteration, not the latest "
+               "(-1: the latest)"),
+      bool_flag("--finetune", finetune, "with --load: weights only, iteration and optimizer start afresh"),
+      bool_flag("--no-load-optim", no_load_optim, "with --load: do not load the optimizer state"),
+      bool_flag("--no-load-rng", no_load_rng, "with --load: do not restore the random generators"),
+      bool_flag("--no-save-optim", no_save_optim, "save checkpoints without the optimizer state"),
+      int_flag("--exit-interval", exit_interval, "stop (after saving with --save) at a multiple of this iteration"),
+      bool_flag("--override-opt_param-scheduler", override_opt_param_scheduler,
+                "with --load: use this run's LR schedule flags, not the checkpoint's"),
+      bool_flag("--use-checkpoint-opt_param-scheduler", use_checkpoint_opt_param_scheduler,
+                "with --load: use the checkpoint's LR schedule, not this run's flags"),
+      string_flag("--ckpt-format", ckpt_format,
+                  "checkpoint format to save: fsdp_dtensor (PyTorch DCP with Megatron-FSDP's keys) or mfsdp (the "
+                  "earlier metadata.json + safetensors); --load reads either", {"fsdp_dtensor", "mfsdp"}),
+      bool_flag("--async-save", async_save,
+                "with --save: copy the shards to CPU staging buffers and write them on a background thread "
+                "while training goes on; each save commits at the next save or at the end "
+                "(--ckpt-format fsdp_dtensor)"),
+      string_flag("--dump-param-to-param-group-map", dump_param_to_param_group_map,
+                  "write Megatron's {parameter: optimizer group} map into this folder (a DCP folder; "
+                  "mfsdp-ckpt print-torch-dcp-in-json turns it into the JSON the torch_dist conversion takes)"),
+  };
 }
 
 void CheckpointSection::validate() const {
@@ -242,6 +441,58 @@ void CheckpointSection::validate() const {
     flag_error("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
 }
 
+std::vector<ToolFlag> FsdpSection::flags() {
+  return {
+      bool_flag("--use-megatron-fsdp", use_megatron_fsdp, "shard with mfsdp (always on here)"),
+      string_flag("--data-parallel-sharding-strategy", data_parallel_sharding_strategy, "what is sharded",
+                  {"no_shard", "optim", "optim_grads", "optim_grads_params"}),
+      bool_flag("--no-gradient-accumulation-fusion", no_gradient_accumulation_fusion,
+                "no fused weight-gradient accumulation"),
+      bool_flag("--use-distributed-optimizer", use_distributed_optimizer, "shard the optimizer (always on here)"),
+      bool_flag("--init-model-with-meta-device", init_model_with_meta_device,
+                "materialise and shard one layer at a time (on by default in mfsdp: the values equal eager "
+                "init's, and no rank ever holds the whole model)"),
+      bool_flag("--no-init-model-with-meta-device", init_model_with_meta_device,
+                "(mfsdp) build every rank's whole model first, then shard it (eager init: the same values, a whole "
+                "model's memory per rank)",
+                /*value=*/false),
+      bool_flag("--grad-reduce-in-bf16", grad_reduce_in_bf16, "reduce gradients in bf16"),
+      bool_flag("--grad-reduce-rank-order-fp32", grad_reduce_rank_order_fp32,
+                "(mfsdp) with --grad-reduce-in-bf16: sum the bf16 gradients in fp32 in rank order, rounded "
+                "once (reproducible bits for any world size; point to point instead of NCCL's bf16 "
+                "reduction kernels)"),
+      bool_flag("--no-fsdp-prefetch", no_fsdp_prefetch,
+                "(mfsdp) do not all-gather the next unit while the current one computes"),
+      bool_flag("--no-fsdp-all-gather-in-start-param-sync", no_fsdp_all_gather_in_start_param_sync,
+                "do not start the first unit's all-gather at the end of the optimizer step"),
+      bool_flag("--fsdp-double-buffer", fsdp_double_buffer,
+                "unsharded weights and gradients in two persistent buffers per size class"),
+      bool_flag("--fsdp-trace-pool", fsdp_trace_pool,
+                "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
+      bool_flag("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU; refused on NCCL: not supported yet)"),
+      int_flag("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
+               "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
+               "each shards the model as --data-parallel-sharding-strategy says, the instances "
+               "replicate it and all-reduce gradients across"),
+      string_flag("--outer-dp-sharding-strategy", outer_dp_sharding_strategy,
+                  "what is sharded across the instances of --num-distributed-optimizer-instances: "
+                  "no_shard, nothing (HSDP); optim, main weights, gradients and optimizer state "
+                  "(HFSDP; needs optim_grads_params)", {"no_shard", "optim"}),
+      int_flag("--tensor-model-parallel-size", tensor_model_parallel_size,
+               "tensor parallelism: split each layer's heads and MLP and the vocabulary over this many "
+               "adjacent ranks (FSDP shards each rank's slices over the rest)"),
+      bool_flag("--sequence-parallel", sequence_parallel,
+                "with tensor parallelism: norms and residuals on sequence slices between the "
+                "tensor-parallel regions"),
+      int_flag("--context-parallel-size", context_parallel_size,
+               "context parallelism: split every sequence over this many ranks (load-balanced chunks; "
+               "FSDP shards over data x context-parallel ranks)"),
+      string_flag("--cp-comm-type", cp_comm_type,
+                  "how context-parallel attention exchanges keys and values: all_gather (the default "
+                  "here, measured faster) or p2p (a ring, less memory)", {"all_gather", "p2p"}),
+  };
+}
+
 void FsdpSection::validate() const {
   if (fsdp_double_buffer && fsdp_trace_pool) flag_error("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
   if (tensor_model_parallel_size < 1)
@@ -262,11 +513,56 @@ void FsdpSection::validate() const {
                    std::to_string(num_distributed_optimizer_instances) + " (needs 2 or more)");
 }
 
+std::vector<ToolFlag> RuntimeSection::flags() {
+  return {
+      string_flag("--attention-backend", attention_backend,
+                  "auto: at::scaled_dot_product_attention (the device's fused kernels); unfused: explicit "
+                  "matmul, causal mask, fp32 softmax, matmul", {"auto", "unfused"}),
+      double_flag("--distributed-timeout-minutes", distributed_timeout_minutes,
+                  "timeout of every collective: a rank that stops answering is named in an error after "
+                  "this long (fractions of a minute allowed)"),
+      string_flag("--device", device,
+                  "(mfsdp) where to train: auto (CUDA and NCCL when this rank sees a GPU: cuda:LOCAL_RANK "
+                  "when it sees a GPU per local rank, cuda:0 when it sees just one, as under Slurm's "
+                  "--gpus-per-task=1; an error with more than one but fewer than the local ranks; the CPU "
+                  "without a GPU), cpu (the CPU communicator) or cuda (as auto, an error without a GPU)",
+                  {"auto", "cpu", "cuda"}),
+      string_flag("--cpu-comm-shared-memory", cpu_comm_shared_memory,
+                  "(mfsdp) CPU backend: on, the collectives' bulk data through one /dev/shm segment when every "
+                  "rank is on this host; off, over TCP (unset: on, unless MFSDP_SHM=0)", {"on", "off"}),
+      string_flag("--socket-ifname", socket_ifname,
+                  "(mfsdp) CPU backend: the network interface ranks listen on, e.g. eth0 (unset: "
+                  "MFSDP_SOCKET_IFNAME, else GLOO_SOCKET_IFNAME, else loopback on one node or the host name)"),
+      string_flag("--keep-freed-cpu-memory", keep_freed_cpu_memory,
+                  "(mfsdp) on: freed CPU blocks under 32 MiB stay in the process for the next step; off: glibc's "
+                  "defaults (unset: on, unless MFSDP_KEEP_FREED_MEMORY=0)", {"on", "off"}),
+  };
+}
+
 void RuntimeSection::validate() const {
   const double timeout_ms = distributed_timeout_minutes * 60000.0;
   if (!(timeout_ms >= 1 && distributed_timeout_minutes <= 1e6))
     flag_error("--distributed-timeout-minutes",
                "must be a positive number of minutes (at most 1000000), got " + number(distributed_timeout_minutes));
+}
+
+std::vector<ToolFlag> LoggingSection::flags() {
+  return {
+      int_flag("--log-interval", log_interval, "iterations between log lines"),
+      int_flag("--eval-interval", eval_interval, "iterations between evaluations"),
+      int_flag("--eval-iters", eval_iters, "batches per evaluation"),
+      bool_flag("--log-params-norm", log_params_norm,
+                "log the L2 norm of all parameters after the optimizer step (' params norm: ', metrics "
+                "params_norm)"),
+      bool_flag("--log-num-zeros-in-grad", log_num_zeros_in_grad,
+                "log how many gradient elements are zero after reduction and clipping (' num zeros: ', "
+                "metrics num_zeros_in_grad)"),
+      string_flag("--metrics-file", metrics_file, "JSON-lines metrics (and a .svg loss curve)"),
+      string_flag("--tensorboard-dir", tensorboard_dir,
+                  "write TensorBoard event files of the training scalars (lm loss, learning-rate, grad-norm, "
+                  "throughput, tokens-per-sec, mem-bytes, ...) here"),
+      int_flag("--tensorboard-log-interval", tensorboard_log_interval, "iterations between TensorBoard scalars"),
+  };
 }
 
 void LoggingSection::validate() const {
@@ -277,6 +573,21 @@ void LoggingSection::validate() const {
   positive("--log-interval", log_interval);
   positive("--eval-interval", eval_interval);
   if (eval_iters < 0) flag_error("--eval-iters", "must be >= 0");
+}
+
+std::vector<ToolFlag> ProfilingSection::flags() {
+  return {
+      bool_flag("--profile", profile,
+                "profile iterations --profile-step-start + 1 .. --profile-step-end on --profile-ranks: with "
+                "--use-pytorch-profiler a trace into --tensorboard-dir, else nsys's capture range "
+                "(cudaProfilerStart/Stop and NVTX ranges of every op; nsys profile --capture-range=cudaProfilerApi)"),
+      bool_flag("--use-pytorch-profiler", use_pytorch_profiler,
+                "with --profile: PyTorch's profiler (Kineto), a <host>_<pid>.<ms>.pt.trace.json per profiled rank "
+                "in --tensorboard-dir (TensorBoard, Perfetto, chrome://tracing)"),
+      int_flag("--profile-step-start", profile_step_start, "with --profile: iterations done before profiling starts"),
+      int_flag("--profile-step-end", profile_step_end, "with --profile: the last iteration profiled"),
+      int_list_flag("--profile-ranks", profile_ranks, "with --profile: the global ranks profiled"),
+  };
 }
 
 void ProfilingSection::validate() const {
@@ -293,6 +604,23 @@ void ProfilingSection::validate() const {
                                          std::to_string(profile_step_end));
   for (int64_t r : profile_ranks)
     if (r < 0) flag_error("--profile-ranks", "ranks are >= 0, got " + std::to_string(r));
+}
+
+std::vector<ToolFlag> PretrainingSection::flags() {
+  return {
+      bool_flag("--skip-train", skip_train, "evaluate only"),
+      string_flag("--sample-prompt", sample_prompt, "(mfsdp) print a sample continuing this text after training"),
+      int_flag("--sample-tokens", sample_tokens, "(mfsdp) tokens of that sample"),
+      bool_flag("--calculate-per-token-loss", calculate_per_token_loss,
+                "loss = sum over tokens / tokens in the global batch (no 1/dp gradient scaling)"),
+      int_flag("--simulate-world-size", simulate_world_size,
+               "(mfsdp) one process plays --simulate-rank of a job this size: real per-rank memory and "
+               "compute, collectives replaced by local copies, losses not meaningful (0: off)"),
+      int_flag("--simulate-rank", simulate_rank, "(mfsdp) the rank played with --simulate-world-size"),
+      bool_flag("--memory-plan", memory_plan,
+                "(mfsdp) print each rank's planned buffer bytes per unit and exit before allocating them "
+                "(with --simulate-world-size N: for N ranks; needs no data or --train-iters)"),
+  };
 }
 
 void PretrainingSection::validate() const {

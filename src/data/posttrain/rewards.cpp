@@ -1,7 +1,7 @@
-// Rule rewards (include/mfsdp/data/rewards.h, docs/post_training_data.md): exact match, verl's GSM8K
+// Rule rewards (include/mfsdp/data/posttrain/rewards.h, docs/post_training_data.md): exact match, verl's GSM8K
 // answer extraction and TinyZero's countdown check, with a hand-written expression parser in
 // place of Python's eval.
-#include "mfsdp/data/rewards.h"
+#include "mfsdp/data/posttrain/rewards.h"
 
 #include <algorithm>
 #include <cmath>

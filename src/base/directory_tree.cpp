@@ -1,6 +1,6 @@
-// Folder walks with opendir/readdir, lstat, unlink and rmdir (include/mfsdp/data/directory_tree.h
+// Folder walks with opendir/readdir, lstat, unlink and rmdir (include/mfsdp/base/directory_tree.h
 // says why not std::filesystem's iterators). Paths are plain strings joined with '/'.
-#include "mfsdp/data/directory_tree.h"
+#include "mfsdp/base/directory_tree.h"
 
 #include <dirent.h>
 #include <sys/stat.h>

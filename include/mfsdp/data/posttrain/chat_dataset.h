@@ -11,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/posttrain/chat_template.h"
 
 namespace mfsdp {
 

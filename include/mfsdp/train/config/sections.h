@@ -1,9 +1,9 @@
 // The trainers' configuration in sections, as TorchTitan's JobConfig has them: one struct per
-// concern, each with the checks that need only its own values. PretrainArgs
-// (src/train/pretrain_args.h) is all of them together, so `args.lr` reads as before; each tool
-// says which sections it takes (ToolFlags::sections) and --help lists the flags section by
-// section. Flag names and values are Megatron-LM's; the flags themselves are declared once, in
-// pretrain_args.cpp, each under its section.
+// concern, each declaring its own flags (Megatron-LM's names, defaults and help text) and the
+// checks that need only its values (and, for the MoE section, the model's). The sections know
+// nothing of one another or of the tools: include/mfsdp/train/pretrain_args.h joins them, each
+// tool says which it takes, and --help lists the flags section by section, in the order
+// flags() gives them.
 //
 // validate() throws std::invalid_argument("<flag>: <what>") for the first bad value and fills
 // the defaults that depend only on the section (e.g. the MLP width from the hidden size). Checks
@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,23 @@ inline constexpr int64_t kMaxHiddenSize = int64_t{1} << 17;
 inline constexpr int64_t kMaxFfnHiddenSize = int64_t{1} << 20;
 inline constexpr int64_t kMaxSequenceLength = int64_t{1} << 22;
 inline constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 26;
+// Experts per MoE layer (DeepSeek-V3 has 256): the bound of the model's config.json reader
+// (src/models/llama/llama_hf_config.cpp), which the MoE flags become.
+inline constexpr int64_t kMaxExperts = 4096;
+
+// One command-line flag, bound to the field it writes (the owner must outlive it). Each section's
+// flags() gives its flags in --help order, bound to its own fields; the tools add their own
+// (train/tool_flags.h builds both).
+struct ToolFlag {
+  std::string name;
+  std::string help;
+  bool takes_value = true;
+  std::vector<std::string> choices;  // empty: any value
+  std::function<void(const std::string&)> set;  // parses the value into the field
+  std::function<std::string()> show;            // the current value, as --help shows it
+  // argparse's nargs='+': every following token up to the next --flag, joined by spaces.
+  bool many_values = false;
+};
 
 // The sections in --help order. kPretraining holds what only mfsdp-pretrain does (its corpus,
 // a sample after training, simulated scale).
@@ -65,6 +83,7 @@ struct ModelSection {
   bool qk_layernorm = false;  // per-head q/k RMSNorm (Qwen3)
   int64_t kv_channels = 0;    // each head's width; 0: hidden_size / num_attention_heads
   void validate();
+  std::vector<ToolFlag> flags();
 };
 
 // Mixture of experts (Megatron's --moe-* arguments, docs/moe.md). Inert without --num-experts.
@@ -90,7 +109,9 @@ struct MoeSection {
   int64_t expert_model_parallel_size = 1;
   // The layers' pattern from moe_layer_freq: one 0/1 per layer, or {N} for an integer N.
   std::vector<int64_t> moe_layer_pattern() const;
-  void validate(int64_t num_layers) const;
+  // Reads the model's layers, MLP kind and width: the experts are SwiGLU MLPs of the model.
+  void validate(const ModelSection& model) const;
+  std::vector<ToolFlag> flags();
 };
 
 struct TokenizerSection {
@@ -98,17 +119,19 @@ struct TokenizerSection {
   std::string tokenizer_model;
   std::string vocab_file;
   std::string merge_file;
+  std::vector<ToolFlag> flags();
 };
 
 // The pretraining corpus (Megatron's data arguments); mfsdp-sft and mfsdp-grpo read JSONL
 // instead and set seq_length from their own --max-length flags.
 struct DataSection {
   std::string data_path;
-  std::string split = "969,30,1";
+  std::string split = "969,30,1";  // train, valid, test weights: up to three, comma-separated
   bool mock_data = false;
   int64_t seq_length = 64;
   int64_t vocab_size = 0;  // with --mock-data and no tokenizer
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 struct TrainingSection {
@@ -121,6 +144,7 @@ struct TrainingSection {
   // it off): a NaN or Inf loss or gradient stops training before the optimizer step.
   bool check_for_nan_in_loss_and_grad = true;
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 struct OptimizerSection {
@@ -139,6 +163,7 @@ struct OptimizerSection {
   double sgd_momentum = 0.9;
   double clip_grad = 1.0;
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 struct CheckpointSection {
@@ -158,6 +183,7 @@ struct CheckpointSection {
   std::string export_hf;                            // ours: write a Hugging Face folder at the end
   std::string dump_param_to_param_group_map;        // folder for Megatron's parameter -> group map
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 // Megatron-FSDP and the distributed optimizer.
@@ -186,6 +212,7 @@ struct FsdpSection {
   // default is all_gather, not Megatron's p2p: it measured 8x faster here (docs/PERFORMANCE.md).
   std::string cp_comm_type = "all_gather";
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 // Where and how the job runs: device, collectives, host memory, attention kernels.
@@ -200,6 +227,7 @@ struct RuntimeSection {
   std::string keep_freed_cpu_memory;   // keep_freed_cpu_memory() (MFSDP_KEEP_FREED_MEMORY)
   std::string attention_backend = "auto";  // auto: SDPA; unfused: the explicit math path
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 struct LoggingSection {
@@ -207,14 +235,15 @@ struct LoggingSection {
   int64_t eval_interval = 1000;
   int64_t eval_iters = 100;
   std::string metrics_file;
-  std::string tensorboard_dir;  // TensorBoard event files (src/train/tensorboard_writer.h)
+  std::string tensorboard_dir;  // TensorBoard event files (include/mfsdp/train/tensorboard_writer.h)
   int64_t tensorboard_log_interval = 1;
   bool log_params_norm = false;        // " params norm: " (after the step, all parameters)
   bool log_num_zeros_in_grad = false;  // " num zeros: " (gradient elements == 0, after clipping)
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
-// Megatron's profiling (src/train/step_profiler.h): iterations profile_step_start + 1 ..
+// Megatron's profiling (include/mfsdp/train/step_profiler.h): iterations profile_step_start + 1 ..
 // profile_step_end (1-based, as logged) on the ranks in profile_ranks; with
 // use_pytorch_profiler a Kineto trace into --tensorboard-dir, else nsys's capture range.
 struct ProfilingSection {
@@ -224,6 +253,7 @@ struct ProfilingSection {
   int64_t profile_step_end = 12;
   std::vector<int64_t> profile_ranks{0};
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 // What only mfsdp-pretrain does.
@@ -237,6 +267,7 @@ struct PretrainingSection {
   int64_t simulate_rank = 0;
   bool memory_plan = false;  // ours: print the per-rank memory plan and exit
   void validate() const;
+  std::vector<ToolFlag> flags();
 };
 
 }  // namespace mfsdp

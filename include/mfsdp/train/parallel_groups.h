@@ -10,7 +10,7 @@
 
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/comm/device_mesh.h"
-#include "train/pretrain_args.h"
+#include "mfsdp/train/config/sections.h"
 
 namespace mfsdp {
 
@@ -25,8 +25,9 @@ struct ParallelGroups {
   int dp_cp() const { return dp * cp; }
 };
 
+// The mesh of fsdp's --tensor-model-parallel-size and --context-parallel-size over `world`.
 // Collective over `world` when TP or CP > 1 (the groups are made); the sizes are checked by
 // validate_training_args.
-ParallelGroups parallel_groups(const PretrainArgs& args, const std::shared_ptr<Communicator>& world);
+ParallelGroups parallel_groups(const FsdpSection& fsdp, const std::shared_ptr<Communicator>& world);
 
 }  // namespace mfsdp

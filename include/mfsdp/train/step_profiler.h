@@ -15,7 +15,7 @@
 #include <ostream>
 #include <string>
 
-#include "train/pretrain_args.h"
+#include "mfsdp/train/config/sections.h"
 
 namespace at {
 class RecordFunction;
@@ -25,9 +25,11 @@ namespace mfsdp {
 
 class StepProfiler {
  public:
-  // Profiles only when args.profile and `rank` is one of args.profile_ranks; `device` is the
-  // run's (the communicator's), which CUDA's profiler calls and the final sync act on.
-  StepProfiler(const PretrainArgs& args, int64_t rank, c10::Device device, std::ostream& log);
+  // Profiles only when profiling.profile and `rank` is one of profiling.profile_ranks; Kineto's
+  // trace goes to logging.tensorboard_dir. `device` is the run's (the communicator's), which
+  // CUDA's profiler calls and the final sync act on.
+  StepProfiler(const ProfilingSection& profiling, const LoggingSection& logging, int64_t rank, c10::Device device,
+               std::ostream& log);
   ~StepProfiler();
   StepProfiler(const StepProfiler&) = delete;
   StepProfiler& operator=(const StepProfiler&) = delete;

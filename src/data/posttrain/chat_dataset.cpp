@@ -1,7 +1,7 @@
-// SFT and RL JSONL readers and writers (include/mfsdp/data/chat_dataset.h, docs/post_training_data.md).
+// SFT and RL JSONL readers and writers (include/mfsdp/data/posttrain/chat_dataset.h, docs/post_training_data.md).
 // Every reader error names the file and the 1-based line, so a bad record in a large dataset is
 // found without bisecting.
-#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/posttrain/chat_dataset.h"
 
 #include <fstream>
 #include <functional>

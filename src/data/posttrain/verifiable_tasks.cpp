@@ -1,13 +1,13 @@
-// Generated verifiable tasks (include/mfsdp/data/verifiable_tasks.h, docs/post_training_data.md).
+// Generated verifiable tasks (include/mfsdp/data/posttrain/verifiable_tasks.h, docs/post_training_data.md).
 //
 // Problems are drawn one at a time from a splitmix64 stream seeded by options.seed and kept when
 // they belong to the requested split and are new. The split of a problem depends only on its
 // canonical text (never on the seed), so any train run and any test run are disjoint. A split's
 // space counts as exhausted after kExhaustedAfter consecutive draws that bring nothing new; from
 // then on duplicates are accepted.
-#include "mfsdp/data/verifiable_tasks.h"
+#include "mfsdp/data/posttrain/verifiable_tasks.h"
 
-#include "mfsdp/data/splitmix64.h"
+#include "mfsdp/base/splitmix64.h"
 
 #include <algorithm>
 #include <cmath>

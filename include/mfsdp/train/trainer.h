@@ -6,7 +6,7 @@
 #include <ostream>
 
 #include "mfsdp/comm/comm.h"
-#include "train/pretrain_args.h"
+#include "mfsdp/train/pretrain_args.h"
 
 namespace mfsdp {
 

@@ -1,7 +1,7 @@
-// CRC-32C (include/mfsdp/data/crc32c.h): the SSE4.2 crc32 instruction 8 bytes at a time, three
+// CRC-32C (include/mfsdp/base/crc32c.h): the SSE4.2 crc32 instruction 8 bytes at a time, three
 // streams at once, or ARMv8's crc32c instructions, where the CPU has them (checked once at run
 // time, so one binary runs everywhere), else tables, 8 bytes at a time.
-#include "mfsdp/data/crc32c.h"
+#include "mfsdp/base/crc32c.h"
 
 #include <fcntl.h>
 #include <unistd.h>

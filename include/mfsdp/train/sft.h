@@ -9,8 +9,8 @@
 #include <string>
 
 #include "mfsdp/comm/comm.h"
-#include "train/pretrain_args.h"
-#include "train/task_source.h"
+#include "mfsdp/train/pretrain_args.h"
+#include "mfsdp/train/task_source.h"
 
 namespace mfsdp {
 

@@ -1,21 +1,20 @@
 // The command line of the trainers (mfsdp-pretrain, -sft, -grpo): Megatron-LM's flag names
 // (Megatron-LM's megatron/training/arguments.py), parsed and validated before any work, into the
-// sections of src/train/config/sections.h. Every flag is declared once in pretrain_args.cpp,
-// under its section, with its default and help text; --help and docs/pretrain.md list them from
-// there, section by section.
+// sections of include/mfsdp/train/config/sections.h. Every flag is declared once, by its section
+// (flags() in src/train/config/sections.cpp), with its default and help text; --help and
+// docs/pretrain.md list them from there, section by section.
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <string>
 #include <vector>
 
-#include "train/config/sections.h"
+#include "mfsdp/train/config/sections.h"
 
 namespace mfsdp {
 
-// Every section of src/train/config/sections.h: a field reads as `args.lr` whichever section
+// Every section of include/mfsdp/train/config/sections.h: a field reads as `args.lr` whichever section
 // holds it.
 struct PretrainArgs : ModelSection,
                       MoeSection,
@@ -34,24 +33,13 @@ struct PretrainArgs : ModelSection,
   bool load_requires_checkpoint = false;
 
   // Derived by validate().
-  std::string load_dir;  // the iteration folder --load names (locate_checkpoint); empty: none there
   int64_t num_micro_batches = 1;
   int64_t real_vocab_size = 0;    // the tokenizer's (or --vocab-size): token ids must be below it
   int64_t padded_vocab_size = 0;  // real_vocab_size rounded up (--make-vocab-size-divisible-by)
 };
 
-// The other trainers (mfsdp-sft, mfsdp-grpo) take the sections that mean something to them (not
-// the pretraining corpus, nor mfsdp-pretrain's own section), plus flags of their own.
-struct ToolFlag {
-  std::string name;
-  std::string help;
-  bool takes_value = true;
-  std::vector<std::string> choices;  // empty: any value
-  std::function<void(const std::string&)> set;  // writes the tool's own args (captured)
-  std::function<std::string()> show;            // the current value, as --help shows it
-  // argparse's nargs='+': every following token up to the next --flag, joined by spaces.
-  bool many_values = false;
-};
+// What a tool takes: the sections that mean something to it (mfsdp-sft and mfsdp-grpo take
+// neither the pretraining corpus nor mfsdp-pretrain's own section) and flags of its own.
 struct ToolFlags {
   std::string program = "mfsdp-pretrain";
   std::vector<Section> sections = all_sections();  // the sections of PretrainArgs this tool takes

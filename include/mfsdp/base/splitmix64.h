@@ -1,6 +1,7 @@
 // splitmix64 (Steele, Lea, Flood 2014): a 64-bit hash that gives the same numbers on every
 // compiler and standard library (std:: distributions do not promise that), for seeds derived from
 // names and indices (parameter init, data order, rollout seeds, generated tasks).
+// Header-only.
 #pragma once
 
 #include <cstdint>

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/posttrain/chat_dataset.h"
 #include "mfsdp/data/tokenizer.h"
-#include "train/training_run.h"
+#include "mfsdp/train/training_run.h"
 
 namespace mfsdp {
 

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "train/pretrain_args.h"
+#include "mfsdp/train/pretrain_args.h"
 
 namespace mfsdp {
 

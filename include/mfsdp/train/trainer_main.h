@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "mfsdp/comm/comm.h"
-#include "train/pretrain_args.h"
+#include "mfsdp/train/pretrain_args.h"
 
 namespace mfsdp {
 

@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -20,27 +21,31 @@
 #include "mfsdp/comm/device_mesh.h"
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
-#include "train/metrics.h"
-#include "train/parallel_groups.h"
-#include "train/pretrain_args.h"
-#include "train/rollout_model.h"
-#include "train/step_profiler.h"
-#include "train/tensorboard_writer.h"
-#include "train/trainer_checkpoint.h"
+#include "mfsdp/train/metrics.h"
+#include "mfsdp/train/parallel_groups.h"
+#include "mfsdp/train/pretrain_args.h"
+#include "mfsdp/train/rollout_model.h"
+#include "mfsdp/train/step_profiler.h"
+#include "mfsdp/train/tensorboard_writer.h"
+#include "mfsdp/train/trainer_checkpoint.h"
 
 namespace mfsdp {
 
 // Megatron's model arguments (argparse names, as ModelSpec::config_from_megatron reads them)
-// of the model the flags describe (vocabulary: args.padded_vocab_size).
-nlohmann::json megatron_model_args(const PretrainArgs& args);
+// of the model the model and MoE sections describe, at `seq_length` with the vocabulary padded
+// to `padded_vocab_size` (both derived by validation: --seq-length or a tool's --max-length; the
+// tokenizer's vocabulary rounded up by --make-vocab-size-divisible-by).
+nlohmann::json megatron_model_args(const ModelSection& model, const MoeSection& moe, int64_t seq_length,
+                                   int64_t padded_vocab_size);
 // The model the flags describe: the family that builds Megatron's model from those arguments.
-ModelConfig model_config_from_args(const PretrainArgs& args);
+ModelConfig model_config_from_args(const ModelSection& model, const MoeSection& moe, int64_t seq_length,
+                                   int64_t padded_vocab_size);
 // How MoE layers train, from the --moe-* flags (include/mfsdp/models/moe.h).
-MoeTraining moe_training_from_args(const PretrainArgs& args);
-// fully_shard's options from the sharding, precision and buffer flags. `per_token_loss`: the
+MoeTraining moe_training_from_args(const MoeSection& moe);
+// fully_shard's options from the sharding, precision (--bf16) and buffer flags. `per_token_loss`: the
 // loss is already divided by the global count (no 1/dp in the gradient reduction).
-FullyShardOptions shard_options_from_args(const PretrainArgs& args, const std::shared_ptr<Communicator>& comm,
-                                          bool per_token_loss);
+FullyShardOptions shard_options_from_args(const FsdpSection& fsdp, const TrainingSection& training,
+                                          const std::shared_ptr<Communicator>& comm, bool per_token_loss);
 
 struct ShardedModel {
   std::shared_ptr<CausalLM> model;
@@ -50,30 +55,37 @@ struct ShardedModel {
   // otherwise.
   std::shared_ptr<DeviceMesh> expert_mesh;
 };
-// Builds the model and shards it, layers then the root. With --init-model-with-meta-device, or
-// `values_loaded` (every value is about to be overwritten by a load), every layer is materialised
-// and sharded in turn, so no rank ever holds the whole model (deferred init equals eager init bit
-// for bit, docs/model.md). Under expert parallelism each rank builds only its experts, and each
-// layer's experts are a unit sharded over the expert-data-parallel group (the ranks holding the
-// same experts).
+// How the flags build the model (ModelBuildOptions but the groups): deferred init
+// (--init-model-with-meta-device, or `values_loaded`: every value is about to be overwritten by
+// a load), --recompute-activations, the seed, MoE training, --sequence-parallel, --cp-comm-type.
+ModelBuildOptions model_build_options(const ModelSection& model, const MoeSection& moe, const TrainingSection& training,
+                                      const FsdpSection& fsdp, bool values_loaded);
+// Builds the model and shards it, layers then the root. With deferred init every layer is
+// materialised and sharded in turn, so no rank ever holds the whole model (deferred init equals
+// eager init bit for bit, docs/model.md). Under expert parallelism
+// (--expert-model-parallel-size) each rank builds only its experts, and each layer's experts
+// are a unit sharded over the expert-data-parallel group (the ranks holding the same experts).
 // `groups` (tensor and context parallelism): the model is built with their groups and `shard`
-// must shard over groups->fsdp.
-ShardedModel build_sharded_model(const ModelConfig& config, const PretrainArgs& args,
-                                 const FullyShardOptions& shard, bool values_loaded = false,
-                                 const ParallelGroups* groups = nullptr);
+// must shard over groups->fsdp; without them, no sequence parallelism. `use_sdpa`: not
+// --attention-backend unfused.
+ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions options, int64_t expert_parallel_size,
+                                 bool use_sdpa, const FullyShardOptions& shard, const ParallelGroups* groups = nullptr);
 
 // Where fine-tuning starts (mfsdp-sft, mfsdp-grpo): the model config and, for a Hugging Face
-// folder, where its weights are. In order: --load holding a checkpoint (its model_config; the
-// weights are loaded by TrainingRun::start), `hf_load` (config.json and the safetensors headers,
-// checked by describe_hf_model; no weight is read here: TrainingRun::start streams each rank's
-// ranges), the model flags (args.padded_vocab_size from the tokenizer). Errors name the flag: a
-// tokenizer with more ids than the model's vocabulary, a folder that is not a model.
+// folder, where its weights are. In order: `load` (--load opened by open_training_checkpoint:
+// its model_config; the weights are loaded by TrainingRun::start from the same reader),
+// `hf_load` (config.json and the safetensors headers, checked by describe_hf_model; no weight is
+// read here: TrainingRun::start streams each rank's ranges), `from_flags` (the model flags, with
+// the tokenizer's padded vocabulary; `seed` for the log). Errors name the flag: a tokenizer with
+// more ids than the model's vocabulary, a folder that is not a model, --export-hf of a model
+// that cannot be exported.
 struct StartingPoint {
   ModelConfig config;
   std::string hf_folder;    // the --hf-load folder the weights come from; empty otherwise
   std::string description;  // for the log
 };
-StartingPoint starting_point(const PretrainArgs& args, const std::string& hf_load, int64_t tokenizer_vocab);
+StartingPoint starting_point(const OpenedCheckpoint& load, const std::string& hf_load, const ModelConfig& from_flags,
+                             int64_t seed, const std::string& export_hf, int64_t tokenizer_vocab);
 
 // The file next to the metrics file with another extension (metrics.jsonl -> metrics.svg).
 std::string sibling_path(const std::string& metrics_file, const std::string& extension);
@@ -94,20 +106,31 @@ class TrainingRun {
  public:
   // Builds the sharded model, the optimizer (--optimizer) and the LR schedule. `tool` names the
   // trainer's own flags (recorded in checkpoints next to Megatron's). `hf_folder`: the Hugging
-  // Face folder start() loads (StartingPoint::hf_folder). A run that loads its weights (--load of
-  // a checkpoint, or `hf_folder`) builds its skeleton with deferred init whatever
+  // Face folder start() loads (StartingPoint::hf_folder). `load`: --load, opened once by
+  // open_training_checkpoint (the same reader the starting point read). A run that loads its
+  // weights (a checkpoint, or `hf_folder`) builds its skeleton with deferred init whatever
   // --init-model-with-meta-device says: the values are overwritten, so no rank needs the whole
-  // model.
+  // model. The run holds the whole configuration (as TorchTitan's Trainer its JobConfig); what
+  // it calls takes the sections it reads.
   TrainingRun(const PretrainArgs& args, const ModelConfig& config, std::shared_ptr<Communicator> comm,
-              std::ostream& log, bool per_token_loss, ToolFlags tool = {}, std::string hf_folder = {});
+              std::ostream& log, bool per_token_loss, ToolFlags tool = {}, std::string hf_folder = {},
+              OpenedCheckpoint load = {});
 
-  // --load (resume, or --finetune for weights only); else the Hugging Face folder given to the
-  // constructor, each rank reading only the element ranges it holds (load_hf_shards). Collective.
+  // --load (resume, or --finetune for weights only) from the opened checkpoint, whose reader is
+  // then released; else the Hugging Face folder given to the constructor, each rank reading only
+  // the element ranges it holds (load_hf_shards). Collective.
   ResumePoint start();
 
   struct StepStats {
-    double loss = 0;  // the sum of the micro-batches' reported losses on this rank
-    double grad_norm = 0;
+    // The sum of the micro-batches' reported losses on this rank (fp64, 0-dim) and the global
+    // gradient norm before clipping (fp64, one element): on the model's device, not read by the
+    // step. --check-for-nan-in-loss-and-grad reads both (with its flags) into the *_on_host values.
+    at::Tensor loss;
+    at::Tensor grad_norm;
+    std::optional<double> loss_on_host, grad_norm_on_host;
+    // The values on the host: the ones read already, else read now (one read_on_host each).
+    double loss_value() const;
+    double grad_norm_value() const;
     double lr = 0;
     double params_norm = 0;        // with --log-params-norm: L2 norm of every parameter after the step
     int64_t num_zeros_in_grad = 0;  // with --log-num-zeros-in-grad: gradient elements == 0 after clipping
@@ -128,9 +151,10 @@ class TrainingRun {
   // only) and returns the loss it reports on this rank, a scalar tensor on the model's device
   // (any dtype and scale; summed in fp64 into StepStats::loss); then clip (--clip-grad), step at
   // the schedule's lr, zero the gradients. Profiled with --profile.
-  // The losses stay on the device and are read once, after the last backward (with the NaN
-  // check's flags when it is on), so no micro-batch waits for the device to drain.
-  // --check-for-nan-in-loss-and-grad: when a rank's loss or a reduced gradient is NaN or Inf,
+  // The losses and the gradient norm stay on the device (the clip factor is applied there), so
+  // nothing in the step waits for the device to drain; the loop reads them at log steps
+  // (train_loop.h). --check-for-nan-in-loss-and-grad reads them once, after the last backward,
+  // in the same copy as its flags: when a rank's loss or a reduced gradient is NaN or Inf,
   // every rank throws NonFiniteError (the same message: the iteration, the ranks of the losses,
   // the parameters whose shards hold the values) before the optimizer step. Collective.
   StepStats step(int64_t iteration, int64_t micro_batches, const std::function<at::Tensor(int64_t)>& micro_batch);
@@ -191,10 +215,10 @@ class TrainingRun {
   void collect_router_stats(StepStats& stats);
   // The start-up line of an MoE model: this rank's expert and dense main weights.
   void print_expert_buffers() const;
-  // --check-for-nan-in-loss-and-grad after clipping (`loss`: this rank's summed loss on the
-  // device; `grad_norm`: the global norm, the same on every rank). Throws NonFiniteError; else
-  // returns `loss`, read in the same copy as the flags. Collective.
-  double check_finite(int64_t iteration, const at::Tensor& loss, double grad_norm);
+  // --check-for-nan-in-loss-and-grad after clipping (`s.loss`: this rank's summed loss on the
+  // device; `s.grad_norm`: the global norm, the same on every rank). Reads both with the flags
+  // in one copy (into s.*_on_host); throws NonFiniteError. Collective.
+  void check_finite(int64_t iteration, StepStats& s);
   // --check-for-nan-in-loss-and-grad before a checkpoint is written: no NaN or Inf weights (a
   // step with finite gradients can still overflow them). Throws NonFiniteError. Collective.
   void check_finite_weights(int64_t iteration);
@@ -206,6 +230,7 @@ class TrainingRun {
   std::ostream& log_;
   ToolFlags tool_;
   std::string hf_folder_;  // loaded by start() unless --load holds a checkpoint
+  OpenedCheckpoint load_;  // until start() has loaded it
   bool per_token_loss_;  // gradients summed over the ranks (no 1 / dp)
   bool print_;
   ParallelGroups groups_;  // before sharded_, which is built over its groups

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <ostream>
+#include <string>
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/comm/comm.h"
@@ -12,7 +13,8 @@
 #include "mfsdp/models/causal_lm.h"
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
-#include "train/pretrain_args.h"
+#include "mfsdp/train/config/sections.h"
+#include "mfsdp/train/pretrain_args.h"
 
 namespace mfsdp {
 
@@ -27,17 +29,34 @@ struct ResumePoint {
   int64_t consumed_samples = 0;  // training samples consumed before it
 };
 
-// --load: restores the model, and unless --finetune / --no-load-optim / --no-load-rng the
-// optimizer, the generators and the progress. A folder with no checkpoint yet starts from
-// scratch (a notice, as Megatron does). Errors name the flag or checkpoint field at fault: a
-// model config that differs from the flags, a different global batch size, an LR schedule that
-// differs (unless --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, which
-// sets `schedule` from the checkpoint). Collective.
-ResumePoint load_training_checkpoint(const PretrainArgs& args, const ModelConfig& config,
-                                     const std::shared_ptr<Communicator>& world, FsdpHandle& model,
-                                     DistributedOptimizer& optimizer, LRSchedule& schedule,
-                                     std::ostream& log, const TensorSlices& slices = {});
+// What --load (at --ckpt-step) names, resolved once by locate_checkpoint and opened once: the
+// one reader that the model config (SFT/GRPO's starting point), load_training_checkpoint and
+// GRPO's reference policy (when it is the same checkpoint) all read, so a load parses the
+// checkpoint's metadata once per rank.
+struct OpenedCheckpoint {
+  std::shared_ptr<const CheckpointReader> reader;  // null: --load is unset or holds no checkpoint
+  std::string missing;  // --load set but no checkpoint there: why ("does not exist", "holds no
+                        // checkpoint (...)"), for the caller's warning or error
+};
+// Throws std::invalid_argument "--load: ..." ("--load / --ckpt-step: ..." with a step) for a
+// path that cannot be meant (locate_checkpoint), and CheckpointReader's error, naming the file,
+// for a checkpoint whose metadata is unreadable. Not collective: every rank opens the same
+// shared folder and so decides alike.
+OpenedCheckpoint open_training_checkpoint(const CheckpointSection& checkpoint);
 
+// --load: restores the model, and unless --finetune / --no-load-optim / --no-load-rng the
+// optimizer, the generators and the progress, all from `opened` (open_training_checkpoint of
+// the same `checkpoint` section). A folder with no checkpoint yet starts from scratch (a notice,
+// as Megatron does); without --load it does nothing. Errors name the flag or checkpoint field at
+// fault: a model config that differs from the flags, a different global batch size
+// (training.global_batch_size), an LR schedule that differs (unless
+// --override-opt_param-scheduler or --use-checkpoint-opt_param-scheduler, which sets `schedule`
+// from the checkpoint). Collective.
+ResumePoint load_training_checkpoint(const OpenedCheckpoint& opened, const CheckpointSection& checkpoint,
+                                     const TrainingSection& training, const ModelConfig& config,
+                                     const std::shared_ptr<Communicator>& world, FsdpHandle& model,
+                                     DistributedOptimizer& optimizer, LRSchedule& schedule, std::ostream& log,
+                                     const TensorSlices& slices = {});
 // --save: the checkpoint of `iteration`. Collective. With --async-save it first commits the
 // save in flight (waiting for its writers), then stages this one and returns while writer threads
 // write it; the save of the run's last iteration (--train-iters, or an --exit-interval stop) is

@@ -1,4 +1,4 @@
-// Built-in chat templates (include/mfsdp/data/chat_template.h, docs/data.md "Chat templates").
+// Built-in chat templates (include/mfsdp/data/posttrain/chat_template.h, docs/data.md "Chat templates").
 //
 // A conversation is rendered as a list of segments, each either text or a special token (inserted
 // by its id from Tokenizer::special_token_id, so the template does not depend on how a tokenizer
@@ -12,7 +12,7 @@
 // from the reply; plain follows no published template. tests/unit/chat_template_test.cpp checks
 // llama3, llama3.1 and qwen3 against transformers running the published Jinja templates
 // (tests/reference/chat_templates/).
-#include "mfsdp/data/chat_template.h"
+#include "mfsdp/data/posttrain/chat_template.h"
 
 #include <stdexcept>
 

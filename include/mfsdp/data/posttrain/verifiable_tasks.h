@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/posttrain/chat_dataset.h"
 
 namespace mfsdp {
 

@@ -4,6 +4,7 @@
 // micro-batch), update (--ppo-epochs passes, one optimizer step per mini-batch), record (metrics
 // and the log line). run_grpo (grpo.h) is the loop over them; tests/dist/grpo_stages_test.cpp
 // drives them one by one. A GrpoStep carries what one stage hands the next.
+// Implemented in src/train/grpo.cpp (with run_grpo); the flags in src/train/grpo_args.cpp.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,14 +17,14 @@
 #include <utility>
 #include <vector>
 
-#include "mfsdp/data/chat_dataset.h"
+#include "mfsdp/data/posttrain/chat_dataset.h"
 #include "mfsdp/data/tokenizer.h"
 #include "mfsdp/models/batched_generate.h"
 #include "mfsdp/train/policy_loss.h"
-#include "train/chat_eval.h"
-#include "train/grpo.h"
-#include "train/sft_data.h"
-#include "train/training_run.h"
+#include "mfsdp/train/chat_eval.h"
+#include "mfsdp/train/grpo.h"
+#include "mfsdp/train/sft_data.h"
+#include "mfsdp/train/training_run.h"
 
 namespace mfsdp {
 
@@ -86,10 +87,11 @@ class GrpoTrainer {
   void score(GrpoStep& step);
   void log_probs(GrpoStep& step);
   void update(GrpoStep& step);
-  void record(GrpoStep& step);
+  void record(GrpoStep& step);  // into the metrics file (every step)
+  void print(const GrpoStep& step) const;  // the log line (at log steps)
   // Greedy accuracy on the validation prompts, logged and recorded; -1 without them.
   double validate(int64_t iteration);
-  // The loop: validation, the steps from the resumed iteration on, checkpoints, the curve.
+  // Validation, then the loop over the stages (train_loop.h), the curve.
   GrpoResult train();
 
   TrainingRun& run() { return *run_; }

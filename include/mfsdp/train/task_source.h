@@ -1,14 +1,14 @@
 // Where the post-training trainers' examples come from: JSONL files (--train-files,
 // --val-files) or a generator of verifiable tasks (--gen-task and its sizes, digits and seed;
-// include/mfsdp/data/verifiable_tasks.h), with the same flags in mfsdp-sft and mfsdp-grpo.
+// include/mfsdp/data/posttrain/verifiable_tasks.h), with the same flags in mfsdp-sft and mfsdp-grpo.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "mfsdp/data/verifiable_tasks.h"
-#include "train/pretrain_args.h"
+#include "mfsdp/data/posttrain/verifiable_tasks.h"
+#include "mfsdp/train/pretrain_args.h"
 
 namespace mfsdp {
 
