@@ -301,7 +301,7 @@ elif ((t < 30)); then
 else
   start=$SECONDS
   PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout -k 5 "$t" "$sanitizer" --tool memcheck --error-exitcode 3 \
-    "$BUILD_DIR/tests/nccl_communicator_test" \
+    "$BUILD_DIR/tests/gpu_tests" \
     --gtest_filter='NcclCommunicator.CollectivesOnCudaTensors:NcclCommunicator.PrescaleAndBothLowPrecisionSums:NcclCommunicator.SplitGroupsWorkAndTheirMemoryIsRecorded' \
     >"$work/memcheck.txt" 2>&1
   rc=$?

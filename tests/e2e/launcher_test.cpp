@@ -121,7 +121,7 @@ std::string launcher_binary() {
   if (path == nullptr || *path == '\0') {
     throw std::runtime_error(
         "MFSDP_RUN_BIN is not set: it must name the built mfsdp-run binary (ctest sets it; by "
-        "hand: MFSDP_RUN_BIN=build/mfsdp-run ./build/tests/launcher_test)");
+        "hand: MFSDP_RUN_BIN=build/mfsdp-run ./build/tests/e2e_tests --gtest_filter='MfsdpRun*:RankProcesses*')");
   }
   return path;
 }

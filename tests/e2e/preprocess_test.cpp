@@ -48,7 +48,7 @@ std::string tool_path() {
   if (path == nullptr || *path == '\0') {
     throw std::runtime_error(
         "MFSDP_PREPROCESS_BIN is not set: it must name the built mfsdp-preprocess binary (ctest "
-        "sets it; by hand: MFSDP_PREPROCESS_BIN=build/mfsdp-preprocess ./build/tests/preprocess_test)");
+        "sets it; by hand: MFSDP_PREPROCESS_BIN=build/mfsdp-preprocess ./build/tests/plain_tests --gtest_filter='Preprocess*')");
   }
   return path;
 }
