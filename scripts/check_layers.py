@@ -21,7 +21,7 @@ import os
 import re
 import sys
 
-# Each layer and the layers below it that it may use. base (CRC-32C, folder walks, splitmix64),
+# Each layer and the layers below it that it may use. base (CRC-32C, folder walks, splitmix64, JSON),
 # launch and data are torch-free (mfsdp-run and mfsdp-preprocess link only them), compat is
 # header-only glue over LibTorch's versions.
 BELOW = {

@@ -58,7 +58,7 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 
 debs=(nlohmann-json3-dev libcli11-dev libsentencepiece-dev libsentencepiece0 libgtest-dev googletest
-  libpcre2-dev libpcre2-8-0)
+  libpcre2-dev libpcre2-8-0 libutf8proc-dev libutf8proc2)
 # Megatron-FSDP itself for the side-by-side benchmark, and what it imports beside torch
 # (Requires-Dist: torch, einops, packaging): packaging, in case that environment lacks it; not
 # einops, which it imports only for hybrid sharding (HSDP), unused here. Pure Python, 0.2 MiB.
@@ -204,7 +204,7 @@ libdir=$DEB_PREFIX/usr/lib/x86_64-linux-gnu
 incdir=$DEB_PREFIX/usr/include
 for f in "$libdir/libsentencepiece.so" "$libdir/libsentencepiece_train.so" "$libdir/libgtest.a" \
          "$libdir/cmake/GTest/GTestConfig.cmake" "$incdir/nlohmann/json.hpp" "$incdir/sentencepiece_processor.h" \
-         "$libdir/libpcre2-8.so" "$incdir/pcre2.h"; do
+         "$libdir/libpcre2-8.so" "$incdir/pcre2.h" "$libdir/libutf8proc.so" "$incdir/utf8proc.h"; do
   [[ -e $f ]] || { log "missing after unpacking: $f (are all of ${debs[*]} in $DEB_DIR?)"; exit 1; }
 done
 export LD_LIBRARY_PATH=$libdir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}

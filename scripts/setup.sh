@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs every build and run dependency of mfsdp:
-#   - Debian packages: compiler, CMake, Ninja, JSON, CLI11, SentencePiece, GoogleTest (and on
+#   - Debian packages: compiler, CMake, Ninja, JSON, CLI11, SentencePiece, PCRE2, utf8proc, GoogleTest (and on
 #     amd64 an aarch64 cross compiler and qemu, for one test);
 #   - a project-local Python virtual environment, .venv (ignored by git), holding the exactly
 #     pinned wheels of scripts/requirements.txt: torch, whose LibTorch every target is built
@@ -16,6 +16,7 @@ packages=(
   libcli11-dev          # command-line parsing of the tools
   libsentencepiece-dev  # SentencePiece tokenizer
   libpcre2-dev          # regexes of Hugging Face tokenizer.json files
+  libutf8proc-dev       # Unicode normal forms, case and categories of tokenizer.json normalizers
   libgtest-dev googletest
 )
 # On amd64: a cross compiler and qemu, to build and run the aarch64 CRC-32C path in a test.

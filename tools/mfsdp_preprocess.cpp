@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "mfsdp/base/json_parse.h"
 #include "mfsdp/data/dataset_checksums.h"
 #include "mfsdp/data/indexed_dataset.h"
 #include "mfsdp/data/tokenizer.h"
@@ -113,7 +114,7 @@ class DocumentReader {
       const std::string where = args_.input + ":" + std::to_string(line_no_);
       nlohmann::json object;
       try {
-        object = nlohmann::json::parse(line);
+        object = mfsdp::parse_json(line);
       } catch (const nlohmann::json::exception& e) {
         throw std::runtime_error(where + ": invalid JSON: " + e.what());
       }

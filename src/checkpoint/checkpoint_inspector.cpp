@@ -3,6 +3,7 @@
 // src/checkpoint/torch_dist_conversion.cpp.
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
 #include "mfsdp/base/directory_tree.h"
+#include "mfsdp/base/json_parse.h"
 
 #include <ATen/ATen.h>
 
@@ -71,8 +72,7 @@ void inspect_dcp_checkpoint(const std::string& path, bool show_param_to_group_me
   const std::string dir = r.dir();
   if (fs::exists(dir + "/metadata.json")) {
     header(out, "checkpoint metadata");
-    std::ifstream in(dir + "/metadata.json");
-    out << nlohmann::json::parse(in).dump(2) << "\n";
+    out << interop::read_json_file(dir + "/metadata.json", "checkpoint metadata").dump(2) << "\n";
   } else {
     // Megatron's tool looks for metadata.json only; a DCP checkpoint keeps its metadata inside
     // .metadata (mfsdp's "mfsdp_metadata" entry), or has none (what its entries imply is shown).

@@ -12,6 +12,7 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/dcp.h"
 #include "mfsdp/base/crc32c.h"
+#include "mfsdp/base/json_parse.h"
 
 namespace fs = std::filesystem;
 
@@ -29,7 +30,7 @@ nlohmann::json read_json(const std::string& file) {
   std::ifstream in(file);
   if (!in) bad(file, "cannot be read");
   try {
-    return nlohmann::json::parse(in);
+    return parse_json(in);
   } catch (const nlohmann::json::exception& e) {
     bad(file, std::string("is not valid JSON: ") + e.what());
   }

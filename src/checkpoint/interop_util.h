@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "mfsdp/base/json_parse.h"
+
 namespace mfsdp::interop {
 
 // A checkpoint stores the model's parameters as "model.<fqn>" (include/mfsdp/checkpoint/checkpoint.h), and
@@ -46,12 +48,12 @@ inline std::string replace_all(std::string s, const std::string& from, const std
 inline std::string shape_str(const std::vector<int64_t>& s) { return c10::str(c10::IntArrayRef(s)); }
 
 // The JSON in `path`; std::invalid_argument naming `what` and the file when it cannot be read or
-// parsed (config.json, a safetensors index).
+// parsed, or nests deeper than kMaxJsonDepth (config.json, a safetensors index).
 inline nlohmann::json read_json_file(const std::string& path, const std::string& what) {
   std::ifstream in(path);
   if (!in) throw std::invalid_argument(what + " '" + path + "' cannot be read");
   try {
-    return nlohmann::json::parse(in);
+    return parse_json(in);
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(what + " '" + path + "' is not valid JSON: " + e.what());
   }

@@ -12,6 +12,7 @@
 
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/interop_util.h"
+#include "mfsdp/base/json_parse.h"
 #include "mfsdp/models/model_spec.h"
 
 namespace fs = std::filesystem;
@@ -48,7 +49,7 @@ std::vector<std::string> header_names(const std::string& path) {
   if (ec || n > size - 8 || n > 100u * 1000u * 1000u) return {};  // the format's 100 MB header limit
   std::string header(n, '\0');
   if (!in.read(header.data(), static_cast<std::streamsize>(n))) return {};
-  const json h = json::parse(header, nullptr, /*allow_exceptions=*/false);
+  const json h = try_parse_json(header);
   std::vector<std::string> names;
   if (!h.is_object()) return names;
   for (const auto& [name, entry] : h.items())

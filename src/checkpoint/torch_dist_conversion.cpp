@@ -15,6 +15,7 @@
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
 #include "mfsdp/checkpoint/dcp.h"
 #include "mfsdp/base/directory_tree.h"
+#include "mfsdp/base/json_parse.h"
 #include "mfsdp/models/model_spec.h"
 
 namespace fs = std::filesystem;
@@ -138,7 +139,7 @@ void convert_torch_dist_to_fsdp_dtensor(const std::string& in, const std::string
     if (!f) throw std::invalid_argument("cannot read --param-to-param-group-map-json '" +
                                         options.param_to_param_group_map_json + "'");
     try {
-      group_map = nlohmann::json::parse(f);
+      group_map = parse_json(f);
     } catch (const nlohmann::json::exception& e) {
       throw std::invalid_argument("'" + options.param_to_param_group_map_json + "' is not JSON: " + e.what());
     }

@@ -9,6 +9,7 @@
 #include <sys/stat.h>
 
 #include "mfsdp/base/crc32c.h"
+#include "mfsdp/base/json_parse.h"
 #include "mfsdp/data/indexed_dataset.h"
 
 namespace mfsdp {
@@ -63,7 +64,7 @@ std::unique_ptr<DatasetChecksums> DatasetChecksums::load(const std::string& path
   if (!in) throw std::runtime_error(path + ": cannot be read");
   std::unique_ptr<DatasetChecksums> c(new DatasetChecksums(path_prefix));
   try {
-    const nlohmann::json j = nlohmann::json::parse(text.str());
+    const nlohmann::json j = parse_json(text.str());
     if (!j.is_object() || j.value("format", "") != kFormat || j.value("algorithm", "") != "crc32c")
       throw std::runtime_error(path + ": not an mfsdp dataset checksums file (format '" + std::string(kFormat) +
                                "', algorithm crc32c)");

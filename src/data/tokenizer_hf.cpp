@@ -3,8 +3,9 @@
 //   1. added tokens that are not `normalized` (<|im_end|>, <s>, ...) are found in the raw text,
 //      leftmost then longest first (lstrip / rstrip / single_word as the library applies them);
 //      the text between them is processed on its own;
-//   2. each such segment goes through the normalizer (Prepend, Replace, Strip, ...; NFC is taken
-//      as the identity), then the `normalized` added tokens are found in it;
+//   2. each such segment goes through the normalizer (Unicode's normal forms and case through
+//      utf8proc, Precompiled, Prepend, Replace, Strip, ...: tokenizer_hf_text.cpp,
+//      tokenizer_hf_unicode.cpp), then the `normalized` added tokens are found in it;
 //   3. the pre-tokenizers cut the segments into pre-tokens: Split with the file's own regex (run
 //      by PCRE2, tokenizer_hf_regex.cpp), ByteLevel, Metaspace, Digits, ... (tokenizer_hf_text.cpp);
 //   4. the model (BPE with byte_fallback / ignore_merges, or Unigram: tokenizer_hf_bpe.cpp,
@@ -27,6 +28,7 @@
 #include <stdexcept>
 #include <unordered_map>
 
+#include "mfsdp/base/json_parse.h"
 #include "mfsdp/data/tokenizer.h"
 #include "mfsdp/data/tokenizer_hf.h"
 #include "tokenizer_hf_parts.h"
@@ -54,7 +56,7 @@ std::string read_file(const std::string& path) {
 
 json parse_json_file(const std::string& path) {
   try {
-    return json::parse(read_file(path));
+    return parse_json(read_file(path));  // nesting bounded (include/mfsdp/base/json_parse.h)
   } catch (const json::exception& e) {
     throw std::runtime_error(path + ": not valid JSON: " + e.what());
   }
@@ -255,7 +257,7 @@ class HuggingFaceTokenizer : public Tokenizer {
         pieces.push_back(std::move(p));
         continue;
       }
-      if (normalizer_) normalizer_->apply(p);
+      if (normalizer_) normalizer_->apply(p, hf::normalized_size_limit(p.text.size()));
       normalized_added_.split(std::move(p), pieces);
     }
     if (pre_tokenizer_) pre_tokenizer_->apply(pieces);
@@ -354,7 +356,7 @@ class HuggingFaceTokenizer : public Tokenizer {
       if (normalized && normalizer_) {
         // Matched in the normalized text by its normalized form.
         Piece p{a.content, 0, -1};
-        normalizer_->apply(p);
+        normalizer_->apply(p, hf::normalized_size_limit(p.text.size()));
         a.match = p.text;
       }
       // Decoding starts from the normalized form, so that the decoders undo the normalizer.

@@ -54,13 +54,18 @@ class Regex {
   // The [start, end) byte spans of the successive matches, as the library's find_iter (the onig
   // crate) yields them: each search starts where the last match ended; an empty match right
   // where the last one ended is skipped by moving one character on. Invalid UTF-8 in `text`
-  // never matches.
+  // never matches. Throws std::runtime_error naming `where` and the text length when matching
+  // exceeds the bounds of [Note: bounded matching] (tokenizer_hf_regex.cpp).
   std::vector<std::pair<size_t, size_t>> find_all(std::string_view text) const;
 
  private:
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+// Runs the following matches in PCRE2's interpreter instead of its JIT (tests only: the paths
+// the machines without a JIT take).
+void set_regex_interpreter_for_testing(bool on);
 
 // The PCRE2 pattern that matches what Oniguruma's `pattern` matches (Ruby syntax with Unicode
 // classes), or std::invalid_argument with the reason for a construct that has no faithful
@@ -97,15 +102,22 @@ class JsonReader {
   Behavior behavior_field(const nlohmann::json& o, const std::string& at, Behavior fallback) const;
   // Metaspace's prepend_scheme, with the older add_prefix_space read as the library reads it.
   PrependScheme prepend_scheme_field(const nlohmann::json& o, const std::string& at) const;
-  // o[key], an array, each element loaded by `load(element, its path)`; null results are dropped.
+  // o[key], an array of objects, each loaded by `load(element, its path)`; a null element is
+  // refused (the library's serde refuses it), a null result (a step that does nothing here, e.g.
+  // the ByteLevel post-processor) is dropped. By reference: a copy per level made nested
+  // Sequences quadratic.
   template <class T, class F>
   std::vector<std::unique_ptr<T>> list_field(const nlohmann::json& o, const char* key, const std::string& at,
                                              F load) const {
-    const nlohmann::json list = o.value(key, nlohmann::json());
-    if (!list.is_array()) refuse(at + "." + key, "expected an array, found " + describe(list));
+    const auto it = o.find(key);
+    if (it == o.end() || !it->is_array()) {
+      refuse(at + "." + key, "expected an array, found " + (it == o.end() ? "nothing" : describe(*it)));
+    }
     std::vector<std::unique_ptr<T>> steps;
-    for (size_t k = 0; k < list.size(); ++k) {
-      auto step = load(list[k], at + "." + key + "[" + std::to_string(k) + "]");
+    for (size_t k = 0; k < it->size(); ++k) {
+      const std::string element_at = at + "." + key + "[" + std::to_string(k) + "]";
+      if ((*it)[k].is_null()) refuse(element_at, "expected an object, found null");
+      auto step = load((*it)[k], element_at);
       if (step) steps.push_back(std::move(step));
     }
     return steps;
@@ -147,11 +159,27 @@ void replace_spans(Piece& p, const std::vector<std::pair<size_t, size_t>>& spans
 class Normalizer {
  public:
   virtual ~Normalizer() = default;
-  virtual void apply(Piece& p) const = 0;
+  // Normalizes p.text. `max_bytes` caps what it may grow to (normalized_size_limit of the
+  // segment): past it, std::runtime_error naming `where`, before the text is built.
+  virtual void apply(Piece& p, size_t max_bytes) const = 0;
+  // Refuses (std::runtime_error naming `where`) a result of `bytes` bytes over `max_bytes`.
+  void check_size(size_t bytes, size_t max_bytes) const;
+  // "FILE: JSON path" of this normalizer, for errors; set by load_normalizer.
+  std::string where;
 };
-// The "normalizer" at `at`; null for none (or NFC, taken as the identity).
+// The "normalizer" at `at`; null for none.
 std::unique_ptr<Normalizer> load_normalizer(const JsonReader& r, const nlohmann::json& n,
                                             const std::string& at);
+// The most bytes a segment of `bytes` bytes may become through the normalizer: 64 times its size
+// plus 64 KiB, far above what Unicode's normal forms (at most 18 characters for one) or a
+// tokenizer's Replace rules make, far below what a hostile Replace can (docs/data.md).
+size_t normalized_size_limit(size_t bytes);
+
+// The normalizers built on Unicode's tables (utf8proc) and SentencePiece's precompiled charsmap
+// (tokenizer_hf_unicode.cpp): NFC, NFD, NFKC, NFKD, Lowercase, StripAccents, BertNormalizer, Nmt,
+// Precompiled. Null when `type` is none of them.
+std::unique_ptr<Normalizer> load_unicode_normalizer(const JsonReader& r, const nlohmann::json& n,
+                                                    const std::string& type, const std::string& at);
 
 class PreTokenizer {
  public:

@@ -2,6 +2,7 @@
 // library does it: the normalizers (normalizers/*.rs) and pre-tokenizers (pre_tokenizers/*.rs),
 // with NormalizedString::split's behaviors, and the reading of their JSON fields.
 #include <algorithm>
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -131,8 +132,8 @@ void prepend(Piece& p, const std::string& s) {
 class SequenceNormalizer : public Normalizer {
  public:
   explicit SequenceNormalizer(std::vector<std::unique_ptr<Normalizer>> steps) : steps_(std::move(steps)) {}
-  void apply(Piece& p) const override {
-    for (const auto& s : steps_) s->apply(p);
+  void apply(Piece& p, size_t max_bytes) const override {
+    for (const auto& s : steps_) s->apply(p, max_bytes);
   }
 
  private:
@@ -142,8 +143,10 @@ class SequenceNormalizer : public Normalizer {
 class PrependNormalizer : public Normalizer {
  public:
   explicit PrependNormalizer(std::string s) : s_(std::move(s)) {}
-  void apply(Piece& p) const override {
-    if (!p.text.empty()) prepend(p, s_);
+  void apply(Piece& p, size_t max_bytes) const override {
+    if (p.text.empty()) return;
+    check_size(p.text.size() + s_.size(), max_bytes);
+    prepend(p, s_);
   }
 
  private:
@@ -154,7 +157,19 @@ class ReplaceNormalizer : public Normalizer {
  public:
   ReplaceNormalizer(Regex pattern, std::string content)
       : pattern_(std::move(pattern)), content_(std::move(content)) {}
-  void apply(Piece& p) const override { replace_spans(p, pattern_.find_all(p.text), content_); }
+  void apply(Piece& p, size_t max_bytes) const override {
+    const std::vector<std::pair<size_t, size_t>> spans = pattern_.find_all(p.text);
+    size_t matched = 0;
+    for (const auto& [s, e] : spans) matched += e - s;
+    // Counted before anything is built: a character replaced by 64 KB must not take gigabytes.
+    const size_t rest = p.text.size() - matched;
+    const size_t most = std::numeric_limits<size_t>::max();
+    check_size(content_.empty() || spans.size() <= (most - rest) / content_.size()
+                   ? rest + spans.size() * content_.size()
+                   : most,
+               max_bytes);
+    replace_spans(p, spans, content_);
+  }
 
  private:
   Regex pattern_;
@@ -164,7 +179,7 @@ class ReplaceNormalizer : public Normalizer {
 class StripNormalizer : public Normalizer {
  public:
   StripNormalizer(bool left, bool right) : left_(left), right_(right) {}
-  void apply(Piece& p) const override {
+  void apply(Piece& p, size_t /*max_bytes: it only shrinks*/) const override {
     const std::string& t = p.text;
     size_t begin = 0, end = t.size();
     if (left_) {
@@ -190,7 +205,10 @@ class StripNormalizer : public Normalizer {
 
 class ByteLevelNormalizer : public Normalizer {
  public:
-  void apply(Piece& p) const override { byte_level_map(p); }
+  void apply(Piece& p, size_t max_bytes) const override {
+    check_size(p.text.size() * 2, max_bytes);  // at most two bytes per byte
+    byte_level_map(p);
+  }
 };
 
 // ---- pre-tokenizers ------------------------------------------------------------------------------
@@ -398,17 +416,30 @@ PrependScheme JsonReader::prepend_scheme_field(const json& o, const std::string&
 
 // ---- loading ---------------------------------------------------------------------------------------
 
-std::unique_ptr<Normalizer> load_normalizer(const JsonReader& r, const json& n, const std::string& at) {
-  if (n.is_null()) return nullptr;
-  if (!n.is_object()) r.refuse(at, "expected an object, found " + describe(n));
+void Normalizer::check_size(size_t bytes, size_t max_bytes) const {
+  if (bytes <= max_bytes) return;
+  throw std::runtime_error(where + ": the normalized text would be " +
+                           (bytes == std::numeric_limits<size_t>::max() ? std::string("too many")
+                                                                        : std::to_string(bytes)) +
+                           " bytes, more than the " + std::to_string(max_bytes) +
+                           " bytes a segment of this text may grow to (64 times its size plus 64 KiB: "
+                           "the cap on normalizer expansion, docs/data.md)");
+}
+
+size_t normalized_size_limit(size_t bytes) {
+  constexpr size_t kFactor = 64, kSlack = size_t{64} << 10;
+  return bytes > (std::numeric_limits<size_t>::max() - kSlack) / kFactor ? std::numeric_limits<size_t>::max()
+                                                                            : bytes * kFactor + kSlack;
+}
+
+namespace {
+
+std::unique_ptr<Normalizer> make_normalizer(const JsonReader& r, const json& n, const std::string& at) {
   const json type = n.value("type", json());
   if (type == "Sequence") {
     return std::make_unique<SequenceNormalizer>(r.list_field<Normalizer>(
         n, "normalizers", at, [&](const json& s, const std::string& a) { return load_normalizer(r, s, a); }));
   }
-  // NFC leaves NFC text as it is, and text is NFC almost always; we do not carry Unicode's
-  // composition tables, so input is taken as already NFC (docs/data.md).
-  if (type == "NFC") return nullptr;
   if (type == "Prepend") return std::make_unique<PrependNormalizer>(r.string_field(n, "prepend", at));
   if (type == "Replace") {
     return std::make_unique<ReplaceNormalizer>(r.pattern_field(n, at), r.string_field(n, "content", at));
@@ -418,10 +449,22 @@ std::unique_ptr<Normalizer> load_normalizer(const JsonReader& r, const json& n, 
                                              r.bool_field(n, "strip_right", at, true));
   }
   if (type == "ByteLevel") return std::make_unique<ByteLevelNormalizer>();
+  if (type.is_string()) {
+    if (auto unicode = load_unicode_normalizer(r, n, type.get<std::string>(), at)) return unicode;
+  }
   r.refuse(at + ".type", "unsupported normalizer " + describe(type) +
-                             " (supported: Sequence, NFC, Prepend, Replace, Strip, ByteLevel; "
-                             "Lowercase, NFD, NFKC, NFKD, StripAccents, BertNormalizer and "
-                             "Precompiled need Unicode tables we do not carry)");
+                             " (supported: Sequence, NFC, NFD, NFKC, NFKD, Lowercase, StripAccents, "
+                             "BertNormalizer, Nmt, Precompiled, Prepend, Replace, Strip, ByteLevel)");
+}
+
+}  // namespace
+
+std::unique_ptr<Normalizer> load_normalizer(const JsonReader& r, const json& n, const std::string& at) {
+  if (n.is_null()) return nullptr;
+  if (!n.is_object()) r.refuse(at, "expected an object, found " + describe(n));
+  std::unique_ptr<Normalizer> made = make_normalizer(r, n, at);
+  made->where = r.where(at);
+  return made;
 }
 
 std::unique_ptr<PreTokenizer> load_pre_tokenizer(const JsonReader& r, const json& p, const std::string& at) {

@@ -4,12 +4,25 @@
 // character no piece starts with costs the lowest score minus 10 and becomes the unk piece, and
 // consecutive unknown characters fuse into one. A fused unknown run becomes its <0xNN> byte
 // pieces under byte_fallback when all of them exist, else unk_id.
+//
+// The pieces that start at a position are found by walking a byte trie of the vocabulary, which
+// stops where no piece continues, as the library's trie does (looking up every prefix up to the
+// longest piece made each position cost the square of that length: pieces of 3,000 characters
+// took 79 s for 20 KB). The walk can still be long at every position (a piece of 3,000 "a" over a
+// text of "a"), so the trie steps of one pre-token are bounded by kLatticeStepsPerByte per byte
+// plus kLatticeStepsBase, far above what real vocabularies need (a few per byte; runs of
+// whitespace or "=" against pieces of 16 to 64 of them, tens); beyond it encode throws, naming
+// the file and model.vocab.
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "tokenizer_hf_parts.h"
 
@@ -58,6 +71,7 @@ class Unigram : public Model {
     const json fallback = model.value("byte_fallback", json(false));
     if (!fallback.is_boolean()) refuse("byte_fallback", "expected true or false");
     byte_fallback_ = fallback.get<bool>();
+    build_trie();
   }
 
   void encode(std::string_view pretoken, std::vector<int64_t>& ids) const override {
@@ -116,6 +130,55 @@ class Unigram : public Model {
   static constexpr double kUnkPenalty = 10.0;
   static constexpr size_t kMaxCachedBytes = 256;
   static constexpr size_t kCacheEntries = 10000;
+  static constexpr uint64_t kLatticeStepsPerByte = 1024;
+  static constexpr uint64_t kLatticeStepsBase = 1'000'000;
+
+  // A node of the byte trie of the pieces: its children are the edges [first, first + count),
+  // sorted by byte; `id` is the piece that ends here, -1 for none.
+  struct TrieNode {
+    uint32_t first = 0;
+    uint32_t count = 0;
+    int64_t id = -1;
+  };
+
+  // Breadth first over the sorted pieces, so that each node's edges are contiguous: a node is the
+  // range of pieces that share its prefix.
+  void build_trie() {
+    std::vector<std::pair<std::string_view, int64_t>> sorted(ids_.begin(), ids_.end());
+    std::sort(sorted.begin(), sorted.end());
+    struct Pending {
+      size_t node, lo, hi, depth;
+    };
+    std::vector<Pending> queue{{0, 0, sorted.size(), 0}};
+    nodes_.emplace_back();
+    for (size_t head = 0; head < queue.size(); ++head) {
+      const Pending at = queue[head];
+      size_t i = at.lo;
+      if (i < at.hi && sorted[i].first.size() == at.depth) nodes_[at.node].id = sorted[i++].second;
+      nodes_[at.node].first = static_cast<uint32_t>(edge_bytes_.size());
+      while (i < at.hi) {
+        const char b = sorted[i].first[at.depth];
+        size_t j = i;
+        while (j < at.hi && sorted[j].first[at.depth] == b) ++j;
+        edge_bytes_.push_back(static_cast<uint8_t>(b));
+        edge_nodes_.push_back(static_cast<uint32_t>(nodes_.size()));
+        queue.push_back({nodes_.size(), i, j, at.depth + 1});
+        nodes_.emplace_back();
+        i = j;
+      }
+      nodes_[at.node].count = static_cast<uint32_t>(edge_bytes_.size()) - nodes_[at.node].first;
+    }
+  }
+
+  // The child of `node` by byte b, or -1.
+  int64_t child(size_t node, uint8_t b) const {
+    const TrieNode& n = nodes_[node];
+    const uint8_t* begin = edge_bytes_.data() + n.first;
+    const uint8_t* end = begin + n.count;
+    const uint8_t* it = n.count <= 8 ? std::find(begin, end, b) : std::lower_bound(begin, end, b);
+    if (it == end || *it != b) return -1;
+    return edge_nodes_[static_cast<size_t>(it - edge_bytes_.data())];
+  }
 
   int64_t require_unk() const {
     if (!unk_id_) {
@@ -135,18 +198,26 @@ class Unigram : public Model {
     };
     const double unk_score = min_score_ - kUnkPenalty;
     std::vector<Node> best(s.size() + 1);
+    uint64_t steps_left = kLatticeStepsBase + kLatticeStepsPerByte * static_cast<uint64_t>(s.size());
     for (size_t start = 0; start < s.size();) {
       const double here = best[start].score;
       const size_t char_len = utf8_char_len(s, start);
       bool single = false;
-      const size_t longest = std::min(max_piece_bytes_, s.size() - start);
-      for (size_t len = 1; len <= longest; ++len) {
-        auto it = ids_.find(std::string(s.substr(start, len)));
-        if (it == ids_.end()) continue;
-        Node& target = best[start + len];
-        const double candidate = scores_[static_cast<size_t>(it->second)] + here;
+      // The pieces that start here, shortest first.
+      size_t node = 0;
+      for (size_t end = start; end < s.size();) {
+        const int64_t next = child(node, static_cast<uint8_t>(s[end]));
+        if (next < 0) break;
+        if (steps_left-- == 0) refuse_lattice(s.size());
+        node = static_cast<size_t>(next);
+        ++end;
+        const int64_t id = nodes_[node].id;
+        if (id < 0) continue;
+        const size_t len = end - start;
+        Node& target = best[end];
+        const double candidate = scores_[static_cast<size_t>(id)] + here;
         if (target.starts_at < 0 || candidate > target.score) {
-          target = {it->second, candidate, static_cast<int64_t>(start)};
+          target = {id, candidate, static_cast<int64_t>(start)};
         }
         single = single || len == char_len;
       }
@@ -160,28 +231,44 @@ class Unigram : public Model {
       start += char_len;
     }
     std::vector<std::string> out;
-    std::string unknown;  // a run of unknown pieces, built backwards
+    // A run of unknown pieces, found backwards: [unknown_start, unknown_end) once it is over (cut
+    // out once; building it by inserting each piece at its front was quadratic in its length).
+    size_t unknown_start = 0;
+    size_t unknown_end = 0;
     for (size_t end = s.size(); end > 0;) {
       const Node& node = best[end];
       const auto start = static_cast<size_t>(node.starts_at);
       if (unk_id_ && node.id == *unk_id_) {
-        unknown.insert(0, s.substr(start, end - start));
+        if (unknown_start == unknown_end) unknown_end = end;
+        unknown_start = start;
       } else {
-        if (!unknown.empty()) out.push_back(std::move(unknown));
-        unknown.clear();
+        if (unknown_start != unknown_end)
+          out.emplace_back(s.substr(unknown_start, unknown_end - unknown_start));
+        unknown_start = unknown_end = 0;
         out.emplace_back(s.substr(start, end - start));
       }
       end = start;
     }
-    if (!unknown.empty()) out.push_back(std::move(unknown));
+    if (unknown_start != unknown_end) out.emplace_back(s.substr(unknown_start, unknown_end - unknown_start));
     std::reverse(out.begin(), out.end());
     return out;
+  }
+
+  [[noreturn]] void refuse_lattice(size_t bytes) const {
+    throw std::runtime_error(
+        file_ + ": model.vocab: a pre-token of " + std::to_string(bytes) + " bytes needs more than " +
+        std::to_string(kLatticeStepsBase + kLatticeStepsPerByte * bytes) + " trie steps (" +
+        std::to_string(kLatticeStepsPerByte) + " per byte plus " + std::to_string(kLatticeStepsBase) +
+        "): pieces of up to " + std::to_string(max_piece_bytes_) + " bytes match at most of its positions");
   }
 
   std::string file_;
   std::vector<std::string> pieces_;
   std::vector<double> scores_;
   std::unordered_map<std::string, int64_t> ids_;
+  std::vector<TrieNode> nodes_;
+  std::vector<uint8_t> edge_bytes_;
+  std::vector<uint32_t> edge_nodes_;  // the node each edge leads to
   std::optional<int64_t> unk_id_;
   bool byte_fallback_ = false;
   double min_score_ = std::numeric_limits<double>::infinity();

@@ -1,5 +1,6 @@
 #include "mfsdp/train/sft_data.h"
 
+#include "mfsdp/base/json_parse.h"
 #include "mfsdp/base/splitmix64.h"
 
 #include <torch/torch.h>
@@ -141,7 +142,7 @@ bool is_pretokenized_sft_jsonl(const std::string& path) {
   std::string line;
   while (std::getline(in, line)) {
     if (is_blank(line)) continue;
-    const json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const json j = try_parse_json(line);
     // A first line that does not parse but names input_ids is a broken pre-tokenized line: the
     // pre-tokenized reader says what is wrong with it.
     if (j.is_discarded()) return line.find("\"input_ids\"") != std::string::npos;
@@ -165,8 +166,8 @@ std::vector<SftSequence> read_pretokenized_sft_jsonl(const std::string& path, in
     auto fail = [&](const std::string& what) { throw std::invalid_argument(at + ": " + what); };
     json j;
     try {
-      j = json::parse(line);
-    } catch (const json::exception& e) {  // parse_error, and out_of_range for a number like 1e999999
+      j = parse_json(line);
+    } catch (const json::exception& e) {  // parse_error, out_of_range (1e999999), nesting past the limit
       fail(std::string("invalid JSON (") + e.what() + ")");
     }
     SftSequence s = parse_pretokenized(j, vocab_size, fail);

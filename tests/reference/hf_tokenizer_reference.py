@@ -24,6 +24,11 @@ and saves each as OUT_DIR/<name>/tokenizer.json:
   split_*      the gpt2 model behind Split pre-tokenizers: every behavior with and without invert,
                and patterns of other models and Oniguruma features (GPT-4o, DeepSeek, \w, \b, ^,
                \h, \uHHHH, {,n}, empty matches, lookarounds, (?m), String patterns)
+  unicode_*    the gpt2 model behind each Unicode normalizer (NFC, NFD, NFKC, NFKD, Lowercase,
+               StripAccents, BertNormalizer with its options, Nmt, and Sequences of them)
+  sp_bpe_nfkc  tokenizers' own SentencePieceBPETokenizer (normalizer NFKC, Metaspace), trained
+  sp_charsmap  a SentencePiece unigram model trained by `sentencepiece` with its nmt_nfkc rule,
+               as tokenizer.json: the library's Precompiled normalizer over the model's charsmap
   pre_*, norm_*, dec_*, proc_*, ...  the llama2 / gpt2 models behind the other pre-tokenizers
                (Digits, Whitespace, WhitespaceSplit, Punctuation, CharDelimiterSplit,
                BertPreTokenizer, ByteLevel after another), normalizers (Strip, Replace with a
@@ -42,10 +47,14 @@ and writes OUT_DIR/reference.json:
                   "decoded_special": D2}],  # the same for ids_special
        "decode": [{"ids": [...], "text": D}],  # pieces of encodings (cut characters, single ids)
        "transformers": [{"text": T, "ids": [...]}]}},  # PreTrainedTokenizerFast(...)(T).input_ids
-   "chat": {NAME: [{"messages": [...], "add_generation_prompt": b, "ids": [...]}, ...]}}
+   "chat": {NAME: [{"messages": [...], "add_generation_prompt": b, "ids": [...]}, ...]},
+   "chat_masks": {NAME: [{"messages": [...], "ids": [...], "mask": [...]}]}}
 
 where "chat" holds the ids transformers' PreTrainedTokenizerFast.apply_chat_template gives with
-the standard ChatML Jinja template (Qwen2's format, docs/data.md "Chat templates").
+the standard ChatML Jinja template (Qwen2's format, docs/data.md "Chat templates"), and
+"chat_masks" the library's ids of a ChatML conversation under an NFKC tokenizer with the SFT mask
+taken from the library's offsets: 1 on the tokens inside an assistant message's content (offsets
+into the original text) and on the <|im_end|> that closes it.
 """
 
 import json
@@ -185,6 +194,16 @@ TEXTS += [
     "long " + "a" * 300 + " " + "0123456789" * 20,
     "NEL\u0085split and nbsp\u00a0and ideographic\u3000space; ſ K ß ﬆ ǅ",
     "\u200d\u200c joiners, é́ marks, ①②③ ½ Ⅻ numbers",
+    # What the normalizers change: precomposed and combining accents (e\u0301, a\u0308\u0304),
+    # ligatures, full-width and compatibility forms, CJK and its compatibility ideographs, Hangul
+    # syllables and conjoining jamo, emoji ZWJ and keycap sequences, Arabic with harakat,
+    # Devanagari with nukta and virama, Turkish İ, Greek final sigma, ß, controls and format
+    # characters, private use, U+FFFD.
+    "Ünïcödé cafe\u0301 na\u0308\u0304ive ﬁnal ﬀ œuvre Æsir ǅemal ÅNGSTRÖM Å K İstanbul "
+    "ΣΊΣΥΦΟΣ ὈΔΥΣΣΕΎΣ straße ẞ ＦＵＬＬ－ｗｉｄｔｈ　１２３！ ｶﾀｶﾅ ㎏ ℌ ℡ ① ⁵ ½ Ⅻ "
+    "漢字 丽 丸 中文 한국어 \u1100\u1161\u11a8 \u1112\u1161\u11ab "
+    "👩‍💻🧑🏾‍🚀👨‍👩‍👧‍👦 🏳️‍🌈 1️⃣ #️⃣ 🇫🇷🇯🇵 مَرْحَبًا بِالعَالَم क़िताब हिन्दी स्वागत "
+    "ctl\x07bell\x00nul\u200bzw\ufeffbom\ue000pua\ufffdrep\u0085nel\x0bvt tab\tend",
 ]
 CONVERSATIONS = [
     [{"role": "user", "content": "What is 12 + 30?"},
@@ -277,7 +296,67 @@ def unigram(texts):
     return Tokenizer.from_str(json.dumps(d))
 
 
-def build(texts):
+def unicode_normalizers():
+    """NAME -> the normalizers backed by Unicode's tables, alone and in Sequences."""
+    n = normalizers
+    return {
+        "unicode_nfc": n.NFC(), "unicode_nfd": n.NFD(), "unicode_nfkc": n.NFKC(),
+        "unicode_nfkd": n.NFKD(), "unicode_lowercase": n.Lowercase(),
+        "unicode_strip_accents": n.StripAccents(),
+        "unicode_nfd_strip_lower": n.Sequence([n.NFD(), n.StripAccents(), n.Lowercase()]),
+        "unicode_nfkd_strip": n.Sequence([n.NFKD(), n.StripAccents()]),
+        "unicode_bert": n.BertNormalizer(),
+        "unicode_bert_cased": n.BertNormalizer(lowercase=False),
+        "unicode_bert_clean_only": n.BertNormalizer(clean_text=True, handle_chinese_chars=False,
+                                                    strip_accents=False, lowercase=False),
+        "unicode_bert_strip_cased": n.BertNormalizer(strip_accents=True, lowercase=False),
+        "unicode_bert_lower_keep_accents": n.BertNormalizer(strip_accents=False, lowercase=True),
+        "unicode_nmt": n.Nmt(),
+        "unicode_nmt_nfkc": n.Sequence([n.Nmt(), n.NFKC()]),
+        "unicode_nfkc_then_replace": n.Sequence([n.NFKC(), n.Replace(Regex(r"\s+"), " "),
+                                                  n.Lowercase()]),
+    }
+
+
+def sentencepiece_bpe_nfkc(texts):
+    """tokenizers' SentencePieceBPETokenizer: normalizer NFKC, Metaspace, trained here."""
+    from tokenizers.implementations import SentencePieceBPETokenizer
+
+    tok = SentencePieceBPETokenizer(unk_token="<unk>")
+    tok.train_from_iterator(texts, vocab_size=1200, min_frequency=2, show_progress=False,
+                            special_tokens=SP_SPECIAL, limit_alphabet=200)
+    return Tokenizer.from_str(tok.to_str())
+
+
+def sentencepiece_charsmap(texts, workdir):
+    """A unigram model trained by SentencePiece with its nmt_nfkc rule, as tokenizer.json with
+    the library's Precompiled normalizer over the model's precompiled charsmap (what
+    transformers' converters write for T5, ALBERT, XLM-R and the like)."""
+    import sentencepiece as spm
+    from transformers.utils import sentencepiece_model_pb2_new as pb2
+
+    prefix = os.path.join(workdir, "sp_charsmap_model")
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_prefix=prefix, vocab_size=900, model_type="unigram",
+        normalization_rule_name="nmt_nfkc", character_coverage=0.9995, byte_fallback=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+    proto = pb2.ModelProto()
+    with open(prefix + ".model", "rb") as f:
+        proto.ParseFromString(f.read())
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    assert len(charsmap) > 1000, "nmt_nfkc should bring a charsmap"
+    vocab = [(p.piece, p.score) for p in proto.pieces]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Precompiled(charsmap),
+                                           normalizers.Replace(Regex(" {2,}"), " ")])
+    always = {"replacement": "▁", "prepend_scheme": "always", "split": True}
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(**always)
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Metaspace(**always)])
+    tok.add_special_tokens(SP_SPECIAL)
+    return Tokenizer.from_str(tok.to_str())
+
+
+def build(texts, workdir):
     """NAME -> Tokenizer, every layout the C++ test compares."""
     out = {}
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -354,6 +433,11 @@ def build(texts):
         normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])))
     out["norm_byte_level"] = edited(gpt2, normalizer=to_json(normalizers.ByteLevel()),
                                     pre_tokenizer=None)
+    for name, normalizer in unicode_normalizers().items():
+        out[name] = edited(gpt2, normalizer=to_json(normalizer))
+    out["sp_bpe_nfkc"] = sentencepiece_bpe_nfkc(texts)
+    out["sp_charsmap"] = sentencepiece_charsmap(texts, workdir)
+    out["llama3_nfkc"] = edited(out["llama3"], normalizer=to_json(normalizers.NFKC()))
     out["dec_bpe"] = edited(llama2, decoder=to_json(decoders.BPEDecoder(suffix="▁")))
     out["proc_roberta"] = edited(gpt2, post_processor=to_json(processors.RobertaProcessing(
         ("<|endoftext|>", gpt2.token_to_id("<|endoftext|>")),
@@ -379,6 +463,39 @@ def chat_ids(tokenizer_file):
     return cases
 
 
+NFKC_CONVERSATIONS = [
+    [{"role": "user", "content": "Ｗｈａｔ ｉｓ １２ ＋ ３０？"},
+     {"role": "assistant", "content": "１２ ＋ ３０ ＝ ４２．ﬁne ㎏ ①"}],
+    [{"role": "system", "content": "Ｂｅ ｂｒｉｅｆ."},
+     {"role": "user", "content": "Ligatures: ﬁ ﬂ ﬀ?"},
+     {"role": "assistant", "content": "ﬁ → fi, ﬂ → fl.  cafe\u0301 ＡＢＣ"},
+     {"role": "user", "content": "And Hangul \u1100\u1161\u11a8?"},
+     {"role": "assistant", "content": "\u1100\u1161\u11a8 is 각 ｶﾀｶﾅ ℌ"}],
+]
+
+
+def chatml_masks(tok):
+    """The library's ids of each NFKC_CONVERSATIONS conversation rendered in ChatML, and the mask
+    from its offsets: 1 on tokens inside an assistant content span and on the <|im_end|> after it."""
+    out = []
+    im_end = tok.token_to_id("<|im_end|>")
+    for messages in NFKC_CONVERSATIONS:
+        text, spans = "", []
+        for m in messages:
+            text += "<|im_start|>" + m["role"] + "\n"
+            if m["role"] == "assistant":
+                spans.append((len(text), len(text) + len(m["content"])))
+            text += m["content"] + "<|im_end|>" + "\n"
+        enc = tok.encode(text, add_special_tokens=False)
+        mask = []
+        for k, (start, end) in enumerate(enc.offsets):
+            inside = any(s <= start and end <= e and start < end for s, e in spans)
+            closes = enc.ids[k] == im_end and any(e == start for s, e in spans)
+            mask.append(1 if inside or closes else 0)
+        out.append({"messages": messages, "ids": enc.ids, "mask": mask})
+    return out
+
+
 def transformers_ids(tokenizer_file, texts):
     """transformers' tokenizer(text).input_ids (add_special_tokens defaults to True)."""
     from transformers import PreTrainedTokenizerFast
@@ -392,8 +509,8 @@ def main():
         sys.exit("usage: hf_tokenizer_reference.py OUT_DIR")
     out = sys.argv[1]
     texts = corpus()
-    ref = {"tokenizers": {}, "chat": {}}
-    tokenizers = build(texts)
+    ref = {"tokenizers": {}, "chat": {}, "chat_masks": {}}
+    tokenizers = build(texts, out)
     for name, tok in tokenizers.items():
         os.makedirs(os.path.join(out, name), exist_ok=True)
         path = os.path.join(out, name, "tokenizer.json")
@@ -418,6 +535,8 @@ def main():
         ref["tokenizers"][name] = entry
         if name in ("gpt2", "llama3"):
             ref["chat"][name] = chat_ids(path)
+        if name == "llama3_nfkc":
+            ref["chat_masks"][name] = chatml_masks(tok)
     with open(os.path.join(out, "reference.json"), "w", encoding="utf-8") as f:
         json.dump(ref, f, ensure_ascii=False, indent=1)
     print(f"hf_tokenizer_reference: wrote {out}/reference.json ({len(TEXTS)} texts x "

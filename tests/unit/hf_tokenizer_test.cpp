@@ -154,9 +154,9 @@ TEST_F(HfTokenizerReference, MatchesTheTokenizersLibraryTokenForToken) {
     ++compared;
   }
   // Every layout of hf_tokenizer_reference.py, e.g. gpt2, llama3, qwen2, llama2, mistral, unigram.
-  EXPECT_GE(compared, 40u);
-  for (const char* name :
-       {"gpt2", "gpt2_prefix", "llama3", "qwen2", "llama2", "llama2_added", "mistral", "unigram"}) {
+  EXPECT_GE(compared, 60u);
+  for (const char* name : {"gpt2", "gpt2_prefix", "llama3", "qwen2", "llama2", "llama2_added", "mistral", "unigram",
+                           "unicode_nfkc", "unicode_bert", "sp_bpe_nfkc", "sp_charsmap"}) {
     EXPECT_TRUE(tokenizers().contains(name)) << name;
   }
 }
@@ -236,13 +236,22 @@ TEST_F(HfTokenizerReference, RefusalsNameTheFileAndTheJsonField) {
   expect_contains(with_regex("(?s)."), {file, regex_at, "option"});
   expect_contains(with_regex("\\p{NoSuchProperty}"), {file, regex_at, "does not compile"});
   expect_contains(error_with([](json& t) {
-                    t["normalizer"] = {{"type", "Lowercase"}};
+                    t["normalizer"] = {{"type", "Uppercase"}};
                   }),
-                  {file, "normalizer.type", "Lowercase"});
+                  {file, "normalizer.type", "Uppercase", "supported: "});
+  // A null step of a Sequence is refused (the library's serde refuses it), not skipped.
   expect_contains(error_with([](json& t) {
-                    t["normalizer"] = {{"type", "NFKC"}};
+                    t["normalizer"] = {{"type", "Sequence"}, {"normalizers", {json(), {{"type", "NFC"}}}}};
                   }),
-                  {file, "normalizer.type", "NFKC"});
+                  {file, "normalizer.normalizers[0]", "null"});
+  expect_contains(error_with([](json& t) {
+                    t["normalizer"] = {{"type", "Precompiled"}, {"precompiled_charsmap", "AAAA%"}};
+                  }),
+                  {file, "normalizer.precompiled_charsmap", "base64"});
+  expect_contains(error_with([](json& t) {
+                    t["normalizer"] = {{"type", "Precompiled"}, {"precompiled_charsmap", "/////wAA"}};
+                  }),
+                  {file, "normalizer.precompiled_charsmap", "does not fit"});
   expect_contains(error_with([](json& t) {
                     t["pre_tokenizer"] = {{"type", "UnicodeScripts"}};
                   }),
@@ -300,6 +309,26 @@ TEST_F(HfTokenizerReference, ChatmlMatchesTransformersApplyChatTemplate) {
     EXPECT_EQ(compared, 6u) << name;
     EXPECT_EQ(chat_end_of_turn_id(*t, "chatml"), im_end);
   }
+}
+
+// SFT's assistant-only mask under a normalizer that changes lengths (NFKC: full-width forms,
+// ligatures, jamo): the library encodes the whole rendered conversation and the mask comes from
+// its offsets into the original text; apply_chat_template must give the same ids and mask.
+TEST_F(HfTokenizerReference, ChatMasksUnderNfkcMatchTheLibrarysOffsets) {
+  auto t = load_hf_tokenizer(folder("llama3_nfkc"));
+  size_t compared = 0;
+  for (const json& c : (*reference_)["chat_masks"]["llama3_nfkc"]) {
+    std::vector<ChatMessage> messages;
+    for (const json& m : c["messages"]) {
+      messages.push_back({m["role"].get<std::string>(), m["content"].get<std::string>()});
+    }
+    const ChatTokens r = apply_chat_template(*t, "chatml", messages, false);
+    EXPECT_EQ(r.ids, c["ids"].get<Ids>()) << "conversation " << compared;
+    EXPECT_EQ(std::vector<int>(r.loss_mask.begin(), r.loss_mask.end()), c["mask"].get<std::vector<int>>())
+        << "conversation " << compared;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 2u);
 }
 
 TEST_F(HfTokenizerReference, PreprocessAcceptsTheType) {

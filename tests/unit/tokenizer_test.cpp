@@ -283,9 +283,13 @@ TEST(HuggingFaceTokenizer, UnsupportedThingsAreErrorsNamingFileAndJsonPath) {
                   {file, "pre_tokenizer.pretokenizers[0].pattern.Regex", "[a&&b]"});
   expect_contains(error_for(tiny_hf_json(R"({"type": "UnicodeScripts"})", kPairMerges)),
                   {file, "pre_tokenizer.type", "UnicodeScripts"});
-  std::string lowercase = tiny_hf_json(kByteLevelPre, kPairMerges);
-  lowercase.replace(lowercase.find("\"normalizer\": null"), 18, R"("normalizer": {"type": "Lowercase"})");
-  expect_contains(error_for(lowercase), {file, "normalizer.type", "Lowercase"});
+  std::string unknown = tiny_hf_json(kByteLevelPre, kPairMerges);
+  unknown.replace(unknown.find("\"normalizer\": null"), 18, R"("normalizer": {"type": "Uppercase"})");
+  expect_contains(error_for(unknown), {file, "normalizer.type", "Uppercase"});
+  std::string bert = tiny_hf_json(kByteLevelPre, kPairMerges);
+  bert.replace(bert.find("\"normalizer\": null"), 18,
+               R"("normalizer": {"type": "BertNormalizer", "lowercase": "yes"})");
+  expect_contains(error_for(bert), {file, "normalizer.lowercase", "true or false"});
   expect_contains(error_for(tiny_hf_json(kByteLevelPre, R"([["h", "e", "x"]])")),
                   {file, "model.merges[0]"});
   std::string lstrip = tiny_hf_json(kByteLevelPre, kPairMerges);

@@ -101,7 +101,7 @@ std::unique_ptr<Tokenizer> load_gpt2_bpe_tokenizer(const std::string& vocab_file
 
 // GPT-2's pre-tokenisation: splits UTF-8 text into the pieces that the regex
 //   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-// matches, implemented by hand with Unicode 14.0's character classes (tokenizer_gpt2_bpe.cpp,
+// matches, implemented by hand over utf8proc's character classes (tokenizer_gpt2_bpe.cpp,
 // [Note: Unicode classes]). Exposed for tests.
 std::vector<std::string> gpt2_pretokenize(std::string_view text);
 

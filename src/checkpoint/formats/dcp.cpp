@@ -21,6 +21,7 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/torch_save.h"
 #include "mfsdp/base/crc32c.h"
+#include "mfsdp/base/json_parse.h"
 
 namespace fs = std::filesystem;
 
@@ -603,7 +604,7 @@ void Reader::attach_checksums(const std::string& metadata_bytes) {
   };
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(buf.str());
+    j = parse_json(buf.str());
   } catch (const nlohmann::json::exception& e) {
     throw bad(std::string("is not valid JSON (") + e.what() + ")");
   }

@@ -1,6 +1,7 @@
 // The safetensors format: see include/mfsdp/checkpoint/safetensors.h and docs/safetensors.md.
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/base/directory_tree.h"
+#include "mfsdp/base/json_parse.h"
 
 #include <ATen/ATen.h>
 #include <fcntl.h>
@@ -257,11 +258,8 @@ void SafetensorsFile::open(const std::string& path) {
   std::string duplicate;
   json header;
   try {
-    header = json::parse(text, [&](int depth, json::parse_event_t ev, json& parsed) {
-      if (depth == 1 && ev == json::parse_event_t::key && parsed.is_string()) {
-        if (!keys.insert(parsed.get<std::string>()).second && duplicate.empty()) duplicate = parsed.get<std::string>();
-      }
-      return true;
+    header = parse_json(text, [&](int depth, const std::string& key) {
+      if (depth == 1 && !keys.insert(key).second && duplicate.empty()) duplicate = key;
     });
   } catch (const json::exception& e) {
     bad_file(path, std::string("header is not valid JSON: ") + e.what());
@@ -543,7 +541,7 @@ std::map<std::string, at::Tensor> read_safetensors_folder(const std::string& dir
     std::ifstream in(ip, std::ios::binary);
     if (!in) throw std::invalid_argument("safetensors index " + quote(ip) + ": cannot open");
     try {
-      index = json::parse(in);
+      index = parse_json(in);
     } catch (const json::exception& e) {
       throw std::invalid_argument("safetensors index " + quote(ip) + ": not valid JSON: " + e.what());
     }

@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <nlohmann/json.hpp>
 
+#include "mfsdp/base/json_parse.h"
+
 namespace mfsdp {
 namespace {
 
@@ -73,8 +75,8 @@ void for_each_record(const std::string& path,
     auto fail = [&](const std::string& what) { throw LineError(path, line_no, what); };
     json j;
     try {
-      j = json::parse(line);
-    } catch (const json::exception& e) {  // parse_error, and out_of_range for numbers like 1e999999
+      j = parse_ordered_json(line);
+    } catch (const json::exception& e) {  // parse_error, out_of_range (1e999999), nesting past the limit
       fail(std::string("invalid JSON (") + e.what() + ")");
     }
     if (!j.is_object()) fail(std::string("a line must hold a JSON object, got ") + type_name(j));
@@ -227,9 +229,9 @@ void write_rl_jsonl(const std::string& path, const std::vector<RlExample>& examp
     // it; everything else as a string. Only canonical text qualifies, so reading the file back
     // gives the same string.
     json gt = ex.ground_truth;
-    json parsed = json::parse(ex.ground_truth, nullptr, /*allow_exceptions=*/false);
+    json parsed = try_parse_ordered_json(ex.ground_truth);
     if ((parsed.is_object() || parsed.is_array()) && parsed.dump() == ex.ground_truth) gt = parsed;
-    json extra = json::parse(ex.extra_info_json, nullptr, /*allow_exceptions=*/false);
+    json extra = try_parse_ordered_json(ex.extra_info_json);
     if (extra.is_discarded())
       throw std::invalid_argument(where + ": extra_info_json is not valid JSON: " + ex.extra_info_json);
     json record = {{"data_source", ex.data_source},

@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <nlohmann/json.hpp>
 
+#include "mfsdp/base/json_parse.h"
+
 namespace mfsdp {
 namespace {
 
@@ -213,10 +215,13 @@ struct CountdownTruth {
 
 CountdownTruth parse_countdown_truth(const std::string& ground_truth_json) {
   auto bad = [&](const std::string& what) {
+    // At most 200 characters of the text: a hostile one can be megabytes.
+    const std::string quoted = ground_truth_json.size() <= 200 ? ground_truth_json
+                                                               : ground_truth_json.substr(0, 200) + "...";
     return std::invalid_argument("countdown ground truth " + what +
-                                 " (expected {\"target\": int, \"numbers\": [ints]}): " + ground_truth_json);
+                                 " (expected {\"target\": int, \"numbers\": [ints]}): " + quoted);
   };
-  nlohmann::json j = nlohmann::json::parse(ground_truth_json, nullptr, /*allow_exceptions=*/false);
+  const nlohmann::json j = try_parse_json(ground_truth_json);
   if (j.is_discarded()) throw bad("is not valid JSON");
   if (!j.is_object()) throw bad("is not an object");
   auto t = j.find("target");
