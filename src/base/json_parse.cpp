@@ -6,7 +6,7 @@
 // build, and the recursive code that walks it, that must not be deep. The handler therefore
 // throws at the first container past the limit, and what was built so far (at most
 // kMaxJsonDepth deep) is freed as the exception leaves. The handler is written against the
-// documented SAX interface (https://json.nlohmann.me/api/basic_json/sax_parse/), not
+// documented SAX interface (nlohmann::json::sax_parse), not
 // nlohmann::detail::json_sax_dom_parser, whose template parameters change between releases.
 #include "mfsdp/base/json_parse.h"
 
