@@ -508,6 +508,7 @@ def main():
     if len(sys.argv) != 2:
         sys.exit("usage: hf_tokenizer_reference.py OUT_DIR")
     out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
     texts = corpus()
     ref = {"tokenizers": {}, "chat": {}, "chat_masks": {}}
     tokenizers = build(texts, out)

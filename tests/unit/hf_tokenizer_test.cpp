@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -35,14 +36,20 @@ using mfsdp::testing::TempDir;
 class HfTokenizerReference : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
+    // Under ctest the setup test HfTokenizerReferenceData has written the reference
+    // (tests/CMakeLists.txt); run by hand, the script runs here.
+    const char* fixture = std::getenv("MFSDP_HF_REFERENCE_DIR");
     dir_ = new TempDir("mfsdp-hftok");
-    const std::string command = std::string("\"") + MFSDP_PYTHON_PATH + "\" \"" + MFSDP_SOURCE_DIR +
-                                "/tests/reference/hf_tokenizer_reference.py\" \"" + dir_->path().string() +
-                                "\"";
-    const auto outcome = mfsdp::testing::run_command(command);
-    script_output_ = new std::string(outcome.output);
-    if (outcome.exit_code != 0) return;
-    std::ifstream in(dir_->file("reference.json"));
+    root_ = new std::string(fixture != nullptr ? fixture : dir_->path().string());
+    script_output_ = new std::string("(written by ctest's HfTokenizerReferenceData)");
+    if (fixture == nullptr) {
+      const std::string command = std::string("\"") + MFSDP_PYTHON_PATH + "\" \"" + MFSDP_SOURCE_DIR +
+                                  "/tests/reference/hf_tokenizer_reference.py\" \"" + *root_ + "\"";
+      const auto outcome = mfsdp::testing::run_command(command);
+      *script_output_ = outcome.output;
+      if (outcome.exit_code != 0) return;
+    }
+    std::ifstream in(*root_ + "/reference.json");
     std::stringstream ss;
     ss << in.rdbuf();
     reference_ = new json(json::parse(ss.str()));
@@ -50,20 +57,23 @@ class HfTokenizerReference : public ::testing::Test {
   static void TearDownTestSuite() {
     delete reference_;
     delete script_output_;
+    delete root_;
     delete dir_;
     reference_ = nullptr;
   }
   void SetUp() override {
     ASSERT_NE(reference_, nullptr) << "hf_tokenizer_reference.py failed:\n" << *script_output_;
   }
-  static std::string folder(const std::string& name) { return dir_->file(name); }
+  static std::string folder(const std::string& name) { return *root_ + "/" + name; }
   static const json& tokenizers() { return (*reference_)["tokenizers"]; }
 
-  static TempDir* dir_;
+  static TempDir* dir_;      // this process's scratch folder
+  static std::string* root_;  // the reference's folder: the fixture's, or dir_
   static std::string* script_output_;
   static json* reference_;
 };
 TempDir* HfTokenizerReference::dir_ = nullptr;
+std::string* HfTokenizerReference::root_ = nullptr;
 std::string* HfTokenizerReference::script_output_ = nullptr;
 json* HfTokenizerReference::reference_ = nullptr;
 
