@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "harness/run_command.h"
+#include "harness/spawn_with_files.h"
 #include "mfsdp/base/directory_tree.h"
 #include "harness/temp_dir.h"
 
@@ -90,27 +91,14 @@ struct ChildRun {
 // Runs `argv` with stderr (and stdout) in `log_prefix`.{err,out}, under the address-space limit
 // and the hang guard; the child's peak RSS and CPU time come from wait4().
 ChildRun run_child(const std::vector<std::string>& args, const std::string& log_prefix) {
-  std::vector<std::string> strings = args;
-  std::vector<char*> argv;
-  for (auto& s : strings) argv.push_back(s.data());
-  argv.push_back(nullptr);
   const std::string out_path = log_prefix + ".out", err_path = log_prefix + ".err";
   const auto start = std::chrono::steady_clock::now();
-  const pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0 || err < 0) _exit(126);
-    dup2(out, 1);
-    dup2(err, 2);
+  const pid_t pid = mfsdp::testing::spawn_with_files(args, out_path, err_path, [] {
     const rlimit as{kAddressSpaceLimit, kAddressSpaceLimit};
     const rlimit no_core{0, 0};  // a crash (a stack overflow) leaves no core of gigabytes
     setrlimit(RLIMIT_AS, &as);
     setrlimit(RLIMIT_CORE, &no_core);
-    execv(argv[0], argv.data());
-    _exit(127);
-  }
+  });
   ChildRun r;
   int status = 0;
   rusage usage{};

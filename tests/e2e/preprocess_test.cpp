@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "harness/expect_error.h"
+#include "harness/spawn_with_files.h"
 #include "harness/temp_dir.h"
 
 #include <cstdlib>
@@ -61,23 +62,9 @@ struct Result {
 // Runs mfsdp-preprocess with `args`, stdout and stderr captured through files.
 Result run_tool(const TempDir& dir, const std::vector<std::string>& args) {
   const std::string out_path = dir.file("stdout.txt"), err_path = dir.file("stderr.txt");
-  const std::string bin = tool_path();
-  std::vector<std::string> argv_strings = {bin};
-  argv_strings.insert(argv_strings.end(), args.begin(), args.end());
-  std::vector<char*> argv;
-  for (auto& s : argv_strings) argv.push_back(s.data());
-  argv.push_back(nullptr);
-  const pid_t pid = fork();
-  if (pid < 0) throw std::runtime_error("fork failed");
-  if (pid == 0) {
-    const int out = open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    const int err = open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (out < 0 || err < 0) _exit(126);
-    dup2(out, 1);
-    dup2(err, 2);
-    execv(bin.c_str(), argv.data());
-    _exit(127);
-  }
+  std::vector<std::string> argv = {tool_path()};
+  argv.insert(argv.end(), args.begin(), args.end());
+  const pid_t pid = mfsdp::testing::spawn_with_files(argv, out_path, err_path);
   int status = 0;
   waitpid(pid, &status, 0);
   Result r;
