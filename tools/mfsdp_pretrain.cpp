@@ -25,8 +25,9 @@ int main(int argc, char** argv) {
   tool.validate = mfsdp::validate_pretrain_args;
   tool.run = [&](const std::shared_ptr<mfsdp::Communicator>& comm) {
     if (args.memory_plan) {
-      mfsdp::print_memory_plan(mfsdp::model_config_from_args(args, args, args.seq_length, args.padded_vocab_size), args, args, args,
-                               mfsdp::shard_options_from_args(args, args, nullptr, args.calculate_per_token_loss),
+      mfsdp::print_memory_plan(mfsdp::model_config_from_args(args, args, args.seq_length, args.padded_vocab_size), args,
+                               mfsdp::parallel_dims(args, args, comm->size()),
+                               mfsdp::shard_options_from_args(args, args, args, args.calculate_per_token_loss),
                                args.num_micro_batches, comm, std::cout);
     } else {
       mfsdp::pretrain(args, comm, std::cout);

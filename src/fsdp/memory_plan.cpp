@@ -73,19 +73,23 @@ TransientPeak run_step_on_meta(const torch::nn::Module& root, const StepShape& s
   for (const auto& item : model->named_modules()) modules[item.key()] = item.value();
 
   FullyShardOptions o = options;
-  o.comm = make_simulated_communicator(0, world, at::Device(at::kMeta));
   o.device.reset();  // the buffers live on the communicator's (meta) device
-  FullyShardOptions experts = o;
-  experts.outer_strategy = ShardingStrategy::kNoShard;  // expert groups are not hybrid
   if (replicas == 1) o.outer_strategy = ShardingStrategy::kNoShard;  // nothing to split across
-  if (replicas > 1) {  // HSDP: the units on a [replicas, world] mesh, as a real run has them
-    o.mesh = std::make_shared<DeviceMesh>(make_simulated_communicator(0, replicas * world, at::Device(at::kMeta)),
-                                          std::vector<int>{replicas, world},
+  FullyShardOptions experts = o;
+  // HSDP: the units on [replicas, shard group] meshes, as a real run has them (the experts'
+  // own, over their expert-data-parallel group: train/parallel_dims.h).
+  auto hybrid = [&](FullyShardOptions& u, int shard_group) {
+    if (replicas == 1) {
+      u.comm = make_simulated_communicator(0, shard_group, at::Device(at::kMeta));
+      return;
+    }
+    u.mesh = std::make_shared<DeviceMesh>(make_simulated_communicator(0, replicas * shard_group, at::Device(at::kMeta)),
+                                          std::vector<int>{replicas, shard_group},
                                           std::vector<std::string>{"dp_outer", "dp_shard"});
-    o.comm = nullptr;
-  }
-  if (step.expert_data_parallel > 0)
-    experts.comm = make_simulated_communicator(0, step.expert_data_parallel, at::Device(at::kMeta));
+    u.comm = nullptr;
+  };
+  hybrid(o, world);
+  if (step.expert_data_parallel > 0) hybrid(experts, step.expert_data_parallel);
   const size_t n = step.forward_order.size();
   std::vector<detail::UnitState*> units(n);
   for (size_t i = n; i-- > 0;) {  // the children first (an expert group before its layer), then the root
@@ -177,8 +181,7 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
       for (const auto& [name, p] : group) shapes.push_back(p.sizes().vec());
       const at::Tensor& first = group.front().second;
       const GroupPlan g = detail::plan_group(shapes, first.scalar_type(), first.requires_grad(), options,
-                                             unit.expert_group ? step.expert_data_parallel : world,
-                                             unit.expert_group ? 1 : replicas);
+                                             unit.expert_group ? step.expert_data_parallel : world, replicas);
       GroupMemory m;
       m.unit = unit.path;
       m.first_param = unit.path.empty() ? group.front().first : unit.path + "." + group.front().first;

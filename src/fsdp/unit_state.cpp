@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "mfsdp/comm/device_mesh.h"
 #include "mfsdp/fsdp/recompute.h"
 
 #include <ATen/record_function.h>
@@ -155,9 +156,18 @@ void UnitState::build_context() {
                                   mfsdp::to_string(u->options_.outer_strategy) + " but its root " +
                                   mfsdp::to_string(options_.outer_strategy) + "; every unit under one root must use the same");
     if (u->options_.comm == options_.comm && u->options_.mesh == options_.mesh) continue;
-    if (u->options_.mesh || options_.mesh)
+    // A unit may shard over an HSDP mesh of its own (the experts over [replicas,
+    // expert-data-parallel], train/parallel_dims.h) whose replicas are the root's: as many, and
+    // this rank in the same one, so the root's norms and divisor still count each element once.
+    const auto replica = [](const FullyShardOptions& o) {
+      return o.mesh && o.mesh->dim_names().size() == 2
+                 ? std::make_pair(o.mesh->shape().front(), o.mesh->coordinate(o.mesh->dim_names().front()))
+                 : std::make_pair(0, 0);
+    };
+    if ((u->options_.mesh || options_.mesh) && (replica(u->options_) != replica(options_) || !options_.mesh))
       throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' was sharded over another mesh than its root; "
-                                  "every unit under one HSDP root must use the same options.mesh");
+                                  "every unit under one HSDP root must use the same options.mesh, or one with the "
+                                  "root's replicas");
     if (options_.gradient_scaling == GradientScaling::kAverageInCollective)
       throw std::invalid_argument("fully_shard: unit '" + u->path_ + "' is sharded over another communicator than its "
                                   "root, which GradientScaling::kAverageInCollective cannot average over the root's "

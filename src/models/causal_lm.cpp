@@ -3,8 +3,7 @@
 
 namespace mfsdp {
 
-FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options,
-                       const std::shared_ptr<Communicator>& expert_data_parallel) {
+FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options, const FullyShardOptions* experts_options) {
   // fully_shard copies each parameter into its flat buffer, so a deferred layer is materialised
   // right before it becomes a unit; one layer at a time keeps the unsharded model off the rank.
   const bool deferred = model.has_deferred();
@@ -12,11 +11,8 @@ FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options,
     if (deferred) model.materialize_and_init_layer(i);
     // Under expert parallelism a layer's experts are a unit of their own, over the ranks that
     // hold the same experts; their gradients are still divided by the root's data-parallel size.
-    if (torch::nn::Module* experts = model.expert_unit(i); experts != nullptr && expert_data_parallel) {
-      FullyShardOptions expert_options = options;
-      expert_options.comm = expert_data_parallel;
-      fully_shard(*experts, expert_options);
-    }
+    if (torch::nn::Module* experts = model.expert_unit(i); experts != nullptr && experts_options != nullptr)
+      fully_shard(*experts, *experts_options);
     fully_shard(model.layer_unit(i), options);
   }
   if (deferred) model.init_root();

@@ -14,6 +14,7 @@
 #include "mfsdp/data/posttrain/rewards.h"
 #include "mfsdp/data/posttrain/verifiable_tasks.h"
 #include "mfsdp/models/batched_generate.h"
+#include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/tensor_parallel.h"
 #include "mfsdp/models/token_stats.h"
@@ -39,12 +40,13 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 // its ranges into a skeleton built with deferred init (every value is overwritten).
 // Under tensor parallelism it is split like the policy, each rank reading its slices.
 ShardedModel load_reference(const GrpoArgs& g, const OpenedCheckpoint& load, const ModelConfig& config,
-                            const std::shared_ptr<Communicator>& comm, const ParallelGroups& groups) {
+                            const std::shared_ptr<Communicator>& comm, const ParallelMesh& mesh) {
   const PretrainArgs& a = g.base;
-  ModelBuildOptions options = model_build_options(a, a, a, a, /*values_loaded=*/true);
+  ModelBuildOptions options = model_build_options(a, a, a, a, a, /*values_loaded=*/true);
   options.recompute_layers = false;  // forward only
-  ShardedModel ref = build_sharded_model(config, options, a.expert_model_parallel_size, a.attention_backend != "unfused",
-                                         shard_options_from_args(a, a, groups.fsdp, /*per_token_loss=*/true), &groups);
+  // The policy's mesh: the same groups, not made again.
+  ShardedModel ref = build_sharded_model(config, options, a.attention_backend != "unfused",
+                                         shard_options_from_args(a, a, a, /*per_token_loss=*/true), &mesh);
   const TensorSlices slices = tensor_parallel_checkpoint_slices(*ref.model, ref.root);
   CheckpointLoadOptions o;
   o.load_optimizer = false;
@@ -151,6 +153,17 @@ PolicyOutputs policy_outputs(CausalLM& model, const RolloutBatch& batch, double 
 
 // The tensors of `b` the update reads, on the device before its forward: a pageable copy after
 // the forward would hold the host until the forward has run, with the backward not yet queued.
+// This rank's chunks of every row of `b` (context_parallel::shard_sequence, as the model cuts
+// its positions), with each whole row's trained tokens.
+RolloutBatch context_parallel_part(const RolloutBatch& b, const Communicator& cp) {
+  RolloutBatch part = b;
+  part.row_tokens = b.mask.sum(1);
+  for (at::Tensor* t : {&part.input_ids, &part.labels, &part.mask, &part.attention_mask, &part.response,
+                        &part.rollout_log_probs})
+    *t = context_parallel::shard_sequence(*t, 1, cp.size(), cp.rank()).contiguous();
+  return part;
+}
+
 RolloutBatch on_device(const RolloutBatch& b, const at::Device& device) {
   RolloutBatch d = b;
   for (at::Tensor* t : {&d.input_ids, &d.labels, &d.mask, &d.attention_mask, &d.advantages}) *t = to_device(*t, device);
@@ -218,13 +231,16 @@ GrpoTrainer::GrpoTrainer(GrpoArgs args, std::shared_ptr<Communicator> comm, std:
   resume_iteration_ = run_->start().iteration;
   // The prompts split over the data-parallel replicas; the tensor-parallel ranks of a replica
   // generate and train on the same ones (the same seeds, so the same tokens).
-  const int dp = run_->groups().dp;
-  dp_rank_ = run_->groups().dp_rank;
-  replicas_ = run_->groups().fsdp;
+  const int dp = run_->mesh().dims().dp();
+  dp_rank_ = run_->mesh().coordinate("dp");
+  replicas_ = run_->mesh().get("dp_cp");
+  data_replicas_ = run_->mesh().get("dp");
+  context_parallel_ = run_->mesh().split("cp");
   if (a.tensor_model_parallel_size > 1 && a.sequence_parallel) length_multiple_ = a.tensor_model_parallel_size;
+  if (context_parallel_) length_multiple_ *= 2 * context_parallel_->size();  // the load-balanced chunks
   // The reference reads --load's checkpoint through the reader the policy read (no second parse).
   if (g_.use_kl_loss)
-    ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, load, start.config, comm_, run_->groups())});
+    ref_ = std::make_unique<ReferencePolicy>(ReferencePolicy{load_reference(g_, load, start.config, comm_, run_->mesh())});
   if (run_->prints()) {
     log_ << " mfsdp-grpo: " << train_.size() << " training prompts, " << val_.size() << " held out; "
          << g_.train_batch_size << " prompts x " << g_.rollout_n << " responses per step; chat template "
@@ -337,7 +353,7 @@ void GrpoTrainer::score(GrpoStep& step) {
   }
   {
     at::Tensor s = scores.to(comm_->device());
-    replicas_->all_reduce(s, {ReduceOp::kSum});
+    data_replicas_->all_reduce(s, {ReduceOp::kSum});
     step.scores = s.cpu();
   }
   std::vector<int64_t> groups(static_cast<size_t>(step.scores.size(0)));
@@ -354,7 +370,7 @@ void GrpoTrainer::score(GrpoStep& step) {
   }
   const double total_sequences = static_cast<double>(step.scores.size(0));
   at::Tensor sums = at::tensor({lengths[0], lengths[2]}, at::kDouble).to(comm_->device());
-  replicas_->all_reduce(sums, {ReduceOp::kSum});
+  data_replicas_->all_reduce(sums, {ReduceOp::kSum});
   sums = sums.cpu();
   step.response_tokens = sums[0].item<double>();
   const double length_max = run_->all_reduce_max(lengths[1]);
@@ -383,6 +399,7 @@ void GrpoTrainer::log_probs(GrpoStep& step) {
       rows.push_back(static_cast<size_t>(i));
     step.micro.push_back(
         collate_rollouts(step.rollouts, rows, step.advantages, pad_, g_.mask_truncated_completions, length_multiple_));
+    if (context_parallel_) step.micro.back() = context_parallel_part(step.micro.back(), *context_parallel_);
   }
   auto t0 = Clock::now();
   double diff_sum = 0, diff_max = 0, diff_tokens = 0, log_diff_max = 0;
@@ -427,7 +444,10 @@ void GrpoTrainer::update(GrpoStep& step) {
   std::vector<double> tokens_of;
   at::Tensor counts = at::zeros({2 * mini_batches_}, at::kDouble);
   for (int64_t k = 0; k < mini_batches_ * micro_per_mini; ++k) {
-    const LossNormalizer c = local_loss_counts(step.micro[static_cast<size_t>(k)].mask);
+    LossNormalizer c = local_loss_counts(step.micro[static_cast<size_t>(k)].mask);
+    // Under context parallelism the tokens are this rank's chunks' (they add up over the group);
+    // every rank holds the same rows, counted on one.
+    if (context_parallel_ && context_parallel_->rank() != 0) c.global_sequences = 0;
     tokens_of.push_back(c.global_tokens);
     counts[2 * (k / micro_per_mini)] += c.global_tokens;
     counts[2 * (k / micro_per_mini) + 1] += c.global_sequences;
@@ -450,14 +470,16 @@ void GrpoTrainer::update(GrpoStep& step) {
         const RolloutBatch b = on_device(step.micro[k], device);
         PolicyOutputs out = policy_outputs(*run_->model(), b, g_.temperature, device, /*entropy=*/true);
         const at::Tensor adv = b.advantages.unsqueeze(1).expand_as(b.mask);
-        PolicyLossResult pg = clipped_policy_loss(step.old_log_probs[k], out.log_probs, adv, b.mask, clip, agg_, norm);
+        LossNormalizer rows = norm;
+        rows.row_tokens = b.row_tokens;  // whole rows' counts under context parallelism
+        PolicyLossResult pg = clipped_policy_loss(step.old_log_probs[k], out.log_probs, adv, b.mask, clip, agg_, rows);
         at::Tensor loss = pg.pg_loss;
         const double tokens = tokens_of[k];
-        const at::Tensor entropy = agg_loss(out.entropy, b.mask, agg_, norm);
+        const at::Tensor entropy = agg_loss(out.entropy, b.mask, agg_, rows);
         if (g_.entropy_coeff != 0) loss = loss - g_.entropy_coeff * entropy;
         at::Tensor kl = at::zeros({}, sums.options());
         if (ref_) {
-          kl = agg_loss(kl_penalty(out.log_probs, step.ref_log_probs[k], kl_type_), b.mask, agg_, norm);
+          kl = agg_loss(kl_penalty(out.log_probs, step.ref_log_probs[k], kl_type_), b.mask, agg_, rows);
           loss = loss + g_.kl_loss_coef * kl;
         }
         loss.backward();

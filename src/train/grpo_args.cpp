@@ -7,19 +7,19 @@
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/data/posttrain/rewards.h"
 #include "mfsdp/train/chat_eval.h"
+#include "mfsdp/train/parallel_dims.h"
 #include "train/tool_flags.h"
 
 namespace mfsdp {
 
 namespace {
 
-// Rollouts decode with a KV cache, which context parallelism has not; tensor parallelism is taken.
-void refuse_context_parallel(const PretrainArgs& a) {
-  if (a.context_parallel_size > 1)
-    flag_error("--context-parallel-size", std::to_string(a.context_parallel_size) +
-                                              ": mfsdp-grpo does not split sequences over context-parallel ranks "
-                                              "(its generation uses a KV cache, which context parallelism has not); "
-                                              "use --tensor-model-parallel-size (mfsdp-pretrain and mfsdp-sft take both)");
+// Sharded rollouts decode with the policy's own KV cache, which context parallelism has not; the
+// full copy generates whole sequences and training takes each rank's chunks.
+void refuse_sharded_context_parallel(const GrpoArgs& a) {
+  if (a.base.context_parallel_size > 1 && a.rollout_mode == "sharded")
+    flag_error("--rollout-mode", "sharded with --context-parallel-size " + std::to_string(a.base.context_parallel_size) +
+                                     ": decoding with a KV cache cannot split the sequence; use --rollout-mode full");
 }
 
 }  // namespace
@@ -30,7 +30,7 @@ ToolFlags grpo_tool_flags(GrpoArgs& a) {
   // Not the pretraining corpus nor mfsdp-pretrain's own section; a step's batch is
   // --train-batch-size prompts x --rollout-n responses.
   t.sections = {Section::kModel,      Section::kMoe,       Section::kTokenizer, Section::kTraining, Section::kOptimizer,
-                Section::kCheckpoint, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
+                Section::kCheckpoint, Section::kParallel, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
                 Section::kProfiling};
   t.replaced = {{"--global-batch-size", "a step trains on --train-batch-size prompts x --rollout-n responses"}};
   t.extra_title = "GRPO: prompts, rollouts, rewards and the policy loss";
@@ -123,7 +123,7 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
   if (!(a.top_p > 0 && a.top_p <= 1)) flag_error("--top-p", "must be in (0, 1]");
   if (a.clip_ratio_low < 0 || a.clip_ratio_high < 0) flag_error("--clip-ratio-low", "clip ratios must be >= 0");
   if (a.val_generate_samples < 0) flag_error("--val-generate-samples", "must be >= 0");
-  refuse_context_parallel(a.base);  // before the launcher: it needs flags only
+  refuse_sharded_context_parallel(a);  // before the launcher: it needs flags only
   if (a.base.tensor_model_parallel_size > 1) {
     const std::string tp = "--tensor-model-parallel-size " + std::to_string(a.base.tensor_model_parallel_size);
     if (a.base.sequence_parallel && a.rollout_mode == "sharded")
@@ -152,11 +152,10 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
 }
 
 void validate_grpo_args(GrpoArgs& a, int world, int64_t tokenizer_vocab) {
-  refuse_context_parallel(a.base);
-  // The prompts split over the data-parallel replicas; a replica's tensor-parallel ranks share them.
-  const int64_t tp = std::max<int64_t>(1, a.base.tensor_model_parallel_size);
-  if (world % tp != 0) validate_training_args(a.base, world, tokenizer_vocab);  // names the flag
-  const int dp = static_cast<int>(world / tp);
+  refuse_sharded_context_parallel(a);
+  // The prompts split over the data-parallel replicas; a replica's tensor- and context-parallel
+  // ranks share them.
+  const int dp = parallel_dims(a.base, a.base, world).dp();
   if (a.train_batch_size % dp != 0)
     flag_error("--train-batch-size", std::to_string(a.train_batch_size) + " prompts do not split over " +
                                          std::to_string(dp) + " ranks");

@@ -93,7 +93,8 @@ at::Tensor agg_loss(const at::Tensor& loss_mat, const at::Tensor& mask, LossAggM
     case LossAggMode::kSeqMeanTokenMean: {
       // Each row's token-mean; a row with no tokens gives 0 (verl divides by count + 1e-8, the
       // same value without the 1e-8 bias on the other rows) yet counts in global_sequences.
-      at::Tensor row_tokens = mask.to(loss_mat.scalar_type()).sum(-1);
+      at::Tensor row_tokens = norm.row_tokens.defined() ? norm.row_tokens.to(loss_mat.device(), loss_mat.scalar_type())
+                                                        : mask.to(loss_mat.scalar_type()).sum(-1);
       at::Tensor has = row_tokens > 0;
       at::Tensor row_mean = valid.sum(-1) / at::where(has, row_tokens, at::ones_like(row_tokens));
       return at::where(has, row_mean, at::zeros_like(row_mean)).sum() /

@@ -8,6 +8,8 @@
 
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/data/indexed_dataset.h"
+#include "mfsdp/train/parallel_dims.h"
+#include "mfsdp/train/training_run.h"
 
 namespace mfsdp {
 namespace {
@@ -22,6 +24,7 @@ std::vector<ToolFlag> section_flags(PretrainArgs& args, Section s) {
     case Section::kTraining: return static_cast<TrainingSection&>(args).flags();
     case Section::kOptimizer: return static_cast<OptimizerSection&>(args).flags();
     case Section::kCheckpoint: return static_cast<CheckpointSection&>(args).flags();
+    case Section::kParallel: return static_cast<ParallelSection&>(args).flags();
     case Section::kFsdp: return static_cast<FsdpSection&>(args).flags();
     case Section::kRuntime: return static_cast<RuntimeSection&>(args).flags();
     case Section::kLogging: return static_cast<LoggingSection&>(args).flags();
@@ -149,7 +152,7 @@ void resolve_load(const PretrainArgs& a) {
 
 }  // namespace
 
-void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
+void validate_pretrain_args(PretrainArgs& a, int world, int64_t tokenizer_vocab) {
   if (a.data_path.empty() && !a.mock_data && !a.memory_plan)
     flag_error("--data-path", "is required (or --mock-data for synthetic tokens)");
   if (!a.data_path.empty() && a.mock_data) flag_error("--mock-data", "conflicts with --data-path");
@@ -163,7 +166,10 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
   if (!a.export_hf.empty() && !a.swiglu)
     flag_error("--export-hf", "needs --swiglu: without it the model has Megatron's GeLU MLP, which no Hugging Face Llama "
                        "has (their MLP is SwiGLU)");
-  validate_training_args(a, dp, tokenizer_vocab);
+  validate_training_args(a, world, tokenizer_vocab);
+  // mfsdp-pretrain's model is the flags': what the layout splits of it is checked before any
+  // rank starts (the fine-tuning tools check theirs when the model is known, in TrainingRun).
+  check_parallel_model(parallel_dims(a, a, world), model_config_from_args(a, a, a.seq_length, a.padded_vocab_size));
   // The samples the train, validation and test datasets index (trainer.cpp), as doubles: the
   // int64 products can overflow.
   const double gbs = static_cast<double>(a.global_batch_size);
@@ -178,39 +184,22 @@ void validate_pretrain_args(PretrainArgs& a, int dp, int64_t tokenizer_vocab) {
 
 namespace {
 
-// The mesh's checks (Megatron's arguments.py and its layers' divide()): tensor- and
-// context-parallel sizes that divide the world and what they split; returns the data-parallel
-// size. What mfsdp does not combine with them yet is refused naming the flags.
+// What the layout needs beyond parallel_dims' checks: the sequence's chunks under context
+// parallelism, a checkpoint format that can hold a tensor-parallel slice, a simulated run of one
+// rank's plan. Returns the data-parallel size.
 int checked_data_parallel_size(const PretrainArgs& a, int world) {
-  const int64_t tp = a.tensor_model_parallel_size, cp = a.context_parallel_size;
-  if (tp == 1 && cp == 1) return world;
-  const std::string tp_flag = "--tensor-model-parallel-size", cp_flag = "--context-parallel-size";
-  const std::string which = tp > 1 ? tp_flag : cp_flag;
-  if (world % (tp * cp) != 0)
-    flag_error(which, std::to_string(tp) + " x " + cp_flag + " " + std::to_string(cp) +
-                          " does not divide the world size " + std::to_string(world));
-  if (tp > 1) {
-    const int64_t groups = a.group_query_attention ? a.num_query_groups : a.num_attention_heads;
-    for (const auto& [flag, value] : {std::pair<std::string, int64_t>{"--num-attention-heads", a.num_attention_heads},
-                                      {a.group_query_attention ? "--num-query-groups" : "--num-attention-heads", groups},
-                                      {"--ffn-hidden-size", a.ffn_hidden_size}})
-      if (value > 0 && value % tp != 0)
-        flag_error(tp_flag, std::to_string(tp) + " does not divide " + flag + " " + std::to_string(value));
-    if (a.num_experts > 0)
-      flag_error(tp_flag, "with --num-experts: mfsdp does not split experts over tensor-parallel ranks "
-                          "(Megatron's --expert-tensor-parallel-size); use --expert-model-parallel-size");
-    if (!a.save.empty() && a.ckpt_format == "mfsdp")
-      flag_error("--ckpt-format", "mfsdp stores 1-D element ranges, which cannot hold a tensor-parallel slice; "
-                                  "use fsdp_dtensor (the default) with " + tp_flag + " " + std::to_string(tp));
-  }
-  if (cp > 1 && a.seq_length % (2 * cp) != 0)
-    flag_error(cp_flag, "--seq-length " + std::to_string(a.seq_length) + " does not divide by 2 x " +
-                            std::to_string(cp) + " (the load-balanced chunks)");
-  if (a.expert_model_parallel_size > 1)
-    flag_error("--expert-model-parallel-size", "with " + which + " > 1 is not supported by mfsdp yet");
-  if (a.simulate_world_size > 0 && !a.memory_plan)
-    flag_error("--simulate-world-size", "with " + which + " > 1 needs --memory-plan");
-  return static_cast<int>(world / (tp * cp));
+  const ParallelDims dims = parallel_dims(a, a, world);
+  if (dims.tp > 1 && !a.save.empty() && a.ckpt_format == "mfsdp")
+    flag_error("--ckpt-format", "mfsdp stores 1-D element ranges, which cannot hold a tensor-parallel slice; "
+                                "use fsdp_dtensor (the default) with --tensor-model-parallel-size " + std::to_string(dims.tp));
+  if (dims.cp > 1 && a.seq_length % (2 * dims.cp) != 0)
+    flag_error("--context-parallel-size", "--seq-length " + std::to_string(a.seq_length) + " does not divide by 2 x " +
+                                              std::to_string(dims.cp) + " (the load-balanced chunks)");
+  if ((dims.tp > 1 || dims.cp > 1) && a.simulate_world_size > 0 && !a.memory_plan)
+    flag_error("--simulate-world-size", std::string("with ") +
+                                            (dims.tp > 1 ? "--tensor-model-parallel-size" : "--context-parallel-size") +
+                                            " > 1 needs --memory-plan");
+  return dims.dp();
 }
 
 }  // namespace
@@ -220,18 +209,8 @@ void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab)
   static_cast<ModelSection&>(a).validate();
   static_cast<const MoeSection&>(a).validate(a);
   static_cast<const FsdpSection&>(a).validate();
+  static_cast<const ParallelSection&>(a).validate();
   const int dp = checked_data_parallel_size(a, world);
-  if (a.expert_model_parallel_size > 1 && dp % a.expert_model_parallel_size != 0)
-    flag_error("--expert-model-parallel-size", std::to_string(a.expert_model_parallel_size) +
-                                                   " does not divide the data-parallel size " + std::to_string(dp));
-  const int64_t instances = a.num_distributed_optimizer_instances;
-  if (instances > 1 && dp % instances != 0)
-    flag_error("--num-distributed-optimizer-instances", std::to_string(instances) +
-                                                           " does not divide the data-parallel size " + std::to_string(dp));
-  if (instances > 1 && a.expert_model_parallel_size > 1)
-    flag_error("--num-distributed-optimizer-instances",
-               "HSDP with --expert-model-parallel-size " + std::to_string(a.expert_model_parallel_size) +
-                   " is not supported by mfsdp yet (the experts' own hybrid mesh); use one of the two");
   static_cast<const DataSection&>(a).validate();
   static_cast<const TrainingSection&>(a).validate();
   static_cast<const OptimizerSection&>(a).validate();

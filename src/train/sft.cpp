@@ -32,7 +32,7 @@ ToolFlags sft_tool_flags(SftArgs& a) {
   // Not the pretraining corpus (--max-length is the sequence length) nor mfsdp-pretrain's own
   // section (the loss is always normalised by global counts: --loss-agg-mode).
   t.sections = {Section::kModel,      Section::kMoe,       Section::kTokenizer, Section::kTraining, Section::kOptimizer,
-                Section::kCheckpoint, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
+                Section::kCheckpoint, Section::kParallel, Section::kFsdp,      Section::kRuntime,  Section::kLogging,
                 Section::kProfiling};
   t.extra_title = "SFT: the conversations and the loss";
   t.extra = task_source_flags(a.data, "conversations",
@@ -155,12 +155,12 @@ struct Split {
   Communicator* context_parallel = nullptr;  // each rank its load-balanced chunks of every row
   int64_t multiple = 1;                      // rows are padded to a multiple of this many tokens
 };
-Split split_of(const ParallelGroups& g, const PretrainArgs& a) {
+Split split_of(const ParallelMesh& mesh, const PretrainArgs& a) {
   Split s;
-  s.tensor_parallel = g.tensor_parallel.get();
-  s.context_parallel = g.context_parallel.get();
-  if (s.context_parallel) s.multiple *= 2 * g.cp;
-  if (s.tensor_parallel && a.sequence_parallel) s.multiple *= g.tp;
+  s.tensor_parallel = mesh.split("tp").get();  // the mesh owns the groups for the whole run
+  s.context_parallel = mesh.split("cp").get();
+  if (s.context_parallel) s.multiple *= 2 * mesh.dims().cp;
+  if (s.tensor_parallel && a.sequence_parallel) s.multiple *= mesh.dims().tp;
   return s;
 }
 
@@ -251,11 +251,11 @@ class SftTrainer : public MicroBatchTrainer {
         chat_template_(chat_template),
         result_(result),
         agg_(parse_loss_agg_mode(args.loss_agg_mode)),
-        groups_(run.groups()),
-        split_(split_of(groups_, a_)),
+        mesh_(run.mesh()),
+        split_(split_of(mesh_, a_)),
         device_(run.comm()->device()),
         pad_(tokenizer.eod()),
-        sampler_(static_cast<int64_t>(train.rows.size()), a_.micro_batch_size, groups_.dp, a_.num_micro_batches,
+        sampler_(static_cast<int64_t>(train.rows.size()), a_.micro_batch_size, mesh_.dims().dp(), a_.num_micro_batches,
                  static_cast<uint64_t>(a_.seed)),
         row_counts_(train.rows.size()) {}
 
@@ -271,7 +271,7 @@ class SftTrainer : public MicroBatchTrainer {
     }
     batches_.clear();
     for (int64_t m = 0; m < a_.num_micro_batches; ++m)
-      batches_.push_back(batch_of(train_.rows, sampler_.rows(iteration, m, groups_.dp_rank)));
+      batches_.push_back(batch_of(train_.rows, sampler_.rows(iteration, m, mesh_.coordinate("dp"))));
     window_tokens_ += norm_.global_tokens;
     return MicroBatchTrainer::train_step(iteration);
   }
@@ -294,7 +294,7 @@ class SftTrainer : public MicroBatchTrainer {
     // Each step's loss summed over the DP x CP ranks of this tensor-parallel coordinate (a TP
     // group's ranks hold the same loss), the window's steps in one all-reduce.
     at::Tensor losses = at::tensor(w.losses, at::kDouble).to(device_);
-    groups_.fsdp->all_reduce(losses, {ReduceOp::kSum});
+    mesh_.get("dp_cp")->all_reduce(losses, {ReduceOp::kSum});
     double window_loss = 0;
     for (double step_loss : read_on_host({losses})) window_loss += step_loss;
     IterationRecord r;
@@ -336,7 +336,7 @@ class SftTrainer : public MicroBatchTrainer {
     r.eval = true;
     r.lm_loss = std::nan("");
     if (val_.rows.empty()) return r;
-    const int rank = groups_.dp_rank, dp = groups_.dp;
+    const int rank = mesh_.coordinate("dp"), dp = mesh_.dims().dp();
     // Loss sum (token-mean) or sum of sequence means, tokens, sequences: summed on the device
     // (the counts of context-parallel rows on the host, from the batch), read once.
     at::Tensor sums = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device_));
@@ -377,7 +377,7 @@ class SftTrainer : public MicroBatchTrainer {
         sums[2] += (tokens > 0).sum().to(at::kDouble);
       }
     }
-    groups_.fsdp->all_reduce(sums, {ReduceOp::kSum});
+    mesh_.get("dp_cp")->all_reduce(sums, {ReduceOp::kSum});
     const at::Tensor t = sums.cpu();
     const double loss = t[0].item<double>() / std::max(1.0, t[agg_ == LossAggMode::kTokenMean ? 1 : 2].item<double>());
     r.lm_loss = loss;
@@ -431,7 +431,7 @@ class SftTrainer : public MicroBatchTrainer {
   const std::string& chat_template_;
   SftResult& result_;
   LossAggMode agg_;
-  const ParallelGroups& groups_;
+  const ParallelMesh& mesh_;
   Split split_;
   at::Device device_;
   int64_t pad_;

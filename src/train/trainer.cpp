@@ -72,8 +72,11 @@ class Pretrainer : public MicroBatchTrainer {
         a_(run.args()),
         datasets_(datasets),
         result_(result),
-        groups_(run.groups()),
-        layout_{a_.micro_batch_size, groups_.dp, a_.num_micro_batches},
+        dims_(run.mesh().dims()),
+        dp_rank_(run.mesh().coordinate("dp")),
+        context_parallel_(run.mesh().split("cp")),
+        tensor_parallel_(run.mesh().split("tp")),
+        layout_{a_.micro_batch_size, dims_.dp(), a_.num_micro_batches},
         tokens_per_global_batch_(static_cast<double>(a_.global_batch_size * a_.seq_length)),
         // A tensor divisor for the reported loss: CUDA divides by a host scalar as a multiply by
         // its reciprocal, which can round otherwise than the host's division it has always been.
@@ -82,7 +85,7 @@ class Pretrainer : public MicroBatchTrainer {
         flops_per_iter_(run.config().spec->flops_per_iteration(run.config(), a_.global_batch_size, a_.seq_length)) {}
 
   at::Tensor forward_backward(int64_t iteration, int64_t m) override {
-    auto [loss, reported] = micro_loss(datasets_.train->micro_batch(layout_, iteration - 1, m, groups_.dp_rank));
+    auto [loss, reported] = micro_loss(datasets_.train->micro_batch(layout_, iteration - 1, m, dp_rank_));
     loss.backward();
     return reported;
   }
@@ -90,7 +93,7 @@ class Pretrainer : public MicroBatchTrainer {
   void log(const LogWindow& w) override {
     double window_loss = 0;
     for (double step_loss : w.losses) {
-      if (a_.calculate_per_token_loss) step_loss = step_loss * groups_.dp_cp() / tokens_per_global_batch_;
+      if (a_.calculate_per_token_loss) step_loss = step_loss * dims_.dp_cp() / tokens_per_global_batch_;
       window_loss += step_loss;
     }
     const double loss = run_.all_reduce_mean(window_loss / static_cast<double>(w.steps));
@@ -139,9 +142,9 @@ class Pretrainer : public MicroBatchTrainer {
     const int64_t first_batch = (iteration / a_.eval_interval) * batches_per_eval;
     for (int64_t b = 0; b < batches_per_eval; ++b)
       for (int64_t m = 0; m < a_.num_micro_batches; ++m)
-        total.add_(micro_loss(datasets_.valid->micro_batch(layout_, first_batch + b, m, groups_.dp_rank)).second);
+        total.add_(micro_loss(datasets_.valid->micro_batch(layout_, first_batch + b, m, dp_rank_)).second);
     double mean = total.item<double>() / batches_per_eval;
-    if (a_.calculate_per_token_loss) mean = mean * groups_.dp_cp() / tokens_per_global_batch_;  // sum -> mean
+    if (a_.calculate_per_token_loss) mean = mean * dims_.dp_cp() / tokens_per_global_batch_;  // sum -> mean
     mean = run_.all_reduce_mean(mean);
     if (run_.prints()) {
       run_.log() << " validation loss at iteration " << iteration << " | lm loss: " << std::scientific
@@ -171,12 +174,12 @@ class Pretrainer : public MicroBatchTrainer {
     at::Tensor tokens = to_device(cpu_tokens, run_.comm()->device());  // the model's device (the communicator's)
     at::Tensor input = tokens.narrow(1, 0, a_.seq_length);
     at::Tensor labels = tokens.narrow(1, 1, a_.seq_length);
-    if (groups_.context_parallel) {
-      input = context_parallel::shard_sequence(input, 1, groups_.cp, groups_.context_parallel->rank());
-      labels = context_parallel::shard_sequence(labels, 1, groups_.cp, groups_.context_parallel->rank());
+    if (context_parallel_) {
+      input = context_parallel::shard_sequence(input, 1, dims_.cp, context_parallel_->rank());
+      labels = context_parallel::shard_sequence(labels, 1, dims_.cp, context_parallel_->rank());
     }
     at::Tensor logits = run_.model()->call(input);
-    Communicator* tp = groups_.tensor_parallel.get();
+    Communicator* tp = tensor_parallel_.get();
     if (a_.calculate_per_token_loss) {
       TokenLossSum s = tp ? tensor_parallel::vocab_parallel_lm_loss_sum(logits, labels, *tp) : lm_loss_sum(logits, labels);
       return std::pair{s.sum / tokens_per_global_batch_, s.sum.detach().to(at::kDouble)};
@@ -188,7 +191,9 @@ class Pretrainer : public MicroBatchTrainer {
   const PretrainArgs& a_;
   const GPTDatasets& datasets_;
   PretrainResult& result_;
-  const ParallelGroups& groups_;
+  const ParallelDims& dims_;
+  const int dp_rank_;  // this rank's data-parallel replica: its share of every batch
+  const std::shared_ptr<Communicator> context_parallel_, tensor_parallel_;  // null when not split
   BatchLayout layout_;
   double tokens_per_global_batch_;
   at::Tensor micro_batches_;
@@ -230,9 +235,9 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   // (tests/dist/memory_plan_test.cpp), and the end-of-run report measures it again.
   const ModelConfig config = model_config_from_args(a, a, a.seq_length, a.padded_vocab_size);
   if (print)
-    log << format_memory_plan(plan_training_memory(config, a, a, a,
-                                                   shard_options_from_args(a, a, nullptr, a.calculate_per_token_loss),
-                                                   a.num_micro_batches, comm->size()));
+    log << format_memory_plan(plan_training_memory(config, a, parallel_dims(a, a, comm->size()),
+                                                   shard_options_from_args(a, a, a, a.calculate_per_token_loss),
+                                                   a.num_micro_batches));
   TrainingRun run(a, config, comm, log, a.calculate_per_token_loss, {}, {}, open_training_checkpoint(a));
   const ResumePoint resume = run.start();
 

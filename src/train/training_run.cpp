@@ -75,20 +75,11 @@ ModelConfig model_config_from_args(const ModelSection& model, const MoeSection& 
   return model_config_from_megatron(megatron_model_args(model, moe, seq_length, padded_vocab_size));
 }
 
-FullyShardOptions shard_options_from_args(const FsdpSection& a, const TrainingSection& training,
-                                          const std::shared_ptr<Communicator>& comm, bool per_token_loss) {
+FullyShardOptions shard_options_from_args(const FsdpSection& a, const ParallelSection& parallel,
+                                          const TrainingSection& training, bool per_token_loss) {
   FullyShardOptions o;
-  o.comm = comm;
-  const int instances = static_cast<int>(a.num_distributed_optimizer_instances);
-  if (instances > 1 && comm) {
-    // HSDP: Megatron's instances are runs of consecutive data-parallel ranks, which is the
-    // row-major [dp_outer, dp_shard] mesh (the shard dimension varies fastest).
-    o.mesh = std::make_shared<DeviceMesh>(comm, std::vector<int>{instances, comm->size() / instances},
-                                          std::vector<std::string>{"dp_outer", "dp_shard"});
-    o.comm = nullptr;
-  }
   o.strategy = parse_sharding_strategy(a.data_parallel_sharding_strategy);
-  o.outer_strategy = parse_sharding_strategy(a.outer_dp_sharding_strategy);
+  o.outer_strategy = parse_sharding_strategy(parallel.outer_dp_sharding_strategy);
   o.prefetch = !a.no_fsdp_prefetch;
   o.all_gather_in_start_param_sync = !a.no_fsdp_all_gather_in_start_param_sync;
   if (a.fsdp_double_buffer) o.buffer_allocator = BufferAllocatorKind::kDoubleBuffer;
@@ -101,44 +92,36 @@ FullyShardOptions shard_options_from_args(const FsdpSection& a, const TrainingSe
 }
 
 ModelBuildOptions model_build_options(const ModelSection& model, const MoeSection& moe, const TrainingSection& training,
-                                      const FsdpSection& fsdp, bool values_loaded) {
+                                      const FsdpSection& fsdp, const ParallelSection& parallel, bool values_loaded) {
   ModelBuildOptions options;
   options.deferred_init = fsdp.init_model_with_meta_device || values_loaded;
   options.recompute_layers = model.recompute_activations;
   options.init_seed = static_cast<uint64_t>(training.seed);
   options.moe = moe_training_from_args(moe);
-  options.sequence_parallel = fsdp.sequence_parallel;
-  options.context_parallel_algorithm = fsdp.cp_comm_type == "p2p" ? context_parallel::CpAlgorithm::kRing
+  options.sequence_parallel = parallel.sequence_parallel;
+  options.context_parallel_algorithm = parallel.cp_comm_type == "p2p" ? context_parallel::CpAlgorithm::kRing
                                                                   : context_parallel::CpAlgorithm::kAllGather;
   return options;
 }
 
-ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions options, int64_t expert_parallel_size,
-                                 bool use_sdpa, const FullyShardOptions& shard, const ParallelGroups* groups) {
-  if (groups != nullptr) {
-    options.tensor_parallel = groups->tensor_parallel;
-    options.context_parallel = groups->context_parallel;
+ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions options, bool use_sdpa,
+                                 const FullyShardOptions& shard, const ParallelMesh* mesh) {
+  FullyShardOptions dense = shard, experts = shard;
+  if (mesh != nullptr) {
+    check_parallel_model(mesh->dims(), config);
+    options.tensor_parallel = mesh->split("tp");
+    options.context_parallel = mesh->split("cp");
+    options.expert_parallel = mesh->split("ep");
+    dense = mesh->dense_shard_options(shard);
+    experts = mesh->expert_shard_options(shard);
   } else {
     options.sequence_parallel = false;  // it splits over the tensor-parallel group
-  }
-  std::shared_ptr<DeviceMesh> mesh;
-  if (expert_parallel_size > 1) {
-    const int ep = static_cast<int>(expert_parallel_size), world = shard.comm->size();
-    const int64_t experts = config.hf.value("num_experts", config.hf.value("num_local_experts", int64_t{0}));
-    if (experts == 0)
-      flag_error("--expert-model-parallel-size", "the model (" + config.spec->describe(config) + ") has no experts");
-    if (experts % ep != 0)
-      flag_error("--expert-model-parallel-size", std::to_string(ep) + " does not divide the model's " +
-                                                     std::to_string(experts) + " experts");
-    mesh = std::make_shared<DeviceMesh>(shard.comm, std::vector<int>{world / ep, ep},
-                                        std::vector<std::string>{"expert_data_parallel", "expert_parallel"});
-    options.expert_parallel = mesh->get("expert_parallel");
   }
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
   model->set_use_sdpa(use_sdpa);
   // With --init-model-with-meta-device each layer is materialised as it is sharded.
-  FsdpHandle root = shard_model(*model, shard, mesh ? mesh->get("expert_data_parallel") : nullptr);
-  return {model, root, mesh};
+  FsdpHandle root = shard_model(*model, dense, options.expert_parallel ? &experts : nullptr);
+  return {model, root, options.expert_parallel};
 }
 
 StartingPoint starting_point(const OpenedCheckpoint& load, const std::string& hf_load, const ModelConfig& from_flags,
@@ -194,11 +177,10 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
       load_(std::move(load)),
       per_token_loss_(per_token_loss),
       print_(comm_->rank() == 0 || is_simulated(*comm_)),
-      groups_(parallel_groups(args, comm_)),
+      mesh_(parallel_dims(args, args, comm_->size()), comm_),
       sharded_(build_sharded_model(
-          config, model_build_options(args, args, args, args, /*values_loaded=*/load_.reader || !hf_folder_.empty()),
-          args.expert_model_parallel_size, args.attention_backend != "unfused",
-          shard_options_from_args(args, args, groups_.fsdp, per_token_loss), &groups_)),
+          config, model_build_options(args, args, args, args, args, /*values_loaded=*/load_.reader || !hf_folder_.empty()),
+          args.attention_backend != "unfused", shard_options_from_args(args, args, args, per_token_loss), &mesh_)),
       metrics_(print_ ? args.metrics_file : ""),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
       profiler_(args, args, comm_->rank(), comm_->device(), log) {
@@ -221,31 +203,34 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
   // counted once).
   set_tensor_parallel_norm(*sharded_.model, sharded_.root, *optimizer_);
   if (!args.dump_param_to_param_group_map.empty()) write_param_group_map();
-  if (print_ && groups_.mesh)
-    log_ << " parallelism: " << comm_->size() << " ranks = data-parallel " << groups_.dp << " x context-parallel "
-         << groups_.cp << " x tensor-parallel " << groups_.tp
-         << " (tensor-parallel ranks adjacent, then context-parallel); FSDP ("
-         << args.data_parallel_sharding_strategy << ") shards over " << groups_.fsdp->size() << " ranks"
-         << (groups_.tp > 1 ? std::string(args.sequence_parallel ? ", sequence parallel" : "") +
-                                  "; each tensor-parallel rank holds 1/" + std::to_string(groups_.tp) +
-                                  " of the heads, MLP and vocabulary"
-                            : std::string())
-         << (groups_.cp > 1 ? "; each context-parallel rank 2 of the " + std::to_string(2 * groups_.cp) +
-                                  " chunks of every sequence (attention by " +
-                                  (args.cp_comm_type == "p2p" ? "ring" : "all-gather") + ")"
-                            : std::string())
+  const ParallelDims& d = mesh_.dims();
+  if (print_ && d.world() > d.dp())
+    log_ << " parallelism: " << d.describe() << " (Megatron's order: tensor-parallel ranks adjacent, then "
+         << "context-parallel, then data-parallel); FSDP (" << args.data_parallel_sharding_strategy << ") shards over "
+         << d.dp_cp() / d.dp_replicate << " ranks"
+         << (d.tp > 1 ? std::string(args.sequence_parallel ? ", sequence parallel" : "") +
+                            "; each tensor-parallel rank holds 1/" + std::to_string(d.tp) +
+                            " of the heads, MLP and vocabulary"
+                      : std::string())
+         << (d.cp > 1 ? "; each context-parallel rank 2 of the " + std::to_string(2 * d.cp) +
+                            " chunks of every sequence (attention by " +
+                            (args.cp_comm_type == "p2p" ? "ring" : "all-gather") + ")"
+                      : std::string())
          << "\n";
   if (print_) print_expert_buffers();
-  if (print_ && args.num_distributed_optimizer_instances > 1) {
-    const int64_t instances = args.num_distributed_optimizer_instances;
-    log_ << " HSDP: " << instances << " instances of " << groups_.fsdp->size() / instances << " consecutive "
-         << (groups_.cp > 1 ? "data- x context-parallel" : "data-parallel")
-         << (groups_.tp > 1 ? " ranks (of one tensor-parallel coordinate)" : " ranks")
+  if (print_ && d.dp_replicate > 1) {
+    log_ << " HSDP: " << d.dp_replicate << " instances of " << d.dp_cp() / d.dp_replicate << " consecutive "
+         << (d.cp > 1 ? "data- x context-parallel" : "data-parallel")
+         << (d.tp > 1 ? " ranks (of one tensor-parallel coordinate)" : " ranks")
          << "; each instance shards the model ("
          << args.data_parallel_sharding_strategy << "), "
          << (args.outer_dp_sharding_strategy == "optim"
-                 ? "the instances split each shard's main weights, gradients and optimizer state (HFSDP)\n"
-                 : "the instances replicate it and all-reduce its gradients\n");
+                 ? "the instances split each shard's main weights, gradients and optimizer state (HFSDP)"
+                 : "the instances replicate it and all-reduce its gradients")
+         << (d.ep > 1 ? "; the experts likewise: " + std::to_string(d.dp_replicate) + " instances of " +
+                            std::to_string(d.edp_shard()) + " expert-data-parallel ranks"
+                      : std::string())
+         << "\n";
   }
   schedule_.max_lr = args.lr;
   schedule_.min_lr = args.min_lr;
@@ -336,7 +321,7 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   const bool norms = args_.log_params_norm || args_.log_num_zeros_in_grad;
   // Each element once over the ranks: on its replica 0, and a parameter every tensor-parallel
   // rank holds whole on TP rank 0 only.
-  const bool tp_duplicates_here = groups_.tensor_parallel && groups_.tensor_parallel->rank() != 0;
+  const bool tp_duplicates_here = mesh_.dims().tp > 1 && mesh_.coordinate("tp") != 0;
   auto counted = [&](const LocalShard& p) {
     return p.replica == 0 &&
            !(tp_duplicates_here && sharded_.model->tensor_parallel_split(p.name) == TensorParallelSplit::kReplicated);
@@ -490,14 +475,14 @@ void TrainingRun::print_expert_buffers() const {
   for (const LocalShard& p : sharded_.root.local_shards())
     (p.name.find(".experts.") != std::string::npos ? experts : dense) += p.local.numel() * p.local.element_size();
   if (experts == 0) return;
-  const int dp = comm_->size();
-  const int ep = sharded_.expert_mesh ? sharded_.expert_mesh->size("expert_parallel") : 1;
+  const int dp = mesh_.dims().dp_cp() / mesh_.dims().dp_replicate, ep = mesh_.dims().ep;
+  const int edp = mesh_.dims().edp_shard();
   char line[400];
   std::snprintf(line, sizeof line,
                 " MoE buffers of rank 0: expert main weights %.3f MiB (experts split over %d expert-parallel "
                 "rank(s), sharded over %d expert-data-parallel rank(s)), dense main weights %.3f MiB (sharded over %d "
                 "rank(s)); gradients and optimizer state in proportion (--data-parallel-sharding-strategy %s)\n",
-                experts / 1048576.0, ep, dp / ep, dense / 1048576.0, dp,
+                experts / 1048576.0, ep, edp, dense / 1048576.0, dp,
                 args_.data_parallel_sharding_strategy.c_str());
   log_ << line;
 }
@@ -642,7 +627,7 @@ RolloutModel& TrainingRun::rollout_model() {
 
 RolloutModel& TrainingRun::load_rollout_model() {
   RolloutModel& copy = rollout_model();
-  if (!groups_.tensor_parallel && !sharded_.expert_mesh)
+  if (!mesh_.split("tp") && !sharded_.expert_parallel)
     copy.load_from(sharded_.root);
   else
     copy.load_from(gather_full_weights(/*all_ranks=*/true, /*cpu_offload=*/true));
@@ -653,14 +638,14 @@ std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_rank
   // Without expert parallelism rank 0 alone may gather; with it every rank takes part.
   // Tensor parallelism: every rank its whole slices, then the slices of each TP group gathered
   // (each tensor sent to the device and back to the map's device: one at a time there).
-  if (groups_.tensor_parallel)
+  if (mesh_.split("tp"))
     return gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(FullStateDictOptions{true, cpu_offload}));
   std::map<std::string, at::Tensor> full =
-      sharded_.root.full_state_dict(FullStateDictOptions{all_ranks || sharded_.expert_mesh != nullptr, cpu_offload});
-  if (!sharded_.expert_mesh) return full;
+      sharded_.root.full_state_dict(FullStateDictOptions{all_ranks || sharded_.expert_parallel != nullptr, cpu_offload});
+  if (!sharded_.expert_parallel) return full;
   // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
   // (the rank that has it) broadcasts it to the others, in the model's parameter order.
-  const std::shared_ptr<Communicator> ep = sharded_.expert_mesh->get("expert_parallel");
+  const std::shared_ptr<Communicator>& ep = sharded_.expert_parallel;
   const auto shapes = model_tensor_shapes(config_);
   const auto device = ep->device();
   at::Tensor owner = at::zeros({static_cast<int64_t>(shapes.size())}, at::TensorOptions().dtype(at::kLong));

@@ -67,6 +67,16 @@ std::vector<Variant> hybrid_variants() {
   return out;
 }
 
+// HSDP with expert parallelism: the experts' own [instances, expert-data-parallel] mesh, every
+// strategy inside, and HFSDP.
+std::vector<Variant> hybrid_moe_variants() {
+  std::vector<Variant> out;
+  for (const char* s : {"no_shard", "optim", "optim_grads", "optim_grads_params"})
+    out.push_back({s, false, false, 2, 2, 2, "no_shard"});
+  for (bool bf16 : {false, true}) out.push_back({"optim_grads_params", bf16, false, 2, 2, 2, "optim"});
+  return out;
+}
+
 // A small Llama whose sizes pad differently on 3, 8 and 64 ranks (vocab 64 x hidden 24).
 PretrainArgs tiny_args(const Variant& v, int world) {
   PretrainArgs a;
@@ -101,9 +111,10 @@ PretrainArgs tiny_args(const Variant& v, int world) {
 
 // The plan mfsdp-pretrain prints for these flags on `world` ranks.
 MemoryPlan plan_of(const PretrainArgs& a, int world) {
-  return mfsdp::plan_training_memory(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), a, a, a,
-                                     mfsdp::shard_options_from_args(a, a, nullptr, a.calculate_per_token_loss),
-                                     a.num_micro_batches, world);
+  return mfsdp::plan_training_memory(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), a,
+                                     mfsdp::parallel_dims(a, a, world),
+                                     mfsdp::shard_options_from_args(a, a, a, a.calculate_per_token_loss),
+                                     a.num_micro_batches);
 }
 
 struct Measured {
@@ -173,6 +184,10 @@ MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHoldUnderHybridSharding, {4}) {
   expect_plan_matches(borrow(comm), hybrid_variants());
 }
 
+MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHoldUnderHybridShardingWithExperts, {4}) {
+  expect_plan_matches(borrow(comm), hybrid_moe_variants());
+}
+
 TEST(MemoryPlan, EqualsWhatASimulatedRankHolds) {
   for (int world : {8, 64}) expect_plan_matches(mfsdp::make_simulated_communicator(0, world), every_variant());
 }
@@ -193,7 +208,7 @@ TEST(MemoryPlan, CatchesAPlanOffByOneUnit) {
     mfsdp::StepShape one_unit_too_few = mfsdp::training_step_shape(*model, a, a.num_micro_batches);
     one_unit_too_few.forward_order.pop_back();  // lm_head
     const MemoryPlan too_few = mfsdp::plan_memory(
-        *model, one_unit_too_few, mfsdp::shard_options_from_args(a, a, nullptr, false), comm->size());
+        *model, one_unit_too_few, mfsdp::shard_options_from_args(a, a, a, false), comm->size());
     EXPECT_NE(mismatch(too_few, measured), "") << strategy;
 
     PretrainArgs one_more_layer = a;

@@ -12,6 +12,7 @@
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/lm_loss.h"
 #include "mfsdp/models/model_spec.h"
+#include "mfsdp/models/moe.h"
 #include "mfsdp/optim/optim.h"
 
 namespace {
@@ -40,6 +41,14 @@ mfsdp::ModelConfig moe_config() {
                                             {"moe_router_topk", 2},
                                             {"moe_ffn_hidden_size", 16},
                                             {"untie_embeddings_and_output_weights", true}});
+}
+
+mfsdp::MoeConfig config_of(int64_t experts, int64_t top_k) {
+  mfsdp::MoeConfig c;
+  c.num_experts = experts;
+  c.top_k = top_k;
+  c.ffn_hidden_size = 4;
+  return c;
 }
 
 mfsdp::ModelBuildOptions build_options(std::shared_ptr<mfsdp::Communicator> ep = nullptr) {
@@ -106,7 +115,9 @@ void check_expert_parallel(mfsdp::Communicator& comm, int ep, mfsdp::ShardingStr
   mfsdp::FullyShardOptions options;
   options.comm = world_comm;
   options.strategy = strategy;
-  mfsdp::FsdpHandle root = mfsdp::shard_model(*model, options, mesh->get("edp"));
+  mfsdp::FullyShardOptions experts = options;
+  experts.comm = mesh->get("edp");
+  mfsdp::FsdpHandle root = mfsdp::shard_model(*model, options, &experts);
   mfsdp::AdamWOptions adamw;
   adamw.weight_decay = kWd;
   adamw.eps = kEps;
@@ -167,4 +178,43 @@ MFSDP_DIST_TEST(MoeExpertParallel, EveryStrategyMatchesOneProcessAtWorld2, {2}) 
 MFSDP_DIST_TEST(MoeExpertParallel, EveryStrategyMatchesOneProcessAtWorld4, {4}) {
   for (int ep : {2, 4})
     for (auto s : kStrategies) check_expert_parallel(comm, ep, s);
+}
+
+// Context parallelism splits each sequence's tokens over the ranks: each rank's balancing and
+// z-losses (over its rows, the counts summed over the group) average over the ranks to the
+// losses of the whole sequences computed in one process (Megatron's losses over its tp_cp
+// group), and so do their gradients; with and without padding, per batch and per sequence.
+MFSDP_DIST_TEST(MoeContextParallel, EachRanksLossesAverageToTheWholeSequences, {2, 4}) {
+  const int cp = comm.size(), rank = comm.rank();
+  const int64_t batch = 3, length = 8 * cp, experts = 6, top_k = 2;
+  at::manual_seed(11);  // every rank draws the same whole batch
+  const at::Tensor logits = at::randn({batch, length, experts}, at::kDouble);
+  at::Tensor valid = at::rand({batch, length}) > 0.3;
+  // This rank's rows of every sequence (any split works; the chunks of a load-balanced split
+  // are rows too).
+  const at::Tensor mine = at::arange(rank * (length / cp), (rank + 1) * (length / cp));
+  for (const bool padded : {false, true})
+    for (int kind = 0; kind < 3; ++kind) {
+      SCOPED_TRACE(std::string(padded ? "padded, " : "") + (kind == 0 ? "aux" : kind == 1 ? "seq_aux" : "z"));
+      auto loss_of = [&](const at::Tensor& l, const at::Tensor& v, mfsdp::Communicator* group) {
+        const mfsdp::Routing r = mfsdp::route(l.reshape({-1, experts}), config_of(experts, top_k), 0.0);
+        const at::Tensor mask = padded ? v.reshape({-1}) : at::Tensor();
+        if (kind == 0) return mfsdp::load_balancing_loss(r, top_k, mask, group);
+        if (kind == 1) return mfsdp::sequence_load_balancing_loss(r, top_k, l.size(0), mask, group);
+        return mfsdp::z_loss(r.logits, mask, group);
+      };
+      at::Tensor whole_logits = logits.clone().requires_grad_(true);
+      const at::Tensor whole = loss_of(whole_logits, valid, nullptr);
+      whole.backward();
+      at::Tensor part_logits = logits.index_select(1, mine).clone().requires_grad_(true);
+      at::Tensor part = loss_of(part_logits, valid.index_select(1, mine), &comm) / cp;  // the reduction's mean
+      part.backward();
+      at::Tensor sum = part.detach().clone();
+      comm.all_reduce(sum);
+      // The router computes in fp32: the sums of another split agree to its rounding.
+      EXPECT_NEAR(sum.item<double>(), whole.item<double>(), 1e-6 * std::abs(whole.item<double>()));
+      EXPECT_TRUE(at::allclose(part_logits.grad(), whole_logits.grad().index_select(1, mine), 1e-5, 1e-8))
+          << (part_logits.grad() - whole_logits.grad().index_select(1, mine)).abs().max().item<double>() << " of "
+          << whole_logits.grad().abs().max().item<double>();
+    }
 }

@@ -169,6 +169,46 @@ TEST(Grpo, TensorParallelStepsLikeOneRank) {
   }
 }
 
+// Context parallelism: the rollouts from the gathered full copy (whole sequences, the same on a
+// replica's CP ranks), the log-probs, entropy, KL and the update on each rank's load-balanced
+// chunks, the losses weighted with whole rows' token counts. The same steps as one rank: CP 2
+// (token-mean and seq-mean-token-mean) and CP 2 x DP 2, with the reference policy.
+TEST(Grpo, ContextParallelStepsLikeOneRank) {
+  TempDir dir("mfsdp-grpo-cp");
+  GrpoRun start = grpo(dir, 1, "--train-iters 1 --micro-batch-size 16 --save " + dir.file("start"), "start");
+  ASSERT_EQ(start.steps.size(), 1u) << start.output;
+  const std::string flags = "--train-iters 2 --load " + dir.file("start") +
+                            " --finetune --use-kl-loss --kl-loss-coef 0.1 --kl-loss-type k3";
+  int n = 0;
+  for (const std::string agg : {"token-mean", "seq-mean-token-mean"}) {
+    GrpoRun one = grpo(dir, 1, flags + " --micro-batch-size 16 --loss-agg-mode " + agg, "one" + std::to_string(n));
+    ASSERT_EQ(one.steps.size(), 2u) << one.output;
+    struct Layout {
+      int ranks;
+      const char* flags;
+    };
+    for (const Layout l : {Layout{2, " --micro-batch-size 8 --context-parallel-size 2"},
+                           Layout{4, " --micro-batch-size 4 --context-parallel-size 2 --cp-comm-type p2p"}}) {
+      const std::string tag = "cp" + std::to_string(n++);
+      GrpoRun got = grpo(dir, l.ranks, flags + l.flags + " --loss-agg-mode " + agg, tag);
+      ASSERT_EQ(got.steps.size(), 2u) << tag << "\n" << got.output;
+      EXPECT_NE(got.output.find(" parallelism: " + std::to_string(l.ranks) + " ranks = data-parallel " +
+                                std::to_string(l.ranks / 2) + " x context-parallel 2 x tensor-parallel 1"),
+                std::string::npos)
+          << got.output;
+      for (size_t i = 0; i < 2; ++i) {
+        const std::string what = tag + l.flags + " " + agg + ", step " + std::to_string(i + 1);
+        expect_same_step(got.steps[i], one.steps[i], what, 1e-4);
+        const double kl = metric(one.steps[i], "actor/kl_loss");
+        EXPECT_NEAR(metric(got.steps[i], "actor/kl_loss"), kl, 1e-3 * std::abs(kl) + 1e-9) << what;
+        const double clipfrac = metric(one.steps[i], "actor/pg_clipfrac");
+        EXPECT_NEAR(metric(got.steps[i], "actor/pg_clipfrac"), clipfrac, 1e-6) << what;
+        EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), kRolloutLogProbsTol) << what;
+      }
+    }
+  }
+}
+
 TEST(Grpo, ResumeIsBitExact) {
   TempDir dir("mfsdp-grpo-resume");
   const std::string flags = "--micro-batch-size 4 --train-iters 4 --optimizer adam --lr 1e-3";
@@ -219,8 +259,9 @@ TEST(Grpo, BadFlagsAreNamed) {
                "--rollout-n: --train-batch-size 1024 x 2048 responses per step is more than 1048576");
   expect_error("--train-iters 1 --max-response-length 4294967296", "--max-response-length: must be at most 4194304");
   expect_error("--train-iters 1 --gen-train-size 4294967296", "--gen-train-size: must be at most 4194304");
-  // Tensor parallelism with what is not built for it; no context parallelism.
-  expect_error("--train-iters 1 --context-parallel-size 2", "--context-parallel-size: 2: mfsdp-grpo does not split");
+  // Tensor and context parallelism with what is not built for them.
+  expect_error("--train-iters 1 --context-parallel-size 2 --rollout-mode sharded",
+               "--rollout-mode: sharded with --context-parallel-size 2: decoding with a KV cache");
   expect_error("--train-iters 1 --tensor-model-parallel-size 2 --sequence-parallel --rollout-mode sharded",
                "--rollout-mode: sharded with --sequence-parallel");
 }

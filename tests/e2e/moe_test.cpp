@@ -216,12 +216,71 @@ TEST(Moe, ExpertBiasMovesByGlobalTokenCountsIsSavedAndResumes) {
     EXPECT_EQ(got[i]["lm_loss"].get<double>(), split[3 + i]["lm_loss"].get<double>()) << "iteration " << 4 + i;
 }
 
+// Each of `layouts` (flags) on 4 ranks trains as one rank does (losses, grad norms, params norms
+// within 1e-5 over 4 iterations) and prints `line` at start-up.
+void expect_trains_like_one_rank(const std::vector<std::string>& layouts, const std::string& line) {
+  TempDir dir("mfsdp-moe-layouts");
+  // AdamW eps 1e-3 (as Pretrain.HybridShardingTrainsLikeOneRank): 4 ranks sum in another order.
+  const std::string flags =
+      kModel + " --train-iters 4 --lr-warmup-iters 1 --log-interval 1 --log-params-norm --adam-eps 1e-3";
+  auto records = [&](int ranks, const std::string& extra, const std::string& name, std::string* output) {
+    const std::string metrics = dir.file(name + ".jsonl");
+    const auto r = run_command(kRun + " --nproc-per-node " + std::to_string(ranks) + " " + kPretrain + flags + extra +
+                               " --metrics-file " + metrics + " 2>&1");
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    if (output) *output = r.output;
+    return training_records(metrics);
+  };
+  const auto one = records(1, "", "one", nullptr);
+  ASSERT_EQ(one.size(), 4u);
+  int run = 0;
+  for (const std::string& layout : layouts) {
+    std::string output;
+    const auto other = records(4, layout, "layout" + std::to_string(run++), &output);
+    ASSERT_EQ(other.size(), one.size()) << layout << "\n" << output;
+    EXPECT_NE(output.find(line), std::string::npos) << output;
+    for (size_t i = 0; i < one.size(); ++i)
+      for (const char* key : {"lm_loss", "grad_norm", "params_norm", "load_balancing_loss", "z_loss"}) {
+        const double want = one[i][key].get<double>();
+        EXPECT_NEAR(other[i][key].get<double>(), want, 1e-5 * std::abs(want)) << layout << " " << key << " it " << i + 1;
+      }
+  }
+}
+
+// HSDP with expert parallelism (the experts' own replicas: Megatron-FSDP's hybrid_fsdp_expt_group):
+// 4 ranks as 2 instances x 2 shards, the experts split over 2 expert-parallel ranks and sharded
+// over their 1-rank expert-data-parallel group in each instance, under ZeRO-3 and ZeRO-1 inside
+// the instances and with HFSDP; the start-up line names the experts' layout.
+TEST(Moe, HybridShardingWithExpertParallelismTrainsLikeOneRank) {
+  const std::string hsdp_ep = " --num-distributed-optimizer-instances 2 --expert-model-parallel-size 2";
+  expect_trains_like_one_rank({hsdp_ep + " --data-parallel-sharding-strategy optim_grads_params",
+                               hsdp_ep + " --data-parallel-sharding-strategy optim",
+                               hsdp_ep + " --outer-dp-sharding-strategy optim"},
+                              "the experts likewise: 2 instances of 1 expert-data-parallel ranks");
+}
+
+// Context parallelism with MoE layers: each rank routes its chunks, the balancing losses count
+// the whole sequences over the CP group (Megatron's tp_cp reduction), the experts' tokens go to
+// their expert-parallel ranks (which are the CP pairs: ETP 1, EP 2 over DP 2 x CP 2).
+TEST(Moe, ContextParallelWithExpertParallelismTrainsLikeOneRank) {
+  expect_trains_like_one_rank({" --context-parallel-size 2 --expert-model-parallel-size 2",
+                               " --context-parallel-size 2 --expert-model-parallel-size 2 --cp-comm-type p2p"
+                               " --data-parallel-sharding-strategy optim",
+                               " --context-parallel-size 2"},
+                              "context-parallel 2");
+}
+
 TEST(Moe, BadExpertParallelSizesAreNamed) {
   TempDir dir("mfsdp-moe-bad");
   const auto three = run_command(pretrain(" --expert-model-parallel-size 3 --train-iters 1"));
   EXPECT_NE(three.exit_code, 0);
-  EXPECT_NE(three.output.find("--expert-model-parallel-size: 3 does not divide --num-experts 4"), std::string::npos)
+  EXPECT_NE(three.output.find("--expert-model-parallel-size: 3 is more than the world size 2"), std::string::npos)
       << three.output;
+  const auto odd = run_command(pretrain(" --num-experts 3 --expert-model-parallel-size 2 --train-iters 1 --lr-warmup-iters 0"));
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.output.find("--expert-model-parallel-size: 2 does not divide the model ("), std::string::npos)
+      << odd.output;
+  EXPECT_NE(odd.output.find("'s 3 experts"), std::string::npos) << odd.output;
   const auto bias = run_command(pretrain(" --moe-router-enable-expert-bias --train-iters 1"));
   EXPECT_NE(bias.exit_code, 0);
   EXPECT_NE(bias.output.find("--moe-router-enable-expert-bias: needs --moe-router-score-function sigmoid"),

@@ -304,7 +304,7 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
       {kModel + " --check-for-nan-in-loss-and-grad=1", "--check-for-nan-in-loss-and-grad: takes no value"},
       {kModel + " --num-distributed-optimizer-instances 0", "--num-distributed-optimizer-instances: must be >= 1"},
       {kModel + " --num-distributed-optimizer-instances 2",
-       "--num-distributed-optimizer-instances: 2 does not divide the data-parallel size 1"},
+       "--num-distributed-optimizer-instances: 2 is more than the world size 1"},
       {kModel + " --simulate-world-size 4 --num-distributed-optimizer-instances 3",
        "--num-distributed-optimizer-instances: 3 does not divide the data-parallel size 4"},
       {kModel + " --outer-dp-sharding-strategy optim", "--outer-dp-sharding-strategy: optim shards across the instances"},
@@ -312,14 +312,25 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
                 " --data-parallel-sharding-strategy optim",
        "--outer-dp-sharding-strategy: optim (HFSDP) needs --data-parallel-sharding-strategy optim_grads_params, got optim"},
       {kModel + " --outer-dp-sharding-strategy replicate", "--outer-dp-sharding-strategy"},
-      {kModel + " --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --simulate-world-size 4"
-                " --num-distributed-optimizer-instances 2",
-       "--num-distributed-optimizer-instances: HSDP with --expert-model-parallel-size 2"},
+      {kModel + " --num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --simulate-world-size 8"
+                " --num-distributed-optimizer-instances 8",
+       "--num-distributed-optimizer-instances: 8 does not divide the expert-data-parallel size 4"},
+      // Sizes whose product wrapped to 0 (SIGFPE), and what the layout refuses in its one place.
+      {kModel + " --tensor-model-parallel-size 4294967296 --context-parallel-size 4294967296",
+       "--tensor-model-parallel-size: 4294967296 is more than the world size 1"},
+      {kModel + " --simulate-world-size 4 --memory-plan --context-parallel-size 4294967296",
+       "--context-parallel-size: 4294967296 is more than the world size 4"},
+      {kModel + " --simulate-world-size 2 --memory-plan --pipeline-model-parallel-size 2",
+       "--pipeline-model-parallel-size: 2: pipeline parallelism is not in this build"},
+      {kModel + " --simulate-world-size 4 --memory-plan --tensor-model-parallel-size 2 --expert-tensor-parallel-size 4",
+       "--expert-tensor-parallel-size: 4: mfsdp splits experts over 1 rank or over the tensor-parallel ranks (2)"},
+      {kModel + " --expert-tensor-parallel-size -1", "--expert-tensor-parallel-size: must be >= 1"},
       {kModel + " --tensor-model-parallel-size 0", "--tensor-model-parallel-size: must be >= 1"},
-      {kModel + " --tensor-model-parallel-size 2",
-       "--tensor-model-parallel-size: 2 x --context-parallel-size 1 does not divide the world size 1"},
+      {kModel + " --tensor-model-parallel-size 2", "--tensor-model-parallel-size: 2 is more than the world size 1"},
+      {kModel + " --simulate-world-size 6 --memory-plan --tensor-model-parallel-size 2 --context-parallel-size 2",
+       "--tensor-model-parallel-size: 2 x --context-parallel-size 2 does not divide the world size 6"},
       {kModel + " --simulate-world-size 3 --memory-plan --tensor-model-parallel-size 3",
-       "--tensor-model-parallel-size: 3 does not divide --num-attention-heads 4"},
+       "--tensor-model-parallel-size: 3 does not divide the model (llama, 2 layers"},
       {kModel + " --simulate-world-size 4 --memory-plan --context-parallel-size 2 --seq-length 18",
        "--context-parallel-size: --seq-length 18 does not divide by 2 x 2"},
       {kModel + " --simulate-world-size 2 --memory-plan --tensor-model-parallel-size 2 --save /tmp/mfsdp-never"
@@ -327,9 +338,10 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
        "--ckpt-format: mfsdp stores 1-D element ranges, which cannot hold a tensor-parallel slice"},
       {kModel + " --simulate-world-size 2 --tensor-model-parallel-size 2",
        "--simulate-world-size: with --tensor-model-parallel-size > 1 needs --memory-plan"},
-      {kModel + " --simulate-world-size 2 --memory-plan --context-parallel-size 2 --num-experts 4 --moe-router-topk 2"
-                " --expert-model-parallel-size 2",
-       "--expert-model-parallel-size: with --context-parallel-size > 1"},
+      {kModel + " --simulate-world-size 4 --memory-plan --tensor-model-parallel-size 2 --num-experts 4"
+                " --moe-router-topk 2 --expert-model-parallel-size 2",
+       "--expert-model-parallel-size: 2 with --tensor-model-parallel-size 2: MoE layers are not split over "
+       "tensor-parallel ranks in this build"},
       {kModel + " --cp-comm-type a2a", "--cp-comm-type"},
       // Values the model's config.json reader, its layer pattern or LibTorch refused only after
       // start-up, naming an internal field (exit 1), or that were taken and ignored.

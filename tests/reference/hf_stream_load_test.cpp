@@ -78,9 +78,10 @@ void check_every_shard(mfsdp::Communicator& comm) {
     for (const bool bf16 : {false, true}) {
       SCOPED_TRACE(strategy + (bf16 ? " bf16" : " fp32"));
       const mfsdp::PretrainArgs a = args_for(strategy, bf16);
+      mfsdp::FullyShardOptions shard = mfsdp::shard_options_from_args(a, a, a, /*per_token_loss=*/true);
+      shard.comm = borrow(comm);
       mfsdp::ShardedModel m = mfsdp::build_sharded_model(
-          config, mfsdp::model_build_options(a, a, a, a, /*values_loaded=*/true), a.expert_model_parallel_size,
-          /*use_sdpa=*/true, mfsdp::shard_options_from_args(a, a, borrow(comm), /*per_token_loss=*/true));
+          config, mfsdp::model_build_options(a, a, a, a, a, /*values_loaded=*/true), /*use_sdpa=*/true, shard);
       const int64_t read = mfsdp::load_hf_shards(hf, m.root, comm);
       if (strategy != "no_shard" && comm.size() > 1) EXPECT_LT(read, model_bytes) << "a rank read the whole model";
       for (const mfsdp::LocalShard& s : m.root.local_shards()) {

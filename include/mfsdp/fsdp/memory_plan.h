@@ -55,7 +55,8 @@ struct StepShape {
   // Optimizer state tensors per main-weight element, each in the main weights' dtype (AdamW 2,
   // SGD with momentum 1, plain SGD 0).
   int optimizer_states = 2;
-  // Ranks of the expert_group units' shard group (world / expert-parallel size); 0: none.
+  // Ranks of the expert_group units' shard group (world / expert-parallel size); 0: none. Under
+  // HSDP (plan_memory's `replicas`) the experts have as many replicas as the dense units.
   int expert_data_parallel = 0;
 };
 
@@ -92,7 +93,8 @@ struct MemoryPlan {
 // not first, an expert_group unit first or after another, or without an expert_data_parallel
 // size dividing `world`, an HSDP mesh, or a world size < 1. `world`: the ranks a shard group
 // holds; `replicas`: HSDP's copies of each shard group (options.mesh stays unset: the plan makes
-// a simulated [replicas, world] mesh), which hold less only under outer_strategy kOptim.
+// a simulated [replicas, world] mesh, and [replicas, expert_data_parallel] for the experts), which
+// hold less only under outer_strategy kOptim.
 MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, const FullyShardOptions& options,
                        int world, int replicas = 1);
 

@@ -182,10 +182,11 @@ class CausalLM : public ShardedModule<CausalLM> {
 // fully_shard over every layer, then shard_root; returns the root handle. A model built with
 // deferred parameters (ModelBuildOptions::deferred_init) has each layer materialised and
 // initialised just before it is sharded, and the rest before the root, so no rank ever holds
-// more than one unsharded layer beyond the root's parameters. `expert_data_parallel` (expert
-// parallelism: the ranks holding the same experts as this one): each MoE layer's experts become
-// a unit sharded over it, before their layer.
+// more than one unsharded layer beyond the root's parameters. `experts_options` (expert
+// parallelism: over the ranks holding the same experts as this one, a 1-D communicator or the
+// HSDP mesh of them): each MoE layer's experts become a unit sharded with them, before their
+// layer.
 FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options,
-                       const std::shared_ptr<Communicator>& expert_data_parallel = nullptr);
+                       const FullyShardOptions* experts_options = nullptr);
 
 }  // namespace mfsdp

@@ -46,6 +46,14 @@ struct MegatronRows {
   int64_t rows = 0;                                 // the rows they add up to
 };
 
+// What the layout must divide of a model (its family's parallel plan): the sizes tensor
+// parallelism splits, by config.json field, and the routed experts of an MoE layer (0: dense),
+// which expert parallelism splits. train/parallel_dims.h checks a layout against them.
+struct ParallelSplits {
+  std::vector<std::pair<std::string, int64_t>> tensor_parallel;  // {"num_attention_heads", 32}, ...
+  int64_t experts = 0;
+};
+
 class ModelSpec {
  public:
   virtual ~ModelSpec() = default;
@@ -88,6 +96,8 @@ class ModelSpec {
   // Megatron-LM's model FLOPs of one iteration of `batch` sequences of `seq_length` tokens
   // (training.py num_floating_point_operations): what TFLOP/s is computed from.
   virtual double flops_per_iteration(const ModelConfig& config, int64_t batch, int64_t seq_length) const = 0;
+  // What tensor and expert parallelism split of the model.
+  virtual ParallelSplits parallel_splits(const ModelConfig& config) const = 0;
   // A few words for messages: "2 layers, hidden 32, vocab 64, tied embeddings".
   virtual std::string describe(const ModelConfig& config) const = 0;
 };

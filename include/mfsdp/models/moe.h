@@ -103,11 +103,15 @@ at::Tensor updated_expert_bias(const at::Tensor& bias, const std::vector<int64_t
 // switch_load_balancing_loss_func (tokens counted over the whole batch), sequence_load_balancing_loss_func (`batch` sequences of
 // T / batch tokens, token t in sequence t / (T / batch)), z_loss_func. `tokens` [T] bool, false
 // at padding (undefined: none): as Megatron's padding_mask, padding neither counts nor weighs,
-// and T is the number of tokens (per sequence, their mean).
-at::Tensor load_balancing_loss(const Routing& r, int64_t top_k, const at::Tensor& tokens = {});
-at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch, const at::Tensor& tokens = {});
-at::Tensor z_loss(const at::Tensor& logits, const at::Tensor& tokens = {});
-
+// and T is the number of tokens (per sequence, their mean). `context_parallel` (null: none): the
+// rows are this rank's chunks of sequences split over that group; the counts are summed over it
+// and each rank's loss is its share of the whole sequences' loss times the group's size, so the
+// ranks' mean (the gradient reduction's) is the loss of the whole sequences.
+at::Tensor load_balancing_loss(const Routing& r, int64_t top_k, const at::Tensor& tokens = {},
+                               Communicator* context_parallel = nullptr);
+at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch, const at::Tensor& tokens = {},
+                                        Communicator* context_parallel = nullptr);
+at::Tensor z_loss(const at::Tensor& logits, const at::Tensor& tokens = {}, Communicator* context_parallel = nullptr);
 // What a block saw since its counters were last taken: Megatron's log fields.
 struct RouterStats {
   double load_balancing_loss = 0;  // sum over forwards of the balancing loss, before its coefficient
@@ -156,11 +160,14 @@ MFSDP_MODULE(MoeExperts);
 // through the block's output (Megatron's MoEAuxLossAutoScaler), times aux_loss_scale (the
 // trainer's 1 / micro-batches, as Megatron's set_loss_scale). With `expert_parallel` (the
 // expert-parallel group, size > 1) the (token, expert) pairs go to their expert's rank and back
-// by all-to-all (Megatron's alltoall token dispatcher).
+// by all-to-all (Megatron's alltoall token dispatcher). With `context_parallel` (size > 1) the
+// tokens are this rank's chunks of sequences split over that group, and the balancing losses
+// count the whole sequences (load_balancing_loss).
 class MoeBlockImpl : public torch::nn::Module {
  public:
   MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred,
-               std::shared_ptr<Communicator> expert_parallel = nullptr);
+               std::shared_ptr<Communicator> expert_parallel = nullptr,
+               std::shared_ptr<Communicator> context_parallel = nullptr);
   // `tokens` [B x T] bool, false at padding (undefined: none): padding is routed and computed
   // like the rest but not counted (tokens per expert, the expert bias) nor in the losses.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& tokens = {});
@@ -186,6 +193,7 @@ class MoeBlockImpl : public torch::nn::Module {
   at::Tensor dispatch(const at::Tensor& sorted, const at::Tensor& counts);
   MoeConfig config_;
   std::shared_ptr<Communicator> ep_;  // null: every expert is here
+  std::shared_ptr<Communicator> cp_;  // null: whole sequences here
   struct Tally {
     at::Tensor balance, z, counts;  // sums since take_stats, on the device
     int64_t forwards = 0;

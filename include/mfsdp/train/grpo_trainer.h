@@ -49,6 +49,9 @@ struct RolloutBatch {
   at::Tensor advantages;         // [B]
   at::Tensor response;           // [B, L] float: labels that are response tokens, trained or not
   at::Tensor rollout_log_probs;  // [B, L] the rollout's log-probs of those labels (0 elsewhere)
+  // Under context parallelism the [B, L] tensors hold this rank's chunks of every row (L / CP
+  // positions), and this [B] each whole row's trained tokens (seq-mean-token-mean's count).
+  at::Tensor row_tokens;
 };
 
 // What a step's stages hand each other.
@@ -119,10 +122,12 @@ class GrpoTrainer {
   SamplingOptions sampling_;
   int64_t prompts_per_rank_ = 0, local_sequences_ = 0, mini_batches_ = 0, local_per_mini_ = 0;
   // This rank's data-parallel replica (its prompts) and the ranks whose sums make the batch's:
-  // the data-parallel ranks of its tensor-parallel coordinate (the world without TP).
+  // the data- and context-parallel ranks of its tensor-parallel coordinate (the world without TP).
   int dp_rank_ = 0;
   std::shared_ptr<Communicator> replicas_;
-  int64_t length_multiple_ = 1;  // rows padded to a multiple of it (sequence parallelism)
+  std::shared_ptr<Communicator> data_replicas_;     // one rank per replica: the rollouts' sums
+  std::shared_ptr<Communicator> context_parallel_;  // null without: a rank trains on its chunks of every row
+  int64_t length_multiple_ = 1;  // rows padded to a multiple of it (sequence and context parallelism)
 };
 
 }  // namespace mfsdp

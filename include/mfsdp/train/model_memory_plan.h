@@ -13,6 +13,7 @@
 #include "mfsdp/models/causal_lm.h"
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/train/config/sections.h"
+#include "mfsdp/train/parallel_dims.h"
 
 namespace mfsdp {
 
@@ -20,18 +21,18 @@ namespace mfsdp {
 // and the optimizer's states per parameter.
 StepShape training_step_shape(const CausalLM& model, const OptimizerSection& optimizer, int64_t micro_batches);
 
-// The plan for `world` ranks of the model `config` describes, sharded with `shard` (the
-// trainer's options, made without a communicator), under the validated sections' expert, tensor
-// and HSDP layout (under tensor parallelism FSDP shards over world / TP), `micro_batches` per step.
-MemoryPlan plan_training_memory(const ModelConfig& config, const MoeSection& moe, const OptimizerSection& optimizer,
-                                const FsdpSection& fsdp, const FullyShardOptions& shard, int64_t micro_batches,
-                                int world);
+// The plan for one rank of the layout `dims` (parallel_dims of the flags) of the model `config`
+// describes, sharded with `shard` (the trainer's options, made without a communicator): FSDP's
+// shard group of dp_shard x cp ranks, HSDP's replicas, one tensor-parallel rank's slices and one
+// expert-parallel rank's experts; `micro_batches` per step.
+MemoryPlan plan_training_memory(const ModelConfig& config, const OptimizerSection& optimizer, const ParallelDims& dims,
+                                const FullyShardOptions& shard, int64_t micro_batches);
 
-// --memory-plan: plan_training_memory for comm's world size, printed on rank 0 (every rank of a
+// --memory-plan: plan_training_memory, printed on rank 0 (every rank of a
 // simulated run), ending with the line the end of a run prints, "memory per rank (MiB): model
 // weights ..., transient peak ...", in the same format, prefixed "planned".
-void print_memory_plan(const ModelConfig& config, const MoeSection& moe, const OptimizerSection& optimizer,
-                       const FsdpSection& fsdp, const FullyShardOptions& shard, int64_t micro_batches,
-                       const std::shared_ptr<Communicator>& comm, std::ostream& log);
+void print_memory_plan(const ModelConfig& config, const OptimizerSection& optimizer, const ParallelDims& dims,
+                       const FullyShardOptions& shard, int64_t micro_batches, const std::shared_ptr<Communicator>& comm,
+                       std::ostream& log);
 
 }  // namespace mfsdp

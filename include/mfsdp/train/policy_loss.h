@@ -31,6 +31,9 @@ struct LossNormalizer {
   double global_tokens = 0;
   double global_sequences = 0;
   double norm_length = 0;
+  // [B]: each row's tokens when the mask holds only part of every row (context parallelism:
+  // a rank's chunks), for seq-mean-token-mean; undefined: the mask's own row sums.
+  at::Tensor row_tokens;
 };
 
 // loss_mat, mask [B, T]; mask bool or 0/1 float (as verl's masked_sum: entries where the mask is

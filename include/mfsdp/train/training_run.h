@@ -22,7 +22,7 @@
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
 #include "mfsdp/train/metrics.h"
-#include "mfsdp/train/parallel_groups.h"
+#include "mfsdp/train/parallel_dims.h"
 #include "mfsdp/train/pretrain_args.h"
 #include "mfsdp/train/rollout_model.h"
 #include "mfsdp/train/step_profiler.h"
@@ -42,34 +42,35 @@ ModelConfig model_config_from_args(const ModelSection& model, const MoeSection& 
                                    int64_t padded_vocab_size);
 // How MoE layers train, from the --moe-* flags (include/mfsdp/models/moe.h).
 MoeTraining moe_training_from_args(const MoeSection& moe);
-// fully_shard's options from the sharding, precision (--bf16) and buffer flags. `per_token_loss`: the
-// loss is already divided by the global count (no 1/dp in the gradient reduction).
-FullyShardOptions shard_options_from_args(const FsdpSection& fsdp, const TrainingSection& training,
-                                          const std::shared_ptr<Communicator>& comm, bool per_token_loss);
+// fully_shard's options from the sharding, precision (--bf16) and buffer flags, without the
+// groups (ParallelMesh::dense_shard_options and expert_shard_options add them). `per_token_loss`:
+// the loss is already divided by the global count (no 1/dp in the gradient reduction).
+FullyShardOptions shard_options_from_args(const FsdpSection& fsdp, const ParallelSection& parallel,
+                                          const TrainingSection& training, bool per_token_loss);
 
 struct ShardedModel {
   std::shared_ptr<CausalLM> model;
   FsdpHandle root;
-  // --expert-model-parallel-size > 1: the data-parallel ranks as a grid [edp, ep] (the
-  // expert-parallel groups are runs of consecutive ranks, as Megatron lays them out); null
-  // otherwise.
-  std::shared_ptr<DeviceMesh> expert_mesh;
+  // --expert-model-parallel-size > 1: the ranks this rank's experts are split among (the mesh's
+  // "ep"); null otherwise.
+  std::shared_ptr<Communicator> expert_parallel;
 };
 // How the flags build the model (ModelBuildOptions but the groups): deferred init
 // (--init-model-with-meta-device, or `values_loaded`: every value is about to be overwritten by
 // a load), --recompute-activations, the seed, MoE training, --sequence-parallel, --cp-comm-type.
 ModelBuildOptions model_build_options(const ModelSection& model, const MoeSection& moe, const TrainingSection& training,
-                                      const FsdpSection& fsdp, bool values_loaded);
+                                      const FsdpSection& fsdp, const ParallelSection& parallel, bool values_loaded);
 // Builds the model and shards it, layers then the root. With deferred init every layer is
 // materialised and sharded in turn, so no rank ever holds the whole model (deferred init equals
 // eager init bit for bit, docs/model.md). Under expert parallelism
 // (--expert-model-parallel-size) each rank builds only its experts, and each layer's experts
 // are a unit sharded over the expert-data-parallel group (the ranks holding the same experts).
-// `groups` (tensor and context parallelism): the model is built with their groups and `shard`
-// must shard over groups->fsdp; without them, no sequence parallelism. `use_sdpa`: not
+// `mesh`: the model is built with its tensor-, context- and expert-parallel groups and sharded
+// over its FSDP groups (`shard` gives the rest of the options); without it `shard` must name the
+// communicator, and nothing is split (no sequence parallelism). `use_sdpa`: not
 // --attention-backend unfused.
-ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions options, int64_t expert_parallel_size,
-                                 bool use_sdpa, const FullyShardOptions& shard, const ParallelGroups* groups = nullptr);
+ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions options, bool use_sdpa,
+                                 const FullyShardOptions& shard, const ParallelMesh* mesh = nullptr);
 
 // Where fine-tuning starts (mfsdp-sft, mfsdp-grpo): the model config and, for a Hugging Face
 // folder, where its weights are. In order: `load` (--load opened by open_training_checkpoint:
@@ -197,9 +198,10 @@ class TrainingRun {
 
   const PretrainArgs& args() const { return args_; }
   const std::shared_ptr<Communicator>& comm() const { return comm_; }
-  // The mesh's groups: the data-parallel size and this rank's replica (its share of the data),
-  // the tensor- and context-parallel groups (null when not split).
-  const ParallelGroups& groups() const { return groups_; }
+  // The job's layout and groups: the data-parallel size and this rank's replica (its share of
+  // the data, coordinate("dp")), the tensor- and context-parallel groups (split("tp"), null when
+  // not split).
+  const ParallelMesh& mesh() const { return mesh_; }
   std::ostream& log() const { return log_; }
   std::shared_ptr<CausalLM>& model() { return sharded_.model; }
   FsdpHandle& root() { return sharded_.root; }
@@ -233,7 +235,7 @@ class TrainingRun {
   OpenedCheckpoint load_;  // until start() has loaded it
   bool per_token_loss_;  // gradients summed over the ranks (no 1 / dp)
   bool print_;
-  ParallelGroups groups_;  // before sharded_, which is built over its groups
+  ParallelMesh mesh_;  // before sharded_, which is built over its groups
   ShardedModel sharded_;
   std::unique_ptr<DistributedOptimizer> optimizer_;
   LRSchedule schedule_;

@@ -19,7 +19,7 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
                                              const LlamaParallel& parallel) {
   self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred, parallel));
   if (c.moe.is_moe_layer(layer_idx)) {
-    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred, parallel.expert));
+    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred, parallel.expert, parallel.context));
   } else {
     mlp = register_module("mlp", LlamaMLP(c, deferred, parallel));
   }

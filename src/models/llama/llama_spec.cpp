@@ -356,6 +356,18 @@ class DecoderSpec final : public ModelSpec {
     return expansion * batch * s * layers * h * h * (attention + mlp + logits);
   }
 
+  ParallelSplits parallel_splits(const ModelConfig& config) const override {
+    const LlamaConfig c = llama_config_of(config);
+    ParallelSplits s;
+    // Megatron's divide() of each tensor-parallel layer: heads, KV heads, MLP and vocabulary.
+    s.tensor_parallel = {{"num_attention_heads", c.num_attention_heads},
+                         {"num_key_value_heads", c.num_key_value_heads},
+                         {"intermediate_size", c.intermediate_size},
+                         {"vocab_size", c.vocab_size}};
+    s.experts = c.moe.num_experts;
+    return s;
+  }
+
   std::string describe(const ModelConfig& config) const override {
     const LlamaConfig c = llama_config_of(config);
     std::string moe;

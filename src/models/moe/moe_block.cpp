@@ -145,8 +145,10 @@ at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& c
 }
 
 MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred,
-                           std::shared_ptr<Communicator> expert_parallel)
-    : config_(config), ep_(expert_parallel && expert_parallel->size() > 1 ? std::move(expert_parallel) : nullptr) {
+                           std::shared_ptr<Communicator> expert_parallel, std::shared_ptr<Communicator> context_parallel)
+    : config_(config),
+      ep_(expert_parallel && expert_parallel->size() > 1 ? std::move(expert_parallel) : nullptr),
+      cp_(context_parallel && context_parallel->size() > 1 ? std::move(context_parallel) : nullptr) {
   gate = register_module("gate", LlamaLinear(hidden, config.num_experts, deferred));
   // A buffer, not a parameter: no gradient, no optimizer state, fp32 whatever the compute dtype
   // (Megatron keeps router.expert_bias in fp32 too), every rank holds it whole.
@@ -228,11 +230,11 @@ at::Tensor MoeBlockImpl::forward(const at::Tensor& x, const at::Tensor& valid) {
   // The balancing losses, for the log always, for the gradient when their coefficient is set.
   at::Tensor balance;
   if (training_options.balancing == MoeTraining::Balancing::kAuxLoss) {
-    balance = load_balancing_loss(r, config_.top_k, valid);
+    balance = load_balancing_loss(r, config_.top_k, valid, cp_.get());
   } else if (training_options.balancing == MoeTraining::Balancing::kSeqAuxLoss) {
-    balance = sequence_load_balancing_loss(r, config_.top_k, x.dim() == 3 ? x.size(0) : 1, valid);
+    balance = sequence_load_balancing_loss(r, config_.top_k, x.dim() == 3 ? x.size(0) : 1, valid, cp_.get());
   }
-  at::Tensor z = z_loss(r.logits, valid);
+  at::Tensor z = z_loss(r.logits, valid, cp_.get());
   // Counted once per forward: not again when activation recompute re-runs it in backward.
   if (!detail::in_recompute()) {
     // Kept on the device until take_stats: no host synchronisation per forward.

@@ -105,40 +105,61 @@ std::pair<at::Tensor, at::Tensor> counted(const Routing& r, const at::Tensor& to
   const at::Tensor keep = tokens.reshape({-1, 1}).to(r.scores.device(), at::kFloat);
   return {r.top_map.to(at::kFloat) * keep, r.scores * keep};
 }
-}  // namespace
 
-at::Tensor load_balancing_loss(const Routing& r, int64_t top_k, const at::Tensor& tokens) {
-  const int64_t experts = r.scores.size(1);
-  auto [map, scores] = counted(r, tokens);
-  at::Tensor per_expert = map.sum(0);
-  // Megatron's total_num_tokens: the routed pairs / top_k (every row without a mask).
-  const at::Tensor total = tokens.defined() ? (per_expert.sum() / static_cast<double>(top_k)).clamp_min(1)
-                                            : at::full({}, static_cast<double>(r.scores.size(0)), scores.options());
-  return (scores.sum(0) * per_expert).sum() * (static_cast<double>(experts) / static_cast<double>(top_k)) /
-         total.square();
+// Counts summed over the context-parallel group (Megatron's reduce over tp_cp): no gradient.
+at::Tensor over_group(const at::Tensor& local, Communicator* context_parallel) {
+  if (context_parallel == nullptr) return local;
+  at::Tensor global = local.detach().clone();
+  context_parallel->all_reduce(global);
+  return global;
 }
 
-at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch, const at::Tensor& tokens) {
-  const int64_t rows = r.scores.size(0), experts = r.scores.size(1);
+int64_t size_of(Communicator* group) { return group ? group->size() : 1; }
+}  // namespace
+
+// Under context parallelism (Megatron's switch_load_balancing_loss_func over its tp_cp group):
+// the token counts are the whole sequences', the scores this rank's, so that the ranks' losses
+// add up to the whole sequences' loss; times the group's size, since the gradient reduction
+// averages over the context-parallel ranks (trainer.cpp: each rank's loss is its chunks' mean).
+at::Tensor load_balancing_loss(const Routing& r, int64_t top_k, const at::Tensor& tokens, Communicator* context_parallel) {
+  const int64_t experts = r.scores.size(1), cp = size_of(context_parallel);
+  auto [map, scores] = counted(r, tokens);
+  at::Tensor per_expert = over_group(map.sum(0), context_parallel);
+  // Megatron's total_num_tokens: the routed pairs / top_k (every row without a mask).
+  const at::Tensor total = tokens.defined() ? (per_expert.sum() / static_cast<double>(top_k)).clamp_min(1)
+                                            : at::full({}, static_cast<double>(r.scores.size(0) * cp), scores.options());
+  at::Tensor loss = (scores.sum(0) * per_expert).sum() * (static_cast<double>(experts) / static_cast<double>(top_k)) /
+                    total.square();
+  return cp > 1 ? loss * static_cast<double>(cp) : loss;
+}
+
+at::Tensor sequence_load_balancing_loss(const Routing& r, int64_t top_k, int64_t batch, const at::Tensor& tokens,
+                                        Communicator* context_parallel) {
+  const int64_t rows = r.scores.size(0), experts = r.scores.size(1), cp = size_of(context_parallel);
   if (batch <= 0 || rows % batch != 0)
     throw std::invalid_argument("sequence_load_balancing_loss: " + std::to_string(rows) + " tokens in " +
                                 std::to_string(batch) + " sequences");
   const int64_t length = rows / batch;
   auto [map, scores] = counted(r, tokens);
-  at::Tensor per_sequence = map.view({batch, length, experts}).sum(1);  // [B, E]
+  at::Tensor per_sequence = over_group(map.view({batch, length, experts}).sum(1), context_parallel);  // [B, E]
   // The tokens of a sequence: `length`, or with padding their mean over the sequences (Megatron).
   const at::Tensor mean_length = tokens.defined()
                                      ? (per_sequence.sum() / static_cast<double>(top_k * batch)).clamp_min(1)
-                                     : at::full({}, static_cast<double>(length), scores.options());
+                                     : at::full({}, static_cast<double>(length * cp), scores.options());
   at::Tensor cost = per_sequence / (mean_length * (static_cast<double>(top_k) / experts));
-  return (cost * scores.view({batch, length, experts}).sum(1) / mean_length).sum(1).mean();
+  at::Tensor loss = (cost * scores.view({batch, length, experts}).sum(1) / mean_length).sum(1).mean();
+  return cp > 1 ? loss * static_cast<double>(cp) : loss;
 }
 
-at::Tensor z_loss(const at::Tensor& logits, const at::Tensor& tokens) {
+at::Tensor z_loss(const at::Tensor& logits, const at::Tensor& tokens, Communicator* context_parallel) {
   at::Tensor z = at::logsumexp(logits.to(at::kFloat), -1).square();
+  // Without padding every context-parallel chunk has as many tokens: the chunks' means average
+  // to the whole mean. With it, this rank's sum over all the ranks' tokens, times the group.
   if (!tokens.defined()) return z.mean();
   const at::Tensor keep = tokens.reshape({-1}).to(z.device(), at::kFloat);
-  return (z * keep).sum() / keep.sum().clamp_min(1);
+  const int64_t cp = size_of(context_parallel);
+  at::Tensor loss = (z * keep).sum() / over_group(keep.sum(), context_parallel).clamp_min(1);
+  return cp > 1 ? loss * static_cast<double>(cp) : loss;
 }
 
 }  // namespace mfsdp

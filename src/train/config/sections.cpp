@@ -78,6 +78,7 @@ const char* section_title(Section s) {
     case Section::kTraining: return "training: batches, iterations, precision";
     case Section::kOptimizer: return "optimizer and learning-rate schedule";
     case Section::kCheckpoint: return "checkpoints";
+    case Section::kParallel: return "parallel: tensor, context, expert, pipeline and hybrid data parallelism (Megatron's layout)";
     case Section::kFsdp: return "Megatron-FSDP and the distributed optimizer";
     case Section::kRuntime: return "runtime: device, collectives, host memory, attention kernels";
     case Section::kLogging: return "logging and evaluation";
@@ -90,7 +91,7 @@ const char* section_title(Section s) {
 const std::vector<Section>& all_sections() {
   static const std::vector<Section> all = {Section::kModel,      Section::kMoe,       Section::kTokenizer, Section::kData,
                                            Section::kTraining,   Section::kOptimizer, Section::kCheckpoint,
-                                           Section::kFsdp,       Section::kRuntime,   Section::kLogging,
+                                           Section::kParallel,   Section::kFsdp,       Section::kRuntime,   Section::kLogging,
                                            Section::kProfiling,  Section::kPretraining};
   return all;
 }
@@ -207,8 +208,6 @@ std::vector<ToolFlag> MoeSection::flags() {
                   "how far the expert bias moves per step (with --moe-router-enable-expert-bias)"),
       bool_flag("--moe-per-layer-logging", moe_per_layer_logging,
                 "log each MoE layer's balancing loss and tokens per expert (metrics file, TensorBoard)"),
-      int_flag("--expert-model-parallel-size", expert_model_parallel_size,
-               "ranks the experts of a layer are split over (1: every rank holds every expert)"),
   };
 }
 
@@ -240,8 +239,6 @@ std::vector<int64_t> MoeSection::moe_layer_pattern() const {
 void MoeSection::validate(const ModelSection& model) const {
   if (num_experts < 0) flag_error("--num-experts", "must be >= 0, got " + std::to_string(num_experts));
   at_most("--num-experts", num_experts, kMaxExperts);
-  if (expert_model_parallel_size < 1)
-    flag_error("--expert-model-parallel-size", "must be >= 1, got " + std::to_string(expert_model_parallel_size));
   // Megatron's capacity, ceil(tokens x top-k / experts x factor), keeps every token once the
   // factor reaches experts / top-k; a larger one drops nothing more, and one far larger
   // overflows the int64 count LibTorch's topk takes. Checked without --num-experts too: the MoE
@@ -255,15 +252,13 @@ void MoeSection::validate(const ModelSection& model) const {
                    number(moe_expert_capacity_factor));
   const std::vector<int64_t> pattern = moe_layer_pattern();  // its syntax: the trainer reads it in any case
   // Without --num-experts the model may still have experts (mfsdp-sft and mfsdp-grpo take the
-  // model of --load or --hf-load): build_sharded_model checks --expert-model-parallel-size there.
+  // model of --load or --hf-load): check_parallel_model (train/parallel_dims.h) checks
+  // --expert-model-parallel-size against the model's.
   if (num_experts == 0) return;
   if (!model.swiglu) flag_error("--num-experts", "needs --swiglu: the experts are SwiGLU MLPs (gate, up and down)");
   if (moe_router_topk < 1 || moe_router_topk > num_experts)
     flag_error("--moe-router-topk", "must be 1 .. --num-experts " + std::to_string(num_experts) + ", got " +
                                         std::to_string(moe_router_topk));
-  if (num_experts % expert_model_parallel_size != 0)
-    flag_error("--expert-model-parallel-size", std::to_string(expert_model_parallel_size) +
-                                                   " does not divide --num-experts " + std::to_string(num_experts));
   at_least("--moe-ffn-hidden-size", static_cast<double>(moe_ffn_hidden_size), 0);
   at_most("--moe-ffn-hidden-size", moe_ffn_hidden_size, kMaxFfnHiddenSize);
   at_least("--moe-shared-expert-intermediate-size", static_cast<double>(moe_shared_expert_intermediate_size), 0);
@@ -441,6 +436,50 @@ void CheckpointSection::validate() const {
     flag_error("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
 }
 
+std::vector<ToolFlag> ParallelSection::flags() {
+  return {
+      int_flag("--tensor-model-parallel-size", tensor_model_parallel_size,
+               "tensor parallelism: split each layer's heads and MLP and the vocabulary over this many "
+               "adjacent ranks (FSDP shards each rank's slices over the rest)"),
+      bool_flag("--sequence-parallel", sequence_parallel,
+                "with tensor parallelism: norms and residuals on sequence slices between the "
+                "tensor-parallel regions"),
+      int_flag("--context-parallel-size", context_parallel_size,
+               "context parallelism: split every sequence over this many ranks (load-balanced chunks; "
+               "FSDP shards over data x context-parallel ranks)"),
+      string_flag("--cp-comm-type", cp_comm_type,
+                  "how context-parallel attention exchanges keys and values: all_gather (the default "
+                  "here, measured faster) or p2p (a ring, less memory)", {"all_gather", "p2p"}),
+      int_flag("--expert-model-parallel-size", expert_model_parallel_size,
+               "ranks the experts of a layer are split over (1: every rank holds every expert)"),
+      int_flag("--expert-tensor-parallel-size", expert_tensor_parallel_size,
+               "ranks each expert's weights are split over (0: Megatron's default, the tensor-parallel size); "
+               "the expert ranks are laid out expert-tensor, expert, expert-data parallel as Megatron's"),
+      int_flag("--pipeline-model-parallel-size", pipeline_model_parallel_size,
+               "pipeline stages (the outermost dimension in Megatron's order); only 1 in this build"),
+      int_flag("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
+               "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
+               "each shards the model as --data-parallel-sharding-strategy says, the instances "
+               "replicate it and all-reduce gradients across"),
+      string_flag("--outer-dp-sharding-strategy", outer_dp_sharding_strategy,
+                  "what is sharded across the instances of --num-distributed-optimizer-instances: "
+                  "no_shard, nothing (HSDP); optim, main weights, gradients and optimizer state "
+                  "(HFSDP; needs optim_grads_params)", {"no_shard", "optim"}),
+  };
+}
+
+void ParallelSection::validate() const {
+  for (const auto& [flag, v] : {std::pair<const char*, int64_t>{"--tensor-model-parallel-size", tensor_model_parallel_size},
+                                {"--context-parallel-size", context_parallel_size},
+                                {"--expert-model-parallel-size", expert_model_parallel_size},
+                                {"--pipeline-model-parallel-size", pipeline_model_parallel_size},
+                                {"--num-distributed-optimizer-instances", num_distributed_optimizer_instances}})
+    if (v < 1) flag_error(flag, "must be >= 1, got " + std::to_string(v));
+  if (expert_tensor_parallel_size < 0)
+    flag_error("--expert-tensor-parallel-size",
+               "must be >= 1 (or 0: the tensor-parallel size), got " + std::to_string(expert_tensor_parallel_size));
+}
+
 std::vector<ToolFlag> FsdpSection::flags() {
   return {
       bool_flag("--use-megatron-fsdp", use_megatron_fsdp, "shard with mfsdp (always on here)"),
@@ -470,47 +509,11 @@ std::vector<ToolFlag> FsdpSection::flags() {
       bool_flag("--fsdp-trace-pool", fsdp_trace_pool,
                 "(mfsdp) unsharded buffers at offsets of one pool per dtype, planned from a traced step"),
       bool_flag("--use-nccl-ub", use_nccl_ub, "NCCL user buffers (GPU; refused on NCCL: not supported yet)"),
-      int_flag("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
-               "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
-               "each shards the model as --data-parallel-sharding-strategy says, the instances "
-               "replicate it and all-reduce gradients across"),
-      string_flag("--outer-dp-sharding-strategy", outer_dp_sharding_strategy,
-                  "what is sharded across the instances of --num-distributed-optimizer-instances: "
-                  "no_shard, nothing (HSDP); optim, main weights, gradients and optimizer state "
-                  "(HFSDP; needs optim_grads_params)", {"no_shard", "optim"}),
-      int_flag("--tensor-model-parallel-size", tensor_model_parallel_size,
-               "tensor parallelism: split each layer's heads and MLP and the vocabulary over this many "
-               "adjacent ranks (FSDP shards each rank's slices over the rest)"),
-      bool_flag("--sequence-parallel", sequence_parallel,
-                "with tensor parallelism: norms and residuals on sequence slices between the "
-                "tensor-parallel regions"),
-      int_flag("--context-parallel-size", context_parallel_size,
-               "context parallelism: split every sequence over this many ranks (load-balanced chunks; "
-               "FSDP shards over data x context-parallel ranks)"),
-      string_flag("--cp-comm-type", cp_comm_type,
-                  "how context-parallel attention exchanges keys and values: all_gather (the default "
-                  "here, measured faster) or p2p (a ring, less memory)", {"all_gather", "p2p"}),
   };
 }
 
 void FsdpSection::validate() const {
   if (fsdp_double_buffer && fsdp_trace_pool) flag_error("--fsdp-trace-pool", "conflicts with --fsdp-double-buffer");
-  if (tensor_model_parallel_size < 1)
-    flag_error("--tensor-model-parallel-size", "must be >= 1, got " + std::to_string(tensor_model_parallel_size));
-  if (context_parallel_size < 1)
-    flag_error("--context-parallel-size", "must be >= 1, got " + std::to_string(context_parallel_size));
-  if (num_distributed_optimizer_instances < 1)
-    flag_error("--num-distributed-optimizer-instances",
-               "must be >= 1, got " + std::to_string(num_distributed_optimizer_instances));
-  // Megatron-FSDP's HFSDP shards the main weights across the instances: it builds on ZeRO-3 inside.
-  if (outer_dp_sharding_strategy == "optim" && data_parallel_sharding_strategy != "optim_grads_params")
-    flag_error("--outer-dp-sharding-strategy",
-               "optim (HFSDP) needs --data-parallel-sharding-strategy optim_grads_params, got " +
-                   data_parallel_sharding_strategy);
-  if (outer_dp_sharding_strategy == "optim" && num_distributed_optimizer_instances < 2)
-    flag_error("--outer-dp-sharding-strategy",
-               "optim shards across the instances of --num-distributed-optimizer-instances, which is " +
-                   std::to_string(num_distributed_optimizer_instances) + " (needs 2 or more)");
 }
 
 std::vector<ToolFlag> RuntimeSection::flags() {

@@ -57,8 +57,8 @@ struct ToolFlag {
 
 // The sections in --help order. kPretraining holds what only mfsdp-pretrain does (its corpus,
 // a sample after training, simulated scale).
-enum class Section { kModel, kMoe, kTokenizer, kData, kTraining, kOptimizer, kCheckpoint, kFsdp, kRuntime,
-                     kLogging, kProfiling, kPretraining };
+enum class Section { kModel, kMoe, kTokenizer, kData, kTraining, kOptimizer, kCheckpoint, kParallel, kFsdp,
+                     kRuntime, kLogging, kProfiling, kPretraining };
 const char* section_title(Section s);  // "model: the transformer (Megatron's network size arguments)", ...
 const std::vector<Section>& all_sections();
 
@@ -106,7 +106,6 @@ struct MoeSection {
   bool moe_router_enable_expert_bias = false;
   double moe_router_bias_update_rate = 1e-3;
   bool moe_per_layer_logging = false;
-  int64_t expert_model_parallel_size = 1;
   // The layers' pattern from moe_layer_freq: one 0/1 per layer, or {N} for an integer N.
   std::vector<int64_t> moe_layer_pattern() const;
   // Reads the model's layers, MLP kind and width: the experts are SwiGLU MLPs of the model.
@@ -186,6 +185,27 @@ struct CheckpointSection {
   std::vector<ToolFlag> flags();
 };
 
+// The parallel layout (Megatron's distributed arguments): the sizes of every dimension, which
+// train/parallel_dims.h validates against the world and turns into the job's meshes.
+struct ParallelSection {
+  int64_t tensor_model_parallel_size = 1;
+  bool sequence_parallel = false;
+  int64_t context_parallel_size = 1;
+  // How context-parallel attention exchanges keys and values: p2p (a ring) or all_gather. The
+  // default is all_gather, not Megatron's p2p: it measured 8x faster here (docs/PERFORMANCE.md).
+  std::string cp_comm_type = "all_gather";
+  int64_t expert_model_parallel_size = 1;
+  int64_t expert_tensor_parallel_size = 0;  // 0: Megatron's None, the tensor-parallel size
+  int64_t pipeline_model_parallel_size = 1;
+  // HSDP (Megatron's hierarchical data parallelism): the data-parallel ranks as instances of
+  // consecutive ranks; each instance shards the model, the instances replicate it.
+  int64_t num_distributed_optimizer_instances = 1;
+  std::string outer_dp_sharding_strategy = "no_shard";  // across instances: no_shard (HSDP) or optim
+  // The sizes' own bounds (>= 1); everything against the world is parallel_dims'.
+  void validate() const;
+  std::vector<ToolFlag> flags();
+};
+
 // Megatron-FSDP and the distributed optimizer.
 struct FsdpSection {
   bool use_megatron_fsdp = false;
@@ -200,17 +220,6 @@ struct FsdpSection {
   bool fsdp_double_buffer = false;
   bool fsdp_trace_pool = false;  // ours: trace-then-plan pool for unsharded buffers
   bool use_nccl_ub = false;
-  // HSDP (Megatron's hierarchical data parallelism): the data-parallel ranks as instances of
-  // consecutive ranks; each instance shards the model, the instances replicate it.
-  int64_t num_distributed_optimizer_instances = 1;
-  std::string outer_dp_sharding_strategy = "no_shard";  // across instances: no_shard (HSDP) or optim
-  // The device mesh (train/parallel_groups.h): tensor and context parallelism, Megatron's names.
-  int64_t tensor_model_parallel_size = 1;
-  bool sequence_parallel = false;
-  int64_t context_parallel_size = 1;
-  // How context-parallel attention exchanges keys and values: p2p (a ring) or all_gather. The
-  // default is all_gather, not Megatron's p2p: it measured 8x faster here (docs/PERFORMANCE.md).
-  std::string cp_comm_type = "all_gather";
   void validate() const;
   std::vector<ToolFlag> flags();
 };
