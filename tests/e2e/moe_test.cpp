@@ -270,6 +270,39 @@ TEST(Moe, ContextParallelWithExpertParallelismTrainsLikeOneRank) {
                               "context-parallel 2");
 }
 
+// A checkpoint saved by HSDP 2 x EP 2 (each element once over the instances and the
+// expert-parallel ranks) resumes at CP 2 x EP 2 and on one rank, and both continue as the
+// training that never stopped on one rank does.
+TEST(Moe, HybridExpertCheckpointResumesAtOtherLayouts) {
+  TempDir dir("mfsdp-moe-reshard");
+  const std::string flags =
+      kModel + " --train-iters 6 --lr-warmup-iters 1 --log-interval 1 --adam-eps 1e-3";
+  auto launch = [&](int ranks, const std::string& extra) {
+    const auto r = run_command(kRun + " --nproc-per-node " + std::to_string(ranks) + " " + kPretrain + flags + extra +
+                               " 2>&1");
+    EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
+  };
+  launch(1, " --metrics-file " + dir.file("straight.jsonl"));
+  launch(4, " --num-distributed-optimizer-instances 2 --expert-model-parallel-size 2 --exit-interval 3 --save " +
+                dir.file("ckpt"));
+  launch(4, " --context-parallel-size 2 --expert-model-parallel-size 2 --load " + dir.file("ckpt") +
+                " --metrics-file " + dir.file("cp_ep.jsonl"));
+  launch(1, " --load " + dir.file("ckpt") + " --metrics-file " + dir.file("one.jsonl"));
+  const auto straight = training_records(dir.file("straight.jsonl"));
+  ASSERT_EQ(straight.size(), 6u);
+  for (const std::string name : {"cp_ep", "one"}) {
+    const auto resumed = training_records(dir.file(name + ".jsonl"));
+    ASSERT_EQ(resumed.size(), 3u) << name;
+    for (size_t i = 0; i < 3; ++i) {
+      ASSERT_EQ(resumed[i]["iteration"], straight[i + 3]["iteration"]);
+      for (const char* key : {"lm_loss", "grad_norm"}) {
+        const double want = straight[i + 3][key].get<double>();
+        EXPECT_NEAR(resumed[i][key].get<double>(), want, 1e-5 * std::abs(want)) << name << " " << key << " it " << i + 4;
+      }
+    }
+  }
+}
+
 TEST(Moe, BadExpertParallelSizesAreNamed) {
   TempDir dir("mfsdp-moe-bad");
   const auto three = run_command(pretrain(" --expert-model-parallel-size 3 --train-iters 1"));

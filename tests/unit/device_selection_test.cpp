@@ -105,6 +105,9 @@ MFSDP_DIST_TEST(DeviceSelection, RanksOnDistinctGpusPass, {2, 3}) {
   const std::string id = "GPU-" + std::to_string(comm.rank());
   EXPECT_NO_THROW(mfsdp::check_one_rank_per_gpu(*store, comm.rank(), comm.size(), id, id + " (test)",
                                                 std::chrono::seconds(60)));
+  // Rank 0 serves the store: it must not exit while another rank still reads the others' GPUs
+  // (seen in CI on a loaded machine: "rank 0 exited or failed"). A job's rank 0 trains on.
+  comm.barrier();
 }
 
 // Ranks 0 and 2 of 3 share a GPU: every rank (rank 1 too, which would otherwise wait in NCCL's
@@ -118,6 +121,7 @@ MFSDP_DIST_TEST(DeviceSelection, RanksSharingAGpuAllFailNamingThem, {3}) {
   });
   expect_contains(e, {"ranks 0 and 2 both use GPU GPU-a (PCI bus 0000:3b:00.0 on host h)", "its own GPU",
                       "--gpus-per-task=1"});
+  comm.barrier();  // rank 0 serves the store (see above)
 }
 
 }  // namespace
