@@ -84,6 +84,14 @@ struct LlamaConfig {
   MoeConfig moe;
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
+  // What tensor parallelism splits (Megatron's divide() of each layer), by config.json field:
+  // heads, key/value heads, MLP width and vocabulary.
+  std::vector<std::pair<std::string, int64_t>> tensor_parallel_splits() const {
+    return {{"num_attention_heads", num_attention_heads},
+            {"num_key_value_heads", num_key_value_heads},
+            {"intermediate_size", intermediate_size},
+            {"vocab_size", vocab_size}};
+  }
   // Throws std::invalid_argument naming the field: every size positive, heads divide
   // hidden_size (unless explicit_head_dim), key/value heads divide heads, a valid moe, an even head_dim (RoPE rotates pairs),
   // rope_theta > 0, rms_norm_eps >= 0, init_std >= 0.

@@ -190,11 +190,7 @@ namespace {
 // divides by the tensor-parallel size. Throws std::invalid_argument naming the field.
 void check_tensor_parallel(const LlamaConfig& c, int tp) {
   if (tp == 1) return;
-  const std::pair<const char*, int64_t> split[] = {{"num_attention_heads", c.num_attention_heads},
-                                                   {"num_key_value_heads", c.num_key_value_heads},
-                                                   {"intermediate_size", c.intermediate_size},
-                                                   {"vocab_size", c.vocab_size}};
-  for (const auto& [field, value] : split)
+  for (const auto& [field, value] : c.tensor_parallel_splits())
     if (value % tp != 0)
       throw std::invalid_argument("LlamaForCausalLM: tensor parallelism over " + std::to_string(tp) +
                                   " ranks splits " + field + " (" + std::to_string(value) +
@@ -202,8 +198,8 @@ void check_tensor_parallel(const LlamaConfig& c, int tp) {
   if (c.moe.num_experts > 0)
     throw std::invalid_argument(
         "LlamaForCausalLM: tensor parallelism with MoE layers (num_experts " + std::to_string(c.moe.num_experts) +
-        ") is not built: Megatron splits experts with --expert-tensor-parallel-size, which mfsdp does not have; "
-        "use --expert-model-parallel-size");
+        ") is not built: the experts are not split over tensor-parallel ranks (any --expert-tensor-parallel-size) "
+        "yet; use --expert-model-parallel-size");
 }
 
 LlamaParallel parallel_of(const LlamaOptions& o) {

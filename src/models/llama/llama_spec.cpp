@@ -359,11 +359,7 @@ class DecoderSpec final : public ModelSpec {
   ParallelSplits parallel_splits(const ModelConfig& config) const override {
     const LlamaConfig c = llama_config_of(config);
     ParallelSplits s;
-    // Megatron's divide() of each tensor-parallel layer: heads, KV heads, MLP and vocabulary.
-    s.tensor_parallel = {{"num_attention_heads", c.num_attention_heads},
-                         {"num_key_value_heads", c.num_key_value_heads},
-                         {"intermediate_size", c.intermediate_size},
-                         {"vocab_size", c.vocab_size}};
+    s.tensor_parallel = c.tensor_parallel_splits();
     s.experts = c.moe.num_experts;
     return s;
   }
