@@ -295,8 +295,10 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
                                          const std::function<at::Tensor(int64_t)>& micro_batch) {
   profiler_.before_step(iteration);
   // The balancing losses are averaged over the micro-batches (and, with per-token losses, whose
-  // gradients are summed over the ranks, over the ranks too), as the language-model loss is.
-  sharded_.model->set_aux_loss_scale(1.0 / static_cast<double>(micro_batches * (per_token_loss_ ? comm_->size() : 1)));
+  // gradients are summed over the data- and context-parallel ranks, over those too; the
+  // tensor-parallel ranks hold parts of the same losses), as the language-model loss is.
+  sharded_.model->set_aux_loss_scale(
+      1.0 / static_cast<double>(micro_batches * (per_token_loss_ ? mesh_.dims().dp_cp() : 1)));
   sharded_.model->take_router_stats();  // drop what evaluation or generation routed
   // The reported losses summed on the device: reading each one would hold the host until the
   // device has run its forward, every micro-batch. A NaN or Inf in any makes the sum non-finite.

@@ -209,6 +209,40 @@ TEST(Grpo, ContextParallelStepsLikeOneRank) {
   }
 }
 
+// An MoE policy and its reference (--use-kl-loss, both from a 1-rank checkpoint) under TP 2 x EP 2
+// with the experts whole (each TP rank routes its sequence slice) and CP 2 x EP 2: the rollouts
+// from the gathered copy, the log-probs, KL and the update on the split model; the same steps as
+// one rank.
+TEST(Grpo, MoeStepsLikeOneRankUnderTensorExpertAndContextParallelism) {
+  TempDir dir("mfsdp-grpo-moe");
+  const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 32 --moe-aux-loss-coeff 1e-2"
+                          " --moe-z-loss-coeff 1e-3 --make-vocab-size-divisible-by 2";
+  GrpoRun start = grpo(dir, 1, "--train-iters 1 --micro-batch-size 16 --save " + dir.file("start") + moe, "start");
+  ASSERT_EQ(start.steps.size(), 1u) << start.output;
+  const std::string flags = "--train-iters 2 --load " + dir.file("start") +
+                            " --finetune --use-kl-loss --kl-loss-coef 0.1 --kl-loss-type k3" + moe;
+  // The balancing losses are over each micro-batch's rows: every run groups the rows in fours.
+  GrpoRun one = grpo(dir, 1, flags + " --micro-batch-size 4", "one");
+  ASSERT_EQ(one.steps.size(), 2u) << one.output;
+  int n = 0;
+  for (const std::string layout : {std::string(" --micro-batch-size 4 --tensor-model-parallel-size 2 --sequence-parallel"
+                                               " --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"
+                                               " --make-vocab-size-divisible-by 1"),
+                                   std::string(" --micro-batch-size 4 --context-parallel-size 2"
+                                               " --expert-model-parallel-size 2")}) {
+    const std::string tag = "moe" + std::to_string(n++);
+    GrpoRun got = grpo(dir, 4, flags + layout, tag);
+    ASSERT_EQ(got.steps.size(), 2u) << tag << "\n" << got.output;
+    for (size_t i = 0; i < 2; ++i) {
+      const std::string what = tag + layout + ", step " + std::to_string(i + 1);
+      expect_same_step(got.steps[i], one.steps[i], what, 1e-4);
+      const double kl = metric(one.steps[i], "actor/kl_loss");
+      EXPECT_NEAR(metric(got.steps[i], "actor/kl_loss"), kl, 1e-3 * std::abs(kl) + 1e-9) << what;
+      EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), kRolloutLogProbsTol) << what;
+    }
+  }
+}
+
 TEST(Grpo, ResumeIsBitExact) {
   TempDir dir("mfsdp-grpo-resume");
   const std::string flags = "--micro-batch-size 4 --train-iters 4 --optimizer adam --lr 1e-3";

@@ -259,6 +259,43 @@ TEST(Sft, TensorAndContextParallelTrainLikeOneRank) {
     }
 }
 
+// An MoE model (shared expert, balancing and z-losses) on padded conversations of mixed lengths:
+// each rank routes its part of the rows (sequence-parallel slices, context-parallel chunks) and
+// leaves its padding out of the balancing losses' counts, as one rank leaves it out of the whole
+// rows. TP 2 x EP 2 with the experts whole, TP 2 with them split over the pair (ETP 2), and
+// CP 2 x EP 2: losses, gradient norms and balancing losses over 3 SGD steps equal one rank's
+// within 1e-5.
+TEST(Sft, MoeTrainsLikeOneRankUnderTensorExpertAndContextParallelism) {
+  TempDir dir("mfsdp-sft-moe");
+  mfsdp::write_sft_jsonl(dir.file("mixed.jsonl"), conversations(8, /*uniform=*/false));
+  const std::string data = dir.file("mixed.jsonl");
+  const std::string common = " --train-files " + data + " --global-batch-size 8 --train-iters 3 --optimizer sgd"
+                             " --lr 0.2 --sgd-momentum 0 --clip-grad 0 --num-experts 4 --moe-router-topk 2"
+                             " --moe-ffn-hidden-size 32 --moe-shared-expert-intermediate-size 32"
+                             " --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3";
+  const std::string tp = " --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 1";
+  // The balancing losses are over each micro-batch's rows: every run groups the rows in twos.
+  RunResult one = sft(dir, 1, common + " --micro-batch-size 2 --make-vocab-size-divisible-by 2", "one");
+  ASSERT_EQ(one.train.size(), 3u) << one.output;
+  int n = 0;
+  for (const std::string layout :
+       {tp + " --micro-batch-size 2 --expert-model-parallel-size 2 --expert-tensor-parallel-size 1",
+        tp + " --micro-batch-size 2",
+        std::string(" --micro-batch-size 2 --context-parallel-size 2 --expert-model-parallel-size 2"
+                    " --make-vocab-size-divisible-by 2")}) {
+    const std::string tag = "layout" + std::to_string(n++);
+    RunResult got = sft(dir, 4, common + layout, tag);
+    ASSERT_EQ(got.train.size(), one.train.size()) << layout << "\n" << got.output;
+    for (size_t i = 0; i < one.train.size(); ++i)
+      for (const char* key : {"lm_loss", "grad_norm", "load_balancing_loss", "z_loss"}) {
+        ASSERT_TRUE(one.train[i].contains(key)) << key;
+        const double want = one.train[i][key].get<double>();
+        EXPECT_NEAR(got.train[i][key].get<double>(), want, 1e-5 * std::abs(want)) << layout << " " << key
+                                                                                  << " iteration " << i + 1;
+      }
+  }
+}
+
 // --hf-load into tensor-parallel slices: each TP rank reads its rows or columns of every tensor
 // from the safetensors files; the run then trains as one rank started from the same folder does.
 TEST(Sft, TensorParallelStartsFromAHuggingFaceFolder) {
