@@ -340,8 +340,7 @@ TEST(Pretrain, BadFlagsStopBeforeAnyWorkNamingTheFlag) {
        "--simulate-world-size: with --tensor-model-parallel-size > 1 needs --memory-plan"},
       {kModel + " --simulate-world-size 4 --memory-plan --tensor-model-parallel-size 2 --num-experts 4"
                 " --moe-router-topk 2 --expert-model-parallel-size 2",
-       "--expert-model-parallel-size: 2 with --tensor-model-parallel-size 2: MoE layers are not split over "
-       "tensor-parallel ranks in this build"},
+       "MoE layers needs --sequence-parallel (each rank routes its slice of the sequence"},
       {kModel + " --cp-comm-type a2a", "--cp-comm-type"},
       // Values the model's config.json reader, its layer pattern or LibTorch refused only after
       // start-up, naming an internal field (exit 1), or that were taken and ignored.
