@@ -16,6 +16,11 @@
 //   with expert_bias (DeepSeek-V3's aux-loss-free balancing, sigmoid only): the top-k are chosen
 //            by scores + bias, their weights are the scores without it; after each step the
 //            bias moves by update_rate x sign(mean - tokens) per expert (updated_expert_bias);
+//   group-limited (n_group > 1; DeepSeek-V3's n_group / topk_group, Megatron's
+//            --moe-router-num-groups / --moe-router-group-topk): the experts are split into
+//            n_group equal groups, each group scored by the sum of its two best choice scores
+//            (biased ones with expert_bias), and the top-k are chosen among the experts of the
+//            topk_group best groups only; the weights are as above;
 //   then times topk_scaling_factor. Dropless unless a capacity factor is given: then each expert
 //   keeps at most ceil(tokens x top_k / experts x factor) tokens, those of highest probability,
 //   and the others lose that expert (their weight is zero).
@@ -62,10 +67,15 @@ struct MoeConfig {
   // Megatron's router.expert_bias, --moe-router-enable-expert-bias): a buffer, saved with the
   // model, moved by the trainer after each step (updated_expert_bias). Sigmoid scores only.
   bool expert_bias = false;
+  // Group-limited routing (see above): n_group groups of num_experts / n_group consecutive
+  // experts, the top-k chosen within the topk_group best groups. n_group 1: off.
+  int64_t n_group = 1;     // HF n_group, --moe-router-num-groups
+  int64_t topk_group = 1;  // HF topk_group, --moe-router-group-topk
 
   bool is_moe_layer(int64_t layer) const;
   // Throws std::invalid_argument naming the MoeConfig field: positive sizes, 0 < top_k <= experts,
-  // scaling factor > 0, moe_layers of `num_layers` entries, expert_bias with sigmoid scores.
+  // scaling factor > 0, moe_layers of `num_layers` entries, expert_bias with sigmoid scores,
+  // n_group dividing num_experts, 0 < topk_group <= n_group, top_k <= topk_group x experts per group.
   void validate(int64_t num_layers) const;
 };
 

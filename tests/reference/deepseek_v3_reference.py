@@ -1,0 +1,72 @@
+"""transformers' DeepSeek-V3 pieces run on inputs that a C++ test wrote, for the tests of mfsdp's
+group-limited routing (tests/unit/moe_group_routing_test.cpp).
+
+usage: deepseek_v3_reference.py MODE CONFIG.json IN.safetensors OUT.safetensors
+  route: DeepseekV3TopkRouter on `logits` [T, E] (hidden size E, identity router weight: the
+         logits pass through exactly) with optional `bias` [E] (e_score_correction_bias); writes
+         `probs` [T, E], each token's weights at its chosen experts and zero elsewhere.
+         With "score": "softmax", Megatron-Core's topk_softmax_with_capacity with num_groups /
+         group_topk, written out below (transformers' router is sigmoid only).
+"""
+import json
+import sys
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+
+def make_config(c):
+    return DeepseekV3Config(**c)
+
+
+def megatron_softmax_route(logits, k, num_groups, group_topk, pre_softmax, scaling):
+    # Megatron-Core moe_utils: group_limited_topk inside topk_softmax_with_capacity, except that
+    # a group is scored by its top-2 (transformers' rule; Megatron's top_k / group_topk).
+    tokens, experts = logits.shape
+
+    def group_limited_topk(scores):
+        group_scores = scores.view(tokens, num_groups, -1).topk(min(2, experts // num_groups), dim=-1)[0].sum(-1)
+        group_idx = torch.topk(group_scores, k=group_topk, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(tokens, num_groups, experts // num_groups).reshape(tokens, -1)
+        return torch.topk(scores.masked_fill(~score_mask.bool(), float("-inf")), k=k, dim=-1)
+
+    if pre_softmax:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        probs, idx = group_limited_topk(scores)
+    else:
+        top_logits, idx = group_limited_topk(logits)
+        probs = torch.softmax(top_logits, dim=-1, dtype=torch.float32)
+    return probs * scaling, idx
+
+
+def route(c, t):
+    logits = t["logits"].float()
+    tokens, experts = logits.shape
+    if c.get("score", "sigmoid") == "softmax":
+        weights, idx = megatron_softmax_route(logits, c["num_experts_per_tok"], c["n_group"], c["topk_group"],
+                                              not c["norm_topk_prob"], c["routed_scaling_factor"])
+    else:
+        config = make_config(dict(c, hidden_size=experts, n_routed_experts=experts))
+        router = ds.DeepseekV3TopkRouter(config)
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(experts))
+            if "bias" in t:
+                router.e_score_correction_bias.copy_(t["bias"].float())
+            _, weights, idx = router(logits)
+    return {"probs": torch.zeros(tokens, experts).scatter(1, idx, weights.float())}
+
+
+def main():
+    mode, config_path, in_path, out_path = sys.argv[1:5]
+    torch.use_deterministic_algorithms(True)
+    c = json.load(open(config_path))
+    t = load_file(in_path)
+    out = {"route": route}[mode](c, t)
+    save_file(out, out_path)
+
+
+if __name__ == "__main__":
+    main()
