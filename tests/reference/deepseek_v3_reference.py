@@ -1,5 +1,6 @@
 """transformers' DeepSeek-V3 pieces run on inputs that a C++ test wrote, for the tests of mfsdp's
-group-limited routing (tests/unit/moe_group_routing_test.cpp).
+group-limited routing (tests/unit/moe_group_routing_test.cpp) and YaRN tables
+(tests/unit/yarn_rope_test.cpp).
 
 usage: deepseek_v3_reference.py MODE CONFIG.json IN.safetensors OUT.safetensors
   route: DeepseekV3TopkRouter on `logits` [T, E] (hidden size E, identity router weight: the
@@ -7,6 +8,8 @@ usage: deepseek_v3_reference.py MODE CONFIG.json IN.safetensors OUT.safetensors
          `probs` [T, E], each token's weights at its chosen experts and zero elsewhere.
          With "score": "softmax", Megatron-Core's topk_softmax_with_capacity with num_groups /
          group_topk, written out below (transformers' router is sigmoid only).
+  rope:  DeepseekV3RotaryEmbedding on `positions` [T]; writes `cos`, `sin` [T, d] (fp32) and
+         `scaling` [1] (DeepseekV3Attention's softmax scale for the config).
 """
 import json
 import sys
@@ -59,12 +62,22 @@ def route(c, t):
     return {"probs": torch.zeros(tokens, experts).scatter(1, idx, weights.float())}
 
 
+def rope(c, t):
+    config = make_config(c)
+    emb = ds.DeepseekV3RotaryEmbedding(config)
+    x = torch.zeros(1, dtype=torch.float32)
+    cos, sin = emb(x, t["positions"].long().unsqueeze(0))
+    attn = ds.DeepseekV3Attention(config, 0)
+    return {"cos": cos[0].contiguous(), "sin": sin[0].contiguous(),
+            "scaling": torch.tensor([attn.scaling], dtype=torch.float64)}
+
+
 def main():
     mode, config_path, in_path, out_path = sys.argv[1:5]
     torch.use_deterministic_algorithms(True)
     c = json.load(open(config_path))
     t = load_file(in_path)
-    out = {"route": route}[mode](c, t)
+    out = {"route": route, "rope": rope}[mode](c, t)
     save_file(out, out_path)
 
 
