@@ -19,7 +19,7 @@
 
 namespace mfsdp::testing {
 
-// `mode` is the script's (route, rope); `config` becomes its CONFIG.json. On a failure of
+// `mode` is the script's (route, rope, mla); `config` becomes its CONFIG.json. On a failure of
 // the script the test fails with its output and an empty map comes back.
 inline std::map<std::string, at::Tensor> run_deepseek_reference(
     const std::string& mode, const nlohmann::json& config,

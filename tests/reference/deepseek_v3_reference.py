@@ -1,6 +1,6 @@
 """transformers' DeepSeek-V3 pieces run on inputs that a C++ test wrote, for the tests of mfsdp's
-group-limited routing (tests/unit/moe_group_routing_test.cpp) and YaRN tables
-(tests/unit/yarn_rope_test.cpp).
+group-limited routing (tests/unit/moe_group_routing_test.cpp), YaRN tables
+(tests/unit/yarn_rope_test.cpp) and multi-head latent attention (tests/unit/mla_attention_test.cpp).
 
 usage: deepseek_v3_reference.py MODE CONFIG.json IN.safetensors OUT.safetensors
   route: DeepseekV3TopkRouter on `logits` [T, E] (hidden size E, identity router weight: the
@@ -10,6 +10,8 @@ usage: deepseek_v3_reference.py MODE CONFIG.json IN.safetensors OUT.safetensors
          group_topk, written out below (transformers' router is sigmoid only).
   rope:  DeepseekV3RotaryEmbedding on `positions` [T]; writes `cos`, `sin` [T, d] (fp32) and
          `scaling` [1] (DeepseekV3Attention's softmax scale for the config).
+  mla:   DeepseekV3Attention in fp32 with the weights of IN (HF names without "self_attn.") on
+         `x` [B, T, H], causal, positions 0 .. T-1; writes `out` [B, T, H].
 """
 import json
 import sys
@@ -72,12 +74,28 @@ def rope(c, t):
             "scaling": torch.tensor([attn.scaling], dtype=torch.float64)}
 
 
+def mla(c, t):
+    config = make_config(c)
+    config._attn_implementation = "eager"
+    attn = ds.DeepseekV3Attention(config, 0).float().eval()
+    weights = {k: v for k, v in t.items() if k != "x"}
+    attn.load_state_dict(weights, strict=True)  # every HF name, no other
+    x = t["x"].float()
+    batch, length, _ = x.shape
+    positions = torch.arange(length).unsqueeze(0).expand(batch, length)
+    cos, sin = ds.DeepseekV3RotaryEmbedding(config)(x, positions)
+    mask = torch.full((length, length), float("-inf")).triu(1).view(1, 1, length, length)
+    with torch.no_grad():
+        out, _ = attn(x, (cos, sin), mask)
+    return {"out": out.contiguous()}
+
+
 def main():
     mode, config_path, in_path, out_path = sys.argv[1:5]
     torch.use_deterministic_algorithms(True)
     c = json.load(open(config_path))
     t = load_file(in_path)
-    out = {"route": route, "rope": rope}[mode](c, t)
+    out = {"route": route, "rope": rope, "mla": mla}[mode](c, t)
     save_file(out, out_path)
 
 
