@@ -2,7 +2,9 @@
 group-limited routing (tests/unit/moe_group_routing_test.cpp), YaRN tables
 (tests/unit/yarn_rope_test.cpp) and multi-head latent attention (tests/unit/mla_attention_test.cpp).
 
-usage: deepseek_v3_reference.py MODE CONFIG.json IN.safetensors OUT.safetensors
+usage: deepseek_v3_reference.py MODE CASES.json IN.safetensors OUT.safetensors
+CASES.json is a list of configs (one Python start for all of a test's cases, which costs more
+than the cases); case i reads the tensors "i.<name>" of IN and writes "i.<name>" to OUT.
   route: DeepseekV3TopkRouter on `logits` [T, E] (hidden size E, identity router weight: the
          logits pass through exactly) with optional `bias` [E] (e_score_correction_bias); writes
          `probs` [T, E], each token's weights at its chosen experts and zero elsewhere.
@@ -93,9 +95,14 @@ def mla(c, t):
 def main():
     mode, config_path, in_path, out_path = sys.argv[1:5]
     torch.use_deterministic_algorithms(True)
-    c = json.load(open(config_path))
-    t = load_file(in_path)
-    out = {"route": route, "rope": rope, "mla": mla}[mode](c, t)
+    cases = json.load(open(config_path))
+    tensors = load_file(in_path)
+    run = {"route": route, "rope": rope, "mla": mla}[mode]
+    out = {}
+    for i, c in enumerate(cases):
+        prefix = f"{i}."
+        t = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+        out.update({prefix + k: v for k, v in run(c, t).items()})
     save_file(out, out_path)
 
 

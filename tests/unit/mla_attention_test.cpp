@@ -44,28 +44,47 @@ nlohmann::json hf_config(const MlaConfig& c) {
           {"rope_parameters", rope}};
 }
 
-void check(const std::string& name, const MlaConfig& c, int64_t seed) {
-  SCOPED_TRACE(name);
-  torch::manual_seed(seed);
-  mfsdp::MlaAttention attn(c, /*deferred=*/false);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  {
+struct Case {
+  std::string name;
+  MlaConfig config;
+};
+
+// Each case's module, with random weights, here and in transformers (one run of the reference
+// for all), on the same input.
+void check(const std::vector<Case>& cases) {
+  const int64_t batch = 2, length = 9;
+  std::vector<mfsdp::MlaAttention> modules;
+  std::vector<at::Tensor> inputs;
+  std::vector<mfsdp::testing::DeepseekReferenceCase> ref_cases;
+  torch::manual_seed(1);
+  for (const Case& c : cases) {
+    modules.emplace_back(c.config, /*deferred=*/false);
+    mfsdp::testing::DeepseekReferenceCase r{hf_config(c.config), {}};
     torch::NoGradGuard no_grad;
-    for (auto& p : attn->named_parameters()) {
+    for (auto& p : modules.back()->named_parameters()) {
       const bool norm = p.key().find("layernorm") != std::string::npos;
       p.value().copy_(norm ? 1 + 0.2 * torch::randn(p.value().sizes()) : 0.15 * torch::randn(p.value().sizes()));
-      tensors.emplace_back(p.key(), p.value().clone());
+      r.inputs.emplace_back(p.key(), p.value().clone());
     }
+    inputs.push_back(torch::randn({batch, length, c.config.hidden_size}));
+    r.inputs.emplace_back("x", inputs.back());
+    ref_cases.push_back(std::move(r));
   }
-  const int64_t batch = 2, length = 9;
-  const at::Tensor x = torch::randn({batch, length, c.hidden_size});
-  tensors.emplace_back("x", x);
-  auto ref = mfsdp::testing::run_deepseek_reference("mla", hf_config(c), tensors);
-  ASSERT_EQ(ref.count("out"), 1u);
+  const auto ref = mfsdp::testing::run_deepseek_reference("mla", ref_cases);
   torch::NoGradGuard no_grad;
-  const at::Tensor out = attn->forward(x, mfsdp::mla_rotary_tables(torch::arange(0, length), c));
-  ASSERT_EQ(out.sizes(), ref.at("out").sizes());
-  EXPECT_LE((out - ref.at("out")).abs().max().item<double>(), 1e-5);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    SCOPED_TRACE(cases[i].name);
+    ASSERT_EQ(ref[i].count("out"), 1u);
+    const at::Tensor expected = ref[i].at("out");
+    const at::Tensor positions = torch::arange(0, length);
+    const at::Tensor out = modules[i]->forward(inputs[i], mfsdp::mla_rotary_tables(positions, cases[i].config));
+    ASSERT_EQ(out.sizes(), expected.sizes());
+    EXPECT_LE((out - expected).abs().max().item<double>(), 1e-5);
+    // Per-row tables ([B, T] positions, as packed or padded batches give) of the same positions.
+    const at::Tensor per_row =
+        modules[i]->forward(inputs[i], mfsdp::mla_rotary_tables(positions.expand({batch, length}), cases[i].config));
+    EXPECT_LE((per_row - expected).abs().max().item<double>(), 1e-5);
+  }
 }
 
 MlaConfig small() {
@@ -92,21 +111,21 @@ TEST(MlaAttention, MatchesTransformersDeepseekV3Attention) {
   MlaConfig with_q_lora = small();
   with_q_lora.q_lora_rank = 24;
   with_q_lora.yarn = deepseek_v3_yarn(1.0);
-  check("q_lora_rank 24, YaRN as DeepSeek-V3", with_q_lora, 1);
-
-  check("q_proj, plain RoPE", small(), 2);
 
   MlaConfig plain_q_yarn = small();
   plain_q_yarn.yarn = deepseek_v3_yarn(0.707);
   plain_q_yarn.attention_bias = true;
   plain_q_yarn.rope_interleave = false;
-  check("q_proj, YaRN mscale 0.707, biases, RoPE in halves", plain_q_yarn, 3);
 
   MlaConfig no_nope = small();
   no_nope.q_lora_rank = 16;
   no_nope.qk_nope_head_dim = 0;
   no_nope.rope_theta = 50000;
-  check("q_lora_rank 16, RoPE on the whole head", no_nope, 4);
+
+  check({{"q_lora_rank 24, YaRN as DeepSeek-V3", with_q_lora},
+         {"q_proj, plain RoPE", small()},
+         {"q_proj, YaRN mscale 0.707, biases, RoPE in halves", plain_q_yarn},
+         {"q_lora_rank 16, RoPE on the whole head", no_nope}});
 }
 
 TEST(MlaAttention, ParametersHaveTransformersNames) {

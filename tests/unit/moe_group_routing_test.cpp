@@ -6,6 +6,8 @@
 #include <torch/torch.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "harness/expect_error.h"
 #include "harness/hf_deepseek_reference.h"
@@ -43,59 +45,78 @@ MoeConfig config_of(const Setting& s) {
   return c;
 }
 
-void check(const Setting& s, int64_t seed) {
-  SCOPED_TRACE(name_of(s));
-  const MoeConfig config = config_of(s);
-  ASSERT_NO_THROW(config.validate(1));
+struct Inputs {
+  at::Tensor logits, bias;
+};
+
+Inputs inputs_of(const Setting& s, int64_t seed) {
   torch::manual_seed(seed);
   const int64_t tokens = 64;
-  const at::Tensor logits = torch::randn({tokens, s.experts}) * 2;
-  const at::Tensor bias = s.bias ? torch::randn({s.experts}) * 0.3 : at::Tensor();
-  std::vector<std::pair<std::string, at::Tensor>> inputs{{"logits", logits}};
-  if (s.bias) inputs.emplace_back("bias", bias);
-  const nlohmann::json hf = {{"n_group", s.n_group},
-                             {"topk_group", s.topk_group},
-                             {"num_experts_per_tok", s.k},
-                             {"norm_topk_prob", s.norm},
-                             {"routed_scaling_factor", s.scaling},
-                             {"score", s.score == MoeConfig::Score::kSoftmax ? "softmax" : "sigmoid"}};
-  auto ref = mfsdp::testing::run_deepseek_reference("route", hf, inputs);
-  ASSERT_EQ(ref.count("probs"), 1u);
-  const at::Tensor expected = ref.at("probs");
+  Inputs in{torch::randn({tokens, s.experts}) * 2, at::Tensor()};
+  if (s.bias) in.bias = torch::randn({s.experts}) * 0.3;
+  return in;
+}
 
-  const mfsdp::Routing r = mfsdp::route(logits, config, 0.0, bias);
-  // The same experts, exactly, and their weights within 1e-6.
-  EXPECT_TRUE(torch::equal(r.map, expected.ne(0))) << "chosen experts differ";
-  EXPECT_LE((r.probs.detach() - expected).abs().max().item<double>(), 1e-6);
-  // The groups matter here: the plain top-k chooses otherwise for some token, so a router that
-  // ignored them would fail the comparison above.
-  MoeConfig plain = config;
-  plain.n_group = plain.topk_group = 1;
-  if (s.n_group > 1) {
-    EXPECT_FALSE(torch::equal(mfsdp::route(logits, plain, 0.0, bias).map, r.map));
+// Each setting routed here and by the reference (one run of it for all), compared.
+void check(const std::vector<std::pair<Setting, int64_t>>& settings) {
+  std::vector<Inputs> inputs;
+  std::vector<mfsdp::testing::DeepseekReferenceCase> cases;
+  for (const auto& [s, seed] : settings) {
+    ASSERT_NO_THROW(config_of(s).validate(1)) << name_of(s);
+    inputs.push_back(inputs_of(s, seed));
+    mfsdp::testing::DeepseekReferenceCase c;
+    c.config = {{"n_group", s.n_group},
+                {"topk_group", s.topk_group},
+                {"num_experts_per_tok", s.k},
+                {"norm_topk_prob", s.norm},
+                {"routed_scaling_factor", s.scaling},
+                {"score", s.score == MoeConfig::Score::kSoftmax ? "softmax" : "sigmoid"}};
+    c.inputs.emplace_back("logits", inputs.back().logits);
+    if (s.bias) c.inputs.emplace_back("bias", inputs.back().bias);
+    cases.push_back(std::move(c));
   }
-  // The balancing losses count the plain top-k of the scores, groups or not (Megatron's
-  // compute_routing_scores_for_aux_loss).
-  const at::Tensor plain_top = std::get<1>(at::topk(r.scores.detach(), s.k, -1));
-  EXPECT_TRUE(torch::equal(r.top_map, at::zeros_like(r.map).scatter(1, plain_top, true)));
+  const auto ref = mfsdp::testing::run_deepseek_reference("route", cases);
+  for (size_t i = 0; i < settings.size(); ++i) {
+    const Setting& s = settings[i].first;
+    SCOPED_TRACE(name_of(s));
+    ASSERT_EQ(ref[i].count("probs"), 1u);
+    const at::Tensor expected = ref[i].at("probs");
+    const MoeConfig config = config_of(s);
+    const at::Tensor &logits = inputs[i].logits, &bias = inputs[i].bias;
+    const mfsdp::Routing r = mfsdp::route(logits, config, 0.0, bias);
+    // The same experts, exactly, and their weights within 1e-6.
+    EXPECT_TRUE(torch::equal(r.map, expected.ne(0))) << "chosen experts differ";
+    EXPECT_LE((r.probs.detach() - expected).abs().max().item<double>(), 1e-6);
+    // The groups matter here: the plain top-k chooses otherwise for some token, so a router that
+    // ignored them would fail the comparison above.
+    MoeConfig plain = config;
+    plain.n_group = plain.topk_group = 1;
+    if (s.n_group > 1) {
+      EXPECT_FALSE(torch::equal(mfsdp::route(logits, plain, 0.0, bias).map, r.map));
+    }
+    // The balancing losses count the plain top-k of the scores, groups or not (Megatron's
+    // compute_routing_scores_for_aux_loss).
+    const at::Tensor plain_top = std::get<1>(at::topk(r.scores.detach(), s.k, -1));
+    EXPECT_TRUE(torch::equal(r.top_map, at::zeros_like(r.map).scatter(1, plain_top, true)));
+  }
 }
 
 TEST(MoeGroupRouting, SigmoidWithBiasMatchesTransformersDeepseekV3Router) {
   const auto kSig = MoeConfig::Score::kSigmoid;
-  check({16, 4, 2, 4, true, 2.5, kSig, true}, 1);
-  check({64, 8, 4, 8, true, 2.5, kSig, true}, 2);   // DeepSeek-V3's 256 / 8 / 4 / 8, scaled down
-  check({12, 3, 1, 3, false, 1.0, kSig, true}, 3);  // one group kept, no bias
-  // Not top-1: there transformers renormalises the one weight to 1, Megatron (and moe.h) do not.
-  check({32, 8, 3, 2, true, 1.0, kSig, true}, 4);
-  // One group (Moonlight's and Kimi-K2's n_group 1): the plain router, as transformers'.
-  check({64, 1, 1, 6, true, 2.446, kSig, true}, 5);
+  check({{{16, 4, 2, 4, true, 2.5, kSig, true}, 1},
+         {{64, 8, 4, 8, true, 2.5, kSig, true}, 2},   // DeepSeek-V3's 256 / 8 / 4 / 8, scaled down
+         {{12, 3, 1, 3, false, 1.0, kSig, true}, 3},  // one group kept, no bias
+         // Not top-1: there transformers renormalises the one weight to 1, Megatron (and moe.h) do not.
+         {{32, 8, 3, 2, true, 1.0, kSig, true}, 4},
+         // One group (Moonlight's and Kimi-K2's n_group 1): the plain router, as transformers'.
+         {{64, 1, 1, 6, true, 2.446, kSig, true}, 5}});
 }
 
 TEST(MoeGroupRouting, SoftmaxMatchesMegatronGroupLimitedTopK) {
   const auto kSoft = MoeConfig::Score::kSoftmax;
-  check({16, 4, 2, 4, false, 1.0, kSoft, true}, 6);   // chosen by the logits
-  check({16, 4, 2, 4, false, 2.0, kSoft, false}, 7);  // --moe-router-pre-softmax: by the scores
-  check({24, 6, 2, 3, false, 1.0, kSoft, true}, 8);
+  check({{{16, 4, 2, 4, false, 1.0, kSoft, true}, 6},   // chosen by the logits
+         {{16, 4, 2, 4, false, 2.0, kSoft, false}, 7},  // --moe-router-pre-softmax: by the scores
+         {{24, 6, 2, 3, false, 1.0, kSoft, true}, 8}});
 }
 
 TEST(MoeGroupRouting, ConfigChecksNameTheField) {
