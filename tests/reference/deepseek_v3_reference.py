@@ -13,7 +13,8 @@ than the cases); case i reads the tensors "i.<name>" of IN and writes "i.<name>"
   rope:  DeepseekV3RotaryEmbedding on `positions` [T]; writes `cos`, `sin` [T, d] (fp32) and
          `scaling` [1] (DeepseekV3Attention's softmax scale for the config).
   mla:   DeepseekV3Attention in fp32 with the weights of IN (HF names without "self_attn.") on
-         `x` [B, T, H], causal, positions 0 .. T-1; writes `out` [B, T, H].
+         `x` [B, T, H], causal, positions 0 .. T-1; writes `out` [B, T, H]; given `grad_out`,
+         also the gradients of <out, grad_out>: `grad.x` and `grad.<parameter name>`.
 """
 import json
 import sys
@@ -80,16 +81,20 @@ def mla(c, t):
     config = make_config(c)
     config._attn_implementation = "eager"
     attn = ds.DeepseekV3Attention(config, 0).float().eval()
-    weights = {k: v for k, v in t.items() if k != "x"}
+    weights = {k: v for k, v in t.items() if k not in ("x", "grad_out")}
     attn.load_state_dict(weights, strict=True)  # every HF name, no other
-    x = t["x"].float()
+    x = t["x"].float().requires_grad_()
     batch, length, _ = x.shape
     positions = torch.arange(length).unsqueeze(0).expand(batch, length)
     cos, sin = ds.DeepseekV3RotaryEmbedding(config)(x, positions)
     mask = torch.full((length, length), float("-inf")).triu(1).view(1, 1, length, length)
-    with torch.no_grad():
-        out, _ = attn(x, (cos, sin), mask)
-    return {"out": out.contiguous()}
+    out, _ = attn(x, (cos, sin), mask)
+    result = {"out": out.detach().contiguous()}
+    if "grad_out" in t:
+        out.backward(t["grad_out"].float())
+        result["grad.x"] = x.grad
+        result.update({"grad." + name: p.grad for name, p in attn.named_parameters()})
+    return result
 
 
 def main():

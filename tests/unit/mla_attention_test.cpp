@@ -1,11 +1,12 @@
 // Multi-head latent attention (include/mfsdp/models/mla_attention.h) against transformers'
-// DeepseekV3Attention (tests/reference/deepseek_v3_reference.py) with the same random weights,
-// written here and loaded there by their HF names: with and without the query bottleneck
-// (q_lora_rank), with and without YaRN, interleaved or half RoPE, with attention biases; and the
-// config checks.
+// DeepseekV3Attention (tests/reference/deepseek_v3_reference.py), output and gradients, with the
+// same random weights, written here and loaded there by their HF names: with and without the
+// query bottleneck (q_lora_rank), with and without YaRN, interleaved or half RoPE, with attention
+// biases; and the config checks.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -54,7 +55,7 @@ struct Case {
 void check(const std::vector<Case>& cases) {
   const int64_t batch = 2, length = 9;
   std::vector<mfsdp::MlaAttention> modules;
-  std::vector<at::Tensor> inputs;
+  std::vector<at::Tensor> inputs, grads_out;
   std::vector<mfsdp::testing::DeepseekReferenceCase> ref_cases;
   torch::manual_seed(1);
   for (const Case& c : cases) {
@@ -68,19 +69,33 @@ void check(const std::vector<Case>& cases) {
     }
     inputs.push_back(torch::randn({batch, length, c.config.hidden_size}));
     r.inputs.emplace_back("x", inputs.back());
+    grads_out.push_back(torch::randn({batch, length, c.config.hidden_size}));
+    r.inputs.emplace_back("grad_out", grads_out.back());
     ref_cases.push_back(std::move(r));
   }
   const auto ref = mfsdp::testing::run_deepseek_reference("mla", ref_cases);
-  torch::NoGradGuard no_grad;
   for (size_t i = 0; i < cases.size(); ++i) {
     SCOPED_TRACE(cases[i].name);
     ASSERT_EQ(ref[i].count("out"), 1u);
     const at::Tensor expected = ref[i].at("out");
     const at::Tensor positions = torch::arange(0, length);
-    const at::Tensor out = modules[i]->forward(inputs[i], mfsdp::mla_rotary_tables(positions, cases[i].config));
+    const at::Tensor x = inputs[i].clone().requires_grad_();
+    const at::Tensor out = modules[i]->forward(x, mfsdp::mla_rotary_tables(positions, cases[i].config));
     ASSERT_EQ(out.sizes(), expected.sizes());
     EXPECT_LE((out - expected).abs().max().item<double>(), 1e-5);
+    // The gradients of <out, grad_out>, of the input and of every parameter, as transformers'.
+    out.backward(grads_out[i]);
+    auto expect_grad = [&](const std::string& name, const at::Tensor& got) {
+      ASSERT_EQ(ref[i].count("grad." + name), 1u) << name;
+      ASSERT_TRUE(got.defined()) << name << " has no gradient";
+      const at::Tensor want = ref[i].at("grad." + name);
+      EXPECT_LE((got - want).abs().max().item<double>(), 1e-5 * std::max(1.0, want.abs().max().item<double>()))
+          << name;
+    };
+    expect_grad("x", x.grad());
+    for (const auto& p : modules[i]->named_parameters()) expect_grad(p.key(), p.value().grad());
     // Per-row tables ([B, T] positions, as packed or padded batches give) of the same positions.
+    torch::NoGradGuard no_grad;
     const at::Tensor per_row =
         modules[i]->forward(inputs[i], mfsdp::mla_rotary_tables(positions.expand({batch, length}), cases[i].config));
     EXPECT_LE((per_row - expected).abs().max().item<double>(), 1e-5);
