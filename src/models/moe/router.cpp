@@ -53,15 +53,15 @@ void MoeConfig::validate(int64_t num_layers) const {
 namespace {
 // The top-k of `choice` [T, E] among the experts of each row's `topk_group` best groups of
 // E / n_group consecutive experts, a group scored by the sum of its two highest choices
-// (transformers' DeepseekV3TopkRouter; Megatron-Core's group_limited_topk takes the top
-// top_k / topk_group, which is 2 for DeepSeek-V3's 8 of 4 groups). Indices [T, k].
+// (transformers' DeepseekV3TopkRouter; Megatron-Core's group_limited_topk sums the top
+// top_k / topk_group, also 2 for DeepSeek-V3's top_k 8 and topk_group 4). Indices [T, k].
 at::Tensor group_limited_topk(const at::Tensor& choice, int64_t k, int64_t n_group, int64_t topk_group) {
   const int64_t tokens = choice.size(0), experts = choice.size(1);
   if (experts % n_group != 0)
     throw std::invalid_argument("route: " + std::to_string(experts) + " experts do not split into n_group " +
                                 std::to_string(n_group) + " groups");
   const int64_t per_group = experts / n_group;
-  at::Tensor grouped = choice.view({tokens, n_group, per_group});
+  at::Tensor grouped = choice.reshape({tokens, n_group, per_group});
   at::Tensor group_scores = std::get<0>(at::topk(grouped, std::min<int64_t>(2, per_group), -1)).sum(-1);  // [T, G]
   at::Tensor best_groups = std::get<1>(at::topk(group_scores, topk_group, -1, /*largest=*/true, /*sorted=*/false));
   at::Tensor kept = at::zeros({tokens, n_group}, choice.options().dtype(at::kBool)).scatter(1, best_groups, true);
