@@ -17,11 +17,11 @@
 #   bench/moe_step_time.sh                        # defaults below
 #   ROUNDS=1 ITERS=6 WARMUP=2 bench/moe_step_time.sh   # smoke test
 #   DEVICE=cuda NPROC=1 RUNS="ep1 grouped dense" EXTRA=--bf16 bench/moe_step_time.sh   # one GPU
-#   NPROC=4 RUNS="ep4 cp2ep2 hsdp2ep2" bench/moe_step_time.sh   # the layouts of 4 ranks, vs ep4
+#   NPROC=4 RUNS="ep4 cp2ep2 hsdp2ep2 tp2ep2 tp2ep2etp2" bench/moe_step_time.sh   # 4 ranks, vs ep4
 #
 # Environment (defaults in brackets): LAYERS [4] HIDDEN [256] HEADS [8] EXPERTS [8] TOPK [2]
 # MOE_FFN [256] SEQ [128] MBS [4] GBS [16] VOCAB [1024] ITERS [12] WARMUP [3] ROUNDS [3]
-# RUNS [ep1 ep2 grouped dense fsdp2 fsdp2_ep1; also ep4 cp2ep2 hsdp2ep2 with NPROC 4] STRATEGY [optim_grads_params] DEVICE [cpu]
+# RUNS [ep1 ep2 grouped dense fsdp2 fsdp2_ep1; also ep4 cp2ep2 hsdp2ep2 tp2ep2 tp2ep2etp2 with NPROC 4] STRATEGY [optim_grads_params] DEVICE [cpu]
 # NPROC [2] (ep2 needs 2) EXTRA [] (more mfsdp-pretrain flags) TORCH_EXTRA [--bf16 when EXTRA
 # has --bf16, else nothing] (more bench/torch_llama.py flags, e.g. --moe-expert-impl loop)
 # BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python] OUT [a new temporary folder; kept]
@@ -60,7 +60,11 @@ flags_of() {
     ep4) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 4" ;;
     cp2ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2 --context-parallel-size 2" ;;
     hsdp2ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2 --num-distributed-optimizer-instances 2" ;;
-    *) echo "moe_step_time: unknown run '$1' (ep1 ep2 grouped dense ep4 cp2ep2 hsdp2ep2 fsdp2 fsdp2_ep1)" >&2; exit 2 ;;
+    # TP 2 (with sequence parallelism, as MoE layers need) x EP 2: experts whole (ETP 1, sharded
+    # over the expert-data-parallel group that spans the TP pair) or split over the pair (ETP 2).
+    tp2ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1" ;;
+    tp2ep2etp2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 2" ;;
+    *) echo "moe_step_time: unknown run '$1' (ep1 ep2 grouped dense ep4 cp2ep2 hsdp2ep2 tp2ep2 tp2ep2etp2 fsdp2 fsdp2_ep1)" >&2; exit 2 ;;
   esac
 }
 # The PyTorch peer: the same model, batch and schedule (torch_llama.py's defaults are mfsdp's:
@@ -146,14 +150,14 @@ for run in runs:
 if not rows: sys.exit("no run produced timings")
 base_run = "ep1" if "ep1" in rows else next(iter(rows))
 base = rows[base_run][0]
-print(f"{'run':9} {'iter ms':>9} {'tokens/s':>10} {'vs ' + base_run:>8} {'peak RSS MiB':>13} {'weights MiB':>12} "
+print(f"{'run':10} {'iter ms':>9} {'tokens/s':>10} {'vs ' + base_run:>8} {'peak RSS MiB':>13} {'weights MiB':>12} "
       f"{'grads MiB':>10} {'adam MiB':>9}  lm loss 1st>last")
 for run, (t, r, b, l) in rows.items():
     w, g, o = b if b else (float("nan"),) * 3
-    print(f"{run:9} {t*1e3:9.1f} {gbs*seq/t:10.0f} {base/t:8.2f} {r:13.1f} {w:12.3f} {g:10.3f} {o:9.3f}"
+    print(f"{run:10} {t*1e3:9.1f} {gbs*seq/t:10.0f} {base/t:8.2f} {r:13.1f} {w:12.3f} {g:10.3f} {o:9.3f}"
           + (f"  {l[0]:.3f}>{l[1]:.3f}" if l else ""))
-# Per-rank fp32 model weights under ZeRO-3 by the formula: dense / DP + experts / (EDP x EP),
-# with EDP x EP = DP = NPROC whatever the split.
+# Per-rank fp32 model weights under ZeRO-3 by the formula: dense / (DP x TP) + experts / (EDP x EP
+# x ETP), with EDP x EP x ETP = NPROC whatever the split.
 expert_params = layers * experts * 3 * hidden * moe_ffn
 print(f"expert parameters {expert_params} ({expert_params*4/2**20:.3f} MiB fp32): per rank "
       f"{expert_params*4/2**20/nproc:.3f} MiB over {nproc} rank(s) whatever the EP x EDP split (ZeRO-3)")

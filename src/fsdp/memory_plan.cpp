@@ -151,10 +151,11 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
     if (!u.expert_group) continue;
     if (i < 2 || step.forward_order[i - 1].expert_group)
       throw std::invalid_argument("plan_memory: expert group '" + u.path + "' must follow the layer it runs in");
-    if (step.expert_data_parallel < 1 || world % step.expert_data_parallel != 0)
-      throw std::invalid_argument("plan_memory: expert group '" + u.path + "' needs an expert_data_parallel size "
-                                  "dividing the world (" + std::to_string(world) + "), found " +
-                                  std::to_string(step.expert_data_parallel));
+    // Not a divisor of the layers' group: with experts whole under tensor parallelism their
+    // group spans the tensor-parallel ranks too.
+    if (step.expert_data_parallel < 1)
+      throw std::invalid_argument("plan_memory: expert group '" + u.path + "' needs an expert_data_parallel size, "
+                                  "found " + std::to_string(step.expert_data_parallel));
   }
   std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
   for (const auto& item : root.named_modules()) modules[item.key()] = item.value();

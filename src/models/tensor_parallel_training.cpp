@@ -22,6 +22,12 @@ int64_t split_dim(TensorParallelSplit split) { return split == TensorParallelSpl
 
 }  // namespace
 
+bool tensor_parallel_duplicate(const CausalLM& model, const std::string& name) {
+  // Whole experts differ over the group: other experts, or other shards of them.
+  return group_of(model) != nullptr && !model.expert_parameter(name) &&
+         model.tensor_parallel_split(name) == TensorParallelSplit::kReplicated;
+}
+
 void sum_partial_gradients(const CausalLM& model, const FsdpHandle& root) {
   Communicator* tp = group_of(model);
   if (tp == nullptr) return;
@@ -46,8 +52,7 @@ void set_tensor_parallel_norm(const CausalLM& model, const FsdpHandle& root, Dis
   if (group_of(model) == nullptr) return;
   std::vector<std::vector<ElementRange>> duplicated(root.optimizer_shards().size());
   for (const LocalShard& p : root.local_shards())
-    if (p.shard_index >= 0 && p.local.numel() > 0 &&
-        model.tensor_parallel_split(p.name) == TensorParallelSplit::kReplicated)
+    if (p.shard_index >= 0 && p.local.numel() > 0 && tensor_parallel_duplicate(model, p.name))
       duplicated[static_cast<size_t>(p.shard_index)].push_back({p.shard_offset, p.local.numel()});
   optimizer.set_model_parallel(model.tensor_parallel(), std::move(duplicated));
 }

@@ -21,9 +21,11 @@ MemoryPlan plan_training_memory(const ModelConfig& config, const OptimizerSectio
   // rank's slices.
   if (dims.ep > 1) options.expert_parallel = make_simulated_communicator(0, dims.ep);
   if (dims.tp > 1) options.tensor_parallel = make_simulated_communicator(0, dims.tp);
+  options.sequence_parallel = dims.sequence_parallel;
+  if (dims.etp > 1) options.expert_tensor_parallel = options.tensor_parallel;
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
   StepShape step = training_step_shape(*model, optimizer, micro_batches);
-  if (dims.ep > 1) step.expert_data_parallel = dims.edp_shard();
+  if (dims.experts_apart()) step.expert_data_parallel = dims.edp_shard();
   // FSDP's shard groups (ParallelMesh::dense_shard_options: dp_shard x cp ranks), with HSDP's
   // replicas of each (which split the main weights, gradients and optimizer state under
   // --outer-dp-sharding-strategy optim).

@@ -54,6 +54,7 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
   d.pp = static_cast<int>(p.pipeline_model_parallel_size);
   d.ep = static_cast<int>(p.expert_model_parallel_size);
   d.etp = static_cast<int>(etp_given);
+  d.sequence_parallel = p.sequence_parallel && d.tp > 1;
   const int64_t model_parallel = int64_t{d.tp} * d.cp * d.pp;
   if (model_parallel > world || world % model_parallel != 0)
     flag_error(d.tp > 1 ? kTp : kCp, str(d.tp) + " x " + kCp + " " + str(d.cp) +
@@ -74,10 +75,6 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
   if (d.etp != 1 && d.etp != d.tp)
     flag_error(kEtp, str(d.etp) + ": mfsdp splits experts over 1 rank or over the tensor-parallel ranks (" +
                          str(d.tp) + ")");
-  // What mfsdp does not combine yet, refused here only.
-  if (d.ep > 1 && d.tp > 1)
-    flag_error(kEp, str(d.ep) + " with " + kTp + " " + str(d.tp) +
-                        ": MoE layers are not split over tensor-parallel ranks in this build");
   // Megatron-FSDP's HFSDP shards the main weights across the instances: it builds on ZeRO-3 inside.
   if (p.outer_dp_sharding_strategy == "optim" && fsdp.data_parallel_sharding_strategy != "optim_grads_params")
     flag_error("--outer-dp-sharding-strategy", "optim (HFSDP) needs --data-parallel-sharding-strategy "
@@ -99,9 +96,15 @@ void check_parallel_model(const ParallelDims& d, const ModelConfig& config) {
     flag_error(kEp, model + " has no experts to split over " + str(d.ep) + " ranks");
   if (splits.experts % d.ep != 0)
     flag_error(kEp, str(d.ep) + " does not divide " + model + "'s " + str(splits.experts) + " experts");
-  if (splits.experts > 0 && d.tp > 1)
-    flag_error(kTp, str(d.tp) + " with " + model + "'s MoE layers: mfsdp does not split experts over "
-                                                   "tensor-parallel ranks in this build; use " + kEp);
+  // Megatron's MoE layer refuses to train under tensor parallelism without sequence parallelism:
+  // each tensor-parallel rank routes its own slice of the sequence.
+  if (splits.experts > 0 && d.tp > 1 && !d.sequence_parallel)
+    flag_error(kTp, str(d.tp) + " with " + model + "'s MoE layers needs --sequence-parallel (each rank routes its "
+                                                   "slice of the sequence, as in Megatron-LM)");
+  if (splits.experts > 0 && d.etp > 1)
+    for (const auto& [field, value] : splits.expert_tensor_parallel)
+      if (value % d.etp != 0)
+        flag_error(kEtp, str(d.etp) + " does not divide " + model + "'s " + field + " " + str(value));
 }
 
 ParallelMesh::ParallelMesh(const ParallelDims& dims, std::shared_ptr<Communicator> world)
@@ -115,6 +118,7 @@ ParallelMesh::ParallelMesh(const ParallelDims& dims, std::shared_ptr<Communicato
   dense_->flatten({"dp_replicate", "dp_shard"}, "dp");
   dense_->flatten({"dp_shard", "cp"}, "dp_shard_cp");
   dense_->flatten({"dp_replicate", "dp_shard", "cp"}, "dp_cp");
+  dense_->flatten({"cp", "tp"}, "tp_cp");
   expert_ = std::make_shared<DeviceMesh>(world_, std::vector<int>{dims_.pp, dims_.dp_replicate, dims_.edp_shard(),
                                                                   dims_.ep, dims_.etp},
                                          std::vector<std::string>{"pp", "dp_replicate", "edp_shard", "ep", "etp"},
@@ -130,7 +134,7 @@ const DeviceMesh& ParallelMesh::mesh_of(const std::string& name) const {
   if (dense_->has(name)) return *dense_;
   if (expert_->has(name)) return *expert_;
   throw std::invalid_argument("ParallelMesh: no group '" + name +
-                              "' (tp, cp, pp, dp_replicate, dp_shard, dp, dp_shard_cp, dp_cp, ep, etp, edp_shard, edp)");
+                              "' (tp, cp, pp, dp_replicate, dp_shard, dp, dp_shard_cp, dp_cp, tp_cp, ep, etp, edp_shard, edp)");
 }
 
 std::shared_ptr<Communicator> ParallelMesh::get(const std::string& name) const { return mesh_of(name).get(name); }

@@ -9,6 +9,7 @@
 
 #include "mfsdp/checkpoint/async_save.h"
 #include "mfsdp/checkpoint/checkpoint.h"
+#include "mfsdp/models/tensor_parallel_training.h"
 
 namespace mfsdp {
 namespace {
@@ -116,7 +117,7 @@ TensorSlices tensor_parallel_checkpoint_slices(const CausalLM& model, const Fsdp
     slice.origin.assign(s.global_shape.size(), 0);
     const TensorParallelSplit split = model.tensor_parallel_split(s.name);
     if (split == TensorParallelSplit::kReplicated) {
-      slice.writes = tp->rank() == 0;
+      slice.writes = tp->rank() == 0 || !tensor_parallel_duplicate(model, s.name);
       continue;
     }
     const size_t dim = split == TensorParallelSplit::kColumns ? 1 : 0;

@@ -112,6 +112,9 @@ ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions op
     options.tensor_parallel = mesh->split("tp");
     options.context_parallel = mesh->split("cp");
     options.expert_parallel = mesh->split("ep");
+    options.expert_tensor_parallel = mesh->split("etp");
+    if (options.sequence_parallel && mesh->dims().tp > 1 && mesh->dims().cp > 1)
+      options.tensor_context_parallel = mesh->get("tp_cp");
     dense = mesh->dense_shard_options(shard);
     experts = mesh->expert_shard_options(shard);
   } else {
@@ -120,7 +123,7 @@ ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions op
   std::shared_ptr<CausalLM> model = config.spec->build(config, options);
   model->set_use_sdpa(use_sdpa);
   // With --init-model-with-meta-device each layer is materialised as it is sharded.
-  FsdpHandle root = shard_model(*model, dense, options.expert_parallel ? &experts : nullptr);
+  FsdpHandle root = shard_model(*model, dense, mesh != nullptr && mesh->dims().experts_apart() ? &experts : nullptr);
   return {model, root, options.expert_parallel};
 }
 
@@ -320,11 +323,10 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   // the sum of squares of the parameters (main weights) after it.
   const bool norms = args_.log_params_norm || args_.log_num_zeros_in_grad;
   // Each element once over the ranks: on its replica 0, and a parameter every tensor-parallel
-  // rank holds whole on TP rank 0 only.
+  // rank holds the same on TP rank 0 only.
   const bool tp_duplicates_here = mesh_.dims().tp > 1 && mesh_.coordinate("tp") != 0;
   auto counted = [&](const LocalShard& p) {
-    return p.replica == 0 &&
-           !(tp_duplicates_here && sharded_.model->tensor_parallel_split(p.name) == TensorParallelSplit::kReplicated);
+    return p.replica == 0 && !(tp_duplicates_here && tensor_parallel_duplicate(*sharded_.model, p.name));
   };
   at::Tensor sums;
   if (norms) {
@@ -638,10 +640,10 @@ std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_rank
   // Without expert parallelism rank 0 alone may gather; with it every rank takes part.
   // Tensor parallelism: every rank its whole slices, then the slices of each TP group gathered
   // (each tensor sent to the device and back to the map's device: one at a time there).
-  if (mesh_.split("tp"))
-    return gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(FullStateDictOptions{true, cpu_offload}));
   std::map<std::string, at::Tensor> full =
-      sharded_.root.full_state_dict(FullStateDictOptions{all_ranks || sharded_.expert_parallel != nullptr, cpu_offload});
+      mesh_.split("tp")
+          ? gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(FullStateDictOptions{true, cpu_offload}))
+          : sharded_.root.full_state_dict(FullStateDictOptions{all_ranks || sharded_.expert_parallel != nullptr, cpu_offload});
   if (!sharded_.expert_parallel) return full;
   // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
   // (the rank that has it) broadcasts it to the others, in the model's parameter order.

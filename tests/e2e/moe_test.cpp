@@ -217,12 +217,13 @@ TEST(Moe, ExpertBiasMovesByGlobalTokenCountsIsSavedAndResumes) {
 }
 
 // Each of `layouts` (flags) on 4 ranks trains as one rank does (losses, grad norms, params norms
-// within 1e-5 over 4 iterations) and prints `line` at start-up.
-void expect_trains_like_one_rank(const std::vector<std::string>& layouts, const std::string& line) {
+// within 1e-5 over 4 iterations) and prints `line` at start-up; `model` adds to kModel for all.
+void expect_trains_like_one_rank(const std::vector<std::string>& layouts, const std::string& line,
+                                 const std::string& model = "") {
   TempDir dir("mfsdp-moe-layouts");
   // AdamW eps 1e-3 (as Pretrain.HybridShardingTrainsLikeOneRank): 4 ranks sum in another order.
   const std::string flags =
-      kModel + " --train-iters 4 --lr-warmup-iters 1 --log-interval 1 --log-params-norm --adam-eps 1e-3";
+      kModel + model + " --train-iters 4 --lr-warmup-iters 1 --log-interval 1 --log-params-norm --adam-eps 1e-3";
   auto records = [&](int ranks, const std::string& extra, const std::string& name, std::string* output) {
     const std::string metrics = dir.file(name + ".jsonl");
     const auto r = run_command(kRun + " --nproc-per-node " + std::to_string(ranks) + " " + kPretrain + flags + extra +
@@ -270,37 +271,79 @@ TEST(Moe, ContextParallelWithExpertParallelismTrainsLikeOneRank) {
                               "context-parallel 2");
 }
 
-// A checkpoint saved by HSDP 2 x EP 2 (each element once over the instances and the
-// expert-parallel ranks) resumes at CP 2 x EP 2 and on one rank, and both continue as the
-// training that never stopped on one rank does.
-TEST(Moe, HybridExpertCheckpointResumesAtOtherLayouts) {
+// Tensor parallelism with MoE layers, under sequence parallelism (Megatron trains MoE layers
+// with TP only so): each rank routes its slice of the sequence, the router's gradient summed over
+// the pair. Experts whole (--expert-tensor-parallel-size 1) are sharded over their
+// expert-data-parallel group, which spans the tensor-parallel pair; experts split
+// (Megatron's default ETP = TP) run the pair's rows through both slices. TP2 x EP2 and TP2 with
+// every expert here, each ETP, under ZeRO-3 and ZeRO-1/2; a gated shared expert (a
+// tensor-parallel MLP) in every layer.
+TEST(Moe, TensorParallelWithExpertParallelismTrainsLikeOneRank) {
+  // Megatron pads the vocabulary to a multiple of 128 x TP by default: 64 x 2 pads as one rank.
+  const std::string tp = " --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 64";
+  expect_trains_like_one_rank({tp + " --expert-model-parallel-size 2 --expert-tensor-parallel-size 1",
+                               tp + " --expert-model-parallel-size 2 --data-parallel-sharding-strategy optim",
+                               tp + " --expert-tensor-parallel-size 1 --data-parallel-sharding-strategy optim_grads",
+                               tp},
+                              "tensor-parallel 2",
+                              " --moe-shared-expert-intermediate-size 64 --moe-shared-expert-gate");
+}
+
+// TP x CP with MoE layers: the balancing losses count over the tp_cp group of 4.
+TEST(Moe, TensorAndContextParallelWithMoeTrainsLikeOneRank) {
+  const std::string tp_cp =
+      " --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 64 --context-parallel-size 2";
+  expect_trains_like_one_rank({tp_cp, tp_cp + " --expert-tensor-parallel-size 1 --expert-model-parallel-size 2"},
+                              "context-parallel 2 x tensor-parallel 2");
+}
+
+// A checkpoint saved at iteration 3 by `saved` on 4 ranks resumes at each of `resumed` (ranks,
+// flags), and each continues as the training that never stopped on one rank does.
+void expect_resumes_like_one_rank(const std::string& saved, const std::vector<std::pair<int, std::string>>& resumed) {
   TempDir dir("mfsdp-moe-reshard");
-  const std::string flags =
-      kModel + " --train-iters 6 --lr-warmup-iters 1 --log-interval 1 --adam-eps 1e-3";
+  const std::string flags = kModel + " --train-iters 6 --lr-warmup-iters 1 --log-interval 1 --adam-eps 1e-3";
   auto launch = [&](int ranks, const std::string& extra) {
     const auto r = run_command(kRun + " --nproc-per-node " + std::to_string(ranks) + " " + kPretrain + flags + extra +
                                " 2>&1");
     EXPECT_EQ(r.exit_code, 0) << extra << "\n" << r.output;
   };
   launch(1, " --metrics-file " + dir.file("straight.jsonl"));
-  launch(4, " --num-distributed-optimizer-instances 2 --expert-model-parallel-size 2 --exit-interval 3 --save " +
-                dir.file("ckpt"));
-  launch(4, " --context-parallel-size 2 --expert-model-parallel-size 2 --load " + dir.file("ckpt") +
-                " --metrics-file " + dir.file("cp_ep.jsonl"));
-  launch(1, " --load " + dir.file("ckpt") + " --metrics-file " + dir.file("one.jsonl"));
+  launch(4, saved + " --exit-interval 3 --save " + dir.file("ckpt"));
   const auto straight = training_records(dir.file("straight.jsonl"));
   ASSERT_EQ(straight.size(), 6u);
-  for (const std::string name : {"cp_ep", "one"}) {
-    const auto resumed = training_records(dir.file(name + ".jsonl"));
-    ASSERT_EQ(resumed.size(), 3u) << name;
+  int n = 0;
+  for (const auto& [ranks, layout] : resumed) {
+    const std::string metrics = dir.file("resumed" + std::to_string(n++) + ".jsonl");
+    launch(ranks, layout + " --load " + dir.file("ckpt") + " --metrics-file " + metrics);
+    const auto got = training_records(metrics);
+    ASSERT_EQ(got.size(), 3u) << layout;
     for (size_t i = 0; i < 3; ++i) {
-      ASSERT_EQ(resumed[i]["iteration"], straight[i + 3]["iteration"]);
+      ASSERT_EQ(got[i]["iteration"], straight[i + 3]["iteration"]);
       for (const char* key : {"lm_loss", "grad_norm"}) {
         const double want = straight[i + 3][key].get<double>();
-        EXPECT_NEAR(resumed[i][key].get<double>(), want, 1e-5 * std::abs(want)) << name << " " << key << " it " << i + 4;
+        EXPECT_NEAR(got[i][key].get<double>(), want, 1e-5 * std::abs(want)) << saved << " -> " << layout << " " << key
+                                                                            << " it " << i + 4;
       }
     }
   }
+}
+
+// A checkpoint saved by HSDP 2 x EP 2 (each element once over the instances and the
+// expert-parallel ranks) resumes at CP 2 x EP 2 and on one rank.
+TEST(Moe, HybridExpertCheckpointResumesAtOtherLayouts) {
+  expect_resumes_like_one_rank(" --num-distributed-optimizer-instances 2 --expert-model-parallel-size 2",
+                               {{4, " --context-parallel-size 2 --expert-model-parallel-size 2"}, {1, ""}});
+}
+
+// A checkpoint saved by TP 2 x EP 2 with the experts split over the pair (ETP 2: each expert's
+// rows and columns boxes of the whole) resumes on one rank, at TP 2 x EP 2 with experts whole
+// (ETP 1), and at CP 2 x EP 2.
+TEST(Moe, TensorExpertCheckpointResumesAtOtherLayouts) {
+  const std::string tp = " --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 64";
+  expect_resumes_like_one_rank(tp + " --expert-model-parallel-size 2",
+                               {{1, ""},
+                                {4, tp + " --expert-model-parallel-size 2 --expert-tensor-parallel-size 1"},
+                                {4, " --context-parallel-size 2 --expert-model-parallel-size 2"}});
 }
 
 TEST(Moe, BadExpertParallelSizesAreNamed) {
@@ -323,6 +366,17 @@ TEST(Moe, BadExpertParallelSizesAreNamed) {
   EXPECT_NE(dense.exit_code, 0);
   EXPECT_NE(dense.output.find("--expert-model-parallel-size: the model"), std::string::npos) << dense.output;
   EXPECT_NE(dense.output.find("has no experts"), std::string::npos) << dense.output;
+  // Megatron's MoE layer trains under TP only with sequence parallelism.
+  const auto no_sp = run_command(pretrain(" --tensor-model-parallel-size 2 --train-iters 1 --lr-warmup-iters 0"));
+  EXPECT_NE(no_sp.exit_code, 0);
+  EXPECT_NE(no_sp.output.find("--tensor-model-parallel-size: 2 with the model ("), std::string::npos) << no_sp.output;
+  EXPECT_NE(no_sp.output.find("MoE layers needs --sequence-parallel"), std::string::npos) << no_sp.output;
+  const auto etp = run_command(pretrain(" --tensor-model-parallel-size 2 --sequence-parallel --train-iters 1 --lr-warmup-iters 0"
+                                        " --moe-ffn-hidden-size 63"));
+  EXPECT_NE(etp.exit_code, 0);
+  EXPECT_NE(etp.output.find("--expert-tensor-parallel-size: 2 does not divide the model ("), std::string::npos)
+      << etp.output;
+  EXPECT_NE(etp.output.find("moe_intermediate_size 63"), std::string::npos) << etp.output;
 }
 
 }  // namespace

@@ -19,7 +19,7 @@ namespace {
 using json = nlohmann::json;
 
 // ParallelMesh's names for Megatron's groups (the reference's keys).
-const std::vector<std::string> kGroups = {"tp", "cp", "dp", "dp_cp", "pp", "ep", "etp", "edp",
+const std::vector<std::string> kGroups = {"tp", "cp", "dp", "dp_cp", "tp_cp", "pp", "ep", "etp", "edp",
                                           "dp_shard_cp", "dp_replicate", "edp_shard"};
 
 std::shared_ptr<mfsdp::Communicator> simulated(int rank, int world) {
@@ -137,12 +137,18 @@ TEST(ParallelDims, MegatronsLayoutAndItsRefusals) {
   EXPECT_EQ(error_of(e, 4), "--num-distributed-optimizer-instances: 4 does not divide the expert-data-parallel size 2 "
                             "(world / expert-parallel / expert-tensor-parallel)");
 
+  // TP x EP with the experts whole (ETP 1): the expert-parallel ranks are the tensor-parallel
+  // pairs, each expert sharded over the 2 ranks of its expert-data-parallel group.
   mfsdp::ParallelSection tp_ep;
   tp_ep.tensor_model_parallel_size = 2;
   tp_ep.expert_model_parallel_size = 2;
   tp_ep.expert_tensor_parallel_size = 1;
-  EXPECT_NE(error_of(tp_ep, 4).find("--expert-model-parallel-size: 2 with --tensor-model-parallel-size 2"),
-            std::string::npos);
+  tp_ep.sequence_parallel = true;
+  const mfsdp::ParallelDims tp2_ep2 = mfsdp::parallel_dims(tp_ep, {}, 4);
+  EXPECT_EQ(tp2_ep2.edp(), 2);
+  EXPECT_TRUE(tp2_ep2.sequence_parallel);
+  tp_ep.tensor_model_parallel_size = 1;
+  EXPECT_FALSE(mfsdp::parallel_dims(tp_ep, {}, 4).sequence_parallel);  // Megatron drops it without TP
   mfsdp::ParallelSection etp;
   etp.expert_tensor_parallel_size = 2;
   EXPECT_EQ(error_of(etp, 4),

@@ -40,6 +40,11 @@ struct ModelBuildOptions {
   // Expert parallelism: the ranks a layer's experts are split over (this rank holds its share,
   // include/mfsdp/models/moe.h); null or size 1: every expert on every rank.
   std::shared_ptr<Communicator> expert_parallel;
+  // Expert tensor parallelism (--expert-tensor-parallel-size): the group each expert's MLP width
+  // is split over, which is the tensor-parallel group; null: every expert whole (ETP 1: under
+  // tensor parallelism the experts then are sharded over the expert-data-parallel group, which
+  // spans the tensor-parallel ranks).
+  std::shared_ptr<Communicator> expert_tensor_parallel;
   // Tensor parallelism (Megatron's): the ranks each layer's heads and MLP columns, the
   // vocabulary of the embedding and of the output layer are split over (this rank holds its
   // slice of each such parameter, tensor_parallel_split); null or size 1: none. Every rank of the
@@ -55,6 +60,9 @@ struct ModelBuildOptions {
   // (context_parallel::shard_sequence along dim 1); no KV cache.
   std::shared_ptr<Communicator> context_parallel;
   context_parallel::CpAlgorithm context_parallel_algorithm = context_parallel::CpAlgorithm::kAllGather;
+  // The tensor- and context-parallel ranks together (Megatron's tp_cp group), needed with both
+  // and sequence parallelism: the tokens MoE layers count their balancing losses over.
+  std::shared_ptr<Communicator> tensor_context_parallel;
 };
 
 // How a parameter is split over the tensor-parallel ranks (Megatron's partition_dim).
@@ -155,6 +163,10 @@ class CausalLM : public ShardedModule<CausalLM> {
   // of, to be summed over the group (Megatron's sequence_parallel parameters and q/k layernorms):
   // the norms under sequence parallelism, a per-head norm under any tensor parallelism.
   virtual bool tensor_parallel_partial_grad(const std::string& /*name*/) const { return false; }
+  // True for a routed expert's parameter: sharded over the expert-data-parallel group, never
+  // duplicated over the tensor-parallel ranks (with experts whole, those ranks hold other experts
+  // or other shards of them), so counted and saved by every rank that holds it.
+  virtual bool expert_parameter(const std::string& /*name*/) const { return false; }
 
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
   // parameter named `name`: the same values whenever and wherever it is called.

@@ -85,12 +85,15 @@ struct LlamaConfig {
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
   // What tensor parallelism splits (Megatron's divide() of each layer), by config.json field:
-  // heads, key/value heads, MLP width and vocabulary.
+  // heads, key/value heads, MLP width and vocabulary, and an MoE layer's shared expert.
   std::vector<std::pair<std::string, int64_t>> tensor_parallel_splits() const {
-    return {{"num_attention_heads", num_attention_heads},
-            {"num_key_value_heads", num_key_value_heads},
-            {"intermediate_size", intermediate_size},
-            {"vocab_size", vocab_size}};
+    std::vector<std::pair<std::string, int64_t>> s = {{"num_attention_heads", num_attention_heads},
+                                                      {"num_key_value_heads", num_key_value_heads},
+                                                      {"intermediate_size", intermediate_size},
+                                                      {"vocab_size", vocab_size}};
+    if (moe.num_experts > 0 && moe.shared_expert_intermediate_size > 0)
+      s.emplace_back("shared_expert_intermediate_size", moe.shared_expert_intermediate_size);
+    return s;
   }
   // Throws std::invalid_argument naming the field: every size positive, heads divide
   // hidden_size (unless explicit_head_dim), key/value heads divide heads, a valid moe, an even head_dim (RoPE rotates pairs),
@@ -133,6 +136,8 @@ struct LlamaParallel {
   std::shared_ptr<Communicator> tensor;  // null: one rank
   bool sequence = false;                 // sequence parallelism (only with tensor)
   std::shared_ptr<Communicator> expert;  // expert parallelism (moe.h); null: one rank
+  std::shared_ptr<Communicator> expert_tensor;  // expert tensor parallelism (moe.h); null: experts whole
+  std::shared_ptr<Communicator> tensor_context;  // tp_cp: with tensor, sequence and context parallelism
   std::shared_ptr<Communicator> context;  // context parallelism; null: one rank
   context_parallel::CpAlgorithm cp_algorithm = context_parallel::CpAlgorithm::kAllGather;
   int tp_size() const;
@@ -286,6 +291,7 @@ class LlamaForCausalLMImpl : public CausalLM {
   std::shared_ptr<Communicator> context_parallel() const override { return parallel_.context; }
   TensorParallelSplit tensor_parallel_split(const std::string& name) const override;
   bool tensor_parallel_partial_grad(const std::string& name) const override;
+  bool expert_parameter(const std::string& name) const override;
 
   // Parameter names are HF names; norms start at one, biases at zero, the rest normal(0,
   // init_std), each from its own (init seed, name) generator. A tensor-parallel slice gets its
@@ -326,7 +332,9 @@ class LlamaForCausalLMImpl : public CausalLM {
   uint64_t init_seed_ = 0;
   std::vector<bool> layer_deferred_;  // per layer: parameters not yet materialised
   bool root_deferred_ = false;
-  bool experts_split_ = false;  // built with an expert-parallel group of more than one rank
+  // The experts are a unit of their own: their expert-data-parallel group is not the layer's
+  // (expert parallelism, or experts whole under tensor parallelism).
+  bool experts_split_ = false;
 };
 TORCH_MODULE(LlamaForCausalLM);
 

@@ -52,6 +52,8 @@ struct MegatronRows {
 struct ParallelSplits {
   std::vector<std::pair<std::string, int64_t>> tensor_parallel;  // {"num_attention_heads", 32}, ...
   int64_t experts = 0;
+  // What expert tensor parallelism splits (each routed expert's MLP width).
+  std::vector<std::pair<std::string, int64_t>> expert_tensor_parallel;
 };
 
 class ModelSpec {

@@ -37,6 +37,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -147,7 +148,9 @@ TORCH_MODULE(ExpertMlp);
 // runtime: `experts->call(tokens, counts)`.
 class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
  public:
-  MoeExpertsImpl(int64_t hidden, const MoeConfig& config, int64_t first, int64_t count, bool deferred);
+  // Each expert `width` wide (its MLP width, or this rank's slice of it under expert tensor
+  // parallelism).
+  MoeExpertsImpl(int64_t hidden, int64_t width, bool mixtral_names, int64_t first, int64_t count, bool deferred);
   // tokens [n, H] sorted by local expert, counts [count] (int64) rows per local expert ->
   // each row through its expert, [n, H]. `grouped`: one grouped GEMM (at::_grouped_mm) over the
   // weights stacked for the call, with counts on the tokens' device never read by the host;
@@ -165,19 +168,36 @@ class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
 };
 MFSDP_MODULE(MoeExperts);
 
+// The groups an MoE block is split over (each null, or of one rank: not split).
+struct MoeParallel {
+  // Expert parallelism: rank r of the group holds experts [r E / ep, (r + 1) E / ep).
+  std::shared_ptr<Communicator> expert;
+  // Expert tensor parallelism (--expert-tensor-parallel-size, only the tensor-parallel group):
+  // each expert's gate/up rows and down columns split over the group, as a dense MLP under
+  // tensor parallelism; the group's ranks run the union of their rows through their slices.
+  std::shared_ptr<Communicator> expert_tensor;
+  // Tensor parallelism with sequence parallelism (Megatron trains MoE layers under tensor
+  // parallelism only with it): each rank routes its own slice of the sequence; the shared expert
+  // is a tensor-parallel MLP; the router's gradient is partial (summed over the group by the
+  // trainer), so the balancing losses' gradient is this rank's share.
+  std::shared_ptr<Communicator> sequence;
+  // The ranks one routing's tokens are spread over (Megatron's tp_cp group: the context-parallel
+  // ranks, times the sequence-parallel ones): the balancing losses count over it.
+  std::shared_ptr<Communicator> tokens;
+};
+
 // The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" and
 // "shared_expert_gate". x [B, T, H] -> [B, T, H]. In training the losses reach the gradient
 // through the block's output (Megatron's MoEAuxLossAutoScaler), times aux_loss_scale (the
-// trainer's 1 / micro-batches, as Megatron's set_loss_scale). With `expert_parallel` (the
-// expert-parallel group, size > 1) the (token, expert) pairs go to their expert's rank and back
-// by all-to-all (Megatron's alltoall token dispatcher). With `context_parallel` (size > 1) the
-// tokens are this rank's chunks of sequences split over that group, and the balancing losses
+// trainer's 1 / micro-batches, as Megatron's set_loss_scale). With `parallel.expert` the
+// (token, expert) pairs go to their expert's rank and back by all-to-all (Megatron's alltoall
+// token dispatcher), then with `parallel.expert_tensor` to every rank of that group (an
+// all-gather of the rows, and a reduce-scatter of the partial outputs). With `parallel.tokens`
+// the tokens are this rank's part of sequences split over that group, and the balancing losses
 // count the whole sequences (load_balancing_loss).
 class MoeBlockImpl : public torch::nn::Module {
  public:
-  MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred,
-               std::shared_ptr<Communicator> expert_parallel = nullptr,
-               std::shared_ptr<Communicator> context_parallel = nullptr);
+  MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred, MoeParallel parallel = {});
   // `tokens` [B x T] bool, false at padding (undefined: none): padding is routed and computed
   // like the rest but not counted (tokens per expert, the expert bias) nor in the losses.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& tokens = {});
@@ -201,9 +221,16 @@ class MoeBlockImpl : public torch::nn::Module {
   // The routed rows `sorted` (grouped by global expert, `counts` [E] on the device) through their
   // experts on the expert-parallel ranks, back in the same order.
   at::Tensor dispatch(const at::Tensor& sorted, const at::Tensor& counts);
+  // This rank's rows `rows` (by local expert, `per_expert` rows each: on the host, or on the
+  // device for the grouped GEMM) through its experts; under expert tensor parallelism through
+  // every slice of the group.
+  at::Tensor run_local(const at::Tensor& rows, const at::Tensor& per_expert);
+  at::Tensor shared(const at::Tensor& x);  // the shared expert (gated), x [B, T, H]
   MoeConfig config_;
-  std::shared_ptr<Communicator> ep_;  // null: every expert is here
-  std::shared_ptr<Communicator> cp_;  // null: whole sequences here
+  std::shared_ptr<Communicator> ep_;   // null: every expert is here
+  std::shared_ptr<Communicator> etp_;  // null: each expert whole here
+  std::shared_ptr<Communicator> sp_;   // null: no sequence parallelism
+  std::shared_ptr<Communicator> tokens_;  // null: whole sequences here
   struct Tally {
     at::Tensor balance, z, counts;  // sums since take_stats, on the device
     int64_t forwards = 0;

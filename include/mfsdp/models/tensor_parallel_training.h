@@ -18,6 +18,10 @@
 
 namespace mfsdp {
 
+// True for a parameter every rank of the tensor-parallel group holds the same (not split, not a
+// routed expert): counted once over the group (on its rank 0) by norms and checkpoints.
+bool tensor_parallel_duplicate(const CausalLM& model, const std::string& name);
+
 // Sums over the tensor-parallel group the main gradients of the parameters the model marks
 // partial (CausalLM::tensor_parallel_partial_grad): after the step's last backward, before
 // clipping, as Megatron's finalize_model_grads does. One all-reduce; nothing without tensor

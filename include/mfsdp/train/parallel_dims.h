@@ -15,7 +15,8 @@
 //
 // The groups ParallelMesh gives (each made once per job; a group of one rank when its size is 1):
 //   "tp", "cp", "pp", "dp_replicate", "dp_shard", "dp" (replicate x shard: the data replicas),
-//   "dp_shard_cp" (FSDP's shard group), "dp_cp" (Megatron's data-parallel group with CP),
+//   "dp_shard_cp" (FSDP's shard group), "dp_cp" (Megatron's data-parallel group with CP), "tp_cp"
+//   (the tokens of one sequence under sequence and context parallelism: MoE's balancing losses),
 //   "ep", "etp", "edp_shard", "edp" (replicate x edp_shard: the ranks holding the same experts).
 #pragma once
 
@@ -33,12 +34,17 @@ struct ModelConfig;
 
 struct ParallelDims {
   int pp = 1, dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1, ep = 1, etp = 1;
+  // --sequence-parallel, kept only with tensor parallelism (as Megatron does).
+  bool sequence_parallel = false;
 
   int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }  // data replicas: each reads its own share
   int dp_cp() const { return dp() * cp; }             // the ranks FSDP spreads a TP slice over
   int edp() const { return world() / (pp * ep * etp); }
   int edp_shard() const { return edp() / dp_replicate; }
+  // The experts' data-parallel group is not the layers' (expert parallelism, or experts whole
+  // under tensor parallelism): the experts are FSDP units of their own (CausalLM::expert_unit).
+  bool experts_apart() const { return ep > 1 || etp != tp; }
   // "8 ranks = data-parallel 2 x context-parallel 2 x tensor-parallel 2", with the expert layout
   // when it is not the dense one's (HSDP's instances have a line of their own).
   std::string describe() const;

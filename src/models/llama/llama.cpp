@@ -15,11 +15,32 @@ namespace mfsdp {
 
 // ---- LlamaDecoderLayer --------------------------------------------------------------------
 
+namespace {
+// An MoE block's groups: its tokens are spread over the context-parallel ranks and, under
+// sequence parallelism, the tensor-parallel ones (both: their tp_cp group).
+MoeParallel moe_parallel(const LlamaParallel& p) {
+  MoeParallel m;
+  m.expert = p.expert;
+  m.expert_tensor = p.expert_tensor;
+  if (p.sequence) m.sequence = p.tensor;
+  if (p.sequence && p.context) {
+    if (!p.tensor_context)
+      throw std::logic_error("LlamaForCausalLM: MoE layers under sequence and context parallelism need the "
+                             "tensor- and context-parallel group (ModelBuildOptions::tensor_context_parallel)");
+    m.tokens = p.tensor_context;
+  } else {
+    m.tokens = p.sequence ? p.tensor : p.context;
+  }
+  return m;
+}
+}  // namespace
+
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred,
                                              const LlamaParallel& parallel) {
   self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred, parallel));
   if (c.moe.is_moe_layer(layer_idx)) {
-    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp", MoeBlock(c.hidden_size, c.moe, deferred, parallel.expert, parallel.context));
+    moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp",
+                          MoeBlock(c.hidden_size, c.moe, deferred, moe_parallel(parallel)));
   } else {
     mlp = register_module("mlp", LlamaMLP(c, deferred, parallel));
   }
@@ -144,6 +165,11 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLa
   at::Tensor tokens;
   if (layout.attention_mask.defined())
     tokens = layout.attention_mask.narrow(1, past, t).to(input_ids.device()).ne(0).reshape({-1});
+  if (tokens.defined() && parallel_.sequence) {
+    // Under sequence parallelism the layers hold this rank's slice of the sequence.
+    const int64_t slice = t / parallel_.tp_size();
+    tokens = tokens.view({-1, t}).narrow(1, parallel_.tp_rank() * slice, slice).reshape({-1});
+  }
   return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, allowed,
                     tokens, keys);
 }
@@ -188,18 +214,19 @@ namespace {
 
 // Megatron's checks (its arguments.py and the divide() of each layer): every split dimension
 // divides by the tensor-parallel size. Throws std::invalid_argument naming the field.
-void check_tensor_parallel(const LlamaConfig& c, int tp) {
+void check_tensor_parallel(const LlamaConfig& c, const LlamaParallel& p) {
+  const int tp = p.tp_size();
   if (tp == 1) return;
   for (const auto& [field, value] : c.tensor_parallel_splits())
     if (value % tp != 0)
       throw std::invalid_argument("LlamaForCausalLM: tensor parallelism over " + std::to_string(tp) +
                                   " ranks splits " + field + " (" + std::to_string(value) +
                                   "), which does not divide by " + std::to_string(tp));
-  if (c.moe.num_experts > 0)
-    throw std::invalid_argument(
-        "LlamaForCausalLM: tensor parallelism with MoE layers (num_experts " + std::to_string(c.moe.num_experts) +
-        ") is not built: the experts are not split over tensor-parallel ranks (any --expert-tensor-parallel-size) "
-        "yet; use --expert-model-parallel-size");
+  // Megatron's MoE layer refuses to train under tensor parallelism without it: each rank routes
+  // its slice of the sequence.
+  if (c.moe.num_experts > 0 && !p.sequence)
+    throw std::invalid_argument("LlamaForCausalLM: tensor parallelism with MoE layers (num_experts " +
+                                std::to_string(c.moe.num_experts) + ") needs sequence parallelism");
 }
 
 LlamaParallel parallel_of(const LlamaOptions& o) {
@@ -210,6 +237,14 @@ LlamaParallel parallel_of(const LlamaOptions& o) {
   p.expert = o.expert_parallel;
   p.context = o.context_parallel && o.context_parallel->size() > 1 ? o.context_parallel : nullptr;
   p.cp_algorithm = o.context_parallel_algorithm;
+  if (p.tensor && o.expert_tensor_parallel && o.expert_tensor_parallel->size() > 1) {
+    if (o.expert_tensor_parallel->size() != p.tensor->size())
+      throw std::invalid_argument("LlamaForCausalLM: the experts split over " +
+                                  std::to_string(o.expert_tensor_parallel->size()) +
+                                  " ranks, not the tensor-parallel group's " + std::to_string(p.tensor->size()));
+    p.expert_tensor = o.expert_tensor_parallel;
+  }
+  p.tensor_context = o.tensor_context_parallel;
   return p;
 }
 
@@ -225,7 +260,7 @@ bool contains(const std::string& s, const char* part) { return s.find(part) != s
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOptions& options)
     : config_(c), parallel_(parallel_of(options)) {
   config_.validate();
-  check_tensor_parallel(c, parallel_.tp_size());
+  check_tensor_parallel(c, parallel_);
   init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
   model = register_module("model", LlamaModel(c, options.deferred_init, parallel_));
   model->recompute_layers = options.recompute_layers;
@@ -236,7 +271,8 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
                               LlamaLinear(c.hidden_size, c.vocab_size / parallel_.tp_size(), options.deferred_init));
   layer_deferred_.assign(c.num_layers, options.deferred_init);
   root_deferred_ = options.deferred_init;
-  experts_split_ = options.expert_parallel && options.expert_parallel->size() > 1;
+  experts_split_ = (options.expert_parallel && options.expert_parallel->size() > 1) ||
+                   (parallel_.tensor && !parallel_.expert_tensor);
   if (!options.deferred_init) reset_parameters();
 }
 
@@ -264,6 +300,14 @@ at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
 TensorParallelSplit LlamaForCausalLMImpl::tensor_parallel_split(const std::string& name) const {
   if (!parallel_.tensor) return TensorParallelSplit::kReplicated;
   if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return TensorParallelSplit::kRows;
+  if (expert_parameter(name)) {
+    // Column-parallel gate (w1) and up (w3), row-parallel down (w2), under expert tensor
+    // parallelism; whole otherwise.
+    if (!parallel_.expert_tensor) return TensorParallelSplit::kReplicated;
+    for (const char* column : {".gate_proj.", ".up_proj.", ".w1.", ".w3."})
+      if (contains(name, column)) return TensorParallelSplit::kRows;
+    return TensorParallelSplit::kColumns;
+  }
   for (const char* column : {".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj."})
     if (contains(name, column)) return TensorParallelSplit::kRows;
   for (const char* row : {".o_proj.weight", ".down_proj.weight"})
@@ -272,11 +316,18 @@ TensorParallelSplit LlamaForCausalLMImpl::tensor_parallel_split(const std::strin
 }
 
 bool LlamaForCausalLMImpl::tensor_parallel_partial_grad(const std::string& name) const {
-  if (!parallel_.tensor || !ends_with(name, "norm.weight")) return false;
+  if (!parallel_.tensor) return false;
+  // The router and the shared expert's gate read only this rank's positions (MoE layers run
+  // with sequence parallelism).
+  if (parallel_.sequence && (ends_with(name, ".gate.weight") || ends_with(name, ".shared_expert_gate.weight")))
+    return true;
+  if (!ends_with(name, "norm.weight")) return false;
   // A per-head norm sees only this rank's heads; under sequence parallelism every norm sees only
   // this rank's positions.
   return parallel_.sequence || ends_with(name, ".q_norm.weight") || ends_with(name, ".k_norm.weight");
 }
+
+bool LlamaForCausalLMImpl::expert_parameter(const std::string& name) const { return contains(name, ".experts."); }
 
 void LlamaForCausalLMImpl::check_materialized() const {
   if (has_deferred())

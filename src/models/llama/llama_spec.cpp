@@ -361,6 +361,7 @@ class DecoderSpec final : public ModelSpec {
     ParallelSplits s;
     s.tensor_parallel = c.tensor_parallel_splits();
     s.experts = c.moe.num_experts;
+    if (c.moe.num_experts > 0) s.expert_tensor_parallel = {{"moe_intermediate_size", c.moe.ffn_hidden_size}};
     return s;
   }
 

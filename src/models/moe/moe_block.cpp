@@ -10,6 +10,7 @@
 
 #include "mfsdp/fsdp/recompute.h"
 #include "mfsdp/models/moe.h"
+#include "mfsdp/models/tensor_parallel.h"
 
 namespace mfsdp {
 namespace {
@@ -82,6 +83,20 @@ struct ZeroIdleExperts : public torch::autograd::Function<ZeroIdleExperts> {
   }
 };
 
+// The order that groups rows arrived from `sources` ranks (source q's rows by local expert j,
+// `counts` [sources x local] rows each, on the rows' device) by expert j, then source q: a
+// stable sort of each row's key j * sources + q, on the device.
+at::Tensor expert_major_order(const at::Tensor& counts, int64_t sources, int64_t local, int64_t rows) {
+  const at::Tensor group = at::arange(sources * local, counts.options());  // q * local + j
+  const at::Tensor key = at::repeat_interleave(group.remainder(local) * sources + at::div(group, local, "floor"),
+                                               counts, /*dim=*/0, rows);
+  return std::get<1>(key.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+}
+
+std::shared_ptr<Communicator> split_group(std::shared_ptr<Communicator> group) {
+  return group && group->size() > 1 ? std::move(group) : nullptr;
+}
+
 }  // namespace
 
 ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, bool deferred) {
@@ -93,11 +108,11 @@ ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_
 
 at::Tensor ExpertMlpImpl::forward(const at::Tensor& x) { return down(at::silu(gate(x)) * up(x)); }
 
-MoeExpertsImpl::MoeExpertsImpl(int64_t hidden, const MoeConfig& config, int64_t first, int64_t count, bool deferred)
+MoeExpertsImpl::MoeExpertsImpl(int64_t hidden, int64_t width, bool mixtral_names, int64_t first, int64_t count,
+                               bool deferred)
     : first_(first) {
   for (int64_t j = first; j < first + count; ++j)
-    local_.push_back(register_module(std::to_string(j),
-                                     ExpertMlp(hidden, config.ffn_hidden_size, config.mixtral_names, deferred)));
+    local_.push_back(register_module(std::to_string(j), ExpertMlp(hidden, width, mixtral_names, deferred)));
 }
 
 at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& counts, bool grouped) {
@@ -144,11 +159,12 @@ at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& c
   return at::cat(parts);
 }
 
-MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred,
-                           std::shared_ptr<Communicator> expert_parallel, std::shared_ptr<Communicator> context_parallel)
+MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred, MoeParallel parallel)
     : config_(config),
-      ep_(expert_parallel && expert_parallel->size() > 1 ? std::move(expert_parallel) : nullptr),
-      cp_(context_parallel && context_parallel->size() > 1 ? std::move(context_parallel) : nullptr) {
+      ep_(split_group(std::move(parallel.expert))),
+      etp_(split_group(std::move(parallel.expert_tensor))),
+      sp_(split_group(std::move(parallel.sequence))),
+      tokens_(split_group(std::move(parallel.tokens))) {
   gate = register_module("gate", LlamaLinear(hidden, config.num_experts, deferred));
   // A buffer, not a parameter: no gradient, no optimizer state, fp32 whatever the compute dtype
   // (Megatron keeps router.expert_bias in fp32 too), every rank holds it whole.
@@ -157,10 +173,22 @@ MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferre
   if (config.num_experts % ep != 0)
     throw std::invalid_argument("MoeBlock: " + std::to_string(ep) + " expert-parallel ranks do not divide " +
                                 std::to_string(config.num_experts) + " experts");
-  experts = register_module("experts", MoeExperts(hidden, config, (ep_ ? ep_->rank() : 0) * per_rank, per_rank, deferred));
+  // Each expert's slice of the width under expert tensor parallelism, the shared expert's under
+  // tensor parallelism (Megatron's SharedExpertMLP is a tensor-parallel MLP).
+  auto slice = [](int64_t width, const std::shared_ptr<Communicator>& group, const char* field) {
+    const int64_t n = group ? group->size() : 1;
+    if (width % n != 0)
+      throw std::invalid_argument(std::string("MoeBlock: ") + std::to_string(n) + " tensor-parallel ranks do not divide " +
+                                  field + " " + std::to_string(width));
+    return width / n;
+  };
+  experts = register_module("experts", MoeExperts(hidden, slice(config.ffn_hidden_size, etp_, "the expert width"),
+                                                  config.mixtral_names, (ep_ ? ep_->rank() : 0) * per_rank, per_rank,
+                                                  deferred));
   if (config.shared_expert_intermediate_size > 0) {
     shared_expert = register_module(
-        "shared_expert", ExpertMlp(hidden, config.shared_expert_intermediate_size, /*mixtral_names=*/false, deferred));
+        "shared_expert", ExpertMlp(hidden, slice(config.shared_expert_intermediate_size, sp_, "the shared expert width"),
+                                   /*mixtral_names=*/false, deferred));
     if (config.shared_expert_gate) shared_expert_gate = register_module("shared_expert_gate", LlamaLinear(hidden, 1, deferred));
   }
 }
@@ -182,7 +210,7 @@ at::Tensor MoeBlockImpl::run_experts(const at::Tensor& tokens, const Routing& r)
   const at::Tensor token_of = at::div(pair, E, "floor");
   at::Tensor sorted = tokens.index_select(0, token_of);
   at::Tensor weight = r.probs.reshape({-1}).index_select(0, pair).to(tokens.scalar_type()).unsqueeze(-1);
-  at::Tensor out = ep_ ? dispatch(sorted, counts) : experts(sorted, counts, training_options.grouped_gemm);
+  at::Tensor out = ep_ ? dispatch(sorted, counts) : run_local(sorted, counts);
   return at::zeros_like(tokens).index_add(0, token_of, out * weight);
 }
 
@@ -200,17 +228,50 @@ at::Tensor MoeBlockImpl::dispatch(const at::Tensor& sorted, const at::Tensor& co
   int64_t rows = 0;
   for (int64_t r : recv) rows += r;
   at::Tensor arrived = AllToAll::apply(sorted, send, recv, ep_.get());
-  // Arrived rows are grouped by source rank q, then local expert j; the experts want them by j,
-  // then q: a stable sort of each row's key j * ep + q, on the device.
-  const at::Tensor group = at::arange(ep * local, received.options());  // q * local + j
-  const at::Tensor key = at::repeat_interleave(group.remainder(local) * ep + at::div(group, local, "floor"),
-                                               received, /*dim=*/0, rows);
-  const at::Tensor by_expert = std::get<1>(key.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
+  // Arrived rows are grouped by source rank, then local expert; the experts want them by expert.
+  const at::Tensor by_expert = expert_major_order(received, ep, local, rows);
   // Rows per local expert: on the device for the grouped GEMM, on the host for per-expert GEMMs.
   const at::Tensor per_expert = training_options.grouped_gemm ? received.view({ep, local}).sum(0) : host[1].sum(0);
-  at::Tensor y = experts(arrived.index_select(0, by_expert), per_expert, training_options.grouped_gemm);
+  at::Tensor y = run_local(arrived.index_select(0, by_expert), per_expert);
   at::Tensor back = at::zeros_like(arrived).index_copy(0, by_expert, y);
   return AllToAll::apply(back, recv, send, ep_.get());
+}
+
+at::Tensor MoeBlockImpl::run_local(const at::Tensor& rows, const at::Tensor& per_expert) {
+  const bool grouped = training_options.grouped_gemm;
+  if (!etp_) return experts(rows, per_expert, grouped);
+  // Megatron's alltoall dispatcher under expert tensor parallelism: every rank of the group runs
+  // the rows of all of them through its slices (an all-gather), and each rank's rows get the sum
+  // of the slices' partial outputs (a reduce-scatter). Rows per rank differ, so both are
+  // all-to-alls: this rank sends its rows to every rank, and gets back its rows' partial outputs
+  // from every rank. The group's counts first: one all-gather, read on the host (one wait).
+  const int64_t group = etp_->size(), local = experts->count(), n = rows.size(0);
+  const at::Tensor mine = per_expert.to(etp_->device(), at::kLong).contiguous();
+  at::Tensor everyone = at::empty({group * local}, mine.options());
+  etp_->all_gather(everyone, mine);
+  const at::Tensor host = everyone.to(at::kCPU).view({group, local});
+  const at::Tensor from_host = host.sum(1).contiguous();
+  const std::vector<int64_t> from(from_host.data_ptr<int64_t>(), from_host.data_ptr<int64_t>() + group),
+      each(static_cast<size_t>(group), n);
+  int64_t total = 0;
+  for (int64_t r : from) total += r;
+  // The copies' gradients (one per rank) add up in the backward of repeat: each slice's part of
+  // the rows' gradient.
+  const at::Tensor gathered = AllToAll::apply(rows.repeat({group, 1}), each, from, etp_.get());
+  const at::Tensor by_expert = expert_major_order(everyone.to(rows.device()), group, local, total);
+  const at::Tensor counts = grouped ? everyone.view({group, local}).sum(0).to(rows.device()) : host.sum(0);
+  at::Tensor y = experts(gathered.index_select(0, by_expert), counts, grouped);
+  const at::Tensor back = at::zeros_like(gathered).index_copy(0, by_expert, y);
+  return AllToAll::apply(back, from, each, etp_.get()).view({group, n, rows.size(1)}).sum(0);
+}
+
+at::Tensor MoeBlockImpl::shared(const at::Tensor& x) {
+  // Under sequence parallelism a tensor-parallel MLP over the gathered sequence, its partial
+  // outputs reduce-scattered back to this rank's slice (Megatron's SharedExpertMLP).
+  at::Tensor s = shared_expert(sp_ ? tensor_parallel::enter_tensor_parallel_region(x, *sp_, true) : x);
+  if (sp_) s = tensor_parallel::exit_tensor_parallel_region(s, *sp_, true);
+  if (shared_expert_gate) s = at::sigmoid(shared_expert_gate(x)) * s;
+  return s;
 }
 
 at::Tensor MoeBlockImpl::forward(const at::Tensor& x, const at::Tensor& valid) {
@@ -220,21 +281,16 @@ at::Tensor MoeBlockImpl::forward(const at::Tensor& x, const at::Tensor& valid) {
     throw std::invalid_argument("MoeBlock: a token mask of " + std::to_string(valid.numel()) + " entries for " +
                                 std::to_string(tokens.size(0)) + " tokens");
   Routing r = route(gate(tokens), config_, training_options.capacity_factor, expert_bias());
-  at::Tensor y = run_experts(tokens, r);
-  if (shared_expert) {
-    at::Tensor s = shared_expert(tokens);
-    if (shared_expert_gate) s = at::sigmoid(shared_expert_gate(tokens)) * s;
-    y = y + s;
-  }
-  y = y.view(x.sizes());
+  at::Tensor y = run_experts(tokens, r).view(x.sizes());
+  if (shared_expert) y = y + shared(x);
   // The balancing losses, for the log always, for the gradient when their coefficient is set.
   at::Tensor balance;
   if (training_options.balancing == MoeTraining::Balancing::kAuxLoss) {
-    balance = load_balancing_loss(r, config_.top_k, valid, cp_.get());
+    balance = load_balancing_loss(r, config_.top_k, valid, tokens_.get());
   } else if (training_options.balancing == MoeTraining::Balancing::kSeqAuxLoss) {
-    balance = sequence_load_balancing_loss(r, config_.top_k, x.dim() == 3 ? x.size(0) : 1, valid, cp_.get());
+    balance = sequence_load_balancing_loss(r, config_.top_k, x.dim() == 3 ? x.size(0) : 1, valid, tokens_.get());
   }
-  at::Tensor z = z_loss(r.logits, valid, cp_.get());
+  at::Tensor z = z_loss(r.logits, valid, tokens_.get());
   // Counted once per forward: not again when activation recompute re-runs it in backward.
   if (!detail::in_recompute()) {
     // Kept on the device until take_stats: no host synchronisation per forward.
@@ -254,7 +310,11 @@ at::Tensor MoeBlockImpl::forward(const at::Tensor& x, const at::Tensor& valid) {
       at::Tensor zl = z * training_options.z_loss_coeff;
       loss = loss.defined() ? loss + zl : zl;
     }
-    if (loss.defined()) y = AttachLoss::apply(y, loss, aux_loss_scale);
+    // Each rank's losses are its share of the whole tokens' times the token group's size, so the
+    // ranks' mean is the whole loss (what the log averages, and the context-parallel gradient
+    // reduction). The sequence-parallel ranks sum their partial router gradients instead of
+    // averaging them: there the gradient takes the share.
+    if (loss.defined()) y = AttachLoss::apply(y, sp_ ? loss / sp_->size() : loss, aux_loss_scale);
   }
   return y;
 }
