@@ -109,7 +109,10 @@ TEST(MoeGroupRouting, SigmoidWithBiasMatchesTransformersDeepseekV3Router) {
          // Not top-1: there transformers renormalises the one weight to 1, Megatron (and moe.h) do not.
          {{32, 8, 3, 2, true, 1.0, kSig, true}, 4},
          // One group (Moonlight's and Kimi-K2's n_group 1): the plain router, as transformers'.
-         {{64, 1, 1, 6, true, 2.446, kSig, true}, 5}});
+         {{64, 1, 1, 6, true, 2.446, kSig, true}, 5},
+         // norm_topk_prob false: the top-k sigmoid scores as they are (grouped, and one group).
+         {{16, 4, 2, 3, true, 2.5, kSig, false}, 9},
+         {{16, 1, 1, 3, true, 1.0, kSig, false}, 10}});
 }
 
 TEST(MoeGroupRouting, SoftmaxMatchesMegatronGroupLimitedTopK) {

@@ -17,7 +17,7 @@
 // apply_rotary_pos_emb_interleave), or in halves as Llama. Causal attention through
 // at::scaled_dot_product_attention with scale (dn + dr)^-0.5, times YaRN's mscale^2
 // (rope_scaling.h, yarn_softmax_scale). The two RMSNorms use eps 1e-6, as transformers' (not
-// rms_norm_eps). Training shapes only: no KV cache, no tensor or context parallelism yet.
+// rms_norm_eps). A KV cache holds the expanded keys and values; no tensor or context parallelism yet.
 // Implemented in src/models/llama/mla_attention.cpp.
 #pragma once
 
@@ -29,32 +29,11 @@
 #include <optional>
 
 #include "mfsdp/models/linear.h"
+#include "mfsdp/models/mla_config.h"
 #include "mfsdp/models/llama.h"
 #include "mfsdp/models/rope_scaling.h"
 
 namespace mfsdp {
-
-// transformers' DeepseekV3Config attention fields.
-struct MlaConfig {
-  int64_t hidden_size = 0;
-  int64_t num_heads = 0;
-  int64_t q_lora_rank = 0;  // 0 (HF None): a plain q_proj
-  int64_t kv_lora_rank = 0;
-  int64_t qk_nope_head_dim = 0;
-  int64_t qk_rope_head_dim = 0;
-  int64_t v_head_dim = 0;
-  bool attention_bias = false;
-  double rope_theta = 10000;
-  std::optional<YarnRopeScaling> yarn;  // rope_scaling of type "yarn"; none: plain RoPE
-  bool rope_interleave = true;
-
-  int64_t qk_head_dim() const { return qk_nope_head_dim + qk_rope_head_dim; }
-  // (qk_nope_head_dim + qk_rope_head_dim)^-0.5, with YaRN times mscale(factor, mscale_all_dim)^2.
-  double softmax_scale() const;
-  // Throws std::invalid_argument naming the field: positive sizes (q_lora_rank and
-  // qk_nope_head_dim may be 0), an even qk_rope_head_dim, rope_theta > 0, a valid yarn.
-  void validate() const;
-};
 
 // The rotary tables of the qk_rope_head_dim part for `positions` ([T] or [B, T]): plain or YaRN.
 RotaryTables mla_rotary_tables(const at::Tensor& positions, const MlaConfig& config);
@@ -67,11 +46,15 @@ at::Tensor apply_rotary_interleaved(const at::Tensor& x, const RotaryTables& rop
 class MlaAttentionImpl : public torch::nn::Module {
  public:
   // `deferred`: parameters without storage until materialised (llama.h, "Initialisation");
-  // otherwise allocated and left for the caller to initialise or load.
-  MlaAttentionImpl(const MlaConfig& config, bool deferred);
+  // otherwise allocated and left for the caller to initialise or load. `layer_idx`: the layer
+  // whose keys and values a KV cache holds.
+  MlaAttentionImpl(const MlaConfig& config, bool deferred, int64_t layer_idx = 0);
   // x [B, T, H], `rope` the tables of the T positions (mla_rotary_tables) -> [B, T, H]. Query t
-  // attends to keys 0 .. t.
-  at::Tensor forward(const at::Tensor& x, const RotaryTables& rope);
+  // attends to keys 0 .. t (after the cached ones). `cache`: each head's whole key [dn + dr] and
+  // value [dv] are appended (the latent is not cached: no absorbed-weight decoding). `allowed`
+  // [B, 1, T, S] bool (SequenceLayout::allowed_keys) replaces the causal mask.
+  at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, KVCache* cache = nullptr,
+                     const at::Tensor& allowed = {});
 
   LlamaLinear q_proj{nullptr};                                 // without q_lora_rank
   LlamaLinear q_a_proj{nullptr}, q_b_proj{nullptr};            // with q_lora_rank
@@ -81,6 +64,7 @@ class MlaAttentionImpl : public torch::nn::Module {
 
  private:
   MlaConfig config_;
+  int64_t layer_idx_;
 };
 TORCH_MODULE(MlaAttention);
 

@@ -12,7 +12,8 @@
 //            one (norm_topk_prob; Megatron's default, which takes the softmax of the top-k
 //            logits, is the same numbers) or not (--moe-router-pre-softmax; Qwen3-MoE's
 //            norm_topk_prob false);
-//   sigmoid: scores = sigmoid(logits), top-k, renormalised when top_k > 1 (DeepSeek-V3);
+//   sigmoid: scores = sigmoid(logits), top-k, renormalised when top_k > 1 and norm_topk_prob
+//            (DeepSeek-V3's norm_topk_prob; Megatron always renormalises);
 //   with expert_bias (DeepSeek-V3's aux-loss-free balancing, sigmoid only): the top-k are chosen
 //            by scores + bias, their weights are the scores without it; after each step the
 //            bias moves by update_rate x sign(mean - tokens) per expert (updated_expert_bias);
@@ -54,9 +55,12 @@ struct MoeConfig {
   int64_t ffn_hidden_size = 0;  // each expert's MLP width (moe_intermediate_size, --moe-ffn-hidden-size)
   int64_t shared_expert_intermediate_size = 0;  // 0: no shared expert
   bool shared_expert_gate = false;  // sigmoid(x W_g) scales the shared expert's output (Qwen2-MoE)
+  // The shared expert registered as "shared_experts" (DeepSeek-V3's name: its n_shared_experts
+  // experts are one MLP of n_shared_experts x moe_intermediate_size) instead of "shared_expert".
+  bool shared_experts_name = false;
   enum class Score { kSoftmax, kSigmoid };
   Score score = Score::kSoftmax;
-  bool norm_topk_prob = true;        // renormalise the top-k softmax scores (see above)
+  bool norm_topk_prob = true;        // renormalise the top-k scores (see above)
   double topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor
   // Per decoder layer: true for an MoE block, false for the dense MLP (--moe-layer-freq,
   // Qwen's decoder_sparse_step and mlp_only_layers). Empty: every layer.
@@ -186,7 +190,8 @@ struct MoeParallel {
   std::shared_ptr<Communicator> tokens;
 };
 
-// The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" and
+// The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" (or
+// "shared_experts", MoeConfig::shared_experts_name) and
 // "shared_expert_gate". x [B, T, H] -> [B, T, H]. In training the losses reach the gradient
 // through the block's output (Megatron's MoEAuxLossAutoScaler), times aux_loss_scale (the
 // trainer's 1 / micro-batches, as Megatron's set_loss_scale). With `parallel.expert` the

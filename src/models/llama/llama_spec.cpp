@@ -252,7 +252,8 @@ LlamaConfig decoder_config_from_megatron(const json& args) {
     if (score != "softmax" && score != "sigmoid")
       bad_arg("moe_router_score_function", "expected softmax or sigmoid, found " + score);
     m.score = score == "sigmoid" ? MoeConfig::Score::kSigmoid : MoeConfig::Score::kSoftmax;
-    m.norm_topk_prob = !flag(args, "moe_router_pre_softmax");
+    // Megatron's sigmoid router renormalises whatever --moe-router-pre-softmax says.
+    m.norm_topk_prob = m.score == MoeConfig::Score::kSigmoid || !flag(args, "moe_router_pre_softmax");
     const double scaling = number(args, "moe_router_topk_scaling_factor", 1.0);
     if (!(scaling > 0)) bad_arg("moe_router_topk_scaling_factor", "expected a positive number");
     m.topk_scaling_factor = scaling;
@@ -313,6 +314,7 @@ class DecoderSpec final : public ModelSpec {
   ModelConfig with_hf_tensors(const ModelConfig& config, const std::vector<std::string>& tensor_names,
                               const std::string& where) const override {
     LlamaConfig c = llama_config_of(config);
+    refuse_hf_mtp_tensors(c, tensor_names, where);  // DeepSeek-V3's multi-token prediction layers
     reconcile_hf_biases(c, tensor_names, where);  // Qwen2's q/k/v biases: all or none
     return llama_model_config(c);
   }
@@ -398,6 +400,10 @@ const ModelSpec& qwen2_moe_spec() {
   static const DecoderSpec spec("qwen2_moe", {"qwen2_moe"}, "Qwen2-MoE");
   return spec;
 }
+const ModelSpec& deepseek_v3_spec() {
+  static const DecoderSpec spec("deepseek_v3", {"deepseek_v3"}, "DeepSeek-V3");
+  return spec;
+}
 
 ModelConfig llama_model_config(const LlamaConfig& cfg) {
   const std::string type = hf_model_type(cfg);
@@ -405,12 +411,13 @@ ModelConfig llama_model_config(const LlamaConfig& cfg) {
   if (type == "qwen3" || type == "qwen3_moe") spec = &qwen3_spec();
   if (type == "mixtral") spec = &mixtral_spec();
   if (type == "qwen2_moe") spec = &qwen2_moe_spec();
+  if (type == "deepseek_v3") spec = &deepseek_v3_spec();
   return {spec, llama_hf_config(cfg, at::kFloat)};
 }
 
 LlamaConfig llama_config_of(const ModelConfig& config) {
   if (config.spec != &llama_spec() && config.spec != &qwen3_spec() && config.spec != &mixtral_spec() &&
-      config.spec != &qwen2_moe_spec())
+      config.spec != &qwen2_moe_spec() && config.spec != &deepseek_v3_spec())
     throw std::logic_error("llama_config_of: a config of family '" +
                            (config.spec ? config.spec->name() : std::string("(none)")) + "'");
   return llama_config_from_hf(config.hf);

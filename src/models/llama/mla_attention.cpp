@@ -5,6 +5,7 @@
 #include <cmath>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "mfsdp/models/mla_attention.h"
@@ -54,7 +55,8 @@ at::Tensor apply_rotary_interleaved(const at::Tensor& x, const RotaryTables& rop
   return at::cat({even * cos - odd * sin, odd * cos + even * sin}, -1);
 }
 
-MlaAttentionImpl::MlaAttentionImpl(const MlaConfig& c, bool deferred) : config_(c) {
+MlaAttentionImpl::MlaAttentionImpl(const MlaConfig& c, bool deferred, int64_t layer_idx)
+    : config_(c), layer_idx_(layer_idx) {
   c.validate();
   const int64_t heads = c.num_heads;
   // Registered in transformers' order, so the state dicts list them alike.
@@ -73,7 +75,8 @@ MlaAttentionImpl::MlaAttentionImpl(const MlaConfig& c, bool deferred) : config_(
   o_proj = register_module("o_proj", LlamaLinear(heads * c.v_head_dim, c.hidden_size, deferred, c.attention_bias));
 }
 
-at::Tensor MlaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope) {
+at::Tensor MlaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope, KVCache* cache,
+                                     const at::Tensor& allowed_keys) {
   const MlaConfig& c = config_;
   if (x.dim() != 3 || x.size(2) != c.hidden_size)
     throw std::invalid_argument("MlaAttention: expected x [B, T, " + std::to_string(c.hidden_size) + "], found " +
@@ -102,8 +105,17 @@ at::Tensor MlaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& ro
   at::Tensor k = at::cat({k_nope, k_rot.expand({batch, heads, length, rot})}, -1);
   q = at::cat({q_pass, q_rot}, -1);
 
-  at::Tensor out = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/std::nullopt, /*dropout_p=*/0.0,
-                                                    /*is_causal=*/true, c.softmax_scale());
+  if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
+  // Query i sits at key past + i; SDPA's is_causal aligns top-left, so cached keys need a mask.
+  const int64_t keys = k.size(2), past = keys - length;
+  at::Tensor allowed = allowed_keys;
+  if (!allowed.defined() && past > 0) {
+    auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
+    allowed = at::arange(keys, pos).unsqueeze(0) <= (at::arange(length, pos) + past).unsqueeze(1);
+  }
+  at::Tensor out = at::scaled_dot_product_attention(
+      q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt, /*dropout_p=*/0.0,
+      /*is_causal=*/!allowed.defined(), c.softmax_scale());
   out = out.transpose(1, 2).reshape({batch, length, heads * c.v_head_dim});
   return o_proj(out);
 }

@@ -101,7 +101,7 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
     if (config.score == MoeConfig::Score::kSoftmax) {
       if (config.norm_topk_prob) top_values = top_values / top_values.sum(-1, /*keepdim=*/true);
     } else {
-      if (k > 1) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
+      if (k > 1 && config.norm_topk_prob) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
       r.scores = r.scores / (r.scores.sum(-1, true) + 1e-20);  // what the aux loss balances
     }
   } else if (config.score == MoeConfig::Score::kSoftmax) {
@@ -120,7 +120,7 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
     } else {
       std::tie(top_values, top_index) = at::topk(scores, k, -1);
     }
-    if (k > 1) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
+    if (k > 1 && config.norm_topk_prob) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
     r.scores = scores / (scores.sum(-1, true) + 1e-20);  // what the aux loss balances
   }
   if (config.topk_scaling_factor != 1.0) top_values = top_values * config.topk_scaling_factor;
