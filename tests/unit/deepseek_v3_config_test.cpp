@@ -161,4 +161,46 @@ TEST(DeepseekV3Config, TheModelHasTransformersNamesAndItsCacheAgrees) {
   EXPECT_TRUE(torch::allclose(at::cat({first, rest}, 1), whole, 1e-5, 1e-5));
 }
 
+// Megatron's MLA and group-routing arguments (as mfsdp-pretrain records them) build the same
+// architecture: the deepseek_v3 family, YaRN over max_position_embeddings, DeepSeek's MoE names.
+TEST(DeepseekV3Config, MegatronMlaArgumentsGiveTheDeepseekFamily) {
+  json args = {{"num_layers", 3},          {"hidden_size", 64},          {"num_attention_heads", 4},
+               {"padded_vocab_size", 128}, {"swiglu", true},             {"normalization", "RMSNorm"},
+               {"position_embedding_type", "rope"}, {"add_bias_linear", false}, {"seq_length", 64},
+               {"max_position_embeddings", 64}, {"multi_latent_attention", true}, {"q_lora_rank", nullptr},
+               {"kv_lora_rank", 16},      {"qk_head_dim", 16},          {"qk_pos_emb_head_dim", 8},
+               {"v_head_dim", 16},        {"rotary_scaling_factor", 4.0}, {"mscale", 1.0},
+               {"mscale_all_dim", 1.0},   {"num_experts", 4},           {"moe_router_topk", 2},
+               {"moe_ffn_hidden_size", 32}, {"moe_shared_expert_intermediate_size", 64},
+               {"moe_router_score_function", "sigmoid"}, {"moe_router_enable_expert_bias", true},
+               {"moe_router_num_groups", 2}, {"moe_router_group_topk", 1}, {"moe_layer_freq", {0, 1, 1}}};
+  const mfsdp::ModelConfig config = mfsdp::model_config_from_megatron(args);
+  EXPECT_EQ(config.spec->name(), "deepseek_v3");
+  EXPECT_EQ(config.spec->hf_export_refusal(config), "");
+  EXPECT_EQ(mfsdp::model_config_from_hf(config.hf).hf, config.hf);
+  const mfsdp::LlamaConfig c = mfsdp::llama_config_of(config);
+  ASSERT_TRUE(c.mla.has_value());
+  EXPECT_EQ(c.mla->q_lora_rank, 0);
+  EXPECT_EQ(c.mla->qk_nope_head_dim, 16);
+  ASSERT_TRUE(c.mla->yarn.has_value());
+  EXPECT_EQ(c.mla->yarn->original_max_position_embeddings, 64);
+  EXPECT_EQ(c.moe.n_group, 2);
+  EXPECT_EQ(c.moe.topk_group, 1);
+  EXPECT_TRUE(c.moe.shared_experts_name);
+  EXPECT_EQ(c.moe.shared_expert_intermediate_size, 64);
+  EXPECT_EQ(config.hf["first_k_dense_replace"], 1);
+  EXPECT_EQ(config.hf["n_shared_experts"], 2);
+  EXPECT_FALSE(config.spec->parallel_splits(config).no_tensor_or_context_parallel.empty());
+
+  json softmax = args;
+  softmax["moe_router_score_function"] = "softmax";
+  softmax["moe_router_enable_expert_bias"] = false;
+  EXPECT_NE(error_of([&] { mfsdp::model_config_from_megatron(softmax); }).find("moe_router_score_function"),
+            std::string::npos);
+  json groups = args;
+  groups["moe_router_num_groups"] = 3;
+  EXPECT_NE(error_of([&] { mfsdp::model_config_from_megatron(groups); }).find("moe_router_num_groups"),
+            std::string::npos);
+}
+
 }  // namespace
