@@ -20,6 +20,9 @@
 //   model.norm.weight                             [H]
 //   lm_head.weight                                [V, H]   (absent when tie_word_embeddings:
 //                                                           the output uses embed_tokens.weight)
+// With LlamaConfig::mla (DeepSeek-V3) self_attn holds MlaAttention's parameters instead
+// (q_proj or q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+// o_proj; mla_attention.h), and an MoE layer's shared expert is "mlp.shared_experts".
 // No other biases (o_proj and the MLP have none). Buffers: none (RoPE tables are computed per
 // forward from the positions). Within a module the weight comes before the bias, as in
 // transformers' nn.Linear.
