@@ -22,16 +22,18 @@ std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tenso
   if (layer < 0 || layer >= num_layers())
     throw std::out_of_range("KVCache::append: layer " + std::to_string(layer) +
                             " outside [0, " + std::to_string(num_layers()) + ")");
-  if (k.dim() != 4 || !k.sizes().equals(v.sizes()))
-    throw std::invalid_argument("KVCache::append: expected k and v of equal shape "
-                                "[B, nkv, T, hd] for layer " + std::to_string(layer));
+  // Keys and values may differ in width (multi-head latent attention's dn + dr and dv).
+  if (k.dim() != 4 || v.dim() != 4 || !k.sizes().slice(0, 3).equals(v.sizes().slice(0, 3)))
+    throw std::invalid_argument("KVCache::append: expected k [B, nkv, T, hd] and v [B, nkv, T, hd_v] "
+                                "for layer " + std::to_string(layer));
   at::Tensor& keys = keys_[layer];
   at::Tensor& values = values_[layer];
   if (!keys.defined()) {
     keys = k.detach();
     values = v.detach();
   } else {
-    if (keys.size(0) != k.size(0) || keys.size(1) != k.size(1) || keys.size(3) != k.size(3))
+    if (keys.size(0) != k.size(0) || keys.size(1) != k.size(1) || keys.size(3) != k.size(3) ||
+        values.size(3) != v.size(3))
       throw std::invalid_argument("KVCache::append: layer " + std::to_string(layer) +
                                   " caches shape " + c10::str(keys.sizes()) +
                                   ", appended keys of shape " + c10::str(k.sizes()));

@@ -14,6 +14,7 @@ const std::vector<const ModelSpec*>& model_specs() {
       &qwen3_spec(),      // Qwen3, Qwen3-MoE
       &mixtral_spec(),    // Mixtral
       &qwen2_moe_spec(),  // Qwen2-MoE
+      &deepseek_v3_spec(),  // DeepSeek-V3
   };
   return kFamilies;
 }

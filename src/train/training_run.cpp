@@ -54,7 +54,18 @@ nlohmann::json megatron_model_args(const ModelSection& a, const MoeSection& moe,
            moe.moe_router_topk_scaling_factor > 0 ? nlohmann::json(moe.moe_router_topk_scaling_factor) : nlohmann::json()},
           {"moe_layer_freq", moe.moe_layer_freq.front() == '['
                                  ? nlohmann::json(moe.moe_layer_pattern())
-                                 : nlohmann::json(moe.moe_layer_pattern().front())}};
+                                 : nlohmann::json(moe.moe_layer_pattern().front())},
+          {"moe_router_num_groups", moe.moe_router_num_groups > 0 ? nlohmann::json(moe.moe_router_num_groups) : nlohmann::json()},
+          {"moe_router_group_topk", moe.moe_router_group_topk > 0 ? nlohmann::json(moe.moe_router_group_topk) : nlohmann::json()},
+          {"multi_latent_attention", a.multi_latent_attention},
+          {"q_lora_rank", a.q_lora_rank > 0 ? nlohmann::json(a.q_lora_rank) : nlohmann::json()},
+          {"kv_lora_rank", a.kv_lora_rank},
+          {"qk_head_dim", a.qk_head_dim},
+          {"qk_pos_emb_head_dim", a.qk_pos_emb_head_dim},
+          {"v_head_dim", a.v_head_dim},
+          {"rotary_scaling_factor", a.rotary_scaling_factor},
+          {"mscale", a.mscale},
+          {"mscale_all_dim", a.mscale_all_dim}};
 }
 
 MoeTraining moe_training_from_args(const MoeSection& a) {

@@ -3,7 +3,8 @@
 // export a Qwen3-MoE folder), resuming bit-exactly at the same expert-parallel size and
 // continuing at another one (EP 2 -> EP 1 -> EP 2); GRPO after the SFT on the training that never stopped;
 // aux-loss-free balancing: the expert bias each step moves as Megatron's rule says from the logged
-// global token counts, saved where PyTorch's DCP reads it, resumed bit-exactly.
+// global token counts, saved where PyTorch's DCP reads it, resumed bit-exactly; DeepSeek-V3's
+// architecture from Megatron's MLA and group-routing flags, trained with expert parallelism.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -16,6 +17,7 @@
 
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
+#include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/dcp.h"
 
 namespace {
@@ -377,6 +379,54 @@ TEST(Moe, BadExpertParallelSizesAreNamed) {
   EXPECT_NE(etp.output.find("--expert-tensor-parallel-size: 2 does not divide the model ("), std::string::npos)
       << etp.output;
   EXPECT_NE(etp.output.find("moe_intermediate_size 63"), std::string::npos) << etp.output;
+}
+
+// Megatron's MLA flags (--multi-latent-attention and the rest) with DeepSeek-V3's MoE flags build
+// a deepseek_v3 model that trains with expert parallelism and is recorded as one in its
+// checkpoint; tensor and context parallelism are refused, naming their flags.
+TEST(Moe, MultiLatentAttentionDeepseekModelTrainsWithExpertParallelism) {
+  TempDir dir("mfsdp-moe-mla");
+  const std::string flags =
+      " --device cpu --tokenizer-type ByteLevelTokenizer --mock-data --num-layers 2 --hidden-size 64"
+      " --num-attention-heads 4 --swiglu --ffn-hidden-size 128 --multi-latent-attention --q-lora-rank 32"
+      " --kv-lora-rank 16 --qk-head-dim 16 --qk-pos-emb-head-dim 8 --v-head-dim 16 --rotary-scaling-factor 4"
+      " --mscale 1 --mscale-all-dim 1 --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 64"
+      " --moe-shared-expert-intermediate-size 64 --moe-router-score-function sigmoid --moe-router-enable-expert-bias"
+      " --moe-router-num-groups 2 --moe-router-group-topk 1 --moe-router-topk-scaling-factor 2.5"
+      " --moe-layer-freq [0,1] --moe-aux-loss-coeff 1e-2 --seq-length 64 --micro-batch-size 4"
+      " --global-batch-size 16 --lr 3e-3 --lr-warmup-iters 10 --eval-interval 1000 --eval-iters 1";
+  const auto run = [&](const std::string& more) {
+    return run_command(kRun + " --nproc-per-node 2 " + kPretrain + flags + more + " 2>&1");
+  };
+  const auto r = run(" --expert-model-parallel-size 2 --train-iters 40 --log-interval 10 --save " + dir.file("ckpt") +
+                     " --metrics-file " + dir.file("m.jsonl"));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto train = training_records(dir.file("m.jsonl"));
+  ASSERT_EQ(train.size(), 4u) << r.output;
+  EXPECT_LT(train.back()["lm_loss"].get<double>(), 0.8 * train.front()["lm_loss"].get<double>()) << r.output;
+  const json config = mfsdp::CheckpointReader(dir.file("ckpt/iter_0000040")).metadata()["model_config"];
+  EXPECT_EQ(config["model_type"], "deepseek_v3") << config.dump();
+  EXPECT_EQ(config["q_lora_rank"], 32);
+  EXPECT_EQ(config["qk_nope_head_dim"], 16);
+  EXPECT_EQ(config["qk_rope_head_dim"], 8);
+  EXPECT_EQ(config["rope_parameters"]["rope_type"], "yarn");
+  EXPECT_EQ(config["rope_parameters"]["factor"], 4.0);
+  EXPECT_EQ(config["first_k_dense_replace"], 1);
+  EXPECT_EQ(config["n_shared_experts"], 1);
+  EXPECT_EQ(config["n_group"], 2);
+  EXPECT_EQ(config["topk_group"], 1);
+  EXPECT_EQ(config["routed_scaling_factor"], 2.5);
+
+  for (const std::string& split : {std::string("--tensor-model-parallel-size 2 --sequence-parallel"),
+                                   std::string("--context-parallel-size 2")}) {
+    const auto refused = run(" " + split + " --train-iters 20");
+    EXPECT_NE(refused.exit_code, 0);
+    const std::string flag = split.substr(0, split.find(' '));
+    EXPECT_NE(refused.output.find(flag + ": 2 is not built for the model (deepseek_v3"), std::string::npos)
+        << refused.output;
+    EXPECT_NE(refused.output.find("multi-head latent attention has no tensor or context parallelism yet"),
+              std::string::npos) << refused.output;
+  }
 }
 
 }  // namespace

@@ -85,6 +85,7 @@ EXPECTED_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 
@@ -167,6 +168,20 @@ def random_config(a):
     if t == "mixtral":
         return transformers.MixtralConfig(intermediate_size=40, num_local_experts=4, num_experts_per_tok=2,
                                           **common)
+    if t == "deepseek_v3":
+        # Multi-head latent attention (a q_lora_rank bottleneck, or a plain q_proj with
+        # --q-lora-rank 0), YaRN past 32 positions, the first layer dense, then 8 experts in 4
+        # groups (top-2 within the 2 best groups) and 2 shared experts; sigmoid routing with a
+        # random e_score_correction_bias (make_random).
+        common.update(num_hidden_layers=4, num_key_value_heads=4)
+        rope = {"rope_type": "yarn", "rope_theta": a.rope_theta, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+        del common["rope_theta"]
+        return transformers.DeepseekV3Config(
+            intermediate_size=176, moe_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=2,
+            n_shared_experts=2, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+            norm_topk_prob=True, q_lora_rank=a.q_lora_rank or None, kv_lora_rank=16, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, rope_parameters=rope, num_mtp_layers=0, **common)
     raise SystemExit(f"unknown model type {t}")
 
 
@@ -182,6 +197,10 @@ def make_random(a):
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.5)
+        # DeepSeek-V3's routing bias is a buffer, zero at init: random, so that it must be loaded.
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.save_pretrained(a.hf, safe_serialization=True)
     prompt = parse_ids(a.prompt_ids)
     logits = prompt_logits(model, prompt)
@@ -217,6 +236,7 @@ def main():
     tie.add_argument("--untied", dest="tied", action="store_false")
     r.add_argument("--seed", type=int, required=True)
     r.add_argument("--rope-theta", type=float, default=10000.0, help="LlamaConfig's default unless given")
+    r.add_argument("--q-lora-rank", type=int, default=32, help="deepseek_v3: the query bottleneck; 0: q_proj")
     r.add_argument("--model-type", choices=sorted(EXPECTED_CLASS), default="llama",
                    help="the family of the random model (qwen2: q/k/v biases; qwen3: q/k norms; the MoE types: "
                         "4 experts, top-2)")

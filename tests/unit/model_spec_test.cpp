@@ -45,7 +45,7 @@ TEST(ModelSpec, TheRegistryFindsTheFamilyByNameModelTypeAndMegatronArgs) {
             std::string::npos);
   EXPECT_EQ(error_of([] { mfsdp::model_spec_for_hf({{"model_type", "gpt_neox"}}); }),
             "HF config.json field 'model_type': 'gpt_neox' is not supported (llama, mistral, qwen2, qwen3, "
-            "qwen3_moe, mixtral, qwen2_moe)");
+            "qwen3_moe, mixtral, qwen2_moe, deepseek_v3)");
   EXPECT_EQ(error_of([] { mfsdp::model_spec_for_hf({{"vocab_size", 3}}); }),
             "HF config.json field 'model_type': missing");
 }

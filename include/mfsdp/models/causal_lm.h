@@ -102,7 +102,8 @@ class KVCache {
   // Positions cached (layer 0's count; every layer has the same after a whole forward).
   int64_t length() const;
   // Appends k, v ([B, nkv, T, hd], RoPE already applied) for `layer` and returns the layer's
-  // keys and values for all positions so far ([B, nkv, S, hd]).
+  // keys and values for all positions so far ([B, nkv, S, hd]). v may be narrower or wider
+  // than k (multi-head latent attention's value heads).
   std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k, const at::Tensor& v);
   void clear();
   int64_t num_layers() const { return static_cast<int64_t>(keys_.size()); }

@@ -20,6 +20,9 @@
 //   model.norm.weight                             [H]
 //   lm_head.weight                                [V, H]   (absent when tie_word_embeddings:
 //                                                           the output uses embed_tokens.weight)
+// With LlamaConfig::mla (DeepSeek-V3) self_attn holds MlaAttention's parameters instead
+// (q_proj or q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj,
+// o_proj; mla_attention.h), and an MoE layer's shared expert is "mlp.shared_experts".
 // No other biases (o_proj and the MLP have none). Buffers: none (RoPE tables are computed per
 // forward from the positions). Within a module the weight comes before the bias, as in
 // transformers' nn.Linear.
@@ -39,6 +42,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -46,6 +50,7 @@
 
 #include "mfsdp/models/causal_lm.h"
 #include "mfsdp/models/linear.h"
+#include "mfsdp/models/mla_config.h"
 #include "mfsdp/models/moe.h"
 #include "mfsdp/models/lm_loss.h"
 
@@ -82,6 +87,11 @@ struct LlamaConfig {
   bool qk_norm = false;
   // Mixture of experts (moe.h); num_experts 0: every layer has the dense MLP.
   MoeConfig moe;
+  // Multi-head latent attention (DeepSeek-V3; mla_attention.h) instead of grouped-query
+  // attention in every layer; its hidden_size, num_heads and rope_theta must be this config's.
+  // Its rotary tables (mla->yarn: YaRN) replace the model's. num_key_value_heads and head_dim()
+  // are then unused. None: LlamaAttention.
+  std::optional<MlaConfig> mla;
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
   // What tensor parallelism splits (Megatron's divide() of each layer), by config.json field:
@@ -97,7 +107,7 @@ struct LlamaConfig {
   }
   // Throws std::invalid_argument naming the field: every size positive, heads divide
   // hidden_size (unless explicit_head_dim), key/value heads divide heads, a valid moe, an even head_dim (RoPE rotates pairs),
-  // rope_theta > 0, rms_norm_eps >= 0, init_std >= 0.
+  // rope_theta > 0, rms_norm_eps >= 0, init_std >= 0, a valid mla agreeing with the config.
   void validate() const;
 };
 
@@ -127,6 +137,8 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep);
 using LlamaKVCache = KVCache;
 
 // ---- Modules ----------------------------------------------------------------------------
+
+class MlaAttentionImpl;  // mla_attention.h
 
 // How the decoder's work is split over ranks (ModelBuildOptions' groups, causal_lm.h). Under
 // tensor parallelism each rank holds 1/tp of the attention heads (query and key/value heads
@@ -228,7 +240,10 @@ class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
   at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {}, const at::Tensor& tokens = {},
                      const ContextParallelKeys& cp = {});
-  LlamaAttention self_attn{nullptr};
+  LlamaAttention self_attn{nullptr};   // null with config.mla
+  // With config.mla, registered as "self_attn" (mla_attention.h; a pointer, as that header
+  // includes this one).
+  std::shared_ptr<MlaAttentionImpl> mla_attn;
   LlamaMLP mlp{nullptr};  // null in an MoE layer
   MoeBlock moe{nullptr};  // null in a dense layer
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
@@ -262,6 +277,8 @@ class LlamaModelImpl : public torch::nn::Module {
   // Context parallelism: the whole sequence's length from this rank's part, after checking
   // that no KV cache is used.
   int64_t context_parallel_length(int64_t local_length, const LlamaKVCache* cache) const;
+  // The rotary tables of `positions`: the decoder's, or with config.mla its rope part's.
+  RotaryTables rope_tables(const at::Tensor& positions) const;
   LlamaConfig config_;
   LlamaParallel parallel_;
 };

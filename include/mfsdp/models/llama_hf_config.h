@@ -40,10 +40,20 @@ nlohmann::json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtyp
 // "gelu" with gated_mlp false), rope_scaling other than
 // null, attention_bias true on llama/mistral (it would also bias o_proj), mlp_bias true,
 // layer_types other than all "full_attention", head_dim != hidden_size / num_attention_heads.
+// "deepseek_v3" (DeepseekV3ForCausalLM): multi-head latent attention (q_lora_rank, null for a
+// plain q_proj; kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim, rope_interleave),
+// rope_parameters or rope_scaling of type "default" or "yarn"; MoE layers after the first
+// first_k_dense_replace (n_routed_experts, num_experts_per_tok, moe_intermediate_size,
+// n_shared_experts as one ungated "shared_experts" MLP, n_group, topk_group,
+// routed_scaling_factor, norm_topk_prob; sigmoid scores with e_score_correction_bias). Refused:
+// quantization_config, scoring_func other than "sigmoid", topk_method other than "noaux_tc",
+// moe_layer_freq other than 1, attention_bias true, other rope types. num_nextn_predict_layers
+// is accepted (transformers builds no MTP layer either); MTP tensors in a folder are refused
+// (refuse_hf_mtp_tensors).
 // Errors are std::invalid_argument naming the missing or invalid field; the result is validated.
 LlamaConfig llama_config_from_hf(const nlohmann::json& config);
 
-// The config.json model_type of `cfg`: "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms),
+// The config.json model_type of `cfg`: "deepseek_v3" (multi-head latent attention), "llama", "qwen2" (q/k/v biases), "qwen3" (q/k norms),
 // "qwen3_moe" (experts and q/k norms), "mixtral" (experts, Mixtral's names), "qwen2_moe"
 // (experts with Qwen's names, no q/k norms).
 std::string hf_model_type(const LlamaConfig& cfg);
@@ -64,6 +74,12 @@ std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_
 //     tensors present (and, for Qwen2, the first missing ones).
 // Anything else (all of Qwen2's biases, or none for a Llama) is left to check_model_tensors.
 void reconcile_hf_biases(LlamaConfig& cfg, const std::vector<std::string>& tensor_names, const std::string& where);
+
+// DeepSeek-V3 folders may hold multi-token prediction layers (num_nextn_predict_layers: tensors
+// "model.layers.{i}." with i >= num_hidden_layers), which transformers' DeepseekV3ForCausalLM
+// does not build either: throws std::invalid_argument starting with `where`, naming them, as
+// mfsdp has no such layers to load them into.
+void refuse_hf_mtp_tensors(const LlamaConfig& cfg, const std::vector<std::string>& tensor_names, const std::string& where);
 
 // The Llama family's config as a ModelConfig (model_spec.h), and back: llama_config_of throws
 // std::logic_error for a config of another family.

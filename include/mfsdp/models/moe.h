@@ -12,10 +12,16 @@
 //            one (norm_topk_prob; Megatron's default, which takes the softmax of the top-k
 //            logits, is the same numbers) or not (--moe-router-pre-softmax; Qwen3-MoE's
 //            norm_topk_prob false);
-//   sigmoid: scores = sigmoid(logits), top-k, renormalised when top_k > 1 (DeepSeek-V3);
+//   sigmoid: scores = sigmoid(logits), top-k, renormalised when top_k > 1 and norm_topk_prob
+//            (DeepSeek-V3's norm_topk_prob; Megatron always renormalises);
 //   with expert_bias (DeepSeek-V3's aux-loss-free balancing, sigmoid only): the top-k are chosen
 //            by scores + bias, their weights are the scores without it; after each step the
 //            bias moves by update_rate x sign(mean - tokens) per expert (updated_expert_bias);
+//   group-limited (n_group > 1; DeepSeek-V3's n_group / topk_group, Megatron's
+//            --moe-router-num-groups / --moe-router-group-topk): the experts are split into
+//            n_group equal groups, each group scored by the sum of its two best choice scores
+//            (biased ones with expert_bias), and the top-k are chosen among the experts of the
+//            topk_group best groups only; the weights are as above;
 //   then times topk_scaling_factor. Dropless unless a capacity factor is given: then each expert
 //   keeps at most ceil(tokens x top_k / experts x factor) tokens, those of highest probability,
 //   and the others lose that expert (their weight is zero).
@@ -49,9 +55,12 @@ struct MoeConfig {
   int64_t ffn_hidden_size = 0;  // each expert's MLP width (moe_intermediate_size, --moe-ffn-hidden-size)
   int64_t shared_expert_intermediate_size = 0;  // 0: no shared expert
   bool shared_expert_gate = false;  // sigmoid(x W_g) scales the shared expert's output (Qwen2-MoE)
+  // The shared expert registered as "shared_experts" (DeepSeek-V3's name: its n_shared_experts
+  // experts are one MLP of n_shared_experts x moe_intermediate_size) instead of "shared_expert".
+  bool shared_experts_name = false;
   enum class Score { kSoftmax, kSigmoid };
   Score score = Score::kSoftmax;
-  bool norm_topk_prob = true;        // renormalise the top-k softmax scores (see above)
+  bool norm_topk_prob = true;        // renormalise the top-k scores (see above)
   double topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor
   // Per decoder layer: true for an MoE block, false for the dense MLP (--moe-layer-freq,
   // Qwen's decoder_sparse_step and mlp_only_layers). Empty: every layer.
@@ -63,10 +72,15 @@ struct MoeConfig {
   // Megatron's router.expert_bias, --moe-router-enable-expert-bias): a buffer, saved with the
   // model, moved by the trainer after each step (updated_expert_bias). Sigmoid scores only.
   bool expert_bias = false;
+  // Group-limited routing (see above): n_group groups of num_experts / n_group consecutive
+  // experts, the top-k chosen within the topk_group best groups. n_group 1: off.
+  int64_t n_group = 1;     // HF n_group, --moe-router-num-groups
+  int64_t topk_group = 1;  // HF topk_group, --moe-router-group-topk
 
   bool is_moe_layer(int64_t layer) const;
   // Throws std::invalid_argument naming the MoeConfig field: positive sizes, 0 < top_k <= experts,
-  // scaling factor > 0, moe_layers of `num_layers` entries, expert_bias with sigmoid scores.
+  // scaling factor > 0, moe_layers of `num_layers` entries, expert_bias with sigmoid scores,
+  // n_group dividing num_experts, 0 < topk_group <= n_group, top_k <= topk_group x experts per group.
   void validate(int64_t num_layers) const;
 };
 
@@ -176,7 +190,8 @@ struct MoeParallel {
   std::shared_ptr<Communicator> tokens;
 };
 
-// The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" and
+// The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" (or
+// "shared_experts", MoeConfig::shared_experts_name) and
 // "shared_expert_gate". x [B, T, H] -> [B, T, H]. In training the losses reach the gradient
 // through the block's output (Megatron's MoEAuxLossAutoScaler), times aux_loss_scale (the
 // trainer's 1 / micro-batches, as Megatron's set_loss_scale). With `parallel.expert` the

@@ -8,6 +8,7 @@
 
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/recompute.h"
+#include "mfsdp/models/mla_attention.h"
 #include "mfsdp/models/tensor_parallel.h"
 #include "models/param_init.h"
 
@@ -37,7 +38,16 @@ MoeParallel moe_parallel(const LlamaParallel& p) {
 
 LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred,
                                              const LlamaParallel& parallel) {
-  self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred, parallel));
+  if (c.mla) {
+    // MlaAttention splits over no group yet: its heads, latent and shared rotary key have no
+    // tensor- or context-parallel form.
+    if (parallel.tp_size() > 1 || (parallel.context && parallel.context->size() > 1))
+      throw std::invalid_argument("LlamaDecoderLayer: multi-head latent attention (config.mla) has no tensor or context "
+                                  "parallelism yet (--tensor-model-parallel-size and --context-parallel-size must be 1)");
+    mla_attn = register_module("self_attn", std::make_shared<MlaAttentionImpl>(*c.mla, deferred, layer_idx));
+  } else {
+    self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred, parallel));
+  }
   if (c.moe.is_moe_layer(layer_idx)) {
     moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp",
                           MoeBlock(c.hidden_size, c.moe, deferred, moe_parallel(parallel)));
@@ -52,7 +62,14 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const RotaryTables& rope,
                                           LlamaKVCache* cache, const at::Tensor& allowed, const at::Tensor& tokens,
                                           const ContextParallelKeys& cp) {
-  at::Tensor h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed, cp);
+  at::Tensor h;
+  if (mla_attn) {
+    if (cp.global_positions.defined())
+      throw std::invalid_argument("LlamaDecoderLayer: multi-head latent attention has no context parallelism yet");
+    h = hidden + mla_attn->forward(input_layernorm(hidden), rope, cache, allowed);
+  } else {
+    h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed, cp);
+  }
   at::Tensor normed = post_attention_layernorm(h);
   return h + (moe ? moe(normed, tokens) : mlp(normed));
 }
@@ -89,7 +106,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
     ContextParallelKeys keys;
     keys.global_positions = context_parallel::cp_positions(s, parallel_.context->size(), parallel_.context->rank())
                                 .to(input_ids.device());
-    return run_layers(input_ids, rotary_tables(keys.global_positions, config_.head_dim(), config_.rope_theta), nullptr,
+    return run_layers(input_ids, rope_tables(keys.global_positions), nullptr,
                       {}, {}, keys);
   }
   if (cache != nullptr && cache->num_layers() != num_layers())
@@ -107,7 +124,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
                                 std::to_string(config_.max_position_embeddings));
 
   at::Tensor positions = at::arange(start, start + t, input_ids.options().dtype(at::kLong));
-  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, {}, {});
+  return run_layers(input_ids, rope_tables(positions), cache, {}, {});
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache) {
@@ -170,8 +187,13 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLa
     const int64_t slice = t / parallel_.tp_size();
     tokens = tokens.view({-1, t}).narrow(1, parallel_.tp_rank() * slice, slice).reshape({-1});
   }
-  return run_layers(input_ids, rotary_tables(positions, config_.head_dim(), config_.rope_theta), cache, allowed,
+  return run_layers(input_ids, rope_tables(positions), cache, allowed,
                     tokens, keys);
+}
+
+RotaryTables LlamaModelImpl::rope_tables(const at::Tensor& positions) const {
+  return config_.mla ? mla_rotary_tables(positions, *config_.mla)
+                     : rotary_tables(positions, config_.head_dim(), config_.rope_theta);
 }
 
 int64_t LlamaModelImpl::context_parallel_length(int64_t local_length, const LlamaKVCache* cache) const {
@@ -430,7 +452,8 @@ void LlamaForCausalLMImpl::update_expert_bias(int64_t layer, const std::vector<i
 }
 
 void LlamaForCausalLMImpl::set_use_sdpa(bool on) {
-  for (int64_t i = 0; i < model->num_layers(); ++i) model->layer(i).self_attn->use_sdpa = on;
+  for (int64_t i = 0; i < model->num_layers(); ++i)
+    if (LlamaAttention& attn = model->layer(i).self_attn) attn->use_sdpa = on;  // MLA: always SDPA
 }
 
 FsdpHandle LlamaForCausalLMImpl::shard_root(const FullyShardOptions& options) {

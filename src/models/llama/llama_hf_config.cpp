@@ -2,9 +2,12 @@
 #include "mfsdp/models/llama_hf_config.h"
 
 #include <algorithm>
+#include <optional>
 #include <cmath>
 #include <stdexcept>
 #include <string>
+
+#include "mfsdp/models/rope_scaling.h"
 
 namespace mfsdp {
 namespace {
@@ -36,6 +39,13 @@ int64_t get_int(const json& c, const char* field, const int64_t* fallback) {
 }
 
 int64_t required_int(const json& c, const char* field) { return get_int(c, field, nullptr); }
+// An integer that may be 0 (DeepSeek-V3's first_k_dense_replace, n_shared_experts).
+int64_t required_count(const json& c, const char* field) {
+  const json* v = find(c, field);
+  if (v == nullptr) bad(field, "missing");
+  if (!v->is_number_integer() || v->get<int64_t>() < 0) bad(field, "expected an integer >= 0, found " + v->dump());
+  return v->get<int64_t>();
+}
 int64_t optional_int(const json& c, const char* field, int64_t fallback) { return get_int(c, field, &fallback); }
 
 // The sizes a config.json may give, bounded before anything is built from them: a file is input,
@@ -65,6 +75,7 @@ bool optional_bool(const json& c, const char* field, bool fallback) {
 }  // namespace
 
 std::string hf_model_type(const LlamaConfig& cfg) {
+  if (cfg.mla) return "deepseek_v3";
   if (cfg.moe.num_experts > 0) {
     if (cfg.qk_norm) return "qwen3_moe";
     return cfg.moe.mixtral_names ? "mixtral" : "qwen2_moe";
@@ -81,6 +92,7 @@ const char* architecture(const std::string& model_type) {
   if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
   if (model_type == "mixtral") return "MixtralForCausalLM";
+  if (model_type == "deepseek_v3") return "DeepseekV3ForCausalLM";
   return "LlamaForCausalLM";
 }
 
@@ -119,6 +131,68 @@ void write_moe(json& j, const LlamaConfig& cfg, const std::string& model_type) {
   if (m.topk_scaling_factor != 1.0) j["moe_router_topk_scaling_factor"] = m.topk_scaling_factor;
   j["router_aux_loss_coef"] = 0.001;  // transformers' default; mfsdp trains with --moe-aux-loss-coeff
   j["output_router_logits"] = false;
+}
+
+// transformers' DeepseekV3Config fields of a model with multi-head latent attention (cfg.mla),
+// plus mfsdp's own where the model is not one DeepSeek-V3 spells (hf_refusal says so for a
+// folder; a checkpoint's model_config keeps it exact).
+void write_deepseek_v3(json& j, const LlamaConfig& cfg) {
+  const MlaConfig& a = *cfg.mla;
+  j["q_lora_rank"] = a.q_lora_rank > 0 ? json(a.q_lora_rank) : json(nullptr);
+  j["kv_lora_rank"] = a.kv_lora_rank;
+  j["qk_nope_head_dim"] = a.qk_nope_head_dim;
+  j["qk_rope_head_dim"] = a.qk_rope_head_dim;
+  j["v_head_dim"] = a.v_head_dim;
+  j["head_dim"] = a.qk_rope_head_dim;  // what transformers derives (the RoPE width)
+  j["rope_interleave"] = a.rope_interleave;
+  json rope = {{"rope_type", "default"}, {"rope_theta", cfg.rope_theta}};
+  if (a.yarn) {
+    const YarnRopeScaling& y = *a.yarn;
+    rope = {{"rope_type", "yarn"},
+            {"rope_theta", cfg.rope_theta},
+            {"factor", y.factor},
+            {"original_max_position_embeddings", y.original_max_position_embeddings},
+            {"beta_fast", y.beta_fast},
+            {"beta_slow", y.beta_slow},
+            {"truncate", y.truncate}};
+    if (y.mscale != 0) rope["mscale"] = y.mscale;
+    if (y.mscale_all_dim != 0) rope["mscale_all_dim"] = y.mscale_all_dim;
+  }
+  j["rope_parameters"] = rope;
+  j.erase("rope_scaling");
+  const MoeConfig& m = cfg.moe;
+  int64_t dense = 0;  // DeepSeek-V3's dense layers are the first ones
+  while (dense < cfg.num_layers && !m.is_moe_layer(dense)) ++dense;
+  j["first_k_dense_replace"] = m.num_experts > 0 ? dense : cfg.num_layers;
+  bool prefix = true;
+  for (int64_t i = dense; i < cfg.num_layers; ++i) prefix = prefix && m.is_moe_layer(i);
+  if (m.num_experts > 0 && !prefix) {
+    json only = json::array();
+    for (int64_t i = 0; i < cfg.num_layers; ++i)
+      if (!m.is_moe_layer(i)) only.push_back(i);
+    j["mlp_only_layers"] = only;  // mfsdp's own: dense layers after MoE layers
+  }
+  // A dense model (no experts) is written with one nominal expert that no layer builds.
+  j["n_routed_experts"] = m.num_experts > 0 ? m.num_experts : 1;
+  j["num_experts_per_tok"] = m.num_experts > 0 ? m.top_k : 1;
+  j["moe_intermediate_size"] = m.num_experts > 0 ? m.ffn_hidden_size : cfg.intermediate_size;
+  const int64_t shared = m.num_experts > 0 ? m.shared_expert_intermediate_size : 0;
+  if (shared % j["moe_intermediate_size"].get<int64_t>() == 0) {
+    j["n_shared_experts"] = shared / j["moe_intermediate_size"].get<int64_t>();
+  } else {
+    j["n_shared_experts"] = 1;
+    j["shared_expert_intermediate_size"] = shared;  // mfsdp's own: not a multiple of the expert width
+  }
+  j["n_group"] = m.num_experts > 0 ? m.n_group : 1;
+  j["topk_group"] = m.num_experts > 0 ? m.topk_group : 1;
+  j["routed_scaling_factor"] = m.topk_scaling_factor;
+  j["norm_topk_prob"] = m.norm_topk_prob;
+  j["topk_method"] = "noaux_tc";
+  j["scoring_func"] = m.score == MoeConfig::Score::kSigmoid ? "sigmoid" : "softmax";
+  if (m.num_experts > 0 && !m.expert_bias) j["moe_router_enable_expert_bias"] = false;  // mfsdp's own
+  j["num_nextn_predict_layers"] = 0;
+  j["pretraining_tp"] = 1;
+  j["attention_bias"] = a.attention_bias;
 }
 
 }  // namespace
@@ -173,7 +247,12 @@ json llama_hf_config(const LlamaConfig& cfg, at::ScalarType torch_dtype) {
     j["mlp_bias"] = false;
     j["pretraining_tp"] = 1;
   }
-  if (cfg.moe.num_experts > 0) write_moe(j, cfg, model_type);
+  if (model_type == "deepseek_v3") {
+    j.erase("mlp_bias");
+    write_deepseek_v3(j, cfg);
+  } else if (cfg.moe.num_experts > 0) {
+    write_moe(j, cfg, model_type);
+  }
   j["use_cache"] = true;
   j["torch_dtype"] = dtype;
   return j;
@@ -188,6 +267,27 @@ std::string hf_refusal(const LlamaConfig& cfg) {
   if (type == "qwen3" && cfg.attention_bias)
     return "the model has q/k/v biases (--add-qkv-bias) and q/k norms, which no Hugging Face Qwen3 has (its "
            "attention_bias would also bias o_proj)";
+  if (type == "deepseek_v3") {
+    if (cfg.attention_bias) return "DeepSeek-V3 has no q/k/v biases (--add-qkv-bias)";
+    if (cfg.mla->attention_bias) return "mfsdp does not write DeepSeek-V3's attention biases (attention_bias)";
+    if (m.num_experts == 0) return "";
+    if (m.score != MoeConfig::Score::kSigmoid)
+      return "DeepSeek-V3 scores experts with a sigmoid (--moe-router-score-function sigmoid); the model's router "
+             "uses a softmax";
+    if (!m.expert_bias) return "DeepSeek-V3's router has an expert bias (e_score_correction_bias); the model's has none";
+    if (m.shared_expert_gate) return "DeepSeek-V3's shared experts are ungated (--moe-shared-expert-gate)";
+    if (m.shared_expert_intermediate_size % m.ffn_hidden_size != 0)
+      return "DeepSeek-V3's shared experts are n_shared_experts x moe_intermediate_size wide; the model's shared "
+             "expert width " + std::to_string(m.shared_expert_intermediate_size) + " is not a multiple of " +
+             std::to_string(m.ffn_hidden_size);
+    int64_t dense = 0;
+    while (dense < cfg.num_layers && !m.is_moe_layer(dense)) ++dense;
+    for (int64_t i = dense; i < cfg.num_layers; ++i)
+      if (!m.is_moe_layer(i))
+        return "DeepSeek-V3's dense layers are its first ones (first_k_dense_replace); the model's layer " +
+               std::to_string(i) + " is dense after an MoE layer";
+    return "";
+  }
   if (m.num_experts == 0) return "";
   if (m.score == MoeConfig::Score::kSigmoid)
     return "the router scores experts with a sigmoid (--moe-router-score-function sigmoid), which no Hugging Face " +
@@ -278,6 +378,9 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
       bad("moe_router_score_function", "expected \"softmax\" or \"sigmoid\", found " + score->dump());
     m.score = score->get<std::string>() == "sigmoid" ? MoeConfig::Score::kSigmoid : MoeConfig::Score::kSoftmax;
   }
+  // mfsdp's sigmoid router (Megatron's) renormalised its top-k whatever norm_topk_prob said
+  // before DeepSeek-V3's norm_topk_prob was honoured; these families' files keep that meaning.
+  if (m.score == MoeConfig::Score::kSigmoid) m.norm_topk_prob = true;
   m.expert_bias = optional_bool(c, "moe_router_enable_expert_bias", false);
   if (m.expert_bias && m.score != MoeConfig::Score::kSigmoid)
     bad("moe_router_enable_expert_bias", "true needs moe_router_score_function \"sigmoid\" (aux-loss-free "
@@ -288,6 +391,122 @@ void read_moe(const json& c, const std::string& model_type, LlamaConfig& cfg) {
                                               find(c, "moe_router_topk_scaling_factor")->dump());
 }
 
+// DeepSeek-V3's RoPE: rope_parameters (transformers 5) or rope_scaling with rope_theta (the
+// released config.json), of type "default" or "yarn".
+std::optional<YarnRopeScaling> read_deepseek_rope(const json& c, double& theta) {
+  const char* key = find(c, "rope_parameters") != nullptr ? "rope_parameters" : "rope_scaling";
+  const json* rp = find(c, key);
+  if (rp == nullptr) return std::nullopt;
+  if (!rp->is_object()) bad(key, "expected an object, found " + rp->dump());
+  const std::string field = std::string(key) + ".";
+  const json* type = find(*rp, "rope_type") != nullptr ? find(*rp, "rope_type") : find(*rp, "type");
+  const std::string kind = type != nullptr && type->is_string() ? type->get<std::string>() : "";
+  if (type != nullptr && kind != "default" && kind != "yarn")
+    bad(field + "rope_type", "only \"default\" and \"yarn\" RoPE are supported, found " + type->dump());
+  if (find(*rp, "rope_theta") != nullptr) theta = optional_double(*rp, "rope_theta", theta);
+  if (kind != "yarn") return std::nullopt;
+  YarnRopeScaling y;
+  y.factor = optional_double(*rp, "factor", 0);
+  if (!(y.factor > 0)) bad(field + "factor", "expected a positive number, found " + (find(*rp, "factor") ? find(*rp, "factor")->dump() : "none"));
+  y.original_max_position_embeddings = required_int(*rp, "original_max_position_embeddings");
+  y.beta_fast = optional_double(*rp, "beta_fast", 32);
+  y.beta_slow = optional_double(*rp, "beta_slow", 1);
+  y.mscale = optional_double(*rp, "mscale", 0);
+  y.mscale_all_dim = optional_double(*rp, "mscale_all_dim", 0);
+  y.truncate = optional_bool(*rp, "truncate", true);
+  try {
+    y.validate();
+  } catch (const std::invalid_argument& e) {
+    bad(key, e.what());
+  }
+  // An explicit attention_factor replaces the one of the mscales; only that one is built.
+  if (const json* af = find(*rp, "attention_factor")) {
+    if (!af->is_number() || std::abs(af->get<double>() - yarn_attention_factor(y)) > 1e-12)
+      bad(field + "attention_factor", af->dump() + " is not the factor of the mscales (" +
+                                          std::to_string(yarn_attention_factor(y)) + "), which is the only one supported");
+  }
+  if (const json* pf = find(*rp, "partial_rotary_factor"))
+    if (!pf->is_number() || pf->get<double>() != 1.0) bad(field + "partial_rotary_factor", "only 1 is supported, found " + pf->dump());
+  return y;
+}
+
+// transformers' DeepseekV3Config: multi-head latent attention, then the MoE fields (sigmoid
+// router with e_score_correction_bias, group-limited, the first first_k_dense_replace layers
+// dense, n_shared_experts ungated shared experts).
+void read_deepseek_v3(const json& c, LlamaConfig& cfg) {
+  if (const json* q = find(c, "quantization_config"))
+    bad("quantization_config", "quantized weights are not supported (mfsdp holds fp32 weights), found " + q->dump());
+  for (const char* key : {"num_nextn_predict_layers", "num_mtp_layers"})
+    if (const json* v = find(c, key))
+      if (!v->is_number_integer() || v->get<int64_t>() < 0) bad(key, "expected an integer >= 0, found " + v->dump());
+  MlaConfig a;
+  a.hidden_size = cfg.hidden_size;
+  a.num_heads = cfg.num_attention_heads;
+  a.q_lora_rank = find(c, "q_lora_rank") != nullptr ? required_int(c, "q_lora_rank") : 0;
+  a.kv_lora_rank = required_int(c, "kv_lora_rank");
+  a.qk_nope_head_dim = required_count(c, "qk_nope_head_dim");
+  a.qk_rope_head_dim = required_int(c, "qk_rope_head_dim");
+  a.v_head_dim = required_int(c, "v_head_dim");
+  for (const char* f : {"q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"})
+    if (find(c, f) != nullptr) check_bound(f, find(c, f)->get<int64_t>(), int64_t{1} << 17);
+  if (a.qk_rope_head_dim % 2 != 0)
+    bad("qk_rope_head_dim", "expected an even value (RoPE rotates pairs), found " + std::to_string(a.qk_rope_head_dim));
+  if (optional_bool(c, "attention_bias", false))
+    bad("attention_bias", "true (biases on MLA's q_a_proj, kv_a_proj_with_mqa and o_proj) is not supported");
+  a.rope_interleave = optional_bool(c, "rope_interleave", true);
+  a.yarn = read_deepseek_rope(c, cfg.rope_theta);
+  if (cfg.rope_theta <= 0) bad("rope_theta", "must be > 0, found " + std::to_string(cfg.rope_theta));
+  a.rope_theta = cfg.rope_theta;
+  cfg.mla = a;
+
+  if (const json* f = find(c, "scoring_func"))
+    if (!f->is_string() || f->get<std::string>() != "sigmoid")
+      bad("scoring_func", "DeepSeek-V3 scores experts with \"sigmoid\", the only one supported; found " + f->dump());
+  if (const json* t = find(c, "topk_method"))
+    if (!t->is_string() || t->get<std::string>() != "noaux_tc")
+      bad("topk_method", "only \"noaux_tc\" (DeepSeek-V3's group-limited top-k with e_score_correction_bias) is "
+                         "supported, found " + t->dump());
+  if (const json* f = find(c, "moe_layer_freq"))
+    if (!f->is_number_integer() || f->get<int64_t>() != 1)
+      bad("moe_layer_freq", "only 1 (every layer after first_k_dense_replace is an MoE layer) is supported, found " +
+                                f->dump());
+  const int64_t dense = required_count(c, "first_k_dense_replace");
+  if (dense >= cfg.num_layers) return;  // no MoE layer: the dense model
+  MoeConfig& m = cfg.moe;
+  m.num_experts = required_int(c, "n_routed_experts");
+  check_bound("n_routed_experts", m.num_experts, 4096);
+  m.top_k = required_int(c, "num_experts_per_tok");
+  if (m.top_k > m.num_experts)
+    bad("num_experts_per_tok", "expected 1 .. n_routed_experts (" + std::to_string(m.num_experts) + "), found " +
+                                   std::to_string(m.top_k));
+  m.ffn_hidden_size = required_int(c, "moe_intermediate_size");
+  check_bound("moe_intermediate_size", m.ffn_hidden_size, int64_t{1} << 20);
+  m.shared_expert_intermediate_size = find(c, "shared_expert_intermediate_size") != nullptr
+                                          ? required_int(c, "shared_expert_intermediate_size")
+                                          : required_count(c, "n_shared_experts") * m.ffn_hidden_size;
+  check_bound("n_shared_experts", m.shared_expert_intermediate_size, int64_t{1} << 20);
+  m.shared_experts_name = true;
+  m.score = MoeConfig::Score::kSigmoid;
+  m.expert_bias = optional_bool(c, "moe_router_enable_expert_bias", true);
+  m.norm_topk_prob = optional_bool(c, "norm_topk_prob", true);
+  m.topk_scaling_factor = optional_double(c, "routed_scaling_factor", 2.5);
+  if (!(m.topk_scaling_factor > 0))
+    bad("routed_scaling_factor", "expected a positive number, found " + find(c, "routed_scaling_factor")->dump());
+  m.n_group = required_int(c, "n_group");
+  m.topk_group = required_int(c, "topk_group");
+  if (m.num_experts % m.n_group != 0)
+    bad("n_group", std::to_string(m.n_group) + " does not divide n_routed_experts " + std::to_string(m.num_experts));
+  if (m.topk_group > m.n_group)
+    bad("topk_group", "expected 1 .. n_group (" + std::to_string(m.n_group) + "), found " + std::to_string(m.topk_group));
+  if (m.top_k > m.topk_group * (m.num_experts / m.n_group))
+    bad("num_experts_per_tok", std::to_string(m.top_k) + " is more than the experts of topk_group groups (" +
+                                   std::to_string(m.topk_group * (m.num_experts / m.n_group)) + ")");
+  m.moe_layers.assign(cfg.num_layers, true);
+  for (int64_t i = 0; i < dense; ++i) m.moe_layers[i] = false;
+  for (int64_t i : layer_list(c, "mlp_only_layers", cfg.num_layers)) m.moe_layers[i] = false;
+  if (std::all_of(m.moe_layers.begin(), m.moe_layers.end(), [](bool x) { return x; })) m.moe_layers.clear();
+}
+
 }  // namespace
 
 LlamaConfig llama_config_from_hf(const json& c) {
@@ -296,9 +515,12 @@ LlamaConfig llama_config_from_hf(const json& c) {
   if (mt == nullptr) bad("model_type", "missing");
   if (!mt->is_string()) bad("model_type", "expected a string, found " + mt->dump());
   const std::string model_type = mt->get<std::string>();
-  static const std::vector<std::string> kTypes = {"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral"};
+  static const std::vector<std::string> kTypes = {"llama",     "mistral",   "qwen2",   "qwen3",
+                                                  "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3"};
   if (std::find(kTypes.begin(), kTypes.end(), model_type) == kTypes.end())
-    bad("model_type", "'" + model_type + "' is not supported (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral)");
+    bad("model_type", "'" + model_type + "' is not supported (llama, mistral, qwen2, qwen3, qwen3_moe, qwen2_moe, mixtral, "
+                      "deepseek_v3)");
+  const bool deepseek = model_type == "deepseek_v3";
   const bool qwen3 = model_type == "qwen3" || model_type == "qwen3_moe";
 
   // The class transformers would build must be the one this model_type is (GPT-2's weights under a
@@ -358,10 +580,11 @@ LlamaConfig llama_config_from_hf(const json& c) {
       bad("hidden_act", "only \"" + act_expected + "\" is supported" + (cfg.swiglu ? "" : " with gated_mlp false") +
                             ", found " + act->dump());
   }
-  if (const json* rs = find(c, "rope_scaling")) bad("rope_scaling", "RoPE scaling is not supported, found " + rs->dump());
+  if (const json* rs = find(c, "rope_scaling"); rs != nullptr && !deepseek)
+    bad("rope_scaling", "RoPE scaling is not supported, found " + rs->dump());
   // transformers 5 writes the RoPE settings as {"rope_parameters": {"rope_theta": ..,
   // "rope_type": "default"}} instead of a top-level rope_theta.
-  if (const json* rp = find(c, "rope_parameters")) {
+  if (const json* rp = find(c, "rope_parameters"); rp != nullptr && !deepseek) {
     if (!rp->is_object()) bad("rope_parameters", "expected an object, found " + rp->dump());
     if (const json* type = find(*rp, "rope_type")) {
       if (!type->is_string() || type->get<std::string>() != "default")
@@ -377,7 +600,7 @@ LlamaConfig llama_config_from_hf(const json& c) {
     cfg.attention_bias = optional_bool(c, "qkv_bias", true);  // q/k/v only, as Qwen2
   } else if (optional_bool(c, "moe_qkv_bias", false)) {
     cfg.attention_bias = true;  // mfsdp's own: a Megatron MoE model trained with --add-qkv-bias
-  } else if (optional_bool(c, "attention_bias", false)) {
+  } else if (!deepseek && optional_bool(c, "attention_bias", false)) {
     bad("attention_bias", "true on a " + model_type + " model also puts a bias on o_proj, which is not supported "
         "(q/k/v biases alone are: model_type \"qwen2\")");
   }
@@ -397,13 +620,14 @@ LlamaConfig llama_config_from_hf(const json& c) {
       if (!t.is_string() || t.get<std::string>() != "full_attention")
         bad("layer_types", "only \"full_attention\" layers are supported, found " + t.dump());
   }
-  if (find(c, "head_dim") != nullptr) {
+  if (find(c, "head_dim") != nullptr && !deepseek) {  // DeepSeek-V3's is the RoPE width (qk_rope_head_dim)
     const int64_t hd = required_int(c, "head_dim");
     check_bound("head_dim", hd, int64_t{1} << 17);
     if (cfg.hidden_size % cfg.num_attention_heads != 0 || hd != cfg.hidden_size / cfg.num_attention_heads)
       cfg.explicit_head_dim = hd;  // Qwen3's heads need not divide hidden_size
   }
   if (model_type == "qwen3_moe" || model_type == "qwen2_moe" || model_type == "mixtral") read_moe(c, model_type, cfg);
+  if (deepseek) read_deepseek_v3(c, cfg);
   try {
     cfg.validate();
   } catch (const std::invalid_argument& e) {
@@ -427,8 +651,11 @@ LlamaConfig llama_config_from_hf(const json& c) {
 std::vector<std::string> hf_bias_tensors(const std::vector<std::string>& tensor_names) {
   std::vector<std::string> out;
   const std::string suffix = "bias";
+  const std::string router = "e_score_correction_bias";  // DeepSeek-V3's routing bias, a buffer
   for (const auto& n : tensor_names)
-    if (n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0) out.push_back(n);
+    if (n.size() >= suffix.size() && n.compare(n.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+        !(n.size() >= router.size() && n.compare(n.size() - router.size(), router.size(), router) == 0))
+      out.push_back(n);
   return out;
 }
 
@@ -440,6 +667,23 @@ std::string quoted(const std::vector<std::string>& names, size_t most = 8) {
   return out;
 }
 }  // namespace
+
+void refuse_hf_mtp_tensors(const LlamaConfig& cfg, const std::vector<std::string>& tensor_names, const std::string& where) {
+  std::vector<std::string> mtp;
+  const std::string prefix = "model.layers.";
+  for (const std::string& n : tensor_names) {
+    if (n.compare(0, prefix.size(), prefix) != 0) continue;
+    const size_t dot = n.find('.', prefix.size());
+    const std::string index = n.substr(prefix.size(), dot == std::string::npos ? std::string::npos : dot - prefix.size());
+    if (!index.empty() && index.find_first_not_of("0123456789") == std::string::npos && index.size() < 10 &&
+        std::stoll(index) >= cfg.num_layers)
+      mtp.push_back(n);
+  }
+  if (!mtp.empty())
+    throw std::invalid_argument(where + " has tensors of layers past num_hidden_layers " + std::to_string(cfg.num_layers) +
+                                " (DeepSeek-V3's multi-token prediction layers, num_nextn_predict_layers), which mfsdp "
+                                "does not build: " + quoted(mtp));
+}
 
 void reconcile_hf_biases(LlamaConfig& cfg, const std::vector<std::string>& tensor_names, const std::string& where) {
   const std::vector<std::string> present = hf_bias_tensors(tensor_names);

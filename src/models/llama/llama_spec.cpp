@@ -45,7 +45,10 @@ const std::map<std::string, std::string>& argument_of_field() {
       {"max_position_embeddings", "max_position_embeddings"}, {"rope_theta", "rotary_base"},
       {"rms_norm_eps", "norm_epsilon"},            {"init_std", "init_method_std"},
       {"MoeConfig.top_k", "moe_router_topk"},      {"MoeConfig.ffn_hidden_size", "moe_ffn_hidden_size"},
-      {"MoeConfig.moe_layers", "moe_layer_freq"}};
+      {"MoeConfig.moe_layers", "moe_layer_freq"}, {"MoeConfig.n_group", "moe_router_num_groups"},
+      {"MoeConfig.topk_group", "moe_router_group_topk"}, {"mla.q_lora_rank", "q_lora_rank"},
+      {"mla.kv_lora_rank", "kv_lora_rank"},        {"mla.qk_nope_head_dim", "qk_head_dim"},
+      {"mla.qk_rope_head_dim", "qk_pos_emb_head_dim"}, {"mla.v_head_dim", "v_head_dim"}};
   return names;
 }
 
@@ -84,6 +87,7 @@ std::vector<MegatronRows> moe_rows(const std::string& prefix, const std::string&
   const char* g = c.moe.mixtral_names ? "w1" : "gate_proj";
   const char* u = c.moe.mixtral_names ? "w3" : "up_proj";
   const char* d = c.moe.mixtral_names ? "w2" : "down_proj";
+  const std::string shared = c.moe.shared_experts_name ? "shared_experts." : "shared_expert.";
   // A whole fc1 as gate and up, or the half `half` ("_w", "_v") names.
   auto fc1 = [&](const std::string& gate, const std::string& up, const std::string& half) -> std::vector<MegatronRows> {
     if (half.empty()) return gate_up(gate, up, rows, where);
@@ -94,8 +98,8 @@ std::vector<MegatronRows> moe_rows(const std::string& prefix, const std::string&
   if (rest == "mlp.router.expert_bias" && c.moe.expert_bias) return {{block + "gate.e_score_correction_bias", {}, rows}};
   for (const char* half : {"", "_w", "_v"})
     if (rest == std::string("mlp.shared_experts.linear_fc1.weight") + half)
-      return fc1(block + "shared_expert.gate_proj.weight", block + "shared_expert.up_proj.weight", half);
-  if (rest == "mlp.shared_experts.linear_fc2.weight") return {{block + "shared_expert.down_proj.weight", {}, rows}};
+      return fc1(block + shared + "gate_proj.weight", block + shared + "up_proj.weight", half);
+  if (rest == "mlp.shared_experts.linear_fc2.weight") return {{block + shared + "down_proj.weight", {}, rows}};
   if (rest == "mlp.shared_experts.gate_weight") return {{block + "shared_expert_gate.weight", {}, rows}};
   static const std::regex grouped(R"(mlp\.experts\.linear_fc([12])\.weight(\d+)(_[wv])?)");
   static const std::regex sequential(R"(mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight(_[wv])?)");
@@ -252,7 +256,8 @@ LlamaConfig decoder_config_from_megatron(const json& args) {
     if (score != "softmax" && score != "sigmoid")
       bad_arg("moe_router_score_function", "expected softmax or sigmoid, found " + score);
     m.score = score == "sigmoid" ? MoeConfig::Score::kSigmoid : MoeConfig::Score::kSoftmax;
-    m.norm_topk_prob = !flag(args, "moe_router_pre_softmax");
+    // Megatron's sigmoid router renormalises whatever --moe-router-pre-softmax says.
+    m.norm_topk_prob = m.score == MoeConfig::Score::kSigmoid || !flag(args, "moe_router_pre_softmax");
     const double scaling = number(args, "moe_router_topk_scaling_factor", 1.0);
     if (!(scaling > 0)) bad_arg("moe_router_topk_scaling_factor", "expected a positive number");
     m.topk_scaling_factor = scaling;
@@ -260,9 +265,46 @@ LlamaConfig decoder_config_from_megatron(const json& args) {
     if (m.expert_bias && !(m.score == MoeConfig::Score::kSigmoid))
       bad_arg("moe_router_enable_expert_bias", "needs moe_router_score_function sigmoid, as in Megatron-LM");
     m.moe_layers = moe_layer_pattern(args, c.num_layers);
+    if (number(args, "moe_router_num_groups", 0) > 0) {
+      m.n_group = positive_int(args, "moe_router_num_groups");
+      m.topk_group = positive_int(args, "moe_router_group_topk");
+    }
     // Which Hugging Face family it is: q/k norms, Qwen3-MoE; a shared expert, Qwen2-MoE; else Mixtral.
     m.mixtral_names = !c.qk_norm && m.shared_expert_intermediate_size == 0;
     if (!c.swiglu) bad_arg("swiglu", "the experts are SwiGLU MLPs: MoE models need --swiglu");
+  }
+  if (flag(args, "multi_latent_attention")) {
+    // Megatron's MLATransformerConfig: YaRN (its default rope_type) over max_position_embeddings,
+    // which a factor of 1 leaves plain RoPE; the RoPE part interleaved, as DeepSeek's weights.
+    MlaConfig a;
+    a.hidden_size = c.hidden_size;
+    a.num_heads = c.num_attention_heads;
+    a.q_lora_rank = number(args, "q_lora_rank", 0) > 0 ? positive_int(args, "q_lora_rank") : 0;
+    a.kv_lora_rank = positive_int(args, "kv_lora_rank");
+    a.qk_nope_head_dim = static_cast<int64_t>(number(args, "qk_head_dim", 0));
+    a.qk_rope_head_dim = positive_int(args, "qk_pos_emb_head_dim");
+    a.v_head_dim = positive_int(args, "v_head_dim");
+    a.rope_theta = c.rope_theta;
+    const double factor = number(args, "rotary_scaling_factor", 1.0);
+    if (factor != 1.0) {
+      YarnRopeScaling y;
+      y.factor = factor;
+      y.original_max_position_embeddings = c.max_position_embeddings;
+      y.mscale = number(args, "mscale", 1.0);
+      y.mscale_all_dim = number(args, "mscale_all_dim", 0.0);
+      a.yarn = y;
+    }
+    c.mla = a;
+    if (c.qk_norm) bad_arg("qk_layernorm", "multi-head latent attention has its own latent norms, not --qk-layernorm");
+    if (c.attention_bias) bad_arg("add_qkv_bias", "multi-head latent attention has no q/k/v biases");
+    if (c.moe.num_experts > 0) {
+      // Built as DeepSeek-V3's MoE, which is what a Hugging Face folder of it can hold.
+      if (c.moe.score != MoeConfig::Score::kSigmoid)
+        bad_arg("moe_router_score_function", "multi-head latent attention models are DeepSeek-V3's: sigmoid");
+      if (c.moe.shared_expert_gate) bad_arg("moe_shared_expert_gate", "DeepSeek-V3's shared experts are ungated");
+      c.moe.shared_experts_name = true;
+      c.moe.mixtral_names = false;
+    }
   }
   try {
     c.validate();
@@ -313,6 +355,7 @@ class DecoderSpec final : public ModelSpec {
   ModelConfig with_hf_tensors(const ModelConfig& config, const std::vector<std::string>& tensor_names,
                               const std::string& where) const override {
     LlamaConfig c = llama_config_of(config);
+    refuse_hf_mtp_tensors(c, tensor_names, where);  // DeepSeek-V3's multi-token prediction layers
     reconcile_hf_biases(c, tensor_names, where);  // Qwen2's q/k/v biases: all or none
     return llama_model_config(c);
   }
@@ -362,6 +405,8 @@ class DecoderSpec final : public ModelSpec {
     s.tensor_parallel = c.tensor_parallel_splits();
     s.experts = c.moe.num_experts;
     if (c.moe.num_experts > 0) s.expert_tensor_parallel = {{"moe_intermediate_size", c.moe.ffn_hidden_size}};
+    if (c.mla)
+      s.no_tensor_or_context_parallel = "multi-head latent attention has no tensor or context parallelism yet";
     return s;
   }
 
@@ -398,6 +443,10 @@ const ModelSpec& qwen2_moe_spec() {
   static const DecoderSpec spec("qwen2_moe", {"qwen2_moe"}, "Qwen2-MoE");
   return spec;
 }
+const ModelSpec& deepseek_v3_spec() {
+  static const DecoderSpec spec("deepseek_v3", {"deepseek_v3"}, "DeepSeek-V3");
+  return spec;
+}
 
 ModelConfig llama_model_config(const LlamaConfig& cfg) {
   const std::string type = hf_model_type(cfg);
@@ -405,12 +454,13 @@ ModelConfig llama_model_config(const LlamaConfig& cfg) {
   if (type == "qwen3" || type == "qwen3_moe") spec = &qwen3_spec();
   if (type == "mixtral") spec = &mixtral_spec();
   if (type == "qwen2_moe") spec = &qwen2_moe_spec();
+  if (type == "deepseek_v3") spec = &deepseek_v3_spec();
   return {spec, llama_hf_config(cfg, at::kFloat)};
 }
 
 LlamaConfig llama_config_of(const ModelConfig& config) {
   if (config.spec != &llama_spec() && config.spec != &qwen3_spec() && config.spec != &mixtral_spec() &&
-      config.spec != &qwen2_moe_spec())
+      config.spec != &qwen2_moe_spec() && config.spec != &deepseek_v3_spec())
     throw std::logic_error("llama_config_of: a config of family '" +
                            (config.spec ? config.spec->name() : std::string("(none)")) + "'");
   return llama_config_from_hf(config.hf);

@@ -187,8 +187,9 @@ MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferre
                                                   deferred));
   if (config.shared_expert_intermediate_size > 0) {
     shared_expert = register_module(
-        "shared_expert", ExpertMlp(hidden, slice(config.shared_expert_intermediate_size, sp_, "the shared expert width"),
-                                   /*mixtral_names=*/false, deferred));
+        config.shared_experts_name ? "shared_experts" : "shared_expert",
+        ExpertMlp(hidden, slice(config.shared_expert_intermediate_size, sp_, "the shared expert width"),
+                  /*mixtral_names=*/false, deferred));
     if (config.shared_expert_gate) shared_expert_gate = register_module("shared_expert_gate", LlamaLinear(hidden, 1, deferred));
   }
 }

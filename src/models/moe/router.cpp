@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <utility>
 #include <stdexcept>
 #include <string>
@@ -39,7 +40,38 @@ void MoeConfig::validate(int64_t num_layers) const {
                        "Megatron-LM");
   if (!moe_layers.empty() && std::none_of(moe_layers.begin(), moe_layers.end(), [](bool m) { return m; }))
     bad("moe_layers", "no layer is an MoE layer");
+  if (n_group < 1 || num_experts % n_group != 0)
+    bad("n_group", "expected a divisor of num_experts (" + std::to_string(num_experts) + "), found " +
+                       std::to_string(n_group));
+  if (topk_group < 1 || topk_group > n_group)
+    bad("topk_group", "expected 1 .. n_group (" + std::to_string(n_group) + "), found " + std::to_string(topk_group));
+  if (top_k > topk_group * (num_experts / n_group))
+    bad("top_k", "expected at most topk_group x experts per group (" + std::to_string(topk_group) + " x " +
+                     std::to_string(num_experts / n_group) + "), found " + std::to_string(top_k));
 }
+
+namespace {
+// The top-k of `choice` [T, E] among the experts of each row's `topk_group` best groups of
+// E / n_group consecutive experts, a group scored by the sum of its two highest choices
+// (transformers' DeepseekV3TopkRouter; Megatron-Core's group_limited_topk sums the top
+// top_k / topk_group, also 2 for DeepSeek-V3's top_k 8 and topk_group 4). Indices [T, k].
+at::Tensor group_limited_topk(const at::Tensor& choice, int64_t k, int64_t n_group, int64_t topk_group) {
+  const int64_t tokens = choice.size(0), experts = choice.size(1);
+  if (experts % n_group != 0)
+    throw std::invalid_argument("route: " + std::to_string(experts) + " experts do not split into n_group " +
+                                std::to_string(n_group) + " groups");
+  const int64_t per_group = experts / n_group;
+  at::Tensor grouped = choice.reshape({tokens, n_group, per_group});
+  at::Tensor group_scores = std::get<0>(at::topk(grouped, std::min<int64_t>(2, per_group), -1)).sum(-1);  // [T, G]
+  at::Tensor best_groups = std::get<1>(at::topk(group_scores, topk_group, -1, /*largest=*/true, /*sorted=*/false));
+  at::Tensor kept = at::zeros({tokens, n_group}, choice.options().dtype(at::kBool)).scatter(1, best_groups, true);
+  at::Tensor masked = choice.masked_fill(kept.unsqueeze(-1).expand({tokens, n_group, per_group})
+                                             .reshape({tokens, experts})
+                                             .logical_not(),
+                                         -std::numeric_limits<double>::infinity());
+  return std::get<1>(at::topk(masked, k, -1));
+}
+}  // namespace
 
 Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity_factor,
               const at::Tensor& expert_bias) {
@@ -49,7 +81,30 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
   Routing r;
   r.logits = logits;
   at::Tensor top_values, top_index;
-  if (config.score == MoeConfig::Score::kSoftmax) {
+  const bool grouped = config.n_group > 1;
+  if (grouped) {
+    // Which experts: the group-limited top-k of the choice scores (no gradient); their weights:
+    // the scores themselves, gathered. As Megatron-Core's topk_softmax_with_capacity, softmax
+    // routing chooses by the logits when it renormalises (the default, the softmax of the top-k
+    // logits) and by the softmax scores with --moe-router-pre-softmax (norm_topk_prob false);
+    // the two choose differently once whole groups are compared by sums.
+    at::Tensor choice;
+    if (config.score == MoeConfig::Score::kSoftmax) {
+      r.scores = at::softmax(logits, -1, at::kFloat);
+      choice = config.norm_topk_prob ? logits.detach().to(at::kFloat) : r.scores.detach();
+    } else {
+      r.scores = at::sigmoid(logits.to(at::kFloat));
+      choice = expert_bias.defined() ? r.scores.detach() + expert_bias.to(at::kFloat) : r.scores.detach();
+    }
+    top_index = group_limited_topk(choice, k, config.n_group, config.topk_group);
+    top_values = r.scores.gather(1, top_index);
+    if (config.score == MoeConfig::Score::kSoftmax) {
+      if (config.norm_topk_prob) top_values = top_values / top_values.sum(-1, /*keepdim=*/true);
+    } else {
+      if (k > 1 && config.norm_topk_prob) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
+      r.scores = r.scores / (r.scores.sum(-1, true) + 1e-20);  // what the aux loss balances
+    }
+  } else if (config.score == MoeConfig::Score::kSoftmax) {
     r.scores = at::softmax(logits, -1, at::kFloat);
     std::tie(top_values, top_index) = at::topk(r.scores, k, -1);
     // Megatron without --moe-router-pre-softmax takes the softmax of the top-k logits: the same
@@ -65,14 +120,14 @@ Routing route(const at::Tensor& logits, const MoeConfig& config, double capacity
     } else {
       std::tie(top_values, top_index) = at::topk(scores, k, -1);
     }
-    if (k > 1) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
+    if (k > 1 && config.norm_topk_prob) top_values = top_values / (top_values.sum(-1, true) + 1e-20);
     r.scores = scores / (scores.sum(-1, true) + 1e-20);  // what the aux loss balances
   }
   if (config.topk_scaling_factor != 1.0) top_values = top_values * config.topk_scaling_factor;
   r.probs = at::zeros({tokens, experts}, top_values.options()).scatter(1, top_index, top_values);
   r.map = at::zeros({tokens, experts}, logits.options().dtype(at::kBool)).scatter(1, top_index, true);
-  // The balancing losses count each token's plain top-k, bias or not.
-  r.top_map = expert_bias.defined()
+  // The balancing losses count each token's plain top-k, bias and groups or not.
+  r.top_map = expert_bias.defined() || grouped
                   ? at::zeros_like(r.map).scatter(1, std::get<1>(at::topk(r.scores.detach(), k, -1)), true)
                   : r.map;
   if (capacity_factor > 0) {

@@ -122,6 +122,17 @@ std::vector<ToolFlag> ModelSection::flags() {
       string_flag("--recompute-granularity", recompute_granularity, "recompute granularity", {"full"}),
       bool_flag("--qk-layernorm", qk_layernorm, "RMSNorm over each query and key head before RoPE (Qwen3)"),
       int_flag("--kv-channels", kv_channels, "each attention head's width (0: --hidden-size / --num-attention-heads)"),
+      bool_flag("--multi-latent-attention", multi_latent_attention,
+                "multi-head latent attention (DeepSeek-V3; no tensor or context parallelism yet)"),
+      int_flag("--q-lora-rank", q_lora_rank, "MLA: the query's low-rank width (0: a plain query projection)"),
+      int_flag("--kv-lora-rank", kv_lora_rank, "MLA: the key/value latent's width"),
+      int_flag("--qk-head-dim", qk_head_dim, "MLA: each query/key head's width without RoPE"),
+      int_flag("--qk-pos-emb-head-dim", qk_pos_emb_head_dim, "MLA: each query/key head's RoPE width"),
+      int_flag("--v-head-dim", v_head_dim, "MLA: each value head's width"),
+      double_flag("--rotary-scaling-factor", rotary_scaling_factor,
+                  "MLA: YaRN's scaling factor over --max-position-embeddings (1: plain RoPE)"),
+      double_flag("--mscale", mscale, "MLA with YaRN: mscale"),
+      double_flag("--mscale-all-dim", mscale_all_dim, "MLA with YaRN: mscale_all_dim (0: unset)"),
   };
 }
 
@@ -170,6 +181,22 @@ void ModelSection::validate() {
                                                      " (the largest vocabulary), got " +
                                                      std::to_string(make_vocab_size_divisible_by));
   if (!recompute_granularity.empty()) recompute_activations = true;
+  if (multi_latent_attention) {
+    at_least("--q-lora-rank", static_cast<double>(q_lora_rank), 0);
+    at_least("--qk-head-dim", static_cast<double>(qk_head_dim), 0);
+    positive("--kv-lora-rank", kv_lora_rank);
+    positive("--qk-pos-emb-head-dim", qk_pos_emb_head_dim);
+    positive("--v-head-dim", v_head_dim);
+    for (auto [name, v] : {std::pair{"--q-lora-rank", q_lora_rank}, std::pair{"--kv-lora-rank", kv_lora_rank},
+                           std::pair{"--qk-head-dim", qk_head_dim}, std::pair{"--qk-pos-emb-head-dim", qk_pos_emb_head_dim},
+                           std::pair{"--v-head-dim", v_head_dim}})
+      at_most(name, v, kMaxHiddenSize);
+    if (qk_pos_emb_head_dim % 2 != 0)
+      flag_error("--qk-pos-emb-head-dim", "must be even for RoPE, got " + std::to_string(qk_pos_emb_head_dim));
+    if (!(rotary_scaling_factor > 0)) flag_error("--rotary-scaling-factor", "must be > 0, got " + number(rotary_scaling_factor));
+    at_least("--mscale", mscale, 0);
+    at_least("--mscale-all-dim", mscale_all_dim, 0);
+  }
 }
 
 std::vector<ToolFlag> MoeSection::flags() {
@@ -199,6 +226,10 @@ std::vector<ToolFlag> MoeSection::flags() {
                   "how tokens reach their experts' ranks: all-to-all", {"alltoall"}),
       bool_flag("--moe-grouped-gemm", moe_grouped_gemm,
                 "the experts as one grouped GEMM (at::_grouped_mm) instead of one GEMM per expert"),
+      int_flag("--moe-router-num-groups", moe_router_num_groups,
+               "group-limited routing: the experts in this many groups (0: off; DeepSeek-V3's n_group)"),
+      int_flag("--moe-router-group-topk", moe_router_group_topk,
+               "group-limited routing: choose the top-k within this many best groups (DeepSeek-V3's topk_group)"),
       string_flag("--moe-layer-freq", moe_layer_freq,
                   "which layers are MoE layers: every N-th from layer 0, or a list such as [1,0,1,0]"),
       bool_flag("--moe-router-enable-expert-bias", moe_router_enable_expert_bias,
@@ -238,6 +269,17 @@ std::vector<int64_t> MoeSection::moe_layer_pattern() const {
 
 void MoeSection::validate(const ModelSection& model) const {
   if (num_experts < 0) flag_error("--num-experts", "must be >= 0, got " + std::to_string(num_experts));
+  if (moe_router_num_groups < 0 || moe_router_group_topk < 0)
+    flag_error(moe_router_num_groups < 0 ? "--moe-router-num-groups" : "--moe-router-group-topk", "must be >= 0");
+  if (moe_router_num_groups > 0 && num_experts > 0) {
+    if (num_experts % moe_router_num_groups != 0)
+      flag_error("--moe-router-num-groups", std::to_string(moe_router_num_groups) + " does not divide --num-experts " +
+                                                std::to_string(num_experts));
+    if (moe_router_group_topk <= 0 || moe_router_group_topk > moe_router_num_groups)
+      flag_error("--moe-router-group-topk", "must be 1 .. --moe-router-num-groups " +
+                                                std::to_string(moe_router_num_groups) + ", got " +
+                                                std::to_string(moe_router_group_topk));
+  }
   at_most("--num-experts", num_experts, kMaxExperts);
   // Megatron's capacity, ceil(tokens x top-k / experts x factor), keeps every token once the
   // factor reaches experts / top-k; a larger one drops nothing more, and one far larger

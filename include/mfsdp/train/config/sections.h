@@ -82,6 +82,16 @@ struct ModelSection {
   std::string recompute_granularity;  // "full" (only); implies recompute_activations
   bool qk_layernorm = false;  // per-head q/k RMSNorm (Qwen3)
   int64_t kv_channels = 0;    // each head's width; 0: hidden_size / num_attention_heads
+  // Multi-head latent attention (DeepSeek-V3; docs/model.md), Megatron's MLA arguments and defaults.
+  bool multi_latent_attention = false;
+  int64_t q_lora_rank = 0;  // 0: Megatron's None, a plain query projection
+  int64_t kv_lora_rank = 32;
+  int64_t qk_head_dim = 128;          // each head's query/key part without RoPE (HF qk_nope_head_dim)
+  int64_t qk_pos_emb_head_dim = 64;   // the RoPE part (HF qk_rope_head_dim)
+  int64_t v_head_dim = 128;
+  double rotary_scaling_factor = 1.0;  // YaRN's factor (1: plain RoPE)
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
   void validate();
   std::vector<ToolFlag> flags();
 };
@@ -106,6 +116,8 @@ struct MoeSection {
   bool moe_router_enable_expert_bias = false;
   double moe_router_bias_update_rate = 1e-3;
   bool moe_per_layer_logging = false;
+  int64_t moe_router_num_groups = 0;  // 0: Megatron's None, no group-limited routing
+  int64_t moe_router_group_topk = 0;
   // The layers' pattern from moe_layer_freq: one 0/1 per layer, or {N} for an integer N.
   std::vector<int64_t> moe_layer_pattern() const;
   // Reads the model's layers, MLP kind and width: the experts are SwiGLU MLPs of the model.

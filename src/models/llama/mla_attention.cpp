@@ -1,0 +1,123 @@
+// Multi-head latent attention (include/mfsdp/models/mla_attention.h), in the order of
+// transformers' DeepseekV3Attention.forward.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "mfsdp/models/mla_attention.h"
+
+namespace mfsdp {
+
+namespace {
+// transformers' DeepseekV3RMSNorm default, which MLA's two norms use whatever rms_norm_eps is.
+constexpr double kLatentNormEps = 1e-6;
+}  // namespace
+
+double MlaConfig::softmax_scale() const {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(qk_head_dim()));
+  return yarn ? yarn_softmax_scale(scale, *yarn) : scale;
+}
+
+void MlaConfig::validate() const {
+  auto bad = [](const std::string& field, const std::string& what) {
+    throw std::invalid_argument("MlaConfig." + field + ": " + what);
+  };
+  for (auto [field, v] : {std::pair{"hidden_size", hidden_size}, std::pair{"num_heads", num_heads},
+                          std::pair{"kv_lora_rank", kv_lora_rank}, std::pair{"qk_rope_head_dim", qk_rope_head_dim},
+                          std::pair{"v_head_dim", v_head_dim}})
+    if (v <= 0) bad(field, "expected a positive value, found " + std::to_string(v));
+  for (auto [field, v] : {std::pair{"q_lora_rank", q_lora_rank}, std::pair{"qk_nope_head_dim", qk_nope_head_dim}})
+    if (v < 0) bad(field, "expected >= 0, found " + std::to_string(v));
+  if (qk_rope_head_dim % 2 != 0)
+    bad("qk_rope_head_dim", "expected an even value (RoPE rotates pairs), found " + std::to_string(qk_rope_head_dim));
+  if (!(rope_theta > 0)) bad("rope_theta", "expected a positive value, found " + std::to_string(rope_theta));
+  if (yarn) yarn->validate();
+}
+
+RotaryTables mla_rotary_tables(const at::Tensor& positions, const MlaConfig& config) {
+  return config.yarn ? rotary_tables(positions, config.qk_rope_head_dim, config.rope_theta, *config.yarn)
+                     : rotary_tables(positions, config.qk_rope_head_dim, config.rope_theta);
+}
+
+at::Tensor apply_rotary_interleaved(const at::Tensor& x, const RotaryTables& rope) {
+  const int64_t half = x.size(-1) / 2;
+  // The tables are cat(freqs, freqs): the first half holds each pair's angle.
+  at::Tensor cos = rope.cos.narrow(-1, 0, half).to(x.dtype()), sin = rope.sin.narrow(-1, 0, half).to(x.dtype());
+  if (cos.dim() == 3) {  // per-row tables [B, T, d] against x [B, heads, T, d]
+    cos = cos.unsqueeze(1);
+    sin = sin.unsqueeze(1);
+  }
+  at::Tensor even = x.slice(-1, 0, c10::nullopt, 2), odd = x.slice(-1, 1, c10::nullopt, 2);
+  return at::cat({even * cos - odd * sin, odd * cos + even * sin}, -1);
+}
+
+MlaAttentionImpl::MlaAttentionImpl(const MlaConfig& c, bool deferred, int64_t layer_idx)
+    : config_(c), layer_idx_(layer_idx) {
+  c.validate();
+  const int64_t heads = c.num_heads;
+  // Registered in transformers' order, so the state dicts list them alike.
+  if (c.q_lora_rank == 0) {
+    q_proj = register_module("q_proj", LlamaLinear(c.hidden_size, heads * c.qk_head_dim(), deferred));
+  } else {
+    q_a_proj = register_module("q_a_proj", LlamaLinear(c.hidden_size, c.q_lora_rank, deferred, c.attention_bias));
+    q_a_layernorm = register_module("q_a_layernorm", LlamaRMSNorm(c.q_lora_rank, kLatentNormEps, deferred));
+    q_b_proj = register_module("q_b_proj", LlamaLinear(c.q_lora_rank, heads * c.qk_head_dim(), deferred));
+  }
+  kv_a_proj_with_mqa = register_module(
+      "kv_a_proj_with_mqa", LlamaLinear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, deferred, c.attention_bias));
+  kv_a_layernorm = register_module("kv_a_layernorm", LlamaRMSNorm(c.kv_lora_rank, kLatentNormEps, deferred));
+  kv_b_proj = register_module("kv_b_proj",
+                              LlamaLinear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim), deferred));
+  o_proj = register_module("o_proj", LlamaLinear(heads * c.v_head_dim, c.hidden_size, deferred, c.attention_bias));
+}
+
+at::Tensor MlaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope, KVCache* cache,
+                                     const at::Tensor& allowed_keys) {
+  const MlaConfig& c = config_;
+  if (x.dim() != 3 || x.size(2) != c.hidden_size)
+    throw std::invalid_argument("MlaAttention: expected x [B, T, " + std::to_string(c.hidden_size) + "], found " +
+                                c10::str(x.sizes()));
+  const int64_t batch = x.size(0), length = x.size(1), heads = c.num_heads;
+  const int64_t nope = c.qk_nope_head_dim, rot = c.qk_rope_head_dim;
+
+  at::Tensor q = c.q_lora_rank == 0 ? q_proj(x) : q_b_proj(q_a_layernorm(q_a_proj(x)));
+  q = q.view({batch, length, heads, c.qk_head_dim()}).transpose(1, 2);  // [B, nh, T, dn + dr]
+  at::Tensor q_pass = q.narrow(-1, 0, nope), q_rot = q.narrow(-1, nope, rot);
+
+  at::Tensor compressed = kv_a_proj_with_mqa(x);  // [B, T, kv_lora_rank + dr]
+  at::Tensor latent = kv_a_layernorm(compressed.narrow(-1, 0, c.kv_lora_rank));
+  at::Tensor k_rot = compressed.narrow(-1, c.kv_lora_rank, rot).unsqueeze(1);  // [B, 1, T, dr]: every head's
+
+  if (c.rope_interleave) {
+    q_rot = apply_rotary_interleaved(q_rot, rope);
+    k_rot = apply_rotary_interleaved(k_rot, rope);
+  } else {
+    q_rot = apply_rotary(q_rot, rope);
+    k_rot = apply_rotary(k_rot, rope);
+  }
+
+  at::Tensor kv = kv_b_proj(latent).view({batch, length, heads, nope + c.v_head_dim}).transpose(1, 2);
+  at::Tensor k_nope = kv.narrow(-1, 0, nope), v = kv.narrow(-1, nope, c.v_head_dim);
+  at::Tensor k = at::cat({k_nope, k_rot.expand({batch, heads, length, rot})}, -1);
+  q = at::cat({q_pass, q_rot}, -1);
+
+  if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
+  // Query i sits at key past + i; SDPA's is_causal aligns top-left, so cached keys need a mask.
+  const int64_t keys = k.size(2), past = keys - length;
+  at::Tensor allowed = allowed_keys;
+  if (!allowed.defined() && past > 0) {
+    auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
+    allowed = at::arange(keys, pos).unsqueeze(0) <= (at::arange(length, pos) + past).unsqueeze(1);
+  }
+  at::Tensor out = at::scaled_dot_product_attention(
+      q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt, /*dropout_p=*/0.0,
+      /*is_causal=*/!allowed.defined(), c.softmax_scale());
+  out = out.transpose(1, 2).reshape({batch, length, heads * c.v_head_dim});
+  return o_proj(out);
+}
+
+}  // namespace mfsdp
