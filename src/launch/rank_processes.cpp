@@ -705,21 +705,47 @@ std::vector<std::string> remove_shm_segments(const std::string& tag) {
   return removed;
 }
 
-int pick_free_port() {
+namespace {
+
+// The kernel's ephemeral range [low, high]: outgoing connections take their local ports from it.
+std::pair<int, int> ephemeral_port_range() {
+  int low = 32768, high = 60999;
+  if (FILE* file = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(file, "%d %d", &low, &high) != 2) low = 32768, high = 60999;
+    std::fclose(file);
+  }
+  return {low, high};
+}
+
+bool can_bind_loopback(int port) {
   Fd socket_fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!socket_fd.valid()) throw std::runtime_error(errno_text("socket"));
   sockaddr_in address{};
   address.sin_family = AF_INET;
   address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  if (bind(socket_fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) != 0) {
-    throw std::runtime_error(errno_text("bind 127.0.0.1:0"));
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  return bind(socket_fd.get(), reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+}
+
+}  // namespace
+
+// Why not bind port 0: the kernel hands out a port from the ephemeral range, and between our
+// close and the store's bind any outgoing connection on the host (another job's ranks dialling
+// their store) may take it as its local port. A random port below the ephemeral range is never
+// taken that way, so only a listener picked in the same instant can collide.
+int pick_free_port() {
+  const auto [ephemeral_low, ephemeral_high] = ephemeral_port_range();
+  const bool room_below = ephemeral_low > 20000 + 1000;
+  const int low = room_below ? 20000 : ephemeral_high + 1;
+  const int high = room_below ? ephemeral_low - 1 : 65535;
+  for (int attempt = 0; attempt < 256 && low <= high; ++attempt) {
+    uint32_t random = 0;
+    if (::getrandom(&random, sizeof random, 0) != static_cast<ssize_t>(sizeof random)) break;
+    const int port = low + static_cast<int>(random % static_cast<uint32_t>(high - low + 1));
+    if (can_bind_loopback(port)) return port;
   }
-  socklen_t length = sizeof address;
-  if (getsockname(socket_fd.get(), reinterpret_cast<sockaddr*>(&address), &length) != 0) {
-    throw std::runtime_error(errno_text("getsockname"));
-  }
-  return ntohs(address.sin_port);
+  throw std::runtime_error("pick_free_port: no free TCP port on 127.0.0.1 in " + std::to_string(low) +
+                           ".." + std::to_string(high) + " after 256 tries");
 }
 
 std::map<std::string, std::string> rank_environment(int node_rank, int nnodes, int nproc_per_node,

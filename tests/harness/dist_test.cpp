@@ -38,7 +38,20 @@ void run_as_rank(const DistOptions& options, const std::function<void(Communicat
   body(*comm);
 }
 
-void run_world(const DistOptions& options, int world) {
+// True when rank 0 could not serve the store because another process took the picked port
+// between pick_free_port and its bind: the job never started, so running it again is safe.
+bool store_port_was_taken(const std::map<int, std::vector<std::string>>& output) {
+  auto rank0 = output.find(0);
+  if (rank0 == output.end()) return false;
+  for (const std::string& line : rank0->second) {
+    if (line.find("cannot serve the store") != std::string::npos && line.find("is in use") != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void run_world(const DistOptions& options, int world, int attempt = 1) {
   const std::string test = current_test_name();
   const int port = launch::pick_free_port();
   const bool own_dir = options.shared_dir.empty();
@@ -71,6 +84,7 @@ void run_world(const DistOptions& options, int world) {
   launch::SuperviseResult result = launch::run_rank_processes(specs, supervise);
   if (own_dir) mfsdp::remove_tree(dir);
   if (result.ok()) return;
+  if (attempt < 3 && store_port_was_taken(output)) return run_world(options, world, attempt + 1);
 
   std::ostringstream report;
   report << test << " with world size " << world << ": " << result.summary() << "\n";

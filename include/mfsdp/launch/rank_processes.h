@@ -75,7 +75,8 @@ struct SuperviseResult {
 SuperviseResult run_rank_processes(const std::vector<RankProcessSpec>& specs,
                                    const SuperviseOptions& options = {});
 
-// A TCP port on which nothing listens right now (bind to port 0 on 127.0.0.1 and read it back).
+// A TCP port on 127.0.0.1 that is free right now, chosen at random below the kernel's ephemeral
+// range so that no outgoing connection can take it before the store binds it.
 int pick_free_port();
 
 // A random job token (128 bits, hex), made once per process: the same in every call.
