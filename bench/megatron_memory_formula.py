@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Megatron-LM's theoretical memory formula for a dense GPT (Llama) model, as arithmetic.
+"""Megatron-LM's theoretical memory formula for a GPT (Llama, MoE, DeepSeek-V3) model, as arithmetic.
 
 Megatron-LM's megatron/training/theoretical_memory_usage.py estimates one rank's memory as
 "weights and optimizer" plus "activations" (Korthikanti et al. 2022, Table 2). This file redoes
-that arithmetic (it is not Megatron's code) for pipeline size 1 and a dense model, so that
-bench/scale_plan_tp.sh can print it next to mfsdp's --memory-plan:
+that arithmetic (it is not Megatron's code) for pipeline size 1, so that bench/scale_plan_tp.sh and
+bench/scale_plan_deepseek.sh can print it next to mfsdp's --memory-plan.
+
+Dense model (no --num-experts, no --mla; the output of the first version of this file, unchanged):
 
 * parameters on the most loaded model shard = (transformer block + embedding + output layer when
   untied) / TP, with the vocabulary padded as Megatron pads it (to a multiple of
@@ -18,10 +20,47 @@ bench/scale_plan_tp.sh can print it next to mfsdp's --memory-plan:
   s b h (18 + 4 ffn / h) per layer, plus the embedding's input and dropout and the output layer's
   input and cross-entropy (4 s b h (1 + V / h)), all / TP.
 
-Prints one JSON object.
+Mixture of experts and multi-head latent attention (--num-experts, --mla; Megatron's newer form of
+the formula, which splits the parameters by how a rank holds them):
+
+* attention per layer. Grouped-query: 2 h^2 (1 + kv_heads / heads) (heads x head_dim / h), as
+  above. MLA (DeepSeek-V2/V3): the query is q_down [q_lora, h] + its RMSNorm (q_lora) + q_up
+  [heads (qk_head_dim + qk_pos_emb_head_dim), q_lora], or one [heads (qk + pos), h] matrix without
+  q_lora; the key/value latent kv_down [kv_lora + qk_pos_emb_head_dim, h] (the RoPE key is shared
+  by all heads) + its RMSNorm (kv_lora) + kv_up [heads (qk_head_dim + v_head_dim), kv_lora]; the
+  output projection [h, heads v_head_dim]. Megatron counts the two latent norms with the
+  attention, so / TP;
+* MLP per layer: a dense layer 2 h ffn x 1.5 (SwiGLU's three matrices; 1 with --gelu); an MoE
+  layer the routed experts 2 h moe_ffn x 1.5 x E, the shared expert 2 h shared_ffn x 1.5, the
+  router [E, h] (and a shared-expert gate of h with --shared-expert-gate). DeepSeek-V3's expert
+  bias is a buffer, no parameter: not counted. Which layers are MoE: --moe-layer-freq (an
+  interval N, every N-th layer from 0; or a list such as [0,0,1,1]; or Megatron's expression
+  such as "([0]*3+[1]*58)");
+* per-layer norms 2 h; final norm h; embedding h V, and the output layer h V again when untied;
+* multi-token prediction (--mtp-layers, default 0): as Megatron counts it, that many more layers
+  of the last layer's kind (Megatron's formula leaves out the MTP block's own [h, 2h] projection
+  and its norms; it shares the embedding and the output layer);
+* how a rank holds them: the attention, dense MLPs, shared experts and the embeddings are split
+  over TP; the per-layer norms, routers, shared-expert gates and the final norm are replicated
+  (whole on every rank); the routed experts are split over ETP x EP (each rank holds E / EP
+  experts of every MoE layer, each cut ETP ways);
+* bytes per parameter: 18 without the distributed optimizer; with it 6 + 12 / DP for the
+  TP-split and replicated parameters (DP = world / TP) and 6 + 12 / EDP for the experts (expert
+  data parallel, EDP = world / (ETP x EP)): Megatron's distributed optimizer shards the main
+  weights and Adam's moments over the ranks that hold the same parameter, never the bf16
+  weights or the fp32 gradient buffer;
+* activations: Megatron's formula does not look at experts or MLA: s b h (18 + 4 ffn / h) per
+  layer with the dense ffn for every layer, as above (with sequence parallelism and selective
+  recompute), and megatron_activations_nosp_gib, the form Megatron prints otherwise (always at TP
+  1, where it turns sequence parallelism off): s b h (10 + 24 / TP) per layer, the embedding's
+  input and dropout, and (s b V / TP + s b h) x 2 bytes for the logits and the final norm's
+  output, all x 1.05.
+
+Prints one JSON object. MoE/MLA runs add the split (dense, expert) and the active parameters.
 """
 import argparse
 import json
+import re
 
 
 def padded_vocab(vocab, divisible_by, tp):
@@ -29,23 +68,29 @@ def padded_vocab(vocab, divisible_by, tp):
     return -(-vocab // multiple) * multiple
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, required=True)
-    p.add_argument("--hidden", type=int, required=True)
-    p.add_argument("--ffn", type=int, required=True)
-    p.add_argument("--heads", type=int, required=True)
-    p.add_argument("--kv-heads", type=int, required=True)
-    p.add_argument("--vocab", type=int, required=True)
-    p.add_argument("--divisible-by", type=int, default=128)
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--tied", action="store_true", help="embedding and output layer share one matrix")
-    p.add_argument("--gelu", action="store_true", help="a two-matrix MLP instead of SwiGLU's three")
-    a = p.parse_args()
+def moe_layer_pattern(freq, layers):
+    """--moe-layer-freq as a list of 0/1 per layer: an interval, a list, or Megatron's expression."""
+    text = freq.replace(" ", "")
+    if re.fullmatch(r"[0-9]+", text):
+        n = int(text)
+        if n < 1:
+            raise SystemExit("--moe-layer-freq: an interval must be >= 1")
+        pattern = [1 if i % n == 0 else 0 for i in range(layers)]
+    else:
+        if text.startswith("(") and text.endswith(")"):
+            text = text[1:-1]
+        pattern = []
+        for term in text.split("+"):
+            m = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*([0-9]+))?", term)
+            if not m:
+                raise SystemExit(f"--moe-layer-freq: cannot read {term!r} (an interval, [0,1,..] or ([0]*3+[1]*58))")
+            pattern += [int(v) for v in m.group(1).split(",")] * int(m.group(2) or 1)
+    if len(pattern) != layers:
+        raise SystemExit(f"--moe-layer-freq lists {len(pattern)} layers, --layers is {layers}")
+    return pattern
 
+
+def dense_report(a):
     h, L, tp, dp = a.hidden, a.layers, a.tp, a.dp
     head_dim = h // a.heads
     vocab = padded_vocab(a.vocab, a.divisible_by, tp)
@@ -72,7 +117,7 @@ def main():
     s, b = a.seq, a.micro_batch
     activations = (s * b * h * (18 + 4 * a.ffn / h) * L + 8 * s * b + s * b * h
                    + s * b * h * 4 * (1 + vocab / h)) / tp
-    print(json.dumps({
+    return {
         "padded_vocab": vocab,
         "total_params": total,
         "megatron_params_per_shard": megatron_shard,
@@ -84,7 +129,157 @@ def main():
         "megatron_ddp_gib": 18 * megatron_shard / gib,
         "megatron_distopt_gib": (6 + 12 / dp) * megatron_shard / gib,
         "megatron_activations_sp_gib": activations / gib,
-    }))
+    }
+
+
+def moe_mla_report(a):
+    h, L, tp, dp = a.hidden, a.layers, a.tp, a.dp
+    world = dp * tp
+    etp = a.etp if a.etp else tp
+    ep = a.ep
+    if world % (etp * ep):
+        raise SystemExit(f"ETP {etp} x EP {ep} does not divide the world DP x TP = {world}")
+    edp = world // (etp * ep)
+    vocab = padded_vocab(a.vocab, a.divisible_by, tp)
+    gated = 1.0 if a.gelu else 1.5
+    heads = a.heads
+
+    # Attention of one layer (every layer has the same).
+    if a.mla:
+        if a.q_lora_rank:
+            q = a.q_lora_rank * h + a.q_lora_rank + heads * (a.qk_head_dim + a.qk_pos_emb_head_dim) * a.q_lora_rank
+        else:
+            q = heads * (a.qk_head_dim + a.qk_pos_emb_head_dim) * h
+        kv = ((a.kv_lora_rank + a.qk_pos_emb_head_dim) * h + a.kv_lora_rank
+              + heads * (a.qk_head_dim + a.v_head_dim) * a.kv_lora_rank)
+        out = heads * a.v_head_dim * h
+        attention = q + kv + out
+        latent_norms = (a.q_lora_rank or 0) + a.kv_lora_rank  # inside `attention`; Megatron splits them / TP
+    else:
+        head_dim = a.kv_channels or h // heads
+        attention = 2 * h * h * (1 + a.kv_heads / heads) * (heads * head_dim / h)
+        latent_norms = 0
+
+    if a.num_experts:
+        pattern = moe_layer_pattern(a.moe_layer_freq, L)
+        if a.num_experts % ep:
+            raise SystemExit(f"EP {ep} does not divide --num-experts {a.num_experts}")
+    else:
+        pattern = [0] * L
+    moe_layers = sum(pattern)
+    dense_layers = L - moe_layers
+    moe_ffn = a.moe_ffn or a.ffn
+    dense_mlp = 2 * h * a.ffn * gated
+    expert = 2 * h * moe_ffn * gated                      # one routed expert
+    routed = expert * a.num_experts                       # all routed experts of one MoE layer
+    shared = 2 * h * a.moe_shared_ffn * gated             # the shared expert(s), one MLP
+    router = h * a.num_experts if a.num_experts else 0
+    shared_gate = h if (a.shared_expert_gate and a.moe_shared_ffn) else 0
+    norms = 2 * h
+    final_norm = h
+    embedding = h * vocab
+    embeddings = embedding * (1 if a.tied else 2)
+
+    mtp_moe = a.mtp_layers * pattern[-1]
+    mtp_dense = a.mtp_layers - mtp_moe
+    n_dense, n_moe = dense_layers + mtp_dense, moe_layers + mtp_moe  # layers counted, MTP included
+
+    dense_layer = attention + dense_mlp + norms
+    moe_layer = attention + routed + shared + router + shared_gate + norms
+    block = dense_layer * dense_layers + moe_layer * moe_layers + final_norm
+    mtp_block = dense_layer * mtp_dense + moe_layer * mtp_moe
+    total = block + mtp_block + embeddings
+    active_moe_layer = attention + expert * a.moe_topk + shared + router + shared_gate + norms
+    active = (dense_layer * dense_layers + active_moe_layer * moe_layers + final_norm
+              + dense_layer * mtp_dense + active_moe_layer * mtp_moe + embeddings)
+
+    # How a rank holds them.
+    tp_split = (attention + dense_mlp) * n_dense + (attention + shared) * n_moe + embeddings
+    replicated = norms * (n_dense + n_moe) + (router + shared_gate) * n_moe + final_norm
+    expert_split = routed * n_moe
+    dense_shard = tp_split / tp + replicated
+    expert_shard = expert_split / (etp * ep)
+    megatron_shard = dense_shard + expert_shard
+    # Megatron splits the MLA latent norms over TP with the attention; a TP rank holds them whole.
+    exact = dense_shard + latent_norms * (n_dense + n_moe) * (1 - 1 / tp) + expert_shard
+
+    gib = 1024 ** 3
+    s, b = a.seq, a.micro_batch
+    activations = (s * b * h * (18 + 4 * a.ffn / h) * L + 8 * s * b + s * b * h
+                   + s * b * h * 4 * (1 + vocab / h)) / tp
+    activations_nosp = (s * b * h * (10 + 24 / tp) * L + 8 * s * b + s * b * h
+                        + (s * b * vocab / tp + s * b * h) * 2) * 1.05
+    return {
+        "padded_vocab": vocab,
+        "total_params": total,
+        "active_params": active,
+        "mtp_params": mtp_block,
+        "dense_layers": dense_layers,
+        "moe_layers": moe_layers,
+        "params_attention_per_layer": attention,
+        "params_dense_layer": dense_layer,
+        "params_moe_layer": moe_layer,
+        "params_routed_experts_per_moe_layer": routed,
+        "params_embeddings": embeddings,
+        "world": world,
+        "ep": ep,
+        "etp": etp,
+        "edp": edp,
+        "megatron_dense_params_per_rank": dense_shard,
+        "megatron_expert_params_per_rank": expert_shard,
+        "megatron_params_per_shard": megatron_shard,
+        "exact_params_per_tp_rank": exact,
+        "megatron_weights_gib": 2 * megatron_shard / gib,
+        "megatron_grads_gib": 4 * megatron_shard / gib,
+        "megatron_optimizer_gib": (12 * dense_shard / dp + 12 * expert_shard / edp) / gib,
+        "megatron_ddp_gib": 18 * megatron_shard / gib,
+        "megatron_distopt_gib": ((6 + 12 / dp) * dense_shard + (6 + 12 / edp) * expert_shard) / gib,
+        "megatron_activations_sp_gib": activations / gib,
+        "megatron_activations_nosp_gib": activations_nosp / gib,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--ffn", type=int, required=True, help="the dense MLP's width")
+    p.add_argument("--heads", type=int, required=True)
+    p.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query); required without --mla")
+    p.add_argument("--kv-channels", type=int, default=0, help="head width (0: hidden / heads); MoE/MLA form only")
+    p.add_argument("--vocab", type=int, required=True)
+    p.add_argument("--divisible-by", type=int, default=128)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks; the world is DP x TP")
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--tied", action="store_true", help="embedding and output layer share one matrix")
+    p.add_argument("--gelu", action="store_true", help="a two-matrix MLP instead of SwiGLU's three")
+    moe = p.add_argument_group("mixture of experts and expert parallelism")
+    moe.add_argument("--num-experts", type=int, default=0, help="routed experts per MoE layer (0: dense)")
+    moe.add_argument("--moe-ffn", type=int, default=0, help="each routed expert's width (0: --ffn)")
+    moe.add_argument("--moe-shared-ffn", type=int, default=0, help="the shared expert's width (0: none)")
+    moe.add_argument("--shared-expert-gate", action="store_true", help="a sigmoid gate of h on the shared expert")
+    moe.add_argument("--moe-topk", type=int, default=2, help="experts per token (for the active parameters)")
+    moe.add_argument("--moe-layer-freq", default="1", help="an interval, a list [0,1,..] or ([0]*3+[1]*58)")
+    moe.add_argument("--ep", type=int, default=1, help="expert-model-parallel size")
+    moe.add_argument("--etp", type=int, default=0, help="expert-tensor-parallel size (0: TP, Megatron's default)")
+    moe.add_argument("--mtp-layers", type=int, default=0, help="multi-token-prediction layers (Megatron's count)")
+    mla = p.add_argument_group("multi-head latent attention")
+    mla.add_argument("--mla", action="store_true")
+    mla.add_argument("--q-lora-rank", type=int, default=0, help="0: a plain query projection")
+    mla.add_argument("--kv-lora-rank", type=int, default=512)
+    mla.add_argument("--qk-head-dim", type=int, default=128)
+    mla.add_argument("--qk-pos-emb-head-dim", type=int, default=64)
+    mla.add_argument("--v-head-dim", type=int, default=128)
+    a = p.parse_args()
+    if not a.mla and a.kv_heads is None:
+        p.error("--kv-heads is required without --mla")
+    if a.num_experts or a.mla:
+        report = moe_mla_report(a)
+    else:
+        report = dense_report(a)
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":
