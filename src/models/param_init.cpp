@@ -32,6 +32,10 @@ void materialize(const at::Tensor& t) {
   handle.resize_({t.storage_offset() + t.numel()});  // grows the shared StorageImpl
 }
 
+void resize_deferred(const at::Tensor& t, at::IntArrayRef sizes) {
+  t.unsafeGetTensorImpl()->set_sizes_contiguous(sizes);
+}
+
 uint64_t draw_seed() {
   auto gen = at::detail::getDefaultCPUGenerator();
   std::lock_guard<std::mutex> lock(gen.mutex());

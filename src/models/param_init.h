@@ -21,6 +21,9 @@ at::Tensor new_parameter_tensor(at::IntArrayRef sizes, bool deferred);
 bool is_deferred(const at::Tensor& t);
 // Grows a deferred tensor's storage in place to its full size (values uninitialised).
 void materialize(const at::Tensor& t);
+// Gives a deferred tensor other sizes in place (still deferred, same TensorImpl): a
+// tensor-parallel slice of a parameter built whole.
+void resize_deferred(const at::Tensor& t, at::IntArrayRef sizes);
 
 // The default CPU generator's next 64-bit draw (so torch::manual_seed decides it).
 uint64_t draw_seed();

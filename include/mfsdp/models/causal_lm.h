@@ -21,6 +21,7 @@
 #include "mfsdp/fsdp/memory_plan.h"
 #include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/moe.h"
+#include "mfsdp/models/parallel_plan.h"
 
 namespace mfsdp {
 
@@ -63,14 +64,6 @@ struct ModelBuildOptions {
   // The tensor- and context-parallel ranks together (Megatron's tp_cp group), needed with both
   // and sequence parallelism: the tokens MoE layers count their balancing losses over.
   std::shared_ptr<Communicator> tensor_context_parallel;
-};
-
-// How a parameter is split over the tensor-parallel ranks (Megatron's partition_dim).
-enum class TensorParallelSplit {
-  kReplicated,  // whole on every rank: norms
-  kRows,        // along dim 0: column-parallel weights and biases, the vocabulary-parallel
-                // embedding and output layer (rank r holds rows [r * n/tp, (r + 1) * n/tp))
-  kColumns,     // along dim 1: row-parallel weights (their input features)
 };
 
 // ---- Padded and packed batches ---------------------------------------------------------------
@@ -151,23 +144,29 @@ class CausalLM : public ShardedModule<CausalLM> {
   // counts per expert over the data-parallel group; nothing for a layer without one.
   virtual void update_expert_bias(int64_t /*layer*/, const std::vector<int64_t>& /*tokens_per_expert*/) {}
 
-  // Tensor parallelism (ModelBuildOptions): the group (null without), whether the sequence is
-  // split outside the tensor-parallel regions, and how each parameter (by name) is split.
-  virtual std::shared_ptr<Communicator> tensor_parallel() const { return nullptr; }
-  virtual bool sequence_parallel() const { return false; }
-  // Context parallelism (ModelBuildOptions): the group, null without.
-  virtual std::shared_ptr<Communicator> context_parallel() const { return nullptr; }
-  virtual TensorParallelSplit tensor_parallel_split(const std::string& /*name*/) const {
-    return TensorParallelSplit::kReplicated;
+  // Tensor parallelism (ModelBuildOptions), as the family's plan applied it (parallel_plan.h):
+  // the group (null without), whether the sequence is split outside the tensor-parallel regions,
+  // and how each parameter (by name) is split.
+  std::shared_ptr<Communicator> tensor_parallel() const {
+    return tensor_parallelism_.active() ? tensor_parallelism_.group : nullptr;
+  }
+  bool sequence_parallel() const { return tensor_parallelism_.active() && tensor_parallelism_.sequence; }
+  TensorParallelSplit tensor_parallel_split(const std::string& name) const {
+    return parallel_plan_.split(name, tensor_parallelism_);
   }
   // True for a replicated parameter whose gradient each tensor-parallel rank holds only its part
   // of, to be summed over the group (Megatron's sequence_parallel parameters and q/k layernorms):
   // the norms under sequence parallelism, a per-head norm under any tensor parallelism.
-  virtual bool tensor_parallel_partial_grad(const std::string& /*name*/) const { return false; }
+  bool tensor_parallel_partial_grad(const std::string& name) const {
+    return parallel_plan_.partial_gradient(name, tensor_parallelism_);
+  }
   // True for a routed expert's parameter: sharded over the expert-data-parallel group, never
   // duplicated over the tensor-parallel ranks (with experts whole, those ranks hold other experts
   // or other shards of them), so counted and saved by every rank that holds it.
-  virtual bool expert_parameter(const std::string& /*name*/) const { return false; }
+  bool expert_parameter(const std::string& name) const { return parallel_plan_.is_expert(name); }
+  const ParallelPlan& parallel_plan() const { return parallel_plan_; }
+  // Context parallelism (ModelBuildOptions): the group, null without.
+  virtual std::shared_ptr<Communicator> context_parallel() const { return nullptr; }
 
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
   // parameter named `name`: the same values whenever and wherever it is called.
@@ -190,6 +189,19 @@ class CausalLM : public ShardedModule<CausalLM> {
   // root_gradients_after; the caller fills the micro-batches and optimizer states), for the
   // memory plan. Tests compare plans with what runs (tests/dist/memory_plan_test.cpp).
   virtual StepShape unit_schedule() const = 0;
+
+ protected:
+  // A family builds its modules whole and deferred, declares its plan, and applies it with
+  // `tensor_parallelism` before it initialises any parameter (parallel_plan.h).
+  void apply_parallel_plan(ParallelPlan plan, TensorParallelism tensor_parallelism) {
+    parallel_plan_ = std::move(plan);
+    tensor_parallelism_ = std::move(tensor_parallelism);
+    apply_tensor_parallel(*this, parallel_plan_, tensor_parallelism_);
+  }
+
+ private:
+  ParallelPlan parallel_plan_;
+  TensorParallelism tensor_parallelism_;
 };
 
 // fully_shard over every layer, then shard_root; returns the root handle. A model built with

@@ -140,10 +140,12 @@ using LlamaKVCache = KVCache;
 
 class MlaAttentionImpl;  // mla_attention.h
 
-// How the decoder's work is split over ranks (ModelBuildOptions' groups, causal_lm.h). Under
-// tensor parallelism each rank holds 1/tp of the attention heads (query and key/value heads
-// alike, as Megatron splits its query groups), of the MLP's intermediate features and of the
-// vocabulary; the HF names stay, the shapes are the rank's slices (tensor_parallel_split).
+// The groups the decoder's context- and expert-parallel work is split over (ModelBuildOptions'
+// groups, causal_lm.h). Tensor parallelism is the plan's (llama_parallel_plan, parallel_plan.h):
+// the modules are built whole and the plan cuts each rank's slice (1/tp of the attention heads,
+// query and key/value heads alike as Megatron splits its query groups, of the MLP's intermediate
+// features and of the vocabulary; the HF names stay). `tensor` and `sequence` here only tell
+// the MoE blocks which ranks share a routing's tokens.
 struct LlamaParallel {
   std::shared_ptr<Communicator> tensor;  // null: one rank
   bool sequence = false;                 // sequence parallelism (only with tensor)
@@ -167,14 +169,13 @@ struct ContextParallelKeys {
 };
 
 
-// Token embedding; under tensor parallelism vocabulary-parallel (weight [V/tp, H], this rank's
+// Token embedding; its boundary may make it vocabulary-parallel (weight [V/tp, H], this rank's
 // ids; output [B, T, H], or [B, T/tp, H] with sequence parallelism).
-class LlamaEmbeddingImpl : public torch::nn::Module {
+class LlamaEmbeddingImpl : public torch::nn::Module, public WithParallelBoundary {
  public:
-  LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred, LlamaParallel parallel = {});
+  LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred);
   at::Tensor forward(const at::Tensor& ids);
   at::Tensor weight;  // [V, H] ([V/tp, H])
-  LlamaParallel parallel;
 };
 TORCH_MODULE(LlamaEmbedding);
 
@@ -191,12 +192,14 @@ TORCH_MODULE(LlamaRMSNorm);
 
 // Causal grouped-query self-attention with RoPE, through at::scaled_dot_product_attention (the
 // fused kernels of the device: flash/memory-efficient on CUDA, flash on the CPU).
-class LlamaAttentionImpl : public torch::nn::Module {
+class LlamaAttentionImpl : public torch::nn::Module, public WithParallelBoundary {
  public:
+  // `parallel`: its context-parallel group.
   LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred, LlamaParallel parallel = {});
-  // Under tensor parallelism q/k/v are column-parallel (this rank's heads) and o_proj
-  // row-parallel: x and the result are [B, T, H] replicated, or [B, T/tp, H] with sequence
-  // parallelism (rope, cache and `allowed` still cover all T positions).
+  // Its heads are as many as its q/k/v weights hold: under tensor parallelism (the plan's
+  // column-parallel q/k/v and row-parallel o_proj, inside the boundary's region) this rank's,
+  // and x and the result are [B, T, H] replicated, or [B, T/tp, H] with sequence parallelism
+  // (rope, cache and `allowed` still cover all T positions).
   // x: [B, T, H]; rope: tables for the T new positions; cache: null in training. Query t (at
   // key index start + t, start = keys cached before this call) attends to keys 0 .. start + t.
   // `allowed` [B, 1, T, S] bool (SequenceLayout::allowed_keys; S = cached + T) replaces that
@@ -212,21 +215,19 @@ class LlamaAttentionImpl : public torch::nn::Module {
   bool use_sdpa = true;
 
  private:
-  int64_t num_heads_, num_kv_heads_, head_dim_, layer_idx_;  // heads: this rank's
+  int64_t head_dim_, layer_idx_;
   LlamaParallel parallel_;
 };
 TORCH_MODULE(LlamaAttention);
 
 // SwiGLU: down(silu(gate(x)) * up(x)); without config.swiglu: down(gelu(up(x))), no gate.
-// Under tensor parallelism gate/up are column-parallel and down row-parallel (as attention).
-class LlamaMLPImpl : public torch::nn::Module {
+// Under tensor parallelism (the plan's) gate/up are column-parallel and down row-parallel, inside
+// the boundary's region (as attention).
+class LlamaMLPImpl : public torch::nn::Module, public WithParallelBoundary {
  public:
-  LlamaMLPImpl(const LlamaConfig& config, bool deferred, LlamaParallel parallel = {});
+  LlamaMLPImpl(const LlamaConfig& config, bool deferred);
   at::Tensor forward(const at::Tensor& x);
   LlamaLinear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
-
- private:
-  LlamaParallel parallel_;
 };
 TORCH_MODULE(LlamaMLP);
 
@@ -284,9 +285,17 @@ class LlamaModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaModel);
 
+// The Llama family's tensor-parallel plan (parallel_plan.h) for `config`: Megatron's column-
+// and row-parallel projections, the vocabulary-parallel embedding and output layer, the experts'
+// splits under expert tensor parallelism, the norms' and routers' partial gradients, and the
+// regions: each attention, dense MLP and shared expert; the root's boundary is the output
+// layer's input.
+ParallelPlan llama_parallel_plan(const LlamaConfig& config);
+
 // The causal LM: LlamaModel plus the output projection (HF LlamaForCausalLM); the Llama family's
 // CausalLM (causal_lm.h documents the interface). Call it as `model->call(ids)` once sharded.
-class LlamaForCausalLMImpl : public CausalLM {
+// Its boundary (the plan's) is the output layer's input.
+class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
  public:
   explicit LlamaForCausalLMImpl(const LlamaConfig& config, const LlamaOptions& options = {});
   at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr, int64_t start_pos = -1) override;
@@ -303,12 +312,7 @@ class LlamaForCausalLMImpl : public CausalLM {
   std::vector<std::pair<int64_t, RouterStats>> take_router_stats() override;
   void set_aux_loss_scale(double scale) override;
   void update_expert_bias(int64_t layer, const std::vector<int64_t>& tokens_per_expert) override;
-  std::shared_ptr<Communicator> tensor_parallel() const override { return parallel_.tensor; }
-  bool sequence_parallel() const override { return parallel_.sequence; }
   std::shared_ptr<Communicator> context_parallel() const override { return parallel_.context; }
-  TensorParallelSplit tensor_parallel_split(const std::string& name) const override;
-  bool tensor_parallel_partial_grad(const std::string& name) const override;
-  bool expert_parameter(const std::string& name) const override;
 
   // Parameter names are HF names; norms start at one, biases at zero, the rest normal(0,
   // init_std), each from its own (init seed, name) generator. A tensor-parallel slice gets its

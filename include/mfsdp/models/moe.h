@@ -45,6 +45,7 @@
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/models/linear.h"
+#include "mfsdp/models/parallel_plan.h"
 
 namespace mfsdp {
 
@@ -135,8 +136,9 @@ struct RouterStats {
   int64_t forwards = 0;
 };
 
-// An expert: SwiGLU MLP, down(silu(gate(x)) * up(x)).
-class ExpertMlpImpl : public torch::nn::Module {
+// An expert: SwiGLU MLP, down(silu(gate(x)) * up(x)); a shared expert's boundary may make it a
+// tensor-parallel region (parallel_plan.h).
+class ExpertMlpImpl : public torch::nn::Module, public WithParallelBoundary {
  public:
   ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, bool deferred);
   at::Tensor forward(const at::Tensor& x);
@@ -152,8 +154,8 @@ TORCH_MODULE(ExpertMlp);
 // runtime: `experts->call(tokens, counts)`.
 class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
  public:
-  // Each expert `width` wide (its MLP width, or this rank's slice of it under expert tensor
-  // parallelism).
+  // Each expert `width` wide (its MLP width; a tensor-parallel plan may cut it to this rank's
+  // slice under expert tensor parallelism).
   MoeExpertsImpl(int64_t hidden, int64_t width, bool mixtral_names, int64_t first, int64_t count, bool deferred);
   // tokens [n, H] sorted by local expert, counts [count] (int64) rows per local expert ->
   // each row through its expert, [n, H]. `grouped`: one grouped GEMM (at::_grouped_mm) over the
@@ -177,13 +179,14 @@ struct MoeParallel {
   // Expert parallelism: rank r of the group holds experts [r E / ep, (r + 1) E / ep).
   std::shared_ptr<Communicator> expert;
   // Expert tensor parallelism (--expert-tensor-parallel-size, only the tensor-parallel group):
-  // each expert's gate/up rows and down columns split over the group, as a dense MLP under
-  // tensor parallelism; the group's ranks run the union of their rows through their slices.
+  // each expert's gate/up rows and down columns split over the group (the slices a
+  // tensor-parallel plan cut, parallel_plan.h), as a dense MLP under tensor parallelism; the
+  // group's ranks run the union of their rows through their slices.
   std::shared_ptr<Communicator> expert_tensor;
   // Tensor parallelism with sequence parallelism (Megatron trains MoE layers under tensor
-  // parallelism only with it): each rank routes its own slice of the sequence; the shared expert
-  // is a tensor-parallel MLP; the router's gradient is partial (summed over the group by the
-  // trainer), so the balancing losses' gradient is this rank's share.
+  // parallelism only with it): each rank routes its own slice of the sequence (the shared expert
+  // is the plan's tensor-parallel region); the router's gradient is partial (summed over the
+  // group by the trainer), so the balancing losses' gradient is this rank's share.
   std::shared_ptr<Communicator> sequence;
   // The ranks one routing's tokens are spread over (Megatron's tp_cp group: the context-parallel
   // ranks, times the sequence-parallel ones): the balancing losses count over it.

@@ -6,9 +6,7 @@
 #include <limits>
 #include <tuple>
 
-#include "mfsdp/comm/comm.h"
 #include "mfsdp/models/llama.h"
-#include "mfsdp/models/tensor_parallel.h"
 
 namespace mfsdp {
 
@@ -19,18 +17,14 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
 }
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred, LlamaParallel parallel)
-    : num_heads_(c.num_attention_heads / parallel.tp_size()),
-      num_kv_heads_(c.num_key_value_heads / parallel.tp_size()),
-      head_dim_(c.head_dim()),
-      layer_idx_(layer_idx),
-      parallel_(std::move(parallel)) {
-  const int64_t h = c.hidden_size;
+    : head_dim_(c.head_dim()), layer_idx_(layer_idx), parallel_(std::move(parallel)) {
+  const int64_t h = c.hidden_size, heads = c.num_attention_heads, kv_heads = c.num_key_value_heads;
   // Qwen2 (attention_bias): biases on q, k and v only, as transformers' Qwen2Attention.
   const bool bias = c.attention_bias;
-  q_proj = register_module("q_proj", LlamaLinear(h, num_heads_ * head_dim_, deferred, bias));
-  k_proj = register_module("k_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred, bias));
-  v_proj = register_module("v_proj", LlamaLinear(h, num_kv_heads_ * head_dim_, deferred, bias));
-  o_proj = register_module("o_proj", LlamaLinear(num_heads_ * head_dim_, h, deferred));
+  q_proj = register_module("q_proj", LlamaLinear(h, heads * head_dim_, deferred, bias));
+  k_proj = register_module("k_proj", LlamaLinear(h, kv_heads * head_dim_, deferred, bias));
+  v_proj = register_module("v_proj", LlamaLinear(h, kv_heads * head_dim_, deferred, bias));
+  o_proj = register_module("o_proj", LlamaLinear(heads * head_dim_, h, deferred));
   if (c.qk_norm) {  // Qwen3: per head, over head_dim
     q_norm = register_module("q_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps, deferred));
     k_norm = register_module("k_norm", LlamaRMSNorm(head_dim_, c.rms_norm_eps, deferred));
@@ -40,10 +34,11 @@ LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, 
 at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTables& rope,
                                        LlamaKVCache* cache, const at::Tensor& allowed_keys,
                                        const ContextParallelKeys& cp) {
-  Communicator* tp = parallel_.tp_size() > 1 ? parallel_.tensor.get() : nullptr;
   // q, k and v read one input: the region is entered once (one all-reduce of its gradient).
-  const at::Tensor x = tp ? tensor_parallel::enter_tensor_parallel_region(input, *tp, parallel_.sequence) : input;
+  const at::Tensor x = parallel_boundary.enter(input);
   const int64_t b = x.size(0), t = x.size(1);
+  // This rank's heads: all of them, or the plan's tensor-parallel share.
+  const int64_t num_heads_ = q_proj->weight.size(0) / head_dim_, num_kv_heads_ = k_proj->weight.size(0) / head_dim_;
   at::Tensor q = q_proj(x).view({b, t, num_heads_, head_dim_});
   at::Tensor k = k_proj(x).view({b, t, num_kv_heads_, head_dim_});
   if (q_norm) {
@@ -66,8 +61,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
     o.segment_ids = cp.segment_ids;
     o.scale = scale;
     out = context_parallel::cp_attention(q, k, v, cp.global_positions, *parallel_.context, o);
-    out = o_proj(out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_}));
-    return tp ? tensor_parallel::exit_tensor_parallel_region(out, *tp, parallel_.sequence) : out;
+    return parallel_boundary.leave(o_proj(out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_})));
   }
   if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
   const int64_t s = k.size(2), past = s - t;  // keys: past positions, then the t new ones
@@ -94,8 +88,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
     out = at::matmul(probs, v);
   }
   out = out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_});
-  out = o_proj(out);
-  return tp ? tensor_parallel::exit_tensor_parallel_region(out, *tp, parallel_.sequence) : out;
+  return parallel_boundary.leave(o_proj(out));
 }
 
 }  // namespace mfsdp

@@ -9,7 +9,6 @@
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/fsdp/recompute.h"
 #include "mfsdp/models/mla_attention.h"
-#include "mfsdp/models/tensor_parallel.h"
 #include "models/param_init.h"
 
 namespace mfsdp {
@@ -52,7 +51,7 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
     moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp",
                           MoeBlock(c.hidden_size, c.moe, deferred, moe_parallel(parallel)));
   } else {
-    mlp = register_module("mlp", LlamaMLP(c, deferred, parallel));
+    mlp = register_module("mlp", LlamaMLP(c, deferred));
   }
   input_layernorm = register_module("input_layernorm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
   post_attention_layernorm =
@@ -79,7 +78,7 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const Rotary
 LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, const LlamaParallel& parallel)
     : config_(c), parallel_(parallel) {
   config_.validate();
-  embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred, parallel));
+  embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred));
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred, parallel));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
@@ -244,6 +243,11 @@ void check_tensor_parallel(const LlamaConfig& c, const LlamaParallel& p) {
       throw std::invalid_argument("LlamaForCausalLM: tensor parallelism over " + std::to_string(tp) +
                                   " ranks splits " + field + " (" + std::to_string(value) +
                                   "), which does not divide by " + std::to_string(tp));
+  if (p.expert_tensor && c.moe.num_experts > 0 && c.moe.ffn_hidden_size % tp != 0)
+    throw std::invalid_argument("LlamaForCausalLM: expert tensor parallelism over " + std::to_string(tp) +
+                                " ranks splits each expert's width (moe_intermediate_size " +
+                                std::to_string(c.moe.ffn_hidden_size) + "), which does not divide by " +
+                                std::to_string(tp));
   // Megatron's MoE layer refuses to train under tensor parallelism without it: each rank routes
   // its slice of the sequence.
   if (c.moe.num_experts > 0 && !p.sequence)
@@ -270,13 +274,6 @@ LlamaParallel parallel_of(const LlamaOptions& o) {
   return p;
 }
 
-bool ends_with(const std::string& s, const char* suffix) {
-  const size_t n = std::char_traits<char>::length(suffix);
-  return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
-}
-
-bool contains(const std::string& s, const char* part) { return s.find(part) != std::string::npos; }
-
 }  // namespace
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOptions& options)
@@ -284,15 +281,16 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
   config_.validate();
   check_tensor_parallel(c, parallel_);
   init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
-  model = register_module("model", LlamaModel(c, options.deferred_init, parallel_));
+  // Built whole and deferred, cut by the plan, then initialised (unless the caller defers).
+  model = register_module("model", LlamaModel(c, /*deferred=*/true, parallel_));
   model->recompute_layers = options.recompute_layers;
   for (int64_t i = 0; i < c.num_layers; ++i)
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)
-    lm_head = register_module("lm_head",
-                              LlamaLinear(c.hidden_size, c.vocab_size / parallel_.tp_size(), options.deferred_init));
-  layer_deferred_.assign(c.num_layers, options.deferred_init);
-  root_deferred_ = options.deferred_init;
+    lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, /*deferred=*/true));
+  apply_parallel_plan(llama_parallel_plan(c), {parallel_.tensor, parallel_.sequence, parallel_.expert_tensor != nullptr});
+  layer_deferred_.assign(c.num_layers, true);
+  root_deferred_ = true;
   experts_split_ = (options.expert_parallel && options.expert_parallel->size() > 1) ||
                    (parallel_.tensor && !parallel_.expert_tensor);
   if (!options.deferred_init) reset_parameters();
@@ -311,45 +309,11 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const Sequ
 }
 
 at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
-  // Tensor-parallel: a column-parallel output layer over this rank's vocabulary rows, so no rank
-  // forms the full-vocabulary logits.
-  const at::Tensor in = parallel_.tensor ? tensor_parallel::enter_tensor_parallel_region(hidden, *parallel_.tensor,
-                                                                                         parallel_.sequence)
-                                         : hidden;
+  // Tensor-parallel (the plan's boundary): a column-parallel output layer over this rank's
+  // vocabulary rows, so no rank forms the full-vocabulary logits.
+  const at::Tensor in = parallel_boundary.enter(hidden);
   return lm_head ? mfsdp::call(*lm_head, in) : at::linear(in, model->embed_tokens->weight);
 }
-
-TensorParallelSplit LlamaForCausalLMImpl::tensor_parallel_split(const std::string& name) const {
-  if (!parallel_.tensor) return TensorParallelSplit::kReplicated;
-  if (name == "model.embed_tokens.weight" || name == "lm_head.weight") return TensorParallelSplit::kRows;
-  if (expert_parameter(name)) {
-    // Column-parallel gate (w1) and up (w3), row-parallel down (w2), under expert tensor
-    // parallelism; whole otherwise.
-    if (!parallel_.expert_tensor) return TensorParallelSplit::kReplicated;
-    for (const char* column : {".gate_proj.", ".up_proj.", ".w1.", ".w3."})
-      if (contains(name, column)) return TensorParallelSplit::kRows;
-    return TensorParallelSplit::kColumns;
-  }
-  for (const char* column : {".q_proj.", ".k_proj.", ".v_proj.", ".gate_proj.", ".up_proj."})
-    if (contains(name, column)) return TensorParallelSplit::kRows;
-  for (const char* row : {".o_proj.weight", ".down_proj.weight"})
-    if (ends_with(name, row)) return TensorParallelSplit::kColumns;
-  return TensorParallelSplit::kReplicated;
-}
-
-bool LlamaForCausalLMImpl::tensor_parallel_partial_grad(const std::string& name) const {
-  if (!parallel_.tensor) return false;
-  // The router and the shared expert's gate read only this rank's positions (MoE layers run
-  // with sequence parallelism).
-  if (parallel_.sequence && (ends_with(name, ".gate.weight") || ends_with(name, ".shared_expert_gate.weight")))
-    return true;
-  if (!ends_with(name, "norm.weight")) return false;
-  // A per-head norm sees only this rank's heads; under sequence parallelism every norm sees only
-  // this rank's positions.
-  return parallel_.sequence || ends_with(name, ".q_norm.weight") || ends_with(name, ".k_norm.weight");
-}
-
-bool LlamaForCausalLMImpl::expert_parameter(const std::string& name) const { return contains(name, ".experts."); }
 
 void LlamaForCausalLMImpl::check_materialized() const {
   if (has_deferred())

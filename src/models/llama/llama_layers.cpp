@@ -1,11 +1,10 @@
 // The building blocks: linear projection (a bias only for Qwen2's q/k/v), token embedding,
-// RMSNorm, the MLP (SwiGLU, or Megatron's GeLU MLP without --swiglu), each tensor-parallel when
-// built with a group (LlamaParallel).
+// RMSNorm, the MLP (SwiGLU, or Megatron's GeLU MLP without --swiglu); the embedding and the MLP
+// tensor-parallel through the boundary a plan gives them (parallel_plan.h).
 #include <ATen/ATen.h>
 
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/models/llama.h"
-#include "mfsdp/models/tensor_parallel.h"
 #include "models/param_init.h"
 
 namespace mfsdp {
@@ -24,16 +23,11 @@ at::Tensor LlamaLinearImpl::forward(const at::Tensor& x) {
   return bias.defined() ? at::linear(x, weight, bias) : at::linear(x, weight);
 }
 
-LlamaEmbeddingImpl::LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred, LlamaParallel p)
-    : parallel(std::move(p)) {
-  weight = register_parameter("weight",
-                              detail::new_parameter_tensor({num_embeddings / parallel.tp_size(), dim}, deferred));
+LlamaEmbeddingImpl::LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred) {
+  weight = register_parameter("weight", detail::new_parameter_tensor({num_embeddings, dim}, deferred));
 }
 
-at::Tensor LlamaEmbeddingImpl::forward(const at::Tensor& ids) {
-  if (parallel.tp_size() == 1) return at::embedding(weight, ids);
-  return tensor_parallel::vocab_parallel_embedding(ids, weight, *parallel.tensor, parallel.sequence);
-}
+at::Tensor LlamaEmbeddingImpl::forward(const at::Tensor& ids) { return parallel_boundary.embed(ids, weight); }
 
 LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t dim, double eps_in, bool deferred) : eps(eps_in) {
   weight = register_parameter("weight", detail::new_parameter_tensor({dim}, deferred));
@@ -46,21 +40,18 @@ at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
   return weight * h.to(x.scalar_type());
 }
 
-LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool deferred, LlamaParallel parallel)
-    : parallel_(std::move(parallel)) {
-  const int64_t intermediate = c.intermediate_size / parallel_.tp_size();  // this rank's features
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& c, bool deferred) {
+  const int64_t intermediate = c.intermediate_size;
   if (c.swiglu) gate_proj = register_module("gate_proj", LlamaLinear(c.hidden_size, intermediate, deferred));
   up_proj = register_module("up_proj", LlamaLinear(c.hidden_size, intermediate, deferred));
   down_proj = register_module("down_proj", LlamaLinear(intermediate, c.hidden_size, deferred));
 }
 
 at::Tensor LlamaMLPImpl::forward(const at::Tensor& x) {
-  Communicator* tp = parallel_.tp_size() > 1 ? parallel_.tensor.get() : nullptr;
   // gate and up read one input: the region is entered once (one all-reduce of its gradient).
-  const at::Tensor in = tp ? tensor_parallel::enter_tensor_parallel_region(x, *tp, parallel_.sequence) : x;
-  at::Tensor partial = gate_proj ? down_proj(at::silu(gate_proj(in)) * up_proj(in))
-                                 : down_proj(at::gelu(up_proj(in)));  // Megatron's default F.gelu: the erf form
-  return tp ? tensor_parallel::exit_tensor_parallel_region(partial, *tp, parallel_.sequence) : partial;
+  const at::Tensor in = parallel_boundary.enter(x);
+  return parallel_boundary.leave(gate_proj ? down_proj(at::silu(gate_proj(in)) * up_proj(in))
+                                           : down_proj(at::gelu(up_proj(in))));  // Megatron's default F.gelu: the erf form
 }
 
 }  // namespace mfsdp

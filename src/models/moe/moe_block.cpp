@@ -10,7 +10,6 @@
 
 #include "mfsdp/fsdp/recompute.h"
 #include "mfsdp/models/moe.h"
-#include "mfsdp/models/tensor_parallel.h"
 
 namespace mfsdp {
 namespace {
@@ -106,7 +105,10 @@ ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_
   down = register_module(mixtral_names ? "w2" : "down_proj", LlamaLinear(intermediate, hidden, deferred));
 }
 
-at::Tensor ExpertMlpImpl::forward(const at::Tensor& x) { return down(at::silu(gate(x)) * up(x)); }
+at::Tensor ExpertMlpImpl::forward(const at::Tensor& x) {
+  const at::Tensor in = parallel_boundary.enter(x);
+  return parallel_boundary.leave(down(at::silu(gate(in)) * up(in)));
+}
 
 MoeExpertsImpl::MoeExpertsImpl(int64_t hidden, int64_t width, bool mixtral_names, int64_t first, int64_t count,
                                bool deferred)
@@ -173,23 +175,15 @@ MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferre
   if (config.num_experts % ep != 0)
     throw std::invalid_argument("MoeBlock: " + std::to_string(ep) + " expert-parallel ranks do not divide " +
                                 std::to_string(config.num_experts) + " experts");
-  // Each expert's slice of the width under expert tensor parallelism, the shared expert's under
-  // tensor parallelism (Megatron's SharedExpertMLP is a tensor-parallel MLP).
-  auto slice = [](int64_t width, const std::shared_ptr<Communicator>& group, const char* field) {
-    const int64_t n = group ? group->size() : 1;
-    if (width % n != 0)
-      throw std::invalid_argument(std::string("MoeBlock: ") + std::to_string(n) + " tensor-parallel ranks do not divide " +
-                                  field + " " + std::to_string(width));
-    return width / n;
-  };
-  experts = register_module("experts", MoeExperts(hidden, slice(config.ffn_hidden_size, etp_, "the expert width"),
-                                                  config.mixtral_names, (ep_ ? ep_->rank() : 0) * per_rank, per_rank,
-                                                  deferred));
+  // The experts and the shared expert whole: a tensor-parallel plan cuts each expert's slice of
+  // the width under expert tensor parallelism, and the shared expert's under tensor parallelism
+  // (Megatron's SharedExpertMLP is a tensor-parallel MLP: its boundary is the plan's region).
+  experts = register_module("experts", MoeExperts(hidden, config.ffn_hidden_size, config.mixtral_names,
+                                                  (ep_ ? ep_->rank() : 0) * per_rank, per_rank, deferred));
   if (config.shared_expert_intermediate_size > 0) {
-    shared_expert = register_module(
-        config.shared_experts_name ? "shared_experts" : "shared_expert",
-        ExpertMlp(hidden, slice(config.shared_expert_intermediate_size, sp_, "the shared expert width"),
-                  /*mixtral_names=*/false, deferred));
+    shared_expert = register_module(config.shared_experts_name ? "shared_experts" : "shared_expert",
+                                    ExpertMlp(hidden, config.shared_expert_intermediate_size,
+                                              /*mixtral_names=*/false, deferred));
     if (config.shared_expert_gate) shared_expert_gate = register_module("shared_expert_gate", LlamaLinear(hidden, 1, deferred));
   }
 }
@@ -267,10 +261,9 @@ at::Tensor MoeBlockImpl::run_local(const at::Tensor& rows, const at::Tensor& per
 }
 
 at::Tensor MoeBlockImpl::shared(const at::Tensor& x) {
-  // Under sequence parallelism a tensor-parallel MLP over the gathered sequence, its partial
-  // outputs reduce-scattered back to this rank's slice (Megatron's SharedExpertMLP).
-  at::Tensor s = shared_expert(sp_ ? tensor_parallel::enter_tensor_parallel_region(x, *sp_, true) : x);
-  if (sp_) s = tensor_parallel::exit_tensor_parallel_region(s, *sp_, true);
+  // Under sequence parallelism (the plan's region) a tensor-parallel MLP over the gathered
+  // sequence, its partial outputs reduce-scattered back to this rank's slice.
+  at::Tensor s = shared_expert(x);
   if (shared_expert_gate) s = at::sigmoid(shared_expert_gate(x)) * s;
   return s;
 }

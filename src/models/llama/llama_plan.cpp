@@ -1,0 +1,52 @@
+// The Llama family's tensor-parallel plan (include/mfsdp/models/llama.h, llama_parallel_plan):
+// Megatron's layout of a GPT layer, by Hugging Face parameter and module names.
+#include "mfsdp/models/llama.h"
+
+#include <string>
+
+namespace mfsdp {
+
+ParallelPlan llama_parallel_plan(const LlamaConfig& c) {
+  using Split = TensorParallelSplit;
+  using Boundary = TensorParallelBoundary;
+  ParallelPlan plan;
+  // Routed experts first: their gate/up (w1/w3) column-parallel and down (w2) row-parallel under
+  // expert tensor parallelism, as a dense MLP's.
+  for (const char* column : {"gate_proj", "up_proj", "w1", "w3"})
+    plan.experts.emplace_back(std::string("model.layers.*.experts.*.") + column + ".*", Split::kRows);
+  plan.experts.emplace_back("model.layers.*.experts.*", Split::kColumns);
+  // The vocabulary-parallel embedding and output layer; column-parallel q/k/v (weights and
+  // Qwen2's biases: this rank's heads) and MLP gate/up (the dense MLP's and a shared expert's);
+  // row-parallel o_proj and down_proj.
+  plan.tensor_parallel = {{"model.embed_tokens.weight", Split::kRows}, {"lm_head.weight", Split::kRows}};
+  if (!c.mla)
+    for (const char* column : {"q_proj", "k_proj", "v_proj"})
+      plan.tensor_parallel.emplace_back(std::string("model.layers.*.self_attn.") + column + ".*", Split::kRows);
+  for (const char* column : {"gate_proj", "up_proj"})
+    plan.tensor_parallel.emplace_back(std::string("model.layers.*.") + column + ".*", Split::kRows);
+  if (!c.mla) plan.tensor_parallel.emplace_back("model.layers.*.self_attn.o_proj.weight", Split::kColumns);
+  plan.tensor_parallel.emplace_back("model.layers.*.down_proj.weight", Split::kColumns);
+  // A per-head norm sees only this rank's heads; under sequence parallelism every norm sees only
+  // this rank's positions, and so do the router and the shared expert's gate (MoE layers route
+  // each rank's slice of the sequence).
+  plan.partial_gradients = {"model.layers.*.self_attn.q_norm.weight", "model.layers.*.self_attn.k_norm.weight"};
+  plan.sequence_partial_gradients = {"*norm.weight", "model.layers.*.gate.weight",
+                                     "model.layers.*.shared_expert_gate.weight"};
+  // The regions: each attention, dense MLP and shared expert; the embedding looks up its
+  // vocabulary rows; the root's boundary is the output layer's input.
+  plan.boundaries = {{"", Boundary::kInput}, {"model.embed_tokens", Boundary::kVocabulary}};
+  if (!c.mla) plan.boundaries.emplace_back("model.layers.*.self_attn", Boundary::kRegion);
+  const std::string moe = c.moe.mixtral_names ? "block_sparse_moe" : "mlp";
+  const std::string shared = c.moe.shared_experts_name ? "shared_experts" : "shared_expert";
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string layer = "model.layers." + std::to_string(i) + ".";
+    if (!c.moe.is_moe_layer(i)) {
+      plan.boundaries.emplace_back(layer + "mlp", Boundary::kRegion);
+    } else if (c.moe.shared_expert_intermediate_size > 0) {
+      plan.boundaries.emplace_back(layer + moe + "." + shared, Boundary::kRegion);
+    }
+  }
+  return plan;
+}
+
+}  // namespace mfsdp
