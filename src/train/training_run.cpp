@@ -52,7 +52,7 @@ nlohmann::json megatron_model_args(const ModelSection& a, const MoeSection& moe,
           {"moe_router_enable_expert_bias", moe.moe_router_enable_expert_bias},
           {"moe_router_topk_scaling_factor",
            moe.moe_router_topk_scaling_factor > 0 ? nlohmann::json(moe.moe_router_topk_scaling_factor) : nlohmann::json()},
-          {"moe_layer_freq", moe.moe_layer_freq.front() == '['
+          {"moe_layer_freq", moe.moe_layer_freq_is_list()
                                  ? nlohmann::json(moe.moe_layer_pattern())
                                  : nlohmann::json(moe.moe_layer_pattern().front())},
           {"moe_router_num_groups", moe.moe_router_num_groups > 0 ? nlohmann::json(moe.moe_router_num_groups) : nlohmann::json()},

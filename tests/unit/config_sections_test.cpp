@@ -128,6 +128,32 @@ TEST(ConfigSections, MoeChecksNameTheFlag) {
 
 // Megatron's --split weights: numbers separated by commas (or slashes, or spaces), nothing else;
 // Megatron's own regex would read "-2147483649" as 2147483649.
+// Megatron evaluates --moe-layer-freq as Python: the values Python gives for these expressions.
+TEST(ConfigSections, MoeLayerFreqReadsMegatronsListExpressions) {
+  auto pattern = [](const std::string& text) {
+    mfsdp::MoeSection moe;
+    moe.moe_layer_freq = text;
+    return moe.moe_layer_pattern();
+  };
+  std::vector<int64_t> deepseek(3, 0);
+  deepseek.resize(61, 1);
+  EXPECT_EQ(pattern("([0]*3+[1]*58)"), deepseek);
+  EXPECT_EQ(pattern("[0]*3 + 58*[1]"), deepseek);
+  EXPECT_EQ(pattern("[1,0]*2"), (std::vector<int64_t>{1, 0, 1, 0}));
+  EXPECT_EQ(pattern("([1] + [0, 0])*2"), (std::vector<int64_t>{1, 0, 0, 1, 0, 0}));
+  EXPECT_EQ(pattern("[1, 0]"), (std::vector<int64_t>{1, 0}));
+  EXPECT_EQ(pattern("[]*3"), (std::vector<int64_t>{}));
+  EXPECT_EQ(pattern("4"), (std::vector<int64_t>{4}));
+  for (const auto& [text, message] : std::vector<std::pair<std::string, std::string>>{
+           {"([0]*3+[1]*58", "--moe-layer-freq: cannot read '([0]*3+[1]*58': expected ')'"},
+           {"[0]*", "--moe-layer-freq: cannot read '[0]*': expected a count"},
+           {"[0,2]*3", "--moe-layer-freq: a list holds 0 (dense) or 1 (MoE) per layer, found '2'"},
+           {"[1]-[0]", "--moe-layer-freq: cannot read '[1]-[0]': unexpected '-[0]'"},
+           {"[1]*99999999*99999999", "--moe-layer-freq: cannot read '[1]*99999999*99999999': lists more than 2^20 layers"},
+       })
+    EXPECT_NE(error_of([&] { pattern(text); }).find(message), std::string::npos) << text << ": " << error_of([&] { pattern(text); });
+}
+
 TEST(ConfigSections, SplitTakesNonNegativeWeightsOnly) {
   for (const char* good : {"969,30,1", "99,1", "0.9 0.1 0", "90/5/5", "1"}) {
     mfsdp::DataSection data;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <filesystem>
 #include <limits>
 #include <sstream>
@@ -231,7 +232,7 @@ std::vector<ToolFlag> MoeSection::flags() {
       int_flag("--moe-router-group-topk", moe_router_group_topk,
                "group-limited routing: choose the top-k within this many best groups (DeepSeek-V3's topk_group)"),
       string_flag("--moe-layer-freq", moe_layer_freq,
-                  "which layers are MoE layers: every N-th from layer 0, or a list such as [1,0,1,0]"),
+                  "which layers are MoE layers: every N-th from layer 0, or a list such as [1,0,1,0] or ([0]*3+[1]*58)"),
       bool_flag("--moe-router-enable-expert-bias", moe_router_enable_expert_bias,
                 "aux-loss-free balancing: a per-expert bias on the routing scores, moved after each step "
                 "toward equal token counts (sigmoid scores)"),
@@ -242,19 +243,104 @@ std::vector<ToolFlag> MoeSection::flags() {
   };
 }
 
-std::vector<int64_t> MoeSection::moe_layer_pattern() const {
-  const std::string& f = moe_layer_freq;
-  if (!f.empty() && f.front() == '[' && f.back() == ']') {
-    std::vector<int64_t> out;
-    std::stringstream in(f.substr(1, f.size() - 2));
-    for (std::string item; std::getline(in, item, ',');) {
-      const size_t a = item.find_first_not_of(' '), b = item.find_last_not_of(' ');
-      const std::string v = a == std::string::npos ? "" : item.substr(a, b - a + 1);
-      if (v != "0" && v != "1") flag_error("--moe-layer-freq", "a list holds 0 (dense) or 1 (MoE) per layer, found '" + v + "'");
-      out.push_back(v == "1");
+namespace {
+
+// Megatron reads --moe-layer-freq as a Python expression of 0/1 lists (DeepSeek-V3's recipes
+// write "([0]*3+[1]*58)"): list literals, a list times a count (either side), sums of them and
+// parentheses. A recursive-descent reading of exactly that, rather than an evaluator.
+class LayerListExpression {
+ public:
+  explicit LayerListExpression(const std::string& text) : text_(text) {}
+  std::vector<int64_t> read() {
+    std::vector<int64_t> out = sum();
+    if (skip() != text_.size()) fail("unexpected '" + text_.substr(pos_) + "'");
+    return out;
+  }
+
+ private:
+  static constexpr int64_t kMaxLayers = 1 << 20;
+  std::vector<int64_t> sum() {
+    std::vector<int64_t> out = product();
+    while (eat('+')) {
+      const std::vector<int64_t> more = product();
+      if (static_cast<int64_t>(out.size() + more.size()) > kMaxLayers) fail("lists more than 2^20 layers");
+      out.insert(out.end(), more.begin(), more.end());
     }
     return out;
   }
+  std::vector<int64_t> product() {
+    if (skip() < text_.size() && std::isdigit(static_cast<unsigned char>(text_[pos_]))) {
+      const int64_t n = count();
+      if (!eat('*')) fail("expected '*' after " + std::to_string(n));
+      return repeat(atom(), n);
+    }
+    std::vector<int64_t> out = atom();
+    while (eat('*')) out = repeat(out, count());
+    return out;
+  }
+  std::vector<int64_t> atom() {
+    if (eat('(')) {
+      std::vector<int64_t> out = sum();
+      if (!eat(')')) fail("expected ')'");
+      return out;
+    }
+    if (!eat('[')) fail("expected a list such as [1,0,1,0], got '" + text_.substr(pos_) + "'");
+    std::vector<int64_t> out;
+    if (eat(']')) return out;
+    do {
+      const size_t start = skip(), end = text_.find_first_of(",]", start);
+      const std::string item = text_.substr(start, end == std::string::npos ? std::string::npos : end - start);
+      const size_t last = item.find_last_not_of(' ');
+      const std::string value = last == std::string::npos ? "" : item.substr(0, last + 1);
+      if (value != "0" && value != "1")
+        flag_error("--moe-layer-freq", "a list holds 0 (dense) or 1 (MoE) per layer, found '" + value + "'");
+      out.push_back(value == "1");
+      pos_ = start + item.size();
+    } while (eat(','));
+    if (!eat(']')) fail("expected ']'");
+    return out;
+  }
+  std::vector<int64_t> repeat(const std::vector<int64_t>& list, int64_t n) {
+    if (n > 0 && static_cast<int64_t>(list.size()) > kMaxLayers / n) fail("lists more than 2^20 layers");
+    std::vector<int64_t> out;
+    for (int64_t i = 0; i < n; ++i) out.insert(out.end(), list.begin(), list.end());
+    return out;
+  }
+  int64_t count() {
+    const size_t start = skip();
+    size_t end = start;
+    while (end < text_.size() && std::isdigit(static_cast<unsigned char>(text_[end])) && end - start < 8) ++end;
+    if (end == start) fail("expected a count at '" + text_.substr(start) + "'");
+    pos_ = end;
+    return std::stoll(text_.substr(start, end - start));
+  }
+  bool eat(char c) {
+    if (skip() < text_.size() && text_[pos_] == c) {
+      ++pos_;
+      return true;
+    }
+    return false;
+  }
+  size_t skip() {
+    while (pos_ < text_.size() && text_[pos_] == ' ') ++pos_;
+    return pos_;
+  }
+  [[noreturn]] void fail(const std::string& why) const {
+    flag_error("--moe-layer-freq", "cannot read '" + text_ + "': " + why);
+  }
+  const std::string& text_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+bool MoeSection::moe_layer_freq_is_list() const {
+  return !moe_layer_freq.empty() && (moe_layer_freq.front() == '[' || moe_layer_freq.front() == '(');
+}
+
+std::vector<int64_t> MoeSection::moe_layer_pattern() const {
+  const std::string& f = moe_layer_freq;
+  if (moe_layer_freq_is_list()) return LayerListExpression(f).read();
   size_t used = 0;
   long long n = 0;
   try {
@@ -317,7 +403,7 @@ void MoeSection::validate(const ModelSection& model) const {
     flag_error("--moe-router-pre-softmax", "is for --moe-router-score-function softmax");
   if (moe_router_enable_expert_bias && moe_router_score_function != "sigmoid")
     flag_error("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid (as in Megatron-LM)");
-  if (moe_layer_freq.front() == '[') {  // a list: one 0/1 per layer, at least one 1
+  if (moe_layer_freq_is_list()) {  // a list: one 0/1 per layer, at least one 1
     if (static_cast<int64_t>(pattern.size()) != model.num_layers)
       flag_error("--moe-layer-freq", "lists " + std::to_string(pattern.size()) + " layers, --num-layers is " +
                                          std::to_string(model.num_layers));

@@ -112,7 +112,9 @@ struct MoeSection {
   double moe_expert_capacity_factor = 0;  // 0: Megatron's None, dropless
   std::string moe_token_dispatcher_type = "alltoall";
   bool moe_grouped_gemm = false;
-  std::string moe_layer_freq = "1";  // an integer N (every N-th layer from 0) or a list "[1,0,1,1]"
+  // An integer N (every N-th layer from 0) or a list "[1,0,1,1]", also as Megatron's Python
+  // expression of lists ("([0]*3+[1]*58)": lists, a list times a count, sums, parentheses).
+  std::string moe_layer_freq = "1";
   bool moe_router_enable_expert_bias = false;
   double moe_router_bias_update_rate = 1e-3;
   bool moe_per_layer_logging = false;
@@ -120,6 +122,7 @@ struct MoeSection {
   int64_t moe_router_group_topk = 0;
   // The layers' pattern from moe_layer_freq: one 0/1 per layer, or {N} for an integer N.
   std::vector<int64_t> moe_layer_pattern() const;
+  bool moe_layer_freq_is_list() const;
   // Reads the model's layers, MLP kind and width: the experts are SwiGLU MLPs of the model.
   void validate(const ModelSection& model) const;
   std::vector<ToolFlag> flags();
