@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "harness/metrics_file.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/checkpoint.h"
@@ -40,16 +41,7 @@ const std::string kModel =
     " --moe-aux-loss-coeff 1e-2 --moe-z-loss-coeff 1e-3 --seq-length 64 --micro-batch-size 4 --global-batch-size 16"
     " --lr 3e-3 --lr-warmup-iters 10 --eval-interval 1000 --eval-iters 1";
 
-// The training records (not evaluation) of a metrics file.
-std::vector<json> training_records(const std::string& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    json r = json::parse(line);
-    if (!r.value("eval", false)) out.push_back(r);
-  }
-  return out;
-}
+using mfsdp::testing::training_records;
 
 std::string pretrain(const std::string& flags) {
   return kRun + " --nproc-per-node 2 " + kPretrain + kModel + flags + " 2>&1";

@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "harness/metrics_file.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/safetensors.h"
@@ -105,16 +106,7 @@ void write_data(const std::string& path) {
   }
 }
 
-// The training records (not evaluation) of a metrics file.
-std::vector<json> training_records(const std::string& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) {
-    json r = json::parse(line);
-    if (!r.value("eval", false)) out.push_back(r);
-  }
-  return out;
-}
+using mfsdp::testing::training_records;
 
 double max_abs(const at::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().max().item<double>(); }
 

@@ -1,0 +1,23 @@
+// The records of a trainer's --metrics-file (JSON lines, one per logged step) as tests read them.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace mfsdp::testing {
+
+// The training records of a metrics file, in order (evaluation records, "eval": true, left out).
+inline std::vector<nlohmann::json> training_records(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    nlohmann::json r = nlohmann::json::parse(line);
+    if (!r.value("eval", false)) out.push_back(r);
+  }
+  return out;
+}
+
+}  // namespace mfsdp::testing
