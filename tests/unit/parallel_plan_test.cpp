@@ -8,6 +8,7 @@
 #include <string>
 
 #include "harness/expect_error.h"
+#include "harness/tiny_llama.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/models/llama.h"
 
@@ -53,14 +54,7 @@ TEST(ParallelPlan, FirstMatchingRuleDecidesAndExpertsSplitOnlyWhenAsked) {
 // A Qwen3-MoE-like model with a dense first layer, a shared expert, q/k norms and an untied
 // output layer: every kind of parameter the plan names.
 mfsdp::LlamaConfig moe_config() {
-  mfsdp::LlamaConfig c;
-  c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.max_position_embeddings = 64;
+  mfsdp::LlamaConfig c = mfsdp::testing::tiny_llama_config();
   c.qk_norm = true;
   c.moe.num_experts = 4;
   c.moe.top_k = 2;
