@@ -13,7 +13,8 @@
 # (q_lora_rank 1536, kv_lora_rank 512, qk_head_dim 128, qk_pos_emb_head_dim 64, v_head_dim 128),
 # dense MLP 18432, 256 routed experts of 2048 (top-8, sigmoid scores with the expert bias, 8 groups,
 # top-4 groups, scaling 2.5) and one shared expert of 2048, vocabulary 129280, untied. No MTP layer
-# (mfsdp builds none). bf16 with fp32 main weights and grads, AdamW; TP 1 (mfsdp refuses TP with MLA).
+# (mfsdp builds none). bf16 with fp32 main weights and grads, AdamW; TP 1 (as first measured, when
+# mfsdp still refused TP with MLA).
 #
 # Environment (defaults in brackets): RANKS [256] EPS [8 32 64] STRATEGIES [optim_grads_params
 #   optim_grads optim] SEQ [4096] BUILD [<repo>/build] OUT [a new temporary folder]

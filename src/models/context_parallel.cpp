@@ -139,30 +139,35 @@ struct GatherSequence : public torch::autograd::Function<GatherSequence> {
 
 // ---- Attention helpers --------------------------------------------------------------------------
 
-// [B, H, T, D] -> [B, H, world * T, D], every rank's block in rank order; backward reduce-scatters
+// [B, H, T, Dk], [B, H, T, Dv] -> [B, H, world * T, Dk], [B, H, world * T, Dv], every rank's
+// block in rank order; backward reduce-scatters
 // the gradient (each rank's queries give a partial gradient of every key) back to the owners.
 // K and V travel together: one collective each way.
 struct GatherKeysValues : public torch::autograd::Function<GatherKeysValues> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& k, const at::Tensor& v,
                                Communicator* cp) {
     keep(ctx, *cp);
-    const int64_t world = cp->size(), b = k.size(0), h = k.size(1), t = k.size(2), d = k.size(3);
-    // [world, 2, B, H, T, D] -> [2, B, H, world, T, D]
-    at::Tensor all = all_gather_stacked(at::stack({k, v}), *cp)
-                         .permute({1, 2, 3, 0, 4, 5})
-                         .reshape({2, b, h, world * t, d});
-    return {all[0], all[1]};
+    const int64_t world = cp->size(), b = k.size(0), h = k.size(1), t = k.size(2), dk = k.size(3);
+    ctx->saved_data["key_width"] = dk;
+    ctx->saved_data["value_width"] = v.size(3);
+    // Side by side along the head width (values may be narrower or wider than keys, as in
+    // multi-head latent attention): [world, B, H, T, Dk + Dv] -> [B, H, world, T, Dk + Dv].
+    at::Tensor all = all_gather_stacked(at::cat({k, v}, -1), *cp).permute({1, 2, 0, 3, 4});
+    all = all.reshape({b, h, world * t, all.size(-1)});
+    return {all.narrow(-1, 0, dk).contiguous(), all.narrow(-1, dk, all.size(-1) - dk).contiguous()};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grad) {
     Communicator& cp = kept(ctx);
-    const int64_t world = cp.size();
+    const int64_t world = cp.size(), dk = ctx->saved_data["key_width"].toInt();
     at::Tensor gk = grad[0], gv = grad[1];
-    if (!gk.defined()) gk = at::zeros_like(gv);
-    if (!gv.defined()) gv = at::zeros_like(gk);
-    const int64_t b = gk.size(0), h = gk.size(1), t = gk.size(2) / world, d = gk.size(3);
-    at::Tensor staged = at::stack({gk, gv}).view({2, b, h, world, t, d}).permute({3, 0, 1, 2, 4, 5});
+    const at::Tensor& some = gk.defined() ? gk : gv;
+    const int64_t b = some.size(0), h = some.size(1), s = some.size(2), t = s / world;
+    if (!gk.defined()) gk = at::zeros({b, h, s, dk}, some.options());
+    if (!gv.defined()) gv = at::zeros({b, h, s, ctx->saved_data["value_width"].toInt()}, some.options());
+    at::Tensor both = at::cat({gk, gv}, -1);
+    at::Tensor staged = both.view({b, h, world, t, both.size(-1)}).permute({2, 0, 1, 3, 4});
     at::Tensor mine = reduce_scatter_stacked(staged, cp);
-    return {mine[0], mine[1], at::Tensor()};
+    return {mine.narrow(-1, 0, dk).contiguous(), mine.narrow(-1, dk, mine.size(-1) - dk).contiguous(), at::Tensor()};
   }
 };
 
@@ -223,9 +228,11 @@ InFlight shift_async(const at::Tensor& flat, Communicator& cp) {
 
 // K and V of a block, one flat buffer, so a ring step is one exchange.
 at::Tensor pack(const at::Tensor& k, const at::Tensor& v) { return at::cat({k.reshape(-1), v.reshape(-1)}); }
-std::pair<at::Tensor, at::Tensor> unpack_float(const at::Tensor& flat, at::IntArrayRef shape) {
-  const int64_t n = flat.numel() / 2;
-  return {flat.narrow(0, 0, n).view(shape).to(at::kFloat), flat.narrow(0, n, n).view(shape).to(at::kFloat)};
+std::pair<at::Tensor, at::Tensor> unpack_float(const at::Tensor& flat, at::IntArrayRef k_shape,
+                                               at::IntArrayRef v_shape) {
+  const int64_t n = c10::multiply_integers(k_shape);
+  return {flat.narrow(0, 0, n).view(k_shape).to(at::kFloat),
+          flat.narrow(0, n, flat.numel() - n).view(v_shape).to(at::kFloat)};
 }
 
 // Block `owner`'s columns of the mask [Bm, 1, T, world * T], repeated for the G query heads that
@@ -250,16 +257,17 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
                             const at::Tensor& v, Communicator* cp, const at::Tensor& allowed, double scale) {
     const int world = cp->size(), rank = cp->rank();
     const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3), hkv = k.size(1), g = hq / hkv;
+    const int64_t dv = v.size(3);
     const auto f32 = q.options().dtype(at::kFloat);
     at::Tensor qg = q.to(at::kFloat).reshape({b, hkv, g * t, d});
-    at::Tensor out = at::zeros({b, hkv, g * t, d}, f32);
+    at::Tensor out = at::zeros({b, hkv, g * t, dv}, f32);
     at::Tensor lse = at::full({b, hkv, g * t, 1}, kNegInf, f32);
     at::Tensor block = pack(k, v);
     for (int i = 0; i < world; ++i) {
       InFlight next;
       if (i + 1 < world) next = shift_async(block, *cp);  // the next block arrives during this one
       const int owner = (rank - i + world) % world;
-      auto [kb, vb] = unpack_float(block, k.sizes());
+      auto [kb, vb] = unpack_float(block, k.sizes(), v.sizes());
       at::Tensor s = block_scores(qg, kb, block_mask(allowed, owner, t, g), scale);
       at::Tensor m = std::get<0>(s.max(-1, /*keepdim=*/true));
       m = m.masked_fill(m.isneginf(), 0.0);  // a fully hidden row: exp(-inf) = 0 below, no NaN
@@ -280,7 +288,7 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     ctx->saved_data["lse"] = lse;
     ctx->saved_data["allowed"] = allowed;
     ctx->save_for_backward({q, k, v});
-    return out.reshape({b, hq, t, d}).to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
+    return out.reshape({b, hq, t, dv}).to(q.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
   }
 
   // Each block's K/V gradient travels with it: rank r adds its queries' part to the block it
@@ -295,7 +303,7 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
     const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3), hkv = k.size(1), g = hq / hkv;
     at::Tensor qg = q.to(at::kFloat).reshape({b, hkv, g * t, d});
-    at::Tensor dout = grad[0].to(at::kFloat).reshape({b, hkv, g * t, d});
+    at::Tensor dout = grad[0].to(at::kFloat).reshape({b, hkv, g * t, v.size(3)});
     at::Tensor delta = (dout * out).sum(-1, /*keepdim=*/true);  // rowsum(dO * O) of the softmax adjoint
     at::Tensor dq = at::zeros_like(qg);
     at::Tensor block = pack(k, v), own;
@@ -304,7 +312,7 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
       InFlight next;
       if (i + 1 < world) next = shift_async(block, cp);
       const int owner = (rank - i + world) % world;
-      auto [kb, vb] = unpack_float(block, k.sizes());
+      auto [kb, vb] = unpack_float(block, k.sizes(), v.sizes());
       at::Tensor p = at::exp(block_scores(qg, kb, block_mask(allowed, owner, t, g), scale) - lse);
       at::Tensor dv = at::matmul(p.transpose(2, 3), dout);
       at::Tensor ds = p * (at::matmul(dout, vb.transpose(2, 3)) - delta);
@@ -320,7 +328,7 @@ struct RingAttention : public torch::autograd::Function<RingAttention> {
       if (next.work) block = next.wait();
     }
     if (world > 1) own = travelling.wait();
-    auto [dk, dv] = unpack_float(own, k.sizes());
+    auto [dk, dv] = unpack_float(own, k.sizes(), v.sizes());
     return {dq.reshape({b, hq, t, d}).to(q.scalar_type()),
             dk.to(k.scalar_type()),
             dv.to(v.scalar_type()),
@@ -391,9 +399,10 @@ at::Tensor gather_sequence(const at::Tensor& local, int64_t seq_dim, Communicato
 at::Tensor cp_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                         const at::Tensor& global_query_positions, Communicator& cp,
                         const CpAttentionOptions& options) {
-  if (!q.defined() || !k.defined() || !v.defined() || q.dim() != 4 || k.dim() != 4 || k.sizes() != v.sizes())
+  if (!q.defined() || !k.defined() || !v.defined() || q.dim() != 4 || k.dim() != 4 || v.dim() != 4 ||
+      k.sizes().slice(0, 3) != v.sizes().slice(0, 3))
     throw std::invalid_argument("cp_attention: q " + shape_of(q) + ", k " + shape_of(k) + " and v " +
-                                shape_of(v) + " must be [B, Hq, T, D], [B, Hkv, T, D] and [B, Hkv, T, D]");
+                                shape_of(v) + " must be [B, Hq, T, D], [B, Hkv, T, D] and [B, Hkv, T, Dv]");
   const int64_t b = q.size(0), hq = q.size(1), t = q.size(2), d = q.size(3), hkv = k.size(1);
   if (k.size(0) != b || k.size(2) != t || k.size(3) != d || hkv == 0 || hq % hkv != 0)
     throw std::invalid_argument("cp_attention: q " + shape_of(q) + " does not fit k and v " + shape_of(k) +

@@ -32,6 +32,8 @@ bool any_match(const std::vector<std::string>& patterns, const std::string& name
 
 int TensorParallelism::size() const { return group ? group->size() : 1; }
 int TensorParallelism::rank() const { return group ? group->rank() : 0; }
+int ContextParallelism::size() const { return group ? group->size() : 1; }
+int ContextParallelism::rank() const { return group ? group->rank() : 0; }
 
 TensorParallelSplit ParallelPlan::split(const std::string& name, const TensorParallelism& tp) const {
   if (!tp.active()) return TensorParallelSplit::kReplicated;
@@ -107,6 +109,33 @@ void apply_tensor_parallel(torch::nn::Module& root, const ParallelPlan& plan, co
   };
   set_boundary("", root);
   for (const auto& item : root.named_modules("", /*include_self=*/false)) set_boundary(item.key(), *item.value());
+}
+
+void apply_context_parallel(torch::nn::Module& root, const ParallelPlan& plan, const ContextParallelism& cp) {
+  if (!cp.active()) return;
+  const auto set = [&](const std::string& name, torch::nn::Module& module) {
+    if (!any_match(plan.context_parallel, name)) return;
+    auto* holder = dynamic_cast<WithContextParallelism*>(&module);
+    if (holder == nullptr)
+      throw std::logic_error("apply_context_parallel: the plan makes module '" + name + "' (" + module.name() +
+                             ") context-parallel, and it cannot be");
+    holder->context_parallelism = cp;
+  };
+  set("", root);
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) set(item.key(), *item.value());
+}
+
+void apply_expert_parallel(torch::nn::Module& root, const ParallelPlan& plan, const ExpertParallelism& groups) {
+  const auto set = [&](const std::string& name, torch::nn::Module& module) {
+    if (!any_match(plan.expert_parallel, name)) return;
+    auto* holder = dynamic_cast<WithExpertParallelism*>(&module);
+    if (holder == nullptr)
+      throw std::logic_error("apply_expert_parallel: the plan makes module '" + name + "' (" + module.name() +
+                             ") expert-parallel, and it is not an MoE block");
+    holder->parallelize_experts(groups);
+  };
+  set("", root);
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) set(item.key(), *item.value());
 }
 
 }  // namespace mfsdp

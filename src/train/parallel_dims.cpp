@@ -88,10 +88,6 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
 void check_parallel_model(const ParallelDims& d, const ModelConfig& config) {
   const ParallelSplits splits = config.spec->parallel_splits(config);
   const std::string model = "the model (" + config.spec->describe(config) + ")";
-  if (!splits.no_tensor_or_context_parallel.empty() && (d.tp > 1 || d.cp > 1))
-    flag_error(d.tp > 1 ? kTp : kCp, str(d.tp > 1 ? d.tp : d.cp) + " is not built for " + model + ": " +
-                                         splits.no_tensor_or_context_parallel + " (--tensor-model-parallel-size and "
-                                         "--context-parallel-size must be 1)");
   if (d.tp > 1)
     for (const auto& [field, value] : splits.tensor_parallel)
       if (value % d.tp != 0)

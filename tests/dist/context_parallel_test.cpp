@@ -61,14 +61,16 @@ struct Problem {
   at::Tensor segments;           // [B, S] int64, undefined: one sample per row
 };
 
-Problem make_problem(int64_t q_heads, int64_t kv_heads, uint64_t seed) {
+// `value_dim`: each value head's width (kHeadDim unless given: multi-head latent attention's
+// values are narrower or wider than its queries and keys).
+Problem make_problem(int64_t q_heads, int64_t kv_heads, uint64_t seed, int64_t value_dim = kHeadDim) {
   Problem p;
   p.q_heads = q_heads;
   p.kv_heads = kv_heads;
   p.q = normal({kBatch, q_heads, kSeq, kHeadDim}, seed);
   p.k = normal({kBatch, kv_heads, kSeq, kHeadDim}, seed + 1);
-  p.v = normal({kBatch, kv_heads, kSeq, kHeadDim}, seed + 2);
-  p.grad_out = normal({kBatch, q_heads, kSeq, kHeadDim}, seed + 3);
+  p.v = normal({kBatch, kv_heads, kSeq, value_dim}, seed + 2);
+  p.grad_out = normal({kBatch, q_heads, kSeq, value_dim}, seed + 3);
   return p;
 }
 
@@ -247,6 +249,14 @@ MFSDP_DIST_TEST(ContextParallel, CausalMatchesSingleProcess, {1, 2, 4}) {
   check_against_reference(make_problem(4, 2, 100), comm, "causal, GQA 4/2");
   check_against_reference(make_problem(2, 2, 200), comm, "causal, MHA 2/2");
   check_against_reference(make_problem(4, 1, 300), comm, "causal, MQA 4/1");
+}
+
+// Values of another width than queries and keys (multi-head latent attention's v_head_dim).
+MFSDP_DIST_TEST(ContextParallel, ValuesOfTheirOwnWidthMatchSingleProcess, {1, 2}) {
+  check_against_reference(make_problem(4, 4, 150, kHeadDim / 2), comm, "MHA, values half as wide");
+  Problem p = make_problem(4, 2, 250, kHeadDim + 4);
+  p.segments = packed({{5, 7, 4}, {9, 7}});
+  check_against_reference(p, comm, "GQA, packed, values wider");
 }
 
 // Right-padded rows: padding is never a key; a padding query sees only itself (its output is

@@ -190,7 +190,10 @@ TEST(DeepseekV3Config, MegatronMlaArgumentsGiveTheDeepseekFamily) {
   EXPECT_EQ(c.moe.shared_expert_intermediate_size, 64);
   EXPECT_EQ(config.hf["first_k_dense_replace"], 1);
   EXPECT_EQ(config.hf["n_shared_experts"], 2);
-  EXPECT_FALSE(config.spec->parallel_splits(config).no_tensor_or_context_parallel.empty());
+  // Tensor parallelism splits MLA's heads, not its (unused) key/value heads.
+  const auto tp_splits = config.spec->parallel_splits(config).tensor_parallel;
+  EXPECT_TRUE(std::any_of(tp_splits.begin(), tp_splits.end(), [](const auto& f) { return f.first == "num_attention_heads"; }));
+  EXPECT_FALSE(std::any_of(tp_splits.begin(), tp_splits.end(), [](const auto& f) { return f.first == "num_key_value_heads"; }));
 
   json softmax = args;
   softmax["moe_router_score_function"] = "softmax";

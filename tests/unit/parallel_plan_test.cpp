@@ -1,5 +1,6 @@
 // ParallelPlan (include/mfsdp/models/parallel_plan.h): its rules, and the Llama family's plan
-// applied to a model, checked parameter by parameter against Megatron's layout written out here
+// applied to a model (tensor parallelism, with MLA too, and expert parallelism), checked
+// parameter by parameter against Megatron's layout written out here
 // (ColumnParallelLinear: rows, RowParallelLinear: input columns, VocabParallelEmbedding: rows,
 // the rest whole) and against the one-rank model's values (a slice starts from them).
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include "harness/tiny_llama.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/models/llama.h"
+#include "mfsdp/models/mla_attention.h"
 
 namespace {
 
@@ -115,6 +117,88 @@ TEST(ParallelPlan, LlamaPlanCutsMegatronsSlicesOfTheOneRankModel) {
   }
 }
 
+// Multi-head latent attention (DeepSeek-V3) under TP 2, against Megatron's MLA layout written out
+// here: the query's and the latent's up-projections column-parallel (each rank its heads), o_proj
+// row-parallel, the down-projections and their norms whole with partial gradients.
+TEST(ParallelPlan, LlamaPlanSplitsLatentAttentionByHeads) {
+  mfsdp::LlamaConfig c = mfsdp::testing::tiny_llama_config();
+  c.num_key_value_heads = 4;  // unused by MLA
+  mfsdp::MlaConfig mla;
+  mla.hidden_size = c.hidden_size;
+  mla.num_heads = c.num_attention_heads;
+  mla.q_lora_rank = 8;
+  mla.kv_lora_rank = 6;
+  mla.qk_nope_head_dim = 4;
+  mla.qk_rope_head_dim = 2;
+  mla.v_head_dim = 3;
+  mla.attention_bias = true;
+  mla.rope_theta = c.rope_theta;
+  c.mla = mla;
+  mfsdp::LlamaOptions whole_options;
+  whole_options.init_seed = 5;
+  mfsdp::LlamaForCausalLM whole(c, whole_options);
+  std::map<std::string, at::Tensor> full;
+  for (const auto& item : whole->named_parameters()) full[item.key()] = item.value();
+  mfsdp::LlamaOptions options = whole_options;
+  options.tensor_parallel = mfsdp::make_simulated_communicator(0, 2);
+  mfsdp::LlamaForCausalLM tp(c, options);
+  const std::map<std::string, int> attention_dim = {{"q_a_proj.weight", -1},      {"q_a_proj.bias", -1},
+                                                    {"q_a_layernorm.weight", -1}, {"q_b_proj.weight", 0},
+                                                    {"kv_a_proj_with_mqa.weight", -1}, {"kv_a_proj_with_mqa.bias", -1},
+                                                    {"kv_a_layernorm.weight", -1}, {"kv_b_proj.weight", 0},
+                                                    {"o_proj.weight", 1},          {"o_proj.bias", -1}};
+  int seen = 0;
+  for (const auto& item : tp->named_parameters()) {
+    const std::string& name = item.key();
+    const std::string prefix = "model.layers.0.self_attn.";
+    if (name.rfind(prefix, 0) != 0) continue;
+    const std::string leaf = name.substr(prefix.size());
+    ASSERT_TRUE(attention_dim.count(leaf)) << name;
+    const int dim = attention_dim.at(leaf);
+    at::Tensor expected = full.at(name);
+    if (dim >= 0) expected = expected.narrow(dim, 0, expected.size(dim) / 2);  // rank 0 of 2
+    EXPECT_TRUE(item.value().equal(expected)) << name << ": " << item.value().sizes() << " vs " << expected.sizes();
+    // Only this rank's heads read the latents; o_proj's bias is added after the region.
+    EXPECT_EQ(tp->tensor_parallel_partial_grad(name), dim < 0 && leaf != "o_proj.bias") << name;
+    ++seen;
+  }
+  EXPECT_EQ(seen, 10);
+  // Every head count is half the model's: q_b [2 x (4 + 2), 8], kv_b [2 x (4 + 3), 6].
+  EXPECT_EQ(tp->model->layer(1).mla_attn->q_b_proj->weight.size(0), 12);
+  EXPECT_EQ(tp->model->layer(1).mla_attn->kv_b_proj->weight.size(0), 14);
+}
+
+// Expert parallelism: each MoE block, built with every expert, keeps its rank's, under their
+// global names and with the one-rank model's values; the dense layer is untouched.
+TEST(ParallelPlan, LlamaPlanKeepsEachRanksExperts) {
+  mfsdp::LlamaOptions whole_options;
+  whole_options.init_seed = 9;
+  mfsdp::LlamaForCausalLM whole(moe_config(), whole_options);
+  std::map<std::string, at::Tensor> full;
+  for (const auto& item : whole->named_parameters()) full[item.key()] = item.value();
+  mfsdp::LlamaOptions options = whole_options;
+  options.expert_parallel = mfsdp::make_simulated_communicator(1, 2);
+  mfsdp::LlamaForCausalLM ep(moe_config(), options);
+  std::map<std::string, int> experts;
+  for (const auto& item : ep->named_parameters()) {
+    ASSERT_TRUE(full.count(item.key())) << item.key();
+    EXPECT_TRUE(item.value().equal(full[item.key()])) << item.key();
+    if (item.key().find(".experts.") != std::string::npos)
+      ++experts[item.key().substr(0, item.key().find('.', item.key().find(".experts.") + 9))];
+  }
+  const std::map<std::string, int> want = {{"model.layers.1.mlp.experts.2", 3}, {"model.layers.1.mlp.experts.3", 3}};
+  EXPECT_EQ(experts, want);
+  EXPECT_EQ(ep->model->layer(1).moe->experts->first(), 2);
+  EXPECT_EQ(ep->model->layer(1).moe->experts->count(), 2);
+  EXPECT_EQ(ep->named_parameters().size(), full.size() - 6);
+
+  mfsdp::LlamaOptions three = whole_options;
+  three.expert_parallel = mfsdp::make_simulated_communicator(0, 3);
+  EXPECT_NE(error_of([&] { mfsdp::LlamaForCausalLM m(moe_config(), three); })
+                .find("3 expert-parallel ranks do not divide 4 experts"),
+            std::string::npos);
+}
+
 TEST(ParallelPlan, ApplyNamesWhatItCannotCut) {
   const auto tp2 = mfsdp::make_simulated_communicator(0, 2);
   mfsdp::LlamaConfig odd = moe_config();
@@ -138,6 +222,18 @@ TEST(ParallelPlan, ApplyNamesWhatItCannotCut) {
   plan.boundaries.clear();
   plan.tensor_parallel = {{"child.weight", TensorParallelSplit::kRows}};
   EXPECT_NE(error_of([&] { mfsdp::apply_tensor_parallel(root, plan, tp); }).find("'child.weight' already has its values"),
+            std::string::npos);
+
+  // Context and expert parallelism reach only modules that can take them.
+  plan.context_parallel = {"child"};
+  EXPECT_NE(error_of([&] { mfsdp::apply_context_parallel(root, plan, {tp2}); })
+                .find("the plan makes module 'child' (torch::nn::Module) context-parallel, and it cannot be"),
+            std::string::npos);
+  plan.expert_parallel = {"child"};
+  mfsdp::ExpertParallelism groups;
+  groups.expert = tp2;
+  EXPECT_NE(error_of([&] { mfsdp::apply_expert_parallel(root, plan, groups); })
+                .find("the plan makes module 'child' (torch::nn::Module) expert-parallel, and it is not an MoE block"),
             std::string::npos);
 }
 

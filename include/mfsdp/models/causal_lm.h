@@ -165,8 +165,11 @@ class CausalLM : public ShardedModule<CausalLM> {
   // or other shards of them), so counted and saved by every rank that holds it.
   bool expert_parameter(const std::string& name) const { return parallel_plan_.is_expert(name); }
   const ParallelPlan& parallel_plan() const { return parallel_plan_; }
-  // Context parallelism (ModelBuildOptions): the group, null without.
-  virtual std::shared_ptr<Communicator> context_parallel() const { return nullptr; }
+  // Context parallelism (ModelBuildOptions), as the family's plan applied it: the group, null
+  // without.
+  std::shared_ptr<Communicator> context_parallel() const {
+    return context_parallelism_.active() ? context_parallelism_.group : nullptr;
+  }
 
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
   // parameter named `name`: the same values whenever and wherever it is called.
@@ -191,17 +194,23 @@ class CausalLM : public ShardedModule<CausalLM> {
   virtual StepShape unit_schedule() const = 0;
 
  protected:
-  // A family builds its modules whole and deferred, declares its plan, and applies it with
-  // `tensor_parallelism` before it initialises any parameter (parallel_plan.h).
-  void apply_parallel_plan(ParallelPlan plan, TensorParallelism tensor_parallelism) {
+  // A family builds its modules whole and deferred, declares its plan, and applies it with the
+  // groups before it initialises any parameter (parallel_plan.h): the MoE blocks keep their
+  // rank's experts, then the split parameters are cut, then context parallelism is set.
+  void apply_parallel_plan(ParallelPlan plan, TensorParallelism tensor_parallelism,
+                           ContextParallelism context_parallelism, const ExpertParallelism& expert_parallelism) {
     parallel_plan_ = std::move(plan);
     tensor_parallelism_ = std::move(tensor_parallelism);
+    context_parallelism_ = std::move(context_parallelism);
+    apply_expert_parallel(*this, parallel_plan_, expert_parallelism);
     apply_tensor_parallel(*this, parallel_plan_, tensor_parallelism_);
+    apply_context_parallel(*this, parallel_plan_, context_parallelism_);
   }
 
  private:
   ParallelPlan parallel_plan_;
   TensorParallelism tensor_parallelism_;
+  ContextParallelism context_parallelism_;
 };
 
 // fully_shard over every layer, then shard_root; returns the root handle. A model built with

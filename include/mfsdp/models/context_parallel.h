@@ -83,12 +83,13 @@ struct CpAttentionOptions {
   std::optional<double> scale;
 };
 
-// q [B, Hq, T_local, D], k and v [B, Hkv, T_local, D] (Hq a multiple of Hkv: grouped-query
+// q and k [B, Hq, T_local, D] and [B, Hkv, T_local, D], v [B, Hkv, T_local, Dv] (Dv may differ
+// from D, as in multi-head latent attention; Hq a multiple of Hkv: grouped-query
 // attention, query head h reads key head h / (Hq / Hkv)); global_query_positions [T_local] or
 // [B, T_local] int64: the tokens' indices in the full sequence (cp_positions for the balanced
 // layout; any layout works as long as every index of 0 .. S-1 appears once over the group). For
 // packed samples these are still the indices in the packed row, not the RoPE positions that
-// restart per sample. T_local must be the same on every rank. Returns [B, Hq, T_local, D] in
+// restart per sample. T_local must be the same on every rank. Returns [B, Hq, T_local, Dv] in
 // q's dtype, differentiable in q, k and v. Throws std::invalid_argument naming the shapes when
 // they do not fit together.
 at::Tensor cp_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -95,12 +95,13 @@ struct LlamaConfig {
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
   // What tensor parallelism splits (Megatron's divide() of each layer), by config.json field:
-  // heads, key/value heads, MLP width and vocabulary, and an MoE layer's shared expert.
+  // heads, key/value heads (not with multi-head latent attention, whose keys and values are
+  // per query head), MLP width and vocabulary, and an MoE layer's shared expert.
   std::vector<std::pair<std::string, int64_t>> tensor_parallel_splits() const {
     std::vector<std::pair<std::string, int64_t>> s = {{"num_attention_heads", num_attention_heads},
-                                                      {"num_key_value_heads", num_key_value_heads},
                                                       {"intermediate_size", intermediate_size},
                                                       {"vocab_size", vocab_size}};
+    if (!mla) s.insert(s.begin() + 1, {"num_key_value_heads", num_key_value_heads});
     if (moe.num_experts > 0 && moe.shared_expert_intermediate_size > 0)
       s.emplace_back("shared_expert_intermediate_size", moe.shared_expert_intermediate_size);
     return s;
@@ -140,20 +141,17 @@ using LlamaKVCache = KVCache;
 
 class MlaAttentionImpl;  // mla_attention.h
 
-// The groups the decoder's context- and expert-parallel work is split over (ModelBuildOptions'
-// groups, causal_lm.h). Tensor parallelism is the plan's (llama_parallel_plan, parallel_plan.h):
-// the modules are built whole and the plan cuts each rank's slice (1/tp of the attention heads,
-// query and key/value heads alike as Megatron splits its query groups, of the MLP's intermediate
-// features and of the vocabulary; the HF names stay). `tensor` and `sequence` here only tell
-// the MoE blocks which ranks share a routing's tokens.
+// The groups of ModelBuildOptions (causal_lm.h) as the Llama family's plan applies them
+// (llama_parallel_plan, parallel_plan.h): the modules are built whole and the plan cuts each
+// rank's slice (1/tp of the attention heads, query and key/value heads alike as Megatron splits
+// its query groups, of the MLP's intermediate features and of the vocabulary; the HF names
+// stay), gives the model body and each attention the context-parallel group, and each MoE block
+// its groups (keeping its rank's experts). `tensor` and `sequence` also tell the model which
+// slice of the sequence its layers hold, for the MoE blocks' token counts.
 struct LlamaParallel {
   std::shared_ptr<Communicator> tensor;  // null: one rank
   bool sequence = false;                 // sequence parallelism (only with tensor)
-  std::shared_ptr<Communicator> expert;  // expert parallelism (moe.h); null: one rank
-  std::shared_ptr<Communicator> expert_tensor;  // expert tensor parallelism (moe.h); null: experts whole
-  std::shared_ptr<Communicator> tensor_context;  // tp_cp: with tensor, sequence and context parallelism
-  std::shared_ptr<Communicator> context;  // context parallelism; null: one rank
-  context_parallel::CpAlgorithm cp_algorithm = context_parallel::CpAlgorithm::kAllGather;
+  ExpertParallelism moe;                 // each MoE block's groups
   int tp_size() const;
   int tp_rank() const;
 };
@@ -192,10 +190,9 @@ TORCH_MODULE(LlamaRMSNorm);
 
 // Causal grouped-query self-attention with RoPE, through at::scaled_dot_product_attention (the
 // fused kernels of the device: flash/memory-efficient on CUDA, flash on the CPU).
-class LlamaAttentionImpl : public torch::nn::Module, public WithParallelBoundary {
+class LlamaAttentionImpl : public torch::nn::Module, public WithParallelBoundary, public WithContextParallelism {
  public:
-  // `parallel`: its context-parallel group.
-  LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred, LlamaParallel parallel = {});
+  LlamaAttentionImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
   // Its heads are as many as its q/k/v weights hold: under tensor parallelism (the plan's
   // column-parallel q/k/v and row-parallel o_proj, inside the boundary's region) this rank's,
   // and x and the result are [B, T, H] replicated, or [B, T/tp, H] with sequence parallelism
@@ -204,8 +201,9 @@ class LlamaAttentionImpl : public torch::nn::Module, public WithParallelBoundary
   // key index start + t, start = keys cached before this call) attends to keys 0 .. start + t.
   // `allowed` [B, 1, T, S] bool (SequenceLayout::allowed_keys; S = cached + T) replaces that
   // causal mask.
-  // With `cp` (context parallelism) the queries and keys are this rank's chunks and attention
-  // runs over the whole sequence's keys (context_parallel::cp_attention); `allowed` is unused.
+  // With `cp` (context parallelism, the plan's group) the queries and keys are this rank's
+  // chunks and attention runs over the whole sequence's keys (context_parallel::cp_attention);
+  // `allowed` is unused.
   at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {}, const ContextParallelKeys& cp = {});
   LlamaLinear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
@@ -216,7 +214,6 @@ class LlamaAttentionImpl : public torch::nn::Module, public WithParallelBoundary
 
  private:
   int64_t head_dim_, layer_idx_;
-  LlamaParallel parallel_;
 };
 TORCH_MODULE(LlamaAttention);
 
@@ -237,7 +234,7 @@ TORCH_MODULE(LlamaMLP);
 // block's counts and balancing losses take in (undefined: every position).
 class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
  public:
-  LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred, const LlamaParallel& parallel = {});
+  LlamaDecoderLayerImpl(const LlamaConfig& config, int64_t layer_idx, bool deferred);
   at::Tensor forward(const at::Tensor& hidden, const RotaryTables& rope, LlamaKVCache* cache,
                      const at::Tensor& allowed = {}, const at::Tensor& tokens = {},
                      const ContextParallelKeys& cp = {});
@@ -251,8 +248,10 @@ class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
 };
 TORCH_MODULE(LlamaDecoderLayer);
 
-// Embedding, the decoder layers, the final norm (HF LlamaModel).
-class LlamaModelImpl : public torch::nn::Module {
+// Embedding, the decoder layers, the final norm (HF LlamaModel). Under the plan's context
+// parallelism it takes each rank's chunks of the sequences (context_parallel::shard_sequence)
+// and gives its layers their global positions.
+class LlamaModelImpl : public torch::nn::Module, public WithContextParallelism {
  public:
   LlamaModelImpl(const LlamaConfig& config, bool deferred, const LlamaParallel& parallel = {});
   // input_ids [B, T] (int64) -> final-normed hidden states [B, T, H]. Positions are
@@ -285,11 +284,14 @@ class LlamaModelImpl : public torch::nn::Module {
 };
 TORCH_MODULE(LlamaModel);
 
-// The Llama family's tensor-parallel plan (parallel_plan.h) for `config`: Megatron's column-
+// The Llama family's parallel plan (parallel_plan.h) for `config`: Megatron's column-
 // and row-parallel projections, the vocabulary-parallel embedding and output layer, the experts'
 // splits under expert tensor parallelism, the norms' and routers' partial gradients, and the
 // regions: each attention, dense MLP and shared expert; the root's boundary is the output
-// layer's input.
+// layer's input; context parallelism reaches the model body and each attention. Multi-head
+// latent attention splits by heads as Megatron's MLA: q_proj / q_b_proj and kv_b_proj
+// column-parallel, o_proj row-parallel, the low-rank down-projections and their norms replicated
+// with partial gradients (each rank's heads read them).
 ParallelPlan llama_parallel_plan(const LlamaConfig& config);
 
 // The causal LM: LlamaModel plus the output projection (HF LlamaForCausalLM); the Llama family's
@@ -312,7 +314,6 @@ class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
   std::vector<std::pair<int64_t, RouterStats>> take_router_stats() override;
   void set_aux_loss_scale(double scale) override;
   void update_expert_bias(int64_t layer, const std::vector<int64_t>& tokens_per_expert) override;
-  std::shared_ptr<Communicator> context_parallel() const override { return parallel_.context; }
 
   // Parameter names are HF names; norms start at one, biases at zero, the rest normal(0,
   // init_std), each from its own (init seed, name) generator. A tensor-parallel slice gets its

@@ -17,7 +17,11 @@
 // apply_rotary_pos_emb_interleave), or in halves as Llama. Causal attention through
 // at::scaled_dot_product_attention with scale (dn + dr)^-0.5, times YaRN's mscale^2
 // (rope_scaling.h, yarn_softmax_scale). The two RMSNorms use eps 1e-6, as transformers' (not
-// rms_norm_eps). A KV cache holds the expanded keys and values; no tensor or context parallelism yet.
+// rms_norm_eps). A KV cache holds the expanded keys and values. Tensor and context parallelism
+// are a plan's (llama_parallel_plan): this rank's heads are as many as its q and kv_b weights
+// hold, inside the boundary's region; under context parallelism the queries, keys and values are
+// this rank's chunks and attention runs over the whole sequence's keys
+// (context_parallel::cp_attention, with the values' own width).
 // Implemented in src/models/llama/mla_attention.cpp.
 #pragma once
 
@@ -43,7 +47,7 @@ RotaryTables mla_rotary_tables(const at::Tensor& positions, const MlaConfig& con
 // interleaved rotation). x [B, heads, T, d]; tables [T, d] or [B, T, d], cast to x's dtype.
 at::Tensor apply_rotary_interleaved(const at::Tensor& x, const RotaryTables& rope);
 
-class MlaAttentionImpl : public torch::nn::Module {
+class MlaAttentionImpl : public torch::nn::Module, public WithParallelBoundary, public WithContextParallelism {
  public:
   // `deferred`: parameters without storage until materialised (llama.h, "Initialisation");
   // otherwise allocated and left for the caller to initialise or load. `layer_idx`: the layer
@@ -52,9 +56,11 @@ class MlaAttentionImpl : public torch::nn::Module {
   // x [B, T, H], `rope` the tables of the T positions (mla_rotary_tables) -> [B, T, H]. Query t
   // attends to keys 0 .. t (after the cached ones). `cache`: each head's whole key [dn + dr] and
   // value [dv] are appended (the latent is not cached: no absorbed-weight decoding). `allowed`
-  // [B, 1, T, S] bool (SequenceLayout::allowed_keys) replaces the causal mask.
+  // [B, 1, T, S] bool (SequenceLayout::allowed_keys) replaces the causal mask. With `cp`
+  // (context parallelism) `allowed` is unused and the rotary tables are of the chunks' global
+  // positions.
   at::Tensor forward(const at::Tensor& x, const RotaryTables& rope, KVCache* cache = nullptr,
-                     const at::Tensor& allowed = {});
+                     const at::Tensor& allowed = {}, const ContextParallelKeys& cp = {});
 
   LlamaLinear q_proj{nullptr};                                 // without q_lora_rank
   LlamaLinear q_a_proj{nullptr}, q_b_proj{nullptr};            // with q_lora_rank

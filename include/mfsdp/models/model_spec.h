@@ -54,8 +54,6 @@ struct ParallelSplits {
   int64_t experts = 0;
   // What expert tensor parallelism splits (each routed expert's MLP width).
   std::vector<std::pair<std::string, int64_t>> expert_tensor_parallel;
-  // Non-empty: why the model has no tensor- or context-parallel form (refused above 1 rank).
-  std::string no_tensor_or_context_parallel;
 };
 
 class ModelSpec {

@@ -147,8 +147,8 @@ class ExpertMlpImpl : public torch::nn::Module, public WithParallelBoundary {
 };
 TORCH_MODULE(ExpertMlp);
 
-// The experts this rank holds: with expert parallelism over `ep` ranks, rank r holds experts
-// [r E / ep, (r + 1) E / ep), registered under their global index ("experts.{j}"), so a
+// The experts this rank holds: with expert parallelism over `ep` ranks, rank r keeps experts
+// [r E / ep, (r + 1) E / ep) (keep()), registered under their global index ("experts.{j}"), so a
 // checkpoint names an expert the same at every expert-parallel size. A fully_shard unit of its
 // own under expert parallelism (sharded over the expert-data-parallel group), called through the
 // runtime: `experts->call(tokens, counts)`.
@@ -167,6 +167,8 @@ class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
   ExpertMlpImpl& expert(int64_t local) { return *local_[static_cast<size_t>(local)]; }
   int64_t first() const { return first_; }
   int64_t count() const { return static_cast<int64_t>(local_.size()); }
+  // Keeps experts [first, first + count) of those held, unregistering the others.
+  void keep(int64_t first, int64_t count);
 
  private:
   std::vector<ExpertMlp> local_;
@@ -174,38 +176,22 @@ class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
 };
 MFSDP_MODULE(MoeExperts);
 
-// The groups an MoE block is split over (each null, or of one rank: not split).
-struct MoeParallel {
-  // Expert parallelism: rank r of the group holds experts [r E / ep, (r + 1) E / ep).
-  std::shared_ptr<Communicator> expert;
-  // Expert tensor parallelism (--expert-tensor-parallel-size, only the tensor-parallel group):
-  // each expert's gate/up rows and down columns split over the group (the slices a
-  // tensor-parallel plan cut, parallel_plan.h), as a dense MLP under tensor parallelism; the
-  // group's ranks run the union of their rows through their slices.
-  std::shared_ptr<Communicator> expert_tensor;
-  // Tensor parallelism with sequence parallelism (Megatron trains MoE layers under tensor
-  // parallelism only with it): each rank routes its own slice of the sequence (the shared expert
-  // is the plan's tensor-parallel region); the router's gradient is partial (summed over the
-  // group by the trainer), so the balancing losses' gradient is this rank's share.
-  std::shared_ptr<Communicator> sequence;
-  // The ranks one routing's tokens are spread over (Megatron's tp_cp group: the context-parallel
-  // ranks, times the sequence-parallel ones): the balancing losses count over it.
-  std::shared_ptr<Communicator> tokens;
-};
-
 // The MoE block: router "gate", experts "experts.{j}", optional "shared_expert" (or
 // "shared_experts", MoeConfig::shared_experts_name) and
 // "shared_expert_gate". x [B, T, H] -> [B, T, H]. In training the losses reach the gradient
 // through the block's output (Megatron's MoEAuxLossAutoScaler), times aux_loss_scale (the
-// trainer's 1 / micro-batches, as Megatron's set_loss_scale). With `parallel.expert` the
-// (token, expert) pairs go to their expert's rank and back by all-to-all (Megatron's alltoall
-// token dispatcher), then with `parallel.expert_tensor` to every rank of that group (an
-// all-gather of the rows, and a reduce-scatter of the partial outputs). With `parallel.tokens`
-// the tokens are this rank's part of sequences split over that group, and the balancing losses
-// count the whole sequences (load_balancing_loss).
-class MoeBlockImpl : public torch::nn::Module {
+// trainer's 1 / micro-batches, as Megatron's set_loss_scale). Built with every expert; a plan's
+// expert parallelism (parallel_plan.h, parallelize_experts) keeps this rank's. With its `expert`
+// group the (token, expert) pairs go to their expert's rank and back by all-to-all (Megatron's
+// alltoall token dispatcher), then with `expert_tensor` to every rank of that group (an
+// all-gather of the rows, and a reduce-scatter of the partial outputs). With `tokens` the tokens
+// are this rank's part of sequences split over that group, and the balancing losses count the
+// whole sequences (load_balancing_loss).
+class MoeBlockImpl : public torch::nn::Module, public WithExpertParallelism {
  public:
-  MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred, MoeParallel parallel = {});
+  MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred);
+  // Throws std::invalid_argument when the expert-parallel ranks do not divide the experts.
+  void parallelize_experts(const ExpertParallelism& groups) override;
   // `tokens` [B x T] bool, false at padding (undefined: none): padding is routed and computed
   // like the rest but not counted (tokens per expert, the expert bias) nor in the losses.
   at::Tensor forward(const at::Tensor& x, const at::Tensor& tokens = {});

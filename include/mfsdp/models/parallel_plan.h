@@ -1,17 +1,24 @@
-// A model family's tensor-parallel plan, applied to the model from outside (docs/design.md
-// "Parallel plans"), as TorchTitan's parallelize functions apply a plan to a plain module: the
-// family declares, by parameter and module name, which weights are column-, row- or
-// vocabulary-parallel, which are routed experts, which replicated weights get partial gradients,
-// and which modules' inputs and outputs cross the tensor-parallel region. The family builds its
-// modules whole; apply_tensor_parallel cuts each split parameter to this rank's slice and sets
-// each named module's ParallelBoundary. The modules' forwards call their boundary (an identity
-// until a plan sets it) and never name a group; the trainers, checkpoints and the optimizer ask
-// the plan (CausalLM::tensor_parallel_split and friends) how a parameter is split.
+// A model family's tensor- and context-parallel plan, applied to the model from outside
+// (docs/design.md "Parallel plans"), as TorchTitan's parallelize functions apply a plan to a
+// plain module: the family declares, by parameter and module name, which weights are column-,
+// row- or vocabulary-parallel, which are routed experts, which replicated weights get partial
+// gradients, which modules' inputs and outputs cross the tensor-parallel region, and which
+// modules context parallelism reaches. The family builds its modules whole;
+// apply_tensor_parallel cuts each split parameter to this rank's slice and sets each named
+// module's ParallelBoundary, apply_context_parallel gives the named modules the group. The
+// modules' forwards call their boundary (an identity until a plan sets it) and never name a
+// group; apply_expert_parallel makes each named MoE block keep its rank's experts. The trainers,
+// checkpoints and the optimizer ask the plan
+// (CausalLM::tensor_parallel_split and friends) how a parameter is split.
 //
 //   ParallelPlan plan;
 //   plan.tensor_parallel = {{"model.layers.*.self_attn.q_proj.*", TensorParallelSplit::kRows}, ...};
 //   plan.boundaries = {{"model.layers.*.self_attn", TensorParallelBoundary::kRegion}, ...};
+//   plan.context_parallel = {"model", "model.layers.*.self_attn"};
 //   apply_tensor_parallel(model, plan, {tp_group, /*sequence=*/true, /*experts_split=*/false});
+//   apply_context_parallel(model, plan, {cp_group, context_parallel::CpAlgorithm::kRing});
+//   plan.expert_parallel = {"model.layers.1.mlp"};
+//   apply_expert_parallel(model, plan, {ep_group});
 //
 // Patterns are fnmatch(3) globs over the full dotted name ('*' spans dots); the first rule that
 // matches a name decides.
@@ -25,6 +32,8 @@
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "mfsdp/models/context_parallel.h"
 
 namespace mfsdp {
 
@@ -62,6 +71,35 @@ struct TensorParallelism {
   bool active() const { return size() > 1; }
 };
 
+// The context-parallel group a plan is applied with.
+struct ContextParallelism {
+  std::shared_ptr<Communicator> group;  // null or of one rank: no context parallelism
+  context_parallel::CpAlgorithm algorithm = context_parallel::CpAlgorithm::kAllGather;  // --cp-comm-type
+  int size() const;
+  int rank() const;
+  bool active() const { return size() > 1; }
+};
+
+// The groups a plan's expert parallelism gives an MoE block (each null, or of one rank: not
+// split).
+struct ExpertParallelism {
+  // Expert parallelism: rank r of the group holds experts [r E / ep, (r + 1) E / ep).
+  std::shared_ptr<Communicator> expert;
+  // Expert tensor parallelism (--expert-tensor-parallel-size, only the tensor-parallel group):
+  // each expert's gate/up rows and down columns split over the group (the slices
+  // apply_tensor_parallel cuts), as a dense MLP under tensor parallelism; the group's ranks run
+  // the union of their rows through their slices.
+  std::shared_ptr<Communicator> expert_tensor;
+  // Tensor parallelism with sequence parallelism (Megatron trains MoE layers under tensor
+  // parallelism only with it): each rank routes its own slice of the sequence; the router's
+  // gradient is partial (summed over the group by the trainer), so the balancing losses'
+  // gradient is this rank's share.
+  std::shared_ptr<Communicator> sequence;
+  // The ranks one routing's tokens are spread over (Megatron's tp_cp group: the context-parallel
+  // ranks, times the sequence-parallel ones): the balancing losses count over it.
+  std::shared_ptr<Communicator> tokens;
+};
+
 struct ParallelPlan {
   // Dense weights split over the tensor-parallel ranks, by parameter name; unmatched:
   // replicated.
@@ -77,6 +115,13 @@ struct ParallelPlan {
   std::vector<std::string> sequence_partial_gradients;
   // Module boundaries by module name ("" is the root).
   std::vector<std::pair<std::string, TensorParallelBoundary>> boundaries;
+  // The modules context parallelism reaches, by module name: the one that takes each rank's
+  // chunks of the sequences in (and gives every layer their global positions), and each
+  // attention (this rank's queries against the whole sequence's keys, exchanged over the group).
+  std::vector<std::string> context_parallel;
+  // The MoE blocks expert parallelism reaches, by module name: each keeps its rank's experts and
+  // dispatches tokens over the groups.
+  std::vector<std::string> expert_parallel;
 
   // How `name` is split under `tp` (kReplicated without tensor parallelism).
   TensorParallelSplit split(const std::string& name, const TensorParallelism& tp) const;
@@ -95,6 +140,7 @@ class ParallelBoundary {
   at::Tensor leave(const at::Tensor& y) const;
   // ids looked up in `weight`, this rank's rows of the vocabulary under kVocabulary.
   at::Tensor embed(const at::Tensor& ids, const at::Tensor& weight) const;
+  bool active() const { return kind_.has_value(); }
 
  private:
   std::optional<TensorParallelBoundary> kind_;
@@ -109,11 +155,35 @@ class WithParallelBoundary {
   ParallelBoundary parallel_boundary;
 };
 
+// A module a plan's context parallelism reaches (inherit beside torch::nn::Module): inactive
+// until set.
+class WithContextParallelism {
+ public:
+  virtual ~WithContextParallelism() = default;
+  ContextParallelism context_parallelism;
+};
+
+// An MoE block a plan's expert parallelism reaches (inherit beside torch::nn::Module).
+class WithExpertParallelism {
+ public:
+  virtual ~WithExpertParallelism() = default;
+  // Keeps this rank's experts (built whole, still deferred) and routes over `groups`.
+  virtual void parallelize_experts(const ExpertParallelism& groups) = 0;
+};
+
 // Applies `plan` to `root` (built whole, every parameter deferred: 0-byte storage, full sizes):
 // each split parameter becomes its rank's slice (still deferred), each named module's boundary
 // is set. Does nothing without tensor parallelism. Throws std::invalid_argument naming a
 // parameter whose split dimension does not divide by the group's size, std::logic_error for a
 // boundary on a module that has none or a parameter that is not deferred.
 void apply_tensor_parallel(torch::nn::Module& root, const ParallelPlan& plan, const TensorParallelism& tp);
+
+// Gives each module the plan's context_parallel names `cp`. Does nothing without context
+// parallelism. Throws std::logic_error naming a module that cannot take it.
+void apply_context_parallel(torch::nn::Module& root, const ParallelPlan& plan, const ContextParallelism& cp);
+
+// Gives each MoE block the plan's expert_parallel names `groups` (before apply_tensor_parallel
+// cuts the experts it keeps). Throws std::logic_error naming a module that cannot take them.
+void apply_expert_parallel(torch::nn::Module& root, const ParallelPlan& plan, const ExpertParallelism& groups);
 
 }  // namespace mfsdp

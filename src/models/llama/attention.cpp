@@ -16,8 +16,8 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t n_rep) {
   return x.unsqueeze(2).expand({b, nkv, n_rep, s, d}).reshape({b, nkv * n_rep, s, d});
 }
 
-LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred, LlamaParallel parallel)
-    : head_dim_(c.head_dim()), layer_idx_(layer_idx), parallel_(std::move(parallel)) {
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred)
+    : head_dim_(c.head_dim()), layer_idx_(layer_idx) {
   const int64_t h = c.hidden_size, heads = c.num_attention_heads, kv_heads = c.num_key_value_heads;
   // Qwen2 (attention_bias): biases on q, k and v only, as transformers' Qwen2Attention.
   const bool bias = c.attention_bias;
@@ -56,11 +56,11 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
     // This rank's queries against the whole sequence's keys, exchanged over the group; grouped
     // query heads are matched inside.
     context_parallel::CpAttentionOptions o;
-    o.algorithm = parallel_.cp_algorithm;
+    o.algorithm = context_parallelism.algorithm;
     o.key_padding_mask = cp.key_padding_mask;
     o.segment_ids = cp.segment_ids;
     o.scale = scale;
-    out = context_parallel::cp_attention(q, k, v, cp.global_positions, *parallel_.context, o);
+    out = context_parallel::cp_attention(q, k, v, cp.global_positions, *context_parallelism.group, o);
     return parallel_boundary.leave(o_proj(out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_})));
   }
   if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);

@@ -15,41 +15,15 @@ namespace mfsdp {
 
 // ---- LlamaDecoderLayer --------------------------------------------------------------------
 
-namespace {
-// An MoE block's groups: its tokens are spread over the context-parallel ranks and, under
-// sequence parallelism, the tensor-parallel ones (both: their tp_cp group).
-MoeParallel moe_parallel(const LlamaParallel& p) {
-  MoeParallel m;
-  m.expert = p.expert;
-  m.expert_tensor = p.expert_tensor;
-  if (p.sequence) m.sequence = p.tensor;
-  if (p.sequence && p.context) {
-    if (!p.tensor_context)
-      throw std::logic_error("LlamaForCausalLM: MoE layers under sequence and context parallelism need the "
-                             "tensor- and context-parallel group (ModelBuildOptions::tensor_context_parallel)");
-    m.tokens = p.tensor_context;
-  } else {
-    m.tokens = p.sequence ? p.tensor : p.context;
-  }
-  return m;
-}
-}  // namespace
-
-LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred,
-                                             const LlamaParallel& parallel) {
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer_idx, bool deferred) {
   if (c.mla) {
-    // MlaAttention splits over no group yet: its heads, latent and shared rotary key have no
-    // tensor- or context-parallel form.
-    if (parallel.tp_size() > 1 || (parallel.context && parallel.context->size() > 1))
-      throw std::invalid_argument("LlamaDecoderLayer: multi-head latent attention (config.mla) has no tensor or context "
-                                  "parallelism yet (--tensor-model-parallel-size and --context-parallel-size must be 1)");
     mla_attn = register_module("self_attn", std::make_shared<MlaAttentionImpl>(*c.mla, deferred, layer_idx));
   } else {
-    self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred, parallel));
+    self_attn = register_module("self_attn", LlamaAttention(c, layer_idx, deferred));
   }
   if (c.moe.is_moe_layer(layer_idx)) {
     moe = register_module(c.moe.mixtral_names ? "block_sparse_moe" : "mlp",
-                          MoeBlock(c.hidden_size, c.moe, deferred, moe_parallel(parallel)));
+                          MoeBlock(c.hidden_size, c.moe, deferred));
   } else {
     mlp = register_module("mlp", LlamaMLP(c, deferred));
   }
@@ -63,9 +37,7 @@ at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const Rotary
                                           const ContextParallelKeys& cp) {
   at::Tensor h;
   if (mla_attn) {
-    if (cp.global_positions.defined())
-      throw std::invalid_argument("LlamaDecoderLayer: multi-head latent attention has no context parallelism yet");
-    h = hidden + mla_attn->forward(input_layernorm(hidden), rope, cache, allowed);
+    h = hidden + mla_attn->forward(input_layernorm(hidden), rope, cache, allowed, cp);
   } else {
     h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed, cp);
   }
@@ -80,7 +52,7 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, const LlamaP
   config_.validate();
   embed_tokens = register_module("embed_tokens", LlamaEmbedding(c.vocab_size, c.hidden_size, deferred));
   layers = register_module("layers", torch::nn::ModuleList());
-  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred, parallel));
+  for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
 }
 
@@ -96,14 +68,14 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
     throw std::invalid_argument("LlamaModel::forward: expected input_ids [B, T], found shape " +
                                 c10::str(input_ids.sizes()));
   const int64_t t = input_ids.size(1);
-  if (parallel_.context) {
+  if (context_parallelism.active()) {
     // This rank's chunks of a sequence starting at position 0.
     const int64_t s = context_parallel_length(t, cache);
     if (start_pos > 0)
       throw std::invalid_argument("LlamaModel::forward: context parallelism starts every sequence at position 0, not " +
                                   std::to_string(start_pos));
     ContextParallelKeys keys;
-    keys.global_positions = context_parallel::cp_positions(s, parallel_.context->size(), parallel_.context->rank())
+    keys.global_positions = context_parallel::cp_positions(s, context_parallelism.size(), context_parallelism.rank())
                                 .to(input_ids.device());
     return run_layers(input_ids, rope_tables(keys.global_positions), nullptr,
                       {}, {}, keys);
@@ -138,10 +110,10 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLa
   const int64_t past = cache != nullptr ? cache->length() : 0;
   ContextParallelKeys keys;
   at::Tensor allowed;
-  if (parallel_.context) {
+  if (context_parallelism.active()) {
     // Every field of the layout is this rank's part; the masks compare global indices.
     const int64_t s = context_parallel_length(t, cache);
-    keys.global_positions = context_parallel::cp_positions(s, parallel_.context->size(), parallel_.context->rank())
+    keys.global_positions = context_parallel::cp_positions(s, context_parallelism.size(), context_parallelism.rank())
                                 .to(input_ids.device());
     keys.key_padding_mask = layout.attention_mask.defined() ? layout.attention_mask.to(input_ids.device()) : at::Tensor();
     keys.segment_ids = layout.segment_ids.defined() ? layout.segment_ids.to(input_ids.device()) : at::Tensor();
@@ -199,10 +171,10 @@ int64_t LlamaModelImpl::context_parallel_length(int64_t local_length, const Llam
   if (cache != nullptr)
     throw std::invalid_argument("LlamaModel::forward: no KV cache under context parallelism (generation runs on one "
                                 "rank's whole sequence)");
-  const int64_t s = local_length * parallel_.context->size();
+  const int64_t s = local_length * context_parallelism.size();
   if (s > config_.max_position_embeddings)
     throw std::invalid_argument("LlamaModel::forward: the whole sequence (" + std::to_string(local_length) + " x " +
-                                std::to_string(parallel_.context->size()) +
+                                std::to_string(context_parallelism.size()) +
                                 " context-parallel ranks) exceeds max_position_embeddings " +
                                 std::to_string(config_.max_position_embeddings));
   return s;
@@ -243,7 +215,7 @@ void check_tensor_parallel(const LlamaConfig& c, const LlamaParallel& p) {
       throw std::invalid_argument("LlamaForCausalLM: tensor parallelism over " + std::to_string(tp) +
                                   " ranks splits " + field + " (" + std::to_string(value) +
                                   "), which does not divide by " + std::to_string(tp));
-  if (p.expert_tensor && c.moe.num_experts > 0 && c.moe.ffn_hidden_size % tp != 0)
+  if (p.moe.expert_tensor && c.moe.num_experts > 0 && c.moe.ffn_hidden_size % tp != 0)
     throw std::invalid_argument("LlamaForCausalLM: expert tensor parallelism over " + std::to_string(tp) +
                                 " ranks splits each expert's width (moe_intermediate_size " +
                                 std::to_string(c.moe.ffn_hidden_size) + "), which does not divide by " +
@@ -255,22 +227,35 @@ void check_tensor_parallel(const LlamaConfig& c, const LlamaParallel& p) {
                                 std::to_string(c.moe.num_experts) + ") needs sequence parallelism");
 }
 
+std::shared_ptr<Communicator> split_or_null(const std::shared_ptr<Communicator>& group) {
+  return group && group->size() > 1 ? group : nullptr;
+}
+
 LlamaParallel parallel_of(const LlamaOptions& o) {
   LlamaParallel p;
-  p.tensor = o.tensor_parallel && o.tensor_parallel->size() > 1 ? o.tensor_parallel : nullptr;
+  p.tensor = split_or_null(o.tensor_parallel);
   // Megatron turns sequence parallelism off without tensor parallelism.
   p.sequence = p.tensor != nullptr && o.sequence_parallel;
-  p.expert = o.expert_parallel;
-  p.context = o.context_parallel && o.context_parallel->size() > 1 ? o.context_parallel : nullptr;
-  p.cp_algorithm = o.context_parallel_algorithm;
-  if (p.tensor && o.expert_tensor_parallel && o.expert_tensor_parallel->size() > 1) {
+  p.moe.expert = o.expert_parallel;
+  if (p.tensor && split_or_null(o.expert_tensor_parallel)) {
     if (o.expert_tensor_parallel->size() != p.tensor->size())
       throw std::invalid_argument("LlamaForCausalLM: the experts split over " +
                                   std::to_string(o.expert_tensor_parallel->size()) +
                                   " ranks, not the tensor-parallel group's " + std::to_string(p.tensor->size()));
-    p.expert_tensor = o.expert_tensor_parallel;
+    p.moe.expert_tensor = o.expert_tensor_parallel;
   }
-  p.tensor_context = o.tensor_context_parallel;
+  // Each MoE block's tokens are spread over the context-parallel ranks and, under sequence
+  // parallelism, the tensor-parallel ones (both: their tp_cp group).
+  if (p.sequence) p.moe.sequence = p.tensor;
+  const std::shared_ptr<Communicator> context = split_or_null(o.context_parallel);
+  if (p.sequence && context) {
+    if (!o.tensor_context_parallel)
+      throw std::logic_error("LlamaForCausalLM: MoE layers under sequence and context parallelism need the "
+                             "tensor- and context-parallel group (ModelBuildOptions::tensor_context_parallel)");
+    p.moe.tokens = o.tensor_context_parallel;
+  } else {
+    p.moe.tokens = p.sequence ? p.tensor : context;
+  }
   return p;
 }
 
@@ -288,11 +273,11 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)
     lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, /*deferred=*/true));
-  apply_parallel_plan(llama_parallel_plan(c), {parallel_.tensor, parallel_.sequence, parallel_.expert_tensor != nullptr});
+  apply_parallel_plan(llama_parallel_plan(c), {parallel_.tensor, parallel_.sequence, parallel_.moe.expert_tensor != nullptr},
+                      {split_or_null(options.context_parallel), options.context_parallel_algorithm}, parallel_.moe);
   layer_deferred_.assign(c.num_layers, true);
   root_deferred_ = true;
-  experts_split_ = (options.expert_parallel && options.expert_parallel->size() > 1) ||
-                   (parallel_.tensor && !parallel_.expert_tensor);
+  experts_split_ = split_or_null(options.expert_parallel) || (parallel_.tensor && !parallel_.moe.expert_tensor);
   if (!options.deferred_init) reset_parameters();
 }
 

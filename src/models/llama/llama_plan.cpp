@@ -1,4 +1,4 @@
-// The Llama family's tensor-parallel plan (include/mfsdp/models/llama.h, llama_parallel_plan):
+// The Llama family's parallel plan (include/mfsdp/models/llama.h, llama_parallel_plan):
 // Megatron's layout of a GPT layer, by Hugging Face parameter and module names.
 #include "mfsdp/models/llama.h"
 
@@ -19,33 +19,45 @@ ParallelPlan llama_parallel_plan(const LlamaConfig& c) {
   // Qwen2's biases: this rank's heads) and MLP gate/up (the dense MLP's and a shared expert's);
   // row-parallel o_proj and down_proj.
   plan.tensor_parallel = {{"model.embed_tokens.weight", Split::kRows}, {"lm_head.weight", Split::kRows}};
-  if (!c.mla)
-    for (const char* column : {"q_proj", "k_proj", "v_proj"})
-      plan.tensor_parallel.emplace_back(std::string("model.layers.*.self_attn.") + column + ".*", Split::kRows);
+  // Multi-head latent attention: its query (or the query's up-projection) and the latent's
+  // key/value up-projection give this rank's heads.
+  const std::vector<const char*> attention_columns =
+      c.mla ? std::vector<const char*>{"q_proj", "q_b_proj", "kv_b_proj"}
+            : std::vector<const char*>{"q_proj", "k_proj", "v_proj"};
+  for (const char* column : attention_columns)
+    plan.tensor_parallel.emplace_back(std::string("model.layers.*.self_attn.") + column + ".*", Split::kRows);
   for (const char* column : {"gate_proj", "up_proj"})
     plan.tensor_parallel.emplace_back(std::string("model.layers.*.") + column + ".*", Split::kRows);
-  if (!c.mla) plan.tensor_parallel.emplace_back("model.layers.*.self_attn.o_proj.weight", Split::kColumns);
+  plan.tensor_parallel.emplace_back("model.layers.*.self_attn.o_proj.weight", Split::kColumns);
   plan.tensor_parallel.emplace_back("model.layers.*.down_proj.weight", Split::kColumns);
-  // A per-head norm sees only this rank's heads; under sequence parallelism every norm sees only
-  // this rank's positions, and so do the router and the shared expert's gate (MoE layers route
-  // each rank's slice of the sequence).
-  plan.partial_gradients = {"model.layers.*.self_attn.q_norm.weight", "model.layers.*.self_attn.k_norm.weight"};
+  // A per-head norm sees only this rank's heads, and so do MLA's down-projections and their
+  // norms (only this rank's heads read the latents); under sequence parallelism every norm sees
+  // only this rank's positions, and so do the router and the shared expert's gate (MoE layers
+  // route each rank's slice of the sequence), and MLA's o_proj bias (added after the region).
+  plan.partial_gradients = {"model.layers.*.self_attn.q_norm.weight", "model.layers.*.self_attn.k_norm.weight",
+                            "model.layers.*.self_attn.q_a_*", "model.layers.*.self_attn.kv_a_*"};
   plan.sequence_partial_gradients = {"*norm.weight", "model.layers.*.gate.weight",
-                                     "model.layers.*.shared_expert_gate.weight"};
+                                     "model.layers.*.shared_expert_gate.weight",
+                                     "model.layers.*.self_attn.o_proj.bias"};
   // The regions: each attention, dense MLP and shared expert; the embedding looks up its
-  // vocabulary rows; the root's boundary is the output layer's input.
-  plan.boundaries = {{"", Boundary::kInput}, {"model.embed_tokens", Boundary::kVocabulary}};
-  if (!c.mla) plan.boundaries.emplace_back("model.layers.*.self_attn", Boundary::kRegion);
+  // vocabulary rows; the root's boundary is the output layer's input. Expert parallelism
+  // reaches each MoE block.
+  plan.boundaries = {{"", Boundary::kInput},
+                     {"model.embed_tokens", Boundary::kVocabulary},
+                     {"model.layers.*.self_attn", Boundary::kRegion}};
   const std::string moe = c.moe.mixtral_names ? "block_sparse_moe" : "mlp";
   const std::string shared = c.moe.shared_experts_name ? "shared_experts" : "shared_expert";
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const std::string layer = "model.layers." + std::to_string(i) + ".";
     if (!c.moe.is_moe_layer(i)) {
       plan.boundaries.emplace_back(layer + "mlp", Boundary::kRegion);
-    } else if (c.moe.shared_expert_intermediate_size > 0) {
-      plan.boundaries.emplace_back(layer + moe + "." + shared, Boundary::kRegion);
+      continue;
     }
+    plan.expert_parallel.push_back(layer + moe);
+    if (c.moe.shared_expert_intermediate_size > 0)
+      plan.boundaries.emplace_back(layer + moe + "." + shared, Boundary::kRegion);
   }
+  plan.context_parallel = {"model", "model.layers.*.self_attn"};
   return plan;
 }
 

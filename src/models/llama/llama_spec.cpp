@@ -405,8 +405,6 @@ class DecoderSpec final : public ModelSpec {
     s.tensor_parallel = c.tensor_parallel_splits();
     s.experts = c.moe.num_experts;
     if (c.moe.num_experts > 0) s.expert_tensor_parallel = {{"moe_intermediate_size", c.moe.ffn_hidden_size}};
-    if (c.mla)
-      s.no_tensor_or_context_parallel = "multi-head latent attention has no tensor or context parallelism yet";
     return s;
   }
 

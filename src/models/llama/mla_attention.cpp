@@ -75,14 +75,18 @@ MlaAttentionImpl::MlaAttentionImpl(const MlaConfig& c, bool deferred, int64_t la
   o_proj = register_module("o_proj", LlamaLinear(heads * c.v_head_dim, c.hidden_size, deferred, c.attention_bias));
 }
 
-at::Tensor MlaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& rope, KVCache* cache,
-                                     const at::Tensor& allowed_keys) {
+at::Tensor MlaAttentionImpl::forward(const at::Tensor& input, const RotaryTables& rope, KVCache* cache,
+                                     const at::Tensor& allowed_keys, const ContextParallelKeys& cp) {
   const MlaConfig& c = config_;
-  if (x.dim() != 3 || x.size(2) != c.hidden_size)
+  if (input.dim() != 3 || input.size(2) != c.hidden_size)
     throw std::invalid_argument("MlaAttention: expected x [B, T, " + std::to_string(c.hidden_size) + "], found " +
-                                c10::str(x.sizes()));
-  const int64_t batch = x.size(0), length = x.size(1), heads = c.num_heads;
+                                c10::str(input.sizes()));
+  // Every projection reads one input: the region is entered once.
+  const at::Tensor x = parallel_boundary.enter(input);
+  const int64_t batch = x.size(0), length = x.size(1);
   const int64_t nope = c.qk_nope_head_dim, rot = c.qk_rope_head_dim;
+  // This rank's heads: all of them, or the plan's tensor-parallel share.
+  const int64_t heads = (c.q_lora_rank == 0 ? q_proj : q_b_proj)->weight.size(0) / c.qk_head_dim();
 
   at::Tensor q = c.q_lora_rank == 0 ? q_proj(x) : q_b_proj(q_a_layernorm(q_a_proj(x)));
   q = q.view({batch, length, heads, c.qk_head_dim()}).transpose(1, 2);  // [B, nh, T, dn + dr]
@@ -105,19 +109,34 @@ at::Tensor MlaAttentionImpl::forward(const at::Tensor& x, const RotaryTables& ro
   at::Tensor k = at::cat({k_nope, k_rot.expand({batch, heads, length, rot})}, -1);
   q = at::cat({q_pass, q_rot}, -1);
 
-  if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
-  // Query i sits at key past + i; SDPA's is_causal aligns top-left, so cached keys need a mask.
-  const int64_t keys = k.size(2), past = keys - length;
-  at::Tensor allowed = allowed_keys;
-  if (!allowed.defined() && past > 0) {
-    auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
-    allowed = at::arange(keys, pos).unsqueeze(0) <= (at::arange(length, pos) + past).unsqueeze(1);
+  at::Tensor out;
+  if (cp.global_positions.defined()) {
+    // This rank's queries against the whole sequence's keys and values, exchanged over the group.
+    context_parallel::CpAttentionOptions o;
+    o.algorithm = context_parallelism.algorithm;
+    o.key_padding_mask = cp.key_padding_mask;
+    o.segment_ids = cp.segment_ids;
+    o.scale = c.softmax_scale();
+    out = context_parallel::cp_attention(q, k, v.contiguous(), cp.global_positions, *context_parallelism.group, o);
+  } else {
+    if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
+    // Query i sits at key past + i; SDPA's is_causal aligns top-left, so cached keys need a mask.
+    const int64_t keys = k.size(2), past = keys - length;
+    at::Tensor allowed = allowed_keys;
+    if (!allowed.defined() && past > 0) {
+      auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
+      allowed = at::arange(keys, pos).unsqueeze(0) <= (at::arange(length, pos) + past).unsqueeze(1);
+    }
+    out = at::scaled_dot_product_attention(
+        q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt, /*dropout_p=*/0.0,
+        /*is_causal=*/!allowed.defined(), c.softmax_scale());
   }
-  at::Tensor out = at::scaled_dot_product_attention(
-      q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt, /*dropout_p=*/0.0,
-      /*is_causal=*/!allowed.defined(), c.softmax_scale());
   out = out.transpose(1, 2).reshape({batch, length, heads * c.v_head_dim});
-  return o_proj(out);
+  // o_proj is row-parallel under tensor parallelism: its bias (attention_bias) is added once,
+  // after the ranks' partial outputs are summed.
+  if (o_proj->bias.defined() && parallel_boundary.active())
+    return parallel_boundary.leave(at::linear(out, o_proj->weight)) + o_proj->bias;
+  return parallel_boundary.leave(o_proj(out));
 }
 
 }  // namespace mfsdp

@@ -117,6 +117,23 @@ MoeExpertsImpl::MoeExpertsImpl(int64_t hidden, int64_t width, bool mixtral_names
     local_.push_back(register_module(std::to_string(j), ExpertMlp(hidden, width, mixtral_names, deferred)));
 }
 
+void MoeExpertsImpl::keep(int64_t first, int64_t count) {
+  if (first < first_ || count < 0 || first + count > first_ + this->count())
+    throw std::logic_error("MoeExperts::keep: experts [" + std::to_string(first) + ", " +
+                           std::to_string(first + count) + ") are not among those held, [" + std::to_string(first_) +
+                           ", " + std::to_string(first_ + this->count()) + ")");
+  std::vector<ExpertMlp> kept;
+  for (int64_t j = first_; j < first_ + this->count(); ++j) {
+    if (j >= first && j < first + count) {
+      kept.push_back(local_[static_cast<size_t>(j - first_)]);
+    } else {
+      unregister_module(std::to_string(j));
+    }
+  }
+  local_ = std::move(kept);
+  first_ = first;
+}
+
 at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& counts, bool grouped) {
   const int64_t n = count();
   if (grouped) {
@@ -161,31 +178,36 @@ at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& c
   return at::cat(parts);
 }
 
-MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred, MoeParallel parallel)
-    : config_(config),
-      ep_(split_group(std::move(parallel.expert))),
-      etp_(split_group(std::move(parallel.expert_tensor))),
-      sp_(split_group(std::move(parallel.sequence))),
-      tokens_(split_group(std::move(parallel.tokens))) {
+MoeBlockImpl::MoeBlockImpl(int64_t hidden, const MoeConfig& config, bool deferred) : config_(config) {
   gate = register_module("gate", LlamaLinear(hidden, config.num_experts, deferred));
   // A buffer, not a parameter: no gradient, no optimizer state, fp32 whatever the compute dtype
   // (Megatron keeps router.expert_bias in fp32 too), every rank holds it whole.
   if (config.expert_bias) gate->register_buffer("e_score_correction_bias", at::zeros({config.num_experts}, at::kFloat));
-  const int64_t ep = ep_ ? ep_->size() : 1, per_rank = config.num_experts / ep;
-  if (config.num_experts % ep != 0)
-    throw std::invalid_argument("MoeBlock: " + std::to_string(ep) + " expert-parallel ranks do not divide " +
-                                std::to_string(config.num_experts) + " experts");
-  // The experts and the shared expert whole: a tensor-parallel plan cuts each expert's slice of
-  // the width under expert tensor parallelism, and the shared expert's under tensor parallelism
-  // (Megatron's SharedExpertMLP is a tensor-parallel MLP: its boundary is the plan's region).
+  // Every expert and the shared expert whole: a plan's expert parallelism keeps this rank's
+  // experts, its tensor parallelism cuts each expert's slice of the width under expert tensor
+  // parallelism, and the shared expert's (Megatron's SharedExpertMLP is a tensor-parallel MLP:
+  // its boundary is the plan's region).
   experts = register_module("experts", MoeExperts(hidden, config.ffn_hidden_size, config.mixtral_names,
-                                                  (ep_ ? ep_->rank() : 0) * per_rank, per_rank, deferred));
+                                                  /*first=*/0, config.num_experts, deferred));
   if (config.shared_expert_intermediate_size > 0) {
     shared_expert = register_module(config.shared_experts_name ? "shared_experts" : "shared_expert",
                                     ExpertMlp(hidden, config.shared_expert_intermediate_size,
                                               /*mixtral_names=*/false, deferred));
     if (config.shared_expert_gate) shared_expert_gate = register_module("shared_expert_gate", LlamaLinear(hidden, 1, deferred));
   }
+}
+
+void MoeBlockImpl::parallelize_experts(const ExpertParallelism& groups) {
+  ep_ = split_group(groups.expert);
+  etp_ = split_group(groups.expert_tensor);
+  sp_ = split_group(groups.sequence);
+  tokens_ = split_group(groups.tokens);
+  if (!ep_) return;
+  const int64_t ep = ep_->size(), per_rank = config_.num_experts / ep;
+  if (config_.num_experts % ep != 0)
+    throw std::invalid_argument("MoeBlock: " + std::to_string(ep) + " expert-parallel ranks do not divide " +
+                                std::to_string(config_.num_experts) + " experts");
+  experts->keep(ep_->rank() * per_rank, per_rank);
 }
 
 at::Tensor MoeBlockImpl::run_experts(const at::Tensor& tokens, const Routing& r) {

@@ -124,7 +124,7 @@ std::vector<ToolFlag> ModelSection::flags() {
       bool_flag("--qk-layernorm", qk_layernorm, "RMSNorm over each query and key head before RoPE (Qwen3)"),
       int_flag("--kv-channels", kv_channels, "each attention head's width (0: --hidden-size / --num-attention-heads)"),
       bool_flag("--multi-latent-attention", multi_latent_attention,
-                "multi-head latent attention (DeepSeek-V3; no tensor or context parallelism yet)"),
+                "multi-head latent attention (DeepSeek-V3)"),
       int_flag("--q-lora-rank", q_lora_rank, "MLA: the query's low-rank width (0: a plain query projection)"),
       int_flag("--kv-lora-rank", kv_lora_rank, "MLA: the key/value latent's width"),
       int_flag("--qk-head-dim", qk_head_dim, "MLA: each query/key head's width without RoPE"),
