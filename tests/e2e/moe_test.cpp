@@ -422,7 +422,7 @@ TEST(Moe, MultiLatentAttentionUnderTensorAndContextParallelismTrainsLikeOneRank)
   expect_trains_like_one_rank({tp + " --expert-model-parallel-size 2",
                                " --context-parallel-size 2 --expert-model-parallel-size 2 --cp-comm-type p2p",
                                " --context-parallel-size 2 --data-parallel-sharding-strategy optim"},
-                              "deepseek_v3", "", kDeepseekModel);
+                              "parallelism: 4 ranks = ", "", kDeepseekModel);
 }
 
 }  // namespace

@@ -1,13 +1,15 @@
 // Reference test (ctest label "reference"): supervised fine-tuning of a DeepSeek-V3 with expert
-// parallelism equals transformers' DeepseekV3ForCausalLM trained with torch.optim.AdamW on the
-// same batches. The Python side is tests/reference/deepseek_sft_reference.py.
+// parallelism, alone and beside tensor or context parallelism, equals transformers'
+// DeepseekV3ForCausalLM trained with torch.optim.AdamW on the same batches. The Python side is tests/reference/deepseek_sft_reference.py.
 //
 // transformers makes a small random DeepseekV3ForCausalLM (multi-head latent attention with the
 // query bottleneck and YaRN; the first layer dense, then DeepSeek MoE: 8 experts in 4 groups,
 // top-2 of the 2 best groups, sigmoid scores with a random e_score_correction_bias, renormalised,
 // times routed_scaling_factor 2.5, plus 2 shared experts). mfsdp-sft --hf-load trains it 3 steps
-// on 2 ranks with --expert-model-parallel-size 2 (the dense weights sharded over 2 ranks, each
-// rank 4 of the experts), fp32, on a pre-tokenized file whose 8 sequences of mixed lengths are
+// on 2 ranks with --expert-model-parallel-size 2 (each rank 4 of the experts), the dense weights
+// sharded over the 2 ranks, or split by heads and widths over them (--tensor-model-parallel-size
+// 2, sequence parallel, the experts whole: --expert-tensor-parallel-size 1), or the sequences
+// split over them (--context-parallel-size 2), fp32, on a pre-tokenized file whose 8 sequences of mixed lengths are
 // the whole global batch of every step (2 micro-batches of 2 per rank, padded); the reference
 // trains the same folder on the same sequences, one at a time, with the same loss (token-mean:
 // the target tokens' summed negative log-likelihoods / the global batch's target tokens),
@@ -110,13 +112,12 @@ using mfsdp::testing::training_records;
 
 double max_abs(const at::Tensor& t) { return t.numel() == 0 ? 0.0 : t.abs().max().item<double>(); }
 
-TEST(DeepseekSftReference, ExpertParallelSftEqualsTransformersWithAdamW) {
+TEST(DeepseekSftReference, ExpertTensorAndContextParallelSftEqualsTransformersWithAdamW) {
   ASSERT_TRUE(fs::exists(kPython))
       << "the reference Python " << kPython << " (CMake's MFSDP_PYTHON) does not exist: run scripts/setup.sh, "
       << "which creates the project's .venv with torch, transformers and safetensors";
   TempDir dir("mfsdp-deepseek-sft");
-  const std::string hf = dir.file("hf"), data = dir.file("train.jsonl"), ref = dir.file("reference"),
-                    out = dir.file("export"), metrics = dir.file("metrics.jsonl");
+  const std::string hf = dir.file("hf"), data = dir.file("train.jsonl"), ref = dir.file("reference");
   CommandOutcome made = mfsdp::testing::run_command(python() + " make " + q(hf) + " --seed 3");
   std::cout << made.output;
   ASSERT_EQ(made.exit_code, 0) << "making the transformers model failed (its output is above)";
@@ -130,8 +131,13 @@ TEST(DeepseekSftReference, ExpertParallelSftEqualsTransformersWithAdamW) {
   std::cout << reference.output;
   ASSERT_EQ(reference.exit_code, 0) << "the transformers training failed (its output is above)";
 
+  for (const std::string layout : {"", " --tensor-model-parallel-size 2 --sequence-parallel --expert-tensor-parallel-size 1",
+                                   " --context-parallel-size 2"}) {
+  SCOPED_TRACE("--expert-model-parallel-size 2" + layout);
+  const std::string name = layout.empty() ? "ep" : layout.find("tensor") != std::string::npos ? "tp" : "cp";
+  const std::string out = dir.file("export-" + name), metrics = dir.file("metrics-" + name + ".jsonl");
   const std::string flags =
-      " --device cpu --hf-load " + q(hf) + " --train-files " + q(data) +
+      " --device cpu --hf-load " + q(hf) + " --train-files " + q(data) + layout +
       " --tokenizer-type ByteLevelTokenizer --max-length 32 --micro-batch-size 2 --global-batch-size " +
       std::to_string(kSequences) + " --train-iters " + std::to_string(kSteps) +
       " --loss-agg-mode token-mean --expert-model-parallel-size 2 --optimizer adam" + optimizer +
@@ -196,6 +202,7 @@ TEST(DeepseekSftReference, ExpertParallelSftEqualsTransformersWithAdamW) {
             << "; gradient norms: " << worst_norm << "; weights: max |diff| / max |w| " << worst_weight << " ("
             << worst_weight_name << "); updates: max |diff| / max |update| " << worst_update << " ("
             << worst_update_name << ")\n";
+  }
 }
 
 }  // namespace
