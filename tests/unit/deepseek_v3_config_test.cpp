@@ -195,6 +195,19 @@ TEST(DeepseekV3Config, MegatronMlaArgumentsGiveTheDeepseekFamily) {
   EXPECT_TRUE(std::any_of(tp_splits.begin(), tp_splits.end(), [](const auto& f) { return f.first == "num_attention_heads"; }));
   EXPECT_FALSE(std::any_of(tp_splits.begin(), tp_splits.end(), [](const auto& f) { return f.first == "num_key_value_heads"; }));
 
+  // Without experts, a dense model of MLA layers (the arguments leave the router at its softmax
+  // default, which a dense model never uses).
+  json dense = args;
+  for (const char* key : {"num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
+                          "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_num_groups",
+                          "moe_router_group_topk", "moe_layer_freq"})
+    dense.erase(key);
+  dense["ffn_hidden_size"] = 128;
+  const mfsdp::ModelConfig dense_config = mfsdp::model_config_from_megatron(dense);
+  EXPECT_EQ(dense_config.spec->name(), "deepseek_v3");
+  EXPECT_EQ(mfsdp::llama_config_of(dense_config).moe.num_experts, 0);
+  EXPECT_EQ(mfsdp::model_config_from_hf(dense_config.hf).hf, dense_config.hf);
+
   json softmax = args;
   softmax["moe_router_score_function"] = "softmax";
   softmax["moe_router_enable_expert_bias"] = false;

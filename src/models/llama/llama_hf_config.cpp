@@ -188,7 +188,8 @@ void write_deepseek_v3(json& j, const LlamaConfig& cfg) {
   j["routed_scaling_factor"] = m.topk_scaling_factor;
   j["norm_topk_prob"] = m.norm_topk_prob;
   j["topk_method"] = "noaux_tc";
-  j["scoring_func"] = m.score == MoeConfig::Score::kSigmoid ? "sigmoid" : "softmax";
+  // DeepSeek-V3 scores only by sigmoid; a dense model's nominal expert is scored alike.
+  j["scoring_func"] = m.num_experts == 0 || m.score == MoeConfig::Score::kSigmoid ? "sigmoid" : "softmax";
   if (m.num_experts > 0 && !m.expert_bias) j["moe_router_enable_expert_bias"] = false;  // mfsdp's own
   j["num_nextn_predict_layers"] = 0;
   j["pretraining_tp"] = 1;
