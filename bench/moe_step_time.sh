@@ -18,6 +18,22 @@
 #   ROUNDS=1 ITERS=6 WARMUP=2 bench/moe_step_time.sh   # smoke test
 #   DEVICE=cuda NPROC=1 RUNS="ep1 grouped dense" EXTRA=--bf16 bench/moe_step_time.sh   # one GPU
 #   NPROC=4 RUNS="ep4 cp2ep2 hsdp2ep2 tp2ep2 tp2ep2etp2" bench/moe_step_time.sh   # 4 ranks, vs ep4
+#   MODEL=deepseek bench/moe_step_time.sh         # a DeepSeek-V3-style model, both sides
+#
+# MODEL=llama (the default): Llama attention, every layer an MoE layer with softmax top-k routing.
+# MODEL=deepseek: a DeepSeek-V3-style model of the same size, by the same Megatron flags to
+# mfsdp-pretrain and to bench/torch_llama.py: multi-head latent attention in every layer
+# (--multi-latent-attention --q-lora-rank Q_LORA_RANK --kv-lora-rank KV_LORA_RANK --qk-head-dim
+# QK_HEAD_DIM --qk-pos-emb-head-dim QK_POS_EMB_HEAD_DIM --v-head-dim V_HEAD_DIM, plain RoPE), the
+# first DENSE_LAYERS layers dense (--moe-layer-freq "([0]*DENSE_LAYERS+[1]*(LAYERS-DENSE_LAYERS))",
+# their MLP --ffn-hidden-size MOE_FFN, as the MoE runs' --ffn-hidden-size), and in the MoE layers
+# DeepSeek-V3's routing: sigmoid scores with the aux-loss-free expert bias
+# (--moe-router-score-function sigmoid --moe-router-enable-expert-bias), group-limited top-k
+# (--moe-router-num-groups ROUTER_GROUPS --moe-router-group-topk GROUP_TOPK), the top-k weights
+# times TOPK_SCALING (--moe-router-topk-scaling-factor), and an ungated shared expert SHARED_FFN
+# wide (--moe-shared-expert-intermediate-size); --moe-aux-loss-coeff 1e-2 as for llama. The dense
+# run is the same model with every MLP (TOPK + 1) x MOE_FFN wide: the MoE layers' active width
+# with the shared expert (the DENSE_LAYERS dense layers' MOE_FFN is then widened too).
 #
 # Environment (defaults in brackets): LAYERS [4] HIDDEN [256] HEADS [8] EXPERTS [8] TOPK [2]
 # MOE_FFN [256] SEQ [128] MBS [4] GBS [16] VOCAB [1024] ITERS [12] WARMUP [3] ROUNDS [3]
@@ -25,8 +41,15 @@
 # NPROC [2] (ep2 needs 2) EXTRA [] (more mfsdp-pretrain flags) TORCH_EXTRA [--bf16 when EXTRA
 # has --bf16, else nothing] (more bench/torch_llama.py flags, e.g. --moe-expert-impl loop)
 # BUILD [<repo>/build] PYTHON [<repo>/.venv/bin/python] OUT [a new temporary folder; kept]
-# Exit status 0 when every run succeeded, 1 when one failed (its output is shown).
+# MODEL [llama; or deepseek] and with MODEL=deepseek: Q_LORA_RANK [HIDDEN/2] KV_LORA_RANK
+# [HIDDEN/4] QK_HEAD_DIM [32] QK_POS_EMB_HEAD_DIM [16] V_HEAD_DIM [32] SHARED_FFN [MOE_FFN]
+# ROUTER_GROUPS [2] GROUP_TOPK [1] TOPK_SCALING [2.5] DENSE_LAYERS [1] (LAYERS must exceed it)
+# Exit status 0 when every run succeeded, 1 when one failed (its output is shown), 2 for bad
+# settings or a missing tool.
 set -uo pipefail
+# The mfsdp flags travel as words (flags_of, $EXTRA), one of them with MODEL=deepseek a Python
+# list such as ([0]*1+[1]*3): no pathname expansion of them.
+set -f
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 BUILD=${BUILD:-$ROOT/build}
@@ -39,6 +62,33 @@ if [[ -z ${TORCH_EXTRA+x} ]]; then
   TORCH_EXTRA=""
   [[ " $EXTRA " == *" --bf16 "* ]] && TORCH_EXTRA=--bf16
 fi
+MODEL=${MODEL:-llama}
+case $MODEL in
+  llama)
+    model=() moe_model=() dense_ffn=$((TOPK * MOE_FFN)) moe_layers=$LAYERS ;;
+  deepseek)
+    Q_LORA_RANK=${Q_LORA_RANK:-$((HIDDEN / 2))} KV_LORA_RANK=${KV_LORA_RANK:-$((HIDDEN / 4))}
+    QK_HEAD_DIM=${QK_HEAD_DIM:-32} QK_POS_EMB_HEAD_DIM=${QK_POS_EMB_HEAD_DIM:-16} V_HEAD_DIM=${V_HEAD_DIM:-32}
+    SHARED_FFN=${SHARED_FFN:-$MOE_FFN} ROUTER_GROUPS=${ROUTER_GROUPS:-2} GROUP_TOPK=${GROUP_TOPK:-1}
+    TOPK_SCALING=${TOPK_SCALING:-2.5} DENSE_LAYERS=${DENSE_LAYERS:-1}
+    if ((DENSE_LAYERS < 0 || DENSE_LAYERS >= LAYERS)); then
+      echo "moe_step_time: MODEL=deepseek needs 0 <= DENSE_LAYERS ($DENSE_LAYERS) < LAYERS ($LAYERS)" >&2; exit 2
+    fi
+    if ((ROUTER_GROUPS < 1 || EXPERTS % ROUTER_GROUPS != 0 || GROUP_TOPK < 1 || GROUP_TOPK > ROUTER_GROUPS ||
+         TOPK > GROUP_TOPK * (EXPERTS / ROUTER_GROUPS))); then
+      echo "moe_step_time: MODEL=deepseek: ROUTER_GROUPS ($ROUTER_GROUPS) must divide EXPERTS ($EXPERTS)," \
+           "GROUP_TOPK ($GROUP_TOPK) be 1 .. ROUTER_GROUPS and TOPK ($TOPK) at most GROUP_TOPK x EXPERTS /" \
+           "ROUTER_GROUPS" >&2; exit 2
+    fi
+    model=(--multi-latent-attention --q-lora-rank "$Q_LORA_RANK" --kv-lora-rank "$KV_LORA_RANK"
+           --qk-head-dim "$QK_HEAD_DIM" --qk-pos-emb-head-dim "$QK_POS_EMB_HEAD_DIM" --v-head-dim "$V_HEAD_DIM")
+    moe_model=(--moe-shared-expert-intermediate-size "$SHARED_FFN" --moe-router-score-function sigmoid
+               --moe-router-enable-expert-bias --moe-router-num-groups "$ROUTER_GROUPS"
+               --moe-router-group-topk "$GROUP_TOPK" --moe-router-topk-scaling-factor "$TOPK_SCALING"
+               --moe-layer-freq "([0]*$DENSE_LAYERS+[1]*$((LAYERS - DENSE_LAYERS)))")
+    dense_ffn=$(((TOPK + 1) * MOE_FFN)) moe_layers=$((LAYERS - DENSE_LAYERS)) ;;
+  *) echo "moe_step_time: unknown MODEL '$MODEL' (llama or deepseek)" >&2; exit 2 ;;
+esac
 OUT=${OUT:-$(mktemp -d /tmp/moe_step_time.XXXX)}
 mkdir -p "$OUT"
 for tool in mfsdp-run mfsdp-pretrain; do
@@ -48,14 +98,15 @@ done
 common=(--device "$DEVICE" --mock-data --vocab-size "$VOCAB" --num-layers "$LAYERS" --hidden-size "$HIDDEN"
         --num-attention-heads "$HEADS" --swiglu --seq-length "$SEQ" --micro-batch-size "$MBS"
         --global-batch-size "$GBS" --train-iters "$ITERS" --lr 1e-4 --log-interval 1 --eval-interval 100000
-        --eval-iters 0 --data-parallel-sharding-strategy "$STRATEGY" --seed 3)
-moe=(--num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN" --moe-aux-loss-coeff 1e-2)
+        --eval-iters 0 --data-parallel-sharding-strategy "$STRATEGY" --seed 3 "${model[@]}")
+moe=(--num-experts "$EXPERTS" --moe-router-topk "$TOPK" --moe-ffn-hidden-size "$MOE_FFN" --moe-aux-loss-coeff 1e-2
+     "${moe_model[@]}")
 flags_of() {
   case $1 in
     ep1) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 1" ;;
     ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2" ;;
     grouped) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size $((NPROC > 1 ? 2 : 1)) --moe-grouped-gemm" ;;
-    dense) echo "--ffn-hidden-size $((TOPK * MOE_FFN))" ;;
+    dense) echo "--ffn-hidden-size $dense_ffn" ;;
     # 4 ranks: EP 4 against EP 2 with context parallelism or HSDP over the other factor of 2.
     ep4) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 4" ;;
     cp2ep2) echo "${moe[*]} --ffn-hidden-size $MOE_FFN --expert-model-parallel-size 2 --context-parallel-size 2" ;;
@@ -73,7 +124,7 @@ flags_of() {
 torch_common=(--impl fsdp2 --nproc "$NPROC" --threads 1 --device "$DEVICE" --num-layers "$LAYERS"
               --hidden-size "$HIDDEN" --ffn-hidden-size "$MOE_FFN" --num-attention-heads "$HEADS"
               --seq-length "$SEQ" --micro-batch-size "$MBS" --global-batch-size "$GBS" --vocab-size "$VOCAB"
-              --train-iters "$ITERS" --warmup-iters "$WARMUP" --lr 1e-4 --seed 3 "${moe[@]}")
+              --train-iters "$ITERS" --warmup-iters "$WARMUP" --lr 1e-4 --seed 3 "${model[@]}" "${moe[@]}")
 torch_ep_of() {
   case $1 in
     fsdp2) echo $((NPROC > 1 ? 2 : 1)) ;;
@@ -115,10 +166,11 @@ for round in $(seq 1 "$ROUNDS"); do
 done
 
 "$PYTHON" - "$OUT" "$WARMUP" "$GBS" "$SEQ" "$RUNS" "$LAYERS" "$HIDDEN" "$EXPERTS" "$MOE_FFN" \
-    "$VOCAB" "$NPROC" <<'EOF'
+    "$VOCAB" "$NPROC" "$moe_layers" "$MODEL" <<'EOF'
 import glob, json, re, statistics, sys
 out, warmup, gbs, seq, runs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5].split()
-layers, hidden, experts, moe_ffn, vocab, nproc = map(int, sys.argv[6:12])
+layers, hidden, experts, moe_ffn, vocab, nproc, moe_layers = map(int, sys.argv[6:13])
+model = sys.argv[13]
 rows, notes = {}, []
 for run in runs:
     times, rss, buffers, loss = [], [], None, None
@@ -148,6 +200,7 @@ for run in runs:
         if m: buffers = tuple(float(x) for x in m.groups())
     if times: rows[run] = (statistics.median(times), max(rss) / 2**20, buffers, loss)
 if not rows: sys.exit("no run produced timings")
+print(f"model: {model}, {layers} layers ({moe_layers} MoE), hidden {hidden}, {experts} experts")
 base_run = "ep1" if "ep1" in rows else next(iter(rows))
 base = rows[base_run][0]
 print(f"{'run':10} {'iter ms':>9} {'tokens/s':>10} {'vs ' + base_run:>8} {'peak RSS MiB':>13} {'weights MiB':>12} "
@@ -158,7 +211,7 @@ for run, (t, r, b, l) in rows.items():
           + (f"  {l[0]:.3f}>{l[1]:.3f}" if l else ""))
 # Per-rank fp32 model weights under ZeRO-3 by the formula: dense / (DP x TP) + experts / (EDP x EP
 # x ETP), with EDP x EP x ETP = NPROC whatever the split.
-expert_params = layers * experts * 3 * hidden * moe_ffn
+expert_params = moe_layers * experts * 3 * hidden * moe_ffn
 print(f"expert parameters {expert_params} ({expert_params*4/2**20:.3f} MiB fp32): per rank "
       f"{expert_params*4/2**20/nproc:.3f} MiB over {nproc} rank(s) whatever the EP x EDP split (ZeRO-3)")
 for n in notes: print(n)

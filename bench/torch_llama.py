@@ -53,7 +53,39 @@ EP > 1 a 2-D DeviceMesh ["edp", "ep"] of [world / EP, EP], each layer's experts 
 "edp" with set_gradient_divide_factor(world), so that expert gradients are, like the dense ones,
 the mean over all data-parallel ranks; at EP 1 the experts are part of their layer's unit; the
 layers and the root over a 1-D mesh of every rank. No z-loss (mfsdp computes it for its log
-only unless --moe-z-loss-coeff), no capacity factor, no shared expert, softmax routing only.
+only unless --moe-z-loss-coeff), no capacity factor, no --moe-router-pre-softmax, no shared
+expert gate.
+
+DeepSeek-V3-style model (the peer of mfsdp-pretrain with the same Megatron flags; bench/
+moe_step_time.sh MODEL=deepseek):
+--multi-latent-attention with --q-lora-rank (0: a plain q_proj), --kv-lora-rank, --qk-head-dim
+(the no-RoPE part), --qk-pos-emb-head-dim (the RoPE part), --v-head-dim: every layer's attention
+is transformers' DeepseekV3Attention (MLAttention; mfsdp's MlaAttention): q_a_proj ->
+RMSNorm(eps 1e-6) -> q_b_proj, kv_a_proj_with_mqa -> latent RMSNorm(eps 1e-6) -> kv_b_proj, RoPE
+(plain, --rotary-base; no YaRN: --rotary-scaling-factor other than 1 is refused) on the rotary
+parts only with the pairs interleaved, one rotary key per token shared by every head, causal
+attention at scale (qk-head-dim + qk-pos-emb-head-dim)^-0.5, o_proj. Checked against
+DeepseekV3Attention holding the same weights (an ad-hoc check, fp32, transformers 5.23): max
+|output diff| 1.5e-7 with --q-lora-rank, 1.2e-7 without.
+--moe-router-score-function sigmoid, --moe-router-enable-expert-bias (--moe-router-bias-update-
+rate, default 1e-3), --moe-router-num-groups / --moe-router-group-topk,
+--moe-router-topk-scaling-factor: DeepSeek-V3's routing as mfsdp's route() (MoE.route): sigmoid
+scores in fp32, the top-k chosen by scores + an fp32 expert-bias buffer (no gradient, whole on
+every rank, not sharded by FSDP2) and weighted by the scores alone, renormalised to sum to one
+when k > 1 (norm_topk_prob), times the scaling factor; groups: each group of E / G consecutive
+experts scored by the sum of its two best choice scores, the top-k chosen within the best
+group-topk groups. The bias moves once per step, after the backward and before clipping and the
+optimizer step (Megatron's finalize_model_grads): every MoE layer's routed pairs per expert, summed
+over the step's micro-batches and all-reduced over every rank (one all-reduce), bias += rate x
+sign(mean - tokens_e). The balancing loss with sigmoid scores uses the scores normalised to sum
+to one per token, and with the bias or groups counts each token's plain top-k of them (Megatron's
+and mfsdp's choice; the loss still trains the router through the scores).
+--moe-shared-expert-intermediate-size N: an ungated SwiGLU MLP of width N ("shared_experts",
+DeepSeek-V3's) over every token, added to the routed output; a dense parameter of its layer's FSDP
+unit, like the router. --moe-layer-freq: an int N (every N-th layer from layer 0 an MoE layer; 1,
+the default: all) or Megatron's Python list expression, "[0,1]", "([0]*1+[1]*3)" (1: MoE); a dense
+layer has the plain SwiGLU MLP of --ffn-hidden-size and no experts (its FSDP2 unit is the whole
+layer at any EP).
 --moe-expert-impl: grouped_mm (default) runs each projection of all local experts as one
 torch._grouped_mm (it runs on CPU fp32 in torch 2.15, bit-identical to the loop), loop runs one
 GEMM per expert; grouped_mm measured faster on CPU (2-vCPU VM, 1 thread per rank, the default
@@ -96,9 +128,12 @@ one JSON line at the end (rank 0), with these keys:
                      main, and main-gradient buffer)
     first_loss, final_loss, config (the model and batch settings)
     with --num-experts also: losses (every step's lm loss), balance_losses (every step's
-    load-balancing loss before its coefficient, averaged over layers, micro-batches and ranks, as
-    mfsdp's load_balancing_loss), grad_norms (before clipping), moe (the MoE settings); the
-    tflops count the active MLP width, top-k x --moe-ffn-hidden-size, as mfsdp's metrics
+    load-balancing loss before its coefficient, averaged over MoE layers, micro-batches and
+    ranks, as mfsdp's load_balancing_loss), grad_norms (before clipping), moe (the MoE settings,
+    moe_layers the 0/1 per layer); the tflops count the active MLP width, top-k x
+    --moe-ffn-hidden-size plus the shared expert in an MoE layer, --ffn-hidden-size in a dense
+    one, as mfsdp's metrics (MLA as mfsdp counts it: as Llama attention of hidden / heads
+    channels per head); config also has the MLA settings with --multi-latent-attention
 
 --device cpu (the default): gloo, CPU tensors. --device cuda: rank r runs on cuda:r (one process
 per GPU, --nproc <= GPUs), nccl; the weights are initialised on the GPU, the tokens drawn on the
@@ -230,6 +265,70 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+def apply_rotary_interleaved(x, cos, sin):
+    # transformers' apply_rotary_pos_emb_interleave (mfsdp's apply_rotary_interleaved): each pair
+    # (x0, x1), (x2, x3), ... rotated by its angle (the first half of the cat(freqs, freqs)
+    # tables), the rotated evens then the rotated odds.
+    half = x.shape[-1] // 2
+    cos, sin = cos[..., :half].to(x.dtype), sin[..., :half].to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1)
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2/V3) as transformers' DeepseekV3Attention and
+    mfsdp's MlaAttention (src/models/llama/mla_attention.cpp), with their parameter names: the
+    queries from q_proj (--q-lora-rank 0) or q_a_proj -> RMSNorm(eps 1e-6) -> q_b_proj; keys and
+    values from kv_a_proj_with_mqa's latent of --kv-lora-rank features (RMSNorm, eps 1e-6) through
+    kv_b_proj, each head's key [no-RoPE --qk-head-dim | RoPE --qk-pos-emb-head-dim], the rotary
+    part of the key one per token, shared by every head; RoPE (plain, theta --rotary-base) on the
+    rotary parts only, pairs interleaved (rope_interleave); causal attention with scale
+    (nope + rope)^-0.5, values --v-head-dim wide; o_proj. No biases (attention_bias false)."""
+
+    def __init__(self, a):
+        super().__init__()
+        hidden, heads = a.hidden_size, a.num_attention_heads
+        self.heads, self.nope, self.rope = heads, a.qk_head_dim, a.qk_pos_emb_head_dim
+        self.v_dim, self.kv_rank, self.backend = a.v_head_dim, a.kv_lora_rank, a.attention_backend
+        qk = self.nope + self.rope
+        self.q_lora = a.q_lora_rank > 0
+        if not self.q_lora:
+            self.q_proj = nn.Linear(hidden, heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, a.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_rank + self.rope, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.kv_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=False)
+        self.scale = qk ** -0.5
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        heads, nope, rope = self.heads, self.nope, self.rope
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q = q.view(b, t, heads, nope + rope).transpose(1, 2)
+        q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+        latent, k_rot = torch.split(self.kv_a_proj_with_mqa(x), [self.kv_rank, rope], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        k_rot = k_rot.view(b, 1, t, rope)
+        q_rot = apply_rotary_interleaved(q_rot, cos, sin)
+        k_rot = apply_rotary_interleaved(k_rot, cos, sin)
+        kv = self.kv_b_proj(latent).view(b, t, heads, nope + self.v_dim).transpose(1, 2)
+        k_nope, v = torch.split(kv, [nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(b, heads, t, rope)), dim=-1)
+        q = torch.cat((q_pass, q_rot), dim=-1)
+        if self.backend == "auto":
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        else:  # explicit causal attention, the softmax in fp32 (transformers' eager attention)
+            scores = torch.matmul(q, k.transpose(2, 3)) * self.scale
+            future = torch.arange(t, device=x.device).unsqueeze(0) > torch.arange(t, device=x.device).unsqueeze(1)
+            scores = scores.masked_fill(future, float("-inf"))
+            out = torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, heads * self.v_dim))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden, ffn):
         super().__init__()
@@ -274,6 +373,22 @@ class GroupedExperts(nn.Module):
         return torch.cat(out)
 
 
+def group_limited_topk(choice, k, n_group, topk_group):
+    """The top-k of `choice` [T, E] among the experts of each row's `topk_group` best groups of
+    E / n_group consecutive experts, a group scored by the sum of its two highest choices
+    (transformers' DeepseekV3TopkRouter, mfsdp's group_limited_topk in src/models/moe/router.cpp).
+    Indices [T, k]."""
+    tokens, experts = choice.shape
+    per_group = experts // n_group
+    grouped = choice.reshape(tokens, n_group, per_group)
+    group_scores = torch.topk(grouped, min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
+    best = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices
+    kept = torch.zeros(tokens, n_group, dtype=torch.bool, device=choice.device).scatter(1, best, True)
+    masked = choice.masked_fill(~kept.unsqueeze(-1).expand(tokens, n_group, per_group).reshape(tokens, experts),
+                                float("-inf"))
+    return torch.topk(masked, k, dim=-1).indices
+
+
 class MoE(nn.Module):
     """The MoE MLP, as mfsdp's MoeBlock (src/models/moe/) computes it, in TorchTitan's pieces:
     router Linear(H, E, bias=False); scores = softmax(logits) in fp32 over every expert, top-k,
@@ -285,26 +400,89 @@ class MoE(nn.Module):
     reordered from (source rank, expert) to (expert, source rank) for the experts, and back.
     self.balance: this forward's Switch load-balancing loss before its coefficient,
     E / (k T^2) sum_e (sum_t p_te) tokens_e over this rank's T tokens (mfsdp's
-    load_balancing_loss, Megatron's switch_load_balancing_loss_func)."""
+    load_balancing_loss, Megatron's switch_load_balancing_loss_func).
+    DeepSeek-V3's routing (route(), as mfsdp's route() in src/models/moe/router.cpp):
+    --moe-router-score-function sigmoid: scores sigmoid(logits) in fp32, the top-k weights
+    renormalised to sum to one when k > 1 (norm_topk_prob); --moe-router-enable-expert-bias: the
+    top-k chosen by scores + expert_bias (an fp32 buffer, no gradient), weighted by the scores
+    alone, the bias moved once per step by update_expert_biases(); --moe-router-num-groups G > 1:
+    group-limited top-k (group_limited_topk; softmax routing then chooses by the logits, as
+    Megatron-Core and mfsdp do when renormalising); the weights times
+    --moe-router-topk-scaling-factor. With sigmoid scores the balancing loss's p_te are the
+    scores normalised to sum to one per token (Megatron's and mfsdp's); with the bias or groups its
+    tokens_e count each token's plain top-k of those scores, not the experts it was routed to
+    (Megatron's compute_routing_scores_for_aux_loss). --moe-shared-expert-intermediate-size: an
+    ungated SwiGLU MLP over every token ("shared_experts", DeepSeek-V3's), added to the output."""
 
     def __init__(self, hidden, a):
         super().__init__()
         self.num_experts, self.top_k = a.num_experts, a.moe_router_topk
+        self.score = a.moe_router_score_function
+        self.n_group, self.topk_group = max(1, a.moe_router_num_groups), a.moe_router_group_topk
+        self.scaling = a.moe_router_topk_scaling_factor or 1.0  # 0: unset (Megatron's None)
         self.router = nn.Linear(hidden, a.num_experts, bias=False)
         self.experts = GroupedExperts(hidden, a.moe_ffn_hidden_size, a.num_experts, a.moe_expert_impl)
+        self.shared_experts = (MLP(hidden, a.moe_shared_expert_intermediate_size)
+                               if a.moe_shared_expert_intermediate_size else None)
+        if a.moe_router_enable_expert_bias:
+            # fp32 whatever the compute dtype (FSDP2's MixedPrecisionPolicy casts parameters only),
+            # whole on every rank; Megatron's router.expert_bias, HF's e_score_correction_bias.
+            self.register_buffer("expert_bias", torch.zeros(a.num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+        self.tokens_per_expert = None  # routed pairs per expert since the last bias update
         self.ep_group = None  # set by wrap() under expert parallelism
         self.balance = None
+
+    def route(self, logits):
+        """DeepSeek-style routing (sigmoid scores, the expert bias, groups): (top-k weights [T, k],
+        expert indices [T, k], the scores the balancing loss uses [T, E], the experts it counts
+        [T, k] or None for the routed ones)."""
+        k = self.top_k
+        if self.score == "softmax":
+            scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            choice = logits.detach().to(torch.float32)  # grouped only: softmax without groups is forward's
+        else:
+            scores = torch.sigmoid(logits.to(torch.float32))
+            choice = scores.detach()
+            if self.expert_bias is not None:
+                choice = choice + self.expert_bias
+        if self.n_group > 1:
+            top_index = group_limited_topk(choice, k, self.n_group, self.topk_group)
+        else:
+            top_index = torch.topk(choice, k, dim=-1).indices
+        top_values = scores.gather(1, top_index)
+        if self.score == "softmax":
+            top_values = top_values / top_values.sum(-1, keepdim=True)
+        else:
+            if k > 1:
+                top_values = top_values / (top_values.sum(-1, keepdim=True) + 1e-20)
+            scores = scores / (scores.sum(-1, keepdim=True) + 1e-20)  # what the balancing loss balances
+        counted = None
+        if self.expert_bias is not None or self.n_group > 1:
+            counted = torch.topk(scores.detach(), k, dim=-1).indices
+        return top_values, top_index, scores, counted
 
     def forward(self, x):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         n, experts, k = tokens.shape[0], self.num_experts, self.top_k
-        scores = torch.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
-        top_values, top_index = torch.topk(scores, k, dim=-1)
-        top_values = top_values / top_values.sum(-1, keepdim=True)
+        counted = None
+        if self.score == "softmax" and self.n_group == 1:
+            scores = torch.softmax(self.router(tokens), dim=-1, dtype=torch.float32)
+            top_values, top_index = torch.topk(scores, k, dim=-1)
+            top_values = top_values / top_values.sum(-1, keepdim=True)
+        else:
+            top_values, top_index, scores, counted = self.route(self.router(tokens))
+        if self.scaling != 1.0:
+            top_values = top_values * self.scaling
         flat = top_index.reshape(-1)
         counts = torch.bincount(flat, minlength=experts)
-        self.balance = (scores.sum(0) * counts.to(torch.float32)).sum() * (experts / (k * n * n))
+        balanced = counts if counted is None else torch.bincount(counted.reshape(-1), minlength=experts)
+        self.balance = (scores.sum(0) * balanced.to(torch.float32)).sum() * (experts / (k * n * n))
+        if self.expert_bias is not None:
+            with torch.no_grad():
+                self.tokens_per_expert = counts if self.tokens_per_expert is None else self.tokens_per_expert + counts
         order = torch.argsort(flat, stable=True)  # by expert, then token
         token_of = order // k
         sorted_rows = tokens.index_select(0, token_of)
@@ -313,7 +491,10 @@ class MoE(nn.Module):
             out = self.experts(sorted_rows, counts.tolist())
         else:
             out = self.dispatch(sorted_rows, counts)
-        return torch.zeros_like(tokens).index_add(0, token_of, out * weight).view(shape)
+        y = torch.zeros_like(tokens).index_add(0, token_of, out * weight).view(shape)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y
 
     def dispatch(self, sorted_rows, counts):
         ep = dist.get_world_size(self.ep_group)
@@ -333,11 +514,34 @@ class MoE(nn.Module):
         return funcol.all_to_all_single_autograd(back, send, recv, self.ep_group)
 
 
+def update_expert_biases(model, a, device):
+    """The aux-loss-free balancing step (--moe-router-enable-expert-bias; Megatron's
+    _update_router_expert_bias in finalize_model_grads, mfsdp's update_expert_bias): each MoE
+    layer's routed (token, expert) pairs of this step's micro-batches, summed over every rank
+    (one all-reduce for all layers), move its bias by rate x sign(mean - tokens_e). After the
+    backward, before the optimizer step, as both do."""
+    blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE) and layer.mlp.expert_bias is not None]
+    if not blocks:
+        return
+    counts = torch.stack([b.tokens_per_expert if b.tokens_per_expert is not None
+                          else torch.zeros(b.num_experts, dtype=torch.long, device=device) for b in blocks])
+    counts = counts.to(torch.float64)
+    dist.all_reduce(counts)
+    with torch.no_grad():
+        for b, tokens in zip(blocks, counts.to(torch.float32)):
+            b.expert_bias.add_(torch.sign(tokens.mean() - tokens) * a.moe_router_bias_update_rate)
+            b.tokens_per_expert = None
+
+
 class DecoderLayer(nn.Module):
-    def __init__(self, a):
+    def __init__(self, a, index=0):
         super().__init__()
-        self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_query_groups, a.attention_backend)
-        self.mlp = MoE(a.hidden_size, a) if a.num_experts else MLP(a.hidden_size, a.ffn_hidden_size)
+        if a.multi_latent_attention:
+            self.self_attn = MLAttention(a)
+        else:
+            self.self_attn = Attention(a.hidden_size, a.num_attention_heads, a.num_query_groups, a.attention_backend)
+        moe = a.num_experts and a.moe_layers[index]  # --moe-layer-freq
+        self.mlp = MoE(a.hidden_size, a) if moe else MLP(a.hidden_size, a.ffn_hidden_size)
         self.input_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.norm_epsilon)
 
@@ -351,7 +555,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = a
         self.embed_tokens = nn.Embedding(a.padded_vocab_size, a.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(a) for _ in range(a.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.norm_epsilon)
         self.lm_head = None if not a.untie else nn.Linear(a.hidden_size, a.padded_vocab_size, bias=False)
         with torch.no_grad():
@@ -364,8 +568,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids):
         a = self.args
         hidden = self.embed_tokens(input_ids)
-        cos, sin = rotary_tables(input_ids.shape[1], a.hidden_size // a.num_attention_heads,
-                                 a.rotary_base, input_ids.device)
+        rope_dim = a.qk_pos_emb_head_dim if a.multi_latent_attention else a.hidden_size // a.num_attention_heads
+        cos, sin = rotary_tables(input_ids.shape[1], rope_dim, a.rotary_base, input_ids.device)
         for layer in self.layers:
             hidden = layer(hidden, cos, sin)
         hidden = self.norm(hidden)
@@ -459,7 +663,7 @@ def wrap_fsdp2_moe(model, a, device, mp_policy):
         moe_mesh = init_device_mesh(device.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
         ep_group = moe_mesh["ep"].get_group()
     for layer in model.layers:
-        if ep > 1:
+        if ep > 1 and isinstance(layer.mlp, MoE):  # a dense layer (--moe-layer-freq) has no experts
             layer.mlp.ep_group = ep_group
             experts = fully_shard(layer.mlp.experts, mesh=moe_mesh["edp"], mp_policy=mp_policy)
             experts.set_gradient_divide_factor(float(world))
@@ -584,7 +788,8 @@ def build(a, rank, device):
         # [r E / EP, (r + 1) E / EP) for expert-parallel rank r = rank % EP, as mfsdp).
         local = a.num_experts // a.expert_model_parallel_size
         for layer in model.layers:
-            layer.mlp.experts.keep_local(rank % a.expert_model_parallel_size * local, local)
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.experts.keep_local(rank % a.expert_model_parallel_size * local, local)
     wrapped = wrap(model, a, rank, device)
     # Decay groups by shape, as mfsdp: >= 2-D parameters (FSDP2's and Megatron-FSDP's DTensors
     # keep their global shape).
@@ -636,6 +841,8 @@ def train(a, rank, device, wrapped, optimizer):
                         total = loss
                 total.backward()
             step_loss += loss.item()
+        if a.moe_router_enable_expert_bias:
+            update_expert_biases(inner_model(wrapped.model), a, device)
         if a.clip_grad > 0:
             norm = wrapped.clip()
             if a.num_experts:
@@ -676,11 +883,20 @@ def report(a, rank, device, times, losses, memory, moe_figures):
     timed = times[a.warmup_iters:]
     median = statistics.median(timed)
     tokens = a.global_batch_size * a.seq_length
-    # MoE: the active width, top-k x expert width, as mfsdp's ModelSpec counts it.
-    ffn = a.moe_router_topk * a.moe_ffn_hidden_size if a.num_experts else a.ffn_hidden_size
+    # MoE: the active width, top-k x expert width plus the shared expert in an MoE layer, the
+    # dense width in a dense one, averaged over the layers, as mfsdp's ModelSpec counts it
+    # (llama_spec.cpp flops_per_iteration). Multi-head latent attention is counted as mfsdp counts
+    # it too: as the Llama attention of --num-attention-heads heads of hidden / heads channels
+    # each (key/value heads = heads), not its own projections.
+    ffn = a.ffn_hidden_size
+    if a.num_experts:
+        moe_layers = sum(1 for m in a.moe_layers if m)
+        ffn = ((a.num_layers - moe_layers) * a.ffn_hidden_size + moe_layers * (
+            a.moe_router_topk * a.moe_ffn_hidden_size + a.moe_shared_expert_intermediate_size)) / a.num_layers
     flops = megatron_flops_per_iteration(
         a.num_layers, a.hidden_size, ffn, a.num_attention_heads,
-        a.num_query_groups, a.seq_length, a.padded_vocab_size, a.global_batch_size)
+        a.num_attention_heads if a.multi_latent_attention else a.num_query_groups, a.seq_length,
+        a.padded_vocab_size, a.global_batch_size)
     result = {
         "impl": "torch_" + a.impl, "nproc": a.nproc, "threads": a.threads,
         "device": a.device, "bf16": a.bf16,
@@ -699,12 +915,19 @@ def report(a, rank, device, times, losses, memory, moe_figures):
             "num_micro_batches", "vocab_size", "padded_vocab_size", "untie", "train_iters",
             "warmup_iters")},
     }
+    if a.multi_latent_attention:
+        result["config"].update({k: getattr(a, k) for k in (
+            "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+            "v_head_dim")})
     if a.num_experts:
         result["losses"] = losses
         result["balance_losses"], result["grad_norms"] = moe_figures
         result["moe"] = {k: getattr(a, k) for k in (
             "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_aux_loss_coeff",
-            "expert_model_parallel_size", "moe_expert_impl")}
+            "expert_model_parallel_size", "moe_expert_impl", "moe_router_score_function",
+            "moe_router_enable_expert_bias", "moe_router_num_groups", "moe_router_group_topk",
+            "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_layer_freq")}
+        result["moe"]["moe_layers"] = [int(m) for m in a.moe_layers]
     line = json.dumps(result)
     print(line, flush=True)
     if a.result_file:
@@ -732,6 +955,59 @@ def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def moe_layer_pattern(text, num_layers):
+    """--moe-layer-freq as Megatron reads it (mfsdp's MoeSection::moe_layer_pattern): a positive
+    integer N, every N-th layer from layer 0 an MoE layer; or a Python expression of 0/1 lists
+    ("[0,1]", "([0]*1+[1]*3)": list literals, a list times a count on either side, sums,
+    parentheses), read by walking its syntax tree, not eval(). A list of bools (True: MoE);
+    raises ValueError."""
+    text = text.strip()
+    if not text.startswith(("[", "(")):
+        try:
+            n = int(text)
+        except ValueError:
+            n = 0
+        if n <= 0:
+            raise ValueError("expected a positive integer or a list such as [1,0,1,0], got '%s'" % text)
+        return [i % n == 0 for i in range(num_layers)]
+    import ast
+    limit = 1 << 20
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int and node.value >= 0:
+            return node.value
+        if isinstance(node, ast.List):
+            items = [value(e) for e in node.elts]
+            if any(isinstance(i, list) or i not in (0, 1) for i in items):
+                raise ValueError("a list holds 0 (dense) or 1 (MoE) per layer")
+            return items
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+                out = left + right
+            elif isinstance(node.op, ast.Mult) and isinstance(left, list) != isinstance(right, list):
+                lst, n = (left, right) if isinstance(left, list) else (right, left)
+                if len(lst) * n > limit:
+                    raise ValueError("lists more than 2^20 layers")
+                out = lst * n
+            else:
+                raise ValueError("only list + list and list * count")
+            if len(out) > limit:
+                raise ValueError("lists more than 2^20 layers")
+            return out
+        raise ValueError("unexpected '%s'" % ast.dump(node))
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except SyntaxError as e:
+        raise ValueError("cannot read '%s': %s" % (text, e.msg))
+    if not isinstance(pattern, list):
+        raise ValueError("'%s' is not a list" % text)
+    if len(pattern) != num_layers:
+        raise ValueError("lists %d layers, --num-layers is %d" % (len(pattern), num_layers))
+    return [bool(m) for m in pattern]
 
 
 def parse_args(argv=None):
@@ -784,12 +1060,40 @@ def parse_args(argv=None):
     p.add_argument("--attention-backend", choices=("auto", "unfused"), default="auto",
                    help="as mfsdp-pretrain's flag: auto = F.scaled_dot_product_attention (causal); "
                         "unfused = explicit matmul, mask, fp32 softmax, matmul")
+    p.add_argument("--multi-latent-attention", action="store_true",
+                   help="multi-head latent attention (DeepSeek-V3; transformers' DeepseekV3Attention)")
+    p.add_argument("--q-lora-rank", type=int, default=0, help="MLA: the query's low-rank width (0: a plain q_proj)")
+    p.add_argument("--kv-lora-rank", type=int, default=32, help="MLA: the key/value latent's width")
+    p.add_argument("--qk-head-dim", type=int, default=128, help="MLA: each query/key head's width without RoPE")
+    p.add_argument("--qk-pos-emb-head-dim", type=int, default=64, help="MLA: each query/key head's RoPE width")
+    p.add_argument("--v-head-dim", type=int, default=128, help="MLA: each value head's width")
+    p.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="MLA: YaRN's factor; only 1 (plain RoPE) here")
     p.add_argument("--num-experts", type=int, default=0,
                    help="MoE: experts per layer in every decoder layer's MLP (0: dense)")
     p.add_argument("--moe-router-topk", type=int, default=2, help="MoE: experts per token")
     p.add_argument("--moe-ffn-hidden-size", type=int, default=0, help="MoE: each expert's width (0: --ffn-hidden-size)")
     p.add_argument("--moe-aux-loss-coeff", type=float, default=0.0,
                    help="MoE: weight of the Switch load-balancing loss added to the loss")
+    p.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"), default="softmax",
+                   help="MoE: router scores, softmax over the experts or sigmoid (DeepSeek-V3)")
+    p.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="MoE: aux-loss-free balancing, an fp32 per-expert bias on the scores that choose the "
+                        "experts (not on their weights), moved after each step toward equal token counts "
+                        "(sigmoid scores)")
+    p.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3,
+                   help="MoE: how far the expert bias moves per step")
+    p.add_argument("--moe-router-num-groups", type=int, default=0,
+                   help="MoE: group-limited routing, the experts in this many groups (0: off; DeepSeek-V3's n_group)")
+    p.add_argument("--moe-router-group-topk", type=int, default=0,
+                   help="MoE: group-limited routing, the top-k chosen within this many best groups (topk_group)")
+    p.add_argument("--moe-router-topk-scaling-factor", type=float, default=0.0,
+                   help="MoE: multiply the top-k weights by this (0: no scaling; routed_scaling_factor)")
+    p.add_argument("--moe-shared-expert-intermediate-size", type=int, default=0,
+                   help="MoE: width of the ungated SwiGLU shared expert every token also goes through (0: none)")
+    p.add_argument("--moe-layer-freq", default="1",
+                   help="MoE: which layers are MoE layers, every N-th from layer 0 or a Python list of 0 (dense, "
+                        "--ffn-hidden-size) / 1 (MoE) per layer, e.g. [0,1] or ([0]*1+[1]*3), as Megatron reads it")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="MoE: ranks the experts are split over (all-to-all dispatch; --impl fsdp2)")
     p.add_argument("--moe-expert-impl", choices=("grouped_mm", "loop"), default="grouped_mm",
@@ -832,6 +1136,50 @@ def parse_args(argv=None):
         a.moe_ffn_hidden_size = a.ffn_hidden_size
     if a.num_experts < 0:
         bad("--num-experts", "must be >= 0")
+    if a.multi_latent_attention:
+        # mfsdp's ModelSection::validate.
+        for flag, v, least in (("--q-lora-rank", a.q_lora_rank, 0), ("--qk-head-dim", a.qk_head_dim, 0),
+                               ("--kv-lora-rank", a.kv_lora_rank, 1), ("--v-head-dim", a.v_head_dim, 1),
+                               ("--qk-pos-emb-head-dim", a.qk_pos_emb_head_dim, 1)):
+            if v < least:
+                bad(flag, "must be >= %d, got %d" % (least, v))
+        if a.qk_pos_emb_head_dim % 2:
+            bad("--qk-pos-emb-head-dim", "must be even for RoPE, got %d" % a.qk_pos_emb_head_dim)
+        if a.check_hf:
+            bad("--check-hf", "compares the dense Llama with transformers' (no --multi-latent-attention)")
+    if a.rotary_scaling_factor != 1.0:
+        bad("--rotary-scaling-factor", "%g: this peer has plain RoPE only (no YaRN); leave it at 1"
+            % a.rotary_scaling_factor)
+    try:
+        a.moe_layers = moe_layer_pattern(a.moe_layer_freq, a.num_layers)
+    except ValueError as e:
+        bad("--moe-layer-freq", str(e))
+    if a.num_experts:
+        if not any(a.moe_layers):
+            bad("--moe-layer-freq", "%s makes no layer an MoE layer" % a.moe_layer_freq)
+        if a.moe_router_enable_expert_bias and a.moe_router_score_function != "sigmoid":
+            bad("--moe-router-enable-expert-bias", "needs --moe-router-score-function sigmoid (as in Megatron-LM)")
+        for flag, v in (("--moe-router-num-groups", a.moe_router_num_groups),
+                        ("--moe-router-group-topk", a.moe_router_group_topk),
+                        ("--moe-shared-expert-intermediate-size", a.moe_shared_expert_intermediate_size)):
+            if v < 0:
+                bad(flag, "must be >= 0")
+        for flag, v in (("--moe-router-topk-scaling-factor", a.moe_router_topk_scaling_factor),
+                        ("--moe-router-bias-update-rate", a.moe_router_bias_update_rate)):
+            if not v >= 0 or math.isinf(v):
+                bad(flag, "must be a finite value >= 0")
+        groups = a.moe_router_num_groups
+        if groups > 0:
+            if a.num_experts % groups:
+                bad("--moe-router-num-groups", "%d does not divide --num-experts %d" % (groups, a.num_experts))
+            if not 1 <= a.moe_router_group_topk <= groups:
+                bad("--moe-router-group-topk", "must be 1 .. --moe-router-num-groups %d, got %d"
+                    % (groups, a.moe_router_group_topk))
+            if a.moe_router_topk > a.moe_router_group_topk * (a.num_experts // groups):
+                bad("--moe-router-topk", "must be at most --moe-router-group-topk x experts per group (%d x %d)"
+                    % (a.moe_router_group_topk, a.num_experts // groups))
+    else:
+        a.moe_layers = [False] * a.num_layers
     if a.num_experts:
         if not 1 <= a.moe_router_topk <= a.num_experts:
             bad("--moe-router-topk", "must be in [1, --num-experts]")

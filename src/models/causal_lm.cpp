@@ -1,22 +1,59 @@
-// shard_model: every family's units in the order its CausalLM gives (include/mfsdp/models/causal_lm.h).
+// shard_model and unit_schedule: the FSDP units of a family's plan (include/mfsdp/models/causal_lm.h).
 #include "mfsdp/models/causal_lm.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 namespace mfsdp {
 
+namespace {
+
+torch::nn::Module& unit_module(CausalLM& model, const std::string& name) {
+  if (name.empty()) return model;
+  for (const auto& item : model.named_modules("", /*include_self=*/false))
+    if (item.key() == name) return *item.value();
+  throw std::logic_error("shard_model: the plan's FSDP unit '" + name + "' is not a module of the model");
+}
+
+}  // namespace
+
+StepShape CausalLM::unit_schedule() const {
+  StepShape step;
+  for (const FsdpUnit& u : parallel_plan_.fsdp_units) step.forward_order.push_back({u.module, u.unshard_in_backward, u.experts});
+  step.root_gradients_after = parallel_plan_.root_gradients_after;
+  return step;
+}
+
 FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options, const FullyShardOptions* experts_options) {
+  const std::vector<FsdpUnit>& units = model.parallel_plan().fsdp_units;
+  if (units.empty() || !units.front().module.empty())
+    throw std::logic_error("shard_model: the plan's FSDP units must start with the root (\"\")");
+  const auto shard = [&](const FsdpUnit& u) {
+    // Under expert parallelism a layer's experts are a unit of their own, over the ranks that
+    // hold the same experts; their gradients are still divided by the root's data-parallel size.
+    if (u.experts && experts_options == nullptr) return;
+    FsdpHandle handle = fully_shard(unit_module(model, u.module), u.experts ? *experts_options : options);
+    if (!u.unshard_in_backward) handle.set_unshard_in_backward(false);
+  };
   // fully_shard copies each parameter into its flat buffer, so a deferred layer is materialised
   // right before it becomes a unit; one layer at a time keeps the unsharded model off the rank.
+  // A unit inside another is sharded first (fully_shard's ownership rule).
   const bool deferred = model.has_deferred();
   for (int64_t i = 0; i < model.num_layers(); ++i) {
     if (deferred) model.materialize_and_init_layer(i);
-    // Under expert parallelism a layer's experts are a unit of their own, over the ranks that
-    // hold the same experts; their gradients are still divided by the root's data-parallel size.
-    if (torch::nn::Module* experts = model.expert_unit(i); experts != nullptr && experts_options != nullptr)
-      fully_shard(*experts, *experts_options);
-    fully_shard(model.layer_unit(i), options);
+    std::vector<const FsdpUnit*> layer;
+    for (const FsdpUnit& u : units)
+      if (u.layer == i) layer.push_back(&u);
+    std::stable_sort(layer.begin(), layer.end(),
+                     [](const FsdpUnit* a, const FsdpUnit* b) { return a->module.size() > b->module.size(); });
+    for (const FsdpUnit* u : layer) shard(*u);
   }
   if (deferred) model.init_root();
-  return model.shard_root(options);
+  for (const FsdpUnit& u : units)
+    if (u.layer < 0 && !u.module.empty()) shard(u);
+  return fully_shard(model, options);
 }
 
 }  // namespace mfsdp

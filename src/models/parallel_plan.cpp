@@ -28,12 +28,40 @@ bool any_match(const std::vector<std::string>& patterns, const std::string& name
   return false;
 }
 
+// `visit(name, module)` for the root ("") and every module under it.
+template <typename Visit>
+void for_each_module(torch::nn::Module& root, const Visit& visit) {
+  visit(std::string(), root);
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) visit(item.key(), *item.value());
+}
+
+// The module `name` as a `Holder` (what a plan's rule needs it to be); std::logic_error naming
+// it and `what` it is not otherwise.
+template <typename Holder>
+Holder& holder_of(torch::nn::Module& module, const std::string& name, const char* apply, const std::string& what) {
+  auto* holder = dynamic_cast<Holder*>(&module);
+  if (holder == nullptr)
+    throw std::logic_error(std::string(apply) + ": the plan makes module '" + name + "' (" + module.name() + ") " + what);
+  return *holder;
+}
+
 }  // namespace
 
 int TensorParallelism::size() const { return group ? group->size() : 1; }
 int TensorParallelism::rank() const { return group ? group->rank() : 0; }
 int ContextParallelism::size() const { return group ? group->size() : 1; }
 int ContextParallelism::rank() const { return group ? group->rank() : 0; }
+
+at::Tensor ContextParallelism::attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                      const at::Tensor& global_positions, const at::Tensor& key_padding_mask,
+                                      const at::Tensor& segment_ids, double scale) const {
+  context_parallel::CpAttentionOptions o;
+  o.algorithm = algorithm;
+  o.key_padding_mask = key_padding_mask;
+  o.segment_ids = segment_ids;
+  o.scale = scale;
+  return context_parallel::cp_attention(q, k, v, global_positions, *group, o);
+}
 
 TensorParallelSplit ParallelPlan::split(const std::string& name, const TensorParallelism& tp) const {
   if (!tp.active()) return TensorParallelSplit::kReplicated;
@@ -98,7 +126,7 @@ void apply_tensor_parallel(torch::nn::Module& root, const ParallelPlan& plan, co
     sizes[static_cast<size_t>(dim)] /= tp.size();
     detail::resize_deferred(param, sizes);
   }
-  const auto set_boundary = [&](const std::string& name, torch::nn::Module& module) {
+  for_each_module(root, [&](const std::string& name, torch::nn::Module& module) {
     const std::optional<TensorParallelBoundary> kind = plan.boundary(name);
     if (!kind) return;
     auto* holder = dynamic_cast<WithParallelBoundary*>(&module);
@@ -106,36 +134,24 @@ void apply_tensor_parallel(torch::nn::Module& root, const ParallelPlan& plan, co
       throw std::logic_error("apply_tensor_parallel: the plan gives module '" + name + "' (" + module.name() +
                              ") a boundary, and it has none");
     holder->parallel_boundary.set(*kind, tp.group, tp.sequence);
-  };
-  set_boundary("", root);
-  for (const auto& item : root.named_modules("", /*include_self=*/false)) set_boundary(item.key(), *item.value());
+  });
 }
 
 void apply_context_parallel(torch::nn::Module& root, const ParallelPlan& plan, const ContextParallelism& cp) {
   if (!cp.active()) return;
-  const auto set = [&](const std::string& name, torch::nn::Module& module) {
+  for_each_module(root, [&](const std::string& name, torch::nn::Module& module) {
     if (!any_match(plan.context_parallel, name)) return;
-    auto* holder = dynamic_cast<WithContextParallelism*>(&module);
-    if (holder == nullptr)
-      throw std::logic_error("apply_context_parallel: the plan makes module '" + name + "' (" + module.name() +
-                             ") context-parallel, and it cannot be");
-    holder->context_parallelism = cp;
-  };
-  set("", root);
-  for (const auto& item : root.named_modules("", /*include_self=*/false)) set(item.key(), *item.value());
+    holder_of<WithContextParallelism>(module, name, "apply_context_parallel", "context-parallel, and it cannot be")
+        .context_parallelism = cp;
+  });
 }
 
 void apply_expert_parallel(torch::nn::Module& root, const ParallelPlan& plan, const ExpertParallelism& groups) {
-  const auto set = [&](const std::string& name, torch::nn::Module& module) {
+  for_each_module(root, [&](const std::string& name, torch::nn::Module& module) {
     if (!any_match(plan.expert_parallel, name)) return;
-    auto* holder = dynamic_cast<WithExpertParallelism*>(&module);
-    if (holder == nullptr)
-      throw std::logic_error("apply_expert_parallel: the plan makes module '" + name + "' (" + module.name() +
-                             ") expert-parallel, and it is not an MoE block");
-    holder->parallelize_experts(groups);
-  };
-  set("", root);
-  for (const auto& item : root.named_modules("", /*include_self=*/false)) set(item.key(), *item.value());
+    holder_of<WithExpertParallelism>(module, name, "apply_expert_parallel", "expert-parallel, and it is not an MoE block")
+        .parallelize_experts(groups);
+  });
 }
 
 }  // namespace mfsdp

@@ -1,6 +1,6 @@
 // set_unshard_in_backward(false) (FSDP2's knob for units whose backward reads no weight, such as
 // an embedding): the unit is all-gathered for its forward only, and training is bit-identical to
-// gathering it for backward too; untied Llama embeddings get it from shard_llama_root.
+// gathering it for backward too; untied Llama embeddings get it from their plan's FSDP units.
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -106,7 +106,7 @@ MFSDP_DIST_TEST(UnshardInBackward, OffSkipsTheBackwardGatherAndChangesNoNumber, 
   EXPECT_EQ(count(off.events, "embed:post_backward"), 2);
 }
 
-// shard_llama_root turns it off for an untied embedding (its backward needs only the ids) and
+// The Llama plan turns it off for an untied embedding (its backward needs only the ids) and
 // leaves a tied one (the root, whose weight lm_head reads in backward) alone; the trainer's
 // losses are covered by the pretraining tests.
 MFSDP_DIST_TEST(UnshardInBackward, UntiedLlamaEmbeddingIsNotGatheredForBackward, {2}) {

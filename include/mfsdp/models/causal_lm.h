@@ -181,17 +181,10 @@ class CausalLM : public ShardedModule<CausalLM> {
   // True while some parameter still waits for materialize_and_init_layer / init_root.
   virtual bool has_deferred() const = 0;
 
-  // The FSDP units: layer i's module (sharded first, one unit per layer), then shard_root makes
-  // the units outside the layers and the root unit, and returns the root's handle.
-  virtual torch::nn::Module& layer_unit(int64_t i) = 0;
-  // Layer i's experts as a module of their own (sharded before the layer, over the
-  // expert-data-parallel group); null for a dense layer.
-  virtual torch::nn::Module* expert_unit(int64_t /*i*/) { return nullptr; }
-  virtual FsdpHandle shard_root(const FullyShardOptions& options) = 0;
-  // The order a training step runs those units in (StepShape's forward_order and
+  // The plan's FSDP units in the order a training step runs them (StepShape's forward_order and
   // root_gradients_after; the caller fills the micro-batches and optimizer states), for the
   // memory plan. Tests compare plans with what runs (tests/dist/memory_plan_test.cpp).
-  virtual StepShape unit_schedule() const = 0;
+  StepShape unit_schedule() const;
 
  protected:
   // A family builds its modules whole and deferred, declares its plan, and applies it with the
@@ -213,13 +206,15 @@ class CausalLM : public ShardedModule<CausalLM> {
   ContextParallelism context_parallelism_;
 };
 
-// fully_shard over every layer, then shard_root; returns the root handle. A model built with
-// deferred parameters (ModelBuildOptions::deferred_init) has each layer materialised and
-// initialised just before it is sharded, and the rest before the root, so no rank ever holds
+// fully_shard over the plan's units (ParallelPlan::fsdp_units): each layer's units, deepest first
+// (an MoE layer's experts before the layer), then the units outside the layers, then the root;
+// returns the root handle. A model built with deferred parameters
+// (ModelBuildOptions::deferred_init) has each layer materialised and initialised just before its
+// units are sharded, and the rest before the units outside the layers, so no rank ever holds
 // more than one unsharded layer beyond the root's parameters. `experts_options` (expert
 // parallelism: over the ranks holding the same experts as this one, a 1-D communicator or the
-// HSDP mesh of them): each MoE layer's experts become a unit sharded with them, before their
-// layer.
+// HSDP mesh of them): the experts' units are sharded with them; without it they stay in their
+// layer's unit.
 FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options,
                        const FullyShardOptions* experts_options = nullptr);
 

@@ -288,11 +288,15 @@ TORCH_MODULE(LlamaModel);
 // and row-parallel projections, the vocabulary-parallel embedding and output layer, the experts'
 // splits under expert tensor parallelism, the norms' and routers' partial gradients, and the
 // regions: each attention, dense MLP and shared expert; the root's boundary is the output
-// layer's input; context parallelism reaches the model body and each attention. Multi-head
+// layer's input; context parallelism reaches the model body and each attention, expert
+// parallelism each MoE block. The FSDP units: each decoder layer (and, with `experts_apart`,
+// each MoE layer's experts, over their expert-data-parallel group); then, untied, embed_tokens
+// (not gathered for its backward) and lm_head, so the two vocabulary-sized weights are never
+// unsharded together; and the root. Multi-head
 // latent attention splits by heads as Megatron's MLA: q_proj / q_b_proj and kv_b_proj
 // column-parallel, o_proj row-parallel, the low-rank down-projections and their norms replicated
 // with partial gradients (each rank's heads read them).
-ParallelPlan llama_parallel_plan(const LlamaConfig& config);
+ParallelPlan llama_parallel_plan(const LlamaConfig& config, bool experts_apart = false);
 
 // The causal LM: LlamaModel plus the output projection (HF LlamaForCausalLM); the Llama family's
 // CausalLM (causal_lm.h documents the interface). Call it as `model->call(ids)` once sharded.
@@ -332,15 +336,6 @@ class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
   void init_root() override;
   bool has_deferred() const override;
 
-  // Units: each decoder layer; then, untied, embed_tokens (not gathered for its backward) and
-  // lm_head, so the two vocabulary-sized weights are never unsharded together; then the root.
-  torch::nn::Module& layer_unit(int64_t i) override { return model->layer(i); }
-  torch::nn::Module* expert_unit(int64_t i) override {
-    return model->layer(i).moe ? model->layer(i).moe->experts.get() : nullptr;
-  }
-  FsdpHandle shard_root(const FullyShardOptions& options) override;
-  StepShape unit_schedule() const override;
-
   LlamaModel model{nullptr};
   LlamaLinear lm_head{nullptr};  // null when config.tie_word_embeddings
 
@@ -354,17 +349,11 @@ class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
   uint64_t init_seed_ = 0;
   std::vector<bool> layer_deferred_;  // per layer: parameters not yet materialised
   bool root_deferred_ = false;
-  // The experts are a unit of their own: their expert-data-parallel group is not the layer's
-  // (expert parallelism, or experts whole under tensor parallelism).
-  bool experts_split_ = false;
 };
 TORCH_MODULE(LlamaForCausalLM);
 
-// shard_model (causal_lm.h) for a Llama: every decoder layer, then the root (shard_root).
-// Throws std::logic_error while the model has deferred parameters.
+// shard_model (causal_lm.h) for a Llama: the units of its plan (llama_parallel_plan). Throws
+// std::logic_error while the model has deferred parameters.
 FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options);
-// The part after the layers (LlamaForCausalLMImpl::shard_root), for callers that shard layer by
-// layer.
-FsdpHandle shard_llama_root(LlamaForCausalLM& model, const FullyShardOptions& options);
 
 }  // namespace mfsdp

@@ -1,15 +1,15 @@
-// A model family's tensor- and context-parallel plan, applied to the model from outside
-// (docs/design.md "Parallel plans"), as TorchTitan's parallelize functions apply a plan to a
-// plain module: the family declares, by parameter and module name, which weights are column-,
-// row- or vocabulary-parallel, which are routed experts, which replicated weights get partial
-// gradients, which modules' inputs and outputs cross the tensor-parallel region, and which
-// modules context parallelism reaches. The family builds its modules whole;
+// A model family's parallel plan, applied to the model from outside (docs/design.md "Parallel
+// plans"), as TorchTitan's parallelize functions apply a plan to a plain module: the family
+// declares, by parameter and module name, which weights are column-, row- or
+// vocabulary-parallel, which are routed experts, which replicated weights get partial gradients,
+// which modules' inputs and outputs cross the tensor-parallel region, which modules context and
+// expert parallelism reach, and its FSDP units in the order a step runs them. The family builds
+// its modules whole; apply_expert_parallel makes each named MoE block keep its rank's experts,
 // apply_tensor_parallel cuts each split parameter to this rank's slice and sets each named
-// module's ParallelBoundary, apply_context_parallel gives the named modules the group. The
-// modules' forwards call their boundary (an identity until a plan sets it) and never name a
-// group; apply_expert_parallel makes each named MoE block keep its rank's experts. The trainers,
-// checkpoints and the optimizer ask the plan
-// (CausalLM::tensor_parallel_split and friends) how a parameter is split.
+// module's ParallelBoundary, apply_context_parallel gives the named modules the group, and
+// shard_model (causal_lm.h) makes the units. The modules' forwards call their boundary (an
+// identity until a plan sets it) and never name a group. The trainers, checkpoints and the
+// optimizer ask the plan (CausalLM::tensor_parallel_split and friends) how a parameter is split.
 //
 //   ParallelPlan plan;
 //   plan.tensor_parallel = {{"model.layers.*.self_attn.q_proj.*", TensorParallelSplit::kRows}, ...};
@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
@@ -78,6 +79,11 @@ struct ContextParallelism {
   int size() const;
   int rank() const;
   bool active() const { return size() > 1; }
+  // This rank's queries against the whole sequence's keys and values, exchanged over the group by
+  // `algorithm` (context_parallel::cp_attention); the padding mask and packed-segment ids are
+  // this rank's parts (undefined: none).
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& global_positions,
+                    const at::Tensor& key_padding_mask, const at::Tensor& segment_ids, double scale) const;
 };
 
 // The groups a plan's expert parallelism gives an MoE block (each null, or of one rank: not
@@ -98,6 +104,19 @@ struct ExpertParallelism {
   // The ranks one routing's tokens are spread over (Megatron's tp_cp group: the context-parallel
   // ranks, times the sequence-parallel ones): the balancing losses count over it.
   std::shared_ptr<Communicator> tokens;
+};
+
+// One FSDP unit (fully_shard) of a plan, by module name.
+struct FsdpUnit {
+  std::string module;  // "" is the root
+  // The decoder layer the unit is part of (materialised right before its units are sharded, under
+  // deferred init); -1: outside the layers (materialised with the root).
+  int64_t layer = -1;
+  // false: its backward needs no gathered weights (an embedding's reads only the token ids).
+  bool unshard_in_backward = true;
+  // Routed experts split over expert-parallel ranks (or whole under tensor parallelism): sharded
+  // over their own expert-data-parallel group, run inside the unit listed before them.
+  bool experts = false;
 };
 
 struct ParallelPlan {
@@ -122,6 +141,11 @@ struct ParallelPlan {
   // The MoE blocks expert parallelism reaches, by module name: each keeps its rank's experts and
   // dispatches tokens over the groups.
   std::vector<std::string> expert_parallel;
+  // The FSDP units in the order a training step's forward enters them, the root first; after how
+  // many of them (in backward order) the root's own parameters have all their gradients (-1:
+  // unknown). shard_model (causal_lm.h) shards them, the memory plan schedules them.
+  std::vector<FsdpUnit> fsdp_units;
+  int root_gradients_after = -1;
 
   // How `name` is split under `tp` (kReplicated without tensor parallelism).
   TensorParallelSplit split(const std::string& name, const TensorParallelism& tp) const;

@@ -43,7 +43,7 @@ struct ParallelDims {
   int edp() const { return world() / (pp * ep * etp); }
   int edp_shard() const { return edp() / dp_replicate; }
   // The experts' data-parallel group is not the layers' (expert parallelism, or experts whole
-  // under tensor parallelism): the experts are FSDP units of their own (CausalLM::expert_unit).
+  // under tensor parallelism): the experts are FSDP units of their own (ParallelPlan::fsdp_units).
   bool experts_apart() const { return ep > 1 || etp != tp; }
   // "8 ranks = data-parallel 2 x context-parallel 2 x tensor-parallel 2", with the expert layout
   // when it is not the dense one's (HSDP's instances have a line of their own).

@@ -55,12 +55,7 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
   if (cp.global_positions.defined()) {
     // This rank's queries against the whole sequence's keys, exchanged over the group; grouped
     // query heads are matched inside.
-    context_parallel::CpAttentionOptions o;
-    o.algorithm = context_parallelism.algorithm;
-    o.key_padding_mask = cp.key_padding_mask;
-    o.segment_ids = cp.segment_ids;
-    o.scale = scale;
-    out = context_parallel::cp_attention(q, k, v, cp.global_positions, *context_parallelism.group, o);
+    out = context_parallelism.attend(q, k, v, cp.global_positions, cp.key_padding_mask, cp.segment_ids, scale);
     return parallel_boundary.leave(o_proj(out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_})));
   }
   if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);

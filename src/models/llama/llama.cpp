@@ -231,7 +231,7 @@ std::shared_ptr<Communicator> split_or_null(const std::shared_ptr<Communicator>&
   return group && group->size() > 1 ? group : nullptr;
 }
 
-LlamaParallel parallel_of(const LlamaOptions& o) {
+LlamaParallel parallel_of(const LlamaConfig& c, const LlamaOptions& o) {
   LlamaParallel p;
   p.tensor = split_or_null(o.tensor_parallel);
   // Megatron turns sequence parallelism off without tensor parallelism.
@@ -249,7 +249,7 @@ LlamaParallel parallel_of(const LlamaOptions& o) {
   if (p.sequence) p.moe.sequence = p.tensor;
   const std::shared_ptr<Communicator> context = split_or_null(o.context_parallel);
   if (p.sequence && context) {
-    if (!o.tensor_context_parallel)
+    if (!o.tensor_context_parallel && c.moe.num_experts > 0)
       throw std::logic_error("LlamaForCausalLM: MoE layers under sequence and context parallelism need the "
                              "tensor- and context-parallel group (ModelBuildOptions::tensor_context_parallel)");
     p.moe.tokens = o.tensor_context_parallel;
@@ -262,7 +262,7 @@ LlamaParallel parallel_of(const LlamaOptions& o) {
 }  // namespace
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOptions& options)
-    : config_(c), parallel_(parallel_of(options)) {
+    : config_(c), parallel_(parallel_of(c, options)) {
   config_.validate();
   check_tensor_parallel(c, parallel_);
   init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
@@ -273,11 +273,14 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)
     lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, /*deferred=*/true));
-  apply_parallel_plan(llama_parallel_plan(c), {parallel_.tensor, parallel_.sequence, parallel_.moe.expert_tensor != nullptr},
+  // The experts are FSDP units of their own when their expert-data-parallel group is not the
+  // layer's (expert parallelism, or experts whole under tensor parallelism).
+  const bool experts_apart = split_or_null(options.expert_parallel) || (parallel_.tensor && !parallel_.moe.expert_tensor);
+  apply_parallel_plan(llama_parallel_plan(c, experts_apart),
+                      {parallel_.tensor, parallel_.sequence, parallel_.moe.expert_tensor != nullptr},
                       {split_or_null(options.context_parallel), options.context_parallel_algorithm}, parallel_.moe);
   layer_deferred_.assign(c.num_layers, true);
   root_deferred_ = true;
-  experts_split_ = split_or_null(options.expert_parallel) || (parallel_.tensor && !parallel_.moe.expert_tensor);
   if (!options.deferred_init) reset_parameters();
 }
 
@@ -405,39 +408,6 @@ void LlamaForCausalLMImpl::set_use_sdpa(bool on) {
     if (LlamaAttention& attn = model->layer(i).self_attn) attn->use_sdpa = on;  // MLA: always SDPA
 }
 
-FsdpHandle LlamaForCausalLMImpl::shard_root(const FullyShardOptions& options) {
-  // Untied, the two vocabulary-sized weights are units of their own, so they are never
-  // unsharded (with their gradients) at the same time; a tied weight must stay in one unit.
-  if (lm_head) {
-    // The embedding's backward needs only the token ids: no all-gather for it.
-    fully_shard(*model->embed_tokens, options).set_unshard_in_backward(false);
-    fully_shard(*lm_head, options);
-  }
-  return fully_shard(*this, options);
-}
-
-StepShape LlamaForCausalLMImpl::unit_schedule() const {
-  // The forward enters the root, then embed_tokens (a unit when untied, not gathered for its
-  // backward), every decoder layer, lm_head (a unit when untied). The root's own gradients (the
-  // final norm) are complete right after lm_head's backward when untied; tied, the root also
-  // holds the embedding, whose gradient comes last.
-  StepShape step;
-  const bool untied = static_cast<bool>(lm_head);
-  step.forward_order.push_back({""});
-  if (untied) step.forward_order.push_back({"model.embed_tokens", /*unshard_in_backward=*/false});
-  for (int64_t i = 0; i < model->num_layers(); ++i) {
-    const std::string layer = "model.layers." + std::to_string(i);
-    step.forward_order.push_back({layer});
-    // Split over expert-parallel ranks, an MoE layer's experts are a unit inside it (shard_model).
-    if (experts_split_ && config_.moe.is_moe_layer(i))
-      step.forward_order.push_back({layer + (config_.moe.mixtral_names ? ".block_sparse_moe" : ".mlp") + ".experts",
-                                    /*unshard_in_backward=*/true, /*expert_group=*/true});
-  }
-  if (untied) step.forward_order.push_back({"lm_head"});
-  step.root_gradients_after = untied ? 1 : static_cast<int>(step.forward_order.size()) - 1;
-  return step;
-}
-
 FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options) {
   // fully_shard copies each parameter into its flat buffer: a 0-byte storage would be read.
   if (model->has_deferred())
@@ -445,10 +415,6 @@ FsdpHandle shard_llama(LlamaForCausalLM& model, const FullyShardOptions& options
         "shard_llama: the model has deferred parameters; call materialize_and_init_layer(i) for "
         "every layer and init_root() first");
   return shard_model(*model, options);
-}
-
-FsdpHandle shard_llama_root(LlamaForCausalLM& model, const FullyShardOptions& options) {
-  return model->shard_root(options);
 }
 
 }  // namespace mfsdp

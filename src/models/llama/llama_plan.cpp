@@ -6,7 +6,7 @@
 
 namespace mfsdp {
 
-ParallelPlan llama_parallel_plan(const LlamaConfig& c) {
+ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart) {
   using Split = TensorParallelSplit;
   using Boundary = TensorParallelBoundary;
   ParallelPlan plan;
@@ -58,6 +58,22 @@ ParallelPlan llama_parallel_plan(const LlamaConfig& c) {
       plan.boundaries.emplace_back(layer + moe + "." + shared, Boundary::kRegion);
   }
   plan.context_parallel = {"model", "model.layers.*.self_attn"};
+
+  // The forward enters the root, then embed_tokens (a unit when untied, not gathered for its
+  // backward), every decoder layer (with its experts inside), lm_head (a unit when untied). The
+  // root's own gradients (the final norm) are complete right after lm_head's backward when
+  // untied; tied, the root also holds the embedding, whose gradient comes last.
+  const bool untied = !c.tie_word_embeddings;
+  plan.fsdp_units.push_back({""});
+  if (untied) plan.fsdp_units.push_back({"model.embed_tokens", -1, /*unshard_in_backward=*/false});
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string layer = "model.layers." + std::to_string(i);
+    plan.fsdp_units.push_back({layer, i});
+    if (experts_apart && c.moe.is_moe_layer(i))
+      plan.fsdp_units.push_back({layer + "." + moe + ".experts", i, /*unshard_in_backward=*/true, /*experts=*/true});
+  }
+  if (untied) plan.fsdp_units.push_back({"lm_head"});
+  plan.root_gradients_after = untied ? 1 : static_cast<int>(plan.fsdp_units.size()) - 1;
   return plan;
 }
 

@@ -112,12 +112,8 @@ at::Tensor MlaAttentionImpl::forward(const at::Tensor& input, const RotaryTables
   at::Tensor out;
   if (cp.global_positions.defined()) {
     // This rank's queries against the whole sequence's keys and values, exchanged over the group.
-    context_parallel::CpAttentionOptions o;
-    o.algorithm = context_parallelism.algorithm;
-    o.key_padding_mask = cp.key_padding_mask;
-    o.segment_ids = cp.segment_ids;
-    o.scale = c.softmax_scale();
-    out = context_parallel::cp_attention(q, k, v.contiguous(), cp.global_positions, *context_parallelism.group, o);
+    out = context_parallelism.attend(q, k, v.contiguous(), cp.global_positions, cp.key_padding_mask, cp.segment_ids,
+                                     c.softmax_scale());
   } else {
     if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
     // Query i sits at key past + i; SDPA's is_causal aligns top-left, so cached keys need a mask.
