@@ -2,22 +2,13 @@
 #include "mfsdp/models/causal_lm.h"
 
 #include <algorithm>
+#include <map>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 namespace mfsdp {
-
-namespace {
-
-torch::nn::Module& unit_module(CausalLM& model, const std::string& name) {
-  if (name.empty()) return model;
-  for (const auto& item : model.named_modules("", /*include_self=*/false))
-    if (item.key() == name) return *item.value();
-  throw std::logic_error("shard_model: the plan's FSDP unit '" + name + "' is not a module of the model");
-}
-
-}  // namespace
 
 StepShape CausalLM::unit_schedule() const {
   StepShape step;
@@ -30,11 +21,16 @@ FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options, const 
   const std::vector<FsdpUnit>& units = model.parallel_plan().fsdp_units;
   if (units.empty() || !units.front().module.empty())
     throw std::logic_error("shard_model: the plan's FSDP units must start with the root (\"\")");
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) modules[item.key()] = item.value();
   const auto shard = [&](const FsdpUnit& u) {
     // Under expert parallelism a layer's experts are a unit of their own, over the ranks that
     // hold the same experts; their gradients are still divided by the root's data-parallel size.
     if (u.experts && experts_options == nullptr) return;
-    FsdpHandle handle = fully_shard(unit_module(model, u.module), u.experts ? *experts_options : options);
+    const auto it = modules.find(u.module);
+    if (it == modules.end())
+      throw std::logic_error("shard_model: the plan's FSDP unit '" + u.module + "' is not a module of the model");
+    FsdpHandle handle = fully_shard(*it->second, u.experts ? *experts_options : options);
     if (!u.unshard_in_backward) handle.set_unshard_in_backward(false);
   };
   // fully_shard copies each parameter into its flat buffer, so a deferred layer is materialised

@@ -47,6 +47,10 @@ Holder& holder_of(torch::nn::Module& module, const std::string& name, const char
 
 }  // namespace
 
+std::shared_ptr<Communicator> split_group(const std::shared_ptr<Communicator>& group) {
+  return group && group->size() > 1 ? group : nullptr;
+}
+
 int TensorParallelism::size() const { return group ? group->size() : 1; }
 int TensorParallelism::rank() const { return group ? group->rank() : 0; }
 int ContextParallelism::size() const { return group ? group->size() : 1; }

@@ -72,6 +72,9 @@ struct TensorParallelism {
   bool active() const { return size() > 1; }
 };
 
+// `group` when it splits something (more than one rank), else null: how a plan's groups are kept.
+std::shared_ptr<Communicator> split_group(const std::shared_ptr<Communicator>& group);
+
 // The context-parallel group a plan is applied with.
 struct ContextParallelism {
   std::shared_ptr<Communicator> group;  // null or of one rank: no context parallelism

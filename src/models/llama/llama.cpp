@@ -227,17 +227,13 @@ void check_tensor_parallel(const LlamaConfig& c, const LlamaParallel& p) {
                                 std::to_string(c.moe.num_experts) + ") needs sequence parallelism");
 }
 
-std::shared_ptr<Communicator> split_or_null(const std::shared_ptr<Communicator>& group) {
-  return group && group->size() > 1 ? group : nullptr;
-}
-
 LlamaParallel parallel_of(const LlamaConfig& c, const LlamaOptions& o) {
   LlamaParallel p;
-  p.tensor = split_or_null(o.tensor_parallel);
+  p.tensor = split_group(o.tensor_parallel);
   // Megatron turns sequence parallelism off without tensor parallelism.
   p.sequence = p.tensor != nullptr && o.sequence_parallel;
   p.moe.expert = o.expert_parallel;
-  if (p.tensor && split_or_null(o.expert_tensor_parallel)) {
+  if (p.tensor && split_group(o.expert_tensor_parallel)) {
     if (o.expert_tensor_parallel->size() != p.tensor->size())
       throw std::invalid_argument("LlamaForCausalLM: the experts split over " +
                                   std::to_string(o.expert_tensor_parallel->size()) +
@@ -247,7 +243,7 @@ LlamaParallel parallel_of(const LlamaConfig& c, const LlamaOptions& o) {
   // Each MoE block's tokens are spread over the context-parallel ranks and, under sequence
   // parallelism, the tensor-parallel ones (both: their tp_cp group).
   if (p.sequence) p.moe.sequence = p.tensor;
-  const std::shared_ptr<Communicator> context = split_or_null(o.context_parallel);
+  const std::shared_ptr<Communicator> context = split_group(o.context_parallel);
   if (p.sequence && context) {
     if (!o.tensor_context_parallel && c.moe.num_experts > 0)
       throw std::logic_error("LlamaForCausalLM: MoE layers under sequence and context parallelism need the "
@@ -275,10 +271,10 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
     lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, /*deferred=*/true));
   // The experts are FSDP units of their own when their expert-data-parallel group is not the
   // layer's (expert parallelism, or experts whole under tensor parallelism).
-  const bool experts_apart = split_or_null(options.expert_parallel) || (parallel_.tensor && !parallel_.moe.expert_tensor);
+  const bool experts_apart = split_group(options.expert_parallel) || (parallel_.tensor && !parallel_.moe.expert_tensor);
   apply_parallel_plan(llama_parallel_plan(c, experts_apart),
                       {parallel_.tensor, parallel_.sequence, parallel_.moe.expert_tensor != nullptr},
-                      {split_or_null(options.context_parallel), options.context_parallel_algorithm}, parallel_.moe);
+                      {split_group(options.context_parallel), options.context_parallel_algorithm}, parallel_.moe);
   layer_deferred_.assign(c.num_layers, true);
   root_deferred_ = true;
   if (!options.deferred_init) reset_parameters();

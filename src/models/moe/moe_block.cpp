@@ -92,10 +92,6 @@ at::Tensor expert_major_order(const at::Tensor& counts, int64_t sources, int64_t
   return std::get<1>(key.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false));
 }
 
-std::shared_ptr<Communicator> split_group(std::shared_ptr<Communicator> group) {
-  return group && group->size() > 1 ? std::move(group) : nullptr;
-}
-
 }  // namespace
 
 ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_names, bool deferred) {
