@@ -78,6 +78,25 @@ void check_tensor(const char* op, const char* role, const at::Tensor& t, c10::De
   check_tensor(op, role, t, at::Device(device));
 }
 
+void check_p2p_ops(const std::vector<P2POp>& ops, int rank, int world, const at::Device& device) {
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const P2POp& op = ops[i];
+    const bool send = op.kind == P2POp::Kind::kSend;
+    const std::string what = "op " + std::to_string(i) + " (" + (send ? "send to" : "recv from") + " rank " +
+                             std::to_string(op.peer) + ")";
+    if (op.peer < 0 || op.peer >= world)
+      bad_call("send_recv", what + ": peer " + std::to_string(op.peer) + " is outside [0, " +
+                                std::to_string(world) + ")");
+    if (op.peer == rank)
+      bad_call("send_recv", what + ": peer " + std::to_string(op.peer) + " is this rank itself");
+    check_tensor("send_recv", what.c_str(), op.tensor, device);
+  }
+}
+
+void check_p2p_ops(const std::vector<P2POp>& ops, int rank, int world, c10::DeviceType device) {
+  check_p2p_ops(ops, rank, world, at::Device(device));
+}
+
 RankSlices all_gather_layout(const at::Tensor& output, const at::Tensor& input,
                              const AllGatherOptions& options, int rank, int world,
                              const at::Device& device) {

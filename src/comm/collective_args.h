@@ -66,6 +66,11 @@ AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& inp
 AllToAllLayout all_to_all_layout(const at::Tensor& output, const at::Tensor& input,
                                  const AllToAllOptions& options, int rank, int world,
                                  c10::DeviceType device);
+// Validates a send_recv batch (Communicator::send_recv_async): every op's peer is another rank
+// of [0, world), its tensor defined, contiguous and on `device`; throws std::invalid_argument
+// naming send_recv, the op's index and the problem.
+void check_p2p_ops(const std::vector<P2POp>& ops, int rank, int world, const at::Device& device);
+void check_p2p_ops(const std::vector<P2POp>& ops, int rank, int world, c10::DeviceType device);
 // Rejects reductions the dtype cannot do (kAvg or a prescale on integers, bool, complex).
 void check_reduction(const char* op, ReduceOp reduce, at::ScalarType dtype, double prescale);
 

@@ -57,6 +57,16 @@ void Communicator::all_to_all_single(const at::Tensor& output, const at::Tensor&
   all_to_all_single_async(output, input, options)->wait();
 }
 void Communicator::barrier(const BarrierOptions& options) { barrier_async(options)->wait(); }
+WorkHandle Communicator::send_recv_async(const std::vector<P2POp>&, const P2POptions&) {
+  throw std::logic_error("send_recv: the '" + backend() + "' communicator of rank " + std::to_string(rank()) +
+                         " does not implement it");
+}
+void Communicator::send(const at::Tensor& tensor, int peer, const P2POptions& options) {
+  send_recv_async({P2POp{P2POp::Kind::kSend, tensor, peer}}, options)->wait();
+}
+void Communicator::recv(const at::Tensor& tensor, int peer, const P2POptions& options) {
+  send_recv_async({P2POp{P2POp::Kind::kRecv, tensor, peer}}, options)->wait();
+}
 
 at::Device select_device(const std::string& choice, int local_rank, int local_world_size, int gpus,
                          const std::optional<std::string>& cuda_visible_devices) {

@@ -112,6 +112,14 @@ class Transfer {
 
 char* bytes(const at::Tensor& t) { return static_cast<char*>(t.data_ptr()); }
 
+// The one slot of every point-to-point message (send_recv). Collective slots are
+// seq << 24 | step << 12 | segment, so the top bit would need 2^39 collectives: no collective
+// slot is ever this one, and a p2p message never matches a collective's receive (nor the other
+// way round). One slot for all p2p traffic keeps the k-th send to a peer matched with the k-th
+// receive that peer posts from this rank: the mesh matches messages of one slot from one peer
+// in order.
+constexpr uint64_t kP2PSlot = uint64_t{1} << 63;
+
 class CpuCommunicator : public Communicator {
  public:
   // `connect_timeout` bounds connecting to the peers (the world's: start-up, see
@@ -170,6 +178,9 @@ class CpuCommunicator : public Communicator {
   WorkHandle barrier_async(const BarrierOptions& options) override {
     return submit(barrier_job(options));
   }
+  WorkHandle send_recv_async(const std::vector<P2POp>& ops, const P2POptions& options) override {
+    return submit(send_recv_job(ops, options));
+  }
 
   // Synchronous forms run on the caller's thread when no async work is pending.
   void all_gather(const at::Tensor& output, const at::Tensor& input,
@@ -206,6 +217,9 @@ class CpuCommunicator : public Communicator {
     const char* op;
     std::chrono::milliseconds timeout;
     std::function<void(const Transfer&)> body;
+    // Point-to-point: not issued by every rank, so it must not take a collective sequence
+    // number (every rank derives the same slots and shared-memory rounds from those).
+    bool point_to_point = false;
   };
 
   Job all_gather_job(const at::Tensor& output, const at::Tensor& input,
@@ -262,7 +276,7 @@ class CpuCommunicator : public Communicator {
       if (size() == 1 || nbytes == 0) return;
       if (rank_ == options.root) {
         for (int p = 0; p < size(); ++p)
-          if (p != rank_) send(p, t.slot(0), bytes(tensor), nbytes);
+          if (p != rank_) tcp_send(p, t.slot(0), bytes(tensor), nbytes);
         for (int p = 0; p < size(); ++p)
           if (p != rank_) t.wait_send(*mesh_, p);
       } else {
@@ -296,12 +310,32 @@ class CpuCommunicator : public Communicator {
     }};
   }
 
+  // Posts every op (receives first, so that their payloads go straight from the socket into the
+  // tensors), then waits for each in issue order. All p2p messages share kP2PSlot. Bulk data goes
+  // over TCP, also on one host: the shared-memory exchange is a collective protocol (every rank
+  // takes part in every round), which one pair of ranks cannot use.
+  Job send_recv_job(const std::vector<P2POp>& ops, const P2POptions& options) {
+    check_p2p_ops(ops, rank_, size(), c10::kCPU);
+    return Job{"send_recv", options.timeout, [this, ops](const Transfer& t) {
+      auto is_recv = [](const P2POp& op) { return op.kind == P2POp::Kind::kRecv; };
+      for (const P2POp& op : ops)
+        if (is_recv(op)) mesh_->post_recv(op.peer, kP2PSlot, bytes(op.tensor), op.tensor.nbytes());
+      for (const P2POp& op : ops)
+        if (!is_recv(op)) tcp_send(op.peer, kP2PSlot, bytes(op.tensor), op.tensor.nbytes());
+      for (const P2POp& op : ops) {
+        if (is_recv(op)) t.wait_recv(*mesh_, op.peer);
+        else t.wait_send(*mesh_, op.peer);
+      }
+    }, /*point_to_point=*/true};
+  }
+
   WorkHandle submit(Job job) { return thread_.submit(bind(std::move(job))); }
   void run(Job job) { thread_.run(bind(std::move(job))); }
 
-  // Wraps a job with its sequence number, timeout and the broken-communicator rule.
+  // Wraps a job with its sequence number, timeout and the broken-communicator rule. A p2p batch
+  // is numbered by its own counter (its #k in errors counts this rank's batches).
   std::function<void()> bind(Job job) {
-    const uint64_t seq = next_seq_++;
+    const uint64_t seq = job.point_to_point ? next_p2p_seq_++ : next_seq_++;
     const auto limit = job.timeout.count() > 0 ? job.timeout : timeout_;
     // `self` outlives the job: the destructor drains the queue before any member goes away.
     CpuCommunicator* self = this;
@@ -358,7 +392,7 @@ class CpuCommunicator : public Communicator {
         mesh_->post_recv(q, t.slot(0), bytes(incoming) + q * count * item, count * item);
     for (int r = 0; r < n; ++r)
       if (r != rank_ && s.counts[r] > 0)
-        send(r, t.slot(0), bytes(input) + s.offsets[r] * item, s.counts[r] * item);
+        tcp_send(r, t.slot(0), bytes(input) + s.offsets[r] * item, s.counts[r] * item);
     for (int q = 0; q < n; ++q)
       if (q != rank_ && count > 0) t.wait_recv(*mesh_, q);
     for (int r = 0; r < n; ++r)
@@ -384,7 +418,7 @@ class CpuCommunicator : public Communicator {
     // Rank r sends to r + 1 first, then r + 2, ...: no rank gets everyone's first message at once.
     for (int k = 1; k < n; ++k) {
       const int r = (rank_ + k) % n;
-      send(r, t.slot(0), bytes(input) + l.send.offsets[r] * item, l.send.counts[r] * item);
+      tcp_send(r, t.slot(0), bytes(input) + l.send.offsets[r] * item, l.send.counts[r] * item);
     }
     for (int q = 0; q < n; ++q)
       if (q != rank_) t.wait_recv(*mesh_, q);
@@ -393,7 +427,7 @@ class CpuCommunicator : public Communicator {
   }
 
   // Every payload this rank puts on a TCP link goes through here (counted for bytes_sent()).
-  void send(int peer, uint64_t slot, const void* src, size_t nbytes) {
+  void tcp_send(int peer, uint64_t slot, const void* src, size_t nbytes) {
     tcp_bytes_sent_ += static_cast<int64_t>(nbytes);
     mesh_->post_send(peer, slot, src, nbytes);
   }
@@ -412,8 +446,8 @@ class CpuCommunicator : public Communicator {
       bool receiving = s.counts[recv_idx] > 0, sending = s.counts[send_idx] > 0;
       if (receiving) mesh_->post_recv(left, t.slot(first_step + step),
                                       base + s.offsets[recv_idx] * item, s.counts[recv_idx] * item);
-      if (sending) send(right, t.slot(first_step + step),
-                                    base + s.offsets[send_idx] * item, s.counts[send_idx] * item);
+      if (sending) tcp_send(right, t.slot(first_step + step),
+                            base + s.offsets[send_idx] * item, s.counts[send_idx] * item);
       if (receiving) t.wait_recv(*mesh_, left);
       if (sending) t.wait_send(*mesh_, right);
     }
@@ -479,7 +513,7 @@ class CpuCommunicator : public Communicator {
       }
       for (int64_t k = 0; k < send_segments; ++k) {
         int64_t len = std::min(segment, send_count - k * segment);
-        send(right, t.slot(step, k), sender + k * segment * item, len * item);
+        tcp_send(right, t.slot(step, k), sender + k * segment * item, len * item);
       }
       const bool last = step == n - 2;  // then recv_idx == rank_
       at::Tensor dst = last ? result : partial[(step + 1) % 2].narrow(0, 0, recv_count);
@@ -520,7 +554,8 @@ class CpuCommunicator : public Communicator {
   std::unique_ptr<ShmExchange> shm_;  // null: not all ranks on one host, or shared memory off
 
   // Touched only by the caller's thread.
-  uint64_t next_seq_ = 1;
+  uint64_t next_seq_ = 1;      // collectives: the same on every rank
+  uint64_t next_p2p_seq_ = 1;  // send_recv batches: this rank's own count
   std::map<std::string, int> groups_created_;
 
   // Touched only by the thread running a job (one at a time, see CommThread).

@@ -358,6 +358,29 @@ class NcclCommunicator : public Communicator {
     });
   }
 
+  // One NCCL group of ncclSend / ncclRecv of bytes (any dtype), in issue order; NCCL matches
+  // the sends and receives of a pair of ranks in order. Zero-byte ops are skipped, on both sides
+  // alike (their sizes match, the caller's contract).
+  WorkHandle send_recv_async(const std::vector<P2POp>& ops, const P2POptions& options) override {
+    check_p2p_ops(ops, rank_, size(), device());
+    std::vector<at::Tensor> tensors;
+    for (const P2POp& op : ops) tensors.push_back(op.tensor);
+    return launch("send_recv", options.timeout, std::move(tensors), [&](const Issue& in) {
+      in.nccl([&] {
+        ScopedGroup group([&] { in.call(ncclGroupStart()); }, [&] { in.call(ncclGroupEnd()); });
+        for (const P2POp& op : ops) {
+          const size_t nbytes = op.tensor.nbytes();
+          if (nbytes == 0) continue;
+          if (op.kind == P2POp::Kind::kSend)
+            in.call(ncclSend(op.tensor.data_ptr(), nbytes, ncclUint8, op.peer, comm_, in.stream));
+          else
+            in.call(ncclRecv(op.tensor.data_ptr(), nbytes, ncclUint8, op.peer, comm_, in.stream));
+        }
+        group.end();
+      });
+    });
+  }
+
   WorkHandle barrier_async(const BarrierOptions& options) override {
     at::Tensor token = at::ones({1}, at::TensorOptions().dtype(at::kInt).device(at::kCUDA, device_));
     auto work = std::static_pointer_cast<NcclWork>(

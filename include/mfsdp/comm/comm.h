@@ -97,6 +97,20 @@ struct AllToAllOptions {
   std::chrono::milliseconds timeout{0};
 };
 
+// One send or receive of a batch (torch.distributed.P2POp). Point-to-point traffic is not
+// collective: only the two ranks of a message take part, and any rank may issue any number of
+// batches (pipeline parallelism: activations and their gradients between adjacent stages).
+struct P2POp {
+  enum class Kind { kSend, kRecv };
+  Kind kind;
+  at::Tensor tensor;  // contiguous, on device(); a receive's tensor is written
+  int peer;           // a rank of this communicator other than rank()
+};
+
+struct P2POptions {
+  std::chrono::milliseconds timeout{0};
+};
+
 // Numerics (all backends): bf16/fp16 reductions accumulate in fp32 and round once at the end,
 // so the result is the fp32 sum of the inputs rounded to the tensor's dtype (independent of the
 // world size and reduction order up to fp32 rounding). Integer tensors are reduced exactly;
@@ -144,6 +158,17 @@ class Communicator {
   virtual WorkHandle all_to_all_single_async(const at::Tensor& output, const at::Tensor& input,
                                              const AllToAllOptions& options = {});
 
+  // Issues every op of `ops` together (torch.distributed.batch_isend_irecv): the sends do not
+  // wait for the receives, so a ring (send to rank+1, receive from rank-1 in one batch) cannot
+  // deadlock. The k-th message this rank sends to peer q (over all batches, in issue order) is
+  // the k-th receive q posts from this rank; byte sizes must match (the CPU backend fails a
+  // mismatch with CommError naming both sizes and ranks; NCCL's behaviour is undefined). Runs
+  // in issue order with the communicator's other work. Zero-byte tensors are allowed. Bad ops
+  // (a peer out of range or rank() itself, a tensor not contiguous or on another device) throw
+  // std::invalid_argument naming the op's index. Not pure (as all_to_all_single_async): the
+  // default throws std::logic_error; every mfsdp backend overrides it.
+  virtual WorkHandle send_recv_async(const std::vector<P2POp>& ops, const P2POptions& options = {});
+
   // Completes once every rank reached it (and all previously issued work has finished here).
   virtual WorkHandle barrier_async(const BarrierOptions& options = {}) = 0;
 
@@ -165,6 +190,9 @@ class Communicator {
   virtual void all_to_all_single(const at::Tensor& output, const at::Tensor& input,
                                  const AllToAllOptions& options = {});
   virtual void barrier(const BarrierOptions& options = {});
+  // Synchronous single point-to-point transfers: send_recv_async({one op}, options)->wait().
+  void send(const at::Tensor& tensor, int peer, const P2POptions& options = {});
+  void recv(const at::Tensor& tensor, int peer, const P2POptions& options = {});
 };
 
 struct CommOptions {

@@ -2,10 +2,11 @@
 // simulated scale). Every collective keeps its argument checks and moves the bytes a real rank
 // would move locally: all-gather copies this rank's input into every slot of the output,
 // reduce-scatter copies this rank's slice of the input (times the prescale), all-reduce sums N
-// identical contributions (x N for kSum). So fully_shard, the optimizer and the trainer allocate
-// and compute exactly what rank `rank` of the real job would (per-rank memory and compute of
-// 64-rank jobs on one device), while the values are NOT those of the real job: losses and
-// gradients of other ranks' data are never seen. Anything reporting from a simulated run must
+// identical contributions (x N for kSum); point-to-point sends move nothing and receives are
+// filled with zeros. So fully_shard, the optimizer and the trainer allocate and compute exactly
+// what rank `rank` of the real job would (per-rank memory and compute of 64-rank jobs on one
+// device), while the values are NOT those of the real job: losses and gradients of other ranks'
+// data are never seen. Anything reporting from a simulated run must
 // say that it is simulated (is_simulated()).
 #pragma once
 
