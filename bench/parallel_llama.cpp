@@ -138,7 +138,7 @@ int main(int argc, char** argv) {
     shard.strategy = mfsdp::ShardingStrategy::kOptimGradsParams;
     mfsdp::FsdpHandle root = mfsdp::shard_model(*model, shard);
     std::unique_ptr<mfsdp::DistributedOptimizer> opt = mfsdp::make_adamw(root, {});
-    mfsdp::set_tensor_parallel_norm(*model, root, *opt);
+    mfsdp::set_model_parallel_norm(*model, root, *opt);
 
     const int world_size = world->size(), rank = world->rank();
     std::vector<double> times, cpu_times;

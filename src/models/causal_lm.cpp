@@ -36,8 +36,12 @@ FsdpHandle shard_model(CausalLM& model, const FullyShardOptions& options, const 
   // fully_shard copies each parameter into its flat buffer, so a deferred layer is materialised
   // right before it becomes a unit; one layer at a time keeps the unsharded model off the rank.
   // A unit inside another is sharded first (fully_shard's ownership rule).
+  // The layers are those the plan has units of (a pipeline chunk's own).
   const bool deferred = model.has_deferred();
-  for (int64_t i = 0; i < model.num_layers(); ++i) {
+  std::vector<int64_t> layers;
+  for (const FsdpUnit& u : units)
+    if (u.layer >= 0 && std::find(layers.begin(), layers.end(), u.layer) == layers.end()) layers.push_back(u.layer);
+  for (int64_t i : layers) {
     if (deferred) model.materialize_and_init_layer(i);
     std::vector<const FsdpUnit*> layer;
     for (const FsdpUnit& u : units)

@@ -48,13 +48,20 @@ void sum_partial_gradients(const CausalLM& model, const FsdpHandle& root) {
   }
 }
 
-void set_tensor_parallel_norm(const CausalLM& model, const FsdpHandle& root, DistributedOptimizer& optimizer) {
-  if (group_of(model) == nullptr) return;
-  std::vector<std::vector<ElementRange>> duplicated(root.optimizer_shards().size());
+void set_model_parallel_norm(const CausalLM& model, const FsdpHandle& root, DistributedOptimizer& optimizer,
+                             std::shared_ptr<Communicator> pipeline) {
+  std::vector<std::shared_ptr<Communicator>> groups;
+  if (group_of(model) != nullptr) groups.push_back(model.tensor_parallel());
+  if (pipeline && pipeline->size() > 1) groups.push_back(std::move(pipeline));
+  if (groups.empty()) return;
+  const bool tp_copy = group_of(model) != nullptr && model.tensor_parallel()->rank() != 0;
+  const std::string embedding_copy = model.embedding_copy();
+  std::vector<std::vector<ElementRange>> not_counted(root.optimizer_shards().size());
   for (const LocalShard& p : root.local_shards())
-    if (p.shard_index >= 0 && p.local.numel() > 0 && tensor_parallel_duplicate(model, p.name))
-      duplicated[static_cast<size_t>(p.shard_index)].push_back({p.shard_offset, p.local.numel()});
-  optimizer.set_model_parallel(model.tensor_parallel(), std::move(duplicated));
+    if (p.shard_index >= 0 && p.local.numel() > 0 &&
+        ((tp_copy && tensor_parallel_duplicate(model, p.name)) || p.name == embedding_copy))
+      not_counted[static_cast<size_t>(p.shard_index)].push_back({p.shard_offset, p.local.numel()});
+  optimizer.set_model_parallel(std::move(groups), std::move(not_counted));
 }
 
 std::map<std::string, at::Tensor> gather_tensor_parallel(const CausalLM& model,

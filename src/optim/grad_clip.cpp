@@ -58,15 +58,16 @@ std::vector<ElementRange> ranges_outside(const SegmentRun& run, const std::vecto
 
 }  // namespace
 
-void ShardOptimizer::set_model_parallel(std::shared_ptr<Communicator> group,
-                                        std::vector<std::vector<ElementRange>> duplicated) {
-  if (!group) throw std::invalid_argument(name_ + ".set_model_parallel: the group is null");
-  if (duplicated.size() > shards_.size())
-    throw std::invalid_argument(name_ + ".set_model_parallel: ranges for " + std::to_string(duplicated.size()) +
+void ShardOptimizer::set_model_parallel(std::vector<std::shared_ptr<Communicator>> groups,
+                                        std::vector<std::vector<ElementRange>> not_counted) {
+  for (const auto& group : groups)
+    if (!group) throw std::invalid_argument(name_ + ".set_model_parallel: a group is null");
+  if (not_counted.size() > shards_.size())
+    throw std::invalid_argument(name_ + ".set_model_parallel: ranges for " + std::to_string(not_counted.size()) +
                                 " shards, the optimizer has " + std::to_string(shards_.size()));
-  duplicated.resize(shards_.size());
-  for (size_t i = 0; i < duplicated.size(); ++i) {
-    auto& ranges = duplicated[i];
+  not_counted.resize(shards_.size());
+  for (size_t i = 0; i < not_counted.size(); ++i) {
+    auto& ranges = not_counted[i];
     std::sort(ranges.begin(), ranges.end(),
               [](const ElementRange& a, const ElementRange& b) { return a.offset < b.offset; });
     for (size_t j = 0; j < ranges.size(); ++j)
@@ -78,8 +79,8 @@ void ShardOptimizer::set_model_parallel(std::shared_ptr<Communicator> group,
                                     ") overlaps another or leaves the shard's " +
                                     std::to_string(shards_[i].main_grad.numel()) + " elements");
   }
-  model_parallel_ = std::move(group);
-  duplicated_ = std::move(duplicated);
+  model_parallel_ = std::move(groups);
+  not_counted_ = std::move(not_counted);
 }
 
 at::Tensor ShardOptimizer::clip_grad_norm_on_device(double max_norm) {
@@ -94,16 +95,15 @@ at::Tensor ShardOptimizer::clip_grad_norm_on_device(double max_norm) {
   std::vector<at::Tensor> sharded, replicated, all;
   at::Tensor sharded_sq = at::zeros({1}, options);
   at::Tensor replicated_sq = at::zeros({1}, options);
-  // Under tensor parallelism, parameters every rank of the group holds whole are counted on its
-  // rank 0 only.
-  const bool skip_duplicates = model_parallel_ && model_parallel_->rank() != 0;
+  // Under model parallelism, elements another rank of the groups counts are left out here.
+  const bool skip_duplicates = !not_counted_.empty();
   for (size_t i = 0; i < shards_.size(); ++i) {
     const bool everywhere = shards_[i].replicated && (shards_[i].copies == 0 || shards_[i].copies == comm_->size());
     std::vector<at::Tensor> partial;
     for (const SegmentRun& run : runs_[i]) {
       all.push_back(shards_[i].main_grad.narrow(0, run.offset, run.length));
       const std::vector<ElementRange> counted =
-          skip_duplicates ? ranges_outside(run, duplicated_[i]) : std::vector<ElementRange>{{run.offset, run.length}};
+          skip_duplicates ? ranges_outside(run, not_counted_[i]) : std::vector<ElementRange>{{run.offset, run.length}};
       for (const ElementRange& r : counted)
         (everywhere ? replicated : shards_[i].replicated ? partial : sharded)
             .push_back(shards_[i].main_grad.narrow(0, r.offset, r.length));
@@ -120,7 +120,7 @@ at::Tensor ShardOptimizer::clip_grad_norm_on_device(double max_norm) {
   // collective sequence is the same on all ranks.
   comm_->all_reduce(sharded_sq);
   at::Tensor total = sharded_sq + replicated_sq;
-  if (model_parallel_) model_parallel_->all_reduce(total);  // the other slices of the parameters
+  for (const auto& group : model_parallel_) group->all_reduce(total);  // the other parts of the model
   // On the CPU the host is the device, so reading costs no wait: std::sqrt there, because ATen's
   // CPU fp64 sqrt is not always correctly rounded (sqrt(0.8228409606810413) comes out one ulp
   // above std::sqrt's), and the CPU runs' numbers were measured with std::sqrt. CUDA's double

@@ -33,8 +33,8 @@ std::vector<SegmentRun> plan_segment_runs(const OptimizerShard& shard, size_t in
 class ShardOptimizer : public DistributedOptimizer {
  public:
   at::Tensor clip_grad_norm_on_device(double max_norm) final;  // grad_clip.cpp
-  void set_model_parallel(std::shared_ptr<Communicator> group,
-                          std::vector<std::vector<ElementRange>> duplicated) final;  // grad_clip.cpp
+  void set_model_parallel(std::vector<std::shared_ptr<Communicator>> groups,
+                          std::vector<std::vector<ElementRange>> not_counted) final;  // grad_clip.cpp
   void step(double lr) final;
   int64_t steps() const final { return steps_; }
   void set_steps(int64_t steps) final;
@@ -59,8 +59,8 @@ class ShardOptimizer : public DistributedOptimizer {
   at::Device norm_device() const;
 
   std::shared_ptr<Communicator> comm_;
-  std::shared_ptr<Communicator> model_parallel_;       // null: none (set_model_parallel)
-  std::vector<std::vector<ElementRange>> duplicated_;  // per shard, sorted; counted on its rank 0 only
+  std::vector<std::shared_ptr<Communicator>> model_parallel_;  // empty: none (set_model_parallel)
+  std::vector<std::vector<ElementRange>> not_counted_;        // per shard, sorted; counted elsewhere
   std::function<void()> after_step_;
   int64_t steps_ = 0;
 };

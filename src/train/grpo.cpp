@@ -47,7 +47,7 @@ ShardedModel load_reference(const GrpoArgs& g, const OpenedCheckpoint& load, con
   // The policy's mesh: the same groups, not made again.
   ShardedModel ref = build_sharded_model(config, options, a.attention_backend != "unfused",
                                          shard_options_from_args(a, a, a, /*per_token_loss=*/true), &mesh);
-  const TensorSlices slices = tensor_parallel_checkpoint_slices(*ref.model, ref.root);
+  const TensorSlices slices = model_parallel_checkpoint_slices(*ref.model, ref.root);
   CheckpointLoadOptions o;
   o.load_optimizer = false;
   o.load_rng = false;

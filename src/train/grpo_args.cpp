@@ -153,6 +153,9 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
 
 void validate_grpo_args(GrpoArgs& a, int world, int64_t tokenizer_vocab) {
   refuse_sharded_context_parallel(a);
+  if (a.base.pipeline_model_parallel_size > 1)
+    flag_error("--pipeline-model-parallel-size", std::to_string(a.base.pipeline_model_parallel_size) +
+                                                     ": mfsdp-grpo does not run pipeline stages yet (mfsdp-pretrain does)");
   // The prompts split over the data-parallel replicas; a replica's tensor- and context-parallel
   // ranks share them.
   const int dp = parallel_dims(a.base, a.base, world).dp();

@@ -12,8 +12,9 @@ StepShape training_step_shape(const CausalLM& model, const OptimizerSection& opt
 }
 
 MemoryPlan plan_training_memory(const ModelConfig& config, const OptimizerSection& optimizer, const ParallelDims& dims,
-                                const FullyShardOptions& shard, int64_t micro_batches) {
+                                const FullyShardOptions& shard, int64_t micro_batches, int stage) {
   ModelBuildOptions options;
+  if (dims.pp > 1) options.pipeline = stage_chunks(dims.pipeline_split_options(config.num_layers()), stage).at(0);
   options.deferred_init = true;  // full sizes, no memory: only shapes and dtypes are read
   options.init_seed = 0;
   // Under expert parallelism the model holds one expert-parallel rank's experts (every rank holds
@@ -35,7 +36,9 @@ MemoryPlan plan_training_memory(const ModelConfig& config, const OptimizerSectio
 void print_memory_plan(const ModelConfig& config, const OptimizerSection& optimizer, const ParallelDims& dims,
                        const FullyShardOptions& shard, int64_t micro_batches, const std::shared_ptr<Communicator>& comm,
                        std::ostream& log) {
-  const MemoryPlan plan = plan_training_memory(config, optimizer, dims, shard, micro_batches);
+  // The job's ranks are pp outermost: rank r is on stage r / (ranks per stage).
+  const int own_stage = comm->rank() / (comm->size() / dims.pp);
+  const MemoryPlan plan = plan_training_memory(config, optimizer, dims, shard, micro_batches, own_stage);
   if (comm->rank() != 0 && !is_simulated(*comm)) return;
   log << (is_simulated(*comm) ? " SIMULATED" : "") << " memory plan of rank " << comm->rank() << " of "
       << comm->size() << " (--memory-plan: nothing was allocated or trained)\n";
@@ -44,7 +47,15 @@ void print_memory_plan(const ModelConfig& config, const OptimizerSection& optimi
     log << " mesh: " << dims.describe() << "; FSDP shards each tensor-parallel rank's "
         << (dims.tp > 1 ? "slice" : "parameters") << " over its data- x context-parallel group of " << dims.dp_cp()
         << " ranks\n";
-  log << format_memory_plan(plan);
+  if (dims.pp == 1) log << format_memory_plan(plan);
+  for (int stage = 0; stage < dims.pp && dims.pp > 1; ++stage) {
+    const PipelineChunk chunk = stage_chunks(dims.pipeline_split_options(config.num_layers()), stage).at(0);
+    log << " pipeline stage " << stage << " of " << dims.pp << ": decoder layers " << chunk.first_layer << " to "
+        << chunk.first_layer + chunk.num_layers - 1 << (chunk.embedding ? ", the embedding" : "")
+        << (chunk.output ? ", the output layer" : "") << "\n";
+    log << format_memory_plan(stage == own_stage ? plan
+                                                 : plan_training_memory(config, optimizer, dims, shard, micro_batches, stage));
+  }
   log << " planned memory per rank (MiB): model weights " << plan.model_weights / 1048576.0 << ", main weights "
       << plan.main_weights / 1048576.0 << ", main grads " << plan.main_grads / 1048576.0 << ", optimizer state "
       << plan.optimizer_state / 1048576.0 << ", transient peak " << plan.transient_peak / 1048576.0 << "\n";

@@ -45,9 +45,6 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
                                 {kPp, p.pipeline_model_parallel_size},
                                 {kInstances, p.num_distributed_optimizer_instances}})
     if (v > world) flag_error(flag, str(v) + " is more than the world size " + str(world));
-  if (p.pipeline_model_parallel_size > 1)
-    flag_error(kPp, str(p.pipeline_model_parallel_size) +
-                        ": pipeline parallelism is not in this build of mfsdp (only 1 stage)");
   ParallelDims d;
   d.tp = static_cast<int>(p.tensor_model_parallel_size);
   d.cp = static_cast<int>(p.context_parallel_size);
@@ -55,6 +52,14 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
   d.ep = static_cast<int>(p.expert_model_parallel_size);
   d.etp = static_cast<int>(etp_given);
   d.sequence_parallel = p.sequence_parallel && d.tp > 1;
+  if (p.decoder_first_pipeline_num_layers >= 0) d.pipeline.first_stage_layers = p.decoder_first_pipeline_num_layers;
+  if (p.decoder_last_pipeline_num_layers >= 0) d.pipeline.last_stage_layers = p.decoder_last_pipeline_num_layers;
+  d.pipeline.account_for_embedding = p.account_for_embedding_in_pipeline_split;
+  d.pipeline.account_for_loss = p.account_for_loss_in_pipeline_split;
+  if (d.pp == 1 && (d.pipeline.first_stage_layers || d.pipeline.last_stage_layers || d.pipeline.account_for_embedding ||
+                    d.pipeline.account_for_loss))
+    flag_error(kPp, "1: the pipeline split flags (--decoder-first/last-pipeline-num-layers, "
+                    "--account-for-embedding/loss-in-pipeline-split) need pipeline parallelism");
   const int64_t model_parallel = int64_t{d.tp} * d.cp * d.pp;
   if (model_parallel > world || world % model_parallel != 0)
     flag_error(d.tp > 1 ? kTp : kCp, str(d.tp) + " x " + kCp + " " + str(d.cp) +
@@ -88,6 +93,8 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
 void check_parallel_model(const ParallelDims& d, const ModelConfig& config) {
   const ParallelSplits splits = config.spec->parallel_splits(config);
   const std::string model = "the model (" + config.spec->describe(config) + ")";
+  // Megatron's layer split (each refusal names its flags).
+  if (d.pp > 1) pipeline_split(d.pipeline_split_options(config.num_layers()));
   if (d.tp > 1)
     for (const auto& [field, value] : splits.tensor_parallel)
       if (value % d.tp != 0)

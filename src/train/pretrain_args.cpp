@@ -221,6 +221,14 @@ void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab)
   static_cast<const PretrainingSection&>(a).validate();
 
   check_profile_target(a, dp);
+  // Each pipeline stage holds its own layers: what needs the whole model on one rank waits for a
+  // gather across the stages.
+  if (a.pipeline_model_parallel_size > 1)
+    for (const auto& [flag, given] : {std::pair<const char*, bool>{"--export-hf", !a.export_hf.empty()},
+                                      {"--sample-prompt", !a.sample_prompt.empty()}})
+      if (given)
+        flag_error(flag, "needs the whole model on one rank, which pipeline parallelism (--pipeline-model-parallel-size " +
+                             std::to_string(a.pipeline_model_parallel_size) + ") does not gather yet");
   if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
   if (a.max_position_embeddings < a.seq_length) flag_error("--max-position-embeddings", "is smaller than --seq-length");
   if (a.train_iters == 0 && !a.skip_train && !a.memory_plan) flag_error("--train-iters", "is required (or --skip-train)");

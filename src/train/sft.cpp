@@ -82,6 +82,9 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load (it starts from the folder)");
   if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
+  if (a.base.pipeline_model_parallel_size > 1)
+    flag_error("--pipeline-model-parallel-size", std::to_string(a.base.pipeline_model_parallel_size) +
+                                                     ": mfsdp-sft does not run pipeline stages yet (mfsdp-pretrain does)");
   a.base.seq_length = a.max_length;
   a.base.calculate_per_token_loss = true;
   a.base.load_requires_checkpoint = true;

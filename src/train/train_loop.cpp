@@ -31,8 +31,17 @@ std::vector<double> read_on_host(const std::vector<at::Tensor>& values) {
 int64_t host_reads() { return g_host_reads.load(); }
 
 TrainingRun::StepStats MicroBatchTrainer::train_step(int64_t iteration) {
+  if (run_.pipeline().forward)
+    return run_.pipeline_step(iteration, run_.args().num_micro_batches,
+                              [&](int chunk, int64_t m, const at::Tensor& input) {
+                                return forward_chunk(iteration, chunk, m, input);
+                              });
   return run_.step(iteration, run_.args().num_micro_batches,
                    [&](int64_t m) { return forward_backward(iteration, m); });
+}
+
+ChunkOutput MicroBatchTrainer::forward_chunk(int64_t, int, int64_t, const at::Tensor&) {
+  throw std::logic_error("this trainer does not run under pipeline parallelism");
 }
 
 Trainer::Outcome Trainer::train(const ResumePoint& resume) {

@@ -90,13 +90,18 @@ class Pretrainer : public MicroBatchTrainer {
     return reported;
   }
 
+  ChunkOutput forward_chunk(int64_t iteration, int, int64_t m, const at::Tensor& input) override {
+    return chunk_loss(datasets_.train->micro_batch(layout_, iteration - 1, m, dp_rank_), input);
+  }
+
   void log(const LogWindow& w) override {
     double window_loss = 0;
     for (double step_loss : w.losses) {
       if (a_.calculate_per_token_loss) step_loss = step_loss * dims_.dp_cp() / tokens_per_global_batch_;
       window_loss += step_loss;
     }
-    const double loss = run_.all_reduce_mean(window_loss / static_cast<double>(w.steps));
+    // Under pipeline parallelism only the last stage has the loss (the others report zero).
+    const double loss = run_.all_reduce_mean(window_loss / static_cast<double>(w.steps)) * dims_.pp;
     const int64_t gbs = a_.global_batch_size;
     const double iter_s = w.seconds / static_cast<double>(w.steps);
     IterationRecord r;
@@ -140,12 +145,19 @@ class Pretrainer : public MicroBatchTrainer {
     at::Tensor total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(run_.comm()->device()));
     const int64_t batches_per_eval = a_.eval_iters;
     const int64_t first_batch = (iteration / a_.eval_interval) * batches_per_eval;
-    for (int64_t b = 0; b < batches_per_eval; ++b)
+    for (int64_t b = 0; b < batches_per_eval; ++b) {
+      if (run_.pipeline().forward) {
+        total.add_(run_forward_pipeline(run_.pipeline(), a_.num_micro_batches, [&](int, int64_t m, const at::Tensor& in) {
+          return chunk_loss(datasets_.valid->micro_batch(layout_, first_batch + b, m, dp_rank_), in);
+        }));
+        continue;
+      }
       for (int64_t m = 0; m < a_.num_micro_batches; ++m)
         total.add_(micro_loss(datasets_.valid->micro_batch(layout_, first_batch + b, m, dp_rank_)).second);
+    }
     double mean = total.item<double>() / batches_per_eval;
     if (a_.calculate_per_token_loss) mean = mean * dims_.dp_cp() / tokens_per_global_batch_;  // sum -> mean
-    mean = run_.all_reduce_mean(mean);
+    mean = run_.all_reduce_mean(mean) * dims_.pp;  // the last stage's (see log)
     if (run_.prints()) {
       run_.log() << " validation loss at iteration " << iteration << " | lm loss: " << std::scientific
                  << std::setprecision(6) << mean << std::defaultfloat << "\n";
@@ -171,14 +183,35 @@ class Pretrainer : public MicroBatchTrainer {
   // Returns that loss and the one reported (detached, fp64, on the device: no micro-batch reads
   // it, so the host never waits for the forward before queuing the backward).
   std::pair<at::Tensor, at::Tensor> micro_loss(const at::Tensor& cpu_tokens) {
-    at::Tensor tokens = to_device(cpu_tokens, run_.comm()->device());  // the model's device (the communicator's)
+    auto [input, labels] = inputs_and_labels(cpu_tokens);
+    return loss_of(run_.model()->call(input), labels);
+  }
+
+  // Pipeline parallelism: this stage's forward of one micro-batch (pipeline_runner.h), from the
+  // token ids on the first stage, else from the previous stage's hidden states `received`; the
+  // last stage's output is the loss.
+  ChunkOutput chunk_loss(const at::Tensor& cpu_tokens, const at::Tensor& received) {
+    auto [input, labels] = inputs_and_labels(cpu_tokens);
+    at::Tensor output = run_.model()->call(received.defined() ? received : input);
+    if (!run_.model()->pipeline_chunk()->output) return {output, {}, {}};
+    auto [loss, reported] = loss_of(output, labels);
+    return {{}, loss, reported};
+  }
+
+  // The model's input and the labels of a micro-batch's tokens [B, T + 1], on the model's device
+  // (the communicator's); under context parallelism this rank's chunks of both.
+  std::pair<at::Tensor, at::Tensor> inputs_and_labels(const at::Tensor& cpu_tokens) {
+    at::Tensor tokens = to_device(cpu_tokens, run_.comm()->device());
     at::Tensor input = tokens.narrow(1, 0, a_.seq_length);
     at::Tensor labels = tokens.narrow(1, 1, a_.seq_length);
     if (context_parallel_) {
       input = context_parallel::shard_sequence(input, 1, dims_.cp, context_parallel_->rank());
       labels = context_parallel::shard_sequence(labels, 1, dims_.cp, context_parallel_->rank());
     }
-    at::Tensor logits = run_.model()->call(input);
+    return {input, labels};
+  }
+
+  std::pair<at::Tensor, at::Tensor> loss_of(const at::Tensor& logits, const at::Tensor& labels) {
     Communicator* tp = tensor_parallel_.get();
     if (a_.calculate_per_token_loss) {
       TokenLossSum s = tp ? tensor_parallel::vocab_parallel_lm_loss_sum(logits, labels, *tp) : lm_loss_sum(logits, labels);
@@ -234,7 +267,7 @@ PretrainResult pretrain(const PretrainArgs& a, const std::shared_ptr<Communicato
   // buffers): the plan is fully_shard's own layout, equal to what the run holds
   // (tests/dist/memory_plan_test.cpp), and the end-of-run report measures it again.
   const ModelConfig config = model_config_from_args(a, a, a.seq_length, a.padded_vocab_size);
-  if (print)
+  if (print)  // rank 0: the first pipeline stage's
     log << format_memory_plan(plan_training_memory(config, a, parallel_dims(a, a, comm->size()),
                                                    shard_options_from_args(a, a, a, a.calculate_per_token_loss),
                                                    a.num_micro_batches));

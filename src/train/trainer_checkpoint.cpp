@@ -107,8 +107,16 @@ std::string checkpoint_origin(const LoadedCheckpoint& got) {
 
 }  // namespace
 
-TensorSlices tensor_parallel_checkpoint_slices(const CausalLM& model, const FsdpHandle& root) {
+TensorSlices model_parallel_checkpoint_slices(const CausalLM& model, const FsdpHandle& root) {
   TensorSlices slices;
+  const std::string embedding_copy = model.embedding_copy();
+  for (const LocalShard& s : root.local_shards())
+    if (s.name == embedding_copy) {
+      TensorSlice& slice = slices[s.name];
+      slice.whole_shape = s.global_shape;
+      slice.origin.assign(s.global_shape.size(), 0);
+      slice.writes = false;  // the first stage writes it
+    }
   const std::shared_ptr<Communicator> tp = model.tensor_parallel();
   if (!tp || tp->size() == 1) return slices;
   for (const LocalShard& s : root.local_shards()) {
@@ -120,6 +128,7 @@ TensorSlices tensor_parallel_checkpoint_slices(const CausalLM& model, const Fsdp
       slice.writes = tp->rank() == 0 || !tensor_parallel_duplicate(model, s.name);
       continue;
     }
+    if (s.name == embedding_copy) slice.writes = false;
     const size_t dim = split == TensorParallelSplit::kColumns ? 1 : 0;
     slice.origin[dim] = tp->rank() * s.global_shape[dim];
     slice.whole_shape[dim] *= tp->size();

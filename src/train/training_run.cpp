@@ -126,6 +126,8 @@ ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions op
     options.expert_tensor_parallel = mesh->split("etp");
     if (options.sequence_parallel && mesh->dims().tp > 1 && mesh->dims().cp > 1)
       options.tensor_context_parallel = mesh->get("tp_cp");
+    if (mesh->dims().pp > 1)
+      options.pipeline = stage_chunks(mesh->dims().pipeline_split_options(config.num_layers()), mesh->coordinate("pp")).at(0);
     dense = mesh->dense_shard_options(shard);
     experts = mesh->expert_shard_options(shard);
   } else {
@@ -215,7 +217,8 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
   }
   // Tensor parallelism: the gradient norm also sums over the TP group (replicated parameters
   // counted once).
-  set_tensor_parallel_norm(*sharded_.model, sharded_.root, *optimizer_);
+  set_up_pipeline();
+  set_model_parallel_norm(*sharded_.model, sharded_.root, *optimizer_, mesh_.split("pp"));
   if (!args.dump_param_to_param_group_map.empty()) write_param_group_map();
   const ParallelDims& d = mesh_.dims();
   if (print_ && d.world() > d.dp())
@@ -257,10 +260,10 @@ ResumePoint TrainingRun::start() {
   ResumePoint resume;
   if (load_.reader || (!args_.load.empty() && hf_folder_.empty())) {
     resume = load_training_checkpoint(load_, args_, args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_,
-                                      tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
+                                      model_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
     load_ = {};  // the reader keeps the checkpoint's files open
   } else if (!hf_folder_.empty()) {
-    load_hf_shards(hf_folder_, sharded_.root, *comm_, tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
+    load_hf_shards(hf_folder_, sharded_.root, *comm_, model_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
   }
   last_saved_ = resume.iteration;
   return resume;
@@ -302,8 +305,52 @@ double TrainingRun::StepStats::grad_norm_value() const {
   return grad_norm_on_host ? *grad_norm_on_host : read_on_host({grad_norm})[0];
 }
 
-TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
-                                         const std::function<at::Tensor(int64_t)>& micro_batch) {
+void TrainingRun::set_up_pipeline() {
+  const ParallelDims& d = mesh_.dims();
+  if (d.pp == 1) return;
+  pipeline_.forward = mesh_.get("pp");
+  std::vector<int> stages(static_cast<size_t>(d.pp));
+  for (int r = 0; r < d.pp; ++r) stages[static_cast<size_t>(r)] = r;
+  pipeline_.backward = pipeline_.forward->new_group(stages, "pp_gradients");
+  pipeline_.stages = d.pp;
+  pipeline_.stage = mesh_.coordinate("pp");
+  // Megatron's tensor_shape: [micro-batch, sequence / CP (/ TP with sequence parallelism), hidden]
+  // in this repository's [B, T, H] order, in the dtype the model computes in.
+  const int64_t tokens = args_.seq_length / d.cp / (d.sequence_parallel ? d.tp : 1);
+  pipeline_.activation_shape = {args_.micro_batch_size, tokens, config_.hidden_size()};
+  at::ScalarType dtype = at::kFloat;
+  for (const at::Tensor& p : sharded_.model->parameters()) {
+    dtype = p.scalar_type();
+    break;
+  }
+  pipeline_.activation_options = at::TensorOptions().dtype(dtype).device(comm_->device());
+  // Megatron's embedding group: the first and last stages of each pipeline, where the two copies
+  // of a tied embedding live. new_group is collective over the world: the stages between take a
+  // group of their own.
+  if (!sharded_.model->tied_embedding().empty()) {
+    const std::vector<int> pipeline = mesh_.group_ranks("pp");
+    const bool end = pipeline_.stage == 0 || pipeline_.stage == d.pp - 1;
+    embedding_group_ = comm_->new_group(end ? std::vector<int>{pipeline.front(), pipeline.back()}
+                                            : std::vector<int>{comm_->rank()},
+                                        "embedding");
+    if (!end) embedding_group_ = nullptr;
+  }
+}
+
+void TrainingRun::sum_tied_embedding_gradients() {
+  if (!embedding_group_) return;
+  at::NoGradGuard no_grad;
+  const std::string name = sharded_.model->tied_embedding();
+  const std::vector<OptimizerShard> shards = sharded_.root.optimizer_shards();
+  // Each end's embedding weight is a unit of its own, so both hold the same elements of it.
+  for (const LocalShard& p : sharded_.root.local_shards())
+    if (p.name == name && p.shard_index >= 0) {
+      at::Tensor g = shards[static_cast<size_t>(p.shard_index)].main_grad.narrow(0, p.shard_offset, p.local.numel());
+      embedding_group_->all_reduce(g);
+    }
+}
+
+void TrainingRun::begin_step(int64_t iteration, int64_t micro_batches) {
   profiler_.before_step(iteration);
   // The balancing losses are averaged over the micro-batches (and, with per-token losses, whose
   // gradients are summed over the data- and context-parallel ranks, over those too; the
@@ -311,6 +358,13 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   sharded_.model->set_aux_loss_scale(
       1.0 / static_cast<double>(micro_batches * (per_token_loss_ ? mesh_.dims().dp_cp() : 1)));
   sharded_.model->take_router_stats();  // drop what evaluation or generation routed
+}
+
+TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
+                                         const std::function<at::Tensor(int64_t)>& micro_batch) {
+  if (pipeline_.forward)
+    throw std::logic_error("TrainingRun::step: under pipeline parallelism the trainer runs pipeline_step");
+  begin_step(iteration, micro_batches);
   // The reported losses summed on the device: reading each one would hold the host until the
   // device has run its forward, every micro-batch. A NaN or Inf in any makes the sum non-finite.
   at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
@@ -318,6 +372,20 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
     sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
     loss.add_(micro_batch(m).detach().to(loss.device(), at::kDouble));
   }
+  return finish_step(iteration, loss);
+}
+
+TrainingRun::StepStats TrainingRun::pipeline_step(int64_t iteration, int64_t micro_batches,
+                                                  const ChunkForward& forward) {
+  if (!pipeline_.forward) throw std::logic_error("TrainingRun::pipeline_step: no pipeline parallelism");
+  begin_step(iteration, micro_batches);
+  at::Tensor loss = run_pipeline(pipeline_, one_f_one_b(pipeline_.stages, pipeline_.stage, micro_batches),
+                                 {&sharded_.root}, forward);
+  sum_tied_embedding_gradients();
+  return finish_step(iteration, loss);
+}
+
+TrainingRun::StepStats TrainingRun::finish_step(int64_t iteration, at::Tensor loss) {
   // Megatron's finalize_model_grads: gradients each tensor-parallel rank holds only part of.
   sum_partial_gradients(*sharded_.model, sharded_.root);
   StepStats s;
@@ -337,9 +405,12 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   const bool norms = args_.log_params_norm || args_.log_num_zeros_in_grad;
   // Each element once over the ranks: on its replica 0, and a parameter every tensor-parallel
   // rank holds the same on TP rank 0 only.
+  // The last pipeline stage's copy of a tied embedding is counted on the first stage.
   const bool tp_duplicates_here = mesh_.dims().tp > 1 && mesh_.coordinate("tp") != 0;
+  const std::string embedding_copy = sharded_.model->embedding_copy();
   auto counted = [&](const LocalShard& p) {
-    return p.replica == 0 && !(tp_duplicates_here && tensor_parallel_duplicate(*sharded_.model, p.name));
+    return p.replica == 0 && p.name != embedding_copy &&
+           !(tp_duplicates_here && tensor_parallel_duplicate(*sharded_.model, p.name));
   };
   at::Tensor sums;
   if (norms) {
@@ -599,7 +670,7 @@ void TrainingRun::write_param_group_map() {
 void TrainingRun::save(int64_t iteration) {
   if (args_.check_for_nan_in_loss_and_grad) check_finite_weights(iteration);
   save_training_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, iteration, log_, tool_,
-                           tensor_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
+                           model_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
   last_saved_ = iteration;
 }
 

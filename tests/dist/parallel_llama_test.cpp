@@ -173,7 +173,7 @@ double train_and_compare(mfsdp::Communicator& comm, const Layout& l) {
   adamw.weight_decay = kWd;
   adamw.eps = kEps;
   std::unique_ptr<mfsdp::DistributedOptimizer> opt = mfsdp::make_adamw(root, adamw);
-  mfsdp::set_tensor_parallel_norm(*model, root, *opt);
+  mfsdp::set_model_parallel_norm(*model, root, *opt);
 
   const Trace want = reference(dp, l.tied, l.packed);
   const auto initial = mfsdp::gather_tensor_parallel(*model, root.full_state_dict(/*all_ranks=*/true));

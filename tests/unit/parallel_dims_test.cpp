@@ -155,7 +155,13 @@ TEST(ParallelDims, MegatronsLayoutAndItsRefusals) {
             "--expert-tensor-parallel-size: 2: mfsdp splits experts over 1 rank or over the tensor-parallel ranks (1)");
   mfsdp::ParallelSection pp;
   pp.pipeline_model_parallel_size = 2;
-  EXPECT_NE(error_of(pp, 4).find("pipeline parallelism is not in this build"), std::string::npos);
+  pp.decoder_first_pipeline_num_layers = 1;
+  const mfsdp::ParallelDims pp2 = mfsdp::parallel_dims(pp, {}, 4);
+  EXPECT_EQ(pp2.pp, 2);
+  EXPECT_EQ(pp2.dp(), 2);
+  EXPECT_EQ(pp2.pipeline_split_options(4).first_stage_layers, std::optional<int64_t>(1));
+  pp.pipeline_model_parallel_size = 1;
+  EXPECT_NE(error_of(pp, 4).find("the pipeline split flags"), std::string::npos);
   mfsdp::ParallelSection hfsdp;
   hfsdp.num_distributed_optimizer_instances = 2;
   hfsdp.outer_dp_sharding_strategy = "optim";

@@ -22,6 +22,7 @@
 #include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/moe.h"
 #include "mfsdp/models/parallel_plan.h"
+#include "mfsdp/models/pipeline_split.h"
 
 namespace mfsdp {
 
@@ -64,6 +65,12 @@ struct ModelBuildOptions {
   // The tensor- and context-parallel ranks together (Megatron's tp_cp group), needed with both
   // and sequence parallelism: the tokens MoE layers count their balancing losses over.
   std::shared_ptr<Communicator> tensor_context_parallel;
+  // Pipeline parallelism: the model chunk this rank holds (pipeline_split.h: its decoder layers,
+  // whether it holds the embedding, and the final norm and output layer); unset: the whole
+  // model. Names stay global ("model.layers.<i>"), so checkpoints do not depend on the split. A
+  // chunk's forward takes the token ids when it holds the embedding, else the previous chunk's
+  // hidden states, and returns logits when it holds the output layer, else its hidden states.
+  std::optional<PipelineChunk> pipeline;
 };
 
 // ---- Padded and packed batches ---------------------------------------------------------------
@@ -171,6 +178,19 @@ class CausalLM : public ShardedModule<CausalLM> {
     return context_parallelism_.active() ? context_parallelism_.group : nullptr;
   }
 
+  // Pipeline parallelism (ModelBuildOptions::pipeline): the chunk this model holds; unset: the
+  // whole model. Its forward maps the chunk's input to its output (see ModelBuildOptions).
+  const std::optional<PipelineChunk>& pipeline_chunk() const { return pipeline_chunk_; }
+  // With tied embeddings, a pipeline chunk that holds the output layer but not the embedding
+  // keeps its own copy of the embedding weight (Megatron's shared_embedding_or_output_weight):
+  // its gradient is summed with the first stage's, and it is neither saved nor counted twice.
+  // The embedding weight a tied output layer reads (on every stage); empty when untied.
+  const std::string& tied_embedding() const { return tied_embedding_; }
+  // The name of that copy's parameter; empty when this chunk holds none.
+  std::string embedding_copy() const {
+    return pipeline_chunk_ && pipeline_chunk_->output && !pipeline_chunk_->embedding ? tied_embedding_ : std::string();
+  }
+
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
   // parameter named `name`: the same values whenever and wherever it is called.
   virtual void init_values(const std::string& name, const at::Tensor& out) const = 0;
@@ -191,7 +211,10 @@ class CausalLM : public ShardedModule<CausalLM> {
   // groups before it initialises any parameter (parallel_plan.h): the MoE blocks keep their
   // rank's experts, then the split parameters are cut, then context parallelism is set.
   void apply_parallel_plan(ParallelPlan plan, TensorParallelism tensor_parallelism,
-                           ContextParallelism context_parallelism, const ExpertParallelism& expert_parallelism) {
+                           ContextParallelism context_parallelism, const ExpertParallelism& expert_parallelism,
+                           std::optional<PipelineChunk> pipeline = std::nullopt, std::string tied_embedding = {}) {
+    pipeline_chunk_ = std::move(pipeline);
+    tied_embedding_ = std::move(tied_embedding);
     parallel_plan_ = std::move(plan);
     tensor_parallelism_ = std::move(tensor_parallelism);
     context_parallelism_ = std::move(context_parallelism);
@@ -204,6 +227,8 @@ class CausalLM : public ShardedModule<CausalLM> {
   ParallelPlan parallel_plan_;
   TensorParallelism tensor_parallelism_;
   ContextParallelism context_parallelism_;
+  std::optional<PipelineChunk> pipeline_chunk_;
+  std::string tied_embedding_;  // the embedding weight a tied output layer reads; empty: untied
 };
 
 // fully_shard over the plan's units (ParallelPlan::fsdp_units): each layer's units, deepest first

@@ -174,6 +174,10 @@ class LlamaEmbeddingImpl : public torch::nn::Module, public WithParallelBoundary
   LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool deferred);
   at::Tensor forward(const at::Tensor& ids);
   at::Tensor weight;  // [V, H] ([V/tp, H])
+  // The last pipeline stage's copy of a tied embedding: forward(hidden) is the output projection
+  // hidden x weight^T (logits [B, T, V], or this rank's vocabulary slice), so that the copy is a
+  // unit of its own whose gradient matches the first stage's shard for shard.
+  bool as_output = false;
 };
 TORCH_MODULE(LlamaEmbedding);
 
@@ -265,6 +269,16 @@ class LlamaModelImpl : public torch::nn::Module, public WithContextParallelism {
   at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache = nullptr);
   int64_t num_layers() const { return static_cast<int64_t>(layers->size()); }
   LlamaDecoderLayerImpl& layer(int64_t i);
+  // The decoder layers this model runs: [first_layer, end_layer), all of them unless a pipeline
+  // chunk was kept.
+  int64_t first_layer() const { return first_layer_; }
+  int64_t end_layer() const { return end_layer_; }
+  // Pipeline parallelism: drops (unregisters) every module outside `chunk` (the layers of other
+  // chunks, the embedding unless the chunk holds it or its tied copy, the final norm unless it
+  // holds the output). The dropped modules keep their 0-byte deferred parameters. The forward
+  // then takes hidden states [B, T, H] ([B, T/tp, H] under sequence parallelism) when the chunk
+  // has no embedding, and returns the last layer's output un-normed when it has no output.
+  void keep_pipeline_chunk(const PipelineChunk& chunk, bool tied_embedding);
 
   LlamaEmbedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};  // LlamaDecoderLayerImpl, registered as "layers"
@@ -279,8 +293,11 @@ class LlamaModelImpl : public torch::nn::Module, public WithContextParallelism {
   int64_t context_parallel_length(int64_t local_length, const LlamaKVCache* cache) const;
   // The rotary tables of `positions`: the decoder's, or with config.mla its rope part's.
   RotaryTables rope_tables(const at::Tensor& positions) const;
+  // Token positions in one row of `input` (ids, or a previous pipeline chunk's hidden states).
+  int64_t row_length(const at::Tensor& input) const;
   LlamaConfig config_;
   LlamaParallel parallel_;
+  int64_t first_layer_ = 0, end_layer_ = 0;
 };
 TORCH_MODULE(LlamaModel);
 
@@ -296,7 +313,10 @@ TORCH_MODULE(LlamaModel);
 // latent attention splits by heads as Megatron's MLA: q_proj / q_b_proj and kv_b_proj
 // column-parallel, o_proj row-parallel, the low-rank down-projections and their norms replicated
 // with partial gradients (each rank's heads read them).
-ParallelPlan llama_parallel_plan(const LlamaConfig& config, bool experts_apart = false);
+// A pipeline chunk's plan has only the units of what it holds (its layers; the embedding and
+// lm_head where it holds them; a tied embedding split over stages is a unit at each end).
+ParallelPlan llama_parallel_plan(const LlamaConfig& config, bool experts_apart = false,
+                                 const std::optional<PipelineChunk>& chunk = std::nullopt);
 
 // The causal LM: LlamaModel plus the output projection (HF LlamaForCausalLM); the Llama family's
 // CausalLM (causal_lm.h documents the interface). Call it as `model->call(ids)` once sharded.
@@ -343,6 +363,7 @@ class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
   void init_named(const std::string& prefix, torch::nn::Module& module);
   void check_materialized() const;
   at::Tensor logits(const at::Tensor& hidden);  // the output projection (tied or lm_head)
+  bool holds_output() const;                     // not a pipeline chunk before the last
 
   LlamaConfig config_;
   LlamaParallel parallel_;

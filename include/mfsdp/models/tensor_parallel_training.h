@@ -28,10 +28,13 @@ bool tensor_parallel_duplicate(const CausalLM& model, const std::string& name);
 // parallelism. Collective over the group.
 void sum_partial_gradients(const CausalLM& model, const FsdpHandle& root);
 
-// Gives `optimizer` the tensor-parallel group and the elements of its shards that hold
-// replicated parameters (DistributedOptimizer::set_model_parallel), so the gradient norm counts
-// every element of the model once. Nothing without tensor parallelism.
-void set_tensor_parallel_norm(const CausalLM& model, const FsdpHandle& root, DistributedOptimizer& optimizer);
+// Gives `optimizer` the model-parallel groups (the tensor-parallel group, then `pipeline`, the
+// pipeline stages; null: none) and the elements of its shards another rank of them counts
+// (DistributedOptimizer::set_model_parallel): on tensor-parallel ranks but 0 the replicated
+// parameters, on the last pipeline stage its copy of a tied embedding (CausalLM::embedding_copy).
+// So the gradient norm counts every element of the model once. Nothing without either.
+void set_model_parallel_norm(const CausalLM& model, const FsdpHandle& root, DistributedOptimizer& optimizer,
+                             std::shared_ptr<Communicator> pipeline = nullptr);
 
 // Whole parameters from every rank's whole slices `local` (its root's full_state_dict), each
 // split one all-gathered over the group along its dim (tensor_parallel_split); replicated ones as

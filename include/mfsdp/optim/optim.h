@@ -94,13 +94,15 @@ class DistributedOptimizer {
   // The same, the norm read on the host.
   double clip_grad_norm(double max_norm) { return clip_grad_norm_on_device(max_norm).item<double>(); }
 
-  // Tensor parallelism: the shards hold this rank's slices of the model's parameters, so the
-  // global norm also sums over `group`, the ranks holding the other slices (Megatron's
-  // model-parallel group). `duplicated[i]` lists the element ranges of shard i that hold
-  // parameters every rank of `group` has whole (norms), counted on the group's rank 0 only.
-  // Call once, before the first clip_grad_norm.
-  virtual void set_model_parallel(std::shared_ptr<Communicator> group,
-                                  std::vector<std::vector<ElementRange>> duplicated) = 0;
+  // Model parallelism: the shards hold this rank's part of the model (tensor-parallel slices, a
+  // pipeline stage's layers), so the global norm also sums over each of `groups` in turn
+  // (Megatron's model-parallel group: the tensor-parallel ranks, then the pipeline stages).
+  // `not_counted[i]` lists the element ranges of shard i that another rank of those groups
+  // counts instead: parameters every tensor-parallel rank holds whole (counted on its rank 0), the
+  // last stage's copy of a tied embedding (counted on the first stage). Call once, before the
+  // first clip_grad_norm.
+  virtual void set_model_parallel(std::vector<std::shared_ptr<Communicator>> groups,
+                                  std::vector<std::vector<ElementRange>> not_counted) = 0;
 
   // One update of every shard with learning rate `lr`; then runs the after-step callback
   // (the runtime's main-to-model weight copy).

@@ -26,6 +26,7 @@
 #include "mfsdp/comm/comm.h"
 #include "mfsdp/comm/device_mesh.h"
 #include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/models/pipeline_split.h"
 #include "mfsdp/train/config/sections.h"
 
 namespace mfsdp {
@@ -36,6 +37,16 @@ struct ParallelDims {
   int pp = 1, dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1, ep = 1, etp = 1;
   // --sequence-parallel, kept only with tensor parallelism (as Megatron does).
   bool sequence_parallel = false;
+  // How the decoder layers are split over the pipeline stages (the split flags; num_layers and
+  // stages are filled by pipeline_split_options).
+  PipelineSplitOptions pipeline;
+  // The split of a model of `num_layers` decoder layers over this layout's stages.
+  PipelineSplitOptions pipeline_split_options(int64_t num_layers) const {
+    PipelineSplitOptions o = pipeline;
+    o.num_layers = num_layers;
+    o.stages = pp;
+    return o;
+  }
 
   int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }  // data replicas: each reads its own share

@@ -73,6 +73,11 @@ class MicroBatchTrainer : public Trainer {
   // One micro-batch of `iteration`: its forward and backward; returns the loss it reports on
   // this rank, a scalar on the device (not read: TrainingRun::step sums them there).
   virtual at::Tensor forward_backward(int64_t iteration, int64_t micro_batch) = 0;
+  // Under pipeline parallelism (TrainingRun::pipeline_step): this stage's forward of model chunk
+  // `chunk` for one micro-batch of `iteration`, from `input` (the previous stage's hidden
+  // states; undefined on the first stage); the last stage returns the loss. The default refuses:
+  // a trainer that runs pipelines overrides it.
+  virtual ChunkOutput forward_chunk(int64_t iteration, int chunk, int64_t micro_batch, const at::Tensor& input);
   TrainingRun::StepStats train_step(int64_t iteration) override;
 };
 

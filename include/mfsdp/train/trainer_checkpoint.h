@@ -21,8 +21,10 @@ namespace mfsdp {
 // Where each of this rank's parameters of `model` (sharded as `root`) lies in the whole tensor
 // a checkpoint or a Hugging Face folder holds, under tensor parallelism
 // (CausalLM::tensor_parallel_split): split ones at their rank's rows or columns, replicated ones
-// written by tensor-parallel rank 0 only. Empty without tensor parallelism.
-TensorSlices tensor_parallel_checkpoint_slices(const CausalLM& model, const FsdpHandle& root);
+// written by tensor-parallel rank 0 only. Under pipeline parallelism the last stage's copy of a
+// tied embedding (CausalLM::embedding_copy) is read like the first stage's and never written.
+// Empty without either.
+TensorSlices model_parallel_checkpoint_slices(const CausalLM& model, const FsdpHandle& root);
 
 struct ResumePoint {
   int64_t iteration = 0;         // the last completed iteration

@@ -23,6 +23,7 @@
 #include "mfsdp/optim/optim.h"
 #include "mfsdp/train/metrics.h"
 #include "mfsdp/train/parallel_dims.h"
+#include "mfsdp/train/pipeline_runner.h"
 #include "mfsdp/train/pretrain_args.h"
 #include "mfsdp/train/rollout_model.h"
 #include "mfsdp/train/step_profiler.h"
@@ -159,6 +160,15 @@ class TrainingRun {
   // every rank throws NonFiniteError (the same message: the iteration, the ranks of the losses,
   // the parameters whose shards hold the values) before the optimizer step. Collective.
   StepStats step(int64_t iteration, int64_t micro_batches, const std::function<at::Tensor(int64_t)>& micro_batch);
+  // The same step under pipeline parallelism (--pipeline-model-parallel-size > 1): the
+  // micro-batches run by Megatron's 1F1B schedule (pipeline_schedule.h), `forward` running this
+  // stage's forward of each (pipeline_runner.h); the activations and their gradients cross the
+  // stages point to point. A tied embedding's gradient is summed over its first- and last-stage
+  // copies; the gradient norm spans the stages. StepStats::loss is zero on stages without the
+  // output layer. Collective.
+  StepStats pipeline_step(int64_t iteration, int64_t micro_batches, const ChunkForward& forward);
+  // Pipeline parallelism: the stages' layout (null `forward` group without it).
+  const PipelineLayout& pipeline() const { return pipeline_; }
   // The " | num zeros: N | params norm: X" of the log line (empty when neither flag is given),
   // and the same values into a metrics record (num_zeros_in_grad, params_norm); for an MoE model
   // also " | load_balancing_loss: X | z_loss: Y" (with --moe-per-layer-logging each layer's loss
@@ -212,6 +222,13 @@ class TrainingRun {
 
  private:
   void save(int64_t iteration);
+  // step()'s parts before and after the micro-batches' forwards and backwards.
+  void begin_step(int64_t iteration, int64_t micro_batches);
+  StepStats finish_step(int64_t iteration, at::Tensor loss);
+  // Pipeline parallelism with tied embeddings: sums the gradient of the embedding weight over its
+  // first- and last-stage copies (Megatron's embedding group). Collective over that group.
+  void sum_tied_embedding_gradients();
+  void set_up_pipeline();  // the constructor's: pipeline_ and embedding_group_
   // The MoE layers' router statistics of this step, summed over the ranks (collective; nothing
   // for a dense model).
   void collect_router_stats(StepStats& stats);
@@ -237,6 +254,9 @@ class TrainingRun {
   bool print_;
   ParallelMesh mesh_;  // before sharded_, which is built over its groups
   ShardedModel sharded_;
+  PipelineLayout pipeline_;  // pipeline parallelism: the stages' groups and activation shape
+  // The first and last pipeline stages (with tied embeddings split over them); null otherwise.
+  std::shared_ptr<Communicator> embedding_group_;
   std::unique_ptr<DistributedOptimizer> optimizer_;
   LRSchedule schedule_;
   MetricsWriter metrics_;

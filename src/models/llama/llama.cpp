@@ -54,6 +54,40 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, const LlamaP
   layers = register_module("layers", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
+  end_layer_ = c.num_layers;
+}
+
+void LlamaModelImpl::keep_pipeline_chunk(const PipelineChunk& chunk, bool tied_embedding) {
+  if (chunk.first_layer < 0 || chunk.num_layers < 0 || chunk.first_layer + chunk.num_layers > num_layers())
+    throw std::invalid_argument("LlamaModel: pipeline chunk of layers [" + std::to_string(chunk.first_layer) + ", " +
+                                std::to_string(chunk.first_layer + chunk.num_layers) + ") outside the model's " +
+                                std::to_string(num_layers()) + " layers");
+  first_layer_ = chunk.first_layer;
+  end_layer_ = chunk.first_layer + chunk.num_layers;
+  for (int64_t i = 0; i < num_layers(); ++i)
+    if (i < first_layer_ || i >= end_layer_) layers->unregister_module(std::to_string(i));
+  if (!chunk.embedding) {
+    if (chunk.output && tied_embedding) {
+      embed_tokens->as_output = true;  // the last stage's copy of the tied weight
+    } else {
+      unregister_module("embed_tokens");
+      embed_tokens = nullptr;
+    }
+  }
+  if (!chunk.output) {
+    unregister_module("norm");
+    norm = nullptr;
+  }
+}
+
+int64_t LlamaModelImpl::row_length(const at::Tensor& input) const {
+  const bool ids = embed_tokens && !embed_tokens->as_output;
+  if (ids ? input.dim() != 2 : input.dim() != 3)
+    throw std::invalid_argument(std::string("LlamaModel::forward: expected ") +
+                                (ids ? "input_ids [B, T]" : "a previous pipeline stage's hidden states [B, T, H]") +
+                                ", found shape " + c10::str(input.sizes()));
+  // Under sequence parallelism the hidden states between stages are this rank's slice [B, T/tp, H].
+  return ids || !parallel_.sequence ? input.size(1) : input.size(1) * parallel_.tp_size();
 }
 
 LlamaDecoderLayerImpl& LlamaModelImpl::layer(int64_t i) {
@@ -64,10 +98,7 @@ LlamaDecoderLayerImpl& LlamaModelImpl::layer(int64_t i) {
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* cache, int64_t start_pos) {
-  if (input_ids.dim() != 2)
-    throw std::invalid_argument("LlamaModel::forward: expected input_ids [B, T], found shape " +
-                                c10::str(input_ids.sizes()));
-  const int64_t t = input_ids.size(1);
+  const int64_t t = row_length(input_ids);
   if (context_parallelism.active()) {
     // This rank's chunks of a sequence starting at position 0.
     const int64_t s = context_parallel_length(t, cache);
@@ -99,10 +130,7 @@ at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, LlamaKVCache* ca
 }
 
 at::Tensor LlamaModelImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache) {
-  if (input_ids.dim() != 2)
-    throw std::invalid_argument("LlamaModel::forward: expected input_ids [B, T], found shape " +
-                                c10::str(input_ids.sizes()));
-  const int64_t b = input_ids.size(0), t = input_ids.size(1);
+  const int64_t b = input_ids.size(0), t = row_length(input_ids);
   if (cache != nullptr && cache->num_layers() != num_layers())
     throw std::invalid_argument("LlamaModel::forward: the KV cache has " +
                                 std::to_string(cache->num_layers()) + " layers, the model " +
@@ -183,9 +211,11 @@ int64_t LlamaModelImpl::context_parallel_length(int64_t local_length, const Llam
 at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
                                       const at::Tensor& allowed, const at::Tensor& tokens,
                                       const ContextParallelKeys& cp) {
-  at::Tensor hidden = mfsdp::call(*embed_tokens, input_ids);  // a unit of its own when untied
+  // A unit of its own when untied. A pipeline chunk without the embedding starts from the
+  // previous chunk's hidden states.
+  at::Tensor hidden = embed_tokens && !embed_tokens->as_output ? mfsdp::call(*embed_tokens, input_ids) : input_ids;
   const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
-  for (int64_t i = 0; i < num_layers(); ++i) {
+  for (int64_t i = first_layer_; i < end_layer_; ++i) {
     auto layer = layers->ptr<LlamaDecoderLayerImpl>(i);
     if (recompute_now) {
       // Captured by value: backward calls the function again after this frame is gone.
@@ -198,7 +228,7 @@ at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryT
       hidden = layer->call(hidden, rope, cache, allowed, tokens, cp);
     }
   }
-  return norm(hidden);
+  return norm ? norm(hidden) : hidden;
 }
 
 // ---- LlamaForCausalLM ---------------------------------------------------------------------
@@ -269,13 +299,22 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)
     lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, /*deferred=*/true));
+  if (options.pipeline) {
+    model->keep_pipeline_chunk(*options.pipeline, c.tie_word_embeddings);
+    if (lm_head && !options.pipeline->output) {
+      unregister_module("lm_head");
+      lm_head = nullptr;
+    }
+  }
   // The experts are FSDP units of their own when their expert-data-parallel group is not the
   // layer's (expert parallelism, or experts whole under tensor parallelism).
   const bool experts_apart = split_group(options.expert_parallel) || (parallel_.tensor && !parallel_.moe.expert_tensor);
-  apply_parallel_plan(llama_parallel_plan(c, experts_apart),
+  apply_parallel_plan(llama_parallel_plan(c, experts_apart, options.pipeline),
                       {parallel_.tensor, parallel_.sequence, parallel_.moe.expert_tensor != nullptr},
-                      {split_group(options.context_parallel), options.context_parallel_algorithm}, parallel_.moe);
-  layer_deferred_.assign(c.num_layers, true);
+                      {split_group(options.context_parallel), options.context_parallel_algorithm}, parallel_.moe,
+                      options.pipeline, c.tie_word_embeddings ? "model.embed_tokens.weight" : "");
+  layer_deferred_.assign(c.num_layers, false);
+  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i) layer_deferred_[i] = true;
   root_deferred_ = true;
   if (!options.deferred_init) reset_parameters();
 }
@@ -286,6 +325,8 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, LlamaKVCac
   return logits(model->forward(input_ids, cache, start_pos));
 }
 
+bool LlamaForCausalLMImpl::holds_output() const { return !pipeline_chunk() || pipeline_chunk()->output; }
+
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout,
                                          LlamaKVCache* cache) {
   check_materialized();
@@ -293,10 +334,14 @@ at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const Sequ
 }
 
 at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
+  if (!holds_output()) return hidden;  // a pipeline chunk before the last: its hidden states
   // Tensor-parallel (the plan's boundary): a column-parallel output layer over this rank's
   // vocabulary rows, so no rank forms the full-vocabulary logits.
   const at::Tensor in = parallel_boundary.enter(hidden);
-  return lm_head ? mfsdp::call(*lm_head, in) : at::linear(in, model->embed_tokens->weight);
+  if (lm_head) return mfsdp::call(*lm_head, in);
+  // The last pipeline stage's copy of a tied embedding is a unit of its own.
+  if (model->embed_tokens->as_output) return mfsdp::call(*model->embed_tokens, in);
+  return at::linear(in, model->embed_tokens->weight);
 }
 
 void LlamaForCausalLMImpl::check_materialized() const {
@@ -358,6 +403,10 @@ void require_not_sharded(const torch::nn::Module& module, const std::string& wha
 }  // namespace
 
 void LlamaForCausalLMImpl::materialize_and_init_layer(int64_t i) {
+  if (i < model->first_layer() || i >= model->end_layer())
+    throw std::out_of_range("LlamaForCausalLM::materialize_and_init_layer: layer " + std::to_string(i) +
+                            " is not in this pipeline chunk's [" + std::to_string(model->first_layer()) + ", " +
+                            std::to_string(model->end_layer()) + ")");
   require_not_sharded(model->layer(i), "layer " + std::to_string(i));
   init_named("model.layers." + std::to_string(i) + ".", model->layer(i));
   layer_deferred_[i] = false;
@@ -365,14 +414,14 @@ void LlamaForCausalLMImpl::materialize_and_init_layer(int64_t i) {
 
 void LlamaForCausalLMImpl::init_root() {
   require_not_sharded(*this, "the root");
-  init_named("model.embed_tokens.", *model->embed_tokens);
-  init_named("model.norm.", *model->norm);
+  if (model->embed_tokens) init_named("model.embed_tokens.", *model->embed_tokens);
+  if (model->norm) init_named("model.norm.", *model->norm);
   if (lm_head) init_named("lm_head.", *lm_head);
   root_deferred_ = false;
 }
 
 void LlamaForCausalLMImpl::reset_parameters() {
-  for (int64_t i = 0; i < model->num_layers(); ++i) materialize_and_init_layer(i);
+  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i) materialize_and_init_layer(i);
   init_root();
 }
 
@@ -385,13 +434,13 @@ bool LlamaForCausalLMImpl::has_deferred() const {
 
 std::vector<std::pair<int64_t, RouterStats>> LlamaForCausalLMImpl::take_router_stats() {
   std::vector<std::pair<int64_t, RouterStats>> out;
-  for (int64_t i = 0; i < model->num_layers(); ++i)
+  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i)
     if (model->layer(i).moe) out.emplace_back(i, model->layer(i).moe->take_stats());
   return out;
 }
 
 void LlamaForCausalLMImpl::set_aux_loss_scale(double scale) {
-  for (int64_t i = 0; i < model->num_layers(); ++i)
+  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i)
     if (model->layer(i).moe) model->layer(i).moe->aux_loss_scale = scale;
 }
 
@@ -400,7 +449,7 @@ void LlamaForCausalLMImpl::update_expert_bias(int64_t layer, const std::vector<i
 }
 
 void LlamaForCausalLMImpl::set_use_sdpa(bool on) {
-  for (int64_t i = 0; i < model->num_layers(); ++i)
+  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i)
     if (LlamaAttention& attn = model->layer(i).self_attn) attn->use_sdpa = on;  // MLA: always SDPA
 }
 

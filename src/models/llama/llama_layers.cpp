@@ -27,7 +27,11 @@ LlamaEmbeddingImpl::LlamaEmbeddingImpl(int64_t num_embeddings, int64_t dim, bool
   weight = register_parameter("weight", detail::new_parameter_tensor({num_embeddings, dim}, deferred));
 }
 
-at::Tensor LlamaEmbeddingImpl::forward(const at::Tensor& ids) { return parallel_boundary.embed(ids, weight); }
+at::Tensor LlamaEmbeddingImpl::forward(const at::Tensor& ids) {
+  // The caller (the output layer's boundary) has entered the tensor-parallel region already.
+  if (as_output) return at::linear(ids, weight);
+  return parallel_boundary.embed(ids, weight);
+}
 
 LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t dim, double eps_in, bool deferred) : eps(eps_in) {
   weight = register_parameter("weight", detail::new_parameter_tensor({dim}, deferred));

@@ -6,7 +6,7 @@
 
 namespace mfsdp {
 
-ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart) {
+ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart, const std::optional<PipelineChunk>& chunk) {
   using Split = TensorParallelSplit;
   using Boundary = TensorParallelBoundary;
   ParallelPlan plan;
@@ -63,17 +63,32 @@ ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart) {
   // backward), every decoder layer (with its experts inside), lm_head (a unit when untied). The
   // root's own gradients (the final norm) are complete right after lm_head's backward when
   // untied; tied, the root also holds the embedding, whose gradient comes last.
+  //
+  // A pipeline chunk has the units of its own layers, and the embedding and lm_head only where it
+  // holds them. With tied embeddings split over stages, each end's embedding weight is a unit of
+  // its own (the last stage's computes the logits, so it is gathered for its backward): the two
+  // copies then have the same flat layout, and their gradients are summed shard by shard.
   const bool untied = !c.tie_word_embeddings;
+  const bool first = !chunk || chunk->embedding, last = !chunk || chunk->output;
+  const bool split_tied = !untied && chunk && !(first && last);
+  const int64_t begin = chunk ? chunk->first_layer : 0;
+  const int64_t end = chunk ? chunk->first_layer + chunk->num_layers : c.num_layers;
   plan.fsdp_units.push_back({""});
-  if (untied) plan.fsdp_units.push_back({"model.embed_tokens", -1, /*unshard_in_backward=*/false});
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  if ((untied || split_tied) && first) plan.fsdp_units.push_back({"model.embed_tokens", -1, /*unshard_in_backward=*/false});
+  for (int64_t i = begin; i < end; ++i) {
     const std::string layer = "model.layers." + std::to_string(i);
     plan.fsdp_units.push_back({layer, i});
     if (experts_apart && c.moe.is_moe_layer(i))
       plan.fsdp_units.push_back({layer + "." + moe + ".experts", i, /*unshard_in_backward=*/true, /*experts=*/true});
   }
-  if (untied) plan.fsdp_units.push_back({"lm_head"});
-  plan.root_gradients_after = untied ? 1 : static_cast<int>(plan.fsdp_units.size()) - 1;
+  if (untied && last) plan.fsdp_units.push_back({"lm_head"});
+  if (split_tied && last && !first) plan.fsdp_units.push_back({"model.embed_tokens"});
+  // The root's own gradients (the final norm) are complete once the output layer's backward ran:
+  // right after the first unit's when the output layer is a unit (it runs last in forward, first
+  // in backward); else after the whole backward.
+  const bool output_unit = last && (untied || split_tied);
+  plan.root_gradients_after =
+      output_unit && plan.fsdp_units.size() > 1 ? 1 : static_cast<int>(plan.fsdp_units.size()) - 1;
   return plan;
 }
 

@@ -584,7 +584,16 @@ std::vector<ToolFlag> ParallelSection::flags() {
                "ranks each expert's weights are split over (0: Megatron's default, the tensor-parallel size); "
                "the expert ranks are laid out expert-tensor, expert, expert-data parallel as Megatron's"),
       int_flag("--pipeline-model-parallel-size", pipeline_model_parallel_size,
-               "pipeline stages (the outermost dimension in Megatron's order); only 1 in this build"),
+               "pipeline stages (the outermost dimension in Megatron's order), run by Megatron's 1F1B "
+               "schedule; FSDP shards each stage over its own data-parallel ranks"),
+      int_flag("--decoder-first-pipeline-num-layers", decoder_first_pipeline_num_layers,
+               "decoder layers of the first pipeline stage (-1: the even split)"),
+      int_flag("--decoder-last-pipeline-num-layers", decoder_last_pipeline_num_layers,
+               "decoder layers of the last pipeline stage (-1: the even split)"),
+      bool_flag("--account-for-embedding-in-pipeline-split", account_for_embedding_in_pipeline_split,
+                "count the embedding as one layer when splitting the layers over pipeline stages"),
+      bool_flag("--account-for-loss-in-pipeline-split", account_for_loss_in_pipeline_split,
+                "count the output layer and loss as one layer when splitting the layers over pipeline stages"),
       int_flag("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
                "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
                "each shards the model as --data-parallel-sharding-strategy says, the instances "
@@ -603,6 +612,10 @@ void ParallelSection::validate() const {
                                 {"--pipeline-model-parallel-size", pipeline_model_parallel_size},
                                 {"--num-distributed-optimizer-instances", num_distributed_optimizer_instances}})
     if (v < 1) flag_error(flag, "must be >= 1, got " + std::to_string(v));
+  for (const auto& [flag, v] : {std::pair<const char*, int64_t>{"--decoder-first-pipeline-num-layers",
+                                                                 decoder_first_pipeline_num_layers},
+                                {"--decoder-last-pipeline-num-layers", decoder_last_pipeline_num_layers}})
+    if (v < -1) flag_error(flag, "must be >= 0 (or -1: the even split), got " + std::to_string(v));
   if (expert_tensor_parallel_size < 0)
     flag_error("--expert-tensor-parallel-size",
                "must be >= 1 (or 0: the tensor-parallel size), got " + std::to_string(expert_tensor_parallel_size));

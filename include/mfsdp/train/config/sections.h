@@ -212,6 +212,12 @@ struct ParallelSection {
   int64_t expert_model_parallel_size = 1;
   int64_t expert_tensor_parallel_size = 0;  // 0: Megatron's None, the tensor-parallel size
   int64_t pipeline_model_parallel_size = 1;
+  // Megatron's uneven layer split: the first / last stage's decoder layers (-1: the even split),
+  // and the embedding / the loss counted as one layer each in the split.
+  int64_t decoder_first_pipeline_num_layers = -1;
+  int64_t decoder_last_pipeline_num_layers = -1;
+  bool account_for_embedding_in_pipeline_split = false;
+  bool account_for_loss_in_pipeline_split = false;
   // HSDP (Megatron's hierarchical data parallelism): the data-parallel ranks as instances of
   // consecutive ranks; each instance shards the model, the instances replicate it.
   int64_t num_distributed_optimizer_instances = 1;

@@ -1,0 +1,61 @@
+// Runs one rank's pipeline schedule (pipeline_schedule.h) for one optimizer step: each forward
+// receives the previous model chunk's hidden states, runs this rank's chunk and sends its output
+// on; each backward receives the gradient of that output, runs the chunk's backward and sends
+// the gradient of its input back (Megatron's forward_step / backward_step with its p2p
+// communication). Activations and gradients travel on two communicators over the pipeline
+// ranks, so that with interleaving (where the last stage also feeds the first) a pair's forward
+// and backward messages never have to be matched against each other.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "mfsdp/comm/comm.h"
+#include "mfsdp/fsdp/fully_shard.h"
+#include "mfsdp/train/pipeline_schedule.h"
+
+namespace mfsdp {
+
+// One model chunk's forward of one micro-batch. `input` is the previous chunk's hidden states
+// (requires grad), undefined for the chunk that holds the embedding. The chunk that holds the
+// output layer returns `loss` (what its backward starts from) and `reported` (a scalar on the
+// device, summed into the step's loss); every other chunk returns `output`, its hidden states.
+struct ChunkOutput {
+  at::Tensor output;
+  at::Tensor loss;
+  at::Tensor reported;
+};
+using ChunkForward = std::function<ChunkOutput(int chunk, int64_t micro_batch, const at::Tensor& input)>;
+
+struct PipelineLayout {
+  // The pipeline ranks (stage s is rank s of both): activations go over `forward`, gradients
+  // over `backward` (two communicators over the same ranks).
+  std::shared_ptr<Communicator> forward, backward;
+  int stages = 1;
+  int stage = 0;
+  int virtual_stages = 1;  // model chunks per rank; chunk c of stage s is model chunk c * stages + s
+  // Every chunk's hidden states between stages, known to both sides without a message (Megatron's
+  // fixed tensor_shape: micro-batch x sequence (/ context- and, with sequence parallelism,
+  // tensor-parallel ranks) x hidden): [B, T, H] in this repository's order.
+  std::vector<int64_t> activation_shape;
+  at::TensorOptions activation_options;
+};
+
+// Runs `schedule` on this rank and returns the summed `reported` losses (fp64, 0-dim, on the
+// activations' device; zero on ranks without the output layer). Before each backward, gradient
+// sync of `roots[chunk]` is turned on only for that chunk's last backward, so each chunk's
+// gradients are reduced once per step. A chunk output whose shape or dtype differs from the
+// layout's is a std::logic_error naming both (the receiver could not know it).
+at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<PipelineAction>& schedule,
+                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward);
+
+// Forwards only (validation, no gradients): every micro-batch through this stage in order, each
+// stage receiving from the previous one and sending to the next. Returns the summed `reported`
+// losses as run_pipeline does. Not with interleaving.
+at::Tensor run_forward_pipeline(const PipelineLayout& layout, int64_t micro_batches, const ChunkForward& forward);
+
+}  // namespace mfsdp

@@ -1,0 +1,130 @@
+#include "mfsdp/train/pipeline_runner.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace mfsdp {
+namespace {
+
+// What a forward keeps for its backward.
+struct InFlight {
+  at::Tensor input;   // the received hidden states (a leaf whose gradient goes back); undefined first
+  at::Tensor output;  // the chunk's output, or its loss on the last chunk
+};
+
+void check_activation(const at::Tensor& output, const PipelineLayout& layout, int chunk, int64_t micro_batch) {
+  if (output.sizes().vec() == layout.activation_shape && output.scalar_type() == layout.activation_options.dtype())
+    return;
+  throw std::logic_error("pipeline stage " + std::to_string(layout.stage) + ", chunk " + std::to_string(chunk) +
+                         ", micro-batch " + std::to_string(micro_batch) + ": the output is " +
+                         c10::str(output.sizes(), " ", output.scalar_type()) + " but the next stage expects " +
+                         c10::str(at::IntArrayRef(layout.activation_shape), " ",
+                                  c10::typeMetaToScalarType(layout.activation_options.dtype())));
+}
+
+}  // namespace
+
+at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<PipelineAction>& schedule,
+                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward) {
+  const int stages = layout.stages, stage = layout.stage;
+  const int chunks = stages * layout.virtual_stages;
+  const int previous = (stage + stages - 1) % stages, next = (stage + 1) % stages;
+  std::map<int, size_t> last_backward;  // per chunk: the index of its last backward
+  for (size_t i = 0; i < schedule.size(); ++i)
+    if (schedule[i].step == PipelineStep::kBackward) last_backward[schedule[i].chunk] = i;
+
+  at::Tensor loss = at::zeros({}, layout.activation_options.dtype(at::kDouble).requires_grad(false));
+  std::map<std::pair<int, int64_t>, InFlight> in_flight;  // by (chunk, micro-batch)
+  // Sends are not waited for until the step's end (the next stage receives when it needs them);
+  // their tensors stay alive here meanwhile.
+  std::vector<std::pair<WorkHandle, at::Tensor>> sends;
+  const auto send = [&](Communicator& comm, const at::Tensor& t, int peer) {
+    sends.emplace_back(comm.send_recv_async({P2POp{P2POp::Kind::kSend, t, peer}}), t);
+  };
+  const auto receive = [&](Communicator& comm, int peer) {
+    at::Tensor t = at::empty(layout.activation_shape, layout.activation_options);
+    comm.recv(t, peer);
+    return t;
+  };
+
+  for (size_t i = 0; i < schedule.size(); ++i) {
+    const PipelineAction& a = schedule[i];
+    const int model_chunk = a.chunk * stages + stage;
+    const bool first = model_chunk == 0, last = model_chunk == chunks - 1;
+    const auto key = std::make_pair(a.chunk, a.micro_batch);
+    if (a.step == PipelineStep::kForward) {
+      RECORD_USER_SCOPE("mfsdp::pipeline_forward");
+      InFlight f;
+      if (!first) f.input = receive(*layout.forward, previous).requires_grad_(true);
+      ChunkOutput out = forward(a.chunk, a.micro_batch, f.input);
+      if (last) {
+        loss.add_(out.reported.detach().to(loss.device(), at::kDouble));
+        f.output = out.loss;
+      } else {
+        check_activation(out.output, layout, a.chunk, a.micro_batch);
+        send(*layout.forward, out.output.detach().contiguous(), next);
+        f.output = out.output;
+      }
+      in_flight.emplace(key, std::move(f));
+    } else {
+      RECORD_USER_SCOPE("mfsdp::pipeline_backward");
+      auto it = in_flight.find(key);
+      if (it == in_flight.end())
+        throw std::logic_error("run_pipeline: backward of micro-batch " + std::to_string(a.micro_batch) + ", chunk " +
+                               std::to_string(a.chunk) + " before its forward");
+      InFlight f = std::move(it->second);
+      in_flight.erase(it);
+      roots.at(static_cast<size_t>(a.chunk))->set_requires_gradient_sync(last_backward[a.chunk] == i);
+      if (last) {
+        f.output.backward();
+      } else {
+        at::Tensor grad = receive(*layout.backward, next);
+        torch::autograd::backward({f.output}, {grad});
+      }
+      if (!first) {
+        at::Tensor input_grad = f.input.grad();  // undefined only if the output ignored the input
+        send(*layout.backward, input_grad.defined() ? input_grad : at::zeros_like(f.input), previous);
+      }
+    }
+  }
+  if (!in_flight.empty())
+    throw std::logic_error("run_pipeline: " + std::to_string(in_flight.size()) +
+                           " forwards of the schedule had no backward");
+  for (auto& [work, tensor] : sends) work->wait();
+  return loss;
+}
+
+at::Tensor run_forward_pipeline(const PipelineLayout& layout, int64_t micro_batches, const ChunkForward& forward) {
+  if (layout.virtual_stages != 1)
+    throw std::logic_error("run_forward_pipeline: one model chunk per stage, not " +
+                           std::to_string(layout.virtual_stages));
+  at::NoGradGuard no_grad;
+  const bool first = layout.stage == 0, last = layout.stage == layout.stages - 1;
+  at::Tensor loss = at::zeros({}, layout.activation_options.dtype(at::kDouble));
+  std::vector<std::pair<WorkHandle, at::Tensor>> sends;
+  for (int64_t m = 0; m < micro_batches; ++m) {
+    at::Tensor input;
+    if (!first) {
+      input = at::empty(layout.activation_shape, layout.activation_options);
+      layout.forward->recv(input, layout.stage - 1);
+    }
+    ChunkOutput out = forward(0, m, input);
+    if (last) {
+      loss.add_(out.reported.to(loss.device(), at::kDouble));
+    } else {
+      check_activation(out.output, layout, 0, m);
+      at::Tensor t = out.output.contiguous();
+      sends.emplace_back(layout.forward->send_recv_async({P2POp{P2POp::Kind::kSend, t, layout.stage + 1}}), t);
+    }
+  }
+  for (auto& [work, tensor] : sends) work->wait();
+  return loss;
+}
+
+}  // namespace mfsdp
