@@ -152,6 +152,7 @@ int main(int argc, char** argv) {
         throw std::invalid_argument("prompt token id " + std::to_string(id) + " is outside the model's vocabulary [0, " +
                                     std::to_string(vocab) + ")");
     if (tokenizer) g.stop_id = tokenizer->eod();
+    if (tokenizer && !print_ids) g.vocab_size = tokenizer->vocab_size();  // decodable ids only, not padded rows
     std::vector<int64_t> out = mfsdp::generate(*loaded.model, input, g);  // also checks the prompt's length
     if (!logits_out.empty()) {
       torch::NoGradGuard no_grad;

@@ -135,6 +135,7 @@ GeneratedBatch generate_batch(CausalLM& model, const std::vector<std::vector<int
     // whole vocabulary (the same draws: the same seed on every rank of the group).
     if (const auto tp = model.tensor_parallel(); tp && tp->size() > 1)
       last = tensor_parallel::gather_from_tensor_parallel_region(last.contiguous(), *tp);
+    if (o.vocab_size > 0 && o.vocab_size < last.size(-1)) last = last.narrow(-1, 0, o.vocab_size);
     last = last.to(at::kCPU, at::kFloat);
     at::Tensor scaled = temperature == 1.0 ? last : last / temperature;
     at::Tensor log_probs = at::log_softmax(scaled, -1);  // unfiltered, as verl reports them

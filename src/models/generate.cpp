@@ -28,6 +28,7 @@ std::vector<int64_t> generate(CausalLM& model, const std::vector<int64_t>& promp
   s.top_k = o.top_k;
   s.top_p = o.top_p;
   if (o.stop_id >= 0) s.stop_ids = {o.stop_id};
+  s.vocab_size = o.vocab_size;
   return generate_batch(model, {prompt}, {o.seed}, s).tokens.front();
 }
 

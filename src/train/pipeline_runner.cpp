@@ -4,6 +4,7 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <chrono>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -31,7 +32,10 @@ void check_activation(const at::Tensor& output, const PipelineLayout& layout, in
 }  // namespace
 
 at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<PipelineAction>& schedule,
-                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward) {
+                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward, PipelineTimes* times) {
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  double waiting = 0;
   const int stages = layout.stages, stage = layout.stage;
   const int chunks = stages * layout.virtual_stages;
   const int previous = (stage + stages - 1) % stages, next = (stage + 1) % stages;
@@ -49,7 +53,9 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
   };
   const auto receive = [&](Communicator& comm, int peer) {
     at::Tensor t = at::empty(layout.activation_shape, layout.activation_options);
+    const auto before = Clock::now();
     comm.recv(t, peer);
+    waiting += std::chrono::duration<double>(Clock::now() - before).count();
     return t;
   };
 
@@ -97,6 +103,7 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
     throw std::logic_error("run_pipeline: " + std::to_string(in_flight.size()) +
                            " forwards of the schedule had no backward");
   for (auto& [work, tensor] : sends) work->wait();
+  if (times != nullptr) *times = {std::chrono::duration<double>(Clock::now() - start).count(), waiting};
   return loss;
 }
 

@@ -111,11 +111,11 @@ std::string number(double v) {
 
 // The parts of --profile that depend on other sections: where a trace goes, and whether this
 // build and device have nsys's CUDA capture range.
-void check_profile_target(const PretrainArgs& a, int dp) {
+void check_profile_target(const PretrainArgs& a, int world) {
   if (!a.profile) return;
   for (int64_t r : a.profile_ranks)
-    if (r >= dp)
-      flag_error("--profile-ranks", "rank " + std::to_string(r) + " is not in this job of " + std::to_string(dp) +
+    if (r >= world)
+      flag_error("--profile-ranks", "rank " + std::to_string(r) + " is not in this job of " + std::to_string(world) +
                                         " ranks");
   if (a.use_pytorch_profiler && a.tensorboard_dir.empty())
     flag_error("--use-pytorch-profiler", "needs --tensorboard-dir, the folder the traces are written into");
@@ -220,15 +220,7 @@ void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab)
   static_cast<const ProfilingSection&>(a).validate();
   static_cast<const PretrainingSection&>(a).validate();
 
-  check_profile_target(a, dp);
-  // Each pipeline stage holds its own layers: what needs the whole model on one rank waits for a
-  // gather across the stages.
-  if (a.pipeline_model_parallel_size > 1)
-    for (const auto& [flag, given] : {std::pair<const char*, bool>{"--export-hf", !a.export_hf.empty()},
-                                      {"--sample-prompt", !a.sample_prompt.empty()}})
-      if (given)
-        flag_error(flag, "needs the whole model on one rank, which pipeline parallelism (--pipeline-model-parallel-size " +
-                             std::to_string(a.pipeline_model_parallel_size) + ") does not gather yet");
+  check_profile_target(a, world);
   if (a.max_position_embeddings == 0) a.max_position_embeddings = a.seq_length;
   if (a.max_position_embeddings < a.seq_length) flag_error("--max-position-embeddings", "is smaller than --seq-length");
   if (a.train_iters == 0 && !a.skip_train && !a.memory_plan) flag_error("--train-iters", "is required (or --skip-train)");

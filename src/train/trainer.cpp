@@ -54,6 +54,7 @@ void print_sample(const PretrainingSection& a, const TokenizerSection& tokenizer
   g.temperature = 0.8;
   g.seed = static_cast<uint64_t>(run.args().seed);
   g.stop_id = tokenizer->eod();
+  g.vocab_size = tokenizer->vocab_size();  // not the padded rows (Megatron's sampling clamps to it too)
   auto ids = generate(*plain, tokenizer->encode(a.sample_prompt), g);
   if (!ids.empty() && ids.back() == tokenizer->eod()) ids.pop_back();
   log << " sample: " << a.sample_prompt << tokenizer->decode(ids) << "\n";
@@ -115,21 +116,32 @@ class Pretrainer : public MicroBatchTrainer {
     r.tflops_per_rank = flops_per_iter_ / iter_s / run_.comm()->size() / 1e12;
     r.mem_bytes = peak_memory_bytes(run_.comm()->device());
     run_.add_norms(r, w.last);
+    // Pipeline parallelism: the stages' mean idle fraction in the window's last step (time waiting
+    // for a receive), beside 1F1B's ideal bubble (P - 1) / (m + P - 1).
+    char bubble[96] = "";
+    if (dims_.pp > 1) {
+      const PipelineTimes& t = w.last.pipeline;
+      const double idle = run_.all_reduce_mean(t.seconds > 0 ? t.waiting / t.seconds : 0.0);
+      const double ideal = (dims_.pp - 1.0) / static_cast<double>(a_.num_micro_batches + dims_.pp - 1);
+      r.extra.emplace_back("pipeline_bubble", idle);
+      r.extra.emplace_back("pipeline_bubble_ideal", ideal);
+      std::snprintf(bubble, sizeof bubble, " | pipeline bubble: %.1f%% (1F1B's ideal %.1f%%)", 100 * idle, 100 * ideal);
+    }
     run_.record(r);
     if (std::isnan(result_.first_loss)) result_.first_loss = loss;
     result_.final_loss = loss;
     result_.tokens_per_sec = r.tokens_per_sec;
     if (!run_.prints()) return;
     // Megatron's order: grad norm, num zeros, params norm.
-    char line[640];
+    char line[768];
     std::snprintf(line, sizeof line,
                   " iteration %8lld/%8lld | consumed samples: %12lld | elapsed time per "
                   "iteration (ms): %.1f | learning rate: %.6E | global batch size: %5lld | "
                   "lm loss: %.6E | grad norm: %.3f%s | tokens/s: %.1f | TFLOP/s per rank: %.4f | "
-                  "mem (MiB): %.1f | eta %s",
+                  "mem (MiB): %.1f%s | eta %s",
                   (long long)w.iteration, (long long)a_.train_iters, (long long)r.consumed_samples, iter_s * 1e3,
                   r.lr, (long long)gbs, loss, r.grad_norm, run_.norms_log_text(w.last).c_str(), r.tokens_per_sec,
-                  r.tflops_per_rank, r.mem_bytes / 1048576.0,
+                  r.tflops_per_rank, r.mem_bytes / 1048576.0, bubble,
                   hms(w.elapsed / (w.iteration - w.resumed_after) * (a_.train_iters - w.iteration)).c_str());
     run_.log() << line << "\n";
     run_.log().flush();

@@ -379,10 +379,13 @@ TrainingRun::StepStats TrainingRun::pipeline_step(int64_t iteration, int64_t mic
                                                   const ChunkForward& forward) {
   if (!pipeline_.forward) throw std::logic_error("TrainingRun::pipeline_step: no pipeline parallelism");
   begin_step(iteration, micro_batches);
+  PipelineTimes times;
   at::Tensor loss = run_pipeline(pipeline_, one_f_one_b(pipeline_.stages, pipeline_.stage, micro_batches),
-                                 {&sharded_.root}, forward);
+                                 {&sharded_.root}, forward, &times);
   sum_tied_embedding_gradients();
-  return finish_step(iteration, loss);
+  StepStats s = finish_step(iteration, loss);
+  s.pipeline = times;
+  return s;
 }
 
 TrainingRun::StepStats TrainingRun::finish_step(int64_t iteration, at::Tensor loss) {
@@ -713,34 +716,29 @@ RolloutModel& TrainingRun::rollout_model() {
 
 RolloutModel& TrainingRun::load_rollout_model() {
   RolloutModel& copy = rollout_model();
-  if (!mesh_.split("tp") && !sharded_.expert_parallel)
+  if (!mesh_.split("tp") && !sharded_.expert_parallel && !pipeline_.forward)
     copy.load_from(sharded_.root);
   else
     copy.load_from(gather_full_weights(/*all_ranks=*/true, /*cpu_offload=*/true));
   return copy;
 }
 
-std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_ranks, bool cpu_offload) const {
-  // Without expert parallelism rank 0 alone may gather; with it every rank takes part.
-  // Tensor parallelism: every rank its whole slices, then the slices of each TP group gathered
-  // (each tensor sent to the device and back to the map's device: one at a time there).
-  std::map<std::string, at::Tensor> full =
-      mesh_.split("tp")
-          ? gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(FullStateDictOptions{true, cpu_offload}))
-          : sharded_.root.full_state_dict(FullStateDictOptions{all_ranks || sharded_.expert_parallel != nullptr, cpu_offload});
-  if (!sharded_.expert_parallel) return full;
-  // Under expert parallelism each expert is on one rank of the expert-parallel group: its owner
-  // (the rank that has it) broadcasts it to the others, in the model's parameter order.
-  const std::shared_ptr<Communicator>& ep = sharded_.expert_parallel;
-  const auto shapes = model_tensor_shapes(config_);
-  const auto device = ep->device();
+namespace {
+
+// Gives every rank of `group` each tensor of the model some of its ranks lack (experts under
+// expert parallelism, layers under pipeline parallelism): the holder with the highest rank
+// broadcasts it, in the model's parameter order. Collective over the group.
+void fill_from_holders(Communicator& group, const ModelConfig& config, std::map<std::string, at::Tensor>& full) {
+  const auto shapes = model_tensor_shapes(config);
+  const auto device = group.device();
+  const at::Device home = full.empty() ? at::Device(at::kCPU) : full.begin()->second.device();
   at::Tensor owner = at::zeros({static_cast<int64_t>(shapes.size())}, at::TensorOptions().dtype(at::kLong));
   for (size_t i = 0; i < shapes.size(); ++i)
-    if (full.count(shapes[i].first)) owner[static_cast<int64_t>(i)] = ep->rank() + 1;
+    if (full.count(shapes[i].first)) owner[static_cast<int64_t>(i)] = group.rank() + 1;
   at::Tensor highest = owner.to(device, /*non_blocking=*/false, /*copy=*/true), lowest = owner.to(device, false, true);
-  ep->all_reduce(highest, {ReduceOp::kMax});
+  group.all_reduce(highest, {ReduceOp::kMax});
   lowest.neg_();
-  ep->all_reduce(lowest, {ReduceOp::kMax});  // -min
+  group.all_reduce(lowest, {ReduceOp::kMax});  // -min
   highest = highest.cpu();
   lowest = lowest.cpu();
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -748,11 +746,27 @@ std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_rank
     if (-lowest[static_cast<int64_t>(i)].item<int64_t>() > 0) continue;  // every rank has it
     const int from = static_cast<int>(highest[static_cast<int64_t>(i)].item<int64_t>()) - 1;
     if (from < 0) throw std::logic_error("gather_full_weights: no rank holds '" + name + "'");
-    at::Tensor t = ep->rank() == from ? full.at(name).to(device).contiguous()
-                                       : at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(device));
-    ep->broadcast(t, {from});
-    full[name] = t.to(full.begin()->second.device());
+    at::Tensor t = group.rank() == from ? full.at(name).to(device).contiguous()
+                                        : at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(device));
+    group.broadcast(t, {from});
+    full[name] = t.to(home);
   }
+}
+
+}  // namespace
+
+std::map<std::string, at::Tensor> TrainingRun::gather_full_weights(bool all_ranks, bool cpu_offload) const {
+  // Without expert or pipeline parallelism rank 0 alone may gather; with either every rank takes
+  // part. Tensor parallelism: every rank its whole slices, then the slices of each TP group
+  // gathered (each tensor sent to the device and back to the map's device: one at a time there).
+  const bool every_rank = all_ranks || sharded_.expert_parallel != nullptr || pipeline_.forward != nullptr;
+  std::map<std::string, at::Tensor> full =
+      mesh_.split("tp")
+          ? gather_tensor_parallel(*sharded_.model, sharded_.root.full_state_dict(FullStateDictOptions{true, cpu_offload}))
+          : sharded_.root.full_state_dict(FullStateDictOptions{every_rank, cpu_offload});
+  // Each expert is on one rank of the expert-parallel group, each layer on one pipeline stage.
+  if (sharded_.expert_parallel) fill_from_holders(*sharded_.expert_parallel, config_, full);
+  if (pipeline_.forward) fill_from_holders(*pipeline_.forward, config_, full);
   return full;
 }
 

@@ -90,7 +90,7 @@ struct Layout {
 TEST(Pipeline, EveryLayoutTrainsLikeOneProcess) {
   TempDir dir("mfsdp-pp-layouts");
   const std::string steps = " --train-iters 3";
-  for (const auto& [name, flags] : {std::pair<std::string, std::string>{"one", kVocab},
+  for (const auto& [name, flags] : {std::pair<std::string, std::string>{"one", kVocab + " --export-hf " + dir.file("one_hf")},
                                     {"one_untied", kVocab + " --untie-embeddings-and-output-weights"}}) {
     const auto r = pretrain(1, steps + flags + " --save " + dir.file(name) + " --metrics-file " + dir.file(name + ".jsonl"));
     ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -113,13 +113,36 @@ TEST(Pipeline, EveryLayoutTrainsLikeOneProcess) {
        " --pipeline-model-parallel-size 3 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"},
   };
   for (const Layout& l : layouts) {
+    // The whole model gathered over the stages (and TP ranks): a Hugging Face folder, as one rank's.
+    const bool export_hf = l.name == "pp2" || l.name == "pp4" || l.name == "pp2_tp2";
     const std::string flags = steps + l.flags + (l.tensor_parallel ? kVocabTp : kVocab) + " --save " + dir.file(l.name) +
-                              " --metrics-file " + dir.file(l.name + ".jsonl");
+                              " --metrics-file " + dir.file(l.name + ".jsonl") +
+                              (export_hf ? " --export-hf " + dir.file(l.name + "_hf") : "");
     const auto r = pretrain(l.ranks, flags);
     ASSERT_EQ(r.exit_code, 0) << l.name << "\n" << r.output;
     const std::string ref = l.tied ? "one" : "one_untied";
     expect_same_steps(dir.file(ref + ".jsonl"), dir.file(l.name + ".jsonl"), l.name, 1e-5);
     expect_same_weights(dir.file(ref), dir.file(l.name), l.name, 1e-5);
+    // The log's bubble: the stages' idle fraction, beside 1F1B's ideal (P - 1) / (m + P - 1).
+    for (const auto& record : training_records(dir.file(l.name + ".jsonl"))) {
+      ASSERT_TRUE(record.contains("pipeline_bubble")) << l.name;
+      EXPECT_GE(record["pipeline_bubble"].get<double>(), 0.0) << l.name;
+      EXPECT_LT(record["pipeline_bubble"].get<double>(), 1.0) << l.name;
+      EXPECT_GT(record["pipeline_bubble_ideal"].get<double>(), 0.0) << l.name;
+    }
+    if (!export_hf) continue;
+    const std::string script =
+        "import sys\n"
+        "from safetensors.torch import load_file\n"
+        "ref, got = load_file(sys.argv[1]), load_file(sys.argv[2])\n"
+        "assert sorted(got) == sorted(ref), sorted(set(got) ^ set(ref))[:5]\n"
+        "for k in ref:\n"
+        "    assert (got[k] - ref[k]).abs().max() <= 1e-5 * ref[k].abs().max(), k\n"
+        "print('same', len(ref), 'tensors')\n";
+    const auto e = run_command(kPython + " -c \"" + script + "\" " + dir.file("one_hf/model.safetensors") + " " +
+                               dir.file(l.name + "_hf/model.safetensors") + " 2>&1");
+    EXPECT_EQ(e.exit_code, 0) << l.name << "\n" << e.output;
+    EXPECT_NE(e.output.find("same"), std::string::npos) << l.name << "\n" << e.output;
   }
 }
 
@@ -204,7 +227,6 @@ TEST(Pipeline, RefusesWhatMegatronRefuses) {
            {2, " --pipeline-model-parallel-size 2 --decoder-first-pipeline-num-layers 1 "
                "--account-for-embedding-in-pipeline-split",
             "--account-for-embedding-in-pipeline-split"},
-           {2, " --pipeline-model-parallel-size 2 --export-hf /tmp/x", "--export-hf"},
            {3, " --pipeline-model-parallel-size 2", "--pipeline-model-parallel-size"},
        }) {
     const auto r = pretrain(c.ranks, c.flags + kVocab + " --train-iters 1");

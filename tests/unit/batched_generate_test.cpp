@@ -116,6 +116,25 @@ TEST(BatchedGenerate, TokensAndLogProbsEqualFullForwardsGreedyAndSampled) {
   }
 }
 
+// SamplingOptions::vocab_size: a model whose vocabulary is padded past the tokenizer's (Megatron's
+// --make-vocab-size-divisible-by) never generates a padded row's id. Without the limit the same
+// draws do (a hot temperature spreads them over all 37 ids).
+TEST(BatchedGenerate, VocabularyLimitKeepsPaddedIdsOut) {
+  mfsdp::LlamaForCausalLM model = make_model(7);
+  SamplingOptions o;
+  o.temperature = 5.0;
+  o.max_new_tokens = 30;
+  const auto highest = [&](const SamplingOptions& options) {
+    int64_t top = 0;
+    for (const auto& row : mfsdp::generate_batch(*model, kPrompts, kSeeds, options).tokens)
+      for (int64_t id : row) top = std::max(top, id);
+    return top;
+  };
+  EXPECT_GE(highest(o), 20);
+  o.vocab_size = 20;
+  EXPECT_LT(highest(o), 20);
+}
+
 // Every row of a padded batch generates what it generates alone (greedy, and sampled with
 // top-k and top-p filters), with the same log-probs; and the batch is deterministic.
 TEST(BatchedGenerate, PaddedRowsGenerateWhatTheyGenerateAlone) {

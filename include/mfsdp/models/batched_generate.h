@@ -36,6 +36,9 @@ struct SamplingOptions {
   double top_p = 1.0;            // (0, 1]: keep the smallest set of tokens reaching this mass
   std::vector<int64_t> stop_ids; // a row ends after generating any of these (e.g. EOS ids)
   int64_t pad_id = 0;            // fills the left padding and the inputs of finished rows
+  // > 0: only ids below it are generated (the tokenizer's vocabulary, when the model's is padded
+  // past it as Megatron pads it); the padded rows' logits are dropped before sampling.
+  int64_t vocab_size = 0;
 };
 
 struct GeneratedBatch {

@@ -19,6 +19,7 @@ struct GenerateOptions {
   double top_p = 1.0;        // (0, 1]: nucleus filter
   uint64_t seed = 0;
   int64_t stop_id = -1;      // stop after generating this id (e.g. EOD); -1: never
+  int64_t vocab_size = 0;    // > 0: only ids below it (SamplingOptions::vocab_size)
 };
 
 // Returns the generated ids (without the prompt, with stop_id when produced): generate_batch

@@ -45,13 +45,24 @@ struct PipelineLayout {
   at::TensorOptions activation_options;
 };
 
+// Where a rank's time in run_pipeline went, on the host: all of it, and the part spent waiting
+// for a receive (the pipeline bubble, plus the transfers). On the CPU the host is the device,
+// so `waiting / seconds` is the stage's idle fraction; on a GPU the host does not wait for
+// receives (the compute stream does), and the split says little.
+struct PipelineTimes {
+  double seconds = 0;
+  double waiting = 0;
+};
+
 // Runs `schedule` on this rank and returns the summed `reported` losses (fp64, 0-dim, on the
 // activations' device; zero on ranks without the output layer). Before each backward, gradient
 // sync of `roots[chunk]` is turned on only for that chunk's last backward, so each chunk's
 // gradients are reduced once per step. A chunk output whose shape or dtype differs from the
-// layout's is a std::logic_error naming both (the receiver could not know it).
+// layout's is a std::logic_error naming both (the receiver could not know it). `times`, when
+// given, receives the step's timings.
 at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<PipelineAction>& schedule,
-                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward);
+                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward,
+                        PipelineTimes* times = nullptr);
 
 // Forwards only (validation, no gradients): every micro-batch through this stage in order, each
 // stage receiving from the previous one and sending to the next. Returns the summed `reported`

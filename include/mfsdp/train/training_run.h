@@ -145,6 +145,9 @@ class TrainingRun {
       std::vector<int64_t> tokens_per_expert;  // (token, expert) pairs routed to each expert
     };
     std::vector<MoeLayer> moe_layers;
+    // Pipeline parallelism: this rank's time in the schedule and the part of it waiting for a
+    // receive (pipeline_runner.h).
+    PipelineTimes pipeline;
     double load_balancing_loss = 0;
     double z_loss = 0;
   };
