@@ -3,8 +3,10 @@
 
 Megatron-LM's megatron/training/theoretical_memory_usage.py estimates one rank's memory as
 "weights and optimizer" plus "activations" (Korthikanti et al. 2022, Table 2). This file redoes
-that arithmetic (it is not Megatron's code) for pipeline size 1, so that bench/scale_plan_tp.sh and
-bench/scale_plan_deepseek.sh can print it next to mfsdp's --memory-plan.
+that arithmetic (it is not Megatron's code), so that bench/scale_plan_tp.sh,
+bench/scale_plan_deepseek.sh and bench/scale_plan_pp.sh can print it next to mfsdp's --memory-plan.
+Pipeline size 1 (the default) is described first; --pp P (and --vp) at the end. With --pp 1 the
+output is that of the version before --pp, byte for byte.
 
 Dense model (no --num-experts, no --mla; the output of the first version of this file, unchanged):
 
@@ -56,10 +58,39 @@ the formula, which splits the parameters by how a rank holds them):
   input and dropout, and (s b V / TP + s b h) x 2 bytes for the logits and the final norm's
   output, all x 1.05.
 
-Prints one JSON object. MoE/MLA runs add the split (dense, expert) and the active parameters.
+Pipeline parallelism (--pp P > 1, optionally --vp V virtual stages per pipeline rank; --dp is
+Megatron's data-parallel size, world / (TP x PP); the world is DP x TP x PP):
+
+* parameters on the most loaded model shard (compute_weight_and_optimizer_memory): the transformer
+  block / PP (Megatron assumes an even share, final norm included, whatever the real split is)
+  plus one embedding, / TP; the untied output layer is added only at PP 1, since with PP > 1 it
+  sits on the last stage, not the first. The MoE/MLA form keeps its split: TP-split parameters
+  (block / PP + the MTP block whole + one embedding) / TP, replicated ones block / PP + MTP's,
+  routed experts (block / PP + MTP's) / (ETP x EP), and EDP = world / (ETP x EP x PP). The dense
+  form keeps its first-version convention (everything / TP, norms too). Bytes per parameter as at
+  PP 1. megatron_params_other_shards: Megatron's count for the other stages, block / PP only;
+* activations (compute_activation_memory, and compute_activation_memory_without_sp): still the
+  first stage's and still every one of the L layers (P in-flight micro-batches x L / P layers
+  each); the embedding's input (8 s b) and dropout (s b h) times P in flight; interleaved (--vp V):
+  everything x 1 + (P - 1) / (P V); non-interleaved with --num-microbatches m < P: x m / P; no
+  output-layer term (that is on the last stage);
+* outside Megatron's formula (mfsdp's own arithmetic, for the comparison): pp_stage_layers, the
+  decoder layers of each pipeline rank as Megatron's get_num_layers_to_build splits them
+  (--decoder-first/last-pipeline-num-layers, --account-for-embedding/loss-in-pipeline-split,
+  summed over a rank's virtual chunks); stage_params_exact, what a TP rank of each stage holds
+  (its layers' matrices / TP with their norms whole, the embedding / TP on the first stage, the
+  final norm and the output layer / TP on the last, where a tied embedding keeps its copy too;
+  dense form only); stage_activations_sp_gib (non-interleaved only), Megatron's per-layer and
+  embedding terms applied to each stage's real layers and 1F1B's in-flight micro-batches
+  min(P - s, m) on stage s, plus the output layer's input and cross-entropy (4 s b h (1 + V / h))
+  once on the last stage, / TP. exact_params_per_tp_rank stays the whole model's (all stages).
+
+Prints one JSON object. MoE/MLA runs add the split (dense, expert) and the active parameters;
+--pp > 1 adds the keys of the pipeline (pp, vp, stage lists, ...).
 """
 import argparse
 import json
+import math
 import re
 
 
@@ -90,6 +121,107 @@ def moe_layer_pattern(freq, layers):
     return pattern
 
 
+def pipeline_split(a):
+    """Decoder layers of each pipeline rank, as Megatron's get_num_layers_to_build (in
+    megatron/core/transformer/transformer_block.py) splits them, summed over a rank's virtual chunks."""
+    pp, layers = a.pp, a.layers
+    first, last = a.first_stage_layers, a.last_stage_layers
+    if first is not None or last is not None:
+        if a.account_for_embedding or a.account_for_loss:
+            raise SystemExit("--decoder-first/last-pipeline-num-layers cannot be combined with "
+                             "--account-for-embedding/loss-in-pipeline-split (as in Megatron)")
+        rest, stages = layers, pp
+        if first is not None:
+            rest, stages = rest - first, stages - 1
+        if last is not None:
+            rest, stages = rest - last, stages - 1
+        if stages > 0 and rest % stages:
+            raise SystemExit(f"the {rest} layers left do not split evenly over the {stages} middle stages")
+        per_rank = rest // stages if stages > 0 else 0
+        split = [per_rank] * pp
+        if first is not None:
+            split[0] = first
+        if last is not None:
+            split[-1] = last
+    else:
+        units = layers + (1 if a.account_for_embedding else 0) + (1 if a.account_for_loss else 0)
+        if units % pp:
+            raise SystemExit(f"{units} layers (embedding and loss counted as asked) do not split evenly over PP {pp}")
+        split = [units // pp] * pp
+    if a.vp and any(n % a.vp for n in split):
+        raise SystemExit(f"a pipeline rank's layers {split} do not split evenly into --vp {a.vp} chunks")
+    if a.first_stage_layers is None and a.account_for_embedding:
+        split[0] -= 1
+    if a.last_stage_layers is None and a.account_for_loss:
+        split[-1] -= 1
+    if min(split) < 0 or sum(split) != layers:
+        raise SystemExit(f"the pipeline split {split} does not hold the {layers} layers")
+    return split
+
+
+def pipeline_activations(a, per_layer_sp, per_layer_nosp):
+    """compute_activation_memory and compute_activation_memory_without_sp with PP > 1: the first
+    stage, every layer (P micro-batches in flight x L / P layers), the embedding's input and dropout
+    x P, the interleaving penalty or the discount for fewer micro-batches than P, no output layer."""
+    s, b, h, pp = a.seq, a.micro_batch, a.hidden, a.pp
+    embedding_terms = 8 * s * b * pp + s * b * h * pp
+    sp = per_layer_sp * a.layers + embedding_terms
+    nosp = per_layer_nosp * a.layers + embedding_terms
+    if a.vp:
+        penalty = 1 + (pp - 1) / (pp * a.vp)
+        in_flight = math.ceil(penalty * pp)
+        sp *= penalty
+        nosp *= penalty
+    else:
+        penalty = 1
+        in_flight = pp
+        if a.num_microbatches is not None:
+            sp *= min(1, a.num_microbatches / pp)
+            nosp *= min(1, a.num_microbatches / pp)
+            in_flight = min(a.num_microbatches, pp)
+    return sp / a.tp, nosp * 1.05, penalty, in_flight
+
+
+def stage_activations_sp(a, vocab, split, per_layer_sp):
+    """Not Megatron's formula: its per-layer and embedding terms (sequence parallel, selective
+    recompute) on each stage's real layers, with 1F1B's min(P - s, m) micro-batches in flight on
+    stage s, and the output layer's input and cross-entropy once on the last stage; / TP."""
+    s, b, h, pp = a.seq, a.micro_batch, a.hidden, a.pp
+    m = a.num_microbatches if a.num_microbatches is not None else pp
+    out = []
+    for stage, layers in enumerate(split):
+        in_flight = min(pp - stage, m)
+        total = per_layer_sp * layers * in_flight
+        if stage == 0:
+            total += (8 * s * b + s * b * h) * in_flight
+        if stage == pp - 1:
+            total += s * b * h * 4 * (1 + vocab / h)
+        out.append(total / a.tp)
+    return out
+
+
+def pipeline_keys(a, vocab, split, per_layer_sp, per_layer_nosp, most_loaded, other, world):
+    """The keys --pp > 1 adds to the report."""
+    gib = 1024 ** 3
+    sp, nosp, penalty, in_flight = pipeline_activations(a, per_layer_sp, per_layer_nosp)
+    keys = {
+        "pp": a.pp,
+        "vp": a.vp,
+        "world": world,
+        "num_microbatches": a.num_microbatches,
+        "in_flight_microbatches": in_flight,
+        "interleaved_penalty": penalty,
+        "pp_stage_layers": split,
+        "megatron_params_most_loaded_shard": most_loaded,
+        "megatron_params_other_shards": other,
+        "megatron_activations_sp_gib": sp / gib,
+        "megatron_activations_nosp_gib": nosp / gib,
+    }
+    if not a.vp:
+        keys["stage_activations_sp_gib"] = [x / gib for x in stage_activations_sp(a, vocab, split, per_layer_sp)]
+    return keys
+
+
 def dense_report(a):
     h, L, tp, dp = a.hidden, a.layers, a.tp, a.dp
     head_dim = h // a.heads
@@ -106,7 +238,12 @@ def dense_report(a):
     embedding = h * vocab
     embeddings = embedding * (1 if a.tied else 2)
     total = block + embeddings
-    megatron_shard = (block + embedding) / tp + (0 if a.tied else embedding / tp)
+    if a.pp == 1:
+        megatron_shard = (block + embedding) / tp + (0 if a.tied else embedding / tp)
+    else:
+        # compute_weight_and_optimizer_memory, PP > 1: the block / PP plus one embedding (the first
+        # stage's), all / TP; the untied output layer sits on the last stage and is not added.
+        megatron_shard = (block / a.pp + embedding) / tp
     # What a TP rank holds: matrices split over TP, norms whole.
     exact = (L * (attention + mlp) + embeddings) / tp + L * norms + h
 
@@ -117,7 +254,7 @@ def dense_report(a):
     s, b = a.seq, a.micro_batch
     activations = (s * b * h * (18 + 4 * a.ffn / h) * L + 8 * s * b + s * b * h
                    + s * b * h * 4 * (1 + vocab / h)) / tp
-    return {
+    report = {
         "padded_vocab": vocab,
         "total_params": total,
         "megatron_params_per_shard": megatron_shard,
@@ -130,6 +267,20 @@ def dense_report(a):
         "megatron_distopt_gib": (6 + 12 / dp) * megatron_shard / gib,
         "megatron_activations_sp_gib": activations / gib,
     }
+    if a.pp > 1:
+        split = pipeline_split(a)
+        # What a TP rank of each stage holds: its layers (matrices / TP, norms whole), the embedding
+        # / TP on the first stage, the final norm and the output layer / TP on the last (a tied
+        # embedding keeps its copy there).
+        per_layer = (attention + mlp) / tp + norms
+        stage_exact = [n * per_layer for n in split]
+        stage_exact[0] += embedding / tp
+        stage_exact[-1] += h + embedding / tp
+        report.update(pipeline_keys(a, vocab, split, s * b * h * (18 + 4 * a.ffn / h),
+                                    s * b * h * (10 + 24 / tp), megatron_shard, block / (a.pp * tp),
+                                    a.dp * tp * a.pp))
+        report["stage_params_exact"] = stage_exact
+    return report
 
 
 def moe_mla_report(a):
@@ -209,7 +360,7 @@ def moe_mla_report(a):
                    + s * b * h * 4 * (1 + vocab / h)) / tp
     activations_nosp = (s * b * h * (10 + 24 / tp) * L + 8 * s * b + s * b * h
                         + (s * b * vocab / tp + s * b * h) * 2) * 1.05
-    return {
+    report = {
         "padded_vocab": vocab,
         "total_params": total,
         "active_params": active,
@@ -237,6 +388,32 @@ def moe_mla_report(a):
         "megatron_activations_sp_gib": activations / gib,
         "megatron_activations_nosp_gib": activations_nosp / gib,
     }
+    if a.pp > 1:
+        # compute_weight_and_optimizer_memory, PP > 1: the most loaded shard holds the block / PP,
+        # the MTP block whole and one embedding. (EDP = world / (ETP x EP x PP) = DP x TP / (ETP x EP),
+        # the edp above.)
+        pp = a.pp
+        tp_split_block = (attention + dense_mlp) * dense_layers + (attention + shared) * moe_layers
+        tp_split_mtp = (attention + dense_mlp) * mtp_dense + (attention + shared) * mtp_moe
+        replicated_block = norms * L + (router + shared_gate) * moe_layers + final_norm
+        replicated_mtp = norms * a.mtp_layers + (router + shared_gate) * mtp_moe
+        dense_shard = (tp_split_block / pp + tp_split_mtp + embedding) / tp + replicated_block / pp + replicated_mtp
+        expert_shard = (routed * moe_layers / pp + routed * mtp_moe) / (etp * ep)
+        megatron_shard = dense_shard + expert_shard
+        other = tp_split_block / (pp * tp) + replicated_block / pp + routed * moe_layers / (pp * etp * ep)
+        report.update({
+            "megatron_dense_params_per_rank": dense_shard,
+            "megatron_expert_params_per_rank": expert_shard,
+            "megatron_params_per_shard": megatron_shard,
+            "megatron_weights_gib": 2 * megatron_shard / gib,
+            "megatron_grads_gib": 4 * megatron_shard / gib,
+            "megatron_optimizer_gib": (12 * dense_shard / dp + 12 * expert_shard / edp) / gib,
+            "megatron_ddp_gib": 18 * megatron_shard / gib,
+            "megatron_distopt_gib": ((6 + 12 / dp) * dense_shard + (6 + 12 / edp) * expert_shard) / gib,
+        })
+        report.update(pipeline_keys(a, vocab, pipeline_split(a), s * b * h * (18 + 4 * a.ffn / h),
+                                    s * b * h * (10 + 24 / tp), megatron_shard, other, world * pp))
+    return report
 
 
 def main():
@@ -254,6 +431,16 @@ def main():
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--tied", action="store_true", help="embedding and output layer share one matrix")
+    pipe = p.add_argument_group("pipeline parallelism (Megatron's flags; --dp is then world / (TP x PP))")
+    pipe.add_argument("--pp", type=int, default=1, help="pipeline-model-parallel size")
+    pipe.add_argument("--vp", type=int, default=0,
+                      help="virtual pipeline stages per pipeline rank, the interleaved schedule (0: not interleaved)")
+    pipe.add_argument("--num-microbatches", type=int, default=None,
+                      help="micro-batches per step (default: at least PP, so PP in flight)")
+    pipe.add_argument("--decoder-first-pipeline-num-layers", dest="first_stage_layers", type=int, default=None)
+    pipe.add_argument("--decoder-last-pipeline-num-layers", dest="last_stage_layers", type=int, default=None)
+    pipe.add_argument("--account-for-embedding-in-pipeline-split", dest="account_for_embedding", action="store_true")
+    pipe.add_argument("--account-for-loss-in-pipeline-split", dest="account_for_loss", action="store_true")
     p.add_argument("--gelu", action="store_true", help="a two-matrix MLP instead of SwiGLU's three")
     moe = p.add_argument_group("mixture of experts and expert parallelism")
     moe.add_argument("--num-experts", type=int, default=0, help="routed experts per MoE layer (0: dense)")
@@ -275,6 +462,10 @@ def main():
     a = p.parse_args()
     if not a.mla and a.kv_heads is None:
         p.error("--kv-heads is required without --mla")
+    if a.pp < 1 or a.vp < 0 or (a.num_microbatches is not None and a.num_microbatches < 1):
+        p.error("--pp and --num-microbatches must be >= 1, --vp >= 0")
+    if a.vp and a.pp == 1:
+        p.error("--vp (the interleaved schedule) needs --pp > 1")
     if a.num_experts or a.mla:
         report = moe_mla_report(a)
     else:
