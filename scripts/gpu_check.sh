@@ -381,26 +381,32 @@ if ((GPU_BENCH)); then
   else
     log "MoE step time: skipped, $t s left for it"
   fi
-  # Tensor parallelism on GPUs: a 20-iteration smoke run of TP 2 (and TP 2 x DP 2 where there are
-  # 4 GPUs) with sequence parallelism, NCCL, bf16. TP needs one GPU per rank: on one GPU it is
-  # recorded as not run, never run on the CPU in its place.
-  t=$(allow 60 10)
-  if ((gpus < 2)); then
-    log "TP smoke: not run, tensor parallelism needs 2 GPUs and this machine has $gpus"
-  elif ((t >= 30)); then
-    start=$SECONDS
-    tp_ranks=$(( gpus >= 4 ? 4 : 2 ))
-    timeout -k 5 "$t" "$BUILD_DIR/mfsdp-run" --nproc-per-node "$tp_ranks" "$BUILD_DIR/mfsdp-pretrain" --device cuda --bf16 \
-      --mock-data --vocab-size 32000 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 4096 \
-      --num-attention-heads 16 --group-query-attention --num-query-groups 8 --swiglu --seq-length 1024 \
-      --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size $((tp_ranks)) --train-iters 20 \
-      --lr 3e-4 --log-interval 5 --tensor-model-parallel-size 2 --sequence-parallel >"$work/raw/tp_smoke.txt" 2>&1
-    rc=$?
-    log "TP smoke on $tp_ranks GPUs (TP 2, sequence parallel, bf16): exit $rc, $((SECONDS - start)) s (bench_raw.tar.gz raw/tp_smoke.txt)"
-    grep -E 'parallelism:|iteration +(5|20)/' "$work/raw/tp_smoke.txt" | cut -c1-300 | tee -a "$summary"
-  else
-    log "TP smoke: skipped, $t s left for it"
-  fi
+  # Tensor and pipeline parallelism on GPUs: 20-iteration smoke runs of TP 2 with sequence
+  # parallelism, and of PP 2 (Megatron's 1F1B, NCCL send/recv between the stages, tied embeddings
+  # kept in sync over the first and last stage), each x DP 2 where there are 4 GPUs, bf16. Both
+  # need one GPU per rank: on one GPU they are recorded as not run, never run on the CPU instead.
+  # smoke NAME WHAT GLOBAL_BATCH FLAGS...
+  smoke() {
+    local name=$1 what=$2 gbs=$3; shift 3
+    t=$(allow 60 10)
+    if ((gpus < 2)); then
+      log "$name smoke: not run, it needs 2 GPUs and this machine has $gpus"
+    elif ((t >= 30)); then
+      local start=$SECONDS ranks=$(( gpus >= 4 ? 4 : 2 )) file=$work/raw/${name,,}_smoke.txt
+      timeout -k 5 "$t" "$BUILD_DIR/mfsdp-run" --nproc-per-node "$ranks" "$BUILD_DIR/mfsdp-pretrain" --device cuda --bf16 \
+        --mock-data --vocab-size 32000 --num-layers 4 --hidden-size 1024 --ffn-hidden-size 4096 \
+        --num-attention-heads 16 --group-query-attention --num-query-groups 8 --swiglu --seq-length 1024 \
+        --max-position-embeddings 1024 --micro-batch-size 2 --global-batch-size $((ranks * gbs)) --train-iters 20 \
+        --lr 3e-4 --log-interval 5 "$@" >"$file" 2>&1
+      local rc=$?
+      log "$name smoke on $ranks GPUs ($what, bf16): exit $rc, $((SECONDS - start)) s (bench_raw.tar.gz raw/${name,,}_smoke.txt)"
+      grep -E 'parallelism:|iteration +(5|20)/' "$file" | cut -c1-300 | tee -a "$summary"
+    else
+      log "$name smoke: skipped, $t s left for it"
+    fi
+  }
+  smoke TP "TP 2, sequence parallel" 1 --tensor-model-parallel-size 2 --sequence-parallel
+  smoke PP "PP 2, 1F1B" 4 --pipeline-model-parallel-size 2
   # Where run b's step goes: iterations 5..6 of it under --profile --use-pytorch-profiler, the
   # trace summed by bench/trace_summary.py (into bench_step_time.txt; the trace itself, gzipped,
   # into bench_raw.tar.gz when under 8 MiB).

@@ -14,7 +14,7 @@ StepShape training_step_shape(const CausalLM& model, const OptimizerSection& opt
 MemoryPlan plan_training_memory(const ModelConfig& config, const OptimizerSection& optimizer, const ParallelDims& dims,
                                 const FullyShardOptions& shard, int64_t micro_batches, int stage) {
   ModelBuildOptions options;
-  if (dims.pp > 1) options.pipeline = stage_chunks(dims.pipeline_split_options(config.num_layers()), stage).at(0);
+  if (dims.pp > 1) options.pipeline = stage_chunks(dims.pipeline_split_options(config.num_layers()), stage);
   options.deferred_init = true;  // full sizes, no memory: only shapes and dtypes are read
   options.init_seed = 0;
   // Under expert parallelism the model holds one expert-parallel rank's experts (every rank holds
@@ -49,10 +49,12 @@ void print_memory_plan(const ModelConfig& config, const OptimizerSection& optimi
         << " ranks\n";
   if (dims.pp == 1) log << format_memory_plan(plan);
   for (int stage = 0; stage < dims.pp && dims.pp > 1; ++stage) {
-    const PipelineChunk chunk = stage_chunks(dims.pipeline_split_options(config.num_layers()), stage).at(0);
-    log << " pipeline stage " << stage << " of " << dims.pp << ": decoder layers " << chunk.first_layer << " to "
-        << chunk.first_layer + chunk.num_layers - 1 << (chunk.embedding ? ", the embedding" : "")
-        << (chunk.output ? ", the output layer" : "") << "\n";
+    log << " pipeline stage " << stage << " of " << dims.pp << ":";
+    for (const PipelineChunk& chunk : stage_chunks(dims.pipeline_split_options(config.num_layers()), stage))
+      log << (chunk.virtual_stage > 0 ? ";" : "") << " decoder layers " << chunk.first_layer << " to "
+          << chunk.first_layer + chunk.num_layers - 1 << (chunk.embedding ? ", the embedding" : "")
+          << (chunk.output ? ", the output layer" : "");
+    log << "\n";
     log << format_memory_plan(stage == own_stage ? plan
                                                  : plan_training_memory(config, optimizer, dims, shard, micro_batches, stage));
   }

@@ -1,5 +1,6 @@
 #include "mfsdp/train/parallel_dims.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <vector>
 
@@ -56,10 +57,18 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
   if (p.decoder_last_pipeline_num_layers >= 0) d.pipeline.last_stage_layers = p.decoder_last_pipeline_num_layers;
   d.pipeline.account_for_embedding = p.account_for_embedding_in_pipeline_split;
   d.pipeline.account_for_loss = p.account_for_loss_in_pipeline_split;
+  if (p.num_virtual_stages_per_pipeline_rank > 0)
+    d.pipeline.virtual_stages = static_cast<int>(std::min<int64_t>(p.num_virtual_stages_per_pipeline_rank, 1 << 20));
+  d.layers_per_virtual_stage = p.num_layers_per_virtual_pipeline_stage;
   if (d.pp == 1 && (d.pipeline.first_stage_layers || d.pipeline.last_stage_layers || d.pipeline.account_for_embedding ||
-                    d.pipeline.account_for_loss))
+                    d.pipeline.account_for_loss || d.pipeline.virtual_stages > 1 || d.layers_per_virtual_stage > 0))
     flag_error(kPp, "1: the pipeline split flags (--decoder-first/last-pipeline-num-layers, "
-                    "--account-for-embedding/loss-in-pipeline-split) need pipeline parallelism");
+                    "--account-for-embedding/loss-in-pipeline-split, the virtual stages) need pipeline parallelism");
+  // Megatron's arguments.py: the layers of a virtual stage fix the split, so the ends cannot.
+  if (d.layers_per_virtual_stage > 0 && (d.pipeline.first_stage_layers || d.pipeline.last_stage_layers))
+    flag_error("--num-layers-per-virtual-pipeline-stage",
+               "cannot be combined with --decoder-first/last-pipeline-num-layers (give "
+               "--num-virtual-stages-per-pipeline-rank instead)");
   const int64_t model_parallel = int64_t{d.tp} * d.cp * d.pp;
   if (model_parallel > world || world % model_parallel != 0)
     flag_error(d.tp > 1 ? kTp : kCp, str(d.tp) + " x " + kCp + " " + str(d.cp) +
@@ -88,6 +97,22 @@ ParallelDims parallel_dims(const ParallelSection& p, const FsdpSection& fsdp, in
     flag_error("--outer-dp-sharding-strategy", std::string("optim shards across the instances of ") + kInstances +
                                                    ", which is " + str(instances) + " (needs 2 or more)");
   return d;
+}
+
+PipelineSplitOptions ParallelDims::pipeline_split_options(int64_t num_layers) const {
+  PipelineSplitOptions o = pipeline;
+  o.num_layers = num_layers;
+  o.stages = pp;
+  if (layers_per_virtual_stage > 0) {
+    // Megatron's arguments.py: (layers / stages) / layers per virtual stage chunks per stage.
+    const int64_t per_stage = num_layers / pp;
+    if (num_layers % pp != 0 || per_stage % layers_per_virtual_stage != 0)
+      flag_error("--num-layers-per-virtual-pipeline-stage",
+                 str(layers_per_virtual_stage) + " does not divide the " + str(num_layers) + " layers' " +
+                     str(per_stage) + " per stage of " + kPp + " " + str(pp));
+    o.virtual_stages = static_cast<int>(per_stage / layers_per_virtual_stage);
+  }
+  return o;
 }
 
 void check_parallel_model(const ParallelDims& d, const ModelConfig& config) {

@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -32,7 +33,7 @@ void check_activation(const at::Tensor& output, const PipelineLayout& layout, in
 }  // namespace
 
 at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<PipelineAction>& schedule,
-                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward, PipelineTimes* times) {
+                        const BeforeBackward& before_backward, const ChunkForward& forward, PipelineTimes* times) {
   using Clock = std::chrono::steady_clock;
   const auto start = Clock::now();
   double waiting = 0;
@@ -40,8 +41,13 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
   const int chunks = stages * layout.virtual_stages;
   const int previous = (stage + stages - 1) % stages, next = (stage + 1) % stages;
   std::map<int, size_t> last_backward;  // per chunk: the index of its last backward
+  size_t step_last_backward = schedule.size();
   for (size_t i = 0; i < schedule.size(); ++i)
-    if (schedule[i].step == PipelineStep::kBackward) last_backward[schedule[i].chunk] = i;
+    if (schedule[i].step == PipelineStep::kBackward) last_backward[schedule[i].chunk] = step_last_backward = i;
+  // Forwards only: nothing is kept for a backward.
+  const bool training = step_last_backward < schedule.size();
+  std::optional<at::NoGradGuard> no_grad;
+  if (!training) no_grad.emplace();
 
   at::Tensor loss = at::zeros({}, layout.activation_options.dtype(at::kDouble).requires_grad(false));
   std::map<std::pair<int, int64_t>, InFlight> in_flight;  // by (chunk, micro-batch)
@@ -67,7 +73,7 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
     if (a.step == PipelineStep::kForward) {
       RECORD_USER_SCOPE("mfsdp::pipeline_forward");
       InFlight f;
-      if (!first) f.input = receive(*layout.forward, previous).requires_grad_(true);
+      if (!first) f.input = receive(*layout.forward, previous).requires_grad_(training);
       ChunkOutput out = forward(a.chunk, a.micro_batch, f.input);
       if (last) {
         loss.add_(out.reported.detach().to(loss.device(), at::kDouble));
@@ -77,7 +83,7 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
         send(*layout.forward, out.output.detach().contiguous(), next);
         f.output = out.output;
       }
-      in_flight.emplace(key, std::move(f));
+      if (training) in_flight.emplace(key, std::move(f));
     } else {
       RECORD_USER_SCOPE("mfsdp::pipeline_backward");
       auto it = in_flight.find(key);
@@ -86,7 +92,7 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
                                std::to_string(a.chunk) + " before its forward");
       InFlight f = std::move(it->second);
       in_flight.erase(it);
-      roots.at(static_cast<size_t>(a.chunk))->set_requires_gradient_sync(last_backward[a.chunk] == i);
+      before_backward(a.chunk, last_backward[a.chunk] == i, step_last_backward == i);
       if (last) {
         f.output.backward();
       } else {
@@ -108,30 +114,16 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
 }
 
 at::Tensor run_forward_pipeline(const PipelineLayout& layout, int64_t micro_batches, const ChunkForward& forward) {
-  if (layout.virtual_stages != 1)
-    throw std::logic_error("run_forward_pipeline: one model chunk per stage, not " +
-                           std::to_string(layout.virtual_stages));
-  at::NoGradGuard no_grad;
-  const bool first = layout.stage == 0, last = layout.stage == layout.stages - 1;
-  at::Tensor loss = at::zeros({}, layout.activation_options.dtype(at::kDouble));
-  std::vector<std::pair<WorkHandle, at::Tensor>> sends;
-  for (int64_t m = 0; m < micro_batches; ++m) {
-    at::Tensor input;
-    if (!first) {
-      input = at::empty(layout.activation_shape, layout.activation_options);
-      layout.forward->recv(input, layout.stage - 1);
-    }
-    ChunkOutput out = forward(0, m, input);
-    if (last) {
-      loss.add_(out.reported.to(loss.device(), at::kDouble));
-    } else {
-      check_activation(out.output, layout, 0, m);
-      at::Tensor t = out.output.contiguous();
-      sends.emplace_back(layout.forward->send_recv_async({P2POp{P2POp::Kind::kSend, t, layout.stage + 1}}), t);
-    }
-  }
-  for (auto& [work, tensor] : sends) work->wait();
-  return loss;
+  std::vector<PipelineAction> forwards;
+  for (const PipelineAction& a : pipeline_schedule(layout, micro_batches))
+    if (a.step == PipelineStep::kForward) forwards.push_back(a);
+  return run_pipeline(layout, forwards, [](int, bool, bool) {}, forward);
+}
+
+std::vector<PipelineAction> pipeline_schedule(const PipelineLayout& layout, int64_t micro_batches) {
+  if (layout.virtual_stages > 1)
+    return interleaved_one_f_one_b(layout.stages, layout.stage, layout.virtual_stages, micro_batches);
+  return one_f_one_b(layout.stages, layout.stage, micro_batches);
 }
 
 }  // namespace mfsdp

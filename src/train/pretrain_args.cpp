@@ -9,6 +9,7 @@
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/data/indexed_dataset.h"
 #include "mfsdp/train/parallel_dims.h"
+#include "mfsdp/train/pipeline_schedule.h"
 #include "mfsdp/train/training_run.h"
 
 namespace mfsdp {
@@ -235,6 +236,13 @@ void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab)
                                           " is not a multiple of --micro-batch-size x data-parallel size = " +
                                           std::to_string(a.micro_batch_size) + " x " + std::to_string(dp));
   a.num_micro_batches = a.global_batch_size / per_micro;
+  // Megatron's checks of the interleaved schedule (micro-batches a multiple of the stages, ...),
+  // before any rank starts: the schedule of stage 0 is made once here.
+  if (a.pipeline_model_parallel_size > 1) {
+    const ParallelDims dims = parallel_dims(a, a, world);
+    const PipelineSplitOptions split = dims.pipeline_split_options(a.num_layers);
+    if (split.virtual_stages > 1) interleaved_one_f_one_b(dims.pp, 0, split.virtual_stages, a.num_micro_batches);
+  }
   if (a.lr_decay_iters == 0) a.lr_decay_iters = a.train_iters;
   if (a.lr_decay_iters > 0 && a.lr_warmup_iters > a.lr_decay_iters)
     flag_error("--lr-warmup-iters", "exceeds --lr-decay-iters");

@@ -91,8 +91,8 @@ class Pretrainer : public MicroBatchTrainer {
     return reported;
   }
 
-  ChunkOutput forward_chunk(int64_t iteration, int, int64_t m, const at::Tensor& input) override {
-    return chunk_loss(datasets_.train->micro_batch(layout_, iteration - 1, m, dp_rank_), input);
+  ChunkOutput forward_chunk(int64_t iteration, int chunk, int64_t m, const at::Tensor& input) override {
+    return chunk_loss(datasets_.train->micro_batch(layout_, iteration - 1, m, dp_rank_), chunk, input);
   }
 
   void log(const LogWindow& w) override {
@@ -117,15 +117,17 @@ class Pretrainer : public MicroBatchTrainer {
     r.mem_bytes = peak_memory_bytes(run_.comm()->device());
     run_.add_norms(r, w.last);
     // Pipeline parallelism: the stages' mean idle fraction in the window's last step (time waiting
-    // for a receive), beside 1F1B's ideal bubble (P - 1) / (m + P - 1).
+    // for a receive), beside the schedule's ideal bubble (1F1B's (P - 1) / (m + P - 1)).
     char bubble[96] = "";
     if (dims_.pp > 1) {
       const PipelineTimes& t = w.last.pipeline;
       const double idle = run_.all_reduce_mean(t.seconds > 0 ? t.waiting / t.seconds : 0.0);
-      const double ideal = (dims_.pp - 1.0) / static_cast<double>(a_.num_micro_batches + dims_.pp - 1);
+      // Interleaving divides the bubble by the chunks per stage V: (P - 1) / (V m + P - 1).
+      const double v = run_.pipeline().virtual_stages;
+      const double ideal = (dims_.pp - 1.0) / (v * static_cast<double>(a_.num_micro_batches) + dims_.pp - 1);
       r.extra.emplace_back("pipeline_bubble", idle);
       r.extra.emplace_back("pipeline_bubble_ideal", ideal);
-      std::snprintf(bubble, sizeof bubble, " | pipeline bubble: %.1f%% (1F1B's ideal %.1f%%)", 100 * idle, 100 * ideal);
+      std::snprintf(bubble, sizeof bubble, " | pipeline bubble: %.1f%% (the schedule's ideal %.1f%%)", 100 * idle, 100 * ideal);
     }
     run_.record(r);
     if (std::isnan(result_.first_loss)) result_.first_loss = loss;
@@ -159,8 +161,8 @@ class Pretrainer : public MicroBatchTrainer {
     const int64_t first_batch = (iteration / a_.eval_interval) * batches_per_eval;
     for (int64_t b = 0; b < batches_per_eval; ++b) {
       if (run_.pipeline().forward) {
-        total.add_(run_forward_pipeline(run_.pipeline(), a_.num_micro_batches, [&](int, int64_t m, const at::Tensor& in) {
-          return chunk_loss(datasets_.valid->micro_batch(layout_, first_batch + b, m, dp_rank_), in);
+        total.add_(run_forward_pipeline(run_.pipeline(), a_.num_micro_batches, [&](int c, int64_t m, const at::Tensor& in) {
+          return chunk_loss(datasets_.valid->micro_batch(layout_, first_batch + b, m, dp_rank_), c, in);
         }));
         continue;
       }
@@ -199,11 +201,12 @@ class Pretrainer : public MicroBatchTrainer {
     return loss_of(run_.model()->call(input), labels);
   }
 
-  // Pipeline parallelism: this stage's forward of one micro-batch (pipeline_runner.h), from the
-  // token ids on the first stage, else from the previous stage's hidden states `received`; the
-  // last stage's output is the loss.
-  ChunkOutput chunk_loss(const at::Tensor& cpu_tokens, const at::Tensor& received) {
+  // Pipeline parallelism: this stage's forward of model chunk `chunk` for one micro-batch
+  // (pipeline_runner.h), from the token ids on the first chunk, else from the previous chunk's
+  // hidden states `received`; the last chunk's output is the loss.
+  ChunkOutput chunk_loss(const at::Tensor& cpu_tokens, int chunk, const at::Tensor& received) {
     auto [input, labels] = inputs_and_labels(cpu_tokens);
+    run_.model()->select_pipeline_chunk(chunk);
     at::Tensor output = run_.model()->call(received.defined() ? received : input);
     if (!run_.model()->pipeline_chunk()->output) return {output, {}, {}};
     auto [loss, reported] = loss_of(output, labels);

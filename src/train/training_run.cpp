@@ -127,7 +127,7 @@ ShardedModel build_sharded_model(const ModelConfig& config, ModelBuildOptions op
     if (options.sequence_parallel && mesh->dims().tp > 1 && mesh->dims().cp > 1)
       options.tensor_context_parallel = mesh->get("tp_cp");
     if (mesh->dims().pp > 1)
-      options.pipeline = stage_chunks(mesh->dims().pipeline_split_options(config.num_layers()), mesh->coordinate("pp")).at(0);
+      options.pipeline = stage_chunks(mesh->dims().pipeline_split_options(config.num_layers()), mesh->coordinate("pp"));
     dense = mesh->dense_shard_options(shard);
     experts = mesh->expert_shard_options(shard);
   } else {
@@ -314,6 +314,30 @@ void TrainingRun::set_up_pipeline() {
   pipeline_.backward = pipeline_.forward->new_group(stages, "pp_gradients");
   pipeline_.stages = d.pp;
   pipeline_.stage = mesh_.coordinate("pp");
+  pipeline_.virtual_stages = static_cast<int>(sharded_.model->pipeline_chunks().size());
+  // Each chunk's units, whose gradient sync follows that chunk's backwards: the layers of its
+  // range (with their experts), and the units outside the layers (the embedding, lm_head, a tied
+  // embedding's copy) in the chunk that runs them: the embedding's on the first stage, the
+  // output layer's on the last (no stage holds both). The root runs in every backward and
+  // reduces at the step's last.
+  chunk_units_.assign(static_cast<size_t>(pipeline_.virtual_stages), {});
+  const auto& chunks = sharded_.model->pipeline_chunks();
+  int ends = -1;  // the chunk running the units outside the layers
+  for (size_t c = 0; c < chunks.size(); ++c)
+    if (chunks[c].embedding || chunks[c].output) ends = static_cast<int>(c);
+  std::map<std::string, std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : sharded_.model->named_modules("", /*include_self=*/false)) modules[item.key()] = item.value();
+  for (const FsdpUnit& u : sharded_.model->parallel_plan().fsdp_units) {
+    if (u.module.empty()) continue;
+    int owner = u.layer < 0 ? ends : -1;
+    for (size_t c = 0; c < chunks.size() && u.layer >= 0; ++c)
+      if (u.layer >= chunks[c].first_layer && u.layer < chunks[c].first_layer + chunks[c].num_layers)
+        owner = static_cast<int>(c);
+    if (owner < 0)
+      throw std::logic_error("TrainingRun: no pipeline chunk of stage " + std::to_string(pipeline_.stage) +
+                             " runs the FSDP unit '" + u.module + "'");
+    chunk_units_[static_cast<size_t>(owner)].push_back(handle_of(*modules.at(u.module)));
+  }
   // Megatron's tensor_shape: [micro-batch, sequence / CP (/ TP with sequence parallelism), hidden]
   // in this repository's [B, T, H] order, in the dtype the model computes in.
   const int64_t tokens = args_.seq_length / d.cp / (d.sequence_parallel ? d.tp : 1);
@@ -380,8 +404,13 @@ TrainingRun::StepStats TrainingRun::pipeline_step(int64_t iteration, int64_t mic
   if (!pipeline_.forward) throw std::logic_error("TrainingRun::pipeline_step: no pipeline parallelism");
   begin_step(iteration, micro_batches);
   PipelineTimes times;
-  at::Tensor loss = run_pipeline(pipeline_, one_f_one_b(pipeline_.stages, pipeline_.stage, micro_batches),
-                                 {&sharded_.root}, forward, &times);
+  // Gradient sync per unit (not recursive): a chunk's units reduce after its last backward, the
+  // root (with its own parameters) after the step's.
+  const auto before_backward = [&](int chunk, bool last_of_chunk, bool last_of_step) {
+    sharded_.root.set_requires_gradient_sync(last_of_step, /*recurse=*/false);
+    for (FsdpHandle& u : chunk_units_[static_cast<size_t>(chunk)]) u.set_requires_gradient_sync(last_of_chunk, false);
+  };
+  at::Tensor loss = run_pipeline(pipeline_, pipeline_schedule(pipeline_, micro_batches), before_backward, forward, &times);
   sum_tied_embedding_gradients();
   StepStats s = finish_step(iteration, loss);
   s.pipeline = times;

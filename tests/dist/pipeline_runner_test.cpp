@@ -202,7 +202,8 @@ MFSDP_DIST_TEST(PipelineRunner, OneFOneBOnRealRanksMatchesMegatronAndOneProcess,
 
   const std::vector<PipelineAction> schedule = mfsdp::one_f_one_b(P, s, kMicroBatches);
   const at::Tensor loss = mfsdp::run_pipeline(
-      st.layout, schedule, {&root}, [&](int chunk, int64_t m, const at::Tensor& input) {
+      st.layout, schedule, [&](int, bool last_of_chunk, bool) { root.set_requires_gradient_sync(last_of_chunk); },
+      [&](int chunk, int64_t m, const at::Tensor& input) {
         EXPECT_EQ(chunk, 0);
         EXPECT_EQ(input.defined(), !first) << "micro-batch " << m;
         if (input.defined()) {
@@ -271,7 +272,8 @@ MFSDP_DIST_TEST(PipelineRunner, WrongActivationShapeOrDtypeIsALogicErrorNamingBo
   const std::vector<PipelineAction> schedule = mfsdp::one_f_one_b(2, 0, kMicroBatches);
   auto run = [&](const std::function<at::Tensor(const at::Tensor&)>& reshape) {
     try {
-      mfsdp::run_pipeline(st.layout, schedule, {&root}, [&](int, int64_t m, const at::Tensor&) {
+      mfsdp::run_pipeline(st.layout, schedule, [&](int, bool last, bool) { root.set_requires_gradient_sync(last); },
+                          [&](int, int64_t m, const at::Tensor&) {
         return mfsdp::ChunkOutput{reshape(mfsdp::call(*stage, input_of(m))), {}, {}};
       });
     } catch (const std::logic_error& e) {

@@ -111,6 +111,12 @@ TEST(Pipeline, EveryLayoutTrainsLikeOneProcess) {
       {"pp2_first1", 2, pp2 + " --decoder-first-pipeline-num-layers 1 --untie-embeddings-and-output-weights", false},
       {"pp3_accounted", 3,
        " --pipeline-model-parallel-size 3 --account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split"},
+      // Interleaved 1F1B: two chunks of one layer per stage (layers 0 and 2 on stage 0).
+      {"pp2_vp2", 2, pp2 + " --num-virtual-stages-per-pipeline-rank 2"},
+      {"pp2_vp2_untied", 2, pp2 + " --num-layers-per-virtual-pipeline-stage 1 --untie-embeddings-and-output-weights",
+       false},
+      {"pp2_vp2_tp2", 4,
+       pp2 + " --virtual-pipeline-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel", true, true},
   };
   for (const Layout& l : layouts) {
     // The whole model gathered over the stages (and TP ranks): a Hugging Face folder, as one rank's.
@@ -228,6 +234,12 @@ TEST(Pipeline, RefusesWhatMegatronRefuses) {
                "--account-for-embedding-in-pipeline-split",
             "--account-for-embedding-in-pipeline-split"},
            {3, " --pipeline-model-parallel-size 2", "--pipeline-model-parallel-size"},
+           // Interleaving: 3 micro-batches are not a multiple of the 2 stages; 4 layers do not
+           // make chunks of 3.
+           {2, " --pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 --global-batch-size 6",
+            "--global-batch-size"},
+           {2, " --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 3",
+            "--num-layers-per-virtual-pipeline-stage"},
        }) {
     const auto r = pretrain(c.ranks, c.flags + kVocab + " --train-iters 1");
     EXPECT_EQ(r.exit_code, 2) << c.flags << "\n" << r.output;

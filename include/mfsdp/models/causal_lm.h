@@ -65,12 +65,14 @@ struct ModelBuildOptions {
   // The tensor- and context-parallel ranks together (Megatron's tp_cp group), needed with both
   // and sequence parallelism: the tokens MoE layers count their balancing losses over.
   std::shared_ptr<Communicator> tensor_context_parallel;
-  // Pipeline parallelism: the model chunk this rank holds (pipeline_split.h: its decoder layers,
-  // whether it holds the embedding, and the final norm and output layer); unset: the whole
-  // model. Names stay global ("model.layers.<i>"), so checkpoints do not depend on the split. A
-  // chunk's forward takes the token ids when it holds the embedding, else the previous chunk's
-  // hidden states, and returns logits when it holds the output layer, else its hidden states.
-  std::optional<PipelineChunk> pipeline;
+  // Pipeline parallelism: the model chunks this rank holds (pipeline_split.h's stage_chunks: one,
+  // or several with interleaving; each its decoder layers, whether it holds the embedding, and
+  // the final norm and output layer); empty: the whole model. Names stay global
+  // ("model.layers.<i>"), so checkpoints do not depend on the split. The forward runs the chunk
+  // CausalLM::select_pipeline_chunk chose: from the token ids when it holds the embedding, else
+  // from the previous chunk's hidden states, to logits when it holds the output layer, else to
+  // its hidden states.
+  std::vector<PipelineChunk> pipeline;
 };
 
 // ---- Padded and packed batches ---------------------------------------------------------------
@@ -178,17 +180,40 @@ class CausalLM : public ShardedModule<CausalLM> {
     return context_parallelism_.active() ? context_parallelism_.group : nullptr;
   }
 
-  // Pipeline parallelism (ModelBuildOptions::pipeline): the chunk this model holds; unset: the
-  // whole model. Its forward maps the chunk's input to its output (see ModelBuildOptions).
-  const std::optional<PipelineChunk>& pipeline_chunk() const { return pipeline_chunk_; }
-  // With tied embeddings, a pipeline chunk that holds the output layer but not the embedding
-  // keeps its own copy of the embedding weight (Megatron's shared_embedding_or_output_weight):
-  // its gradient is summed with the first stage's, and it is neither saved nor counted twice.
+  // Pipeline parallelism (ModelBuildOptions::pipeline): the chunks this model holds (empty: the
+  // whole model), and the one its forward runs (unset without pipeline parallelism).
+  const std::vector<PipelineChunk>& pipeline_chunks() const { return pipeline_chunks_; }
+  std::optional<PipelineChunk> pipeline_chunk() const {
+    if (pipeline_chunks_.empty()) return std::nullopt;
+    return pipeline_chunks_[static_cast<size_t>(active_chunk_)];
+  }
+  // Makes chunk `chunk` (an index into pipeline_chunks()) the one the next forwards run.
+  void select_pipeline_chunk(int chunk) {
+    if (chunk < 0 || chunk >= static_cast<int>(pipeline_chunks_.size()))
+      throw std::out_of_range("CausalLM::select_pipeline_chunk: chunk " + std::to_string(chunk) + " of " +
+                              std::to_string(pipeline_chunks_.size()));
+    active_chunk_ = chunk;
+  }
+  // Whether some chunk of this model holds the embedding / the output layer (true without
+  // pipeline parallelism).
+  bool holds_embedding() const {
+    for (const PipelineChunk& c : pipeline_chunks_)
+      if (c.embedding) return true;
+    return pipeline_chunks_.empty();
+  }
+  bool holds_output() const {
+    for (const PipelineChunk& c : pipeline_chunks_)
+      if (c.output) return true;
+    return pipeline_chunks_.empty();
+  }
   // The embedding weight a tied output layer reads (on every stage); empty when untied.
   const std::string& tied_embedding() const { return tied_embedding_; }
-  // The name of that copy's parameter; empty when this chunk holds none.
+  // With tied embeddings, a pipeline stage that holds the output layer but not the embedding
+  // keeps its own copy of the embedding weight (Megatron's shared_embedding_or_output_weight):
+  // its gradient is summed with the first stage's, and it is neither saved nor counted twice.
+  // The name of that copy's parameter; empty when this model holds none.
   std::string embedding_copy() const {
-    return pipeline_chunk_ && pipeline_chunk_->output && !pipeline_chunk_->embedding ? tied_embedding_ : std::string();
+    return holds_output() && !holds_embedding() ? tied_embedding_ : std::string();
   }
 
   // Fills `out` (any dtype/device, the parameter's shape) with the initial values of the
@@ -212,8 +237,8 @@ class CausalLM : public ShardedModule<CausalLM> {
   // rank's experts, then the split parameters are cut, then context parallelism is set.
   void apply_parallel_plan(ParallelPlan plan, TensorParallelism tensor_parallelism,
                            ContextParallelism context_parallelism, const ExpertParallelism& expert_parallelism,
-                           std::optional<PipelineChunk> pipeline = std::nullopt, std::string tied_embedding = {}) {
-    pipeline_chunk_ = std::move(pipeline);
+                           std::vector<PipelineChunk> pipeline = {}, std::string tied_embedding = {}) {
+    pipeline_chunks_ = std::move(pipeline);
     tied_embedding_ = std::move(tied_embedding);
     parallel_plan_ = std::move(plan);
     tensor_parallelism_ = std::move(tensor_parallelism);
@@ -227,7 +252,8 @@ class CausalLM : public ShardedModule<CausalLM> {
   ParallelPlan parallel_plan_;
   TensorParallelism tensor_parallelism_;
   ContextParallelism context_parallelism_;
-  std::optional<PipelineChunk> pipeline_chunk_;
+  std::vector<PipelineChunk> pipeline_chunks_;
+  int active_chunk_ = 0;
   std::string tied_embedding_;  // the embedding weight a tied output layer reads; empty: untied
 };
 

@@ -269,16 +269,20 @@ class LlamaModelImpl : public torch::nn::Module, public WithContextParallelism {
   at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout, LlamaKVCache* cache = nullptr);
   int64_t num_layers() const { return static_cast<int64_t>(layers->size()); }
   LlamaDecoderLayerImpl& layer(int64_t i);
-  // The decoder layers this model runs: [first_layer, end_layer), all of them unless a pipeline
-  // chunk was kept.
+  // The decoder layers the forward runs: [first_layer, end_layer), all of them unless a pipeline
+  // chunk was chosen (run_chunk).
   int64_t first_layer() const { return first_layer_; }
   int64_t end_layer() const { return end_layer_; }
-  // Pipeline parallelism: drops (unregisters) every module outside `chunk` (the layers of other
-  // chunks, the embedding unless the chunk holds it or its tied copy, the final norm unless it
-  // holds the output). The dropped modules keep their 0-byte deferred parameters. The forward
-  // then takes hidden states [B, T, H] ([B, T/tp, H] under sequence parallelism) when the chunk
-  // has no embedding, and returns the last layer's output un-normed when it has no output.
-  void keep_pipeline_chunk(const PipelineChunk& chunk, bool tied_embedding);
+  // Every decoder layer this model holds (a pipeline stage's chunks' layers), ascending.
+  const std::vector<int64_t>& kept_layers() const { return kept_layers_; }
+  // Pipeline parallelism: drops (unregisters) every module outside `chunks` (the layers of other
+  // stages' chunks, the embedding unless a chunk holds it or its tied copy, the final norm unless
+  // one holds the output). The dropped modules keep their 0-byte deferred parameters.
+  void keep_pipeline_chunks(const std::vector<PipelineChunk>& chunks, bool tied_embedding);
+  // The chunk the next forwards run: its layers; from hidden states [B, T, H] ([B, T/tp, H]
+  // under sequence parallelism) when it has no embedding, to the last layer's output un-normed
+  // when it has no output.
+  void run_chunk(const PipelineChunk& chunk);
 
   LlamaEmbedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};  // LlamaDecoderLayerImpl, registered as "layers"
@@ -298,6 +302,8 @@ class LlamaModelImpl : public torch::nn::Module, public WithContextParallelism {
   LlamaConfig config_;
   LlamaParallel parallel_;
   int64_t first_layer_ = 0, end_layer_ = 0;
+  bool chunk_embeds_ = true, chunk_outputs_ = true;  // the running chunk's ends
+  std::vector<int64_t> kept_layers_;
 };
 TORCH_MODULE(LlamaModel);
 
@@ -313,10 +319,10 @@ TORCH_MODULE(LlamaModel);
 // latent attention splits by heads as Megatron's MLA: q_proj / q_b_proj and kv_b_proj
 // column-parallel, o_proj row-parallel, the low-rank down-projections and their norms replicated
 // with partial gradients (each rank's heads read them).
-// A pipeline chunk's plan has only the units of what it holds (its layers; the embedding and
+// A pipeline stage's plan has only the units of what its chunks hold (its layers; the embedding and
 // lm_head where it holds them; a tied embedding split over stages is a unit at each end).
 ParallelPlan llama_parallel_plan(const LlamaConfig& config, bool experts_apart = false,
-                                 const std::optional<PipelineChunk>& chunk = std::nullopt);
+                                 const std::vector<PipelineChunk>& chunks = {});
 
 // The causal LM: LlamaModel plus the output projection (HF LlamaForCausalLM); the Llama family's
 // CausalLM (causal_lm.h documents the interface). Call it as `model->call(ids)` once sharded.
@@ -363,7 +369,7 @@ class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
   void init_named(const std::string& prefix, torch::nn::Module& module);
   void check_materialized() const;
   at::Tensor logits(const at::Tensor& hidden);  // the output projection (tied or lm_head)
-  bool holds_output() const;                     // not a pipeline chunk before the last
+
 
   LlamaConfig config_;
   LlamaParallel parallel_;

@@ -38,15 +38,13 @@ struct ParallelDims {
   // --sequence-parallel, kept only with tensor parallelism (as Megatron does).
   bool sequence_parallel = false;
   // How the decoder layers are split over the pipeline stages (the split flags; num_layers and
-  // stages are filled by pipeline_split_options).
+  // stages are filled by pipeline_split_options, and virtual_stages from
+  // --num-layers-per-virtual-pipeline-stage when that is given).
   PipelineSplitOptions pipeline;
-  // The split of a model of `num_layers` decoder layers over this layout's stages.
-  PipelineSplitOptions pipeline_split_options(int64_t num_layers) const {
-    PipelineSplitOptions o = pipeline;
-    o.num_layers = num_layers;
-    o.stages = pp;
-    return o;
-  }
+  int64_t layers_per_virtual_stage = 0;
+  // The split of a model of `num_layers` decoder layers over this layout's stages. Throws
+  // std::invalid_argument naming the flag when --num-layers-per-virtual-pipeline-stage does not fit.
+  PipelineSplitOptions pipeline_split_options(int64_t num_layers) const;
 
   int world() const { return pp * dp_replicate * dp_shard * cp * tp; }
   int dp() const { return dp_replicate * dp_shard; }  // data replicas: each reads its own share

@@ -54,19 +54,27 @@ struct PipelineTimes {
   double waiting = 0;
 };
 
+// Called before each backward with its chunk, whether it is that chunk's last backward of the
+// step and whether it is the step's last: the caller turns gradient sync on for what finishes
+// there (FsdpHandle::set_requires_gradient_sync), so each unit's gradients are reduced once per
+// step. With one chunk: `handle.set_requires_gradient_sync(last_of_chunk)` on the root.
+using BeforeBackward = std::function<void(int chunk, bool last_of_chunk, bool last_of_step)>;
+
 // Runs `schedule` on this rank and returns the summed `reported` losses (fp64, 0-dim, on the
-// activations' device; zero on ranks without the output layer). Before each backward, gradient
-// sync of `roots[chunk]` is turned on only for that chunk's last backward, so each chunk's
-// gradients are reduced once per step. A chunk output whose shape or dtype differs from the
-// layout's is a std::logic_error naming both (the receiver could not know it). `times`, when
-// given, receives the step's timings.
+// activations' device; zero on ranks without the output layer). A schedule without backward
+// steps runs the forwards only, without autograd (validation). A chunk output whose shape or
+// dtype differs from the layout's is a std::logic_error naming both (the receiver could not know
+// it). `times`, when given, receives the step's timings.
 at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<PipelineAction>& schedule,
-                        const std::vector<FsdpHandle*>& roots, const ChunkForward& forward,
+                        const BeforeBackward& before_backward, const ChunkForward& forward,
                         PipelineTimes* times = nullptr);
 
-// Forwards only (validation, no gradients): every micro-batch through this stage in order, each
-// stage receiving from the previous one and sending to the next. Returns the summed `reported`
-// losses as run_pipeline does. Not with interleaving.
+// Forwards only (validation, no gradients): every micro-batch through every chunk of this stage
+// in the schedule's order. Returns the summed `reported` losses as run_pipeline does.
 at::Tensor run_forward_pipeline(const PipelineLayout& layout, int64_t micro_batches, const ChunkForward& forward);
+
+// The schedule of `layout` over `micro_batches`: Megatron's 1F1B, or its interleaved 1F1B with
+// several chunks per stage (pipeline_schedule.h).
+std::vector<PipelineAction> pipeline_schedule(const PipelineLayout& layout, int64_t micro_batches);
 
 }  // namespace mfsdp

@@ -258,6 +258,8 @@ class TrainingRun {
   ParallelMesh mesh_;  // before sharded_, which is built over its groups
   ShardedModel sharded_;
   PipelineLayout pipeline_;  // pipeline parallelism: the stages' groups and activation shape
+  // The FSDP units of each model chunk of this stage (all but the root).
+  std::vector<std::vector<FsdpHandle>> chunk_units_;
   // The first and last pipeline stages (with tied embeddings split over them); null otherwise.
   std::shared_ptr<Communicator> embedding_group_;
   std::unique_ptr<DistributedOptimizer> optimizer_;

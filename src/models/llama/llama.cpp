@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -55,33 +56,51 @@ LlamaModelImpl::LlamaModelImpl(const LlamaConfig& c, bool deferred, const LlamaP
   for (int64_t i = 0; i < c.num_layers; ++i) layers->push_back(LlamaDecoderLayer(c, i, deferred));
   norm = register_module("norm", LlamaRMSNorm(c.hidden_size, c.rms_norm_eps, deferred));
   end_layer_ = c.num_layers;
+  for (int64_t i = 0; i < c.num_layers; ++i) kept_layers_.push_back(i);
 }
 
-void LlamaModelImpl::keep_pipeline_chunk(const PipelineChunk& chunk, bool tied_embedding) {
-  if (chunk.first_layer < 0 || chunk.num_layers < 0 || chunk.first_layer + chunk.num_layers > num_layers())
-    throw std::invalid_argument("LlamaModel: pipeline chunk of layers [" + std::to_string(chunk.first_layer) + ", " +
-                                std::to_string(chunk.first_layer + chunk.num_layers) + ") outside the model's " +
-                                std::to_string(num_layers()) + " layers");
-  first_layer_ = chunk.first_layer;
-  end_layer_ = chunk.first_layer + chunk.num_layers;
+void LlamaModelImpl::keep_pipeline_chunks(const std::vector<PipelineChunk>& chunks, bool tied_embedding) {
+  bool embedding = false, output = false;
+  std::vector<bool> kept(static_cast<size_t>(num_layers()), false);
+  for (const PipelineChunk& chunk : chunks) {
+    if (chunk.first_layer < 0 || chunk.num_layers < 0 || chunk.first_layer + chunk.num_layers > num_layers())
+      throw std::invalid_argument("LlamaModel: pipeline chunk of layers [" + std::to_string(chunk.first_layer) + ", " +
+                                  std::to_string(chunk.first_layer + chunk.num_layers) + ") outside the model's " +
+                                  std::to_string(num_layers()) + " layers");
+    for (int64_t i = chunk.first_layer; i < chunk.first_layer + chunk.num_layers; ++i) kept[static_cast<size_t>(i)] = true;
+    embedding = embedding || chunk.embedding;
+    output = output || chunk.output;
+  }
+  kept_layers_.clear();
   for (int64_t i = 0; i < num_layers(); ++i)
-    if (i < first_layer_ || i >= end_layer_) layers->unregister_module(std::to_string(i));
-  if (!chunk.embedding) {
-    if (chunk.output && tied_embedding) {
+    if (kept[static_cast<size_t>(i)])
+      kept_layers_.push_back(i);
+    else
+      layers->unregister_module(std::to_string(i));
+  if (!embedding) {
+    if (output && tied_embedding) {
       embed_tokens->as_output = true;  // the last stage's copy of the tied weight
     } else {
       unregister_module("embed_tokens");
       embed_tokens = nullptr;
     }
   }
-  if (!chunk.output) {
+  if (!output) {
     unregister_module("norm");
     norm = nullptr;
   }
+  if (!chunks.empty()) run_chunk(chunks.front());
+}
+
+void LlamaModelImpl::run_chunk(const PipelineChunk& chunk) {
+  first_layer_ = chunk.first_layer;
+  end_layer_ = chunk.first_layer + chunk.num_layers;
+  chunk_embeds_ = chunk.embedding;
+  chunk_outputs_ = chunk.output;
 }
 
 int64_t LlamaModelImpl::row_length(const at::Tensor& input) const {
-  const bool ids = embed_tokens && !embed_tokens->as_output;
+  const bool ids = chunk_embeds_;
   if (ids ? input.dim() != 2 : input.dim() != 3)
     throw std::invalid_argument(std::string("LlamaModel::forward: expected ") +
                                 (ids ? "input_ids [B, T]" : "a previous pipeline stage's hidden states [B, T, H]") +
@@ -213,7 +232,7 @@ at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryT
                                       const ContextParallelKeys& cp) {
   // A unit of its own when untied. A pipeline chunk without the embedding starts from the
   // previous chunk's hidden states.
-  at::Tensor hidden = embed_tokens && !embed_tokens->as_output ? mfsdp::call(*embed_tokens, input_ids) : input_ids;
+  at::Tensor hidden = chunk_embeds_ ? mfsdp::call(*embed_tokens, input_ids) : input_ids;
   const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
   for (int64_t i = first_layer_; i < end_layer_; ++i) {
     auto layer = layers->ptr<LlamaDecoderLayerImpl>(i);
@@ -228,7 +247,7 @@ at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryT
       hidden = layer->call(hidden, rope, cache, allowed, tokens, cp);
     }
   }
-  return norm ? norm(hidden) : hidden;
+  return chunk_outputs_ ? norm(hidden) : hidden;
 }
 
 // ---- LlamaForCausalLM ---------------------------------------------------------------------
@@ -299,9 +318,11 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)
     lm_head = register_module("lm_head", LlamaLinear(c.hidden_size, c.vocab_size, /*deferred=*/true));
-  if (options.pipeline) {
-    model->keep_pipeline_chunk(*options.pipeline, c.tie_word_embeddings);
-    if (lm_head && !options.pipeline->output) {
+  if (!options.pipeline.empty()) {
+    model->keep_pipeline_chunks(options.pipeline, c.tie_word_embeddings);
+    const bool output = std::any_of(options.pipeline.begin(), options.pipeline.end(),
+                                    [](const PipelineChunk& k) { return k.output; });
+    if (lm_head && !output) {
       unregister_module("lm_head");
       lm_head = nullptr;
     }
@@ -314,7 +335,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
                       {split_group(options.context_parallel), options.context_parallel_algorithm}, parallel_.moe,
                       options.pipeline, c.tie_word_embeddings ? "model.embed_tokens.weight" : "");
   layer_deferred_.assign(c.num_layers, false);
-  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i) layer_deferred_[i] = true;
+  for (int64_t i : model->kept_layers()) layer_deferred_[static_cast<size_t>(i)] = true;
   root_deferred_ = true;
   if (!options.deferred_init) reset_parameters();
 }
@@ -322,19 +343,19 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, LlamaKVCache* cache,
                                          int64_t start_pos) {
   check_materialized();
+  if (const auto chunk = pipeline_chunk()) model->run_chunk(*chunk);
   return logits(model->forward(input_ids, cache, start_pos));
 }
-
-bool LlamaForCausalLMImpl::holds_output() const { return !pipeline_chunk() || pipeline_chunk()->output; }
 
 at::Tensor LlamaForCausalLMImpl::forward(const at::Tensor& input_ids, const SequenceLayout& layout,
                                          LlamaKVCache* cache) {
   check_materialized();
+  if (const auto chunk = pipeline_chunk()) model->run_chunk(*chunk);
   return logits(model->forward(input_ids, layout, cache));
 }
 
 at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
-  if (!holds_output()) return hidden;  // a pipeline chunk before the last: its hidden states
+  if (const auto chunk = pipeline_chunk(); chunk && !chunk->output) return hidden;  // the next chunk's input
   // Tensor-parallel (the plan's boundary): a column-parallel output layer over this rank's
   // vocabulary rows, so no rank forms the full-vocabulary logits.
   const at::Tensor in = parallel_boundary.enter(hidden);
@@ -403,10 +424,10 @@ void require_not_sharded(const torch::nn::Module& module, const std::string& wha
 }  // namespace
 
 void LlamaForCausalLMImpl::materialize_and_init_layer(int64_t i) {
-  if (i < model->first_layer() || i >= model->end_layer())
+  const std::vector<int64_t>& kept = model->kept_layers();
+  if (!std::binary_search(kept.begin(), kept.end(), i))
     throw std::out_of_range("LlamaForCausalLM::materialize_and_init_layer: layer " + std::to_string(i) +
-                            " is not in this pipeline chunk's [" + std::to_string(model->first_layer()) + ", " +
-                            std::to_string(model->end_layer()) + ")");
+                            " is not in this pipeline stage's chunks");
   require_not_sharded(model->layer(i), "layer " + std::to_string(i));
   init_named("model.layers." + std::to_string(i) + ".", model->layer(i));
   layer_deferred_[i] = false;
@@ -421,7 +442,7 @@ void LlamaForCausalLMImpl::init_root() {
 }
 
 void LlamaForCausalLMImpl::reset_parameters() {
-  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i) materialize_and_init_layer(i);
+  for (int64_t i : model->kept_layers()) materialize_and_init_layer(i);
   init_root();
 }
 
@@ -434,13 +455,13 @@ bool LlamaForCausalLMImpl::has_deferred() const {
 
 std::vector<std::pair<int64_t, RouterStats>> LlamaForCausalLMImpl::take_router_stats() {
   std::vector<std::pair<int64_t, RouterStats>> out;
-  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i)
+  for (int64_t i : model->kept_layers())
     if (model->layer(i).moe) out.emplace_back(i, model->layer(i).moe->take_stats());
   return out;
 }
 
 void LlamaForCausalLMImpl::set_aux_loss_scale(double scale) {
-  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i)
+  for (int64_t i : model->kept_layers())
     if (model->layer(i).moe) model->layer(i).moe->aux_loss_scale = scale;
 }
 
@@ -449,7 +470,7 @@ void LlamaForCausalLMImpl::update_expert_bias(int64_t layer, const std::vector<i
 }
 
 void LlamaForCausalLMImpl::set_use_sdpa(bool on) {
-  for (int64_t i = model->first_layer(); i < model->end_layer(); ++i)
+  for (int64_t i : model->kept_layers())
     if (LlamaAttention& attn = model->layer(i).self_attn) attn->use_sdpa = on;  // MLA: always SDPA
 }
 

@@ -2,11 +2,12 @@
 // Megatron's layout of a GPT layer, by Hugging Face parameter and module names.
 #include "mfsdp/models/llama.h"
 
+#include <algorithm>
 #include <string>
 
 namespace mfsdp {
 
-ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart, const std::optional<PipelineChunk>& chunk) {
+ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart, const std::vector<PipelineChunk>& chunks) {
   using Split = TensorParallelSplit;
   using Boundary = TensorParallelBoundary;
   ParallelPlan plan;
@@ -69,13 +70,20 @@ ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart, const
   // its own (the last stage's computes the logits, so it is gathered for its backward): the two
   // copies then have the same flat layout, and their gradients are summed shard by shard.
   const bool untied = !c.tie_word_embeddings;
-  const bool first = !chunk || chunk->embedding, last = !chunk || chunk->output;
-  const bool split_tied = !untied && chunk && !(first && last);
-  const int64_t begin = chunk ? chunk->first_layer : 0;
-  const int64_t end = chunk ? chunk->first_layer + chunk->num_layers : c.num_layers;
+  bool first = chunks.empty(), last = chunks.empty();
+  std::vector<int64_t> layers;
+  for (const PipelineChunk& k : chunks) {
+    first = first || k.embedding;
+    last = last || k.output;
+    for (int64_t i = k.first_layer; i < k.first_layer + k.num_layers; ++i) layers.push_back(i);
+  }
+  if (chunks.empty())
+    for (int64_t i = 0; i < c.num_layers; ++i) layers.push_back(i);
+  std::sort(layers.begin(), layers.end());
+  const bool split_tied = !untied && !(first && last);
   plan.fsdp_units.push_back({""});
   if ((untied || split_tied) && first) plan.fsdp_units.push_back({"model.embed_tokens", -1, /*unshard_in_backward=*/false});
-  for (int64_t i = begin; i < end; ++i) {
+  for (int64_t i : layers) {
     const std::string layer = "model.layers." + std::to_string(i);
     plan.fsdp_units.push_back({layer, i});
     if (experts_apart && c.moe.is_moe_layer(i))
@@ -89,6 +97,8 @@ ParallelPlan llama_parallel_plan(const LlamaConfig& c, bool experts_apart, const
   const bool output_unit = last && (untied || split_tied);
   plan.root_gradients_after =
       output_unit && plan.fsdp_units.size() > 1 ? 1 : static_cast<int>(plan.fsdp_units.size()) - 1;
+  // Several chunks (interleaving) run the units in no one order: unknown, planned from above.
+  if (chunks.size() > 1) plan.root_gradients_after = -1;
   return plan;
 }
 

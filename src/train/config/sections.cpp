@@ -594,6 +594,13 @@ std::vector<ToolFlag> ParallelSection::flags() {
                 "count the embedding as one layer when splitting the layers over pipeline stages"),
       bool_flag("--account-for-loss-in-pipeline-split", account_for_loss_in_pipeline_split,
                 "count the output layer and loss as one layer when splitting the layers over pipeline stages"),
+      int_flag("--num-virtual-stages-per-pipeline-rank", num_virtual_stages_per_pipeline_rank,
+               "interleaved 1F1B: model chunks per pipeline stage (0: one, Megatron's non-interleaved 1F1B)"),
+      int_flag("--virtual-pipeline-model-parallel-size", num_virtual_stages_per_pipeline_rank,
+               "older Megatron-LM's name of --num-virtual-stages-per-pipeline-rank"),
+      int_flag("--num-layers-per-virtual-pipeline-stage", num_layers_per_virtual_pipeline_stage,
+               "interleaved 1F1B: decoder layers per model chunk (0: unset); chunks per stage = layers per stage / "
+               "this"),
       int_flag("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
                "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
                "each shards the model as --data-parallel-sharding-strategy says, the instances "
@@ -612,6 +619,13 @@ void ParallelSection::validate() const {
                                 {"--pipeline-model-parallel-size", pipeline_model_parallel_size},
                                 {"--num-distributed-optimizer-instances", num_distributed_optimizer_instances}})
     if (v < 1) flag_error(flag, "must be >= 1, got " + std::to_string(v));
+  for (const auto& [flag, v] : {std::pair<const char*, int64_t>{"--num-virtual-stages-per-pipeline-rank",
+                                                                 num_virtual_stages_per_pipeline_rank},
+                                {"--num-layers-per-virtual-pipeline-stage", num_layers_per_virtual_pipeline_stage}})
+    if (v < 0) flag_error(flag, "must be >= 0, got " + std::to_string(v));
+  if (num_virtual_stages_per_pipeline_rank > 0 && num_layers_per_virtual_pipeline_stage > 0)
+    flag_error("--num-layers-per-virtual-pipeline-stage",
+               "and --num-virtual-stages-per-pipeline-rank are mutually exclusive (Megatron-LM's rule): give one");
   for (const auto& [flag, v] : {std::pair<const char*, int64_t>{"--decoder-first-pipeline-num-layers",
                                                                  decoder_first_pipeline_num_layers},
                                 {"--decoder-last-pipeline-num-layers", decoder_last_pipeline_num_layers}})

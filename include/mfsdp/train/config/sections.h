@@ -218,6 +218,11 @@ struct ParallelSection {
   int64_t decoder_last_pipeline_num_layers = -1;
   bool account_for_embedding_in_pipeline_split = false;
   bool account_for_loss_in_pipeline_split = false;
+  // Interleaving: model chunks per stage (Megatron's --num-virtual-stages-per-pipeline-rank, which
+  // older Megatron-LM calls --virtual-pipeline-model-parallel-size; 0: none), or the decoder
+  // layers of each chunk (--num-layers-per-virtual-pipeline-stage; 0: unset).
+  int64_t num_virtual_stages_per_pipeline_rank = 0;
+  int64_t num_layers_per_virtual_pipeline_stage = 0;
   // HSDP (Megatron's hierarchical data parallelism): the data-parallel ranks as instances of
   // consecutive ranks; each instance shards the model, the instances replicate it.
   int64_t num_distributed_optimizer_instances = 1;
