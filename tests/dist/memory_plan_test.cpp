@@ -29,11 +29,13 @@ struct Variant {
   int64_t expert_parallel = 0;  // 0: dense; else 4 experts split over this many ranks
   int64_t instances = 1;        // HSDP instances (--num-distributed-optimizer-instances)
   std::string outer = "no_shard";
+  int64_t pipeline = 1;         // pipeline stages (--pipeline-model-parallel-size)
   std::string describe(int world) const {
     return strategy + (bf16 ? " bf16" : " fp32") + (tied ? " tied" : " untied") + ", " +
            std::to_string(micro_batches) + " micro-batch(es), " + std::to_string(world) + " ranks" +
            (expert_parallel ? ", MoE EP " + std::to_string(expert_parallel) : "") +
-           (instances > 1 ? ", HSDP " + std::to_string(instances) + " instances, outer " + outer : "");
+           (instances > 1 ? ", HSDP " + std::to_string(instances) + " instances, outer " + outer : "") +
+           (pipeline > 1 ? ", PP " + std::to_string(pipeline) : "");
   }
 };
 
@@ -77,6 +79,15 @@ std::vector<Variant> hybrid_moe_variants() {
   return out;
 }
 
+// Pipeline parallelism: every strategy, tied (each end's embedding a unit) and untied, on 2
+// stages; the stage of each rank planned on its own.
+std::vector<Variant> pipeline_variants() {
+  std::vector<Variant> out;
+  for (const char* s : {"no_shard", "optim", "optim_grads", "optim_grads_params"})
+    for (bool tied : {false, true}) out.push_back({s, /*bf16=*/tied, tied, 2, 0, 1, "no_shard", 2});
+  return out;
+}
+
 // A small Llama whose sizes pad differently on 3, 8 and 64 ranks (vocab 64 x hidden 24).
 PretrainArgs tiny_args(const Variant& v, int world) {
   PretrainArgs a;
@@ -91,7 +102,8 @@ PretrainArgs tiny_args(const Variant& v, int world) {
   a.vocab_size = 64;
   a.make_vocab_size_divisible_by = 64;
   a.micro_batch_size = 1;
-  a.global_batch_size = v.micro_batches * world;
+  a.global_batch_size = v.micro_batches * world / v.pipeline;
+  a.pipeline_model_parallel_size = v.pipeline;
   a.train_iters = 2;
   a.untie_embeddings_and_output_weights = !v.tied;
   a.data_parallel_sharding_strategy = v.strategy;
@@ -110,11 +122,11 @@ PretrainArgs tiny_args(const Variant& v, int world) {
 }
 
 // The plan mfsdp-pretrain prints for these flags on `world` ranks.
-MemoryPlan plan_of(const PretrainArgs& a, int world) {
-  return mfsdp::plan_training_memory(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), a,
-                                     mfsdp::parallel_dims(a, a, world),
+MemoryPlan plan_of(const PretrainArgs& a, int world, int rank = 0) {
+  const mfsdp::ParallelDims dims = mfsdp::parallel_dims(a, a, world);
+  return mfsdp::plan_training_memory(mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), a, dims,
                                      mfsdp::shard_options_from_args(a, a, a, a.calculate_per_token_loss),
-                                     a.num_micro_batches);
+                                     a.num_micro_batches, /*stage=*/rank / (world / dims.pp));
 }
 
 struct Measured {
@@ -126,7 +138,16 @@ Measured measure(const PretrainArgs& a, const std::shared_ptr<mfsdp::Communicato
   std::ostringstream log;
   mfsdp::TrainingRun run(a, mfsdp::model_config_from_args(a, a, a.seq_length, a.padded_vocab_size), comm, log, /*per_token_loss=*/false);
   torch::manual_seed(comm->rank());
-  for (int64_t it = 1; it <= a.train_iters; ++it)
+  for (int64_t it = 1; it <= a.train_iters && run.pipeline().forward; ++it)
+    run.pipeline_step(it, a.num_micro_batches, [&](int chunk, int64_t, const at::Tensor& input) {
+      at::Tensor tokens = torch::randint(0, a.vocab_size, {a.micro_batch_size, a.seq_length + 1});
+      run.model()->select_pipeline_chunk(chunk);
+      at::Tensor out = run.model()->call(input.defined() ? input : tokens.narrow(1, 0, a.seq_length));
+      if (!run.model()->pipeline_chunk()->output) return mfsdp::ChunkOutput{out, {}, {}};
+      at::Tensor loss = mfsdp::lm_loss(out, tokens.narrow(1, 1, a.seq_length)) / static_cast<double>(a.num_micro_batches);
+      return mfsdp::ChunkOutput{{}, loss, loss.detach()};
+    });
+  for (int64_t it = 1; it <= a.train_iters && !run.pipeline().forward; ++it)
     run.step(it, a.num_micro_batches, [&](int64_t) {
       at::Tensor tokens = torch::randint(0, a.vocab_size, {a.micro_batch_size, a.seq_length + 1});
       at::Tensor logits = run.model()->call(tokens.narrow(1, 0, a.seq_length));
@@ -158,9 +179,15 @@ std::string mismatch(const MemoryPlan& plan, const Measured& m) {
 void expect_plan_matches(const std::shared_ptr<mfsdp::Communicator>& comm, const std::vector<Variant>& variants) {
   for (const Variant& v : variants) {
     const PretrainArgs a = tiny_args(v, comm->size());
-    const MemoryPlan plan = plan_of(a, comm->size());
-    const Measured measured = measure(a, comm);
+    const MemoryPlan plan = plan_of(a, comm->size(), comm->rank());
+    Measured measured = measure(a, comm);
     EXPECT_GT(measured.transient_peak, 0) << v.describe(comm->size());
+    // Under pipeline parallelism the plan runs each micro-batch's forward and backward in turn,
+    // not 1F1B's warm-up forwards first: its transient peak bounds the real one from above.
+    if (v.pipeline > 1) {
+      EXPECT_GE(plan.transient_peak, measured.transient_peak) << v.describe(comm->size());
+      measured.transient_peak = plan.transient_peak;
+    }
     EXPECT_EQ(mismatch(plan, measured), "") << v.describe(comm->size()) << "\n" << mfsdp::format_memory_plan(plan);
   }
 }
@@ -172,6 +199,12 @@ std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
 }  // namespace
 
 MFSDP_DIST_TEST(MemoryPlan, EqualsWhatRealRanksHold, {1, 2, 3, 4}) { expect_plan_matches(borrow(comm), every_variant()); }
+
+// Each pipeline stage's plan against its ranks (2 stages; x DP 2 on 4 ranks): every persistent
+// byte, and the transient peak from above.
+MFSDP_DIST_TEST(MemoryPlan, EqualsWhatEachPipelineStageHolds, {2, 4}) {
+  expect_plan_matches(borrow(comm), pipeline_variants());
+}
 
 // Under expert parallelism: the experts' units over their expert-data-parallel group, inside
 // their layers, the rest over every rank.
