@@ -21,8 +21,9 @@ struct InFlight {
 };
 
 void check_activation(const at::Tensor& output, const PipelineLayout& layout, int chunk, int64_t micro_batch) {
-  if (output.sizes().vec() == layout.activation_shape && output.scalar_type() == layout.activation_options.dtype())
-    return;
+  const bool shape_agreed = layout.variable_shapes ? output.dim() == static_cast<int64_t>(layout.activation_shape.size())
+                                                   : output.sizes().vec() == layout.activation_shape;
+  if (shape_agreed && output.scalar_type() == layout.activation_options.dtype()) return;
   throw std::logic_error("pipeline stage " + std::to_string(layout.stage) + ", chunk " + std::to_string(chunk) +
                          ", micro-batch " + std::to_string(micro_batch) + ": the output is " +
                          c10::str(output.sizes(), " ", output.scalar_type()) + " but the next stage expects " +
@@ -53,16 +54,32 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
   std::map<std::pair<int, int64_t>, InFlight> in_flight;  // by (chunk, micro-batch)
   // Sends are not waited for until the step's end (the next stage receives when it needs them);
   // their tensors stay alive here meanwhile.
-  std::vector<std::pair<WorkHandle, at::Tensor>> sends;
-  const auto send = [&](Communicator& comm, const at::Tensor& t, int peer) {
-    sends.emplace_back(comm.send_recv_async({P2POp{P2POp::Kind::kSend, t, peer}}), t);
+  std::vector<std::pair<WorkHandle, std::vector<at::Tensor>>> sends;
+  const auto send = [&](Communicator& comm, std::vector<at::Tensor> tensors, int peer) {
+    std::vector<P2POp> ops;
+    for (const at::Tensor& t : tensors) ops.push_back(P2POp{P2POp::Kind::kSend, t, peer});
+    sends.emplace_back(comm.send_recv_async(ops), std::move(tensors));
   };
-  const auto receive = [&](Communicator& comm, int peer) {
-    at::Tensor t = at::empty(layout.activation_shape, layout.activation_options);
+  // With variable shapes an activation's shape goes ahead of it, in the same batch (so in order).
+  const auto send_activation = [&](const at::Tensor& t) {
+    if (!layout.variable_shapes) return send(*layout.forward, {t}, next);
+    send(*layout.forward, {at::tensor(t.sizes().vec(), at::kLong).to(t.device()), t}, next);
+  };
+  const auto receive = [&](Communicator& comm, int peer, at::IntArrayRef shape, const at::TensorOptions& options) {
+    at::Tensor t = at::empty(shape, options);
     const auto before = Clock::now();
     comm.recv(t, peer);
     waiting += std::chrono::duration<double>(Clock::now() - before).count();
     return t;
+  };
+  const auto receive_activation = [&]() {
+    if (!layout.variable_shapes)
+      return receive(*layout.forward, previous, layout.activation_shape, layout.activation_options);
+    const auto rank = static_cast<int64_t>(layout.activation_shape.size());
+    const at::Tensor shape =
+        receive(*layout.forward, previous, {rank}, layout.activation_options.dtype(at::kLong)).cpu();
+    const int64_t* dims = shape.data_ptr<int64_t>();
+    return receive(*layout.forward, previous, std::vector<int64_t>(dims, dims + rank), layout.activation_options);
   };
 
   for (size_t i = 0; i < schedule.size(); ++i) {
@@ -73,14 +90,14 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
     if (a.step == PipelineStep::kForward) {
       RECORD_USER_SCOPE("mfsdp::pipeline_forward");
       InFlight f;
-      if (!first) f.input = receive(*layout.forward, previous).requires_grad_(training);
+      if (!first) f.input = receive_activation().requires_grad_(training);
       ChunkOutput out = forward(a.chunk, a.micro_batch, f.input);
       if (last) {
         loss.add_(out.reported.detach().to(loss.device(), at::kDouble));
         f.output = out.loss;
       } else {
         check_activation(out.output, layout, a.chunk, a.micro_batch);
-        send(*layout.forward, out.output.detach().contiguous(), next);
+        send_activation(out.output.detach().contiguous());
         f.output = out.output;
       }
       if (training) in_flight.emplace(key, std::move(f));
@@ -96,12 +113,13 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
       if (last) {
         f.output.backward();
       } else {
-        at::Tensor grad = receive(*layout.backward, next);
+        // The gradient of what this chunk sent: its output's shape.
+        at::Tensor grad = receive(*layout.backward, next, f.output.sizes(), layout.activation_options);
         torch::autograd::backward({f.output}, {grad});
       }
       if (!first) {
         at::Tensor input_grad = f.input.grad();  // undefined only if the output ignored the input
-        send(*layout.backward, input_grad.defined() ? input_grad : at::zeros_like(f.input), previous);
+        send(*layout.backward, {input_grad.defined() ? input_grad : at::zeros_like(f.input)}, previous);
       }
     }
   }

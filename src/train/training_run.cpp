@@ -348,6 +348,7 @@ void TrainingRun::set_up_pipeline() {
     break;
   }
   pipeline_.activation_options = at::TensorOptions().dtype(dtype).device(comm_->device());
+  pipeline_.variable_shapes = args_.variable_seq_lengths;
   // Megatron's embedding group: the first and last stages of each pipeline, where the two copies
   // of a tied embedding live. new_group is collective over the world: the stages between take a
   // group of their own.

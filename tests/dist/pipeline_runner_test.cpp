@@ -70,10 +70,13 @@ struct StageImpl : torch::nn::Module {
 };
 TORCH_MODULE(Stage);
 
-// The first stage's input of micro-batch m.
-at::Tensor input_of(int64_t micro_batch) {
+// The first stage's input of micro-batch m: the layout's shape, or with `variable` lengths (as
+// --variable-seq-lengths is for) a sequence of 1 + m % 3 tokens.
+at::Tensor input_of(int64_t micro_batch, bool variable = false) {
   auto gen = at::make_generator<at::CPUGeneratorImpl>(500 + micro_batch);
-  return at::randn(kActivationShape, gen);
+  std::vector<int64_t> shape = kActivationShape;
+  if (variable) shape[1] = 1 + micro_batch % 3;
+  return at::randn(shape, gen);
 }
 
 // The loss of one micro-batch from the last stage's output: its sum of squares over the
@@ -140,12 +143,12 @@ struct Reference {
 
 // One process, every stage built from its seed, forward and backward of the whole chain one
 // micro-batch after the other.
-Reference one_process(int stages) {
+Reference one_process(int stages, bool variable = false) {
   std::vector<Stage> chain;
   for (int s = 0; s < stages; ++s) chain.emplace_back(s);
   Reference ref;
   for (int64_t m = 0; m < kMicroBatches; ++m) {
-    at::Tensor h = input_of(m);
+    at::Tensor h = input_of(m, variable);
     for (Stage& stage : chain) h = stage->forward(h);
     at::Tensor loss = loss_of(h);
     loss.backward();
@@ -259,6 +262,49 @@ MFSDP_DIST_TEST(PipelineRunner, OneFOneBOnRealRanksMatchesMegatronAndOneProcess,
     EXPECT_LE((got.to(at::kDouble) - g.to(at::kDouble)).abs().max().item<double>(), 1e-6)
         << where << " " << name;
   }
+}
+
+// Megatron's --variable-seq-lengths: micro-batches of 1, 2 and 3 tokens, each activation's shape
+// sent ahead of it. Every stage receives the shape its predecessor produced (no stage but the
+// first knows it), and the loss and gradients still equal one process's; without variable shapes
+// the same run is refused at its first send.
+MFSDP_DIST_TEST(PipelineRunner, VariableShapesTravelAheadOfTheirActivations, {2, 4}) {
+  const int P = comm.size(), s = comm.rank();
+  const bool first = s == 0, last = s == P - 1;
+  Setup st = setup(comm);
+  st.layout.variable_shapes = true;
+  Stage stage(s);
+  mfsdp::FsdpHandle root = shard(stage, st.own_group);
+  const at::Tensor loss = mfsdp::run_pipeline(
+      st.layout, mfsdp::one_f_one_b(P, s, kMicroBatches),
+      [&](int, bool last_of_chunk, bool) { root.set_requires_gradient_sync(last_of_chunk); },
+      [&](int, int64_t m, const at::Tensor& input) {
+        if (input.defined()) {
+          EXPECT_EQ(input.sizes().vec(), input_of(m, true).sizes().vec()) << "stage " << s << ", micro-batch " << m;
+        }
+        const at::Tensor out = mfsdp::call(*stage, first ? input_of(m, true) : input);
+        if (!last) return mfsdp::ChunkOutput{out, {}, {}};
+        const at::Tensor l = loss_of(out);
+        return mfsdp::ChunkOutput{{}, l, l.detach()};
+      });
+  const std::string where = "stage " + std::to_string(s) + " of " + std::to_string(P);
+  const Reference ref = one_process(P, /*variable=*/true);
+  if (last) EXPECT_NEAR(loss.item<double>(), ref.loss, 1e-6) << where;
+  const std::map<std::string, at::Tensor> grads = gradients_of(root);
+  for (const auto& [name, g] : ref.grads.at(static_cast<size_t>(s)))
+    EXPECT_LE((grads.at(name).to(at::kDouble) - g.to(at::kDouble)).abs().max().item<double>(), 1e-6)
+        << where << " " << name;
+
+  // Fixed shapes: stage 0's first output ([2, 1, 8]) is not the layout's, before any send.
+  if (!first) return;
+  st.layout.variable_shapes = false;
+  const std::string error = mfsdp::testing::error_of([&] {
+    mfsdp::run_pipeline(st.layout, mfsdp::one_f_one_b(P, s, kMicroBatches), [](int, bool, bool) {},
+                        [&](int, int64_t m, const at::Tensor&) {
+                          return mfsdp::ChunkOutput{mfsdp::call(*stage, input_of(m, true)), {}, {}};
+                        });
+  });
+  mfsdp::testing::expect_contains(error, {"micro-batch 0", "[2, 1, 8]", "[2, 3, 8]"});
 }
 
 // A stage whose output is not the layout's activation shape (or dtype) fails before anything is

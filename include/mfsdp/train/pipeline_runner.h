@@ -43,6 +43,11 @@ struct PipelineLayout {
   // tensor-parallel ranks) x hidden): [B, T, H] in this repository's order.
   std::vector<int64_t> activation_shape;
   at::TensorOptions activation_options;
+  // Megatron's --variable-seq-lengths: the shape is not fixed (the micro-batches' sequences
+  // differ in length), so each activation's shape (activation_shape's rank of int64s) goes ahead
+  // of it and the receiver reads it before its receive: a device-to-host copy per received
+  // activation. A gradient needs none: it has the shape of the output its receiver sent.
+  bool variable_shapes = false;
 };
 
 // Where a rank's time in run_pipeline went, on the host: all of it, and the part spent waiting
@@ -63,8 +68,8 @@ using BeforeBackward = std::function<void(int chunk, bool last_of_chunk, bool la
 // Runs `schedule` on this rank and returns the summed `reported` losses (fp64, 0-dim, on the
 // activations' device; zero on ranks without the output layer). A schedule without backward
 // steps runs the forwards only, without autograd (validation). A chunk output whose shape or
-// dtype differs from the layout's is a std::logic_error naming both (the receiver could not know
-// it). `times`, when given, receives the step's timings.
+// dtype differs from the layout's (its rank and dtype with variable_shapes) is a
+// std::logic_error naming both (the receiver could not know it). `times`, when given, receives the step's timings.
 at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<PipelineAction>& schedule,
                         const BeforeBackward& before_backward, const ChunkForward& forward,
                         PipelineTimes* times = nullptr);

@@ -601,6 +601,9 @@ std::vector<ToolFlag> ParallelSection::flags() {
       int_flag("--num-layers-per-virtual-pipeline-stage", num_layers_per_virtual_pipeline_stage,
                "interleaved 1F1B: decoder layers per model chunk (0: unset); chunks per stage = layers per stage / "
                "this"),
+      bool_flag("--variable-seq-lengths", variable_seq_lengths,
+                "pipeline parallelism: send each activation's shape before it, for micro-batches whose "
+                "sequence lengths vary (mfsdp-sft always does)"),
       int_flag("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
                "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
                "each shards the model as --data-parallel-sharding-strategy says, the instances "

@@ -223,6 +223,9 @@ struct ParallelSection {
   // layers of each chunk (--num-layers-per-virtual-pipeline-stage; 0: unset).
   int64_t num_virtual_stages_per_pipeline_rank = 0;
   int64_t num_layers_per_virtual_pipeline_stage = 0;
+  // Megatron's --variable-seq-lengths: each activation's shape travels between pipeline stages
+  // before it (a message per send) instead of being the fixed [micro-batch, --seq-length, hidden].
+  bool variable_seq_lengths = false;
   // HSDP (Megatron's hierarchical data parallelism): the data-parallel ranks as instances of
   // consecutive ranks; each instance shards the model, the instances replicate it.
   int64_t num_distributed_optimizer_instances = 1;
