@@ -82,10 +82,10 @@ SftArgs parse_sft_args(const std::vector<std::string>& argv) {
   if (!a.hf_load.empty() && a.base.finetune) flag_error("--finetune", "conflicts with --hf-load (it starts from the folder)");
   if (!a.hf_load.empty() && !is_hf_folder(a.hf_load))
     flag_error("--hf-load", "'" + a.hf_load + "' is not a Hugging Face model folder (config.json and model.safetensors)");
-  if (a.base.pipeline_model_parallel_size > 1)
-    flag_error("--pipeline-model-parallel-size", std::to_string(a.base.pipeline_model_parallel_size) +
-                                                     ": mfsdp-sft does not run pipeline stages yet (mfsdp-pretrain does)");
   a.base.seq_length = a.max_length;
+  // Rows are as long as each micro-batch's longest: between pipeline stages every activation's
+  // shape goes ahead of it (Megatron's --variable-seq-lengths).
+  a.base.variable_seq_lengths = true;
   a.base.calculate_per_token_loss = true;
   a.base.load_requires_checkpoint = true;
   return a;
@@ -175,40 +175,40 @@ at::Tensor local_part(const at::Tensor& full, const Split& split) {
                                 : full;
 }
 
-// -log p(label) per token of this rank's part of the (padded) micro-batch, [B, L / CP] fp32. Under
-// tensor parallelism from the vocabulary slices (no rank forms full-vocabulary logits). Every
-// tensor is copied to the device before the forward, none after it: a copy from pageable memory
-// would hold the host until the forward has run, with the backward not yet queued.
-at::Tensor token_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const Split& split,
-                        const at::Device& device) {
+// This rank's part of a (padded) micro-batch on the device: the model's input and layout, the
+// labels. Every tensor is copied to the device before the forward, none after it: a copy from
+// pageable memory would hold the host until the forward has run, with the backward not yet queued.
+struct DeviceBatch {
+  at::Tensor input, labels;
   SequenceLayout layout;
-  layout.position_ids = to_device(local_part(cpu.position_ids, split), device);
-  layout.attention_mask = to_device(local_part(cpu.attention_mask, split), device);
-  layout.segment_ids = to_device(local_part(cpu.segment_ids, split), device);
-  const at::Tensor input = to_device(local_part(cpu.input_ids, split), device);
-  const at::Tensor labels = to_device(local_part(cpu.labels, split), device);
-  at::Tensor logits = model->call(input, layout);
+};
+DeviceBatch on_device(const SftBatch& cpu, const Split& split, const at::Device& device) {
+  DeviceBatch d;
+  d.layout.position_ids = to_device(local_part(cpu.position_ids, split), device);
+  d.layout.attention_mask = to_device(local_part(cpu.attention_mask, split), device);
+  d.layout.segment_ids = to_device(local_part(cpu.segment_ids, split), device);
+  d.input = to_device(local_part(cpu.input_ids, split), device);
+  d.labels = to_device(local_part(cpu.labels, split), device);
+  return d;
+}
+
+// -log p(label) per token of this rank's part of the micro-batch, [B, L / CP] fp32, from its
+// logits: under tensor parallelism from the vocabulary slices (no rank forms full-vocabulary
+// logits).
+at::Tensor token_losses(const at::Tensor& logits, const at::Tensor& labels, const Split& split) {
   return split.tensor_parallel ? tensor_parallel::vocab_parallel_cross_entropy(logits, labels, *split.tensor_parallel)
                                : -token_log_probs(logits, labels);
 }
 
-// Per-token loss of a micro-batch as a [sequences, L] matrix (one row per packed conversation,
-// so seq-mean modes average per conversation, not per packed row) with its target mask. Only
-// without context parallelism: a rank then holds whole rows.
-struct SequenceLosses {
-  at::Tensor loss;  // [S, L] fp32
-  at::Tensor mask;  // [S, L] fp32
+// How a micro-batch's token losses become its loss, copied to the device before the forward.
+// Under context parallelism each token's weight in the loss (token_weights); otherwise the rows
+// regrouped one per packed conversation (so seq-mean modes average per conversation, not per
+// packed row) with their target mask: a rank then holds whole rows.
+struct LossTerms {
+  at::Tensor weights;                // [B, L / CP] fp32, with context parallelism
+  at::Tensor segment_ids, mask;      // [B, L] int64 and [S, L] fp32, without
+  int64_t segments = 0;              // S: from the host copy (read from the device, a sync)
 };
-SequenceLosses sequence_losses(std::shared_ptr<CausalLM>& model, const SftBatch& cpu, const Split& split,
-                               const at::Device& device) {
-  // The number of conversations from the host copy: read from the device it would be a sync
-  // after the forward. Inputs are copied before the forward starts.
-  const int64_t segments = std::max<int64_t>(1, cpu.segment_ids.max().item<int64_t>() + 1);
-  const at::Tensor segment_ids = to_device(cpu.segment_ids, device);
-  const at::Tensor mask = to_device(per_sequence(cpu.label_mask, cpu.segment_ids), device);
-  const at::Tensor loss = token_losses(model, cpu, split, device);  // [B, L]
-  return {per_sequence(loss, segment_ids, segments), mask};
-}
 
 // The weight of every token of a full micro-batch [B, L] in the loss (what agg_loss computes,
 // as a weighted sum): token-mean mask / global tokens; seq-mean-token-mean mask / (its
@@ -228,6 +228,22 @@ at::Tensor token_weights(const SftBatch& cpu, LossAggMode agg, const LossNormali
   }
   return w.to(at::kFloat);
 }
+
+LossTerms loss_terms(const SftBatch& cpu, const Split& split, const at::Device& device, LossAggMode agg,
+                     const LossNormalizer& norm) {
+  LossTerms t;
+  if (split.context_parallel) {
+    t.weights = to_device(local_part(token_weights(cpu, agg, norm), split), device);
+    return t;
+  }
+  t.segments = std::max<int64_t>(1, cpu.segment_ids.max().item<int64_t>() + 1);
+  t.segment_ids = to_device(cpu.segment_ids, device);
+  t.mask = to_device(per_sequence(cpu.label_mask, cpu.segment_ids), device);
+  return t;
+}
+
+// The target tokens of each conversation of a micro-batch (per_sequence's rows, on the host).
+at::Tensor target_tokens(const SftBatch& cpu) { return per_sequence(cpu.label_mask, cpu.segment_ids).sum(1); }
 
 std::vector<const SftRow*> pick(const std::vector<SftRow>& rows, const std::vector<int64_t>& index) {
   std::vector<const SftRow*> out;
@@ -280,17 +296,14 @@ class SftTrainer : public MicroBatchTrainer {
   }
 
   at::Tensor forward_backward(int64_t, int64_t m) override {
-    const SftBatch& batch = batches_[static_cast<size_t>(m)];
-    at::Tensor loss;
-    if (split_.context_parallel) {
-      const at::Tensor w = to_device(local_part(token_weights(batch, agg_, norm_), split_), device_);
-      loss = (token_losses(run_.model(), batch, split_, device_) * w).sum();
-    } else {
-      SequenceLosses s = sequence_losses(run_.model(), batch, split_, device_);
-      loss = agg_loss(s.loss, s.mask, agg_, norm_);
-    }
-    loss.backward();
-    return loss.detach();
+    const ChunkOutput out = forward(batches_[static_cast<size_t>(m)], {}, /*training=*/true);
+    out.loss.backward();
+    return out.reported;
+  }
+
+  ChunkOutput forward_chunk(int64_t, int chunk, int64_t m, const at::Tensor& input) override {
+    run_.model()->select_pipeline_chunk(chunk);
+    return forward(batches_[static_cast<size_t>(m)], input, /*training=*/true);
   }
 
   void log(const LogWindow& w) override {
@@ -298,6 +311,8 @@ class SftTrainer : public MicroBatchTrainer {
     // group's ranks hold the same loss), the window's steps in one all-reduce.
     at::Tensor losses = at::tensor(w.losses, at::kDouble).to(device_);
     mesh_.get("dp_cp")->all_reduce(losses, {ReduceOp::kSum});
+    // Under pipeline parallelism the last stage's (the others' are zero).
+    if (run_.pipeline().forward) run_.pipeline().forward->all_reduce(losses, {ReduceOp::kSum});
     double window_loss = 0;
     for (double step_loss : read_on_host({losses})) window_loss += step_loss;
     IterationRecord r;
@@ -342,45 +357,54 @@ class SftTrainer : public MicroBatchTrainer {
     const int rank = mesh_.coordinate("dp"), dp = mesh_.dims().dp();
     // Loss sum (token-mean) or sum of sequence means, tokens, sequences: summed on the device
     // (the counts of context-parallel rows on the host, from the batch), read once.
-    at::Tensor sums = at::zeros({3}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    // Every rank runs the same number of (sharded, collective) forwards; a rank whose share ran
+    // out runs row 0 and counts nothing.
+    const int64_t limit = a_.eval_iters > 0 ? std::min<int64_t>(a_.eval_iters * a_.global_batch_size,
+                                                                static_cast<int64_t>(val_.rows.size()))
+                                            : static_cast<int64_t>(val_.rows.size());
+    const int64_t per_round = dp * a_.micro_batch_size;
+    std::vector<SftBatch> batches;
+    std::vector<bool> idle;
+    for (int64_t round = 0; round * per_round < limit; ++round) {
+      std::vector<int64_t> index;
+      const int64_t first = round * per_round + rank * a_.micro_batch_size;
+      for (int64_t i = first; i < std::min(first + a_.micro_batch_size, limit); ++i) index.push_back(i);
+      idle.push_back(index.empty());
+      if (index.empty()) index.push_back(0);
+      batches.push_back(batch_of(val_.rows, index));
+    }
+    // The loss sum (token-mean) or sum of conversation means on the device, from the ranks
+    // holding the output layer; the counts on the host, once per context-parallel group.
+    at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));
     {
       torch::NoGradGuard no_grad;
-      const int64_t limit = a_.eval_iters > 0 ? std::min<int64_t>(a_.eval_iters * a_.global_batch_size,
-                                                                  static_cast<int64_t>(val_.rows.size()))
-                                              : static_cast<int64_t>(val_.rows.size());
-      // Every rank runs the same number of (sharded, collective) forwards; a rank whose share
-      // ran out runs row 0 and counts nothing.
-      const int64_t per_round = dp * a_.micro_batch_size;
-      for (int64_t round = 0; round * per_round < limit; ++round) {
-        std::vector<int64_t> index;
-        const int64_t first = round * per_round + rank * a_.micro_batch_size;
-        for (int64_t i = first; i < std::min(first + a_.micro_batch_size, limit); ++i) index.push_back(i);
-        const bool idle = index.empty();
-        if (idle) index.push_back(0);
-        const SftBatch batch = batch_of(val_.rows, index);
-        if (split_.context_parallel) {
-          // This rank's chunks, weighted by whole conversations' counts; the counts once per CP group.
-          const at::Tensor loss = token_losses(run_.model(), batch, split_, device_);
-          if (idle) continue;
-          const at::Tensor w = to_device(local_part(token_weights(batch, agg_, LossNormalizer{1, 1, 0}), split_), device_);
-          sums[0] += (loss * w).sum().to(at::kDouble);
-          if (split_.context_parallel->rank() != 0) continue;
-          const at::Tensor tokens = per_sequence(batch.label_mask, batch.segment_ids).sum(1);  // host
-          sums[1] += tokens.sum().item<double>();
-          sums[2] += (tokens > 0).sum().item<double>();
-          continue;
-        }
-        SequenceLosses s = sequence_losses(run_.model(), batch, split_, device_);
-        if (idle) continue;
-        const at::Tensor tokens = s.mask.sum(1);
-        sums[0] += agg_ == LossAggMode::kTokenMean
-                       ? (s.loss * s.mask).sum().to(at::kDouble)
-                       : ((s.loss * s.mask).sum(1) / tokens.clamp_min(1)).sum().to(at::kDouble);
-        sums[1] += tokens.sum().to(at::kDouble);
-        sums[2] += (tokens > 0).sum().to(at::kDouble);
+      const auto round = [&](int64_t m, const at::Tensor& input) {
+        ChunkOutput out = forward(batches[static_cast<size_t>(m)], input, /*training=*/false);
+        if (out.reported.defined() && idle[static_cast<size_t>(m)]) out.reported = at::zeros_like(out.reported);
+        return out;
+      };
+      if (run_.pipeline().forward) {
+        loss_sum += run_forward_pipeline(run_.pipeline(), static_cast<int64_t>(batches.size()),
+                                         [&](int chunk, int64_t m, const at::Tensor& input) {
+                                           run_.model()->select_pipeline_chunk(chunk);
+                                           return round(m, input);
+                                         });
+      } else {
+        for (size_t m = 0; m < batches.size(); ++m) loss_sum += round(static_cast<int64_t>(m), {}).reported;
       }
     }
+    double tokens = 0, conversations = 0;
+    const bool counts = run_.model()->holds_output() && (!split_.context_parallel || split_.context_parallel->rank() == 0);
+    for (size_t m = 0; m < batches.size() && counts; ++m) {
+      if (idle[m]) continue;
+      const at::Tensor t = target_tokens(batches[m]);
+      tokens += t.sum().item<double>();
+      conversations += (t > 0).sum().item<double>();
+    }
+    at::Tensor sums = at::stack({loss_sum, at::scalar_tensor(tokens, loss_sum.options()),
+                                 at::scalar_tensor(conversations, loss_sum.options())});
     mesh_.get("dp_cp")->all_reduce(sums, {ReduceOp::kSum});
+    if (run_.pipeline().forward) run_.pipeline().forward->all_reduce(sums, {ReduceOp::kSum});  // the last stage's
     const at::Tensor t = sums.cpu();
     const double loss = t[0].item<double>() / std::max(1.0, t[agg_ == LossAggMode::kTokenMean ? 1 : 2].item<double>());
     r.lm_loss = loss;
@@ -410,6 +434,36 @@ class SftTrainer : public MicroBatchTrainer {
   }
 
  private:
+  // One micro-batch's forward on this rank: the whole model, or under pipeline parallelism the
+  // chunk selected, from `received` hidden states unless it holds the embedding. Where the output
+  // layer is, the loss: in training the micro-batch's share of the global batch's (`loss`, and
+  // `reported` detached); in evaluation `reported` alone, the sum of token losses (token-mean) or
+  // of conversation means. Elsewhere the hidden states (`output`).
+  ChunkOutput forward(const SftBatch& batch, const at::Tensor& received, bool training) {
+    const std::optional<PipelineChunk> chunk = run_.model()->pipeline_chunk();
+    const bool loss_here = !chunk || chunk->output;
+    const DeviceBatch d = on_device(batch, split_, device_);
+    LossTerms terms;
+    if (loss_here) terms = loss_terms(batch, split_, device_, agg_, training ? norm_ : LossNormalizer{1, 1, 0});
+    at::Tensor out = run_.model()->call(received.defined() ? received : d.input, d.layout);
+    if (!loss_here) return {out, {}, {}};
+    const at::Tensor losses = token_losses(out, d.labels, split_);  // [B, L / CP]
+    at::Tensor loss;
+    if (split_.context_parallel) {
+      loss = (losses * terms.weights).sum();
+    } else {
+      const at::Tensor per_conversation = per_sequence(losses, terms.segment_ids, terms.segments);
+      if (training) {
+        loss = agg_loss(per_conversation, terms.mask, agg_, norm_);
+      } else {
+        const at::Tensor masked = per_conversation * terms.mask;
+        loss = agg_ == LossAggMode::kTokenMean ? masked.sum() : (masked.sum(1) / terms.mask.sum(1).clamp_min(1)).sum();
+      }
+    }
+    if (!training) return {{}, {}, loss.to(at::kDouble)};
+    return {{}, loss, loss.detach()};
+  }
+
   SftBatch batch_of(const std::vector<SftRow>& rows, const std::vector<int64_t>& index) const {
     return pad_to_multiple(collate_sft_rows(pick(rows, index), pad_), split_.multiple, pad_);
   }

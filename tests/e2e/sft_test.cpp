@@ -259,6 +259,58 @@ TEST(Sft, TensorAndContextParallelTrainLikeOneRank) {
     }
 }
 
+// Pipeline stages: conversations of mixed lengths make rows of a different length in every
+// micro-batch, so each activation's shape travels ahead of it (--variable-seq-lengths, always on
+// in mfsdp-sft). PP 2 under both loss modes, PP 2 x DP 2, PP 2 x TP 2 with sequence parallelism,
+// PP 2 x CP 2 and interleaved PP 2 x V 2 (4 layers): losses and gradient norms of 3 SGD steps,
+// the held-out loss and greedy exact match equal one rank's within 1e-5.
+TEST(Sft, PipelineStagesTrainLikeOneRank) {
+  TempDir dir("mfsdp-sft-pp");
+  mfsdp::write_sft_jsonl(dir.file("mixed.jsonl"), conversations(8, /*uniform=*/false));
+  const std::string data = dir.file("mixed.jsonl");
+  struct Layout {
+    int ranks;
+    std::string flags;
+    const char* banner;
+  };
+  const std::string pp = " --pipeline-model-parallel-size 2";
+  const std::string vocab = " --make-vocab-size-divisible-by 2";  // 258 rows, as TP 2's 1 x 2
+  for (const std::string mode : {"token-mean", "seq-mean-token-mean"}) {
+    const std::string common = " --train-files " + data + " --val-files " + data +
+                               " --val-generate-samples 2 --max-new-tokens 4 --loss-agg-mode " + mode +
+                               " --global-batch-size 8 --train-iters 3 --optimizer sgd --lr 0.2 --sgd-momentum 0"
+                               " --clip-grad 0 --micro-batch-size 2";
+    std::vector<Layout> layouts = {{2, pp + vocab, "x pipeline-parallel 2"},
+                                   {4, pp + vocab, "data-parallel 2 x context-parallel 1 x tensor-parallel 1 x pipeline-parallel 2"}};
+    if (mode == "seq-mean-token-mean") {
+      layouts.push_back({4, pp + " --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 1",
+                         "tensor-parallel 2 x pipeline-parallel 2"});
+      layouts.push_back({4, pp + " --context-parallel-size 2 --cp-comm-type p2p" + vocab, "context-parallel 2"});
+      layouts.push_back({2, pp + " --num-layers 4 --num-virtual-stages-per-pipeline-rank 2" + vocab, "pipeline-parallel 2"});
+    }
+    const RunResult one = sft(dir, 1, common + vocab, mode + "_one");
+    const RunResult one4 = sft(dir, 1, common + vocab + " --num-layers 4", mode + "_one4");
+    ASSERT_EQ(one.train.size(), 3u) << one.output;
+    int n = 0;
+    for (const Layout& l : layouts) {
+      const std::string tag = mode + "_layout" + std::to_string(n++);
+      const RunResult& want = l.flags.find("--num-layers 4") != std::string::npos ? one4 : one;
+      const RunResult got = sft(dir, l.ranks, common + l.flags, tag);
+      ASSERT_EQ(got.train.size(), want.train.size()) << tag << "\n" << got.output;
+      EXPECT_NE(got.output.find(l.banner), std::string::npos) << tag << "\n" << got.output;
+      for (size_t i = 0; i < want.train.size(); ++i)
+        for (const char* key : {"lm_loss", "grad_norm"}) {
+          const double w = want.train[i][key].get<double>();
+          EXPECT_NEAR(got.train[i][key].get<double>(), w, 1e-5 * std::abs(w)) << tag << " " << key << " iteration " << i + 1;
+        }
+      ASSERT_FALSE(got.eval.empty()) << got.output;
+      const double w = want.eval.back()["lm_loss"].get<double>();
+      EXPECT_NEAR(got.eval.back()["lm_loss"].get<double>(), w, 1e-5 * std::abs(w)) << tag << " validation";
+      EXPECT_EQ(got.eval.back()["val/exact_match"], want.eval.back()["val/exact_match"]) << tag;
+    }
+  }
+}
+
 // An MoE model (shared expert, balancing and z-losses) on padded conversations of mixed lengths:
 // each rank routes its part of the rows (sequence-parallel slices, context-parallel chunks) and
 // leaves its padding out of the balancing losses' counts, as one rank leaves it out of the whole
@@ -297,8 +349,9 @@ TEST(Sft, MoeTrainsLikeOneRankUnderTensorExpertAndContextParallelism) {
 }
 
 // --hf-load into tensor-parallel slices: each TP rank reads its rows or columns of every tensor
-// from the safetensors files; the run then trains as one rank started from the same folder does.
-TEST(Sft, TensorParallelStartsFromAHuggingFaceFolder) {
+// from the safetensors files, each pipeline stage its layers; the runs then train as one rank
+// started from the same folder does.
+TEST(Sft, TensorAndPipelineRanksStartFromAHuggingFaceFolder) {
   TempDir dir("mfsdp-sft-tp-hf");
   mfsdp::write_sft_jsonl(dir.file("data.jsonl"), conversations(8, /*uniform=*/false));
   const std::string common = " --train-files " + dir.file("data.jsonl") +
@@ -309,15 +362,19 @@ TEST(Sft, TensorParallelStartsFromAHuggingFaceFolder) {
   const std::string from = common + " --train-iters 3 --hf-load " + dir.file("hf");
   RunResult one = sft(dir, 1, from + " --micro-batch-size 4", "one");
   RunResult tp = sft(dir, 2, from + " --micro-batch-size 4 --tensor-model-parallel-size 2", "tp");
+  // Pipeline stages read their own layers; the last stage its copy of the tied embedding.
+  RunResult pp = sft(dir, 2, from + " --micro-batch-size 4 --pipeline-model-parallel-size 2", "pp");
   ASSERT_EQ(one.train.size(), 3u) << one.output;
   ASSERT_EQ(tp.train.size(), 3u) << tp.output;
   EXPECT_NE(tp.output.find(" parallelism: 2 ranks = data-parallel 1 x context-parallel 1 x tensor-parallel 2"),
             std::string::npos)
       << tp.output;
+  ASSERT_EQ(pp.train.size(), 3u) << pp.output;
   for (size_t i = 0; i < 3; ++i)
     for (const char* key : {"lm_loss", "grad_norm"}) {
       const double want = one.train[i][key].get<double>();
       EXPECT_NEAR(tp.train[i][key].get<double>(), want, 1e-5 * std::abs(want)) << key << " iteration " << i + 1;
+      EXPECT_NEAR(pp.train[i][key].get<double>(), want, 1e-5 * std::abs(want)) << "PP 2 " << key << " iteration " << i + 1;
     }
 }
 
