@@ -133,14 +133,10 @@ struct PolicyOutputs {
   at::Tensor log_probs;
   at::Tensor entropy;
 };
-PolicyOutputs policy_outputs(CausalLM& model, const RolloutBatch& batch, double temperature,
-                             const at::Device& device, bool entropy) {
-  SequenceLayout layout;
-  layout.attention_mask = batch.attention_mask.to(device);
-  at::Tensor logits = model.call(batch.input_ids.to(device), layout);
+PolicyOutputs policy_outputs(const CausalLM& model, at::Tensor logits, const at::Tensor& labels, double temperature,
+                             bool entropy) {
   if (temperature != 1.0) logits = logits / temperature;
   PolicyOutputs out;
-  const at::Tensor labels = batch.labels.to(device);
   if (const std::shared_ptr<Communicator> tp = model.tensor_parallel(); tp && tp->size() > 1) {
     out.log_probs = -tensor_parallel::vocab_parallel_cross_entropy(logits, labels, *tp);
     if (entropy) out.entropy = vocab_parallel_entropy(logits, *tp);
@@ -148,6 +144,47 @@ PolicyOutputs policy_outputs(CausalLM& model, const RolloutBatch& batch, double 
   }
   out.log_probs = token_log_probs(logits, labels);
   if (entropy) out.entropy = token_entropy(logits);
+  return out;
+}
+
+// The forward of `model` (the policy or the reference) on the rows of `batch`: the logits, or
+// under pipeline parallelism the output of the chunk selected, from the previous chunk's hidden
+// states `received` unless it holds the embedding.
+at::Tensor forward_rows(CausalLM& model, const RolloutBatch& batch, const at::Device& device,
+                        const at::Tensor& received = {}) {
+  SequenceLayout layout;
+  layout.attention_mask = batch.attention_mask.to(device);
+  return model.call(received.defined() ? received : batch.input_ids.to(device), layout);
+}
+
+// Whether the chunk `model` runs ends in the output layer (always without pipeline parallelism).
+bool holds_output_layer(const CausalLM& model) {
+  const std::optional<PipelineChunk> chunk = model.pipeline_chunk();
+  return !chunk || chunk->output;
+}
+
+// The log-probs of each micro-batch under `model`, without gradients: a forward each, or the
+// forward pipeline over `pipeline`'s stages, where only the stage with the output layer has them
+// (the others' are undefined).
+std::vector<at::Tensor> micro_log_probs(CausalLM& model, const std::vector<RolloutBatch>& micro, double temperature,
+                                        const at::Device& device, const PipelineLayout& pipeline) {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> out(micro.size());
+  const auto forward = [&](int64_t k, const at::Tensor& received) -> ChunkOutput {
+    const RolloutBatch& b = micro[static_cast<size_t>(k)];
+    const at::Tensor h = forward_rows(model, b, device, received);
+    if (!holds_output_layer(model)) return {h, {}, {}};
+    out[static_cast<size_t>(k)] = policy_outputs(model, h, b.labels.to(device), temperature, false).log_probs;
+    return {{}, {}, at::zeros({}, h.options())};
+  };
+  if (pipeline.forward) {
+    run_forward_pipeline(pipeline, static_cast<int64_t>(micro.size()), [&](int chunk, int64_t k, const at::Tensor& in) {
+      model.select_pipeline_chunk(chunk);
+      return forward(k, in);
+    });
+  } else {
+    for (size_t k = 0; k < micro.size(); ++k) forward(static_cast<int64_t>(k), {});
+  }
   return out;
 }
 
@@ -402,30 +439,27 @@ void GrpoTrainer::log_probs(GrpoStep& step) {
     if (context_parallel_) step.micro.back() = context_parallel_part(step.micro.back(), *context_parallel_);
   }
   auto t0 = Clock::now();
+  const PipelineLayout& pipeline = run_->pipeline();
+  step.old_log_probs = micro_log_probs(*run_->model(), step.micro, g_.temperature, device, pipeline);
   double diff_sum = 0, diff_max = 0, diff_tokens = 0, log_diff_max = 0;
-  {
-    torch::NoGradGuard no_grad;
-    for (const RolloutBatch& b : step.micro) {
-      step.old_log_probs.push_back(policy_outputs(*run_->model(), b, g_.temperature, device, false).log_probs);
-      // How far generation and training disagree on the same tokens.
-      const at::Tensor old_lp = step.old_log_probs.back().cpu(), rollout_lp = b.rollout_log_probs;
-      const at::Tensor diff = (old_lp.exp() - rollout_lp.exp()).abs() * b.response;
-      log_diff_max = std::max(log_diff_max, ((old_lp - rollout_lp).abs() * b.response).max().item<double>());
-      diff_sum += diff.sum().item<double>();
-      diff_max = std::max(diff_max, diff.max().item<double>());
-      diff_tokens += b.response.sum().item<double>();
-    }
+  for (size_t k = 0; k < step.micro.size(); ++k) {
+    if (!step.old_log_probs[k].defined()) continue;  // a pipeline stage without the output layer
+    // How far generation and training disagree on the same tokens.
+    const RolloutBatch& b = step.micro[k];
+    const at::Tensor old_lp = step.old_log_probs[k].cpu(), rollout_lp = b.rollout_log_probs;
+    const at::Tensor diff = (old_lp.exp() - rollout_lp.exp()).abs() * b.response;
+    log_diff_max = std::max(log_diff_max, ((old_lp - rollout_lp).abs() * b.response).max().item<double>());
+    diff_sum += diff.sum().item<double>();
+    diff_max = std::max(diff_max, diff.max().item<double>());
+    diff_tokens += b.response.sum().item<double>();
   }
   step.old_log_prob_s = seconds_since(t0);
   t0 = Clock::now();
-  if (ref_) {
-    torch::NoGradGuard no_grad;
-    for (const RolloutBatch& b : step.micro)
-      step.ref_log_probs.push_back(policy_outputs(*ref_->sharded.model, b, g_.temperature, device, false).log_probs);
-  }
+  if (ref_) step.ref_log_probs = micro_log_probs(*ref_->sharded.model, step.micro, g_.temperature, device, pipeline);
   step.ref_s = seconds_since(t0);
   at::Tensor t = at::tensor({diff_sum, diff_tokens}, at::kDouble).to(device);
   replicas_->all_reduce(t, {ReduceOp::kSum});
+  if (pipeline.forward) pipeline.forward->all_reduce(t, {ReduceOp::kSum});  // the last stage's
   t = t.cpu();
   step.metrics.emplace_back("training/rollout_probs_diff_mean", t[0].item<double>() / std::max(1.0, t[1].item<double>()));
   step.metrics.emplace_back("training/rollout_probs_diff_max", run_->all_reduce_max(diff_max));
@@ -465,10 +499,9 @@ void GrpoTrainer::update(GrpoStep& step) {
       norm.global_tokens = counts[2 * mb].item<double>();
       norm.global_sequences = counts[2 * mb + 1].item<double>();
       norm.norm_length = static_cast<double>(g_.max_response_length);
-      const auto stats = run_->step(step.iteration, micro_per_mini, [&](int64_t m) {
-        const size_t k = static_cast<size_t>(mb * micro_per_mini + m);
-        const RolloutBatch b = on_device(step.micro[k], device);
-        PolicyOutputs out = policy_outputs(*run_->model(), b, g_.temperature, device, /*entropy=*/true);
+      // Micro-batch k's loss from the policy's logits, its metrics added to the sums.
+      const auto loss_of = [&](size_t k, const RolloutBatch& b, const at::Tensor& logits) {
+        PolicyOutputs out = policy_outputs(*run_->model(), logits, b.labels, g_.temperature, /*entropy=*/true);
         const at::Tensor adv = b.advantages.unsqueeze(1).expand_as(b.mask);
         LossNormalizer rows = norm;
         rows.row_tokens = b.row_tokens;  // whole rows' counts under context parallelism
@@ -482,19 +515,37 @@ void GrpoTrainer::update(GrpoStep& step) {
           kl = agg_loss(kl_penalty(out.log_probs, step.ref_log_probs[k], kl_type_), b.mask, agg_, rows);
           loss = loss + g_.kl_loss_coef * kl;
         }
-        loss.backward();
         auto f64 = [](const at::Tensor& t) { return t.detach().to(at::kDouble); };
         sums.add_(at::stack({f64(pg.pg_loss), f64(kl), f64(entropy), f64(pg.pg_clipfrac) * tokens,
                              f64(pg.pg_clipfrac_lower) * tokens, f64(pg.ppo_kl) * tokens,
                              at::full({}, tokens, sums.options())}));
-        return loss.detach();
-      });
+        return loss;
+      };
+      const auto micro_batch = [&](int64_t m) { return static_cast<size_t>(mb * micro_per_mini + m); };
+      const TrainingRun::StepStats stats =
+          run_->pipeline().forward
+              ? run_->pipeline_step(step.iteration, micro_per_mini,
+                                    [&](int chunk, int64_t m, const at::Tensor& received) -> ChunkOutput {
+                                      run_->model()->select_pipeline_chunk(chunk);
+                                      const RolloutBatch b = on_device(step.micro[micro_batch(m)], device);
+                                      const at::Tensor h = forward_rows(*run_->model(), b, device, received);
+                                      if (!holds_output_layer(*run_->model())) return {h, {}, {}};
+                                      const at::Tensor loss = loss_of(micro_batch(m), b, h);
+                                      return {{}, loss, loss.detach()};
+                                    })
+              : run_->step(step.iteration, micro_per_mini, [&](int64_t m) {
+                  const RolloutBatch b = on_device(step.micro[micro_batch(m)], device);
+                  const at::Tensor loss = loss_of(micro_batch(m), b, forward_rows(*run_->model(), b, device));
+                  loss.backward();
+                  return loss.detach();
+                });
       grad_norms.push_back(stats.grad_norm);
       step.lr = stats.lr;
       step.last_stats = stats;
     }
   step.update_s = seconds_since(t0);
   replicas_->all_reduce(sums, {ReduceOp::kSum});
+  if (run_->pipeline().forward) run_->pipeline().forward->all_reduce(sums, {ReduceOp::kSum});  // the last stage's
   grad_norms.insert(grad_norms.begin(), sums);
   const std::vector<double> read = read_on_host(grad_norms);  // the sums, then the norms
   const at::Tensor t = at::tensor(std::vector<double>(read.begin(), read.begin() + 7), at::kDouble);

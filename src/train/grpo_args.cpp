@@ -20,6 +20,11 @@ void refuse_sharded_context_parallel(const GrpoArgs& a) {
   if (a.base.context_parallel_size > 1 && a.rollout_mode == "sharded")
     flag_error("--rollout-mode", "sharded with --context-parallel-size " + std::to_string(a.base.context_parallel_size) +
                                      ": decoding with a KV cache cannot split the sequence; use --rollout-mode full");
+  if (a.base.pipeline_model_parallel_size > 1 && a.rollout_mode == "sharded")
+    flag_error("--rollout-mode", "sharded with --pipeline-model-parallel-size " +
+                                     std::to_string(a.base.pipeline_model_parallel_size) +
+                                     ": each token would cross every stage in turn; use --rollout-mode full (each "
+                                     "rank generates from the whole model gathered over the stages)");
 }
 
 }  // namespace
@@ -153,9 +158,9 @@ GrpoArgs parse_grpo_args(const std::vector<std::string>& argv) {
 
 void validate_grpo_args(GrpoArgs& a, int world, int64_t tokenizer_vocab) {
   refuse_sharded_context_parallel(a);
-  if (a.base.pipeline_model_parallel_size > 1)
-    flag_error("--pipeline-model-parallel-size", std::to_string(a.base.pipeline_model_parallel_size) +
-                                                     ": mfsdp-grpo does not run pipeline stages yet (mfsdp-pretrain does)");
+  // Rows are as long as each micro-batch's longest: between pipeline stages every activation's
+  // shape goes ahead of it (Megatron's --variable-seq-lengths).
+  a.base.variable_seq_lengths = true;
   // The prompts split over the data-parallel replicas; a replica's tensor- and context-parallel
   // ranks share them.
   const int dp = parallel_dims(a.base, a.base, world).dp();

@@ -209,6 +209,51 @@ TEST(Grpo, ContextParallelStepsLikeOneRank) {
   }
 }
 
+// Pipeline stages: rollouts from the whole policy gathered over the stages, the old and the
+// reference log-probs through the forward pipeline, the update by 1F1B; rows of each micro-batch's
+// own length cross the stages with their shapes. PP 2, PP 2 x DP 2, PP 2 x TP 2 with sequence
+// parallelism, PP 2 x CP 2 and interleaved PP 2 x V 2 (4 layers) take the same 3 steps as one
+// rank, with a learning rate large enough that the KL to the reference grows from 0 to ~1e-2.
+TEST(Grpo, PipelineStagesStepLikeOneRank) {
+  TempDir dir("mfsdp-grpo-pp");
+  const std::string vocab = " --make-vocab-size-divisible-by 2";  // 258 rows, as TP 2's 1 x 2
+  for (const int layers : {2, 4}) {
+    const std::string model = vocab + " --num-layers " + std::to_string(layers);
+    const std::string start = dir.file("start" + std::to_string(layers));
+    GrpoRun made = grpo(dir, 1, "--train-iters 1 --micro-batch-size 16 --save " + start + model, "start");
+    ASSERT_EQ(made.steps.size(), 1u) << made.output;
+    const std::string flags = "--train-iters 3 --load " + start + " --finetune --use-kl-loss --kl-loss-coef 0.1"
+                              " --kl-loss-type k3 --lr 300 --micro-batch-size 4 --num-layers " + std::to_string(layers);
+    GrpoRun one = grpo(dir, 1, flags + vocab, "one" + std::to_string(layers));
+    ASSERT_EQ(one.steps.size(), 3u) << one.output;
+    EXPECT_GT(metric(one.steps[2], "actor/kl_loss"), 1e-3);  // not vacuous
+    const std::string pp = " --pipeline-model-parallel-size 2";
+    std::vector<std::pair<int, std::string>> layouts;
+    if (layers == 2) {
+      layouts = {{2, pp + vocab},
+                 {4, pp + vocab},
+                 {4, pp + " --tensor-model-parallel-size 2 --sequence-parallel --make-vocab-size-divisible-by 1"},
+                 {4, pp + " --context-parallel-size 2" + vocab}};
+    } else {
+      layouts = {{2, pp + " --num-virtual-stages-per-pipeline-rank 2" + vocab}};
+    }
+    int n = 0;
+    for (const auto& [ranks, layout] : layouts) {
+      const std::string tag = "pp" + std::to_string(layers) + "_" + std::to_string(n++);
+      GrpoRun got = grpo(dir, ranks, flags + layout, tag);
+      ASSERT_EQ(got.steps.size(), 3u) << tag << "\n" << got.output;
+      EXPECT_NE(got.output.find("pipeline-parallel 2"), std::string::npos) << got.output;
+      for (size_t i = 0; i < 3; ++i) {
+        const std::string what = tag + layout + ", step " + std::to_string(i + 1);
+        expect_same_step(got.steps[i], one.steps[i], what, 1e-4);
+        const double kl = metric(one.steps[i], "actor/kl_loss");
+        EXPECT_NEAR(metric(got.steps[i], "actor/kl_loss"), kl, 1e-4 * std::abs(kl) + 1e-9) << what;
+        EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), kRolloutLogProbsTol) << what;
+      }
+    }
+  }
+}
+
 // An MoE policy and its reference (--use-kl-loss, both from a 1-rank checkpoint) under TP 2 x EP 2
 // with the experts whole (each TP rank routes its sequence slice) and CP 2 x EP 2: the rollouts
 // from the gathered copy, the log-probs, KL and the update on the split model; the same steps as
@@ -293,9 +338,11 @@ TEST(Grpo, BadFlagsAreNamed) {
                "--rollout-n: --train-batch-size 1024 x 2048 responses per step is more than 1048576");
   expect_error("--train-iters 1 --max-response-length 4294967296", "--max-response-length: must be at most 4194304");
   expect_error("--train-iters 1 --gen-train-size 4294967296", "--gen-train-size: must be at most 4194304");
-  // Tensor and context parallelism with what is not built for them.
+  // Tensor, context and pipeline parallelism with what is not built for them.
   expect_error("--train-iters 1 --context-parallel-size 2 --rollout-mode sharded",
                "--rollout-mode: sharded with --context-parallel-size 2: decoding with a KV cache");
   expect_error("--train-iters 1 --tensor-model-parallel-size 2 --sequence-parallel --rollout-mode sharded",
                "--rollout-mode: sharded with --sequence-parallel");
+  expect_error("--train-iters 1 --pipeline-model-parallel-size 2 --rollout-mode sharded",
+               "--rollout-mode: sharded with --pipeline-model-parallel-size 2");
 }
