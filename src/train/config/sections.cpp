@@ -603,7 +603,7 @@ std::vector<ToolFlag> ParallelSection::flags() {
                "this"),
       bool_flag("--variable-seq-lengths", variable_seq_lengths,
                 "pipeline parallelism: send each activation's shape before it, for micro-batches whose "
-                "sequence lengths vary (mfsdp-sft always does)"),
+                "sequence lengths vary (mfsdp-sft and mfsdp-grpo always do)"),
       int_flag("--num-distributed-optimizer-instances", num_distributed_optimizer_instances,
                "HSDP: split the data-parallel ranks into this many instances of consecutive ranks; "
                "each shards the model as --data-parallel-sharding-strategy says, the instances "
