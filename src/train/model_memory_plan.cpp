@@ -1,6 +1,7 @@
 #include "mfsdp/train/model_memory_plan.h"
 
 #include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/train/pipeline_schedule.h"
 
 namespace mfsdp {
 
@@ -48,13 +49,23 @@ void print_memory_plan(const ModelConfig& config, const OptimizerSection& optimi
         << (dims.tp > 1 ? "slice" : "parameters") << " over its data- x context-parallel group of " << dims.dp_cp()
         << " ranks\n";
   if (dims.pp == 1) log << format_memory_plan(plan);
+  const PipelineSplitOptions split = dims.pipeline_split_options(config.num_layers());
   for (int stage = 0; stage < dims.pp && dims.pp > 1; ++stage) {
     log << " pipeline stage " << stage << " of " << dims.pp << ":";
-    for (const PipelineChunk& chunk : stage_chunks(dims.pipeline_split_options(config.num_layers()), stage))
+    const std::vector<PipelineChunk> chunks = stage_chunks(split, stage);
+    for (const PipelineChunk& chunk : chunks)
       log << (chunk.virtual_stage > 0 ? ";" : "") << " decoder layers " << chunk.first_layer << " to "
           << chunk.first_layer + chunk.num_layers - 1 << (chunk.embedding ? ", the embedding" : "")
           << (chunk.output ? ", the output layer" : "");
     log << "\n";
+    // The activations are not in the table (it plans FSDP's bytes): how many forwards' the
+    // schedule keeps at once, each a micro-batch through one of this stage's chunks.
+    const int64_t in_flight = in_flight_peak(
+        split.virtual_stages > 1 ? interleaved_one_f_one_b(dims.pp, stage, split.virtual_stages, micro_batches)
+                                 : one_f_one_b(dims.pp, stage, micro_batches));
+    const int64_t v = split.virtual_stages;
+    log << "   activations kept at once, at most: " << in_flight << " of the step's " << micro_batches * v
+        << (v > 1 ? " (micro-batch, chunk) forwards (interleaved 1F1B)" : " micro-batches (1F1B)") << "\n";
     log << format_memory_plan(stage == own_stage ? plan
                                                  : plan_training_memory(config, optimizer, dims, shard, micro_batches, stage));
   }

@@ -228,6 +228,7 @@ MFSDP_DIST_TEST(PipelineRunner, OneFOneBOnRealRanksMatchesMegatronAndOneProcess,
 
   // 2. Stage 0 keeps min(P, m) = P micro-batches' activations at most; stage s, P - s.
   EXPECT_EQ(peak_in_flight(record.events), std::min<int64_t>(P - s, kMicroBatches)) << where;
+  EXPECT_EQ(peak_in_flight(record.events), mfsdp::in_flight_peak(schedule)) << where;  // what --memory-plan prints
   if (first) {
     EXPECT_EQ(peak_in_flight(record.events), P) << where;
   }

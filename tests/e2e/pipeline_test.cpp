@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 
+#include "harness/expect_error.h"
 #include "harness/metrics_file.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
@@ -222,6 +223,25 @@ TEST(Pipeline, ResumesBitExactlyAndReshards) {
 }
 
 // Megatron's refusals, exit 2 naming the flag (before any rank starts).
+// --memory-plan names each stage's share of the schedule's activations: with P = 2 and 4
+// micro-batches, Megatron's 1F1B keeps min(P - s, m) on stage s (2, 1); its interleaved 1F1B with
+// V = 2 runs (P - s - 1) x 2 + (V - 1) x P warm-up forwards before the first backward, so one more
+// is kept at the peak (5, 3) of the step's V x m = 8.
+TEST(Pipeline, MemoryPlanShowsTheActivationsEachStageKeeps) {
+  const std::string plan = " --simulate-world-size 2 --memory-plan --pipeline-model-parallel-size 2" + kVocab;
+  const auto one = run_command(kPretrain + kModel + plan + " 2>&1");
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  mfsdp::testing::expect_contains(one.output, {"pipeline stage 0 of 2: decoder layers 0 to 1, the embedding\n"
+                                               "   activations kept at once, at most: 2 of the step's 4 micro-batches (1F1B)",
+                                               "pipeline stage 1 of 2: decoder layers 2 to 3, the output layer\n"
+                                               "   activations kept at once, at most: 1 of the step's 4 micro-batches"});
+  const auto interleaved = run_command(kPretrain + kModel + plan + " --num-virtual-stages-per-pipeline-rank 2 2>&1");
+  ASSERT_EQ(interleaved.exit_code, 0) << interleaved.output;
+  mfsdp::testing::expect_contains(interleaved.output,
+                                  {"at most: 5 of the step's 8 (micro-batch, chunk) forwards (interleaved 1F1B)",
+                                   "at most: 3 of the step's 8 (micro-batch, chunk) forwards"});
+}
+
 TEST(Pipeline, RefusesWhatMegatronRefuses) {
   struct Refusal {
     int ranks;
