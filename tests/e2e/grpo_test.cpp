@@ -73,6 +73,19 @@ void expect_same_step(const nlohmann::json& a, const nlohmann::json& b, const st
   }
 }
 
+// The first `steps` steps of `got` are `one`'s (expect_same_step), with the KL to the reference
+// within `kl_rtol` and the rollout's log-probs equal to the training forward's.
+void expect_same_steps_with_kl(const GrpoRun& got, const GrpoRun& one, size_t steps, const std::string& what,
+                               double kl_rtol) {
+  for (size_t i = 0; i < steps; ++i) {
+    const std::string step = what + ", step " + std::to_string(i + 1);
+    expect_same_step(got.steps[i], one.steps[i], step, 1e-4);
+    const double kl = metric(one.steps[i], "actor/kl_loss");
+    EXPECT_NEAR(metric(got.steps[i], "actor/kl_loss"), kl, kl_rtol * std::abs(kl) + 1e-9) << step;
+    EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), kRolloutLogProbsTol) << step;
+  }
+}
+
 std::map<std::string, at::Tensor> weights(const std::string& dir) {
   std::map<std::string, at::Tensor> out;
   auto loaded = mfsdp::load_model(dir);
@@ -243,13 +256,7 @@ TEST(Grpo, PipelineStagesStepLikeOneRank) {
       GrpoRun got = grpo(dir, ranks, flags + layout, tag);
       ASSERT_EQ(got.steps.size(), 3u) << tag << "\n" << got.output;
       EXPECT_NE(got.output.find("pipeline-parallel 2"), std::string::npos) << got.output;
-      for (size_t i = 0; i < 3; ++i) {
-        const std::string what = tag + layout + ", step " + std::to_string(i + 1);
-        expect_same_step(got.steps[i], one.steps[i], what, 1e-4);
-        const double kl = metric(one.steps[i], "actor/kl_loss");
-        EXPECT_NEAR(metric(got.steps[i], "actor/kl_loss"), kl, 1e-4 * std::abs(kl) + 1e-9) << what;
-        EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), kRolloutLogProbsTol) << what;
-      }
+      expect_same_steps_with_kl(got, one, 3, tag + layout, 1e-4);
     }
   }
 }
@@ -278,13 +285,7 @@ TEST(Grpo, MoeStepsLikeOneRankUnderTensorExpertAndContextParallelism) {
     const std::string tag = "moe" + std::to_string(n++);
     GrpoRun got = grpo(dir, 4, flags + layout, tag);
     ASSERT_EQ(got.steps.size(), 2u) << tag << "\n" << got.output;
-    for (size_t i = 0; i < 2; ++i) {
-      const std::string what = tag + layout + ", step " + std::to_string(i + 1);
-      expect_same_step(got.steps[i], one.steps[i], what, 1e-4);
-      const double kl = metric(one.steps[i], "actor/kl_loss");
-      EXPECT_NEAR(metric(got.steps[i], "actor/kl_loss"), kl, 1e-3 * std::abs(kl) + 1e-9) << what;
-      EXPECT_LE(metric(got.steps[i], "training/rollout_log_probs_diff_max"), kRolloutLogProbsTol) << what;
-    }
+    expect_same_steps_with_kl(got, one, 2, tag + layout, 1e-3);
   }
 }
 
