@@ -174,6 +174,14 @@ std::string first_slurm_host(const std::string& nodelist) {
   return first.substr(0, open) + ranges.substr(0, stop);
 }
 
+int restart_count_from_env(const EnvLookup& getenv_fn) {
+  const long count = EnvReader(getenv_fn).number("TORCHELASTIC_RESTART_COUNT").value_or(0);
+  if (count < 0 || count > 1000000)
+    throw std::invalid_argument("rendezvous: TORCHELASTIC_RESTART_COUNT=" + std::to_string(count) +
+                                " is outside [0, 1000000]");
+  return static_cast<int>(count);
+}
+
 RendezvousInfo rendezvous_from_env(const EnvLookup& getenv_fn) {
   EnvReader env(getenv_fn);
   RendezvousInfo info;
@@ -190,6 +198,9 @@ RendezvousInfo rendezvous_from_env(const EnvLookup& getenv_fn) {
   }
   check_consistent(info);
   info.job_token = job_token(env);
+  info.agent_store = env.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+  info.restart_count = restart_count_from_env(getenv_fn);
+  info.max_restarts = static_cast<int>(env.number("TORCHELASTIC_MAX_RESTARTS").value_or(0));
   return info;
 }
 

@@ -3,6 +3,8 @@
 #include "comm/store.h"
 
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -312,6 +314,26 @@ milliseconds resolve_window(const RendezvousInfo& info, milliseconds timeout) {
   return info.single_node() ? milliseconds(0) : std::min(timeout, kResolveWindow);
 }
 
+// torchrun's agent store (RendezvousInfo::agent_store): LibTorch's own c10d TCPStore client (the
+// agent speaks its protocol, not this file's), this start's keys under a prefix of their own, in
+// case the agent's store outlives the workers of one start with their keys (TCP mesh addresses
+// that no longer answer).
+c10::intrusive_ptr<c10d::Store> agent_store_client(const RendezvousInfo& info, milliseconds timeout) {
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<uint16_t>(info.master_port);
+  o.isServer = false;
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  try {
+    auto store = c10::make_intrusive<c10d::TCPStore>(info.master_addr, o);
+    return c10::make_intrusive<c10d::PrefixStore>("mfsdp/start_" + std::to_string(info.restart_count), store);
+  } catch (const c10::Error& e) {  // c10d's DistNetworkError and DistStoreError
+    throw CommError("rank " + std::to_string(info.rank) + " could not reach torchrun's store at " + info.master_addr +
+                    ":" + std::to_string(info.master_port) + " (TORCHELASTIC_USE_AGENT_STORE=True) within " +
+                    std::to_string(timeout.count()) + " ms: " + e.what_without_backtrace());
+  }
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info, milliseconds timeout) {
@@ -321,6 +343,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info, millis
     store->setTimeout(timeout);
     return store;
   }
+  if (info.agent_store) return agent_store_client(info, timeout);
   std::vector<SocketAddress> addresses =
       resolve_master(info.master_addr, info.master_port, resolve_window(info, timeout));
   if (info.rank != 0) return c10::make_intrusive<JobStore>(info, std::move(addresses), timeout, nullptr);
@@ -337,6 +360,7 @@ c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info, millis
 
 c10::intrusive_ptr<c10d::Store> connect_store_client(const RendezvousInfo& info,
                                                      milliseconds timeout) {
+  if (info.agent_store) return agent_store_client(info, timeout);
   return c10::make_intrusive<JobStore>(
       info, resolve_master(info.master_addr, info.master_port, resolve_window(info, timeout)),
       timeout, nullptr);

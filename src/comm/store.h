@@ -17,7 +17,9 @@ namespace mfsdp {
 // store's default timeout of get and wait). Throws CommError, one line naming the address and
 // port: rank 0 when the port is in use or the address is not of its host; any rank when the
 // address does not resolve, the store cannot be reached within `timeout`, or it refuses the
-// rank (another job's store: the job token differs).
+// rank (another job's store: the job token differs). Under torchrun's agent store
+// (info.agent_store) every rank is a client of the agent's c10d TCPStore instead, with keys
+// under "mfsdp/start_<restart count>/"; CommError naming it when it cannot be reached.
 c10::intrusive_ptr<c10d::Store> connect_store(const RendezvousInfo& info,
                                               std::chrono::milliseconds timeout);
 

@@ -14,13 +14,13 @@
 
 namespace mfsdp {
 
-MetricsWriter::MetricsWriter(const std::string& path) {
+MetricsWriter::MetricsWriter(const std::string& path, bool append) {
   if (path.empty()) return;
   if (const auto parent = std::filesystem::path(path).parent_path(); !parent.empty()) {
     std::error_code ec;  // a failure shows as the open's error below
     std::filesystem::create_directories(parent, ec);
   }
-  out_.open(path, std::ios::trunc);
+  out_.open(path, append ? std::ios::app : std::ios::trunc);
   if (!out_) throw std::runtime_error("--metrics-file: cannot open '" + path + "' for writing");
 }
 

@@ -76,6 +76,12 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
                     : init_communicator(info, comm_options);
     if (comm->rank() == 0 || is_simulated(*comm)) {
       std::cout << " device: " << device.str() << " (" << comm->backend() << ")\n";
+      if (info.agent_store)
+        std::cout << " rendezvous: torchrun's store at " << info.master_addr << ":" << info.master_port
+                  << " (TORCHELASTIC_USE_AGENT_STORE; no mfsdp job token)\n";
+      if (info.restart_count > 0 || info.max_restarts > 0)
+        std::cout << " restart " << info.restart_count << " of at most " << info.max_restarts
+                  << " (TORCHELASTIC_RESTART_COUNT)\n";
       for (const auto& note : notes) std::cout << "note: " << note << "\n";
     }
     tool.run(comm);

@@ -15,6 +15,7 @@
 #include "mfsdp/checkpoint/load_model.h"
 #include "mfsdp/checkpoint/safetensors.h"
 #include "mfsdp/checkpoint/tensor_source.h"
+#include "mfsdp/comm/rendezvous.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/models/tensor_parallel_training.h"
 #include "mfsdp/train/train_loop.h"
@@ -197,7 +198,8 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
       sharded_(build_sharded_model(
           config, model_build_options(args, args, args, args, args, /*values_loaded=*/load_.reader || !hf_folder_.empty()),
           args.attention_backend != "unfused", shard_options_from_args(args, args, args, per_token_loss), &mesh_)),
-      metrics_(print_ ? args.metrics_file : ""),
+      // A restart of the same job (torchrun's or mfsdp-run's --max-restarts) adds to its metrics.
+      metrics_(print_ ? args.metrics_file : "", restart_count_from_env() > 0),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
       profiler_(args, args, comm_->rank(), comm_->device(), log) {
   if (args.optimizer == "adam") {

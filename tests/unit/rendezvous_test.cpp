@@ -1,8 +1,13 @@
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <chrono>
 #include <map>
 
+#include "comm/store.h"
+#include "mfsdp/comm/comm.h"
 #include "mfsdp/comm/rendezvous.h"
+#include "mfsdp/launch/rank_processes.h"
 
 namespace {
 
@@ -107,4 +112,62 @@ TEST(Rendezvous, JobTokenSources) {
             "slurm:7.2");
   expect_error({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MFSDP_JOB_TOKEN", std::string(1025, 't')}},
                "MFSDP_JOB_TOKEN");
+}
+
+TEST(Rendezvous, TorchrunAgentStoreAndRestartCount) {
+  const std::map<std::string, std::string> base = {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "1234"}};
+  auto with = [&](std::map<std::string, std::string> extra) {
+    extra.insert(base.begin(), base.end());
+    return read(extra);
+  };
+  EXPECT_FALSE(with({}).agent_store);
+  EXPECT_EQ(with({}).restart_count, 0);
+  // torch's own test of the variable: exactly "True".
+  EXPECT_FALSE(with({{"TORCHELASTIC_USE_AGENT_STORE", "False"}}).agent_store);
+  const auto info = with({{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RESTART_COUNT", "2"},
+                          {"TORCHELASTIC_MAX_RESTARTS", "3"}});
+  EXPECT_TRUE(info.agent_store);
+  EXPECT_EQ(info.restart_count, 2);
+  EXPECT_EQ(info.max_restarts, 3);
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"TORCHELASTIC_RESTART_COUNT", "-1"}},
+               "TORCHELASTIC_RESTART_COUNT=-1 is outside");
+  expect_error({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"TORCHELASTIC_RESTART_COUNT", "one"}},
+               "TORCHELASTIC_RESTART_COUNT='one'");
+}
+
+// Under torchrun's agent store every rank is a client of a c10d TCPStore (here LibTorch's own
+// server, as torchrun's agent runs it), and the keys of one start are not seen by the next: the
+// store outlives the workers of a start that died, and a restart reading their addresses would
+// dial processes that are gone. An agent store that does not answer is a CommError naming it.
+TEST(Rendezvous, AgentStoreKeepsEachStartsKeysApart) {
+  c10d::TCPStoreOptions server_options;
+  server_options.port = 0;  // any free port
+  server_options.isServer = true;
+  server_options.waitWorkers = false;
+  c10d::TCPStore server("127.0.0.1", server_options);
+  mfsdp::RendezvousInfo info;
+  info.world_size = 2;
+  info.rank = 1;
+  info.master_addr = "127.0.0.1";
+  info.master_port = server.getPort();
+  info.agent_store = true;
+  const auto first = mfsdp::connect_store(info, std::chrono::seconds(10));
+  first->set("address/0", std::vector<uint8_t>{'a'});
+  info.restart_count = 1;
+  const auto second = mfsdp::connect_store(info, std::chrono::seconds(10));
+  EXPECT_FALSE(second->check({"address/0"}));
+  second->set("address/0", std::vector<uint8_t>{'b'});
+  EXPECT_EQ(first->get("address/0"), std::vector<uint8_t>{'a'});
+  EXPECT_EQ(second->get("address/0"), std::vector<uint8_t>{'b'});
+
+  info.master_port = mfsdp::launch::pick_free_port();  // nothing listens there
+  try {
+    mfsdp::connect_store(info, std::chrono::seconds(2));
+    ADD_FAILURE() << "connected to a store that does not exist";
+  } catch (const mfsdp::CommError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 could not reach torchrun's store at 127.0.0.1:" +
+                                         std::to_string(info.master_port)),
+              std::string::npos)
+        << e.what();
+  }
 }

@@ -23,6 +23,15 @@ struct RendezvousInfo {
   // (src/comm/store_server.h): the same on every rank of one job, different between jobs.
   // Empty: the job has none, and any process that reaches the store can join it.
   std::string job_token;
+  // torchrun's agent serves a c10d TCPStore at master_addr:master_port and says so
+  // (TORCHELASTIC_USE_AGENT_STORE=True, as torch's env:// rendezvous reads it): every rank is its
+  // client, and the job token is not checked (the agent's store knows none).
+  bool agent_store = false;
+  // Which start of the job this is (TORCHELASTIC_RESTART_COUNT: 0 first, then one more per
+  // restart) and how many restarts the launcher allows (TORCHELASTIC_MAX_RESTARTS). Keys of one
+  // start are kept apart from an earlier start's in a store that outlives them.
+  int restart_count = 0;
+  int max_restarts = 0;
 
   // Every rank of the job runs on this node (then the loopback interface carries the traffic).
   bool single_node() const { return local_world_size == world_size; }
@@ -37,6 +46,8 @@ using EnvLookup = std::function<const char*(const char*)>;
 //            MASTER_PORT (else 20000 + SLURM_JOB_ID % 20000)
 //   Open MPI: OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE, OMPI_COMM_WORLD_LOCAL_RANK,
 //            OMPI_COMM_WORLD_LOCAL_SIZE; MASTER_ADDR (required on several nodes), MASTER_PORT
+// torchrun's agent store and restart count: TORCHELASTIC_USE_AGENT_STORE, TORCHELASTIC_RESTART_COUNT,
+// TORCHELASTIC_MAX_RESTARTS (mfsdp-run sets the last two as well).
 // The job token, whatever the launcher: MFSDP_JOB_TOKEN (mfsdp-run makes a random one on a single
 // node), else TORCHELASTIC_RUN_ID (torchrun's --rdzv-id; --standalone makes a random one) unless
 // it is "none", else "slurm:<SLURM_JOB_ID>.<SLURM_STEP_ID>" under Slurm, else empty.
@@ -44,6 +55,11 @@ using EnvLookup = std::function<const char*(const char*)>;
 // number, or is inconsistent with the others (e.g. RANK >= WORLD_SIZE), or when the token is
 // longer than 1024 bytes.
 RendezvousInfo rendezvous_from_env(const EnvLookup& getenv_fn = nullptr);
+
+// Which start of the job this process belongs to: TORCHELASTIC_RESTART_COUNT (torchrun, and
+// mfsdp-run's restarts), 0 when unset. Throws std::invalid_argument naming the variable when it is
+// not a non-negative integer.
+int restart_count_from_env(const EnvLookup& getenv_fn = nullptr);
 
 // First host name of a Slurm node list: "node[03-05,9],gpu1" -> "node03".
 std::string first_slurm_host(const std::string& nodelist);

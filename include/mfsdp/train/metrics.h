@@ -28,10 +28,11 @@ struct IterationRecord {
   std::vector<std::pair<std::string, double>> extra;
 };
 
-// Appends one JSON object per record to `path` (created or truncated); no-op when path is empty.
+// Appends one JSON object per record to `path` (created, or truncated unless `append`); no-op
+// when path is empty.
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path);
+  explicit MetricsWriter(const std::string& path, bool append = false);
   void write(const IterationRecord& r);
 
  private:
