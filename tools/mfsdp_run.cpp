@@ -1,6 +1,6 @@
 // mfsdp-run: our torchrun. Starts --nproc-per-node copies of PROGRAM with the torchrun variables
-// set, tags their output with the rank, stops them all when one fails, and exits with the failed
-// rank's status. See docs/launcher.md.
+// set, tags their output with the rank, stops them all when one fails, restarts them all up to
+// --max-restarts times, and exits with the failed rank's status. See docs/launcher.md.
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -23,6 +23,12 @@ rank fails, the others get 3 s to exit on their own (with their own error lines)
 (SIGTERM, then SIGKILL after 5 s), and mfsdp-run exits with the failed rank's exit code (128+N for
 signal N). The job's /dev/shm segments are removed once every rank has exited.
 
+With --max-restarts K (torchrun's), a failed job is started again, every rank, up to K times: a
+new rendezvous round on a new port with a new job token (a rank of an earlier round can never join
+it), TORCHELASTIC_RESTART_COUNT=1..K and TORCHELASTIC_MAX_RESTARTS=K in the ranks' environment,
+so a trainer given --load resumes from its newest checkpoint. An interrupt (SIGINT, SIGTERM) is
+never restarted.
+
 options (also --flag=value, and torchrun's spellings with '_'):
   --nproc-per-node N   processes on this node (default 1)
   --nnodes M           number of nodes (default 1)
@@ -31,6 +37,10 @@ options (also --flag=value, and torchrun's spellings with '_'):
                        when M > 1)
   --master-port P      port on H (default: a free port when M == 1, else 29500)
   --standalone         single node with a free port (accepted for torchrun compatibility)
+  --max-restarts K     start a failed job again, every rank, up to K times (default 0; single
+                       node only)
+  --monitor-interval S torchrun's polling period; accepted for compatibility (mfsdp-run learns of
+                       a rank's exit at once, without polling)
   --no-tag             pass output through without the "[rankN]: " prefix
   -h, --help           show this help
   --                   end of options: everything after it is PROGRAM and its arguments
@@ -55,6 +65,7 @@ struct Arguments {
   std::string master_addr;  // empty: not given
   int master_port = 0;      // 0: not given
   bool standalone = false;
+  int max_restarts = 0;
   bool tag = true;
   bool help = false;
   std::vector<std::string> program;  // PROGRAM ARGS...
@@ -104,7 +115,8 @@ Arguments parse_arguments(int argc, char** argv) {
       continue;
     }
     if (flag != "--nproc-per-node" && flag != "--nnodes" && flag != "--node-rank" &&
-        flag != "--master-addr" && flag != "--master-port") {
+        flag != "--master-addr" && flag != "--master-port" && flag != "--max-restarts" &&
+        flag != "--monitor-interval") {
       throw UsageError("unknown option '" + arg + "'");
     }
     std::string value;
@@ -126,6 +138,13 @@ Arguments parse_arguments(int argc, char** argv) {
       args.nnodes = parse_int(flag, value);
     } else if (flag == "--node-rank") {
       args.node_rank = parse_int(flag, value);
+    } else if (flag == "--max-restarts") {
+      args.max_restarts = parse_int(flag, value);
+    } else if (flag == "--monitor-interval") {
+      char* end = nullptr;
+      const double seconds = std::strtod(value.c_str(), &end);
+      if (value.empty() || end != value.c_str() + value.size() || !(seconds > 0))
+        throw UsageError("--monitor-interval expects a positive number of seconds, got '" + value + "'");
     } else if (flag == "--master-addr") {
       if (value.empty()) throw UsageError("--master-addr expects a host name or address, got ''");
       args.master_addr = value;
@@ -154,6 +173,13 @@ void validate(const Arguments& args) {
     throw UsageError("--standalone runs a single node, but --nnodes is " +
                      std::to_string(args.nnodes));
   }
+  if (args.max_restarts < 0 || args.max_restarts > 1000)
+    throw UsageError("--max-restarts must be in 0..1000, got " + std::to_string(args.max_restarts));
+  // Across nodes every node's launcher would have to join each new round: not built yet.
+  if (args.max_restarts > 0 && args.nnodes > 1)
+    throw UsageError("--max-restarts restarts the ranks of one node; with --nnodes " + std::to_string(args.nnodes) +
+                     " every node's launcher would have to join the new round (use torchrun --max-restarts "
+                     "with its c10d rendezvous across nodes)");
   if (args.nnodes > 1 && args.master_addr.empty()) {
     throw UsageError("--master-addr is required when --nnodes > 1 (the address of node 0)");
   }
@@ -181,17 +207,29 @@ void write_raw_line(int, mfsdp::launch::OutputStream stream, const std::string& 
   std::fflush(out);
 }
 
-int run(const Arguments& args) {
+// One start of the job (restart 0 is the first): every rank of this node, its rendezvous round's
+// port and job token. A restart takes a free port of its own and the job token with the restart's
+// number, so no rank of an earlier round can join it.
+mfsdp::launch::SuperviseResult start_ranks(const Arguments& args, int restart) {
   namespace launch = mfsdp::launch;
   const std::string master_addr = args.master_addr.empty() ? "127.0.0.1" : args.master_addr;
   int master_port = args.master_port;
-  if (master_port == 0) master_port = args.nnodes == 1 ? launch::pick_free_port() : kDefaultMultiNodePort;
+  if (master_port == 0 || restart > 0)
+    master_port = args.nnodes == 1 ? launch::pick_free_port() : kDefaultMultiNodePort;
 
   std::vector<launch::RankProcessSpec> specs;
   for (int local_rank = 0; local_rank < args.nproc_per_node; ++local_rank) {
     launch::RankProcessSpec spec;
     spec.env = launch::rank_environment(args.node_rank, args.nnodes, args.nproc_per_node,
                                         local_rank, master_addr, master_port);
+    spec.env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart);
+    spec.env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(args.max_restarts);
+    if (restart > 0) {
+      const char* inherited = std::getenv("MFSDP_JOB_TOKEN");
+      spec.env["MFSDP_JOB_TOKEN"] =
+          (inherited != nullptr ? std::string(inherited) : launch::launcher_job_token()) + ".restart" +
+          std::to_string(restart);
+    }
     spec.rank = args.node_rank * args.nproc_per_node + local_rank;
     spec.argv = args.program;
     specs.push_back(std::move(spec));
@@ -205,16 +243,28 @@ int run(const Arguments& args) {
   // Every /dev/shm segment of the job is removed once the ranks have exited, however they died.
   options.shm_tag = launch::launcher_shm_tag();
   if (!args.tag) options.on_line = write_raw_line;
-  const launch::SuperviseResult result = launch::run_rank_processes(specs, options);
-  if (result.ok()) return 0;
+  return launch::run_rank_processes(specs, options);
+}
 
-  std::string report = "mfsdp-run: " + result.summary() + "\n";
-  for (const auto& exit : result.exits) {
-    if (result.first_failed_rank && exit.rank == *result.first_failed_rank) continue;
-    if (exit.failed() || exit.stopped_by_supervisor) report += "mfsdp-run:   " + exit.describe() + "\n";
+int run(const Arguments& args) {
+  for (int restart = 0;; ++restart) {
+    const mfsdp::launch::SuperviseResult result = start_ranks(args, restart);
+    if (result.ok()) return 0;
+    std::string report = "mfsdp-run: " + result.summary() + "\n";
+    for (const auto& exit : result.exits) {
+      if (result.first_failed_rank && exit.rank == *result.first_failed_rank) continue;
+      if (exit.failed() || exit.stopped_by_supervisor) report += "mfsdp-run:   " + exit.describe() + "\n";
+    }
+    // An interrupt is the user's (or the scheduler's) decision: never restarted.
+    const bool restarts_left = restart < args.max_restarts && result.interrupt_signal == 0;
+    if (args.max_restarts > 0)
+      report += restarts_left ? "mfsdp-run: restarting every rank (restart " + std::to_string(restart + 1) + " of " +
+                                    std::to_string(args.max_restarts) + ")\n"
+                              : "mfsdp-run: no restart left (--max-restarts " + std::to_string(args.max_restarts) +
+                                    ")\n";
+    std::fputs(report.c_str(), stderr);
+    if (!restarts_left) return failure_exit_code(result);
   }
-  std::fputs(report.c_str(), stderr);
-  return failure_exit_code(result);
 }
 
 }  // namespace

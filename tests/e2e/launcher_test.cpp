@@ -603,6 +603,10 @@ TEST(MfsdpRun, RejectsBadFlagsWithoutRunningAnything) {
       {{"--no-such-flag", "1"}, "unknown option '--no-such-flag'"},
       {{"--nproc-per-node", "2"}, "missing PROGRAM", /*with_program=*/false},
       {{"--nproc-per-node"}, "--nproc-per-node needs a value", /*with_program=*/false},
+      {{"--max-restarts", "-1"}, "--max-restarts must be in 0..1000, got -1"},
+      {{"--max-restarts", "1", "--nnodes", "2", "--master-addr", "h"},
+       "--max-restarts restarts the ranks of one node; with --nnodes 2"},
+      {{"--monitor-interval", "0"}, "--monitor-interval expects a positive number of seconds, got '0'"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.flags;
@@ -613,6 +617,58 @@ TEST(MfsdpRun, RejectsBadFlagsWithoutRunningAnything) {
     EXPECT_TRUE(contains(finished.err, "mfsdp-run: error: " + c.expected)) << describe(finished);
     EXPECT_FALSE(fs::exists(ran)) << "a rank ran despite the bad flags";
   }
+}
+
+// --max-restarts: rank 1 fails in the first start; every rank starts again, in a new round (a new
+// port and job token, TORCHELASTIC_RESTART_COUNT 1), and the job succeeds. Each start's ranks
+// write their round to a file of their own.
+TEST(MfsdpRun, MaxRestartsStartsEveryRankAgainInANewRound) {
+  TempDir dir;
+  const std::string script =
+      "echo \"$MASTER_PORT $MFSDP_JOB_TOKEN $TORCHELASTIC_MAX_RESTARTS\" > " + dir.path().string() +
+      "/start$TORCHELASTIC_RESTART_COUNT.rank$RANK; "
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ]; then exit 3; fi; "
+      "if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 60; fi";
+  auto finished = run_launcher({"--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval", "0.1", "sh",
+                                "-c", script},
+                               dir);
+  EXPECT_EQ(finished.code(), 0) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "mfsdp-run: rank 1 (pid ")) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "mfsdp-run: restarting every rank (restart 1 of 2)")) << describe(finished);
+  EXPECT_FALSE(contains(finished.err, "restart 2 of 2")) << describe(finished);
+  std::map<int, std::set<std::string>> rounds;  // start -> what its ranks saw
+  for (int start : {0, 1})
+    for (int rank : {0, 1}) {
+      const std::string seen = read_file(dir.file("start" + std::to_string(start) + ".rank" + std::to_string(rank)));
+      ASSERT_FALSE(seen.empty()) << "start " << start << " rank " << rank << "\n" << describe(finished);
+      rounds[start].insert(seen);
+    }
+  // Within a start every rank meets on one port with one token; the restart on a new port and token.
+  ASSERT_EQ(rounds[0].size(), 1u);
+  ASSERT_EQ(rounds[1].size(), 1u);
+  std::istringstream first(*rounds[0].begin()), second(*rounds[1].begin());
+  std::string port0, token0, max0, port1, token1, max1;
+  first >> port0 >> token0 >> max0;
+  second >> port1 >> token1 >> max1;
+  EXPECT_NE(port0, port1);
+  EXPECT_NE(token0, token1);
+  EXPECT_EQ(token1, token0 + ".restart1");
+  EXPECT_EQ(max0, "2");
+  EXPECT_FALSE(fs::exists(dir.file("start2.rank0")));
+}
+
+// Restarts run out: the last start's failure is mfsdp-run's exit code; without --max-restarts a
+// failure is never restarted.
+TEST(MfsdpRun, MaxRestartsRunOutWithTheLastFailure) {
+  TempDir dir;
+  auto finished = run_launcher(
+      {"--nproc-per-node", "2", "--max-restarts", "1", "sh", "-c", "exit $((4 + TORCHELASTIC_RESTART_COUNT))"}, dir);
+  EXPECT_EQ(finished.code(), 5) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "restarting every rank (restart 1 of 1)")) << describe(finished);
+  EXPECT_TRUE(contains(finished.err, "mfsdp-run: no restart left (--max-restarts 1)")) << describe(finished);
+  auto once = run_launcher({"--nproc-per-node", "2", "sh", "-c", "exit $((4 + TORCHELASTIC_RESTART_COUNT))"}, dir);
+  EXPECT_EQ(once.code(), 4) << describe(once);
+  EXPECT_FALSE(contains(once.err, "restart")) << describe(once);
 }
 
 // (e) A program that cannot be executed.

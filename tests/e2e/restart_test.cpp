@@ -1,3 +1,4 @@
+// Restarts of a training job whose rank died, by torchrun and by mfsdp-run --max-restarts, and
 // mfsdp-pretrain under PyTorch's own torchrun (the project's torch), as Megatron-LM users launch
 // it: torchrun's agent serves a c10d TCPStore on MASTER_PORT and says so
 // (TORCHELASTIC_USE_AGENT_STORE=True), so every rank joins it as a client instead of serving one
@@ -7,7 +8,8 @@
 //    torchrun restart both ranks, which resume from that checkpoint (TORCHELASTIC_RESTART_COUNT
 //    keeps the new start's store keys apart from the dead start's: without it the new start
 //    meets the dead one's addresses and hangs) and finish with the uninterrupted run's losses and
-//    weights, bit for bit; the metrics file keeps both starts' records.
+//    weights, bit for bit; the metrics file keeps both starts' records;
+//  - the same with mfsdp-run --max-restarts 1 (a new rendezvous round on a new port and token).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -39,7 +41,7 @@ std::string torchrun() {
          " -m torch.distributed.run --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:" +
          std::to_string(mfsdp::launch::pick_free_port());
 }
-const std::string kMfsdpRun = "OMP_NUM_THREADS=1 " + kRun + " --nproc-per-node 2";
+const std::string kMfsdpRun = "env OMP_NUM_THREADS=1 " + kRun + " --nproc-per-node 2";
 
 // ~0.15 s an iteration on 2 CPU ranks, so that a rank can be killed mid-run.
 const std::string kModel =
@@ -85,16 +87,11 @@ TEST(Torchrun, TrainsAsMfsdpRunDoes) {
   expect_same_weights(dir.file("torchrun/iter_0000004"), dir.file("ours/iter_0000004"));
 }
 
-TEST(Torchrun, MaxRestartsResumesFromTheCheckpointAfterAKilledRank) {
-  TempDir dir("mfsdp-torchrun-restart");
-  const std::string job = kModel + " --train-iters 20 --save-interval 5";
-  const auto ours = run_command(kMfsdpRun + " " + kPretrain + job + " --metrics-file " + dir.file("ours.jsonl") +
-                                " --save " + dir.file("ours"));
-  ASSERT_EQ(ours.exit_code, 0) << ours.output;
-
-  // Starts torchrun in the background, SIGKILLs one of its ranks (the first mfsdp-pretrain among
-  // its descendants) once the first checkpoint's tracker appears, and exits with torchrun's status.
-  const std::string save = dir.file("restarted");
+// Runs `launcher` (a job with --save `save` --load `save`) in the background, SIGKILLs one of its
+// ranks (the first mfsdp-pretrain among its descendants) once the first checkpoint's tracker
+// appears, and returns the launcher's outcome.
+mfsdp::testing::CommandOutcome run_killing_a_rank_after_the_first_save(const TempDir& dir, const std::string& launcher,
+                                                                       const std::string& save) {
   std::ofstream(dir.file("kill_once.sh")) << "\"$@\" &\n"
                                              "launcher=$!\n"
                                              "for _ in $(seq 1 2400); do\n"
@@ -111,9 +108,21 @@ TEST(Torchrun, MaxRestartsResumesFromTheCheckpointAfterAKilledRank) {
                                              "echo \"killing rank process $victim\"\n"
                                              "kill -KILL $victim\n"
                                              "wait $launcher\n";
-  const auto r = run_command("bash " + dir.file("kill_once.sh") + " " + torchrun() +
-                             " --max-restarts 1 --monitor-interval 0.1 --no-python " + kPretrain + job +
-                             " --metrics-file " + dir.file("restarted.jsonl") + " --save " + save + " --load " + save);
+  return run_command("bash " + dir.file("kill_once.sh") + " " + launcher + " --save " + save + " --load " + save);
+}
+
+// A 20-iteration job killed after its checkpoint at 5 and restarted by `launcher` (which takes
+// the program and its flags after it) ends as the uninterrupted run does: every iteration's loss
+// and the final weights bit-equal; the restarted start says so and loads the checkpoint.
+void expect_restart_resumes(const std::string& launcher, const std::string& tag) {
+  TempDir dir("mfsdp-restart-" + tag);
+  const std::string job = kModel + " --train-iters 20 --save-interval 5";
+  const auto ours = run_command(kMfsdpRun + " " + kPretrain + job + " --metrics-file " + dir.file("ours.jsonl") +
+                                " --save " + dir.file("ours"));
+  ASSERT_EQ(ours.exit_code, 0) << ours.output;
+  const std::string save = dir.file("restarted");
+  const auto r = run_killing_a_rank_after_the_first_save(
+      dir, launcher + " " + kPretrain + job + " --metrics-file " + dir.file("restarted.jsonl"), save);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("killing rank process "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(" restart 1 of at most 1 (TORCHELASTIC_RESTART_COUNT)"), std::string::npos) << r.output;
@@ -122,6 +131,14 @@ TEST(Torchrun, MaxRestartsResumesFromTheCheckpointAfterAKilledRank) {
   ASSERT_EQ(want.size(), 20u);
   EXPECT_EQ(got, want);
   expect_same_weights(save + "/iter_0000020", dir.file("ours/iter_0000020"));
+}
+
+TEST(Torchrun, MaxRestartsResumesFromTheCheckpointAfterAKilledRank) {
+  expect_restart_resumes(torchrun() + " --max-restarts 1 --monitor-interval 0.1 --no-python", "torchrun");
+}
+
+TEST(MfsdpRun, MaxRestartsResumesFromTheCheckpointAfterAKilledRank) {
+  expect_restart_resumes(kMfsdpRun + " --max-restarts 1", "mfsdp-run");
 }
 
 }  // namespace
