@@ -1,6 +1,7 @@
 // mfsdp-run: our torchrun. Starts --nproc-per-node copies of PROGRAM with the torchrun variables
 // set, tags their output with the rank, stops them all when one fails, restarts them all up to
 // --max-restarts times, and exits with the failed rank's status. See docs/launcher.md.
+#include <algorithm>
 #include <charconv>
 #include <chrono>
 #include <cstdio>
@@ -21,7 +22,9 @@ LOCAL_WORLD_SIZE, GROUP_RANK, NODE_RANK, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREA
 and more than one process runs per node). Each output line is prefixed with "[rankN]: ". When a
 rank fails, the others get 3 s to exit on their own (with their own error lines), then are stopped
 (SIGTERM, then SIGKILL after 5 s), and mfsdp-run exits with the failed rank's exit code (128+N for
-signal N). The job's /dev/shm segments are removed once every rank has exited.
+signal N). SIGINT or SIGTERM to mfsdp-run goes to every rank at once; what runs after 30 s is
+killed, and when every rank exits 0 (a trainer's --exit-signal-handler saves and stops) so does
+mfsdp-run. The job's /dev/shm segments are removed once every rank has exited.
 
 With --max-restarts K (torchrun's), a failed job is started again, every rank, up to K times: a
 new rendezvous round on a new port with a new job token (a rank of an earlier round can never join
@@ -52,7 +55,8 @@ example: mfsdp-run --nproc-per-node 4 ./build/mfsdp-pretrain --micro-batch-size 
 
 constexpr int kDefaultMultiNodePort = 29500;  // torchrun's default
 constexpr int kUsageExitCode = 2;
-constexpr int kFailureGraceMs = 3000;  // docs/launcher.md
+constexpr int kFailureGraceMs = 3000;     // docs/launcher.md
+constexpr int kInterruptGraceMs = 30000;  // torchrun's
 
 struct UsageError : std::runtime_error {
   using std::runtime_error::runtime_error;
@@ -240,6 +244,8 @@ mfsdp::launch::SuperviseResult start_ranks(const Arguments& args, int restart) {
   // Ranks that notice the failed one exit on their own with an error line naming it: let them
   // (docs/launcher.md, "Security and failures").
   options.failure_grace = std::chrono::milliseconds(kFailureGraceMs);
+  // A forwarded SIGTERM or SIGINT may be a trainer's cue to save (--exit-signal-handler).
+  options.interrupt_kill_grace = std::chrono::milliseconds(kInterruptGraceMs);
   // Every /dev/shm segment of the job is removed once the ranks have exited, however they died.
   options.shm_tag = launch::launcher_shm_tag();
   if (!args.tag) options.on_line = write_raw_line;
@@ -250,6 +256,13 @@ int run(const Arguments& args) {
   for (int restart = 0;; ++restart) {
     const mfsdp::launch::SuperviseResult result = start_ranks(args, restart);
     if (result.ok()) return 0;
+    // Ranks that took the signal as their cue to save and stop (--exit-signal-handler) and all
+    // exited 0: the job ended as asked.
+    if (result.interrupt_signal != 0 &&
+        std::all_of(result.exits.begin(), result.exits.end(), [](const auto& e) { return !e.failed(); })) {
+      std::fprintf(stderr, "mfsdp-run: interrupted by signal %d; every rank exited 0\n", result.interrupt_signal);
+      return 0;
+    }
     std::string report = "mfsdp-run: " + result.summary() + "\n";
     for (const auto& exit : result.exits) {
       if (result.first_failed_rank && exit.rank == *result.first_failed_rank) continue;

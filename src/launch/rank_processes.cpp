@@ -465,7 +465,7 @@ class Supervisor {
     if (!stopping_ && options_.deadline) timeout = std::min(timeout, until(start_ + *options_.deadline));
     if (!stopping_ && result_.first_failed_rank)
       timeout = std::min(timeout, until(failure_time_ + options_.failure_grace));
-    if (stopping_ && !killed_) timeout = std::min(timeout, until(stop_start_ + options_.kill_grace));
+    if (stopping_ && !killed_) timeout = std::min(timeout, until(stop_start_ + stop_grace_));
     return static_cast<int>(std::max<std::chrono::milliseconds::rep>(timeout.count(), 0));
   }
 
@@ -536,7 +536,7 @@ class Supervisor {
       result_.timed_out = true;
       start_stop(SIGTERM);
     }
-    if (stopping_ && !killed_ && now >= stop_start_ + options_.kill_grace) {
+    if (stopping_ && !killed_ && now >= stop_start_ + stop_grace_) {
       killed_ = true;
       for (Child& child : children_) {
         if (!child.reaped) kill(-child.exit.pid, SIGKILL);
@@ -564,6 +564,7 @@ class Supervisor {
     if (!stopping_) {
       result_.interrupt_signal = sig;
       start_stop(sig);
+      stop_grace_ = options_.interrupt_kill_grace;
       return;
     }
     // Already stopping: pass a repeated signal on as well (the grace period keeps running).
@@ -577,6 +578,7 @@ class Supervisor {
   void start_stop(int sig) {
     stopping_ = true;
     stop_start_ = Clock::now();
+    stop_grace_ = options_.kill_grace;
     for (Child& child : children_) {
       if (child.reaped) continue;
       child.signalled = true;
@@ -615,6 +617,7 @@ class Supervisor {
   bool stopping_ = false;
   bool killed_ = false;  // SIGKILL sent after the grace period
   Clock::time_point stop_start_;
+  std::chrono::milliseconds stop_grace_{0};  // between the stop signal and SIGKILL
   Clock::time_point failure_time_;  // when first_failed_rank was reaped
 };
 

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -18,6 +19,7 @@
 #include "mfsdp/comm/rendezvous.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/models/tensor_parallel_training.h"
+#include "mfsdp/train/exit_signals.h"
 #include "mfsdp/train/train_loop.h"
 
 namespace mfsdp {
@@ -202,6 +204,7 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
       metrics_(print_ ? args.metrics_file : "", restart_count_from_env() > 0),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
       profiler_(args, args, comm_->rank(), comm_->device(), log) {
+  if (args.exit_signal_handler) install_exit_signal_handler();
   if (args.optimizer == "adam") {
     AdamWOptions o;
     o.beta1 = args.adam_beta1;
@@ -709,16 +712,37 @@ void TrainingRun::save(int64_t iteration) {
   last_saved_ = iteration;
 }
 
+std::string TrainingRun::stop_reason() {
+  if (!args_.exit_signal_handler && args_.exit_duration_in_mins <= 0) return "";
+  // Megatron's: the signal flag and the minutes run, the maximum over the ranks, in one all-reduce.
+  const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count() / 60;
+  at::Tensor t = at::tensor({static_cast<double>(received_exit_signal()), minutes}, at::kDouble).to(comm_->device());
+  comm_->all_reduce(t, {ReduceOp::kMax});
+  t = t.cpu();
+  const int signal = static_cast<int>(t[0].item<double>());
+  if (args_.exit_signal_handler && signal != 0)
+    return std::string("after receiving ") + (signal == SIGINT ? "SIGINT" : "SIGTERM") + " (--exit-signal-handler)";
+  if (args_.exit_duration_in_mins > 0 && t[1].item<double>() > args_.exit_duration_in_mins) {
+    char why[128];
+    std::snprintf(why, sizeof why, "after %.2f minutes (--exit-duration-in-mins %g)", t[1].item<double>(),
+                  args_.exit_duration_in_mins);
+    return why;
+  }
+  return "";
+}
+
 bool TrainingRun::after_iteration(int64_t it) {
   poll_training_checkpoints(comm_, log_);  // --async-save: commits a save whose writers are done (collective)
   if (!args_.save.empty() && args_.save_interval > 0 && it % args_.save_interval == 0) save(it);
-  if (args_.exit_interval > 0 && it % args_.exit_interval == 0 && it != args_.train_iters) {
-    if (!args_.save.empty() && last_saved_ != it) save(it);
-    finish_training_checkpoints(comm_, log_);  // --async-save: the exit waits for the last save
-    if (print_) log_ << " exiting at iteration " << it << " (--exit-interval " << args_.exit_interval << ")\n";
-    return true;
-  }
-  return false;
+  std::string why = stop_reason();
+  if (why.empty() && args_.exit_interval > 0 && it % args_.exit_interval == 0)
+    why = "(--exit-interval " + std::to_string(args_.exit_interval) + ")";
+  // The last iteration ends the run anyway, with its own save.
+  if (why.empty() || it == args_.train_iters) return false;
+  if (!args_.save.empty() && last_saved_ != it) save(it);
+  finish_training_checkpoints(comm_, log_);  // --async-save: the exit waits for the last save
+  if (print_) log_ << " exiting at iteration " << it << " " << why << "\n";
+  return true;
 }
 
 double TrainingRun::all_reduce_mean(double value) const {

@@ -36,6 +36,9 @@ struct SuperviseOptions {
   std::chrono::milliseconds failure_grace{0};
   // After the first failure, how long the others get between SIGTERM and SIGKILL.
   std::chrono::milliseconds kill_grace{5000};
+  // After a forwarded signal, how long the ranks get before SIGKILL: a rank that saves on SIGTERM
+  // (a trainer's --exit-signal-handler) needs the time of a checkpoint (torchrun gives 30 s).
+  std::chrono::milliseconds interrupt_kill_grace{5000};
   // Whole-run limit; when reached every child is stopped and the result says timed_out.
   std::optional<std::chrono::milliseconds> deadline;
   // Forward SIGINT/SIGTERM received by the parent to the children (mfsdp-run sets this), then

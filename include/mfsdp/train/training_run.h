@@ -6,6 +6,7 @@
 // micro-batch's forward and backward.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -181,7 +182,9 @@ class TrainingRun {
 
   // Appends to the metrics file (rank 0) and the history the curve is drawn from.
   void record(const IterationRecord& r);
-  // Saves at --save-interval; true when --exit-interval says to stop here (saved first). With
+  // Saves at --save-interval; true when --exit-interval, a signal under --exit-signal-handler or
+  // --exit-duration-in-mins says to stop here (saved first; the signal and the time agreed over
+  // every rank, a collective each iteration when either flag is given). With
   // --check-for-nan-in-loss-and-grad, a checkpoint of NaN or Inf weights is refused
   // (NonFiniteError naming the parameters) before anything is written.
   bool after_iteration(int64_t iteration);
@@ -245,6 +248,10 @@ class TrainingRun {
   // step with finite gradients can still overflow them). Throws NonFiniteError. Collective.
   void check_finite_weights(int64_t iteration);
   void write_param_group_map();  // --dump-param-to-param-group-map
+  // Why the job stops after this iteration, agreed over every rank (empty: it goes on): a signal
+  // under --exit-signal-handler, or --exit-duration-in-mins passed on the slowest rank.
+  // Collective when either flag is given.
+  std::string stop_reason();
 
   PretrainArgs args_;
   ModelConfig config_;
@@ -270,6 +277,8 @@ class TrainingRun {
   std::vector<IterationRecord> history_;
   std::unique_ptr<RolloutModel> rollout_;
   int64_t last_saved_ = -1;
+  // When the run began (--exit-duration-in-mins counts from here).
+  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace mfsdp

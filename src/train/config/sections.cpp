@@ -526,6 +526,12 @@ std::vector<ToolFlag> CheckpointSection::flags() {
       bool_flag("--no-load-rng", no_load_rng, "with --load: do not restore the random generators"),
       bool_flag("--no-save-optim", no_save_optim, "save checkpoints without the optimizer state"),
       int_flag("--exit-interval", exit_interval, "stop (after saving with --save) at a multiple of this iteration"),
+      bool_flag("--exit-signal-handler", exit_signal_handler,
+                "on SIGTERM or SIGINT (to a rank, or to mfsdp-run, which passes it on) every rank finishes the "
+                "iteration, saves with --save and exits 0"),
+      double_flag("--exit-duration-in-mins", exit_duration_in_mins,
+                  "stop (after saving with --save) once the job has run this many minutes (the longest rank's "
+                  "time; 0: no limit)"),
       bool_flag("--override-opt_param-scheduler", override_opt_param_scheduler,
                 "with --load: use this run's LR schedule flags, not the checkpoint's"),
       bool_flag("--use-checkpoint-opt_param-scheduler", use_checkpoint_opt_param_scheduler,
@@ -550,6 +556,8 @@ void CheckpointSection::validate() const {
   if (save_interval < 0) flag_error("--save-interval", "must be >= 0");
   if (save_interval > 0 && save.empty()) flag_error("--save-interval", "needs --save");
   if (exit_interval < 0) flag_error("--exit-interval", "must be >= 0");
+  if (!(exit_duration_in_mins >= 0) || exit_duration_in_mins > 1e9)
+    flag_error("--exit-duration-in-mins", "must be in [0, 1e9] minutes, got " + std::to_string(exit_duration_in_mins));
   for (auto [set, flag] : {std::pair{finetune, "--finetune"}, {no_load_optim, "--no-load-optim"},
                            {no_load_rng, "--no-load-rng"}, {ckpt_step >= 0, "--ckpt-step"}})
     if (set && load.empty()) flag_error(flag, "needs --load");

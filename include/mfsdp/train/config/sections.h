@@ -190,6 +190,10 @@ struct CheckpointSection {
   bool no_load_rng = false;
   bool no_save_optim = false;
   int64_t exit_interval = 0;  // stop (after saving) once the iteration is a multiple of this
+  // Megatron's: on SIGTERM (or SIGINT) every rank saves at the end of the iteration and exits 0;
+  // stop (after saving) once the job has run this long (0: no limit), the longest rank's time.
+  bool exit_signal_handler = false;
+  double exit_duration_in_mins = 0;
   bool override_opt_param_scheduler = false;        // resume with this run's LR schedule
   bool use_checkpoint_opt_param_scheduler = false;  // resume with the checkpoint's LR schedule
   std::string ckpt_format = "fsdp_dtensor";         // or "mfsdp" (the earlier format)
