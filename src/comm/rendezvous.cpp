@@ -200,7 +200,11 @@ RendezvousInfo rendezvous_from_env(const EnvLookup& getenv_fn) {
   info.job_token = job_token(env);
   info.agent_store = env.text("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
   info.restart_count = restart_count_from_env(getenv_fn);
-  info.max_restarts = static_cast<int>(env.number("TORCHELASTIC_MAX_RESTARTS").value_or(0));
+  const long max_restarts = env.number("TORCHELASTIC_MAX_RESTARTS").value_or(0);
+  if (max_restarts < 0 || max_restarts > 1000000)
+    throw std::invalid_argument("rendezvous: TORCHELASTIC_MAX_RESTARTS=" + std::to_string(max_restarts) +
+                                " is outside [0, 1000000]");
+  info.max_restarts = static_cast<int>(max_restarts);
   return info;
 }
 

@@ -567,7 +567,9 @@ class Supervisor {
       stop_grace_ = options_.interrupt_kill_grace;
       return;
     }
-    // Already stopping: pass a repeated signal on as well (the grace period keeps running).
+    // Already stopping: pass a repeated signal on as well (the grace period keeps running), and
+    // remember an interrupt that came during a failure's stop (mfsdp-run never restarts one).
+    if (result_.interrupt_signal == 0) result_.interrupt_signal = sig;
     for (Child& child : children_) {
       if (!child.reaped) kill(-child.exit.pid, sig);
     }

@@ -17,7 +17,10 @@ void install_exit_signal_handler() {
   struct sigaction action {};
   action.sa_handler = note_signal;
   sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESTART;  // a read or poll interrupted by it goes on
+  // SA_RESTART: reads and writes it interrupts go on (poll returns EINTR, which every caller
+  // retries); SA_RESETHAND: a second signal acts as it would without the handler (a second
+  // Ctrl-C ends the rank).
+  action.sa_flags = SA_RESTART | SA_RESETHAND;
   sigaction(SIGTERM, &action, nullptr);
   sigaction(SIGINT, &action, nullptr);
 }

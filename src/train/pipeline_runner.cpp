@@ -60,10 +60,12 @@ at::Tensor run_pipeline(const PipelineLayout& layout, const std::vector<Pipeline
     for (const at::Tensor& t : tensors) ops.push_back(P2POp{P2POp::Kind::kSend, t, peer});
     sends.emplace_back(comm.send_recv_async(ops), std::move(tensors));
   };
-  // With variable shapes an activation's shape goes ahead of it, in the same batch (so in order).
+  // With variable shapes an activation's shape goes ahead of it, in a send of its own as the
+  // receiver's receives are (NCCL matches a group of sends only with a group of receives alike;
+  // Megatron's _communicate_shapes does the same).
   const auto send_activation = [&](const at::Tensor& t) {
-    if (!layout.variable_shapes) return send(*layout.forward, {t}, next);
-    send(*layout.forward, {at::tensor(t.sizes().vec(), at::kLong).to(t.device()), t}, next);
+    if (layout.variable_shapes) send(*layout.forward, {at::tensor(t.sizes().vec(), at::kLong).to(t.device())}, next);
+    send(*layout.forward, {t}, next);
   };
   const auto receive = [&](Communicator& comm, int peer, at::IntArrayRef shape, const at::TensorOptions& options) {
     at::Tensor t = at::empty(shape, options);

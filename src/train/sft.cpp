@@ -373,6 +373,13 @@ class SftTrainer : public MicroBatchTrainer {
       if (index.empty()) index.push_back(0);
       batches.push_back(batch_of(val_.rows, index));
     }
+    // Megatron's interleaved schedule takes micro-batches in groups of the pipeline's stages: the
+    // rounds are made up to a multiple with idle ones.
+    const PipelineLayout& pipeline = run_.pipeline();
+    while (pipeline.virtual_stages > 1 && batches.size() % static_cast<size_t>(pipeline.stages) != 0) {
+      idle.push_back(true);
+      batches.push_back(batch_of(val_.rows, {0}));
+    }
     // The loss sum (token-mean) or sum of conversation means on the device, from the ranks
     // holding the output layer; the counts on the host, once per context-parallel group.
     at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device_));

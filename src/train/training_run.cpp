@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <chrono>
 #include <csignal>
 #include <cmath>
 #include <cstdio>
@@ -712,10 +713,16 @@ void TrainingRun::save(int64_t iteration) {
   last_saved_ = iteration;
 }
 
+namespace {
+// When this process started (its static objects are made before main), which
+// --exit-duration-in-mins counts from, as Megatron counts from its program's start.
+const std::chrono::steady_clock::time_point kProcessStart = std::chrono::steady_clock::now();
+}  // namespace
+
 std::string TrainingRun::stop_reason() {
   if (!args_.exit_signal_handler && args_.exit_duration_in_mins <= 0) return "";
   // Megatron's: the signal flag and the minutes run, the maximum over the ranks, in one all-reduce.
-  const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count() / 60;
+  const double minutes = std::chrono::duration<double>(std::chrono::steady_clock::now() - kProcessStart).count() / 60;
   at::Tensor t = at::tensor({static_cast<double>(received_exit_signal()), minutes}, at::kDouble).to(comm_->device());
   comm_->all_reduce(t, {ReduceOp::kMax});
   t = t.cpu();

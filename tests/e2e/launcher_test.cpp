@@ -643,14 +643,15 @@ TEST(MfsdpRun, MaxRestartsStartsEveryRankAgainInANewRound) {
       ASSERT_FALSE(seen.empty()) << "start " << start << " rank " << rank << "\n" << describe(finished);
       rounds[start].insert(seen);
     }
-  // Within a start every rank meets on one port with one token; the restart on a new port and token.
+  // Within a start every rank meets on one port with one token; the restart with a token of its own
+  // (and a free port of its own, which may by chance be the first start's again).
   ASSERT_EQ(rounds[0].size(), 1u);
   ASSERT_EQ(rounds[1].size(), 1u);
   std::istringstream first(*rounds[0].begin()), second(*rounds[1].begin());
   std::string port0, token0, max0, port1, token1, max1;
   first >> port0 >> token0 >> max0;
   second >> port1 >> token1 >> max1;
-  EXPECT_NE(port0, port1);
+  EXPECT_FALSE(port1.empty());
   EXPECT_NE(token0, token1);
   EXPECT_EQ(token1, token0 + ".restart1");
   EXPECT_EQ(max0, "2");

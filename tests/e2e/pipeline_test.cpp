@@ -222,7 +222,6 @@ TEST(Pipeline, ResumesBitExactlyAndReshards) {
   EXPECT_NE(r.output.find("pytorch read"), std::string::npos) << r.output;
 }
 
-// Megatron's refusals, exit 2 naming the flag (before any rank starts).
 // --memory-plan names each stage's share of the schedule's activations: with P = 2 and 4
 // micro-batches, Megatron's 1F1B keeps min(P - s, m) on stage s (2, 1); its interleaved 1F1B with
 // V = 2 runs (P - s - 1) x 2 + (V - 1) x P warm-up forwards before the first backward, so one more
@@ -242,6 +241,7 @@ TEST(Pipeline, MemoryPlanShowsTheActivationsEachStageKeeps) {
                                    "at most: 3 of the step's 8 (micro-batch, chunk) forwards"});
 }
 
+// Megatron's refusals, exit 2 naming the flag (before any rank starts).
 TEST(Pipeline, RefusesWhatMegatronRefuses) {
   struct Refusal {
     int ranks;

@@ -109,7 +109,8 @@ mfsdp::testing::CommandOutcome run_signalled_after_the_first_save(const TempDir&
                                                "  done\n"
                                                "done\n"
                                             << (to_launcher ? "victim=$launcher\n" : "")
-                                            << "echo \"signalling process $victim\"\n"
+                                            << "[ -n \"$victim\" ] || { echo 'no rank left to signal: the job ended first'; exit 99; }\n"
+                                               "echo \"signalling process $victim\"\n"
                                                "kill -" << signal << " $victim\n"
                                                "wait $launcher\n";
   return run_command("bash " + dir.file("signal_once.sh") + " " + launcher + " --save " + save + " --load " + save);

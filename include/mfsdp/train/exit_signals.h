@@ -6,7 +6,8 @@
 
 namespace mfsdp {
 
-// Installs the handler for SIGTERM and SIGINT in this process (idempotent).
+// Installs the handler for SIGTERM and SIGINT in this process (idempotent): the first of them is
+// noted; after it both act as they would without the handler.
 void install_exit_signal_handler();
 
 // The first signal the handler received (SIGTERM or SIGINT), 0 while none has come.

@@ -45,8 +45,9 @@ struct PipelineLayout {
   at::TensorOptions activation_options;
   // Megatron's --variable-seq-lengths: the shape is not fixed (the micro-batches' sequences
   // differ in length), so each activation's shape (activation_shape's rank of int64s) goes ahead
-  // of it and the receiver reads it before its receive: a device-to-host copy per received
-  // activation. A gradient needs none: it has the shape of the output its receiver sent.
+  // of it and the receiver reads it before its receive: a host-to-device copy per sent activation
+  // and a device-to-host copy per received one. A gradient needs none: it has the shape of the
+  // output its receiver sent.
   bool variable_shapes = false;
 };
 

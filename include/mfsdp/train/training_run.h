@@ -6,7 +6,6 @@
 // micro-batch's forward and backward.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -277,8 +276,6 @@ class TrainingRun {
   std::vector<IterationRecord> history_;
   std::unique_ptr<RolloutModel> rollout_;
   int64_t last_saved_ = -1;
-  // When the run began (--exit-duration-in-mins counts from here).
-  std::chrono::steady_clock::time_point started_ = std::chrono::steady_clock::now();
 };
 
 }  // namespace mfsdp
