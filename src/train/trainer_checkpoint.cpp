@@ -136,6 +136,11 @@ TensorSlices model_parallel_checkpoint_slices(const CausalLM& model, const FsdpH
   return slices;
 }
 
+std::string non_persistent_global_dir(const CheckpointSection& a, const std::string& base) {
+  if (!a.non_persistent_global_ckpt_dir.empty()) return a.non_persistent_global_ckpt_dir;
+  return (std::filesystem::path(base) / "non_persistent").string();
+}
+
 OpenedCheckpoint open_training_checkpoint(const CheckpointSection& a) {
   OpenedCheckpoint opened;
   if (a.load.empty()) return opened;
@@ -149,6 +154,33 @@ OpenedCheckpoint open_training_checkpoint(const CheckpointSection& a) {
     opened.reader = std::make_shared<const CheckpointReader>(at.dir);
   else
     opened.missing = at.reason;
+  // Megatron's rule: the non-persistent checkpoint when it is newer than the persistent one. Only
+  // for a save folder's latest (an iteration folder or --ckpt-step names one checkpoint).
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const bool save_folder = !at.found() || fs::weakly_canonical(at.dir, ec) != fs::weakly_canonical(a.load, ec);
+  if (a.non_persistent_ckpt_type != "global" || a.ckpt_step >= 0 || !save_folder) return opened;
+  const std::string np_dir = non_persistent_global_dir(a, a.load);
+  std::optional<int64_t> np;
+  try {
+    np = latest_checkpoint_iteration(np_dir);
+  } catch (const std::exception& e) {
+    opened.origin = std::string("the non-persistent folder is not readable (") + e.what() + "): not taken";
+    return opened;
+  }
+  if (!np) return opened;
+  const int64_t persistent = opened.reader ? opened.reader->metadata().value("iteration", int64_t{-1}) : -1;
+  if (*np <= persistent) {
+    opened.origin = "the non-persistent checkpoint in " + np_dir + " (iteration " + std::to_string(*np) +
+                    ") is not newer: not taken";
+    return opened;
+  }
+  opened.fallback = opened.reader;
+  opened.reader = std::make_shared<const CheckpointReader>(np_dir);
+  opened.missing.clear();
+  opened.origin = "taking the non-persistent (global) checkpoint in " + np_dir + " (iteration " + std::to_string(*np) +
+                  "), newer than --load's " +
+                  (persistent >= 0 ? "iteration " + std::to_string(persistent) : std::string("(none)"));
   return opened;
 }
 
@@ -163,6 +195,23 @@ ResumePoint load_training_checkpoint(const OpenedCheckpoint& opened, const Check
       log << " WARNING: --load " << a.load << " " << opened.missing << "; training starts from scratch\n";
     return {};
   }
+  if (opened.fallback) {
+    // A non-persistent checkpoint that fails to load gives way to the persistent one: both are
+    // loaded whole (model, optimizer, generators), so what the failed load left is overwritten.
+    try {
+      OpenedCheckpoint newest = opened;
+      newest.fallback = nullptr;
+      return load_training_checkpoint(newest, a, training, config, world, model, optimizer, schedule, log, slices);
+    } catch (const std::exception& e) {
+      if (print)
+        log << " WARNING: the non-persistent checkpoint " << opened.reader->dir() << " did not load (" << e.what()
+            << "); loading --load's " << opened.fallback->dir() << "\n";
+      OpenedCheckpoint older;
+      older.reader = opened.fallback;
+      return load_training_checkpoint(older, a, training, config, world, model, optimizer, schedule, log, slices);
+    }
+  }
+  if (print && !opened.origin.empty() && !opened.fallback) log << " " << opened.origin << "\n";
   const CheckpointReader& reader = *opened.reader;
   CheckpointLoadOptions options;
   options.load_optimizer = !a.finetune && !a.no_load_optim;
@@ -185,7 +234,8 @@ ResumePoint load_training_checkpoint(const OpenedCheckpoint& opened, const Check
                                   std::to_string(training.global_batch_size) + ")");
   }
   if (print) {
-    log << " loaded checkpoint " << got.path << " (" << checkpoint_origin(got) << ") in " << seconds
+    log << " loaded checkpoint " << got.path << " (" << checkpoint_origin(got)
+        << ") in " << seconds
         << " s: model weights" << (got.optimizer_loaded ? ", optimizer state" : "")
         << (got.rng_loaded ? ", random generators" : "")
         << (a.finetune ? "; weights only (--finetune), iteration starts at 0"
@@ -238,6 +288,28 @@ void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
     log << " saved checkpoint at iteration " << iteration << " to " << checkpoint_iteration_dir(a.save, iteration)
         << " in " << seconds << " s\n";
     log.flush();
+  }
+}
+
+void save_non_persistent_global_checkpoint(const PretrainArgs& a, const ModelConfig& config,
+                                           const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
+                                           const DistributedOptimizer& optimizer, const LRSchedule& schedule,
+                                           int64_t iteration, std::ostream& log, const ToolFlags& tool,
+                                           const TensorSlices& slices) {
+  PretrainArgs into = a;
+  into.save = non_persistent_global_dir(a, a.save);
+  save_training_checkpoint(into, config, world, model, optimizer, schedule, iteration, log, tool, slices);
+  if (world->rank() != 0) return;
+  // Only the newest committed one stays (a save in flight is an iter_N.tmp, which this keeps).
+  namespace fs = std::filesystem;
+  const std::optional<int64_t> latest = latest_checkpoint_iteration(into.save);
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(into.save, ec)) {
+    const std::string name = e.path().filename().string();
+    if (!latest || name.size() != 12 || name.rfind("iter_", 0) != 0 ||
+        name.find_first_not_of("0123456789", 5) != std::string::npos)
+      continue;
+    if (std::stoll(name.substr(5)) != *latest) fs::remove_all(e.path(), ec);
   }
 }
 

@@ -204,7 +204,8 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
       // A restart of the same job (torchrun's or mfsdp-run's --max-restarts) adds to its metrics.
       metrics_(print_ ? args.metrics_file : "", restart_count_from_env() > 0),
       tensorboard_(print_ ? args.tensorboard_dir : ""),
-      profiler_(args, args, comm_->rank(), comm_->device(), log) {
+      profiler_(args, args, comm_->rank(), comm_->device(), log),
+      progress_(comm_->rank() == 0) {
   if (args.exit_signal_handler) install_exit_signal_handler();
   if (args.optimizer == "adam") {
     AdamWOptions o;
@@ -262,9 +263,63 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
   schedule_.style = args.lr_decay_style;
 }
 
+namespace {
+
+// The replica of a local checkpoint goes to the rank this far above: the ranks per node when the
+// job spans nodes (a rank of the next node), else the next rank.
+int local_checkpoint_replica_jump(int world_size) {
+  const char* local = std::getenv("LOCAL_WORLD_SIZE");
+  const int per_node = local != nullptr ? std::atoi(local) : 0;
+  return per_node > 0 && per_node < world_size ? per_node : 1;
+}
+
+}  // namespace
+
+bool TrainingRun::load_local_checkpoint(ResumePoint& resume) {
+  if (args_.non_persistent_ckpt_type != "local" || args_.load.empty() || args_.ckpt_step >= 0 || args_.finetune ||
+      args_.no_load_optim || args_.no_load_rng)
+    return false;
+  LocalCheckpointer from({args_.non_persistent_local_ckpt_dir, args_.load, local_checkpoint_replica_jump(comm_->size())},
+                         comm_);
+  std::string skipped;
+  const std::optional<int64_t> newest = from.newest_valid(sharded_.root, *optimizer_, &skipped);
+  if (print_ && !skipped.empty()) log_ << " local checkpoints not taken: " << skipped << "\n";
+  const int64_t persistent = load_.reader ? load_.reader->metadata().value("iteration", int64_t{-1}) : -1;
+  if (!newest || *newest <= persistent) {
+    if (print_ && newest)
+      log_ << " the local checkpoint of iteration " << *newest << " in " << from.job_dir()
+           << " is not newer than --load's (iteration " << persistent << "): not taken\n";
+    return false;
+  }
+  const auto begin = std::chrono::steady_clock::now();
+  const LocalCheckpointProgress got = from.load(*newest, sharded_.root, *optimizer_);
+  if (got.consumed_samples != got.iteration * args_.global_batch_size)
+    throw std::invalid_argument("local checkpoint of iteration " + std::to_string(got.iteration) + " in " +
+                                from.job_dir() + ": " + std::to_string(got.consumed_samples) +
+                                " samples consumed; resuming needs the same --global-batch-size");
+  resume = {got.iteration, got.consumed_samples};
+  if (print_)
+    log_ << " loaded the non-persistent local checkpoint of iteration " << got.iteration << " from "
+         << from.job_dir() << " (each rank's own file, or the replica a peer kept) in "
+         << std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count()
+         << " s; newer than --load's " << (persistent >= 0 ? "iteration " + std::to_string(persistent) : "(none)")
+         << "; resuming after iteration " << got.iteration << "\n";
+  load_ = {};
+  return true;
+}
+
+void TrainingRun::report_restart(const ResumePoint& resume) {
+  const int restart = restart_count_from_env();
+  progress_.started(restart, resume.iteration);
+  if (restart == 0) return;
+  restart_cost_ = restart_cost(restart, resume.iteration, progress_);
+  if (print_) log_ << restart_cost_->text() << "\n";
+}
+
 ResumePoint TrainingRun::start() {
   ResumePoint resume;
-  if (load_.reader || (!args_.load.empty() && hf_folder_.empty())) {
+  if (load_local_checkpoint(resume)) {
+  } else if (load_.reader || (!args_.load.empty() && hf_folder_.empty())) {
     resume = load_training_checkpoint(load_, args_, args_, config_, comm_, sharded_.root, *optimizer_, schedule_, log_,
                                       model_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
     load_ = {};  // the reader keeps the checkpoint's files open
@@ -272,6 +327,7 @@ ResumePoint TrainingRun::start() {
     load_hf_shards(hf_folder_, sharded_.root, *comm_, model_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
   }
   last_saved_ = resume.iteration;
+  report_restart(resume);
   return resume;
 }
 
@@ -681,7 +737,16 @@ void TrainingRun::add_norms(IterationRecord& r, const StepStats& stats) const {
   }
 }
 
-void TrainingRun::record(const IterationRecord& r) {
+void TrainingRun::record(const IterationRecord& given) {
+  IterationRecord r = given;
+  if (restart_cost_ && !r.eval) {
+    // The first record after a restart says what the failure cost.
+    r.extra.emplace_back("restart", restart_cost_->restart);
+    if (restart_cost_->lost_iterations)
+      r.extra.emplace_back("lost_iterations", static_cast<double>(*restart_cost_->lost_iterations));
+    if (restart_cost_->seconds_since_failure) r.extra.emplace_back("restart_seconds", *restart_cost_->seconds_since_failure);
+    restart_cost_.reset();
+  }
   metrics_.write(r);
   tensorboard_.write(r, args_.tensorboard_log_interval);
   history_.push_back(r);
@@ -713,6 +778,30 @@ void TrainingRun::save(int64_t iteration) {
   last_saved_ = iteration;
 }
 
+void TrainingRun::save_non_persistent(int64_t iteration) {
+  if (args_.check_for_nan_in_loss_and_grad) check_finite_weights(iteration);
+  if (args_.non_persistent_ckpt_type == "global") {
+    save_non_persistent_global_checkpoint(args_, config_, comm_, sharded_.root, *optimizer_, schedule_, iteration, log_,
+                                          tool_, model_parallel_checkpoint_slices(*sharded_.model, sharded_.root));
+    return;
+  }
+  if (!local_)
+    local_ = std::make_unique<LocalCheckpointer>(
+        LocalCheckpointOptions{args_.non_persistent_local_ckpt_dir, args_.save,
+                               local_checkpoint_replica_jump(comm_->size())},
+        comm_);
+  const auto begin = std::chrono::steady_clock::now();
+  local_->save({iteration, iteration * args_.global_batch_size}, sharded_.root, *optimizer_);
+  if (print_) {
+    char line[256];
+    std::snprintf(line, sizeof line, " local checkpoint of iteration %lld staged in %.3f s (%.2f MiB per rank)",
+                  static_cast<long long>(iteration),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - begin).count(),
+                  local_->staged_bytes() / 1048576.0);
+    log_ << line << ", being written to " << local_->job_dir() << " in the background, with a peer's replica\n";
+  }
+}
+
 namespace {
 // When this process started (its static objects are made before main), which
 // --exit-duration-in-mins counts from, as Megatron counts from its program's start.
@@ -740,13 +829,18 @@ std::string TrainingRun::stop_reason() {
 
 bool TrainingRun::after_iteration(int64_t it) {
   poll_training_checkpoints(comm_, log_);  // --async-save: commits a save whose writers are done (collective)
-  if (!args_.save.empty() && args_.save_interval > 0 && it % args_.save_interval == 0) save(it);
+  if (!args_.save.empty() && args_.save_interval > 0 && it % args_.save_interval == 0)
+    save(it);
+  else if (args_.non_persistent_save_interval > 0 && it % args_.non_persistent_save_interval == 0)
+    save_non_persistent(it);  // Megatron's: where a persistent save is not due
+  progress_.finished(it);
   std::string why = stop_reason();
   if (why.empty() && args_.exit_interval > 0 && it % args_.exit_interval == 0)
     why = "(--exit-interval " + std::to_string(args_.exit_interval) + ")";
   // The last iteration ends the run anyway, with its own save.
   if (why.empty() || it == args_.train_iters) return false;
   if (!args_.save.empty() && last_saved_ != it) save(it);
+  if (local_) local_->wait();
   finish_training_checkpoints(comm_, log_);  // --async-save: the exit waits for the last save
   if (print_) log_ << " exiting at iteration " << it << " " << why << "\n";
   return true;
@@ -869,6 +963,7 @@ void export_hf_folder(const CheckpointSection& a, const TokenizerSection& tokeni
 
 void TrainingRun::finish_checkpoint(int64_t last) {
   if (!args_.save.empty() && last_saved_ != last) save(last);
+  if (local_) local_->wait();  // the last local checkpoint is whole before the process ends
   finish_training_checkpoints(comm_, log_);  // --async-save: the exit waits for the last save
 }
 

@@ -39,7 +39,14 @@ struct OpenedCheckpoint {
   std::shared_ptr<const CheckpointReader> reader;  // null: --load is unset or holds no checkpoint
   std::string missing;  // --load set but no checkpoint there: why ("does not exist", "holds no
                         // checkpoint (...)"), for the caller's warning or error
+  // --non-persistent-ckpt-type global: `reader` is the non-persistent checkpoint when it is newer
+  // than --load's own, which is then `fallback` (loaded instead, with a warning, if the
+  // non-persistent one fails to load); `origin` says which was taken and why, for the log.
+  std::shared_ptr<const CheckpointReader> fallback;
+  std::string origin;
 };
+// With --non-persistent-ckpt-type global (and no --ckpt-step) the newer of --load's latest and
+// the non-persistent folder's latest is opened.
 // Throws std::invalid_argument "--load: ..." ("--load / --ckpt-step: ..." with a step) for a
 // path that cannot be meant (locate_checkpoint), and CheckpointReader's error, naming the file,
 // for a checkpoint whose metadata is unreadable. Not collective: every rank opens the same
@@ -68,6 +75,19 @@ void save_training_checkpoint(const PretrainArgs& args, const ModelConfig& confi
                               const DistributedOptimizer& optimizer, const LRSchedule& schedule,
                               int64_t iteration, std::ostream& log, const ToolFlags& tool = {},
                               const TensorSlices& slices = {});
+
+// --non-persistent-save-interval with --non-persistent-ckpt-type global: the checkpoint of
+// `iteration` into the non-persistent folder (the same format and rules as save_training_checkpoint,
+// --async-save included), then every other iteration there removed: only the newest is kept.
+// Collective.
+void save_non_persistent_global_checkpoint(const PretrainArgs& args, const ModelConfig& config,
+                                           const std::shared_ptr<Communicator>& world, const FsdpHandle& model,
+                                           const DistributedOptimizer& optimizer, const LRSchedule& schedule,
+                                           int64_t iteration, std::ostream& log, const ToolFlags& tool = {},
+                                           const TensorSlices& slices = {});
+// The folder global non-persistent checkpoints go to (`base`: --save when saving, --load when
+// loading): --non-persistent-global-ckpt-dir, or Megatron's <base>/non_persistent.
+std::string non_persistent_global_dir(const CheckpointSection& checkpoint, const std::string& base);
 
 // --async-save: commits the save in flight, waiting for its writers (a write that failed on any
 // rank throws here, naming the rank and the file). Call before the process exits. Collective;

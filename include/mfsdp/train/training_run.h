@@ -21,6 +21,8 @@
 #include "mfsdp/comm/device_mesh.h"
 #include "mfsdp/models/model_spec.h"
 #include "mfsdp/optim/optim.h"
+#include "mfsdp/checkpoint/local_checkpoint.h"
+#include "mfsdp/train/goodput.h"
 #include "mfsdp/train/metrics.h"
 #include "mfsdp/train/parallel_dims.h"
 #include "mfsdp/train/pipeline_runner.h"
@@ -227,6 +229,13 @@ class TrainingRun {
 
  private:
   void save(int64_t iteration);
+  // --non-persistent-save-interval: a global or local non-persistent checkpoint of `iteration`.
+  void save_non_persistent(int64_t iteration);
+  // --non-persistent-ckpt-type local with --load: loads the newest valid local checkpoint when it
+  // is newer than what --load holds (false: none is). Collective.
+  bool load_local_checkpoint(ResumePoint& resume);
+  // A restarted start's line and metrics: what the failure cost (goodput.h).
+  void report_restart(const ResumePoint& resume);
   // step()'s parts before and after the micro-batches' forwards and backwards.
   void begin_step(int64_t iteration, int64_t micro_batches);
   StepStats finish_step(int64_t iteration, at::Tensor loss);
@@ -276,6 +285,9 @@ class TrainingRun {
   std::vector<IterationRecord> history_;
   std::unique_ptr<RolloutModel> rollout_;
   int64_t last_saved_ = -1;
+  std::unique_ptr<LocalCheckpointer> local_;  // --non-persistent-ckpt-type local, made at the first save
+  ProgressFile progress_;                     // mfsdp-run's MFSDP_PROGRESS_FILE (rank 0 writes)
+  std::optional<RestartCost> restart_cost_;   // a restarted start's, until its first metrics record
 };
 
 }  // namespace mfsdp

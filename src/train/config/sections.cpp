@@ -543,6 +543,21 @@ std::vector<ToolFlag> CheckpointSection::flags() {
                 "with --save: copy the shards to CPU staging buffers and write them on a background thread "
                 "while training goes on; each save commits at the next save or at the end "
                 "(--ckpt-format fsdp_dtensor)"),
+      int_flag("--non-persistent-save-interval", non_persistent_save_interval,
+               "iterations between non-persistent checkpoints (at iterations --save-interval does not save; only "
+               "the newest is kept; --load takes it when it is newer than --load's own): needs "
+               "--non-persistent-ckpt-type"),
+      string_flag("--non-persistent-ckpt-type", non_persistent_ckpt_type,
+                  "global: the checkpoint format, into --non-persistent-global-ckpt-dir; local: each rank writes "
+                  "its own state to --non-persistent-local-ckpt-dir on its node in the background, and keeps a "
+                  "replica of another rank's (one host may lose its files); loads only into the same layout",
+                  {"global", "local"}),
+      string_flag("--non-persistent-global-ckpt-dir", non_persistent_global_ckpt_dir,
+                  "folder of the global non-persistent checkpoints (default: <--save>/non_persistent; "
+                  "read from <--load>/non_persistent)"),
+      string_flag("--non-persistent-local-ckpt-dir", non_persistent_local_ckpt_dir,
+                  "node-local folder of the local non-persistent checkpoints (default /dev/shm/mfsdp_local_ckpt; "
+                  "each job its own subfolder, named after --save)"),
       string_flag("--dump-param-to-param-group-map", dump_param_to_param_group_map,
                   "write Megatron's {parameter: optimizer group} map into this folder (a DCP folder; "
                   "mfsdp-ckpt print-torch-dcp-in-json turns it into the JSON the torch_dist conversion takes)"),
@@ -570,6 +585,16 @@ void CheckpointSection::validate() const {
     flag_error("--async-save", "needs --ckpt-format fsdp_dtensor (got --ckpt-format " + ckpt_format + ")");
   if (override_opt_param_scheduler && use_checkpoint_opt_param_scheduler)
     flag_error("--override-opt_param-scheduler", "conflicts with --use-checkpoint-opt_param-scheduler");
+  if (non_persistent_save_interval < 0) flag_error("--non-persistent-save-interval", "must be >= 0");
+  if (non_persistent_save_interval > 0 && save.empty()) flag_error("--non-persistent-save-interval", "needs --save");
+  if (non_persistent_save_interval > 0 && non_persistent_ckpt_type.empty())
+    flag_error("--non-persistent-save-interval", "needs --non-persistent-ckpt-type (global or local)");
+  check_output_path("--non-persistent-global-ckpt-dir", non_persistent_global_ckpt_dir, /*folder=*/true);
+  if (non_persistent_ckpt_type == "local") {
+    check_output_path("--non-persistent-local-ckpt-dir", non_persistent_local_ckpt_dir, /*folder=*/true);
+    if (non_persistent_local_ckpt_dir.empty())
+      flag_error("--non-persistent-local-ckpt-dir", "must name a folder with --non-persistent-ckpt-type local");
+  }
 }
 
 std::vector<ToolFlag> ParallelSection::flags() {

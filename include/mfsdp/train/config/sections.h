@@ -198,6 +198,13 @@ struct CheckpointSection {
   bool use_checkpoint_opt_param_scheduler = false;  // resume with the checkpoint's LR schedule
   std::string ckpt_format = "fsdp_dtensor";         // or "mfsdp" (the earlier format)
   bool async_save = false;  // --async-save: stage shards, write them on a thread, commit at the next save
+  // Megatron's non-persistent checkpoints: every K iterations (between --save-interval's), only
+  // the newest kept; "global" (the checkpoint format, into its own folder: default
+  // <save>/non_persistent) or "local" (each rank's state on its node, replicated to a peer).
+  int64_t non_persistent_save_interval = 0;
+  std::string non_persistent_ckpt_type;  // "", "global" or "local"
+  std::string non_persistent_global_ckpt_dir;
+  std::string non_persistent_local_ckpt_dir = "/dev/shm/mfsdp_local_ckpt";
   std::string export_hf;                            // ours: write a Hugging Face folder at the end
   std::string dump_param_to_param_group_map;        // folder for Megatron's parameter -> group map
   void validate() const;
