@@ -1,6 +1,7 @@
 #include "mfsdp/train/tensorboard_writer.h"
 
 #include "mfsdp/base/crc32c.h"
+#include "mfsdp/base/host_name.h"
 
 #include <unistd.h>
 
@@ -63,12 +64,6 @@ std::string summary(const std::vector<std::pair<std::string, double>>& scalars) 
 }
 
 uint32_t masked(uint32_t crc) { return ((crc >> 15) | (crc << 17)) + 0xa282ead8u; }
-
-std::string host_name() {
-  char buf[256] = {0};
-  if (::gethostname(buf, sizeof buf - 1) != 0) return "localhost";
-  return buf;
-}
 
 }  // namespace
 

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "mfsdp/comm/rendezvous.h"
+#include "mfsdp/train/rerun_validation.h"
 #include "mfsdp/comm/simulated_comm.h"
 #include "mfsdp/data/tokenizer.h"
 #include "mfsdp/train/cpu_malloc.h"
@@ -86,6 +87,10 @@ int trainer_main(int argc, char** argv, const TrainerTool& tool) {
     }
     tool.run(comm);
     return 0;
+  } catch (const ResultValidationExit& e) {
+    // Megatron's exit code for result validation, so a scheduler can tell it from a crash.
+    std::cerr << tool.program << ": " << e.what() << std::endl;
+    return e.exit_code;
   } catch (const c10::Error& e) {
     // LibTorch's message without its C++ backtrace, which names nothing a user can act on.
     std::cerr << tool.program << ": " << e.what_without_backtrace() << std::endl;

@@ -11,7 +11,11 @@
 #include <filesystem>
 #include <set>
 #include <sstream>
+#include <iostream>
+#include <mutex>
+#include <unistd.h>
 
+#include "mfsdp/base/host_name.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/checkpoint_inspector.h"
 #include "mfsdp/checkpoint/load_model.h"
@@ -206,6 +210,16 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
       tensorboard_(print_ ? args.tensorboard_dir : ""),
       profiler_(args, args, comm_->rank(), comm_->device(), log),
       progress_(comm_->rank() == 0) {
+  // Only mfsdp-pretrain validates results: SFT's and GRPO's micro-batch functions add up their
+  // metrics as they run, so a rerun would count them twice (they take none of these flags).
+  if (tool_.program == "mfsdp-pretrain") {
+    rerun_mode_ = rerun_mode_from_name(args.rerun_mode);
+    for (int r = 0; r < comm_->size(); ++r) {
+      spikes_.emplace_back();
+      injectors_.emplace_back(args.error_injection_rate, injected_result_from_name(args.error_injection_type), r,
+                              static_cast<uint64_t>(args.seed));
+    }
+  }
   if (args.exit_signal_handler) install_exit_signal_handler();
   if (args.optimizer == "adam") {
     AdamWOptions o;
@@ -445,6 +459,16 @@ void TrainingRun::begin_step(int64_t iteration, int64_t micro_batches) {
   sharded_.model->set_aux_loss_scale(
       1.0 / static_cast<double>(micro_batches * (per_token_loss_ ? mesh_.dims().dp_cp() : 1)));
   sharded_.model->take_router_stats();  // drop what evaluation or generation routed
+  step_generators_.clear();
+  if (validates_results()) {
+    // A rerun draws what this step drew (dropout): the generators' states now.
+    at::Generator cpu = at::detail::getDefaultCPUGenerator();
+    step_generators_.emplace_back(cpu, cpu.get_state());
+    if (comm_->device().is_cuda()) {
+      at::Generator cuda = at::globalContext().defaultGenerator(comm_->device());
+      step_generators_.emplace_back(cuda, cuda.get_state());
+    }
+  }
 }
 
 TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batches,
@@ -454,12 +478,15 @@ TrainingRun::StepStats TrainingRun::step(int64_t iteration, int64_t micro_batche
   begin_step(iteration, micro_batches);
   // The reported losses summed on the device: reading each one would hold the host until the
   // device has run its forward, every micro-batch. A NaN or Inf in any makes the sum non-finite.
-  at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
-  for (int64_t m = 0; m < micro_batches; ++m) {
-    sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
-    loss.add_(micro_batch(m).detach().to(loss.device(), at::kDouble));
-  }
-  return finish_step(iteration, loss);
+  const auto run = [&] {
+    at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
+    for (int64_t m = 0; m < micro_batches; ++m) {
+      sharded_.root.set_requires_gradient_sync(m == micro_batches - 1);
+      loss.add_(micro_batch(m).detach().to(loss.device(), at::kDouble));
+    }
+    return loss;
+  };
+  return finish_step(iteration, run(), run);
 }
 
 TrainingRun::StepStats TrainingRun::pipeline_step(int64_t iteration, int64_t micro_batches,
@@ -473,27 +500,37 @@ TrainingRun::StepStats TrainingRun::pipeline_step(int64_t iteration, int64_t mic
     sharded_.root.set_requires_gradient_sync(last_of_step, /*recurse=*/false);
     for (FsdpHandle& u : chunk_units_[static_cast<size_t>(chunk)]) u.set_requires_gradient_sync(last_of_chunk, false);
   };
-  at::Tensor loss = run_pipeline(pipeline_, pipeline_schedule(pipeline_, micro_batches), before_backward, forward, &times);
-  sum_tied_embedding_gradients();
-  StepStats s = finish_step(iteration, loss);
+  const auto run = [&] {
+    at::Tensor loss =
+        run_pipeline(pipeline_, pipeline_schedule(pipeline_, micro_batches), before_backward, forward, &times);
+    sum_tied_embedding_gradients();
+    return loss;
+  };
+  StepStats s = finish_step(iteration, run(), run);
   s.pipeline = times;
   return s;
 }
 
-TrainingRun::StepStats TrainingRun::finish_step(int64_t iteration, at::Tensor loss) {
+TrainingRun::StepStats TrainingRun::finish_step(int64_t iteration, at::Tensor loss,
+                                                const std::function<at::Tensor()>& rerun) {
   // Megatron's finalize_model_grads: gradients each tensor-parallel rank holds only part of.
   sum_partial_gradients(*sharded_.model, sharded_.root);
   StepStats s;
   collect_router_stats(s);
-  // Megatron's finalize_model_grads: the aux-loss-free biases move by this step's global counts.
-  for (const StepStats::MoeLayer& m : s.moe_layers) sharded_.model->update_expert_bias(m.layer, m.tokens_per_expert);
   {
     RECORD_USER_SCOPE("mfsdp::clip_grad_norm");
     s.grad_norm = optimizer_->clip_grad_norm_on_device(args_.clip_grad);  // a non-finite norm leaves the grads as they are
   }
   s.loss = loss;
-  // The step's only host read, and only with the NaN check: the loss and the norm with its flags.
-  if (args_.check_for_nan_in_loss_and_grad) check_finite(iteration, s);
+  // The step's only host read, and only with the NaN check (or result validation): the loss and
+  // the norm with their flags.
+  if (validates_results())
+    validate_step(iteration, s, rerun);
+  else if (args_.check_for_nan_in_loss_and_grad)
+    check_finite(iteration, s);
+  // Megatron's finalize_model_grads: the aux-loss-free biases move by this step's global counts
+  // (after validation, which may run the step again from the biases as they were).
+  for (const StepStats::MoeLayer& m : s.moe_layers) sharded_.model->update_expert_bias(m.layer, m.tokens_per_expert);
   // Megatron's diagnostics, summed over the ranks in one all-reduce, each element counted once
   // (on its replica 0 under no_shard): zero gradient elements after clipping, before the step;
   // the sum of squares of the parameters (main weights) after it.
@@ -633,6 +670,127 @@ void TrainingRun::check_finite(int64_t iteration, StepStats& s) {
   }
   why << ". Stopped before the optimizer step; nothing of this iteration was saved" << kNanCheckEnd;
   throw NonFiniteError(why.str());
+}
+
+bool TrainingRun::validates_results() const {
+  if (spikes_.empty()) return false;  // not mfsdp-pretrain
+  return args_.check_for_spiky_loss || (rerun_mode_ != RerunMode::kDisabled && args_.check_for_nan_in_loss_and_grad);
+}
+
+std::vector<double> TrainingRun::read_rank_losses(StepStats& s) {
+  at::NoGradGuard no_grad;
+  // Each rank's loss at its own element of a sum: a NaN stays where it was.
+  at::Tensor all = at::zeros({comm_->size()}, at::TensorOptions().dtype(at::kDouble).device(comm_->device()));
+  all.narrow(0, comm_->rank(), 1).copy_(s.loss.reshape({1}));
+  comm_->all_reduce(all, {ReduceOp::kSum});
+  const std::vector<double> read = read_on_host({s.loss, s.grad_norm, all});
+  s.loss_on_host = read[0];
+  s.grad_norm_on_host = read[1];
+  return std::vector<double>(read.begin() + 2, read.end());
+}
+
+namespace {
+
+std::string number_text(double v) {
+  char text[40];
+  std::snprintf(text, sizeof text, "%.9g", v);
+  return text;
+}
+
+}  // namespace
+
+void TrainingRun::validate_step(int64_t iteration, StepStats& s, const std::function<at::Tensor()>& rerun) {
+  const bool nan_check = args_.check_for_nan_in_loss_and_grad;
+  const std::vector<double> losses = read_rank_losses(s);
+  // Megatron's checks on each rank's loss, in its order: the NaN check (where an injected failure
+  // lands when it is on), then the spike rule. Every rank evaluates every rank's, alike.
+  struct Failed {
+    int rank;
+    std::string what;
+    bool fatal;
+    double value;
+  };
+  std::vector<Failed> failed;
+  const bool validating = rerun_mode_ == RerunMode::kValidateResults && first_step_validated_;
+  for (int r = 0; r < comm_->size(); ++r) {
+    const double v = losses[static_cast<size_t>(r)];
+    ErrorInjector& injector = injectors_[static_cast<size_t>(r)];
+    const bool injected = validating && injector.maybe_inject();
+    const bool non_finite = nan_check && !std::isfinite(v);
+    // A zero is no loss (a pipeline stage without the output layer).
+    const bool spike = args_.check_for_spiky_loss && v != 0 && spikes_[static_cast<size_t>(r)].is_spike(v);
+    if (injected || non_finite)
+      failed.push_back({r, injected ? injector.description() : "the loss is NaN or Inf", injected ? nan_check : true, v});
+    else if (spike)
+      failed.push_back({r, "Spiky loss (at least 10x the largest of its first 100, " +
+                               number_text(spikes_[static_cast<size_t>(r)].reference()) + ")", false, v});
+  }
+  const bool report = rerun_mode_ == RerunMode::kReportStats && first_step_validated_;
+  first_step_validated_ = true;
+  if ((validating && !failed.empty()) || report) {
+    // The step again, from the same weights (the optimizer has not stepped), data and generators.
+    sharded_.root.zero_grad();
+    for (auto& [gen, state] : step_generators_) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+    sharded_.model->take_router_stats();
+    StepStats again;
+    at::Tensor loss = rerun();
+    sum_partial_gradients(*sharded_.model, sharded_.root);
+    collect_router_stats(again);
+    again.grad_norm = optimizer_->clip_grad_norm_on_device(args_.clip_grad);
+    again.loss = loss;
+    again.pipeline = s.pipeline;
+    const std::vector<double> second = read_rank_losses(again);
+    s = again;
+    if (report) {
+      double largest = 0;
+      for (size_t r = 0; r < losses.size(); ++r) largest = std::max(largest, compare_results(losses[r], second[r]));
+      determinism_.record(largest);
+      if (print_ && iteration % args_.log_interval == 0)
+        log_ << " result validation (--rerun-mode report_stats): " << determinism_.summary() << "\n";
+    }
+    for (const Failed& f : validating ? failed : std::vector<Failed>{}) {
+      const double rerun_value = second[static_cast<size_t>(f.rank)];
+      const double comparison =
+          injectors_[static_cast<size_t>(f.rank)].rerun_comparison(compare_results(f.value, rerun_value));
+      const std::string where = "iteration " + std::to_string(iteration) + ": the loss of rank " +
+                                std::to_string(f.rank) + " failed validation (" + f.what + "; loss " +
+                                number_text(f.value) + ") and its rerun gave " + number_text(rerun_value);
+      if (comparison > 0) {
+        // Megatron's "First rerun: unexpected result is not reproducible": the device is suspect.
+        if (comm_->rank() == f.rank)
+          std::cerr << "Rank " << f.rank << ", node " << host_name() << ", device " << comm_->device().str()
+                    << ", iteration #" << iteration << ": unexpected result is not reproducible (" << rerun_value
+                    << " != " << f.value << "). Possible transient error!" << std::endl;
+        if (f.fatal)
+          throw ResultValidationExit(
+              kExitFailedOnResultValidation,
+              where + ": not reproducible, a possible transient error of rank " + std::to_string(f.rank) +
+                  "'s device (a suspected faulty device: exit " + std::to_string(kExitFailedOnResultValidation) +
+                  ", Megatron's EXIT_CODE_FAILED_ON_RESULT_VALIDATION). Stopped before the optimizer step; "
+                  "the job can resume from its last checkpoint on other hardware");
+        if (print_) log_ << " WARNING: " << where << ": not reproducible, a possible transient error of rank " << f.rank
+                         << "'s device; training goes on with the rerun's result\n";
+      } else if (f.fatal) {
+        throw NonFiniteError(where + ", the same: a real divergence, not a device fault (--rerun-mode "
+                             "validate_results). Stopped before the optimizer step; nothing of this iteration was saved" +
+                             std::string(kNanCheckEnd));
+      } else if (print_) {
+        log_ << " WARNING: " << where << ", the same: the spike is the data's or the model's, not the device's\n";
+      }
+    }
+  } else if (print_) {
+    for (const Failed& f : failed)
+      if (!f.fatal)  // Megatron's spike check is not fatal: a warning where nothing reruns it
+        log_ << " WARNING: rank " << f.rank << ", iteration " << iteration << ": " << f.what << ": "
+             << number_text(f.value) << "\n";
+  }
+  if (!nan_check) return;
+  bool finite = std::isfinite(*s.grad_norm_on_host);
+  for (double v : losses) finite = finite && std::isfinite(v);
+  if (!finite) check_finite(iteration, s);  // names the ranks and parameters, and throws
 }
 
 void TrainingRun::check_finite_weights(int64_t iteration) {

@@ -27,6 +27,7 @@
 #include "mfsdp/train/parallel_dims.h"
 #include "mfsdp/train/pipeline_runner.h"
 #include "mfsdp/train/pretrain_args.h"
+#include "mfsdp/train/rerun_validation.h"
 #include "mfsdp/train/rollout_model.h"
 #include "mfsdp/train/step_profiler.h"
 #include "mfsdp/train/tensorboard_writer.h"
@@ -238,7 +239,16 @@ class TrainingRun {
   void report_restart(const ResumePoint& resume);
   // step()'s parts before and after the micro-batches' forwards and backwards.
   void begin_step(int64_t iteration, int64_t micro_batches);
-  StepStats finish_step(int64_t iteration, at::Tensor loss);
+  // `rerun` runs the step's forwards and backwards again and returns its loss (result validation).
+  StepStats finish_step(int64_t iteration, at::Tensor loss, const std::function<at::Tensor()>& rerun);
+  // Result validation (rerun_validation.h) in place of check_finite when --check-for-spiky-loss
+  // or --rerun-mode is on: every rank's loss in one all-reduce, read with the norm; the same
+  // decisions on every rank. May rerun the step (replacing `s`), log, or throw NonFiniteError /
+  // ResultValidationExit. Collective.
+  void validate_step(int64_t iteration, StepStats& s, const std::function<at::Tensor()>& rerun);
+  // Every rank's loss of this step (one all-reduce, one read, with the norm into s.*_on_host).
+  std::vector<double> read_rank_losses(StepStats& s);
+  bool validates_results() const;
   // Pipeline parallelism with tied embeddings: sums the gradient of the embedding weight over its
   // first- and last-stage copies (Megatron's embedding group). Collective over that group.
   void sum_tied_embedding_gradients();
@@ -287,6 +297,15 @@ class TrainingRun {
   int64_t last_saved_ = -1;
   std::unique_ptr<LocalCheckpointer> local_;  // --non-persistent-ckpt-type local, made at the first save
   ProgressFile progress_;                     // mfsdp-run's MFSDP_PROGRESS_FILE (rank 0 writes)
+  // Result validation: the mode, each rank's spike rule and error injector (every rank keeps all
+  // of them, fed the same all-reduced losses, so all decide alike), the generator states at the
+  // step's start (a rerun restores them), and the report_stats differences.
+  RerunMode rerun_mode_ = RerunMode::kDisabled;
+  std::vector<SpikeDetector> spikes_;
+  std::vector<ErrorInjector> injectors_;
+  std::vector<std::pair<at::Generator, at::Tensor>> step_generators_;
+  DeterminismStats determinism_;
+  bool first_step_validated_ = false;  // Megatron validates from the second step of a run
   std::optional<RestartCost> restart_cost_;   // a restarted start's, until its first metrics record
 };
 

@@ -811,6 +811,19 @@ std::vector<ToolFlag> PretrainingSection::flags() {
                "(mfsdp) one process plays --simulate-rank of a job this size: real per-rank memory and "
                "compute, collectives replaced by local copies, losses not meaningful (0: off)"),
       int_flag("--simulate-rank", simulate_rank, "(mfsdp) the rank played with --simulate-world-size"),
+      string_flag("--rerun-mode", rerun_mode,
+                  "Megatron's result validation: validate_results (a step whose loss fails a check, NaN/Inf or a "
+                  "spike, runs again before the optimizer step: a different result exits 17, a suspected faulty "
+                  "device; the same stops as a real divergence), report_stats (every step runs twice; the "
+                  "differences are logged) or disabled", {"disabled", "validate_results", "report_stats"}),
+      bool_flag("--check-for-spiky-loss", check_for_spiky_loss,
+                "check each rank's step loss against 10x the largest of its first 100 (Megatron's rule); a spike "
+                "is a warning, rerun under --rerun-mode validate_results"),
+      int_flag("--error-injection-rate", error_injection_rate,
+               "test the validation: make about one check in this many fail (0: never)"),
+      string_flag("--error-injection-type", error_injection_type,
+                  "what an injected failure is on its rerun: transient_error (differs), correct_result or "
+                  "persistent_error (the same)", {"correct_result", "transient_error", "persistent_error"}),
       bool_flag("--memory-plan", memory_plan,
                 "(mfsdp) print each rank's planned buffer bytes per unit and exit before allocating them "
                 "(with --simulate-world-size N: for N ranks; needs no data or --train-iters)"),
@@ -826,6 +839,7 @@ void PretrainingSection::validate() const {
     flag_error("--simulate-rank", std::to_string(simulate_rank) + " is not a rank of --simulate-world-size " +
                                       std::to_string(simulate_world_size));
   if (simulate_world_size == 0 && simulate_rank != 0) flag_error("--simulate-rank", "needs --simulate-world-size");
+  if (error_injection_rate < 0) flag_error("--error-injection-rate", "must be >= 0");
 }
 
 }  // namespace mfsdp

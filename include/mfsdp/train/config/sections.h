@@ -315,6 +315,11 @@ struct PretrainingSection {
   int64_t simulate_world_size = 0;  // 0: off
   int64_t simulate_rank = 0;
   bool memory_plan = false;  // ours: print the per-rank memory plan and exit
+  // Megatron's result validation (include/mfsdp/train/rerun_validation.h).
+  std::string rerun_mode = "validate_results";
+  bool check_for_spiky_loss = false;
+  int64_t error_injection_rate = 0;
+  std::string error_injection_type = "transient_error";
   void validate() const;
   std::vector<ToolFlag> flags();
 };
