@@ -359,7 +359,7 @@ class Supervisor {
     for (size_t i = 0; i < specs_.size(); ++i) spawn(specs_[i], plans[i], dev_null.get());
     supervise();
     drain_after_exit();
-    if (stopping_ || result_.first_failed_rank) {
+    if (stopping_ || result_.first_failed_rank || result_.stop_requested) {
       // Whatever survived in the stopped groups (a grandchild that ignored the stop signal while
       // its parent exited) is killed now rather than orphaned.
       for (const Child& child : children_) {
@@ -463,7 +463,7 @@ class Supervisor {
              std::chrono::milliseconds(1);  // round up: waking early would just spin once more
     };
     if (!stopping_ && options_.deadline) timeout = std::min(timeout, until(start_ + *options_.deadline));
-    if (!stopping_ && result_.first_failed_rank)
+    if (!stopping_ && (result_.first_failed_rank || result_.stop_requested))
       timeout = std::min(timeout, until(failure_time_ + options_.failure_grace));
     if (stopping_ && !killed_) timeout = std::min(timeout, until(stop_start_ + stop_grace_));
     return static_cast<int>(std::max<std::chrono::milliseconds::rep>(timeout.count(), 0));
@@ -523,12 +523,24 @@ class Supervisor {
     const auto now = Clock::now();
     if (!result_.first_failed_rank && !stopping_ && first_failure != nullptr) {
       result_.first_failed_rank = first_failure->exit.rank;
-      failure_time_ = now;
+      if (!result_.stop_requested) {
+        failure_time_ = now;
+        if (options_.on_first_failure) options_.on_first_failure();
+      }
       // What these ranks started is killed at the end, also when they exit during the grace.
       for (Child& child : children_) child.signalled = child.signalled || !child.reaped;
     }
+    // Another node's failure: stopped like after a failure of our own, grace included (our ranks
+    // are likely failing on their own already, naming the dead peer).
+    if (!result_.first_failed_rank && !result_.stop_requested && !stopping_ && options_.stop_requested &&
+        options_.stop_requested()) {
+      result_.stop_requested = true;
+      failure_time_ = now;
+      for (Child& child : children_) child.signalled = child.signalled || !child.reaped;
+    }
     // The others may still exit on their own (with their own error lines) during failure_grace.
-    if (!stopping_ && result_.first_failed_rank && now >= failure_time_ + options_.failure_grace &&
+    const bool ending = result_.first_failed_rank || result_.stop_requested;
+    if (!stopping_ && ending && now >= failure_time_ + options_.failure_grace &&
         std::any_of(children_.begin(), children_.end(), [](const Child& c) { return !c.reaped; })) {
       start_stop(SIGTERM);
     }
@@ -620,7 +632,7 @@ class Supervisor {
   bool killed_ = false;  // SIGKILL sent after the grace period
   Clock::time_point stop_start_;
   std::chrono::milliseconds stop_grace_{0};  // between the stop signal and SIGKILL
-  Clock::time_point failure_time_;  // when first_failed_rank was reaped
+  Clock::time_point failure_time_;  // when first_failed_rank was reaped, or the stop requested
 };
 
 }  // namespace
@@ -655,6 +667,7 @@ std::string SuperviseResult::summary() const {
   }
   if (timed_out) return "the deadline passed" + stopped_text;
   if (interrupt_signal != 0) return "interrupted by signal " + signal_text(interrupt_signal) + stopped_text;
+  if (stop_requested) return "stopped on request" + stopped_text;
   return "all " + std::to_string(exits.size()) + (exits.size() == 1 ? " rank" : " ranks") +
          " succeeded";
 }

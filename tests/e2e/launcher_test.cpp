@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "mfsdp/launch/goodput_summary.h"
 #include "mfsdp/launch/rank_processes.h"
 
 namespace mfsdp::launch {
@@ -454,6 +455,48 @@ TEST(RankProcesses, ForwardedSignalStopsTheRanksAndHandlersAreRestored) {
   EXPECT_EQ(after.sa_handler, before.sa_handler);
 }
 
+// A stop request (mfsdp-run's: another node's ranks failed) stops every rank as a failure does,
+// after the failure grace, and the result says so; no rank failed, so no first-failure hook runs.
+TEST(RankProcesses, StopRequestStopsEveryRankAfterTheGrace) {
+  TempDir dir;
+  const std::string ready = dir.file("ready");
+  SuperviseOptions options;
+  options.on_line = [](int, OutputStream, const std::string&) {};
+  options.failure_grace = milliseconds(200);
+  int failures = 0;
+  options.on_first_failure = [&] { ++failures; };
+  options.stop_requested = [&] { return fs::exists(ready); };
+  const auto begin = std::chrono::steady_clock::now();
+  auto result = run_rank_processes(
+      {sh_rank(0, "echo 1 > " + ready + "; exec sleep 60"), sh_rank(1, "exec sleep 60")}, options);
+  EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::seconds(20));
+  EXPECT_TRUE(result.stop_requested);
+  EXPECT_FALSE(result.ok());
+  EXPECT_FALSE(result.first_failed_rank.has_value());
+  for (const auto& exit : result.exits) {
+    EXPECT_TRUE(exit.stopped_by_supervisor);
+    EXPECT_EQ(exit.signal, SIGTERM);
+  }
+  EXPECT_EQ(failures, 0);
+  EXPECT_EQ(result.summary(), "stopped on request; stopped 2 running ranks");
+  EXPECT_TRUE(no_children_left());
+}
+
+// on_first_failure runs once, for the first failure only, while the others still run.
+TEST(RankProcesses, FirstFailureHookRunsOnceAtTheFailure) {
+  SuperviseOptions options;
+  options.on_line = [](int, OutputStream, const std::string&) {};
+  options.failure_grace = milliseconds(1000);  // rank 1 fails too meanwhile: no second call
+  int failures = 0;
+  options.on_first_failure = [&] { ++failures; };
+  auto result = run_rank_processes(
+      {sh_rank(0, "exit 3"), sh_rank(1, "sleep 0.2; exit 4"), sh_rank(2, "exec sleep 60")}, options);
+  EXPECT_EQ(failures, 1);
+  EXPECT_EQ(exit_of(result, 1).exit_code, 4);
+  EXPECT_EQ(result.first_failed_rank, std::optional<int>(0));
+  EXPECT_FALSE(result.stop_requested);
+}
+
 TEST(RankProcesses, DescribeTexts) {
   RankExit exit;
   exit.rank = 1;
@@ -604,9 +647,12 @@ TEST(MfsdpRun, RejectsBadFlagsWithoutRunningAnything) {
       {{"--nproc-per-node", "2"}, "missing PROGRAM", /*with_program=*/false},
       {{"--nproc-per-node"}, "--nproc-per-node needs a value", /*with_program=*/false},
       {{"--max-restarts", "-1"}, "--max-restarts must be in 0..1000, got -1"},
-      {{"--max-restarts", "1", "--nnodes", "2", "--master-addr", "h"},
-       "--max-restarts restarts the ranks of one node; with --nnodes 2"},
       {{"--monitor-interval", "0"}, "--monitor-interval expects a positive number of seconds, got '0'"},
+      {{"--rdzv-conf", "read_timeout=3"}, "--rdzv-conf: mfsdp-run knows join_timeout=SECONDS only, got 'read_timeout=3'"},
+      {{"--rdzv-conf", "join_timeout=0"}, "--rdzv-conf join_timeout expects a positive number of seconds, got '0'"},
+      {{"--rdzv-port", "0"}, "--rdzv-port must be in 1..65535, got 0"},
+      {{"--max-restarts", "1", "--nnodes", "2", "--master-addr", "h", "--master-port", "23456", "--rdzv-port", "23456"},
+       "--rdzv-port must differ from --master-port (rank 0 serves the store there), got 23456"},
   };
   for (const Case& c : cases) {
     std::vector<std::string> args = c.flags;
@@ -670,6 +716,266 @@ TEST(MfsdpRun, MaxRestartsRunOutWithTheLastFailure) {
   auto once = run_launcher({"--nproc-per-node", "2", "sh", "-c", "exit $((4 + TORCHELASTIC_RESTART_COUNT))"}, dir);
   EXPECT_EQ(once.code(), 4) << describe(once);
   EXPECT_FALSE(contains(once.err, "restart")) << describe(once);
+}
+
+// ---- goodput ------------------------------------------------------------------------------------
+
+// Two starts: iteration 3 of the first is redone by the second (it resumed after 2); a line cut
+// mid-way (marked by the launcher before the restart) and a last line without '\n' are skipped.
+TEST(MfsdpRun, GoodputSummaryOfTwoStartsWithALostIteration) {
+  const std::string progress =
+      "start 0 0 100.0\n"
+      "iteration 1 102.0\n"     // 2.0 s, kept
+      "iteration 2 103.5\n"     // 1.5 s, kept
+      "iteration 3 105.0\n"     // 1.5 s, lost: start 1 resumed after 2
+      "iteration 4 10#cut\n"    // cut when the rank died
+      "start 1 2 120.0\n"
+      "iteration 3 121.0\n"     // 1.0 s, kept
+      "iteration 4 122.5\n"     // 1.5 s, kept
+      "iteration 5 12";         // being written at the end: skipped
+  JobTimes job;
+  job.begin = 98;
+  job.end = 125;
+  job.starts = 2;
+  job.failure_times = {110};
+  const GoodputSummary summary = summarize_progress(progress, job);
+  EXPECT_EQ(summary.lines, 7);  // 2 starts, 5 iterations
+  EXPECT_DOUBLE_EQ(summary.wall, 27);
+  EXPECT_EQ(summary.starts, 2);
+  EXPECT_EQ(summary.kept, 4);
+  EXPECT_EQ(summary.lost, 1);
+  EXPECT_DOUBLE_EQ(summary.productive, 6.0);
+  EXPECT_DOUBLE_EQ(summary.lost_time, 1.5);
+  EXPECT_DOUBLE_EQ(summary.restarting, 10.0);  // failure at 110 to start 1's loop at 120
+  EXPECT_DOUBLE_EQ(summary.goodput, 6.0 / 27);
+  EXPECT_EQ(format_goodput(summary),
+            "mfsdp-run: goodput: wall 27.0 s, 2 starts (1 restart), 4 iterations kept, 1 lost and redone; "
+            "productive 6.0 s (time in kept iterations), lost 1.5 s, restarting 10.0 s (failure to the next "
+            "start's loop), goodput 22.2%");
+}
+
+// A start that died before its loop (no `start` line) counts whole as restarting; a later start
+// that went back further makes every iteration after its resume point lost, in every earlier start.
+TEST(MfsdpRun, GoodputSummaryOfAStartThatNeverReachedItsLoop) {
+  const std::string progress =
+      "start 0 0 10\n"
+      "iteration 1 11\n"
+      "iteration 2 12\n"
+      "stray text\n"
+      "iteration 3 13\n"
+      "start 2 1 40\n"
+      "iteration 2 42\n"
+      "iteration 3 43\n";
+  JobTimes job;
+  job.begin = 0;
+  job.end = 50;
+  job.starts = 3;
+  job.failure_times = {20, 30};  // start 1 failed at 30 without a `start` line
+  const GoodputSummary summary = summarize_progress(progress, job);
+  EXPECT_EQ(summary.lines, 7);
+  EXPECT_EQ(summary.kept, 3);  // 1 of start 0, 2 and 3 of start 2
+  EXPECT_EQ(summary.lost, 2);  // 2 and 3 of start 0
+  EXPECT_DOUBLE_EQ(summary.productive, 1 + 2 + 1);
+  EXPECT_DOUBLE_EQ(summary.lost_time, 2);
+  EXPECT_DOUBLE_EQ(summary.restarting, (30 - 20) + (40 - 30));
+  EXPECT_TRUE(contains(format_goodput(summary), "3 starts (2 restarts), 3 iterations kept, 2 lost"))
+      << format_goodput(summary);
+  EXPECT_EQ(summarize_progress("", job).lines, 0);
+  EXPECT_EQ(summarize_progress("start 0 0 1", job).lines, 0) << "a line without its newline is cut";
+}
+
+// End to end: rank 0 writes the progress file mfsdp-run gives it, dies after iteration 4 in the
+// middle of a line, and the restart resumes after iteration 2: mfsdp-run's summary counts 5
+// iterations kept and 2 lost (3 and 4 of the first start), and the file is gone afterwards.
+TEST(MfsdpRun, PrintsTheGoodputOfARestartedJob) {
+  TempDir dir;
+  const std::string script =
+      "echo \"$MFSDP_PROGRESS_FILE $MFSDP_PREVIOUS_FAILURE_TIME\" > " + dir.path().string() +
+      "/start$TORCHELASTIC_RESTART_COUNT.rank$RANK; [ \"$RANK\" = 0 ] || exit 0; "
+      "c=$TORCHELASTIC_RESTART_COUNT; r=0; [ $c = 0 ] || r=2; "
+      "echo \"start $c $r $(date +%s.%N)\" >> \"$MFSDP_PROGRESS_FILE\"; i=$((r + 1)); "
+      "while [ $i -le 5 ]; do sleep 0.05; echo \"iteration $i $(date +%s.%N)\" >> \"$MFSDP_PROGRESS_FILE\"; "
+      "if [ $c = 0 ] && [ $i = 4 ]; then printf 'iteration 5 17' >> \"$MFSDP_PROGRESS_FILE\"; exit 1; fi; "
+      "i=$((i + 1)); done";
+  const double before = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  auto finished = run_launcher({"--nproc-per-node", "2", "--max-restarts", "1", "sh", "-c", script}, dir);
+  const double after = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  ASSERT_EQ(finished.code(), 0) << describe(finished);
+  const std::string line = line_starting_with(finished.err, "mfsdp-run: goodput: ");
+  EXPECT_TRUE(contains(line, "2 starts (1 restart), 5 iterations kept, 2 lost and redone")) << describe(finished);
+  double wall = 0, productive = 0, lost = 0, restarting = 0, goodput = 0;
+  ASSERT_EQ(std::sscanf(line.c_str(),
+                        "mfsdp-run: goodput: wall %lf s, 2 starts (1 restart), 5 iterations kept, 2 lost and redone; "
+                        "productive %lf s (time in kept iterations), lost %lf s, restarting %lf s (failure to the "
+                        "next start's loop), goodput %lf%%",
+                        &wall, &productive, &lost, &restarting, &goodput),
+            5)
+      << line;
+  EXPECT_GT(productive, 0.2);  // 5 iterations of at least 0.05 s
+  EXPECT_GT(lost, 0.08);       // 2 of them
+  EXPECT_GE(restarting, 0.0);
+  EXPECT_LE(productive + lost + restarting, wall + 0.05);
+  EXPECT_LE(wall, after - before + 0.05);
+  // Every rank of every start got the same file; the restart also the first start's failure time.
+  std::istringstream first(read_file(dir.file("start0.rank1"))), second(read_file(dir.file("start1.rank0")));
+  std::string path0, path1;
+  double failure_time = 0;
+  first >> path0;
+  second >> path1 >> failure_time;
+  EXPECT_FALSE(path0.empty());
+  EXPECT_EQ(path0, path1);
+  EXPECT_GE(failure_time, before);
+  EXPECT_LE(failure_time, after);
+  EXPECT_FALSE(fs::exists(path0)) << "the progress file outlived mfsdp-run";
+}
+
+// ---- restarts across nodes: two launchers on this host ------------------------------------------
+
+// The flags of node `node` of a two-node job on 127.0.0.1, one rank each.
+std::vector<std::string> node_flags(int node, int master_port, int rdzv_port, const std::vector<std::string>& more,
+                                    const std::string& script) {
+  std::vector<std::string> args = {"--nnodes", "2", "--node-rank", std::to_string(node), "--master-addr", "127.0.0.1",
+                                   "--master-port", std::to_string(master_port), "--rdzv-port",
+                                   std::to_string(rdzv_port), "--max-restarts", "2"};
+  args.insert(args.end(), more.begin(), more.end());
+  args.insert(args.end(), {"sh", "-c", script});
+  return args;
+}
+
+// Two free ports, for the store and the launchers' rendezvous.
+std::pair<int, int> two_ports() {
+  const int first = pick_free_port();
+  int second = pick_free_port();
+  while (second == first) second = pick_free_port();
+  return {first, second};
+}
+
+// Sets MFSDP_JOB_TOKEN for the launchers started while it lives.
+struct ScopedToken {
+  explicit ScopedToken(const std::string& token) { setenv("MFSDP_JOB_TOKEN", token.c_str(), 1); }
+  ~ScopedToken() { unsetenv("MFSDP_JOB_TOKEN"); }
+};
+
+// Node 1's rank fails in round 0 while node 0's runs on: node 0's launcher learns of it through
+// node 0's rendezvous, stops its rank, and both start round 1 together, on one new port with the
+// token of restart 1. Only node 0 (rank 0's) prints the goodput.
+TEST(MfsdpRun, MaxRestartsAcrossNodesRestartEveryNodeTogether) {
+  TempDir shared, node0, node1;
+  const ScopedToken token("across-nodes-test");
+  const auto [port, rdzv] = two_ports();
+  const std::string s = shared.path().string();
+  const std::string script =
+      "c=$TORCHELASTIC_RESTART_COUNT; echo \"$MASTER_PORT $MFSDP_JOB_TOKEN $c\" > " + s + "/start$c.rank$RANK; "
+      "if [ $RANK = 0 ]; then echo \"start $c 0 $(date +%s.%N)\" >> \"$MFSDP_PROGRESS_FILE\"; fi; "
+      "if [ $c = 0 ] && [ $RANK = 1 ]; then n=0; while [ ! -s " + s + "/start0.rank0 ] && [ $n -lt 3000 ]; do "
+      "sleep 0.01; n=$((n + 1)); done; exit 3; fi; "
+      "if [ $c = 0 ]; then exec sleep 60; fi; "
+      "if [ $RANK = 0 ]; then echo \"iteration 1 $(date +%s.%N)\" >> \"$MFSDP_PROGRESS_FILE\"; fi";
+  const auto begin = std::chrono::steady_clock::now();
+  Launched launched0 = start_launcher(node_flags(0, port, rdzv, {"--monitor-interval", "0.1"}, script), node0);
+  Launched launched1 = start_launcher(node_flags(1, port, rdzv, {"--monitor-interval", "0.1"}, script), node1);
+  auto finished1 = wait_launcher(launched1);
+  auto finished0 = wait_launcher(launched0);
+  const auto took = std::chrono::steady_clock::now() - begin;
+  ASSERT_EQ(finished0.code(), 0) << describe(finished0) << describe(finished1);
+  ASSERT_EQ(finished1.code(), 0) << describe(finished0) << describe(finished1);
+  EXPECT_LT(took, std::chrono::seconds(30)) << "node 0's sleeping rank was not stopped";
+  EXPECT_TRUE(contains(finished0.err, "mfsdp-run: round 0 failed on node 1; stopped 1 running rank here"))
+      << describe(finished0);
+  EXPECT_TRUE(contains(finished1.err, "mfsdp-run: rank 1 (pid ")) << describe(finished1);
+  EXPECT_TRUE(contains(finished1.err, "exited with code 3")) << describe(finished1);
+  for (const Finished* finished : {&finished0, &finished1}) {
+    EXPECT_TRUE(contains(finished->err, "mfsdp-run: restarting every rank (restart 1 of 2)")) << describe(*finished);
+    EXPECT_FALSE(contains(finished->err, "restart 2")) << describe(*finished);
+  }
+  const std::string round1 = read_file(shared.file("start1.rank0"));
+  EXPECT_EQ(round1, read_file(shared.file("start1.rank1"))) << "the nodes started round 1 apart";
+  std::istringstream fields(round1);
+  int round1_port = 0, count = -1;
+  std::string round1_token;
+  fields >> round1_port >> round1_token >> count;
+  EXPECT_NE(round1_port, port) << "round 1 reused round 0's MASTER_PORT";
+  EXPECT_NE(round1_port, rdzv);
+  EXPECT_EQ(round1_token, "across-nodes-test.restart1");
+  EXPECT_EQ(count, 1);
+  EXPECT_TRUE(contains(read_file(shared.file("start0.rank0")), " across-nodes-test 0"));
+  EXPECT_TRUE(contains(finished0.err, "mfsdp-run: goodput: ")) << describe(finished0);
+  EXPECT_TRUE(contains(finished0.err, "2 starts (1 restart), 1 iteration kept")) << describe(finished0);
+  EXPECT_FALSE(contains(finished1.err, "goodput")) << describe(finished1);
+}
+
+// A node that never joins: node 0's launcher ends the round after join_timeout, naming it, and no
+// rank starts; a node whose node 0 never comes names node 0's address.
+TEST(MfsdpRun, AcrossNodesARoundFailsNamingTheNodeThatNeverJoined) {
+  TempDir shared, node0, node1;
+  const ScopedToken token("across-nodes-test");
+  const std::string script = "echo ran > " + shared.file("ran") + "$RANK";
+  {
+    const auto [port, rdzv] = two_ports();
+    const auto begin = std::chrono::steady_clock::now();
+    auto finished = run_launcher(node_flags(0, port, rdzv, {"--rdzv-conf", "join_timeout=1"}, script), node0);
+    EXPECT_LT(std::chrono::steady_clock::now() - begin, std::chrono::seconds(10));
+    EXPECT_EQ(finished.code(), 1) << describe(finished);
+    EXPECT_TRUE(contains(finished.err, "mfsdp-run: the job ends: node 1 did not join round 0 within 1 s "
+                                       "(--rdzv-conf join_timeout)"))
+        << describe(finished);
+  }
+  {
+    const auto [port, rdzv] = two_ports();
+    auto finished = run_launcher(node_flags(1, port, rdzv, {"--rdzv-conf", "join_timeout=1"}, script), node1);
+    EXPECT_EQ(finished.code(), 1) << describe(finished);
+    EXPECT_TRUE(contains(finished.err, "mfsdp-run: error: round 0 did not start within 1 s: cannot reach node 0's "
+                                       "launcher at 127.0.0.1:" + std::to_string(rdzv)))
+        << describe(finished);
+  }
+  EXPECT_FALSE(fs::exists(shared.file("ran0")));
+  EXPECT_FALSE(fs::exists(shared.file("ran1")));
+}
+
+// A launcher of another job (another token) is refused by node 0's, and says why.
+TEST(MfsdpRun, AcrossNodesALauncherWithAnotherTokenIsRefused) {
+  TempDir shared, node0, node1;
+  const auto [port, rdzv] = two_ports();
+  const std::string script = "echo ran > " + shared.file("ran") + "$RANK";
+  Launched launched0 = [&] {
+    const ScopedToken token("job-a");
+    return start_launcher(node_flags(0, port, rdzv, {"--rdzv-conf", "join_timeout=3"}, script), node0);
+  }();
+  Finished finished1 = [&] {
+    const ScopedToken token("job-b");
+    return run_launcher(node_flags(1, port, rdzv, {"--rdzv-conf", "join_timeout=3"}, script), node1);
+  }();
+  auto finished0 = wait_launcher(launched0);
+  EXPECT_EQ(finished1.code(), 1) << describe(finished1);
+  EXPECT_TRUE(contains(finished1.err, "refused by node 0's launcher: node 1 has another job token than node 0"))
+      << describe(finished1);
+  EXPECT_EQ(finished0.code(), 1) << describe(finished0);
+  EXPECT_TRUE(contains(finished0.err, "refused a request from 127.0.0.1:")) << describe(finished0);
+  EXPECT_TRUE(contains(finished0.err, "node 1 did not join round 0")) << describe(finished0);
+  EXPECT_FALSE(fs::exists(shared.file("ran0")));
+}
+
+// SIGTERM to one node's launcher ends the job on every node: node 0's stops its rank and does not
+// restart, naming the interrupted node.
+TEST(MfsdpRun, AcrossNodesAnInterruptIsNeverRestartedOnAnyNode) {
+  TempDir shared, node0, node1;
+  const ScopedToken token("across-nodes-test");
+  const auto [port, rdzv] = two_ports();
+  const std::string script = "echo $$ > " + shared.file("rank") + "$RANK; exec sleep 60";
+  Launched launched0 = start_launcher(node_flags(0, port, rdzv, {}, script), node0);
+  Launched launched1 = start_launcher(node_flags(1, port, rdzv, {}, script), node1);
+  const bool started = wait_for_files({shared.file("rank0"), shared.file("rank1")});
+  kill(launched1.pid, SIGTERM);
+  auto finished1 = wait_launcher(launched1);
+  auto finished0 = wait_launcher(launched0);
+  ASSERT_TRUE(started) << describe(finished0) << describe(finished1);
+  EXPECT_EQ(finished1.code(), 128 + SIGTERM) << describe(finished1);
+  EXPECT_NE(finished0.code(), 0) << describe(finished0);
+  EXPECT_TRUE(contains(finished0.err, "node 1's mfsdp-run was interrupted by signal 15 (an interrupt is never "
+                                      "restarted)"))
+      << describe(finished0);
+  for (const Finished* finished : {&finished0, &finished1})
+    EXPECT_FALSE(contains(finished->err, "restarting every rank")) << describe(*finished);
 }
 
 // (e) A program that cannot be executed.

@@ -47,6 +47,15 @@ struct SuperviseOptions {
   // When not empty: once every child has exited (whatever happened, also when the run throws),
   // remove_shm_segments(shm_tag) unlinks the segments the job's ranks left in /dev/shm.
   std::string shm_tag;
+  // Called once, from the supervising thread, when the first failing rank is reaped: mfsdp-run
+  // notes the time and tells the other nodes' launchers at once, before this node's ranks are
+  // stopped (which takes up to failure_grace + kill_grace).
+  std::function<void()> on_first_failure;
+  // Asked on every wake-up of the supervising loop (at least every 50 ms) until a rank fails: when
+  // it returns true, the ranks are stopped as after a failure (failure_grace, then SIGTERM, then
+  // SIGKILL) and the result says stop_requested. mfsdp-run stops its node's ranks this way when
+  // another node's launcher announced a new round. Must be cheap (an atomic load).
+  std::function<bool()> stop_requested;
 };
 
 struct RankExit {
@@ -67,7 +76,8 @@ struct SuperviseResult {
   std::optional<int> first_failed_rank; // the rank whose failure stopped the group
   bool timed_out = false;
   int interrupt_signal = 0;  // SIGINT/SIGTERM the parent received and forwarded, 0 if none
-  bool ok() const { return !first_failed_rank && !timed_out && interrupt_signal == 0; }
+  bool stop_requested = false;  // options.stop_requested returned true before any rank failed
+  bool ok() const { return !first_failed_rank && !timed_out && interrupt_signal == 0 && !stop_requested; }
   // One line for the user: the first failure (or the timeout or interruption), or
   // "all N ranks succeeded".
   std::string summary() const;
