@@ -422,11 +422,15 @@ LocalCheckpointProgress LocalCheckpointer::load(int64_t iteration, FsdpHandle& m
       if (file.shape(name) != dst.sizes().vec() || file.dtype(name) != dst.scalar_type())
         throw std::runtime_error(own + ": tensor '" + name + "' differs in shape or dtype from this run's");
     }
-    // Checked first, then copied: a mismatch above changes nothing.
+    // Checked first, then copied: a mismatch above changes nothing. A generator's state is a CPU
+    // tensor whichever device the generator is for: the CUDA one is the shards' device's.
+    at::Device cuda = at::kCPU;
+    for (const LocalShard& s : model.local_shards())
+      if (s.local.is_cuda()) cuda = s.local.device();
     for (const auto& [name, dst] : rank_state(model, optimizer)) {
       if (name.rfind("rng.", 0) == 0) {
         at::Generator gen = name == "rng.cpu" ? at::detail::getDefaultCPUGenerator()
-                                              : at::globalContext().defaultGenerator(dst.device());
+                                              : at::globalContext().defaultGenerator(cuda);
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(file.load(name));
       } else if (dst.numel() > 0) {
