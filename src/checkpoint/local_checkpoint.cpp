@@ -53,15 +53,20 @@ std::vector<std::pair<std::string, at::Tensor>> rank_state(const FsdpHandle& mod
   return out;
 }
 
-// The rank's layout: every tensor's name, dtype and shape, and the world size. A local checkpoint
-// loads only where this is the same.
-std::string layout_checksum(const std::vector<std::pair<std::string, at::Tensor>>& state, int world_size) {
+// The rank's layout: every tensor's name, dtype and shape, where each shard lies in its parameter
+// (offset and whole shape), and the world size. A local checkpoint loads only where this is the same.
+std::string layout_checksum(const std::vector<std::pair<std::string, at::Tensor>>& state, const FsdpHandle& model,
+                            int world_size) {
   std::ostringstream text;
   text << "world " << world_size;
   for (const auto& [name, t] : state) {
     if (name.rfind("rng.", 0) == 0) continue;
     text << ";" << name << ":" << safetensors_dtype_name(t.scalar_type()) << ":";
     for (int64_t d : t.sizes()) text << d << ",";
+  }
+  for (const LocalShard& s : model.local_shards()) {
+    text << ";" << s.name << "@" << s.offset << " of ";
+    for (int64_t d : s.global_shape) text << d << ",";
   }
   const std::string s = text.str();
   return crc32c_hex(crc32c(s.data(), s.size()));
@@ -162,6 +167,23 @@ std::optional<nlohmann::json> verified_manifest(const std::string& data, std::st
   return m;
 }
 
+// Whether `path` is this rank's valid own file of `iteration` in `layout`; else why not (empty:
+// there is no such file).
+bool own_file_valid(const std::string& path, int64_t iteration, const std::string& layout, std::string& why_not) {
+  const auto m = verified_manifest(path, why_not);
+  if (!m) return false;
+  const auto& meta = SafetensorsFile(path).metadata();
+  if (m->value("iteration", int64_t{-1}) != iteration) {
+    why_not = path + " records another iteration";
+    return false;
+  }
+  if (!meta.count("layout") || meta.at("layout") != layout) {
+    why_not = path + " was saved in another layout (world size or shard shapes differ)";
+    return false;
+  }
+  return true;
+}
+
 std::vector<std::pair<int64_t, std::string>> iteration_dirs(const std::string& job_dir) {
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;
@@ -231,6 +253,7 @@ void agree(Communicator& comm, const std::string& error, const std::string& what
 struct LocalCheckpointer::Writer {
   std::thread thread;
   std::string error;  // of the last write, set by the thread before it ends
+  int64_t written = -1;  // the iteration the last write finished (-1: none, or it failed)
   at::Tensor mine, replica;
   int64_t staged_bytes = 0;
   void join() {
@@ -249,32 +272,29 @@ LocalCheckpointer::~LocalCheckpointer() { writer_->join(); }
 
 int64_t LocalCheckpointer::staged_bytes() const { return writer_->staged_bytes; }
 
-void LocalCheckpointer::wait() {
-  writer_->join();
-  if (!writer_->error.empty()) {
-    const std::string e = writer_->error;
-    writer_->error.clear();
-    throw std::runtime_error(e);
-  }
-}
+void LocalCheckpointer::wait() { settle(); }
 
 void LocalCheckpointer::save(const LocalCheckpointProgress& progress, const FsdpHandle& model,
                              const DistributedOptimizer& optimizer) {
   at::NoGradGuard no_grad;
   Communicator& comm = *world_;
   const int rank = comm.rank(), world = comm.size();
-  // A failed earlier write fails this save on every rank, naming it.
-  writer_->join();
-  agree(comm, writer_->error, "local checkpoint of an earlier iteration");
-  const auto state = rank_state(model, optimizer);
-  const std::map<std::string, std::string> meta = {
-      {"iteration", std::to_string(progress.iteration)},
-      {"consumed_samples", std::to_string(progress.consumed_samples)},
-      {"optimizer_steps", std::to_string(optimizer.steps())},
-      {"world_size", std::to_string(world)},
-      {"rank", std::to_string(rank)},
-      {"layout", layout_checksum(state, world)}};
-  writer_->mine = serialize(state, meta, writer_->mine);
+  // A failed earlier write fails this save on every rank, naming it; one that every rank finished
+  // makes the iterations before it unneeded.
+  settle();
+  std::string error = capture([&] {
+    const auto state = rank_state(model, optimizer);
+    const std::map<std::string, std::string> meta = {
+        {"iteration", std::to_string(progress.iteration)},
+        {"consumed_samples", std::to_string(progress.consumed_samples)},
+        {"optimizer_steps", std::to_string(optimizer.steps())},
+        {"world_size", std::to_string(world)},
+        {"rank", std::to_string(rank)},
+        {"layout", layout_checksum(state, model, world)},
+        {"extra", progress.extra}};
+    writer_->mine = serialize(state, meta, writer_->mine);
+  });
+  agree(comm, error, "local checkpoint of iteration " + std::to_string(progress.iteration));
   writer_->staged_bytes = writer_->mine.numel();
   const bool replicated = world > 1;
   const int jump = options_.replica_jump % world == 0 ? 1 : options_.replica_jump % world;
@@ -286,7 +306,8 @@ void LocalCheckpointer::save(const LocalCheckpointProgress& progress, const Fsdp
   const int64_t iteration = progress.iteration;
   Writer* w = writer_.get();
   const std::string job_dir = job_dir_;
-  w->thread = std::thread([w, dir, job_dir, iteration, rank, from] {
+  w->written = -1;
+  w->thread = std::thread([w, dir, iteration, rank, from] {
     w->error = capture([&] {
       fs::create_directories(dir);
       write_with_manifest(dir + "/" + rank_name("rank", rank) + ".safetensors", w->mine,
@@ -294,16 +315,31 @@ void LocalCheckpointer::save(const LocalCheckpointProgress& progress, const Fsdp
       if (w->replica.defined())
         write_with_manifest(dir + "/" + rank_name("replica", from) + ".safetensors", w->replica,
                             {{"iteration", iteration}, {"rank", from}});
-      // Only the newest is kept: this rank's files of older iterations go, and a folder left empty.
-      for (const auto& [older, path] : iteration_dirs(job_dir)) {
-        if (older >= iteration) continue;
-        for (const std::string& stem : {rank_name("rank", rank), rank_name("replica", from)})
-          for (const char* ext : {".safetensors", ".json", ".safetensors.tmp"}) fs::remove(path + "/" + stem + ext);
-        std::error_code ec;
-        fs::remove(path, ec);  // fails while another rank's files are still there
-      }
     });
+    if (w->error.empty()) w->written = iteration;
   });
+}
+
+void LocalCheckpointer::settle() {
+  Communicator& comm = *world_;
+  writer_->join();
+  const std::string error = writer_->error;
+  writer_->error.clear();
+  agree(comm, error, "local checkpoint of an earlier iteration");
+  if (writer_->written < 0) return;
+  // Every rank wrote iteration `written`: this rank's files of older ones go (only the newest is
+  // kept), and a folder left empty. Not before: a job killed during a save must keep the last
+  // iteration every rank finished. A file that cannot be removed is left.
+  const int world = comm.size();
+  const int jump = options_.replica_jump % world == 0 ? 1 : options_.replica_jump % world;
+  const int from = (comm.rank() - jump + world) % world;
+  std::error_code ec;
+  for (const auto& [older, path] : iteration_dirs(job_dir_)) {
+    if (older >= writer_->written) continue;
+    for (const std::string& stem : {rank_name("rank", comm.rank()), rank_name("replica", from)})
+      for (const char* ext : {".safetensors", ".json", ".safetensors.tmp"}) fs::remove(path + "/" + stem + ext, ec);
+    fs::remove(path, ec);  // fails while another rank's files are still there
+  }
 }
 
 namespace {
@@ -322,38 +358,33 @@ std::optional<int64_t> LocalCheckpointer::newest_valid(const FsdpHandle& model, 
   Communicator& comm = *world_;
   const int rank = comm.rank(), world = comm.size();
   const int jump = options_.replica_jump % world == 0 ? 1 : options_.replica_jump % world;
-  const std::string layout = layout_checksum(rank_state(model, optimizer), world);
+  const std::string layout = layout_checksum(rank_state(model, optimizer), model, world);
   nlohmann::json mine = {{"layout", layout}, {"own", nlohmann::json::array()}, {"replica", nlohmann::json::object()},
                          {"skipped", nlohmann::json::array()}};
-  for (const auto& [iteration, dir] : iteration_dirs(job_dir_)) {
-    std::string why;
-    const std::string own = dir + "/" + rank_name("rank", rank) + ".safetensors";
-    if (auto m = verified_manifest(own, why)) {
-      const std::string recorded = SafetensorsFile(own).metadata().count("layout")
-                                       ? SafetensorsFile(own).metadata().at("layout") : "";
-      if (m->value("iteration", int64_t{-1}) != iteration)
-        mine["skipped"].push_back(own + " records another iteration");
-      else if (recorded != layout)
-        mine["skipped"].push_back(own + " was saved in another layout (world size or shard shapes differ)");
-      else
+  const std::string scan_error = capture([&] {
+    for (const auto& [iteration, dir] : iteration_dirs(job_dir_)) {
+      std::string why;
+      const std::string own = dir + "/" + rank_name("rank", rank) + ".safetensors";
+      if (own_file_valid(own, iteration, layout, why))
         mine["own"].push_back(iteration);
-    } else if (!why.empty()) {
-      mine["skipped"].push_back(why);
-    }
-    why.clear();
-    if (world > 1) {
-      const int of = (rank - jump + world) % world;
-      const std::string replica = dir + "/" + rank_name("replica", of) + ".safetensors";
-      if (auto m = verified_manifest(replica, why)) {
-        if (m->value("iteration", int64_t{-1}) == iteration) {
-          const auto md = SafetensorsFile(replica).metadata();
-          mine["replica"][std::to_string(iteration)] = md.count("layout") ? md.at("layout") : "";
-        }
-      } else if (!why.empty()) {
+      else if (!why.empty())
         mine["skipped"].push_back(why);
+      why.clear();
+      if (world > 1) {
+        const int of = (rank - jump + world) % world;
+        const std::string replica = dir + "/" + rank_name("replica", of) + ".safetensors";
+        if (auto m = verified_manifest(replica, why)) {
+          if (m->value("iteration", int64_t{-1}) == iteration) {
+            const auto md = SafetensorsFile(replica).metadata();
+            mine["replica"][std::to_string(iteration)] = md.count("layout") ? md.at("layout") : "";
+          }
+        } else if (!why.empty()) {
+          mine["skipped"].push_back(why);
+        }
       }
     }
-  }
+  });
+  agree(comm, scan_error, "looking for local checkpoints in " + job_dir_);
   std::vector<RankHoldings> all(static_cast<size_t>(world));
   std::string skipped;
   const std::vector<std::string> texts = checkpoint::all_gather_strings(comm, mine.dump());
@@ -393,13 +424,16 @@ LocalCheckpointProgress LocalCheckpointer::load(int64_t iteration, FsdpHandle& m
   const std::string dir = checkpoint_iteration_dir(job_dir_, iteration);
   const std::string own = dir + "/" + rank_name("rank", rank) + ".safetensors";
   std::string unused;
-  const bool have_own = verified_manifest(own, unused).has_value();
+  bool have_own = false;
+  std::string error = capture([&] {
+    have_own = own_file_valid(own, iteration, layout_checksum(rank_state(model, optimizer), model, world), unused);
+  });
+  agree(comm, error, "local checkpoint of iteration " + std::to_string(iteration));
   // Which ranks lack their own file: the rank `jump` above each sends its replica.
   const std::vector<std::string> needs = checkpoint::all_gather_strings(comm, have_own ? "" : "need");
   const int keeper = (rank + jump) % world, kept = (rank - jump + world) % world;
   const bool i_receive = !have_own && world > 1;
   const bool i_send = world > 1 && !needs[static_cast<size_t>(kept)].empty();
-  std::string error;
   at::Tensor replica;
   if (i_send)
     error = capture([&] {
@@ -414,7 +448,10 @@ LocalCheckpointProgress LocalCheckpointer::load(int64_t iteration, FsdpHandle& m
   LocalCheckpointProgress progress;
   error = capture([&] {
     // A replica received becomes this rank's own file again, so the node's copy is whole.
-    if (i_receive) write_with_manifest(own, got, {{"iteration", iteration}, {"rank", rank}});
+    if (i_receive) {
+      fs::create_directories(dir);  // a fresh node has none of this job's folders
+      write_with_manifest(own, got, {{"iteration", iteration}, {"rank", rank}});
+    }
     SafetensorsFile file(own);
     const auto& meta = file.metadata();
     for (const auto& [name, dst] : rank_state(model, optimizer)) {
@@ -440,6 +477,7 @@ LocalCheckpointProgress LocalCheckpointer::load(int64_t iteration, FsdpHandle& m
     optimizer.set_steps(std::stoll(meta.at("optimizer_steps")));
     progress.iteration = std::stoll(meta.at("iteration"));
     progress.consumed_samples = std::stoll(meta.at("consumed_samples"));
+    progress.extra = meta.count("extra") ? meta.at("extra") : "";
   });
   agree(comm, error, "loading the local checkpoint of iteration " + std::to_string(iteration));
   model.refresh_model_weights();

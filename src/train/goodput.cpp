@@ -25,8 +25,10 @@ ProgressFile::ProgressFile(bool writer) {
     int64_t n = 0;
     double t = 0;
     // A line cut short by a rank's death reads as malformed and is skipped.
-    if (fields >> kind >> n >> t && kind == "iteration" && (!last_done_before_ || n > *last_done_before_))
-      last_done_before_ = n;
+    if (!(fields >> kind >> n)) continue;
+    // The last start's iterations: an earlier start's were lost, or redone, already.
+    if (kind == "start") last_done_before_.reset();
+    if (kind == "iteration" && fields >> t && (!last_done_before_ || n > *last_done_before_)) last_done_before_ = n;
   }
 }
 

@@ -12,15 +12,15 @@
 #include "mfsdp/models/tensor_parallel_training.h"
 
 namespace mfsdp {
-namespace {
-
-nlohmann::json schedule_json(const LRSchedule& s) {
+nlohmann::json lr_schedule_json(const LRSchedule& s) {
   return {{"max_lr", s.max_lr},
           {"min_lr", s.min_lr},
           {"warmup_steps", s.warmup_steps},
           {"decay_steps", s.decay_steps},
           {"style", s.style}};
 }
+
+namespace {
 
 // The model-config fields that change the model, with the flag that sets each.
 void check_model_config(const nlohmann::json& saved, const ModelConfig& run, const std::string& where) {
@@ -49,7 +49,8 @@ void check_model_config(const nlohmann::json& saved, const ModelConfig& run, con
   }
 }
 
-// Megatron's rule: the schedule flags must match the checkpoint's unless told which one wins.
+}  // namespace
+
 void reconcile_schedule(const CheckpointSection& a, const nlohmann::json& saved, LRSchedule& schedule,
                         const std::string& where) {
   if (!saved.is_object() || saved.empty() || a.override_opt_param_scheduler) return;
@@ -67,7 +68,7 @@ void reconcile_schedule(const CheckpointSection& a, const nlohmann::json& saved,
     schedule = from_ckpt;
     return;
   }
-  const nlohmann::json mine = schedule_json(schedule);
+  const nlohmann::json mine = lr_schedule_json(schedule);
   for (const auto& [key, value] : mine.items())
     if (saved[key] != value)
       throw std::invalid_argument("checkpoint '" + where + "': scheduler." + key + " is " + saved[key].dump() +
@@ -75,6 +76,8 @@ void reconcile_schedule(const CheckpointSection& a, const nlohmann::json& saved,
                                   " (pass --override-opt_param-scheduler to use this run's, or "
                                   "--use-checkpoint-opt_param-scheduler to use the checkpoint's)");
 }
+
+namespace {
 
 // The saves of --async-save in flight: one per process, as there is one training run.
 AsyncCheckpointSaver& async_saver() {
@@ -175,8 +178,16 @@ OpenedCheckpoint open_training_checkpoint(const CheckpointSection& a) {
                     ") is not newer: not taken";
     return opened;
   }
+  std::shared_ptr<const CheckpointReader> newer;
+  try {
+    newer = std::make_shared<const CheckpointReader>(np_dir);
+  } catch (const std::exception& e) {
+    opened.origin = "the non-persistent checkpoint in " + np_dir + " (iteration " + std::to_string(*np) +
+                    ") is not readable (" + e.what() + "): not taken";
+    return opened;
+  }
   opened.fallback = opened.reader;
-  opened.reader = std::make_shared<const CheckpointReader>(np_dir);
+  opened.reader = newer;
   opened.missing.clear();
   opened.origin = "taking the non-persistent (global) checkpoint in " + np_dir + " (iteration " + std::to_string(*np) +
                   "), newer than --load's " +
@@ -263,7 +274,7 @@ void save_training_checkpoint(const PretrainArgs& a, const ModelConfig& config,
   info.consumed_samples = iteration * a.global_batch_size;
   for (const auto& [flag, value] : pretrain_args_values(a, tool)) info.args[flag] = value;
   info.model_config = config.spec->hf_config(config, a.bf16 ? at::kBFloat16 : at::kFloat);
-  info.scheduler = schedule_json(schedule);
+  info.scheduler = lr_schedule_json(schedule);
   const auto start = std::chrono::steady_clock::now();
   if (a.async_save) {
     AsyncCheckpointSaver& saver = async_saver();

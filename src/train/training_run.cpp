@@ -306,7 +306,20 @@ bool TrainingRun::load_local_checkpoint(ResumePoint& resume) {
     return false;
   }
   const auto begin = std::chrono::steady_clock::now();
-  const LocalCheckpointProgress got = from.load(*newest, sharded_.root, *optimizer_);
+  LocalCheckpointProgress got;
+  try {
+    got = from.load(*newest, sharded_.root, *optimizer_);
+  } catch (const std::exception& e) {
+    // What the failed load wrote, --load's checkpoint overwrites whole (model, optimizer,
+    // generators); without one there is nothing to fall back to.
+    if (!load_.reader) throw;
+    if (print_)
+      log_ << " WARNING: the local checkpoint of iteration " << *newest << " did not load (" << e.what()
+           << "); loading --load's\n";
+    return false;
+  }
+  reconcile_schedule(args_, got.extra.empty() ? nlohmann::json::object() : nlohmann::json::parse(got.extra), schedule_,
+                     checkpoint_iteration_dir(from.job_dir(), got.iteration));
   if (got.consumed_samples != got.iteration * args_.global_batch_size)
     throw std::invalid_argument("local checkpoint of iteration " + std::to_string(got.iteration) + " in " +
                                 from.job_dir() + ": " + std::to_string(got.consumed_samples) +
@@ -693,7 +706,7 @@ namespace {
 
 std::string number_text(double v) {
   char text[40];
-  std::snprintf(text, sizeof text, "%.9g", v);
+  std::snprintf(text, sizeof text, "%.17g", v);  // every bit: two results may differ in the last
   return text;
 }
 
@@ -702,6 +715,7 @@ std::string number_text(double v) {
 void TrainingRun::validate_step(int64_t iteration, StepStats& s, const std::function<at::Tensor()>& rerun) {
   const bool nan_check = args_.check_for_nan_in_loss_and_grad;
   const std::vector<double> losses = read_rank_losses(s);
+  std::vector<double> final_losses = losses;  // the rerun's, when there is one: the step's results
   // Megatron's checks on each rank's loss, in its order: the NaN check (where an injected failure
   // lands when it is on), then the spike rule. Every rank evaluates every rank's, alike.
   struct Failed {
@@ -717,8 +731,11 @@ void TrainingRun::validate_step(int64_t iteration, StepStats& s, const std::func
     ErrorInjector& injector = injectors_[static_cast<size_t>(r)];
     const bool injected = validating && injector.maybe_inject();
     const bool non_finite = nan_check && !std::isfinite(v);
-    // A zero is no loss (a pipeline stage without the output layer).
-    const bool spike = args_.check_for_spiky_loss && v != 0 && spikes_[static_cast<size_t>(r)].is_spike(v);
+    // Megatron's order: nothing is checked on a run's first step, and an injected failure stands
+    // for the check (the loss is then not sampled). A zero is no loss (a pipeline stage without
+    // the output layer).
+    const bool spike = args_.check_for_spiky_loss && first_step_validated_ && !injected && v != 0 &&
+                       spikes_[static_cast<size_t>(r)].is_spike(v);
     if (injected || non_finite)
       failed.push_back({r, injected ? injector.description() : "the loss is NaN or Inf", injected ? nan_check : true, v});
     else if (spike)
@@ -744,6 +761,7 @@ void TrainingRun::validate_step(int64_t iteration, StepStats& s, const std::func
     again.pipeline = s.pipeline;
     const std::vector<double> second = read_rank_losses(again);
     s = again;
+    final_losses = second;
     if (report) {
       double largest = 0;
       for (size_t r = 0; r < losses.size(); ++r) largest = std::max(largest, compare_results(losses[r], second[r]));
@@ -762,8 +780,9 @@ void TrainingRun::validate_step(int64_t iteration, StepStats& s, const std::func
         // Megatron's "First rerun: unexpected result is not reproducible": the device is suspect.
         if (comm_->rank() == f.rank)
           std::cerr << "Rank " << f.rank << ", node " << host_name() << ", device " << comm_->device().str()
-                    << ", iteration #" << iteration << ": unexpected result is not reproducible (" << rerun_value
-                    << " != " << f.value << "). Possible transient error!" << std::endl;
+                    << ", iteration #" << iteration << ": unexpected result is not reproducible ("
+                    << number_text(rerun_value) << " != " << number_text(f.value) << "). Possible transient error!"
+                    << std::endl;
         if (f.fatal)
           throw ResultValidationExit(
               kExitFailedOnResultValidation,
@@ -789,7 +808,7 @@ void TrainingRun::validate_step(int64_t iteration, StepStats& s, const std::func
   }
   if (!nan_check) return;
   bool finite = std::isfinite(*s.grad_norm_on_host);
-  for (double v : losses) finite = finite && std::isfinite(v);
+  for (double v : final_losses) finite = finite && std::isfinite(v);
   if (!finite) check_finite(iteration, s);  // names the ranks and parameters, and throws
 }
 
@@ -949,7 +968,8 @@ void TrainingRun::save_non_persistent(int64_t iteration) {
                                local_checkpoint_replica_jump(comm_->size())},
         comm_);
   const auto begin = std::chrono::steady_clock::now();
-  local_->save({iteration, iteration * args_.global_batch_size}, sharded_.root, *optimizer_);
+  local_->save({iteration, iteration * args_.global_batch_size, lr_schedule_json(schedule_).dump()}, sharded_.root,
+               *optimizer_);
   if (print_) {
     char line[256];
     std::snprintf(line, sizeof line, " local checkpoint of iteration %lld staged in %.3f s (%.2f MiB per rank)",

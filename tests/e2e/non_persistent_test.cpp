@@ -16,6 +16,7 @@
 #include <string>
 
 #include "harness/metrics_file.h"
+#include "harness/same_weights.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/load_model.h"
@@ -25,6 +26,8 @@ namespace {
 namespace fs = std::filesystem;
 using mfsdp::testing::run_command;
 using mfsdp::testing::TempDir;
+using mfsdp::testing::expect_same_weights;
+const auto losses = mfsdp::testing::losses_by_iteration;
 
 const std::string kRun = MFSDP_RUN_BIN_PATH;
 const std::string kPretrain = MFSDP_PRETRAIN_BIN_PATH;
@@ -35,25 +38,6 @@ const std::string kModel =
     " --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --log-interval 1"
     " --seed 3 --eval-interval 1000 --data-parallel-sharding-strategy optim_grads_params --save-interval 20";
 const std::string kJob = kModel + " --train-iters 12";
-
-std::map<int64_t, double> losses(const std::string& metrics) {
-  std::map<int64_t, double> out;
-  for (const auto& r : mfsdp::testing::training_records(metrics))
-    out[r["iteration"].get<int64_t>()] = r["lm_loss"].get<double>();
-  return out;
-}
-
-void expect_same_weights(const std::string& dir, const std::string& want) {
-  auto got = mfsdp::load_model(dir), ref = mfsdp::load_model(want);
-  const auto ref_params = ref.model->named_parameters();
-  int compared = 0;
-  for (const auto& p : got.model->named_parameters()) {
-    ASSERT_TRUE(ref_params.contains(p.key())) << p.key();
-    EXPECT_TRUE(at::equal(p.value(), ref_params[p.key()])) << dir << ": " << p.key();
-    ++compared;
-  }
-  EXPECT_GT(compared, 10);
-}
 
 // Runs `command` and, once a file matching the shell glob `ready` exists, SIGKILLs one of its
 // mfsdp-pretrain processes (the last found: rank 1 of mfsdp-run's two); returns its outcome.

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "harness/file_bytes.h"
+#include "harness/metrics_file.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/checkpoint.h"
@@ -34,18 +35,6 @@ const std::string kModel =
 CommandOutcome pretrain(int ranks, const std::string& flags) {
   return run_command(std::string(MFSDP_RUN_BIN_PATH) + " --nproc-per-node " + std::to_string(ranks) + " " +
                      MFSDP_PRETRAIN_BIN_PATH + kModel + flags);
-}
-
-// lm loss by iteration, from a metrics file.
-std::map<int64_t, double> losses_of(const std::string& metrics) {
-  std::map<int64_t, double> out;
-  std::ifstream in(metrics);
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    if (!j.contains("eval")) out[j["iteration"].get<int64_t>()] = j["lm_loss"].get<double>();
-  }
-  return out;
 }
 
 std::string latest_of(const std::string& save) {
@@ -85,7 +74,8 @@ TEST(PretrainAsyncSave, CheckpointsEqualTheSyncOnesAndResumeBitExactly) {
 
   CommandOutcome resumed = pretrain(2, " --load " + async + " --ckpt-step 4 --metrics-file " + dir.file("resumed.jsonl"));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
-  auto whole = losses_of(dir.file("whole.jsonl")), second = losses_of(dir.file("resumed.jsonl"));
+  auto whole = mfsdp::testing::losses_by_iteration(dir.file("whole.jsonl"));
+  auto second = mfsdp::testing::losses_by_iteration(dir.file("resumed.jsonl"));
   ASSERT_EQ(second.size(), 4u) << "the resumed run must start at iteration 5";
   for (const auto& [it, loss] : second) EXPECT_EQ(loss, whole.at(it)) << "iteration " << it;
 

@@ -20,6 +20,7 @@
 #include <string>
 
 #include "harness/metrics_file.h"
+#include "harness/same_weights.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
 #include "mfsdp/checkpoint/load_model.h"
@@ -29,6 +30,8 @@ namespace {
 
 using mfsdp::testing::run_command;
 using mfsdp::testing::TempDir;
+using mfsdp::testing::expect_same_weights;
+const auto losses = mfsdp::testing::losses_by_iteration;
 
 const std::string kRun = MFSDP_RUN_BIN_PATH;
 const std::string kPretrain = MFSDP_PRETRAIN_BIN_PATH;
@@ -49,27 +52,6 @@ const std::string kModel =
     " --device cpu --tokenizer-type ByteLevelTokenizer --mock-data --num-layers 4 --hidden-size 128"
     " --num-attention-heads 4 --seq-length 128 --micro-batch-size 4 --global-batch-size 16 --log-interval 1"
     " --seed 3 --eval-interval 1000";
-
-// Each iteration's lm loss, the last record of each (a restarted run logs some iterations twice).
-std::map<int64_t, double> losses(const std::string& metrics) {
-  std::map<int64_t, double> out;
-  for (const auto& r : mfsdp::testing::training_records(metrics))
-    out[r["iteration"].get<int64_t>()] = r["lm_loss"].get<double>();
-  return out;
-}
-
-// Every weight of the checkpoint at `dir` equals `want`'s, bit for bit.
-void expect_same_weights(const std::string& dir, const std::string& want) {
-  auto got = mfsdp::load_model(dir), ref = mfsdp::load_model(want);
-  const auto ref_params = ref.model->named_parameters();
-  int compared = 0;
-  for (const auto& p : got.model->named_parameters()) {
-    ASSERT_TRUE(ref_params.contains(p.key())) << p.key();
-    EXPECT_TRUE(at::equal(p.value(), ref_params[p.key()])) << dir << ": " << p.key();
-    ++compared;
-  }
-  EXPECT_GT(compared, 10);
-}
 
 TEST(Torchrun, TrainsAsMfsdpRunDoes) {
   TempDir dir("mfsdp-torchrun");

@@ -3,7 +3,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <fstream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,13 @@ inline std::vector<nlohmann::json> training_records(const std::string& path) {
     nlohmann::json r = nlohmann::json::parse(line);
     if (!r.value("eval", false)) out.push_back(r);
   }
+  return out;
+}
+
+// Each iteration's lm loss, from the last record of each (a restarted run logs some twice).
+inline std::map<int64_t, double> losses_by_iteration(const std::string& path) {
+  std::map<int64_t, double> out;
+  for (const auto& r : training_records(path)) out[r["iteration"].get<int64_t>()] = r["lm_loss"].get<double>();
   return out;
 }
 

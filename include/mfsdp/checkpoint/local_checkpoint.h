@@ -45,6 +45,7 @@ struct LocalCheckpointOptions {
 struct LocalCheckpointProgress {
   int64_t iteration = 0;
   int64_t consumed_samples = 0;
+  std::string extra;  // the caller's, stored and given back as it is (the trainer's LR schedule)
 };
 
 class LocalCheckpointer {
@@ -55,12 +56,13 @@ class LocalCheckpointer {
   LocalCheckpointer(const LocalCheckpointer&) = delete;
   LocalCheckpointer& operator=(const LocalCheckpointer&) = delete;
 
-  // Collective. Waits for the previous write, copies this rank's state into one host buffer (the
-  // stall training sees), swaps buffers with the replica peers, and returns while a thread writes
-  // both files and then removes this rank's files of older iterations. A write that failed is
-  // reported (thrown, naming the file) by the next save() or wait().
+  // Collective. Waits for the previous write (settle()), copies this rank's state into one host
+  // buffer (the stall training sees), swaps buffers with the replica peers, and returns while a
+  // thread writes both files. A write that failed on any rank is thrown on every rank, naming it,
+  // by the next save() or wait().
   void save(const LocalCheckpointProgress& progress, const FsdpHandle& model, const DistributedOptimizer& optimizer);
-  // Waits for the write in flight; throws its error.
+  // Collective: waits for the write in flight and throws, on every rank, any rank's error; once
+  // every rank has written it, removes this rank's files of older iterations.
   void wait();
 
   // Collective: the newest iteration whose state every rank can have, its own file or the
@@ -81,6 +83,7 @@ class LocalCheckpointer {
 
  private:
   struct Writer;
+  void settle();  // wait()
   LocalCheckpointOptions options_;
   std::shared_ptr<Communicator> world_;
   std::string job_dir_;

@@ -21,7 +21,7 @@ class ProgressFile {
   explicit ProgressFile(bool writer);
   void started(int restart, int64_t resumed_after);
   void finished(int64_t iteration);
-  // The highest iteration earlier starts recorded as done (nullopt: none, or no file).
+  // The highest iteration the last earlier start recorded as done (nullopt: none, or no file).
   std::optional<int64_t> last_done_before() const { return last_done_before_; }
 
  private:

@@ -76,6 +76,14 @@ void save_training_checkpoint(const PretrainArgs& args, const ModelConfig& confi
                               int64_t iteration, std::ostream& log, const ToolFlags& tool = {},
                               const TensorSlices& slices = {});
 
+// The LR schedule as a checkpoint records it, and Megatron's rule on resuming: the schedule flags
+// must match the checkpoint's (`saved`, from the checkpoint at `where`) unless
+// --override-opt_param-scheduler (this run's wins) or --use-checkpoint-opt_param-scheduler (the
+// checkpoint's, into `schedule`). Throws std::invalid_argument naming the field.
+nlohmann::json lr_schedule_json(const LRSchedule& schedule);
+void reconcile_schedule(const CheckpointSection& checkpoint, const nlohmann::json& saved, LRSchedule& schedule,
+                        const std::string& where);
+
 // --non-persistent-save-interval with --non-persistent-ckpt-type global: the checkpoint of
 // `iteration` into the non-persistent folder (the same format and rules as save_training_checkpoint,
 // --async-save included), then every other iteration there removed: only the newest is kept.
