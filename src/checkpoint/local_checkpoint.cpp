@@ -18,6 +18,7 @@
 #include "checkpoint/checkpoint_files.h"
 #include "checkpoint/rank_strings.h"
 #include "mfsdp/base/crc32c.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/checkpoint/safetensors.h"
 
@@ -187,11 +188,12 @@ bool own_file_valid(const std::string& path, int64_t iteration, const std::strin
 std::vector<std::pair<int64_t, std::string>> iteration_dirs(const std::string& job_dir) {
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;
-  for (const auto& e : fs::directory_iterator(job_dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() != 12 || name.rfind("iter_", 0) != 0 || !e.is_directory()) continue;
+  if (!fs::is_directory(job_dir, ec)) return out;  // nothing saved on this node yet
+  for (const std::string& name : list_directory(job_dir)) {
+    const std::string path = job_dir + "/" + name;
+    if (name.size() != 12 || name.rfind("iter_", 0) != 0 || !fs::is_directory(path, ec)) continue;
     if (name.find_first_not_of("0123456789", 5) != std::string::npos) continue;
-    out.emplace_back(std::stoll(name.substr(5)), e.path().string());
+    out.emplace_back(std::stoll(name.substr(5)), path);
   }
   std::sort(out.begin(), out.end());
   return out;

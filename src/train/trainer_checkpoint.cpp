@@ -7,6 +7,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/checkpoint/async_save.h"
 #include "mfsdp/checkpoint/checkpoint.h"
 #include "mfsdp/models/tensor_parallel_training.h"
@@ -314,13 +315,13 @@ void save_non_persistent_global_checkpoint(const PretrainArgs& a, const ModelCon
   // Only the newest committed one stays (a save in flight is an iter_N.tmp, which this keeps).
   namespace fs = std::filesystem;
   const std::optional<int64_t> latest = latest_checkpoint_iteration(into.save);
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(into.save, ec)) {
-    const std::string name = e.path().filename().string();
-    if (!latest || name.size() != 12 || name.rfind("iter_", 0) != 0 ||
+  if (!latest) return;
+  std::error_code ec;  // a folder that cannot be removed is left
+  for (const std::string& name : list_directory(into.save)) {
+    if (name.size() != 12 || name.rfind("iter_", 0) != 0 ||
         name.find_first_not_of("0123456789", 5) != std::string::npos)
       continue;
-    if (std::stoll(name.substr(5)) != *latest) fs::remove_all(e.path(), ec);
+    if (std::stoll(name.substr(5)) != *latest) remove_tree((fs::path(into.save) / name).string(), ec);
   }
 }
 

@@ -45,6 +45,7 @@
 #include <thread>
 #include <vector>
 
+#include "mfsdp/base/directory_tree.h"
 #include "harness/metrics_file.h"
 #include "harness/spawn_with_files.h"
 #include "harness/temp_dir.h"
@@ -154,8 +155,7 @@ int rank_of(pid_t pid) {
 std::map<int, pid_t> rank_processes(pid_t root) {
   std::map<pid_t, std::vector<pid_t>> children;
   std::map<pid_t, ProcInfo> infos;
-  for (const auto& entry : fs::directory_iterator("/proc")) {
-    const std::string name = entry.path().filename().string();
+  for (const std::string& name : mfsdp::list_directory("/proc")) {
     if (name.empty() || name.find_first_not_of("0123456789") != std::string::npos) continue;
     const pid_t pid = std::stoi(name);
     if (auto info = proc_info(pid)) {
@@ -203,11 +203,18 @@ bool is_committed_iteration(const std::string& name) {
 // millisecond stays cheap.
 std::string save_in_progress(const std::string& dir) {
   std::error_code ec;
-  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (!it->is_directory(ec)) continue;
-    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) return it->path().string();
-    if (is_committed_iteration(name)) it.disable_recursion_pending();
+  std::vector<std::string> names;
+  try {
+    names = mfsdp::list_directory(dir);
+  } catch (const std::runtime_error&) {
+    return "";  // not there yet, or gone
+  }
+  for (const std::string& name : names) {
+    const std::string path = dir + "/" + name;
+    if (!fs::is_directory(path, ec)) continue;
+    if (name.size() > 4 && name.compare(name.size() - 4, 4, ".tmp") == 0) return path;
+    if (is_committed_iteration(name)) continue;
+    if (std::string inner = save_in_progress(path); !inner.empty()) return inner;
   }
   return "";
 }
@@ -215,8 +222,16 @@ std::string save_in_progress(const std::string& dir) {
 // True once a committed iteration folder (iter_NNNNNNN) is anywhere under `dir`.
 bool has_a_checkpoint(const std::string& dir) {
   std::error_code ec;
-  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    if (it->is_directory(ec) && is_committed_iteration(it->path().filename().string())) return true;
+  std::vector<std::string> names;
+  try {
+    names = mfsdp::list_directory(dir);
+  } catch (const std::runtime_error&) {
+    return false;
+  }
+  for (const std::string& name : names) {
+    const std::string path = dir + "/" + name;
+    if (!fs::is_directory(path, ec)) continue;
+    if (is_committed_iteration(name) || has_a_checkpoint(path)) return true;
   }
   return false;
 }

@@ -19,6 +19,7 @@
 #include "harness/same_weights.h"
 #include "harness/run_command.h"
 #include "harness/temp_dir.h"
+#include "mfsdp/base/directory_tree.h"
 #include "mfsdp/checkpoint/load_model.h"
 
 namespace {
@@ -110,9 +111,9 @@ TEST(NonPersistent, LocalCheckpointsResumeAKilledJobFromItsRanksOrTheirReplicas)
   expect_same_weights(save + "/iter_0000012", dir.file("ref/iter_0000012"));
   // Only the newest is kept (iteration 12's: the run's last iteration is a multiple of 3).
   int folders = 0;
-  for (const auto& job : fs::directory_iterator(local))
-    for (const auto& it : fs::directory_iterator(job.path())) {
-      EXPECT_EQ(it.path().filename(), "iter_0000012");
+  for (const std::string& job : mfsdp::list_directory(local))
+    for (const std::string& it : mfsdp::list_directory(local + "/" + job)) {
+      EXPECT_EQ(it, "iter_0000012");
       ++folders;
     }
   EXPECT_EQ(folders, 1);
@@ -125,9 +126,11 @@ TEST(NonPersistent, LocalCheckpointsResumeAKilledJobFromItsRanksOrTheirReplicas)
                                       local2 + "/*/iter_0000006/rank_00001.json");
   ASSERT_NE(killed.exit_code, 0) << killed.output;
   fs::path newest;
-  for (const auto& job : fs::directory_iterator(local2))
-    for (const auto& it : fs::directory_iterator(job.path()))
-      if (fs::exists(it.path() / "replica_00000.json") && fs::exists(it.path() / "replica_00001.json")) newest = it.path();
+  for (const std::string& job : mfsdp::list_directory(local2))
+    for (const std::string& it : mfsdp::list_directory(local2 + "/" + job))
+      if (const fs::path p = fs::path(local2) / job / it;
+          fs::exists(p / "replica_00000.json") && fs::exists(p / "replica_00001.json"))
+        newest = p;
   ASSERT_FALSE(newest.empty());
   const int64_t kept = std::stoll(newest.filename().string().substr(5));
 
@@ -178,8 +181,8 @@ TEST(NonPersistent, GlobalCheckpointIsTakenWhenNewerAndOnlyTheNewestIsKept) {
   expect_same_weights(save + "/iter_0000012", dir.file("ref/iter_0000012"));
   // The persistent folder has only the final save; the non-persistent one only its newest.
   std::vector<std::string> kept;
-  for (const auto& e : fs::directory_iterator(save + "/non_persistent"))
-    if (e.is_directory()) kept.push_back(e.path().filename().string());
+  for (const std::string& e : mfsdp::list_directory(save + "/non_persistent"))
+    if (fs::is_directory(save + "/non_persistent/" + e)) kept.push_back(e);
   EXPECT_EQ(kept, std::vector<std::string>{"iter_0000012"});
   EXPECT_FALSE(fs::exists(save + "/iter_0000006"));
 }
