@@ -19,6 +19,9 @@ OptimizerShard optimizer_shard(const ParamGroup& group) {
     // Megatron's rule: no weight decay on biases and norm weights (1-D and 0-D parameters).
     const bool decay = group.params()[i].shape.size() >= 2;
     s.segments.push_back({slice.local_offset, slice.length, decay});
+    // Which piece of which parameter these elements are (Muon assembles matrices from them).
+    s.params.push_back({group.params()[i].name, group.params()[i].shape, slice.local_offset, slice.param_offset,
+                        slice.length});
   }
   return s;
 }

@@ -147,35 +147,45 @@ PolicyOutputs policy_outputs(const CausalLM& model, at::Tensor logits, const at:
   return out;
 }
 
-// The forward of `model` (the policy or the reference) on the rows of `batch`: the logits, or
-// under pipeline parallelism the output of the chunk selected, from the previous chunk's hidden
-// states `received` unless it holds the embedding.
-at::Tensor forward_rows(CausalLM& model, const RolloutBatch& batch, const at::Device& device,
-                        const at::Tensor& received = {}) {
+// The forward of `model` (the policy or the reference) on the rows of `batch` (on `device`
+// already, or copied there), from the previous pipeline chunk's hidden states `received` unless
+// the chunk selected holds the embedding: where the chunk ends in the output layer its policy
+// outputs, from the output layer fused with them (--cross-entropy-loss-fusion: no full logits)
+// or from the logits; elsewhere its hidden states (`hidden`).
+struct RowsForward {
+  at::Tensor hidden;
+  PolicyOutputs out;
+};
+RowsForward forward_rows(CausalLM& model, const RolloutBatch& batch, const at::Device& device, const PretrainArgs& a,
+                         double temperature, bool entropy, const at::Tensor& received = {}) {
   SequenceLayout layout;
   layout.attention_mask = batch.attention_mask.to(device);
-  return model.call(received.defined() ? received : batch.input_ids.to(device), layout);
-}
-
-// Whether the chunk `model` runs ends in the output layer (always without pipeline parallelism).
-bool holds_output_layer(const CausalLM& model) {
+  const at::Tensor in = received.defined() ? received : batch.input_ids.to(device);
   const std::optional<PipelineChunk> chunk = model.pipeline_chunk();
-  return !chunk || chunk->output;
+  if (chunk && !chunk->output) return {model.call(in, layout), {}};
+  const at::Tensor labels = batch.labels.to(device);
+  if (!a.cross_entropy_loss_fusion) return {{}, policy_outputs(model, model.call(in, layout), labels, temperature, entropy)};
+  ChunkedOutputOptions o;
+  o.temperature = temperature;
+  o.entropy = entropy;
+  o.chunk_elements = a.cross_entropy_chunk_elements;
+  TokenStats s = model.token_stats(in, layout, labels, o);
+  return {{}, {s.log_probs, s.entropy}};
 }
 
 // The log-probs of each micro-batch under `model`, without gradients: a forward each, or the
 // forward pipeline over `pipeline`'s stages, where only the stage with the output layer has them
 // (the others' are undefined).
 std::vector<at::Tensor> micro_log_probs(CausalLM& model, const std::vector<RolloutBatch>& micro, double temperature,
-                                        const at::Device& device, const PipelineLayout& pipeline) {
+                                        const at::Device& device, const PipelineLayout& pipeline, const PretrainArgs& a) {
   torch::NoGradGuard no_grad;
   std::vector<at::Tensor> out(micro.size());
   const auto forward = [&](int64_t k, const at::Tensor& received) -> ChunkOutput {
     const RolloutBatch& b = micro[static_cast<size_t>(k)];
-    const at::Tensor h = forward_rows(model, b, device, received);
-    if (!holds_output_layer(model)) return {h, {}, {}};
-    out[static_cast<size_t>(k)] = policy_outputs(model, h, b.labels.to(device), temperature, false).log_probs;
-    return {{}, {}, at::zeros({}, h.options())};
+    RowsForward f = forward_rows(model, b, device, a, temperature, /*entropy=*/false, received);
+    if (f.hidden.defined()) return {f.hidden, {}, {}};
+    out[static_cast<size_t>(k)] = f.out.log_probs;
+    return {{}, {}, at::zeros({}, f.out.log_probs.options())};
   };
   if (pipeline.forward) {
     run_forward_pipeline(pipeline, static_cast<int64_t>(micro.size()), [&](int chunk, int64_t k, const at::Tensor& in) {
@@ -440,7 +450,7 @@ void GrpoTrainer::log_probs(GrpoStep& step) {
   }
   auto t0 = Clock::now();
   const PipelineLayout& pipeline = run_->pipeline();
-  step.old_log_probs = micro_log_probs(*run_->model(), step.micro, g_.temperature, device, pipeline);
+  step.old_log_probs = micro_log_probs(*run_->model(), step.micro, g_.temperature, device, pipeline, a);
   double diff_sum = 0, diff_max = 0, diff_tokens = 0, log_diff_max = 0;
   for (size_t k = 0; k < step.micro.size(); ++k) {
     if (!step.old_log_probs[k].defined()) continue;  // a pipeline stage without the output layer
@@ -455,7 +465,7 @@ void GrpoTrainer::log_probs(GrpoStep& step) {
   }
   step.old_log_prob_s = seconds_since(t0);
   t0 = Clock::now();
-  if (ref_) step.ref_log_probs = micro_log_probs(*ref_->sharded.model, step.micro, g_.temperature, device, pipeline);
+  if (ref_) step.ref_log_probs = micro_log_probs(*ref_->sharded.model, step.micro, g_.temperature, device, pipeline, a);
   step.ref_s = seconds_since(t0);
   at::Tensor t = at::tensor({diff_sum, diff_tokens}, at::kDouble).to(device);
   replicas_->all_reduce(t, {ReduceOp::kSum});
@@ -499,9 +509,8 @@ void GrpoTrainer::update(GrpoStep& step) {
       norm.global_tokens = counts[2 * mb].item<double>();
       norm.global_sequences = counts[2 * mb + 1].item<double>();
       norm.norm_length = static_cast<double>(g_.max_response_length);
-      // Micro-batch k's loss from the policy's logits, its metrics added to the sums.
-      const auto loss_of = [&](size_t k, const RolloutBatch& b, const at::Tensor& logits) {
-        PolicyOutputs out = policy_outputs(*run_->model(), logits, b.labels, g_.temperature, /*entropy=*/true);
+      // Micro-batch k's loss from the policy's outputs, its metrics added to the sums.
+      const auto loss_of = [&](size_t k, const RolloutBatch& b, const PolicyOutputs& out) {
         const at::Tensor adv = b.advantages.unsqueeze(1).expand_as(b.mask);
         LossNormalizer rows = norm;
         rows.row_tokens = b.row_tokens;  // whole rows' counts under context parallelism
@@ -528,14 +537,16 @@ void GrpoTrainer::update(GrpoStep& step) {
                                     [&](int chunk, int64_t m, const at::Tensor& received) -> ChunkOutput {
                                       run_->model()->select_pipeline_chunk(chunk);
                                       const RolloutBatch b = on_device(step.micro[micro_batch(m)], device);
-                                      const at::Tensor h = forward_rows(*run_->model(), b, device, received);
-                                      if (!holds_output_layer(*run_->model())) return {h, {}, {}};
-                                      const at::Tensor loss = loss_of(micro_batch(m), b, h);
+                                      RowsForward f = forward_rows(*run_->model(), b, device, a, g_.temperature,
+                                                                   /*entropy=*/true, received);
+                                      if (f.hidden.defined()) return {f.hidden, {}, {}};
+                                      const at::Tensor loss = loss_of(micro_batch(m), b, f.out);
                                       return {{}, loss, loss.detach()};
                                     })
               : run_->step(step.iteration, micro_per_mini, [&](int64_t m) {
                   const RolloutBatch b = on_device(step.micro[micro_batch(m)], device);
-                  const at::Tensor loss = loss_of(micro_batch(m), b, forward_rows(*run_->model(), b, device));
+                  const at::Tensor loss =
+                      loss_of(micro_batch(m), b, forward_rows(*run_->model(), b, device, a, g_.temperature, true).out);
                   loss.backward();
                   return loss.detach();
                 });

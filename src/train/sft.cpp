@@ -452,9 +452,9 @@ class SftTrainer : public MicroBatchTrainer {
     const DeviceBatch d = on_device(batch, split_, device_);
     LossTerms terms;
     if (loss_here) terms = loss_terms(batch, split_, device_, agg_, training ? norm_ : LossNormalizer{1, 1, 0});
-    at::Tensor out = run_.model()->call(received.defined() ? received : d.input, d.layout);
-    if (!loss_here) return {out, {}, {}};
-    const at::Tensor losses = token_losses(out, d.labels, split_);  // [B, L / CP]
+    const at::Tensor in = received.defined() ? received : d.input;
+    if (!loss_here) return {run_.model()->call(in, d.layout), {}, {}};
+    const at::Tensor losses = output_token_losses(in, d);  // [B, L / CP]
     at::Tensor loss;
     if (split_.context_parallel) {
       loss = (losses * terms.weights).sum();
@@ -469,6 +469,15 @@ class SftTrainer : public MicroBatchTrainer {
     }
     if (!training) return {{}, {}, loss.to(at::kDouble)};
     return {{}, loss, loss.detach()};
+  }
+
+  // -log p(label) per token of this rank's part of the micro-batch, from the output layer fused
+  // with the loss (--cross-entropy-loss-fusion) or from the logits.
+  at::Tensor output_token_losses(const at::Tensor& in, const DeviceBatch& d) {
+    if (!a_.cross_entropy_loss_fusion) return token_losses(run_.model()->call(in, d.layout), d.labels, split_);
+    ChunkedOutputOptions o;
+    o.chunk_elements = a_.cross_entropy_chunk_elements;
+    return -run_.model()->token_stats(in, d.layout, d.labels, o).log_probs;
   }
 
   SftBatch batch_of(const std::vector<SftRow>& rows, const std::vector<int64_t>& index) const {

@@ -198,7 +198,24 @@ class Pretrainer : public MicroBatchTrainer {
   // it, so the host never waits for the forward before queuing the backward).
   std::pair<at::Tensor, at::Tensor> micro_loss(const at::Tensor& cpu_tokens) {
     auto [input, labels] = inputs_and_labels(cpu_tokens);
-    return loss_of(run_.model()->call(input), labels);
+    return output_loss(input, labels);
+  }
+
+  // The micro-batch's loss from the model's output layer: fused with it in chunks of the
+  // vocabulary (--cross-entropy-loss-fusion, no full logits), or from the logits.
+  std::pair<at::Tensor, at::Tensor> output_loss(const at::Tensor& input, const at::Tensor& labels) {
+    if (!a_.cross_entropy_loss_fusion) return loss_of(run_.model()->call(input), labels);
+    ChunkedOutputOptions o;
+    o.chunk_elements = a_.cross_entropy_chunk_elements;
+    const at::Tensor losses = -run_.model()->token_stats(input, {}, labels, o).log_probs;  // 0 where ignored
+    const at::Tensor counted = labels.ne(-100).sum();
+    if (a_.calculate_per_token_loss) {
+      const at::Tensor sum = losses.sum();
+      return std::pair{sum / tokens_per_global_batch_, sum.detach().to(at::kDouble)};
+    }
+    // 0 / 0 = NaN when every label is ignored, as lm_loss (torch's mean reduction).
+    const at::Tensor loss = losses.sum() / counted.to(at::kFloat);
+    return std::pair{loss / static_cast<double>(a_.num_micro_batches), loss.detach().to(at::kDouble) / micro_batches_};
   }
 
   // Pipeline parallelism: this stage's forward of model chunk `chunk` for one micro-batch
@@ -207,9 +224,9 @@ class Pretrainer : public MicroBatchTrainer {
   ChunkOutput chunk_loss(const at::Tensor& cpu_tokens, int chunk, const at::Tensor& received) {
     auto [input, labels] = inputs_and_labels(cpu_tokens);
     run_.model()->select_pipeline_chunk(chunk);
-    at::Tensor output = run_.model()->call(received.defined() ? received : input);
-    if (!run_.model()->pipeline_chunk()->output) return {output, {}, {}};
-    auto [loss, reported] = loss_of(output, labels);
+    const at::Tensor in = received.defined() ? received : input;
+    if (!run_.model()->pipeline_chunk()->output) return {run_.model()->call(in), {}, {}};
+    auto [loss, reported] = output_loss(in, labels);
     return {{}, loss, reported};
   }
 

@@ -23,7 +23,9 @@
 #include "mfsdp/checkpoint/tensor_source.h"
 #include "mfsdp/comm/rendezvous.h"
 #include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/models/chunked_output.h"
 #include "mfsdp/models/tensor_parallel_training.h"
+#include "mfsdp/optim/muon.h"
 #include "mfsdp/train/exit_signals.h"
 #include "mfsdp/train/train_loop.h"
 
@@ -109,6 +111,19 @@ FullyShardOptions shard_options_from_args(const FsdpSection& a, const ParallelSe
   o.gradient_scaling = per_token_loss ? GradientScaling::kNone : GradientScaling::kDivideByWorld;
   return o;
 }
+
+namespace {
+// --optimizer adam's options (and Muon's for the parameters it leaves to AdamW).
+AdamWOptions adamw_options(const OptimizerSection& args, const at::Device& device) {
+  AdamWOptions o;
+  o.beta1 = args.adam_beta1;
+  o.beta2 = args.adam_beta2;
+  o.eps = args.adam_eps;
+  o.weight_decay = args.weight_decay;
+  o.fused = args.optimizer_implementation == "fused" || (args.optimizer_implementation == "auto" && device.is_cuda());
+  return o;
+}
+}  // namespace
 
 ModelBuildOptions model_build_options(const ModelSection& model, const MoeSection& moe, const TrainingSection& training,
                                       const FsdpSection& fsdp, const ParallelSection& parallel, bool values_loaded) {
@@ -222,14 +237,9 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
   }
   if (args.exit_signal_handler) install_exit_signal_handler();
   if (args.optimizer == "adam") {
-    AdamWOptions o;
-    o.beta1 = args.adam_beta1;
-    o.beta2 = args.adam_beta2;
-    o.eps = args.adam_eps;
-    o.weight_decay = args.weight_decay;
-    o.fused = args.optimizer_implementation == "fused" ||
-              (args.optimizer_implementation == "auto" && comm_->device().is_cuda());
-    optimizer_ = make_adamw(sharded_.root, o);
+    optimizer_ = make_adamw(sharded_.root, adamw_options(args, comm_->device()));
+  } else if (args.optimizer == "muon") {
+    optimizer_ = make_muon_optimizer(args);
   } else {
     SGDOptions o;
     o.momentum = args.sgd_momentum;
@@ -256,6 +266,15 @@ TrainingRun::TrainingRun(const PretrainArgs& args, const ModelConfig& config, st
                       : std::string())
          << "\n";
   if (print_) print_expert_buffers();
+  if (print_)
+    log_ << " loss: "
+         << (args.cross_entropy_loss_fusion
+                 ? "the output layer fused with it in chunks of " +
+                       std::to_string(args.cross_entropy_chunk_elements > 0 ? args.cross_entropy_chunk_elements
+                                                                            : kDefaultChunkElements) +
+                       " logits elements (--cross-entropy-loss-fusion): no full logits"
+                 : std::string("from the full logits (--no-cross-entropy-loss-fusion)"))
+         << "\n";
   if (print_ && d.dp_replicate > 1) {
     log_ << " HSDP: " << d.dp_replicate << " instances of " << d.dp_cp() / d.dp_replicate << " consecutive "
          << (d.cp > 1 ? "data- x context-parallel" : "data-parallel")
@@ -392,6 +411,31 @@ double TrainingRun::StepStats::loss_value() const {
 
 double TrainingRun::StepStats::grad_norm_value() const {
   return grad_norm_on_host ? *grad_norm_on_host : read_on_host({grad_norm})[0];
+}
+
+std::unique_ptr<DistributedOptimizer> TrainingRun::make_muon_optimizer(const PretrainArgs& args) const {
+  MuonOptions o;
+  o.momentum = args.muon_momentum;
+  o.nesterov = args.muon_nesterov;
+  o.ns_steps = static_cast<int>(args.muon_num_ns_steps);
+  o.coefficient_type = args.muon_coefficient_type;
+  o.scale_mode = args.muon_scale_mode;
+  o.extra_scale_factor = args.muon_extra_scale_factor;
+  o.ns_dtype = args.muon_fp32_matmul_prec == "high" ? at::kFloat : at::kBFloat16;
+  o.weight_decay = args.weight_decay;  // Megatron's: --weight-decay on the matrices too
+  o.adamw = adamw_options(args, comm_->device());
+  if (const std::shared_ptr<Communicator> tp = sharded_.model->tensor_parallel()) {
+    // Each rank's slices of the split matrices, put together whole over the group (or not, blockwise).
+    o.tensor_parallel = tp;
+    o.tp_mode = args.muon_tp_mode;
+    for (const LocalShard& shard : sharded_.root.local_shards()) {
+      const TensorParallelSplit split = sharded_.model->tensor_parallel_split(shard.name);
+      if (split == TensorParallelSplit::kRows) o.tensor_parallel_split[shard.name] = 0;
+      if (split == TensorParallelSplit::kColumns) o.tensor_parallel_split[shard.name] = 1;
+    }
+  }
+  return make_muon(sharded_.root.optimizer_shards(), sharded_.root.optimizer_comm(), o,
+                   sharded_.root.optimizer_step_hook());
 }
 
 void TrainingRun::set_up_pipeline() {

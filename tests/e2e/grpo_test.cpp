@@ -182,6 +182,32 @@ TEST(Grpo, TensorParallelStepsLikeOneRank) {
   }
 }
 
+// The fused loss (the default; here chunks of 300 logits elements) steps as the loss from the
+// full logits: the log-probs at a sampling temperature, the entropy bonus and the KL to a
+// reference, on one rank and tensor-parallel 2.
+TEST(Grpo, FusedLossStepsLikeTheFullLogits) {
+  TempDir dir("mfsdp-grpo-fused");
+  GrpoRun start = grpo(dir, 1, "--train-iters 1 --make-vocab-size-divisible-by 2 --micro-batch-size 16 --save " +
+                                   dir.file("start"), "start");
+  ASSERT_EQ(start.steps.size(), 1u) << start.output;
+  const std::string common = "--train-iters 2 --temperature 0.8 --load " + dir.file("start") +
+                             " --finetune --use-kl-loss --kl-loss-coef 0.1 --kl-loss-type k3";
+  int n = 0;
+  for (const std::string layout : {std::string(" --micro-batch-size 16 --make-vocab-size-divisible-by 2"),
+                                   std::string(" --micro-batch-size 8 --tensor-model-parallel-size 2"
+                                               " --make-vocab-size-divisible-by 1")}) {
+    const int ranks = n == 0 ? 1 : 2;
+    const std::string tag = "layout" + std::to_string(n++);
+    GrpoRun plain = grpo(dir, ranks, common + layout + " --no-cross-entropy-loss-fusion", tag + "_plain");
+    GrpoRun fused = grpo(dir, ranks, common + layout + " --cross-entropy-chunk-elements 300", tag + "_fused");
+    EXPECT_NE(fused.output.find(" loss: the output layer fused with it in chunks of 300 logits elements"),
+              std::string::npos) << fused.output;
+    ASSERT_EQ(plain.steps.size(), 2u) << plain.output;
+    ASSERT_EQ(fused.steps.size(), 2u) << fused.output;
+    expect_same_steps_with_kl(fused, plain, 2, tag, 1e-3);
+  }
+}
+
 // Context parallelism: the rollouts from the gathered full copy (whole sequences, the same on a
 // replica's CP ranks), the log-probs, entropy, KL and the update on each rank's load-balanced
 // chunks, the losses weighted with whole rows' token counts. The same steps as one rank: CP 2

@@ -126,6 +126,52 @@ TEST(Pretrain, FusedAdamWKeepsTheLosses) {
               train_losses(1, " --weight-decay 0.1"), "fused AdamW with weight decay, 1 rank");
 }
 
+// --cross-entropy-loss-fusion (the default): the output layer and the loss in chunks of the
+// vocabulary give the losses of the full logits (--no-cross-entropy-loss-fusion). 100-element
+// chunks: 3 of the 64 vocabulary rows a chunk for 32 tokens, 1 a chunk under tensor parallelism
+// for the 64 tokens of the whole sequence; under ZeRO-3, tensor-parallel 2 with sequence
+// parallelism and the per-token loss, and pipeline-parallel 2 with an untied output layer.
+TEST(Pretrain, FusedLossKeepsTheLosses) {
+  for (const std::string layout : {"", " --tensor-model-parallel-size 2 --sequence-parallel --calculate-per-token-loss",
+                                   " --pipeline-model-parallel-size 2 --untie-embeddings-and-output-weights"}) {
+    const auto plain = train_losses(2, layout + " --no-cross-entropy-loss-fusion");
+    ASSERT_FALSE(plain.empty()) << layout;
+    expect_same(train_losses(2, layout + " --cross-entropy-chunk-elements 100"), plain, "fused loss" + layout);
+  }
+}
+
+// --optimizer muon (its update is checked against torch.optim.Muon in tests/reference/): the
+// loss falls, and ZeRO-3 over 2 ranks (each matrix put together on its owner) and
+// tensor-parallel 2 (the row- and column-parallel slices put together whole, --muon-tp-mode
+// duplicated) train as one rank; blockwise orthogonalises the slices and trains differently.
+// The layouts are compared with the Newton-Schulz iteration in fp32 (--muon-fp32-matmul-prec
+// high): in bf16 (the default) a gradient summed in another order rounds differently there.
+// Megatron's --muon-* flags this build cannot honour are refused, naming the flag.
+TEST(Pretrain, MuonTrainsAlikeOnEveryLayout) {
+  const std::string muon = " --optimizer muon --lr 2e-2 --min-lr 2e-3 --muon-momentum 0.9 --muon-nesterov";
+  const auto bf16 = train_losses(1, muon);
+  ASSERT_FALSE(bf16.empty());
+  EXPECT_LT(bf16.back(), bf16.front() - 0.5) << "loss did not fall";
+  const std::string fp32 = muon + " --muon-fp32-matmul-prec high";
+  const auto one = train_losses(1, fp32);
+  expect_same(train_losses(2, fp32), one, "muon, ZeRO-3 over 2 ranks");
+  // 32 x TP 2: the 64 rows of one rank (Megatron pads to a multiple of the divisor x TP).
+  const std::string tp = " --tensor-model-parallel-size 2 --make-vocab-size-divisible-by 32";
+  expect_same(train_losses(2, fp32 + tp), one, "muon, tensor-parallel 2");
+  const auto blockwise = train_losses(2, fp32 + tp + " --muon-tp-mode blockwise");
+  ASSERT_EQ(blockwise.size(), one.size());
+  EXPECT_GT(std::abs(blockwise.back() - one.back()), 1e-4) << "blockwise gave the whole-matrix update";
+  EXPECT_NE(train_losses(1, " --optimizer adam --lr 2e-2 --min-lr 2e-3"), bf16) << "--optimizer muon did not reach the run";
+  for (const auto& [flags, expected] : std::vector<std::pair<std::string, std::string>>{
+           {muon + " --muon-no-split-qkv", "--muon-no-split-qkv: is not supported"},
+           {muon + " --muon-scalar-optimizer lion", "--muon-scalar-optimizer: lion is not supported"},
+           {muon + " --muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec: low is not supported"}}) {
+    Outcome r = run("env RANK=0 WORLD_SIZE=1 " + bin("MFSDP_PRETRAIN_BIN") + kModel + flags);
+    EXPECT_EQ(r.exit_code, 2) << flags << "\n" << r.output;
+    EXPECT_NE(r.output.find(expected), std::string::npos) << flags << "\n" << r.output;
+  }
+}
+
 // --socket-ifname reaches the communicator: an interface this host lacks is named.
 TEST(Pretrain, SocketInterfaceFlagNamesAMissingInterface) {
   Outcome r = run(bin("MFSDP_RUN_BIN") + " --nproc-per-node 2 " + bin("MFSDP_PRETRAIN_BIN") + kModel +

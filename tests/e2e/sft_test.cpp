@@ -259,6 +259,39 @@ TEST(Sft, TensorAndContextParallelTrainLikeOneRank) {
     }
 }
 
+// The fused loss (the default, here in chunks of 500 logits elements: a few vocabulary rows for
+// a micro-batch's padded rows) trains as the loss from the full logits, with masks and packed
+// conversations, on one rank and tensor-parallel 2: losses, gradient norms and the held-out loss.
+TEST(Sft, FusedLossTrainsLikeTheFullLogits) {
+  TempDir dir("mfsdp-sft-fused");
+  mfsdp::write_sft_jsonl(dir.file("mixed.jsonl"), conversations(8, /*uniform=*/false));
+  const std::string common = " --train-files " + dir.file("mixed.jsonl") + " --val-files " + dir.file("mixed.jsonl") +
+                             " --loss-agg-mode seq-mean-token-mean --global-batch-size 8 --micro-batch-size 4"
+                             " --train-iters 3 --optimizer sgd --lr 0.2 --sgd-momentum 0 --clip-grad 0";
+  int n = 0;
+  for (const std::string layout : {std::string(" --make-vocab-size-divisible-by 2"),
+                                   std::string(" --tensor-model-parallel-size 2 --make-vocab-size-divisible-by 1")}) {
+    const int ranks = n == 0 ? 1 : 2;
+    const std::string tag = "layout" + std::to_string(n++);
+    RunResult plain = sft(dir, ranks, common + layout + " --no-cross-entropy-loss-fusion", tag + "_plain");
+    RunResult fused = sft(dir, ranks, common + layout + " --cross-entropy-chunk-elements 500", tag + "_fused");
+    EXPECT_NE(fused.output.find(" loss: the output layer fused with it in chunks of 500 logits elements"),
+              std::string::npos) << fused.output;
+    EXPECT_NE(plain.output.find(" loss: from the full logits"), std::string::npos) << plain.output;
+    ASSERT_EQ(plain.train.size(), 3u) << plain.output;
+    ASSERT_EQ(fused.train.size(), 3u) << fused.output;
+    for (size_t i = 0; i < 3; ++i)
+      for (const char* key : {"lm_loss", "grad_norm"}) {
+        const double want = plain.train[i][key].get<double>();
+        EXPECT_NEAR(fused.train[i][key].get<double>(), want, 1e-5 * std::abs(want)) << tag << " " << key << " " << i;
+      }
+    ASSERT_FALSE(plain.eval.empty()) << plain.output;
+    ASSERT_FALSE(fused.eval.empty()) << fused.output;
+    const double want = plain.eval.back()["lm_loss"].get<double>();
+    EXPECT_NEAR(fused.eval.back()["lm_loss"].get<double>(), want, 1e-5 * std::abs(want)) << tag << " validation";
+  }
+}
+
 // Pipeline stages: conversations of mixed lengths make rows of a different length in every
 // micro-batch, so each activation's shape travels ahead of it (--variable-seq-lengths, always on
 // in mfsdp-sft). PP 2 under both loss modes, PP 2 x DP 2, PP 2 x TP 2 with sequence parallelism,

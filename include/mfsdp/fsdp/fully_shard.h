@@ -272,6 +272,19 @@ auto call(M& module, Args&&... args) {
                              }));
 }
 
+// Runs `fn(input)` through module's unit hooks as call() runs forward, for an entry point other
+// than forward (a model's fused loss reads its output layer's weight without calling its
+// forward): `input` is cast as forward's inputs are, and the outputs get the unit's backward
+// hooks. `fn` returns the outputs (undefined ones allowed).
+template <class M, class F>
+std::vector<at::Tensor> call_as_forward(M& module, const at::Tensor& input, F&& fn) {
+  detail::UnitState* unit = detail::find_unit(module);
+  if (unit == nullptr) return fn(input);
+  return detail::run_forward(*unit, std::function<std::vector<at::Tensor>()>([&]() -> std::vector<at::Tensor> {
+                               return fn(detail::cast_forward_input(*unit, input));
+                             }));
+}
+
 // Base for modules you write: `block->call(x)` runs forward through the unit's hooks.
 template <class Derived>
 class ShardedModule : public torch::nn::Module {

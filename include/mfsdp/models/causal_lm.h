@@ -19,6 +19,7 @@
 
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/fsdp/memory_plan.h"
+#include "mfsdp/models/chunked_output.h"
 #include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/moe.h"
 #include "mfsdp/models/parallel_plan.h"
@@ -133,6 +134,24 @@ class CausalLM : public ShardedModule<CausalLM> {
   // generation) the new tokens follow the cache's keys and layout.attention_mask covers both.
   virtual at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout,
                              KVCache* cache = nullptr) = 0;
+
+  // The fused loss (--cross-entropy-loss-fusion, chunked_output.h): the forward of `input` (token
+  // ids, or the previous pipeline chunk's hidden states) laid out by `layout`, then per token the
+  // log-probability of `targets` [B, T] (and the entropy with options.entropy) from the output
+  // layer in chunks of the vocabulary, never the full logits; vocabulary-parallel under tensor
+  // parallelism (options.tensor_parallel is the model's own group). Call it through the root
+  // unit's hooks as token_stats(...); with pipeline parallelism only on a chunk that holds the
+  // output layer (std::logic_error otherwise).
+  virtual TokenStats forward_token_stats(const at::Tensor& input, const SequenceLayout& layout,
+                                         const at::Tensor& targets, const ChunkedOutputOptions& options) = 0;
+  TokenStats token_stats(const at::Tensor& input, const SequenceLayout& layout, const at::Tensor& targets,
+                         const ChunkedOutputOptions& options = {}) {
+    const std::vector<at::Tensor> out = call_as_forward(*this, input, [&](const at::Tensor& in) {
+      TokenStats s = forward_token_stats(in, layout, targets, options);
+      return std::vector<at::Tensor>{s.log_probs, s.entropy};
+    });
+    return {out[0], out[1]};
+  }
 
   virtual int64_t num_layers() const = 0;
   virtual int64_t vocab_size() const = 0;

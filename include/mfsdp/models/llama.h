@@ -333,6 +333,8 @@ class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
   at::Tensor forward(const at::Tensor& input_ids, LlamaKVCache* cache = nullptr, int64_t start_pos = -1) override;
   at::Tensor forward(const at::Tensor& input_ids, const SequenceLayout& layout,
                      LlamaKVCache* cache = nullptr) override;
+  TokenStats forward_token_stats(const at::Tensor& input, const SequenceLayout& layout, const at::Tensor& targets,
+                                 const ChunkedOutputOptions& options) override;
 
   const LlamaConfig& config() const { return config_; }
   uint64_t init_seed() const { return init_seed_; }

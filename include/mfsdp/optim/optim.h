@@ -6,7 +6,8 @@
 // vectorised ops per shard, not a loop over parameters. Gradient clipping uses the global norm:
 // the sum of squares over local shards, all-reduced over the data-parallel communicator unless
 // the shard is replicated on every rank (no_shard), where the local sum already is the global one.
-// Implemented in src/optim/: distributed_optimizer.cpp, adamw.cpp, sgd.cpp, grad_clip.cpp, lr_schedule.cpp.
+// Implemented in src/optim/: distributed_optimizer.cpp, adamw.cpp, sgd.cpp, grad_clip.cpp, lr_schedule.cpp;
+// Muon is mfsdp/optim/muon.h.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -33,6 +34,18 @@ struct ShardSegment {
   bool weight_decay = true;   // false for biases, norm weights and other 1-D parameters
 };
 
+// Which parameter a run of a shard's elements belongs to. FsdpHandle::optimizer_shards() fills
+// these; AdamW and SGD ignore them; Muon (mfsdp/optim/muon.h) needs them to put each weight
+// matrix together from its pieces on every rank.
+struct ShardParam {
+  std::string name;             // FQN, the same on every rank that holds a piece of it
+  std::vector<int64_t> shape;   // the whole parameter's shape (under tensor parallelism: this
+                                // rank's slice, as the module holds it)
+  int64_t shard_offset = 0;     // first element of the piece in this shard
+  int64_t param_offset = 0;     // where the piece starts in the flattened parameter
+  int64_t length = 0;           // elements of the piece (> 0)
+};
+
 // One flat shard the optimizer updates in place.
 struct OptimizerShard {
   at::Tensor main_weight;              // [n], updated in place
@@ -45,6 +58,9 @@ struct OptimizerShard {
   // sub-group of it (no_shard experts, replicated over their expert-data-parallel group while
   // other ranks hold other experts). 0: every rank of the optimizer's communicator.
   int copies = 0;
+  // The parameter pieces this shard holds, ascending by shard_offset (empty: not known; only
+  // Muon needs them).
+  std::vector<ShardParam> params;
 };
 
 // The learning rate is not an option: step(lr) takes it (a schedule decides it per step).

@@ -253,6 +253,8 @@ class TrainingRun {
   // first- and last-stage copies (Megatron's embedding group). Collective over that group.
   void sum_tied_embedding_gradients();
   void set_up_pipeline();  // the constructor's: pipeline_ and embedding_group_
+  // --optimizer muon over the model's shards, Megatron's --muon-* flags (the constructor's).
+  std::unique_ptr<DistributedOptimizer> make_muon_optimizer(const PretrainArgs& args) const;
   // The MoE layers' router statistics of this step, summed over the ranks (collective; nothing
   // for a dense model).
   void collect_router_stats(StepStats& stats);

@@ -365,6 +365,41 @@ at::Tensor LlamaForCausalLMImpl::logits(const at::Tensor& hidden) {
   return at::linear(in, model->embed_tokens->weight);
 }
 
+TokenStats LlamaForCausalLMImpl::forward_token_stats(const at::Tensor& input, const SequenceLayout& layout,
+                                                     const at::Tensor& targets, const ChunkedOutputOptions& options) {
+  check_materialized();
+  if (const auto chunk = pipeline_chunk()) {
+    if (!chunk->output)
+      throw std::logic_error("LlamaForCausalLM::forward_token_stats: the selected pipeline chunk does not hold "
+                             "the output layer");
+    model->run_chunk(*chunk);
+  }
+  // As logits() but fused with the loss: the same weight (lm_head's, the tied embedding's or the
+  // last stage's copy of it), read through its unit's hooks so FSDP gathers it for this forward
+  // and again for the backward.
+  // No layout: the plain causal forward (no mask tensor), as forward(input) runs it.
+  const bool plain = !layout.position_ids.defined() && !layout.attention_mask.defined() && !layout.segment_ids.defined();
+  const at::Tensor in = parallel_boundary.enter(plain ? model->forward(input) : model->forward(input, layout));
+  ChunkedOutputOptions o = options;
+  o.tensor_parallel = parallel_.tensor.get();
+  const auto stats = [&](torch::nn::Module& owner, const at::Tensor& weight) {
+    return call_as_forward(owner, in, [&](const at::Tensor& cast) {
+      TokenStats s = chunked_output_token_stats(cast, weight, targets, o);
+      return std::vector<at::Tensor>{s.log_probs, s.entropy};
+    });
+  };
+  std::vector<at::Tensor> out;
+  if (lm_head) {
+    out = stats(*lm_head, lm_head->weight);
+  } else if (model->embed_tokens->as_output) {
+    out = stats(*model->embed_tokens, model->embed_tokens->weight);
+  } else {
+    TokenStats s = chunked_output_token_stats(in, model->embed_tokens->weight, targets, o);
+    return s;
+  }
+  return {out[0], out[1]};
+}
+
 void LlamaForCausalLMImpl::check_materialized() const {
   if (has_deferred())
     throw std::logic_error(

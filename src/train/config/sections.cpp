@@ -121,6 +121,15 @@ std::vector<ToolFlag> ModelSection::flags() {
                "pad the embedding rows to a multiple of this"),
       bool_flag("--recompute-activations", recompute_activations, "full activation recompute per layer"),
       string_flag("--recompute-granularity", recompute_granularity, "recompute granularity", {"full"}),
+      bool_flag("--cross-entropy-loss-fusion", cross_entropy_loss_fusion,
+                "the output layer and the loss computed together in chunks of the vocabulary, so no rank holds "
+                "the full logits (the default here)"),
+      bool_flag("--no-cross-entropy-loss-fusion", cross_entropy_loss_fusion,
+                "the full logits, then the loss (the plain composition)", false),
+      string_flag("--cross-entropy-fusion-impl", cross_entropy_fusion_impl,
+                  "the fused loss's implementation (Megatron's 'te' needs Transformer Engine)", {"native"}),
+      int_flag("--cross-entropy-chunk-elements", cross_entropy_chunk_elements,
+               "the fused loss's logits elements at once, tokens x vocabulary rows (0: 16777216)"),
       bool_flag("--qk-layernorm", qk_layernorm, "RMSNorm over each query and key head before RoPE (Qwen3)"),
       int_flag("--kv-channels", kv_channels, "each attention head's width (0: --hidden-size / --num-attention-heads)"),
       bool_flag("--multi-latent-attention", multi_latent_attention,
@@ -182,6 +191,7 @@ void ModelSection::validate() {
                                                      " (the largest vocabulary), got " +
                                                      std::to_string(make_vocab_size_divisible_by));
   if (!recompute_granularity.empty()) recompute_activations = true;
+  at_least("--cross-entropy-chunk-elements", static_cast<double>(cross_entropy_chunk_elements), 0);
   if (multi_latent_attention) {
     at_least("--q-lora-rank", static_cast<double>(q_lora_rank), 0);
     at_least("--qk-head-dim", static_cast<double>(qk_head_dim), 0);
@@ -485,7 +495,35 @@ std::vector<ToolFlag> OptimizerSection::flags() {
       double_flag("--adam-eps", adam_eps, "Adam epsilon"),
       double_flag("--sgd-momentum", sgd_momentum, "SGD momentum"),
       double_flag("--clip-grad", clip_grad, "global gradient-norm clip (0: off)"),
-      string_flag("--optimizer", optimizer, "optimizer (adam is AdamW)", {"adam", "sgd"}),
+      string_flag("--optimizer", optimizer,
+                  "optimizer (adam is AdamW; muon: Newton-Schulz orthogonalised momentum for the 2-D weight "
+                  "matrices, AdamW for the rest)",
+                  {"adam", "sgd", "muon"}),
+      double_flag("--muon-momentum", muon_momentum, "Muon's momentum"),
+      bool_flag("--muon-no-split-qkv", muon_split_qkv,
+                "Muon on the fused q/k/v matrix (refused: q, k and v are separate matrices here, orthogonalised "
+                "one by one as Megatron's default)", false),
+      bool_flag("--muon-nesterov", muon_nesterov, "Nesterov momentum in Muon"),
+      string_flag("--muon-scale-mode", muon_scale_mode,
+                  "Muon's update scale for a [rows, cols] matrix: spectral sqrt(max(rows, cols)), unit_rms_norm "
+                  "sqrt(rows / cols), shape_scaling sqrt(max(1, rows / cols))",
+                  {"spectral", "unit_rms_norm", "shape_scaling"}),
+      string_flag("--muon-fp32-matmul-prec", muon_fp32_matmul_prec,
+                  "the Newton-Schulz iteration's precision: medium in bf16, high in fp32 (low is refused)",
+                  {"low", "medium", "high"}),
+      string_flag("--muon-coefficient-type", muon_coefficient_type, "Newton-Schulz coefficients",
+                  {"simple", "quintic", "polar_express", "aol"}),
+      int_flag("--muon-num-ns-steps", muon_num_ns_steps, "Newton-Schulz iterations"),
+      string_flag("--muon-tp-mode", muon_tp_mode,
+                  "tensor-parallel matrices: duplicated or distributed orthogonalise the whole matrix (the same "
+                  "update as one rank), blockwise each rank's slice",
+                  {"blockwise", "duplicated", "distributed"}),
+      bool_flag("--muon-use-syrk", muon_use_syrk, "Megatron's Triton SYRK kernel (refused: no Triton here)"),
+      double_flag("--muon-extra-scale-factor", muon_extra_scale_factor, "multiplies Muon's update scale"),
+      string_flag("--muon-scalar-optimizer", muon_scalar_optimizer,
+                  "the optimizer of the other parameters (embeddings, output layer, norms, biases): adam (lion is "
+                  "refused)",
+                  {"adam", "lion"}),
       string_flag("--optimizer-implementation", optimizer_implementation,
                   "AdamW's kernels: unfused (op for op as torch::optim::AdamW, the bit-exact reference), fused "
                   "(at::_fused_adamw_, torch.optim.AdamW(fused=True)'s single pass) or auto (fused on CUDA, as "
@@ -505,6 +543,20 @@ void OptimizerSection::validate() const {
   if (optimizer_implementation == "fused" && optimizer != "adam")
     flag_error("--optimizer-implementation", "fused is AdamW's kernel; --optimizer " + optimizer + " has none");
   if (min_lr > lr) flag_error("--min-lr", "is larger than --lr");
+  if (optimizer == "muon") {
+    if (!(muon_momentum >= 0 && muon_momentum < 1)) flag_error("--muon-momentum", "must be in [0, 1), got " + number(muon_momentum));
+    positive("--muon-num-ns-steps", muon_num_ns_steps);
+    at_least("--muon-extra-scale-factor", muon_extra_scale_factor, 0);
+    if (!muon_split_qkv)
+      flag_error("--muon-no-split-qkv", "is not supported: the attention's q, k and v are separate matrices here, "
+                                        "each orthogonalised on its own (Megatron's default, --muon-split-qkv)");
+    if (muon_use_syrk) flag_error("--muon-use-syrk", "is not supported: it is Megatron's Triton kernel");
+    if (muon_scalar_optimizer != "adam")
+      flag_error("--muon-scalar-optimizer", muon_scalar_optimizer + " is not supported: the other parameters train "
+                                             "with adam (AdamW)");
+    if (muon_fp32_matmul_prec == "low")
+      flag_error("--muon-fp32-matmul-prec", "low is not supported: medium (bf16) or high (fp32)");
+  }
   if (lr_warmup_iters < 0) flag_error("--lr-warmup-iters", "must be >= 0");
 }
 

@@ -80,6 +80,12 @@ struct ModelSection {
   int64_t make_vocab_size_divisible_by = 128;
   bool recompute_activations = false;
   std::string recompute_granularity;  // "full" (only); implies recompute_activations
+  // The output layer fused with the loss in chunks of the vocabulary (chunked_output.h), never
+  // the full logits: Megatron's --cross-entropy-loss-fusion, on by default here (exact to
+  // rounding); --no-cross-entropy-loss-fusion computes the logits whole.
+  bool cross_entropy_loss_fusion = true;
+  std::string cross_entropy_fusion_impl = "native";
+  int64_t cross_entropy_chunk_elements = 0;  // 0: kDefaultChunkElements
   bool qk_layernorm = false;  // per-head q/k RMSNorm (Qwen3)
   int64_t kv_channels = 0;    // each head's width; 0: hidden_size / num_attention_heads
   // Multi-head latent attention (DeepSeek-V3; docs/model.md), Megatron's MLA arguments and defaults.
@@ -176,6 +182,18 @@ struct OptimizerSection {
   double adam_eps = 1e-8;
   double sgd_momentum = 0.9;
   double clip_grad = 1.0;
+  // --optimizer muon (include/mfsdp/optim/muon.h), Megatron's --muon-* flags and defaults.
+  double muon_momentum = 0.9;
+  bool muon_split_qkv = true;  // --muon-no-split-qkv clears it (refused: q, k and v are apart here)
+  bool muon_nesterov = false;
+  std::string muon_scale_mode = "spectral";
+  std::string muon_fp32_matmul_prec = "medium";
+  std::string muon_coefficient_type = "quintic";
+  int64_t muon_num_ns_steps = 5;
+  std::string muon_tp_mode = "duplicated";
+  bool muon_use_syrk = false;
+  double muon_extra_scale_factor = 1.0;
+  std::string muon_scalar_optimizer = "adam";
   void validate() const;
   std::vector<ToolFlag> flags();
 };
