@@ -58,6 +58,11 @@ def mfsdp_result(label, precision):
         recs = [json.loads(line) for line in open(path) if line.strip()]
         train = [r for r in recs if not r.get("eval")]
         timed = [r["iter_time_s"] for r in train if r["iteration"] > warmup]
+        # mem_bytes is rank 0's peak since the start: growth after the warm-up is memory creeping
+        # up from step to step (a leak, or a cache that keeps growing).
+        peaks = [r["mem_bytes"] for r in train if r["iteration"] > warmup and "mem_bytes" in r]
+        if len(peaks) > 1:
+            creep.append((label, precision, os.path.basename(path), (peaks[-1] - peaks[0]) / 2**20, len(peaks)))
         times += timed
         rounds += [statistics.median(timed)] if timed else []
         last = train[-1]["lm_loss"] if train else last
@@ -109,6 +114,7 @@ if env.get("SKIP_R") and "r" in runs_wanted:
     runs_wanted.remove("r")
 
 res = {}  # (label, precision) -> dict
+creep = []  # (label, precision, file, MiB, iterations) per mfsdp run
 for precision in precisions:
     print()
     print("## %s" % precision)
@@ -143,6 +149,15 @@ for (label, precision), r in res.items():
                                     ", ".join("%s %.1f" % (k, v) for k, v in r["memory"].items())))
 
 
+print()
+print("Peak creep (mfsdp, rank 0's peak since the start, from the first timed iteration to the last; "
+      "0 MiB: no creep):")
+print()
+for label, precision, name, mib, count in creep:
+    print("- %s %s %s: %+.1f MiB over %d iterations%s" % (label, precision, name, mib, count,
+                                                         "" if abs(mib) < 1 else "  <- CREEPS"))
+
+
 def ratio(name, num, den, precision, text, kind="speed"):
     a, b = res.get((num, precision)), res.get((den, precision))
     if not a or not b:
@@ -156,10 +171,10 @@ print("Ratios (tokens/s of the first over the second; memory: %s, max over ranks
 for precision in precisions:
     ratio("ZeRO-3 vs FSDP2 b/p", "b", "p", precision, "target >= 1.3")
     ratio("ZeRO-3 vs FSDP2 with the same malloc setting b/q", "b", "q", precision, "> 1: mfsdp faster")
-    ratio("ZeRO-3 peak memory vs FSDP2 b/p", "b", "p", precision, "target <= 0.9", kind="rss")
+    ratio("ZeRO-3 peak memory vs FSDP2 b/p", "b", "p", precision, "target <= 1 (issue 49; 0.9 the longer-term aim)", kind="rss")
     ratio("ZeRO-3 vs DDP b/e", "b", "e", precision, "target >= 1.2")
     ratio("ZeRO-3 peak memory vs DDP b/e", "b", "e", precision, "< 1: mfsdp smaller", kind="rss")
-    ratio("ZeRO-3 vs Megatron-FSDP b/r", "b", "r", precision, "target >= 1.15 on GPUs")
+    ratio("ZeRO-3 vs Megatron-FSDP b/r", "b", "r", precision, "target >= 1.3 on one H200")
     ratio("ZeRO-3 peak memory vs Megatron-FSDP b/r", "b", "r", precision, "target <= 0.9", kind="rss")
     ratio("no_shard vs DDP d/e", "d", "e", precision, "> 1: mfsdp faster")
     ratio("scaling b/a", "b", "a", precision, "ideal %d" % n)
