@@ -4,6 +4,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include <stdexcept>
+
 namespace mfsdp {
 namespace detail {
 namespace {
@@ -72,6 +74,27 @@ bool in_recompute() { return recompute_depth > 0; }
 bool in_recompute_first_forward() { return first_forward_depth > 0; }
 
 }  // namespace detail
+
+RecomputeOptions RecomputeOptions::selective(const std::vector<std::string>& modules) {
+  RecomputeOptions o;
+  o.granularity = Granularity::kSelective;
+  for (const std::string& m : modules) {
+    bool* field = m == "core_attn"        ? &o.core_attn
+                  : m == "layernorm"      ? &o.layernorm
+                  : m == "mlp"            ? &o.mlp
+                  : m == "moe"            ? &o.moe
+                  : m == "moe_act"        ? &o.moe_act
+                  : m == "mla_up_proj"    ? &o.mla_up_proj
+                  : m == "shared_experts" ? &o.shared_experts
+                                          : nullptr;
+    if (field == nullptr)
+      throw std::invalid_argument("recompute module '" + m +
+                                  "' is not one of: core_attn, layernorm, mlp, moe, moe_act, mla_up_proj, "
+                                  "shared_experts");
+    *field = true;
+  }
+  return o;
+}
 
 std::vector<at::Tensor> recompute(const RecomputeFn& fn, const std::vector<at::Tensor>& inputs) {
   if (!at::GradMode::is_enabled()) return fn(inputs);

@@ -43,7 +43,7 @@ ShardedModel load_reference(const GrpoArgs& g, const OpenedCheckpoint& load, con
                             const std::shared_ptr<Communicator>& comm, const ParallelMesh& mesh) {
   const PretrainArgs& a = g.base;
   ModelBuildOptions options = model_build_options(a, a, a, a, a, /*values_loaded=*/true);
-  options.recompute_layers = false;  // forward only
+  options.recompute = RecomputeOptions{};  // forward only
   // The policy's mesh: the same groups, not made again.
   ShardedModel ref = build_sharded_model(config, options, a.attention_backend != "unfused",
                                          shard_options_from_args(a, a, a, /*per_token_loss=*/true), &mesh);

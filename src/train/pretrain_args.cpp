@@ -209,6 +209,7 @@ void validate_training_args(PretrainArgs& a, int world, int64_t tokenizer_vocab)
   // Each section's own values first (config/sections.h), then what joins sections.
   static_cast<ModelSection&>(a).validate();
   static_cast<const MoeSection&>(a).validate(a);
+  static_cast<const ModelSection&>(a).validate_recompute(a);
   static_cast<const FsdpSection&>(a).validate();
   static_cast<const ParallelSection&>(a).validate();
   const int dp = checked_data_parallel_size(a, world);

@@ -129,7 +129,17 @@ ModelBuildOptions model_build_options(const ModelSection& model, const MoeSectio
                                       const FsdpSection& fsdp, const ParallelSection& parallel, bool values_loaded) {
   ModelBuildOptions options;
   options.deferred_init = fsdp.init_model_with_meta_device || values_loaded;
-  options.recompute_layers = model.recompute_activations;
+  // The flags as ModelSection::validate left them (Megatron's rules; --recompute-activations is
+  // selective there).
+  model.validate_recompute(moe);
+  if (model.recompute_granularity == "selective") {
+    options.recompute = RecomputeOptions::selective(model.recompute_modules);
+  } else if (model.recompute_granularity == "full") {
+    options.recompute.granularity = RecomputeOptions::Granularity::kFull;
+    options.recompute.method =
+        model.recompute_method == "block" ? RecomputeOptions::Method::kBlock : RecomputeOptions::Method::kUniform;
+    options.recompute.num_layers = model.recompute_num_layers;
+  }
   options.init_seed = static_cast<uint64_t>(training.seed);
   options.moe = moe_training_from_args(moe);
   options.sequence_parallel = parallel.sequence_parallel;

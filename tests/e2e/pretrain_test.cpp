@@ -98,8 +98,9 @@ TEST(Pretrain, SameLossesWithOneTwoAndFourRanks) {
 
 TEST(Pretrain, RecomputeAndDeferredInitKeepTheLosses) {
   auto base = train_losses(2, "");
-  expect_same(train_losses(2, " --recompute-activations --recompute-granularity full"), base,
-              "recompute");
+  expect_same(train_losses(2, " --recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
+              base, "full recompute");
+  expect_same(train_losses(2, " --recompute-activations"), base, "selective recompute (core_attn)");
   // Deferred init is the default; eager init gives the same values.
   expect_same(train_losses(2, " --no-init-model-with-meta-device"), base, "eager init");
   // SDPA (the default) against the explicit math path.

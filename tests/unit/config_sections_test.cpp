@@ -218,11 +218,12 @@ TEST(ConfigSections, ModelDefaultsDeriveAsMegatronsDo) {
   m.num_attention_heads = 32;
   m.num_query_groups = 8;  // ignored without --group-query-attention
   m.swiglu = true;
-  m.recompute_granularity = "full";
+  m.recompute_activations = true;  // Megatron's: --recompute-granularity selective, core_attn
   m.validate();
   EXPECT_EQ(m.num_query_groups, 32);
   EXPECT_EQ(m.ffn_hidden_size, 10880);  // int(4 x 4096 x 2/3 / 64) x 64 = int(170.67) x 64
-  EXPECT_TRUE(m.recompute_activations);
+  EXPECT_EQ(m.recompute_granularity, "selective");
+  EXPECT_EQ(m.recompute_modules, (std::vector<std::string>{"core_attn"}));
   mfsdp::ModelSection gelu;
   gelu.hidden_size = 96;
   gelu.num_attention_heads = 4;

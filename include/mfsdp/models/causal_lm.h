@@ -19,6 +19,7 @@
 
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/fsdp/memory_plan.h"
+#include "mfsdp/fsdp/recompute.h"
 #include "mfsdp/models/chunked_output.h"
 #include "mfsdp/models/context_parallel.h"
 #include "mfsdp/models/moe.h"
@@ -32,10 +33,16 @@ struct ModelBuildOptions {
   // Every parameter gets its full sizes but a 0-byte storage; nothing is allocated or
   // initialised until materialize_and_init_layer(i) / init_root() (--init-model-with-meta-device).
   bool deferred_init = false;
-  // Full activation recompute per decoder layer (--recompute-granularity full): each layer's
-  // activations are recomputed in backward instead of kept. Ignored when there is no backward
+  // Activation recompute (--recompute-granularity, --recompute-method, --recompute-num-layers,
+  // --recompute-modules; RecomputeOptions in recompute.h). Ignored when there is no backward
   // (no grad mode) or with a KV cache.
+  RecomputeOptions recompute;
+  // Shorthand kept for existing callers: true means recompute = RecomputeOptions::every_layer()
+  // (full, uniform, one layer per checkpoint), whatever `recompute` says.
   bool recompute_layers = false;
+  RecomputeOptions effective_recompute() const {
+    return recompute_layers ? RecomputeOptions::every_layer() : recompute;
+  }
   // Init seed; unset: drawn from the default CPU generator (so torch::manual_seed decides).
   std::optional<uint64_t> init_seed;
   // How MoE layers train (Megatron's --moe-* training arguments); ignored by dense models.
@@ -160,7 +167,10 @@ class CausalLM : public ShardedModule<CausalLM> {
   // false: attention through the explicit math path (--attention-backend unfused), the
   // reference the fused kernels are checked against; true (the default): scaled_dot_product_attention.
   virtual void set_use_sdpa(bool on) = 0;
-  virtual void set_recompute_layers(bool on) = 0;
+  // Activation recompute from now on (RecomputeOptions, recompute.h).
+  virtual void set_recompute(const RecomputeOptions& options) = 0;
+  // true: full recompute of every layer (RecomputeOptions::every_layer()); false: none.
+  void set_recompute_layers(bool on) { set_recompute(on ? RecomputeOptions::every_layer() : RecomputeOptions{}); }
 
   // Mixtures of experts (moe.h); a dense model has no MoE layers and ignores the scale.
   // Each MoE layer's router statistics since the last call, by layer index.

@@ -215,6 +215,10 @@ class LlamaAttentionImpl : public torch::nn::Module, public WithParallelBoundary
   // false: the explicit math path (matmul, causal mask, fp32 softmax, matmul), Hugging Face's
   // eager attention; the reference SDPA is checked against (tests/unit/llama_test.cpp).
   bool use_sdpa = true;
+  // Selective recompute's "core_attn" (recompute.h): the attention of q, k, v after the
+  // projections and RoPE (GQA's key/value expansion, the mask, softmax, the product with v) is
+  // checkpointed; it reads no parameter, so it needs nothing from the FSDP unit in backward.
+  bool recompute_core_attn = false;
 
  private:
   int64_t head_dim_, layer_idx_;
@@ -249,6 +253,9 @@ class LlamaDecoderLayerImpl : public ShardedModule<LlamaDecoderLayerImpl> {
   LlamaMLP mlp{nullptr};  // null in an MoE layer
   MoeBlock moe{nullptr};  // null in a dense layer
   LlamaRMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  // Selective recompute (recompute.h): this layer's layernorm / mlp / moe pieces; the
+  // attention's and the MoE block's own pieces are flags on those modules (LlamaModel::set_recompute).
+  RecomputeOptions recompute;
 };
 TORCH_MODULE(LlamaDecoderLayer);
 
@@ -287,7 +294,10 @@ class LlamaModelImpl : public torch::nn::Module, public WithContextParallelism {
   LlamaEmbedding embed_tokens{nullptr};
   torch::nn::ModuleList layers{nullptr};  // LlamaDecoderLayerImpl, registered as "layers"
   LlamaRMSNorm norm{nullptr};
-  bool recompute_layers = false;
+  // Activation recompute (recompute.h): full granularity checkpoints whole layers in
+  // run_layers; selective sets each layer's and module's flags.
+  void set_recompute(const RecomputeOptions& options);
+  const RecomputeOptions& recompute_options() const { return recompute_; }
 
  private:
   at::Tensor run_layers(const at::Tensor& input_ids, const RotaryTables& rope, LlamaKVCache* cache,
@@ -304,6 +314,7 @@ class LlamaModelImpl : public torch::nn::Module, public WithContextParallelism {
   int64_t first_layer_ = 0, end_layer_ = 0;
   bool chunk_embeds_ = true, chunk_outputs_ = true;  // the running chunk's ends
   std::vector<int64_t> kept_layers_;
+  RecomputeOptions recompute_;
 };
 TORCH_MODULE(LlamaModel);
 
@@ -342,7 +353,7 @@ class LlamaForCausalLMImpl : public CausalLM, public WithParallelBoundary {
   int64_t vocab_size() const override { return config_.vocab_size; }
   int64_t max_positions() const override { return config_.max_position_embeddings; }
   void set_use_sdpa(bool on) override;
-  void set_recompute_layers(bool on) override { model->recompute_layers = on; }
+  void set_recompute(const RecomputeOptions& options) override { model->set_recompute(options); }
   std::vector<std::pair<int64_t, RouterStats>> take_router_stats() override;
   void set_aux_loss_scale(double scale) override;
   void update_expert_bias(int64_t layer, const std::vector<int64_t>& tokens_per_expert) override;

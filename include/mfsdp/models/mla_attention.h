@@ -67,6 +67,12 @@ class MlaAttentionImpl : public torch::nn::Module, public WithParallelBoundary, 
   LlamaRMSNorm q_a_layernorm{nullptr};                         // with q_lora_rank
   LlamaLinear kv_a_proj_with_mqa{nullptr}, kv_b_proj{nullptr}, o_proj{nullptr};
   LlamaRMSNorm kv_a_layernorm{nullptr};
+  // Selective recompute (recompute.h): "core_attn", the attention of q, k, v (reads no
+  // parameter); "mla_up_proj", from the query's input (x, or the normed q_a_proj output) and the
+  // normed key/value latent to q, k, v: the up projections q_proj / q_b_proj and kv_b_proj and
+  // RoPE, as Megatron's qkv_up_proj_and_rope_apply.
+  bool recompute_core_attn = false;
+  bool recompute_up_proj = false;
 
  private:
   MlaConfig config_;

@@ -144,6 +144,8 @@ class ExpertMlpImpl : public torch::nn::Module, public WithParallelBoundary {
   at::Tensor forward(const at::Tensor& x);
   // Whatever their Hugging Face names: gate [I, H], up [I, H], down [H, I].
   LlamaLinear gate{nullptr}, up{nullptr}, down{nullptr};
+  // silu(gate) * up checkpointed (moe_act; MoeExperts sets it on its routed experts only).
+  bool recompute_activation = false;
 };
 TORCH_MODULE(ExpertMlp);
 
@@ -169,6 +171,9 @@ class MoeExpertsImpl : public ShardedModule<MoeExpertsImpl> {
   int64_t count() const { return static_cast<int64_t>(local_.size()); }
   // Keeps experts [first, first + count) of those held, unregistering the others.
   void keep(int64_t first, int64_t count);
+  // Selective recompute's "moe_act" (recompute.h): each expert's silu(gate) * up checkpointed
+  // (in both the per-expert and the grouped-GEMM path).
+  bool recompute_activation = false;
 
  private:
   std::vector<ExpertMlp> local_;
@@ -203,6 +208,9 @@ class MoeBlockImpl : public torch::nn::Module, public WithExpertParallelism {
 
   MoeTraining training_options;
   double aux_loss_scale = 1.0;
+  // Selective recompute's "shared_experts" (recompute.h): the shared expert (and its gate)
+  // checkpointed.
+  bool recompute_shared_expert = false;
   // The counters since the last call, and resets them.
   RouterStats take_stats();
   // The aux-loss-free bias (MoeConfig::expert_bias) moved by one step's token counts over the

@@ -6,6 +6,7 @@
 #include <limits>
 #include <tuple>
 
+#include "mfsdp/fsdp/recompute.h"
 #include "mfsdp/models/llama.h"
 
 namespace mfsdp {
@@ -51,37 +52,43 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
   q = apply_rotary(q, rope);
   k = apply_rotary(k, rope);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
-  at::Tensor out;
-  if (cp.global_positions.defined()) {
-    // This rank's queries against the whole sequence's keys, exchanged over the group; grouped
-    // query heads are matched inside.
-    out = context_parallelism.attend(q, k, v, cp.global_positions, cp.key_padding_mask, cp.segment_ids, scale);
-    return parallel_boundary.leave(o_proj(out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_})));
-  }
   if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
-  const int64_t s = k.size(2), past = s - t;  // keys: past positions, then the t new ones
-  k = repeat_kv(k, num_heads_ / num_kv_heads_);
-  v = repeat_kv(v, num_heads_ / num_kv_heads_);
-
-  // Query i sits at position past + i and may see keys 0 .. past + i.
-  auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
-  if (use_sdpa) {
-    // Without cached keys this is SDPA's own causal mask; with them the diagonal moves by
-    // `past`, which SDPA's is_causal (aligned top-left) does not do: an explicit mask then.
-    at::Tensor allowed = allowed_keys;
-    if (!allowed.defined() && past > 0)
-      allowed = at::arange(s, pos).unsqueeze(0) <= (at::arange(t, pos) + past).unsqueeze(1);
-    out = at::scaled_dot_product_attention(q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
-                                           /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale);
-  } else {
+  // Core attention: q, k, v -> [B, heads, T, hd]. No parameter is read here (selective
+  // recompute's core_attn reruns it in backward without its FSDP unit's weights).
+  const int64_t n_rep = num_heads_ / num_kv_heads_;
+  const bool sdpa = use_sdpa;
+  const at::Tensor allowed_in = allowed_keys;
+  auto core = [this, cp, scale, n_rep, sdpa, allowed_in](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+    const at::Tensor &q = in[0], &k_in = in[1], &v_in = in[2];
+    if (cp.global_positions.defined())
+      // This rank's queries against the whole sequence's keys, exchanged over the group; grouped
+      // query heads are matched inside.
+      return {context_parallelism.attend(q, k_in, v_in, cp.global_positions, cp.key_padding_mask, cp.segment_ids,
+                                         scale)};
+    const int64_t t = q.size(2), s = k_in.size(2), past = s - t;  // keys: past positions, then the t new ones
+    const at::Tensor k = repeat_kv(k_in, n_rep), v = repeat_kv(v_in, n_rep);
+    // Query i sits at position past + i and may see keys 0 .. past + i.
+    auto pos = at::TensorOptions().dtype(at::kLong).device(q.device());
+    if (sdpa) {
+      // Without cached keys this is SDPA's own causal mask; with them the diagonal moves by
+      // `past`, which SDPA's is_causal (aligned top-left) does not do: an explicit mask then.
+      at::Tensor allowed = allowed_in;
+      if (!allowed.defined() && past > 0)
+        allowed = at::arange(s, pos).unsqueeze(0) <= (at::arange(t, pos) + past).unsqueeze(1);
+      return {at::scaled_dot_product_attention(q, k, v,
+                                               allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
+                                               /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale)};
+    }
     at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
-    at::Tensor future = allowed_keys.defined()
-                            ? allowed_keys.logical_not()
+    at::Tensor future = allowed_in.defined()
+                            ? allowed_in.logical_not()
                             : at::arange(s, pos).unsqueeze(0) > (at::arange(t, pos) + past).unsqueeze(1);
     scores = scores.masked_fill(future, -std::numeric_limits<double>::infinity());
     at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-    out = at::matmul(probs, v);
-  }
+    return {at::matmul(probs, v)};
+  };
+  // No dropout here (dropout_p 0), so the rerun needs no RNG state (Megatron replays it).
+  at::Tensor out = recompute_core_attn && cache == nullptr ? recompute(core, {q, k, v})[0] : core({q, k, v})[0];
   out = out.transpose(1, 2).reshape({b, t, num_heads_ * head_dim_});
   return parallel_boundary.leave(o_proj(out));
 }

@@ -36,14 +36,37 @@ LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& c, int64_t layer
 at::Tensor LlamaDecoderLayerImpl::forward(const at::Tensor& hidden, const RotaryTables& rope,
                                           LlamaKVCache* cache, const at::Tensor& allowed, const at::Tensor& tokens,
                                           const ContextParallelKeys& cp) {
+  // Selective recompute (recompute.h): a piece checkpointed runs once without keeping its
+  // activations and again in backward. Each reads only this layer's parameters (its FSDP unit,
+  // gathered for the layer's backward) or, for the MoE block, its experts' unit, which the rerun
+  // gathers itself (unit_state.cpp, in_recompute).
+  const bool selective = recompute.is_selective() && cache == nullptr;
+  auto piece = [](bool on, RecomputeFn fn, const at::Tensor& x) {
+    return on ? mfsdp::recompute(fn, {x})[0] : fn({x})[0];
+  };
+  auto norm = [&](const LlamaRMSNorm& n, const at::Tensor& x) {
+    return piece(selective && recompute.layernorm,
+                 [n = n.ptr()](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{n->forward(in[0])}; }, x);
+  };
   at::Tensor h;
   if (mla_attn) {
-    h = hidden + mla_attn->forward(input_layernorm(hidden), rope, cache, allowed, cp);
+    h = hidden + mla_attn->forward(norm(input_layernorm, hidden), rope, cache, allowed, cp);
   } else {
-    h = hidden + self_attn(input_layernorm(hidden), rope, cache, allowed, cp);
+    h = hidden + self_attn(norm(input_layernorm, hidden), rope, cache, allowed, cp);
   }
-  at::Tensor normed = post_attention_layernorm(h);
-  return h + (moe ? moe(normed, tokens) : mlp(normed));
+  at::Tensor normed = norm(post_attention_layernorm, h);
+  if (moe) {
+    std::shared_ptr<MoeBlockImpl> block = moe.ptr();
+    return h + piece(selective && recompute.moe,
+                     [block, tokens](const std::vector<at::Tensor>& in) {
+                       return std::vector<at::Tensor>{block->forward(in[0], tokens)};
+                     },
+                     normed);
+  }
+  std::shared_ptr<LlamaMLPImpl> dense = mlp.ptr();
+  return h + piece(selective && recompute.mlp,
+                   [dense](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{dense->forward(in[0])}; },
+                   normed);
 }
 
 // ---- LlamaModel ---------------------------------------------------------------------------
@@ -107,6 +130,28 @@ int64_t LlamaModelImpl::row_length(const at::Tensor& input) const {
                                 ", found shape " + c10::str(input.sizes()));
   // Under sequence parallelism the hidden states between stages are this rank's slice [B, T/tp, H].
   return ids || !parallel_.sequence ? input.size(1) : input.size(1) * parallel_.tp_size();
+}
+
+void LlamaModelImpl::set_recompute(const RecomputeOptions& options) {
+  if (options.full() && options.num_layers < 1)
+    throw std::invalid_argument("LlamaModel: full recompute needs num_layers >= 1, got " +
+                                std::to_string(options.num_layers));
+  recompute_ = options;
+  // Selective: each layer's pieces; the other modules' flags are off under full or none.
+  const bool s = options.is_selective();
+  for (int64_t i = 0; i < num_layers(); ++i) {
+    LlamaDecoderLayerImpl& l = layer(i);
+    l.recompute = s ? options : RecomputeOptions{};
+    if (l.self_attn) l.self_attn->recompute_core_attn = s && options.core_attn;
+    if (l.mla_attn) {
+      l.mla_attn->recompute_core_attn = s && options.core_attn;
+      l.mla_attn->recompute_up_proj = s && options.mla_up_proj;
+    }
+    if (l.moe) {
+      l.moe->recompute_shared_expert = s && options.shared_experts;
+      l.moe->experts->recompute_activation = s && options.moe_act;
+    }
+  }
 }
 
 LlamaDecoderLayerImpl& LlamaModelImpl::layer(int64_t i) {
@@ -233,19 +278,29 @@ at::Tensor LlamaModelImpl::run_layers(const at::Tensor& input_ids, const RotaryT
   // A unit of its own when untied. A pipeline chunk without the embedding starts from the
   // previous chunk's hidden states.
   at::Tensor hidden = chunk_embeds_ ? mfsdp::call(*embed_tokens, input_ids) : input_ids;
-  const bool recompute_now = recompute_layers && cache == nullptr && at::GradMode::is_enabled();
-  for (int64_t i = first_layer_; i < end_layer_; ++i) {
-    auto layer = layers->ptr<LlamaDecoderLayerImpl>(i);
-    if (recompute_now) {
+  // Full recompute (recompute.h) over this chunk's layers, as Megatron's _checkpointed_forward
+  // (megatron/core/recompute.py in Megatron-LM): uniform, groups of num_layers layers, each group
+  // one checkpoint; block, the chunk's first num_layers layers one by one, the rest plain.
+  const bool full = recompute_.full() && cache == nullptr && at::GradMode::is_enabled();
+  const bool uniform = recompute_.method == RecomputeOptions::Method::kUniform;
+  for (int64_t i = first_layer_; i < end_layer_;) {
+    const int64_t count = full && uniform ? std::min(recompute_.num_layers, end_layer_ - i) : 1;
+    if (full && (uniform || i - first_layer_ < recompute_.num_layers)) {
+      std::vector<std::shared_ptr<LlamaDecoderLayerImpl>> group;
+      for (int64_t j = i; j < i + count; ++j) group.push_back(layers->ptr<LlamaDecoderLayerImpl>(j));
       // Captured by value: backward calls the function again after this frame is gone.
-      hidden = recompute(
-          [layer, rope, allowed, tokens, cp](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
-            return {layer->call(in[0], rope, static_cast<LlamaKVCache*>(nullptr), allowed, tokens, cp)};
+      hidden = mfsdp::recompute(
+          [group, rope, allowed, tokens, cp](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+            at::Tensor h = in[0];
+            for (const auto& layer : group)
+              h = layer->call(h, rope, static_cast<LlamaKVCache*>(nullptr), allowed, tokens, cp);
+            return {h};
           },
           {hidden})[0];
     } else {
-      hidden = layer->call(hidden, rope, cache, allowed, tokens, cp);
+      hidden = layers->ptr<LlamaDecoderLayerImpl>(i)->call(hidden, rope, cache, allowed, tokens, cp);
     }
+    i += count;
   }
   return chunk_outputs_ ? norm(hidden) : hidden;
 }
@@ -313,7 +368,7 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& c, const LlamaOpti
   init_seed_ = options.init_seed ? *options.init_seed : detail::draw_seed();
   // Built whole and deferred, cut by the plan, then initialised (unless the caller defers).
   model = register_module("model", LlamaModel(c, /*deferred=*/true, parallel_));
-  model->recompute_layers = options.recompute_layers;
+  model->set_recompute(options.effective_recompute());
   for (int64_t i = 0; i < c.num_layers; ++i)
     if (model->layer(i).moe) model->layer(i).moe->training_options = options.moe;
   if (!c.tie_word_embeddings)

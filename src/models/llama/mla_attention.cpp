@@ -10,6 +10,8 @@
 
 #include "mfsdp/models/mla_attention.h"
 
+#include "mfsdp/fsdp/recompute.h"
+
 namespace mfsdp {
 
 namespace {
@@ -84,48 +86,69 @@ at::Tensor MlaAttentionImpl::forward(const at::Tensor& input, const RotaryTables
   // Every projection reads one input: the region is entered once.
   const at::Tensor x = parallel_boundary.enter(input);
   const int64_t batch = x.size(0), length = x.size(1);
-  const int64_t nope = c.qk_nope_head_dim, rot = c.qk_rope_head_dim;
+  const int64_t rot = c.qk_rope_head_dim;
   // This rank's heads: all of them, or the plan's tensor-parallel share.
   const int64_t heads = (c.q_lora_rank == 0 ? q_proj : q_b_proj)->weight.size(0) / c.qk_head_dim();
 
-  at::Tensor q = c.q_lora_rank == 0 ? q_proj(x) : q_b_proj(q_a_layernorm(q_a_proj(x)));
-  q = q.view({batch, length, heads, c.qk_head_dim()}).transpose(1, 2);  // [B, nh, T, dn + dr]
-  at::Tensor q_pass = q.narrow(-1, 0, nope), q_rot = q.narrow(-1, nope, rot);
-
-  at::Tensor compressed = kv_a_proj_with_mqa(x);  // [B, T, kv_lora_rank + dr]
-  at::Tensor latent = kv_a_layernorm(compressed.narrow(-1, 0, c.kv_lora_rank));
-  at::Tensor k_rot = compressed.narrow(-1, c.kv_lora_rank, rot).unsqueeze(1);  // [B, 1, T, dr]: every head's
-
-  if (c.rope_interleave) {
-    q_rot = apply_rotary_interleaved(q_rot, rope);
-    k_rot = apply_rotary_interleaved(k_rot, rope);
-  } else {
-    q_rot = apply_rotary(q_rot, rope);
-    k_rot = apply_rotary(k_rot, rope);
-  }
-
-  at::Tensor kv = kv_b_proj(latent).view({batch, length, heads, nope + c.v_head_dim}).transpose(1, 2);
-  at::Tensor k_nope = kv.narrow(-1, 0, nope), v = kv.narrow(-1, nope, c.v_head_dim);
-  at::Tensor k = at::cat({k_nope, k_rot.expand({batch, heads, length, rot})}, -1);
-  q = at::cat({q_pass, q_rot}, -1);
-
-  at::Tensor out;
-  if (cp.global_positions.defined()) {
-    // This rank's queries against the whole sequence's keys and values, exchanged over the group.
-    out = context_parallelism.attend(q, k, v.contiguous(), cp.global_positions, cp.key_padding_mask, cp.segment_ids,
-                                     c.softmax_scale());
-  } else {
-    if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
+  // Down projections and their norms (kept), then the up projections and RoPE (Megatron's
+  // qkv_up_proj_and_rope_apply; selective recompute's mla_up_proj checkpoints them).
+  const at::Tensor q_in = c.q_lora_rank == 0 ? x : q_a_layernorm(q_a_proj(x));
+  const at::Tensor compressed = kv_a_proj_with_mqa(x);  // [B, T, kv_lora_rank + dr]
+  const at::Tensor latent = kv_a_layernorm(compressed.narrow(-1, 0, c.kv_lora_rank));
+  const at::Tensor k_rot_in = compressed.narrow(-1, c.kv_lora_rank, rot);
+  auto up = [this, rope, batch, length, heads](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+    const MlaConfig& c = config_;
+    const int64_t nope = c.qk_nope_head_dim, rot = c.qk_rope_head_dim;
+    at::Tensor q = (c.q_lora_rank == 0 ? q_proj : q_b_proj)(in[0]);
+    q = q.view({batch, length, heads, c.qk_head_dim()}).transpose(1, 2);  // [B, nh, T, dn + dr]
+    at::Tensor q_pass = q.narrow(-1, 0, nope), q_rot = q.narrow(-1, nope, rot);
+    at::Tensor k_rot = in[2].unsqueeze(1);  // [B, 1, T, dr]: every head's
+    if (c.rope_interleave) {
+      q_rot = apply_rotary_interleaved(q_rot, rope);
+      k_rot = apply_rotary_interleaved(k_rot, rope);
+    } else {
+      q_rot = apply_rotary(q_rot, rope);
+      k_rot = apply_rotary(k_rot, rope);
+    }
+    at::Tensor kv = kv_b_proj(in[1]).view({batch, length, heads, nope + c.v_head_dim}).transpose(1, 2);
+    at::Tensor k_nope = kv.narrow(-1, 0, nope), v = kv.narrow(-1, nope, c.v_head_dim);
+    return {at::cat({q_pass, q_rot}, -1), at::cat({k_nope, k_rot.expand({batch, heads, length, rot})}, -1), v};
+  };
+  const bool training = cache == nullptr;  // recompute() itself skips when no backward follows
+  // Core attention (reads no parameter; selective recompute's core_attn checkpoints it). No
+  // dropout, so the rerun needs no RNG state.
+  const at::Tensor allowed_in = allowed_keys;
+  const double scale = c.softmax_scale();
+  auto core = [this, cp, allowed_in, scale](const std::vector<at::Tensor>& in) -> std::vector<at::Tensor> {
+    const at::Tensor &q = in[0], &k = in[1], &v = in[2];
+    if (cp.global_positions.defined())
+      // This rank's queries against the whole sequence's keys and values, exchanged over the group.
+      return {context_parallelism.attend(q, k, v.contiguous(), cp.global_positions, cp.key_padding_mask,
+                                         cp.segment_ids, scale)};
     // Query i sits at key past + i; SDPA's is_causal aligns top-left, so cached keys need a mask.
-    const int64_t keys = k.size(2), past = keys - length;
-    at::Tensor allowed = allowed_keys;
+    const int64_t keys = k.size(2), length = q.size(2), past = keys - length;
+    at::Tensor allowed = allowed_in;
     if (!allowed.defined() && past > 0) {
-      auto pos = at::TensorOptions().dtype(at::kLong).device(x.device());
+      auto pos = at::TensorOptions().dtype(at::kLong).device(q.device());
       allowed = at::arange(keys, pos).unsqueeze(0) <= (at::arange(length, pos) + past).unsqueeze(1);
     }
-    out = at::scaled_dot_product_attention(
-        q, k, v, allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt, /*dropout_p=*/0.0,
-        /*is_causal=*/!allowed.defined(), c.softmax_scale());
+    return {at::scaled_dot_product_attention(q, k, v,
+                                             allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
+                                             /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale)};
+  };
+  at::Tensor out;
+  if (recompute_up_proj && training) {
+    // mla_up_proj: Megatron discards q, k and v once the core attention has read them and
+    // recomputes them for its backward (CheckpointWithoutOutput). recompute() keeps a
+    // checkpoint's outputs, and q, k, v are what the core attention saves, so the piece reaches
+    // through the core attention: neither q, k, v nor the attention's own tensors are kept.
+    out = recompute(
+        [up, core](const std::vector<at::Tensor>& in) { return core(up(in)); }, {q_in, latent, k_rot_in})[0];
+  } else {
+    std::vector<at::Tensor> qkv = up({q_in, latent, k_rot_in});
+    at::Tensor q = qkv[0], k = qkv[1], v = qkv[2];
+    if (cache != nullptr) std::tie(k, v) = cache->append(layer_idx_, k, v);
+    out = recompute_core_attn && training ? recompute(core, {q, k, v})[0] : core({q, k, v})[0];
   }
   out = out.transpose(1, 2).reshape({batch, length, heads * c.v_head_dim});
   // o_proj is row-parallel under tensor parallelism: its bias (attention_bias) is added once,

@@ -101,9 +101,20 @@ ExpertMlpImpl::ExpertMlpImpl(int64_t hidden, int64_t intermediate, bool mixtral_
   down = register_module(mixtral_names ? "w2" : "down_proj", LlamaLinear(intermediate, hidden, deferred));
 }
 
+namespace {
+// SwiGLU's activation silu(gate) * up; selective recompute's moe_act checkpoints it (it reads no
+// parameter), keeping gate and up instead of silu(gate) beside them.
+at::Tensor expert_activation(const at::Tensor& gate_out, const at::Tensor& up_out, bool checkpoint) {
+  const RecomputeFn act = [](const std::vector<at::Tensor>& in) {
+    return std::vector<at::Tensor>{at::silu(in[0]) * in[1]};
+  };
+  return checkpoint ? recompute(act, {gate_out, up_out})[0] : act({gate_out, up_out})[0];
+}
+}  // namespace
+
 at::Tensor ExpertMlpImpl::forward(const at::Tensor& x) {
   const at::Tensor in = parallel_boundary.enter(x);
-  return parallel_boundary.leave(down(at::silu(gate(in)) * up(in)));
+  return parallel_boundary.leave(down(expert_activation(gate(in), up(in), recompute_activation)));
 }
 
 MoeExpertsImpl::MoeExpertsImpl(int64_t hidden, int64_t width, bool mixtral_names, int64_t first, int64_t count,
@@ -159,7 +170,8 @@ at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& c
       if (s.is_cuda()) s = ZeroIdleExperts::apply(s, counts);  // CPU's _grouped_mm gives zero itself
       return s.transpose(1, 2);
     };
-    at::Tensor h = at::silu(at::_grouped_mm(tokens, stacked(g), offsets)) * at::_grouped_mm(tokens, stacked(u), offsets);
+    at::Tensor h = expert_activation(at::_grouped_mm(tokens, stacked(g), offsets),
+                                     at::_grouped_mm(tokens, stacked(u), offsets), recompute_activation);
     return at::_grouped_mm(h, stacked(d), offsets);
   }
   // One GEMM per expert over its rows: the row counts on the host (one copy from the device).
@@ -168,6 +180,7 @@ at::Tensor MoeExpertsImpl::forward(const at::Tensor& tokens, const at::Tensor& c
   std::vector<at::Tensor> parts;
   int64_t start = 0;
   for (int64_t j = 0; j < n; ++j) {
+    local_[j]->recompute_activation = recompute_activation;
     parts.push_back(local_[j]->forward(tokens.narrow(0, start, rows[j])));
     start += rows[j];
   }
@@ -294,7 +307,14 @@ at::Tensor MoeBlockImpl::forward(const at::Tensor& x, const at::Tensor& valid) {
                                 std::to_string(tokens.size(0)) + " tokens");
   Routing r = route(gate(tokens), config_, training_options.capacity_factor, expert_bias());
   at::Tensor y = run_experts(tokens, r).view(x.sizes());
-  if (shared_expert) y = y + shared(x);
+  if (shared_expert) {
+    // Selective recompute's shared_experts: the shared expert checkpointed (its parameters are
+    // this layer's unit's).
+    y = y + (recompute_shared_expert
+                 ? recompute([this](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{shared(in[0])}; },
+                             {x})[0]
+                 : shared(x));
+  }
   // The balancing losses, for the log always, for the gradient when their coefficient is set.
   at::Tensor balance;
   if (training_options.balancing == MoeTraining::Balancing::kAuxLoss) {

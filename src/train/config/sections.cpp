@@ -119,8 +119,37 @@ std::vector<ToolFlag> ModelSection::flags() {
       double_flag("--norm-epsilon", norm_epsilon, "RMSNorm epsilon"),
       int_flag("--make-vocab-size-divisible-by", make_vocab_size_divisible_by,
                "pad the embedding rows to a multiple of this"),
-      bool_flag("--recompute-activations", recompute_activations, "full activation recompute per layer"),
-      string_flag("--recompute-granularity", recompute_granularity, "recompute granularity", {"full"}),
+      bool_flag("--recompute-activations", recompute_activations,
+                "selective activation recompute (as --recompute-granularity selective; Megatron's meaning)"),
+      string_flag("--recompute-granularity", recompute_granularity,
+                  "activation recompute: full, whole layers (with --recompute-method and --recompute-num-layers); "
+                  "selective, the --recompute-modules of every layer",
+                  {"full", "selective"}),
+      string_flag("--recompute-method", recompute_method,
+                  "full recompute: uniform, the layers in groups of --recompute-num-layers, each group one "
+                  "checkpoint; block, only the first --recompute-num-layers layers of each pipeline chunk",
+                  {"uniform", "block"}),
+      int_flag("--recompute-num-layers", recompute_num_layers,
+               "full recompute: layers per group (uniform) or layers recomputed per pipeline chunk (block); -1: unset"),
+      // argparse's nargs: every value up to the next flag (tool_flags.cpp has no string-list kind).
+      ToolFlag{"--recompute-modules",
+               "selective recompute: any of core_attn, layernorm, mlp, moe, moe_act, mla_up_proj, shared_experts "
+               "(default: core_attn)",
+               true,
+               {},
+               [this](const std::string& v) {
+                 std::vector<std::string> values;
+                 std::istringstream in(v);
+                 for (std::string word; in >> word;) values.push_back(word);
+                 if (values.empty()) flag_error("--recompute-modules", "needs at least one value");
+                 recompute_modules = std::move(values);
+               },
+               [this] {
+                 std::string out;
+                 for (const std::string& m : recompute_modules) out += (out.empty() ? "" : " ") + m;
+                 return out.empty() ? std::string("unset") : out;
+               },
+               /*many_values=*/true},
       bool_flag("--cross-entropy-loss-fusion", cross_entropy_loss_fusion,
                 "the output layer and the loss computed together in chunks of the vocabulary, so no rank holds "
                 "the full logits (the default here)"),
@@ -190,7 +219,7 @@ void ModelSection::validate() {
     flag_error("--make-vocab-size-divisible-by", "must be at most " + std::to_string(kMaxVocabSize) +
                                                      " (the largest vocabulary), got " +
                                                      std::to_string(make_vocab_size_divisible_by));
-  if (!recompute_granularity.empty()) recompute_activations = true;
+  validate_recompute_flags();
   at_least("--cross-entropy-chunk-elements", static_cast<double>(cross_entropy_chunk_elements), 0);
   if (multi_latent_attention) {
     at_least("--q-lora-rank", static_cast<double>(q_lora_rank), 0);
@@ -208,6 +237,56 @@ void ModelSection::validate() {
     at_least("--mscale", mscale, 0);
     at_least("--mscale-all-dim", mscale_all_dim, 0);
   }
+}
+
+// Megatron-LM's rules, in its order: arguments.py (--recompute-activations is selective; no
+// method with selective) and TransformerConfig.__post_init__ (transformer_config.py: full needs
+// a method and a number of layers, selective takes no number, recompute_modules defaults to
+// core_attn and must be known, mla_up_proj needs MLA). Stricter than Megatron, which ignores
+// them: a method, a number of layers or modules where the granularity makes them inert.
+void ModelSection::validate_recompute_flags() {
+  if (recompute_activations) recompute_granularity = "selective";
+  const bool full = recompute_granularity == "full", selective = recompute_granularity == "selective";
+  if (!recompute_method.empty() && !full)
+    flag_error("--recompute-method", selective ? "is not supported with --recompute-granularity selective"
+                                               : "needs --recompute-granularity full");
+  if (recompute_num_layers != -1 && !full)
+    flag_error("--recompute-num-layers", selective ? "must be unset with --recompute-granularity selective"
+                                                   : "needs --recompute-granularity full");
+  if (!recompute_modules.empty() && !selective)
+    flag_error("--recompute-modules", "needs --recompute-granularity selective (or --recompute-activations)");
+  if (full && recompute_method.empty())
+    flag_error("--recompute-granularity", "full needs --recompute-method uniform or block");
+  if (full && (recompute_num_layers < 1 || recompute_num_layers > num_layers))
+    flag_error("--recompute-num-layers", "with --recompute-granularity full must be between 1 and --num-layers " +
+                                             std::to_string(num_layers) +
+                                             (recompute_num_layers == -1 ? ", and is unset"
+                                                                         : ", got " + std::to_string(recompute_num_layers)));
+  if (!selective) return;
+  if (recompute_modules.empty()) recompute_modules = {"core_attn"};
+  for (const std::string& m : recompute_modules) {
+    static const std::vector<std::string> here = {"core_attn", "layernorm", "mlp", "moe",
+                                                  "moe_act", "mla_up_proj", "shared_experts"};
+    static const std::vector<std::string> megatron_only = {"gdn_norm_out", "gdp_in_proj", "gdp_qkv", "mhc"};
+    if (std::find(megatron_only.begin(), megatron_only.end(), m) != megatron_only.end())
+      flag_error("--recompute-modules", "'" + m + "' is Megatron's module of a layer this model does not have "
+                                        "(the choices here: core_attn, layernorm, mlp, moe, moe_act, mla_up_proj, "
+                                        "shared_experts)");
+    if (std::find(here.begin(), here.end(), m) == here.end())
+      flag_error("--recompute-modules", "'" + m + "' is not one of: core_attn, layernorm, mlp, moe, moe_act, "
+                                        "mla_up_proj, shared_experts");
+  }
+  auto has = [&](const char* m) {
+    return std::find(recompute_modules.begin(), recompute_modules.end(), m) != recompute_modules.end();
+  };
+  if (has("mla_up_proj") && !multi_latent_attention)
+    flag_error("--recompute-modules", "mla_up_proj is only supported with --multi-latent-attention");
+}
+
+void ModelSection::validate_recompute(const MoeSection& moe) const {
+  const bool moe_act = std::find(recompute_modules.begin(), recompute_modules.end(), "moe_act") != recompute_modules.end();
+  if (recompute_granularity == "selective" && moe_act && !moe.moe_grouped_gemm)
+    flag_error("--recompute-modules", "moe_act is only supported with --moe-grouped-gemm");
 }
 
 std::vector<ToolFlag> MoeSection::flags() {

@@ -62,6 +62,8 @@ enum class Section { kModel, kMoe, kTokenizer, kData, kTraining, kOptimizer, kCh
 const char* section_title(Section s);  // "model: the transformer (Megatron's network size arguments)", ...
 const std::vector<Section>& all_sections();
 
+struct MoeSection;
+
 struct ModelSection {
   int64_t num_layers = 2;
   int64_t hidden_size = 64;
@@ -78,8 +80,16 @@ struct ModelSection {
   double init_method_std = 0.02;
   double norm_epsilon = 1e-5;
   int64_t make_vocab_size_divisible_by = 128;
+  // Activation recompute, Megatron's flags and rules (its transformer_config.py __post_init__
+  // and arguments.py): --recompute-activations is --recompute-granularity selective;
+  // "full" needs --recompute-method and --recompute-num-layers; "selective" takes
+  // --recompute-modules (default core_attn) and neither of those. RecomputeOptions (recompute.h)
+  // is what the model gets (model_build_options, training_run.cpp).
   bool recompute_activations = false;
-  std::string recompute_granularity;  // "full" (only); implies recompute_activations
+  std::string recompute_granularity;  // "", "full" or "selective"
+  std::string recompute_method;       // "", "uniform" or "block" (full only)
+  int64_t recompute_num_layers = -1;  // -1: unset (Megatron's None)
+  std::vector<std::string> recompute_modules;  // empty: unset, ["core_attn"] under selective
   // The output layer fused with the loss in chunks of the vocabulary (chunked_output.h), never
   // the full logits: Megatron's --cross-entropy-loss-fusion, on by default here (exact to
   // rounding); --no-cross-entropy-loss-fusion computes the logits whole.
@@ -99,7 +109,13 @@ struct ModelSection {
   double mscale = 1.0;
   double mscale_all_dim = 0.0;
   void validate();
+  // The recompute rules that need the MoE section (Megatron's: moe_act only with
+  // --moe-grouped-gemm). Throws as validate().
+  void validate_recompute(const MoeSection& moe) const;
   std::vector<ToolFlag> flags();
+
+ private:
+  void validate_recompute_flags();  // the recompute rules of validate()
 };
 
 // Mixture of experts (Megatron's --moe-* arguments, docs/moe.md). Inert without --num-experts.
