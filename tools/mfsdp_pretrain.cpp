@@ -7,6 +7,8 @@
 // Exit codes: 0 done, 2 bad flags (nothing was started), 1 failure during the run.
 #include <iostream>
 
+#include "mfsdp/comm/simulated_comm.h"
+#include "mfsdp/train/activation_plan.h"
 #include "mfsdp/train/model_memory_plan.h"
 #include "mfsdp/train/pretrain_args.h"
 #include "mfsdp/train/trainer.h"
@@ -29,6 +31,9 @@ int main(int argc, char** argv) {
                                mfsdp::parallel_dims(args, args, comm->size()),
                                mfsdp::shard_options_from_args(args, args, args, args.calculate_per_token_loss),
                                args.num_micro_batches, comm, std::cout);
+      if (comm->rank() == 0 || mfsdp::is_simulated(*comm))
+        mfsdp::print_activation_plan(args, mfsdp::parallel_dims(args, args, comm->size()),
+                                     mfsdp::model_build_options(args, args, args, args, args, false).recompute, std::cout);
     } else {
       mfsdp::pretrain(args, comm, std::cout);
     }

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "harness/counting_allocator.h"
 #include "harness/dist_test.h"
 #include "mfsdp/fsdp/fully_shard.h"
 #include "mfsdp/fsdp/recompute.h"
@@ -25,40 +26,8 @@ namespace {
 
 using mfsdp::RecomputeOptions;
 
-// Counts the bytes the CPU allocator has handed out and not yet got back.
-struct CountingCpuAllocator final : c10::Allocator {
-  c10::Allocator* base = nullptr;
-  std::atomic<int64_t> live{0};
-  struct Block {
-    c10::DataPtr inner;
-    int64_t bytes;
-    CountingCpuAllocator* owner;
-  };
-  static void release(void* p) {
-    auto* b = static_cast<Block*>(p);
-    b->owner->live -= b->bytes;
-    delete b;
-  }
-  c10::DataPtr allocate(size_t n) override {
-    c10::DataPtr inner = base->allocate(n);
-    void* data = inner.get();
-    const c10::Device device = inner.device();
-    live += static_cast<int64_t>(n);
-    return {data, new Block{std::move(inner), static_cast<int64_t>(n), this}, &release, device};
-  }
-  void copy_data(void* dest, const void* src, std::size_t count) const override { default_copy_data(dest, src, count); }
-};
-
-CountingCpuAllocator& counting_allocator() {
-  // Installed once per process and never removed: tensors it allocated may outlive any test.
-  static CountingCpuAllocator* a = [] {
-    auto* c = new CountingCpuAllocator;
-    c->base = c10::GetCPUAllocator();
-    c10::SetCPUAllocator(c, /*priority=*/200);
-    return c;
-  }();
-  return *a;
-}
+using mfsdp::testing::CountingCpuAllocator;
+using mfsdp::testing::counting_allocator;
 
 std::shared_ptr<mfsdp::Communicator> borrow(mfsdp::Communicator& comm) {
   return std::shared_ptr<mfsdp::Communicator>(&comm, [](mfsdp::Communicator*) {});

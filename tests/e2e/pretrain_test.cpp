@@ -241,6 +241,9 @@ TEST(Pretrain, MemoryPlanPrintsWhatTheRunHolds) {
       EXPECT_EQ(plan.output.find("iteration"), std::string::npos) << "training started: " << plan.output;
       EXPECT_NE(plan.output.find(" model.layers.1 "), std::string::npos) << plan.output;
       EXPECT_EQ(planned_bytes_line(plan.output), measured) << plan_command << "\n" << plan.output;
+      // The activations beside the buffers (their formula is tests/dist/activation_plan_test.cpp's).
+      EXPECT_NE(plan.output.find(" activations of one micro-batch (32 tokens on this rank"), std::string::npos)
+          << plan.output;
     }
   }
   // No data and no --train-iters needed for a plan.
