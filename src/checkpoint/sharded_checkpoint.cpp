@@ -154,9 +154,14 @@ std::vector<Piece> pieces_to_save(const FsdpHandle& model, const DistributedOpti
     };
     add(model_key(s.name), s.local);
     if (s.shard_index < 0) continue;
-    for (const auto& [key, tensors] : state)
-      add(optimizer_key(s.name, key),
-          tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel()));
+    // State kept in a narrower dtype than the main weights (bf16 moments) is written upcast, as
+    // Megatron writes its precision-aware optimizer's (get_unscaled_state): a checkpoint holds the
+    // same dtypes whichever way it was trained, and loading rounds back exactly.
+    for (const auto& [key, tensors] : state) {
+      at::Tensor piece = tensors.at(static_cast<size_t>(s.shard_index)).narrow(0, s.shard_offset, s.local.numel());
+      if (at::isReducedFloatingType(piece.scalar_type()) && s.local.scalar_type() == at::kFloat) piece = piece.to(at::kFloat);
+      add(optimizer_key(s.name, key), piece);
+    }
   }
   // Generator states: this rank's own, as U8 tensors.
   auto add_generator = [&](const std::string& label, const at::Generator& gen) {

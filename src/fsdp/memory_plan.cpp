@@ -194,8 +194,10 @@ MemoryPlan plan_memory(const torch::nn::Module& root, const StepShape& step, con
       m.model_weights = g.model_weight_bytes();
       m.main_weights = g.main_weight_bytes();
       m.main_grads = g.main_grad_bytes();
-      m.optimizer_state = step.optimizer_states * g.main_weight_elements() *
-                          static_cast<int64_t>(c10::elementSize(g.main_dtype));
+      m.optimizer_state = g.main_weight_elements() *
+                          (step.optimizer_state_bytes > 0
+                               ? step.optimizer_state_bytes
+                               : step.optimizer_states * static_cast<int64_t>(c10::elementSize(g.main_dtype)));
       m.gathered_weights = g.placement.model_weights == Placement::kSharded ? g.unsharded_bytes() : 0;
       m.unsharded_grads = g.requires_grad ? g.unsharded_bytes() : 0;
       m.grad_accumulator = step.micro_batches > 1 ? g.accumulator_bytes() : 0;  // only between micro-batches

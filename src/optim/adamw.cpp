@@ -7,6 +7,8 @@
 
 #include <cmath>
 #include <sstream>
+#include <string>
+#include <utility>
 #include <stdexcept>
 #include <vector>
 
@@ -27,6 +29,10 @@ void check_options(const AdamWOptions& o) {
   if (!(o.weight_decay >= 0) || !std::isfinite(o.weight_decay)) {
     fail("weight_decay", o.weight_decay, "finite and >= 0");
   }
+  for (const auto& [field, dtype] : {std::pair{"exp_avg_dtype", o.exp_avg_dtype}, {"exp_avg_sq_dtype", o.exp_avg_sq_dtype}})
+    if (dtype && *dtype != at::kFloat && *dtype != at::kBFloat16)
+      throw std::invalid_argument(std::string("AdamWOptions.") + field + " must be float32 or bfloat16, got " +
+                                  c10::toString(*dtype) + " (fp16 and fp8 moments need scaled storage)");
 }
 
 class AdamW final : public ShardOptimizer {
@@ -39,8 +45,12 @@ class AdamW final : public ShardOptimizer {
     // Allocated up front (not at the first step) so checkpoint loading and memory accounting
     // see the state before training starts. Padding stays zero forever.
     for (const OptimizerShard& shard : shards_) {
-      exp_avg_.push_back(at::zeros({shard.main_weight.numel()}, shard.main_weight.options()));
-      exp_avg_sq_.push_back(at::zeros({shard.main_weight.numel()}, shard.main_weight.options()));
+      const at::TensorOptions like = shard.main_weight.options();
+      exp_avg_.push_back(at::zeros({shard.main_weight.numel()}, like.dtype(options_.exp_avg_dtype.value_or(like.dtype().toScalarType()))));
+      exp_avg_sq_.push_back(
+          at::zeros({shard.main_weight.numel()}, like.dtype(options_.exp_avg_sq_dtype.value_or(like.dtype().toScalarType()))));
+      stored_apart_ = stored_apart_ || exp_avg_.back().scalar_type() != like.dtype().toScalarType() ||
+                      exp_avg_sq_.back().scalar_type() != like.dtype().toScalarType();
     }
   }
 
@@ -50,13 +60,32 @@ class AdamW final : public ShardOptimizer {
 
  private:
   void update(double lr, int64_t step) override {
-    if (options_.fused) return update_fused(lr, step);
+    std::vector<size_t> all(shards_.size());
+    for (size_t i = 0; i < all.size(); ++i) all[i] = i;
+    if (!stored_apart_) return update_shards(lr, step, all, exp_avg_, exp_avg_sq_);
+    // Moments stored in another dtype: each shard's upcast, updated as above, rounded back; one
+    // shard's full-precision copies at a time.
+    for (size_t i : all) {
+      const at::ScalarType dtype = shards_[i].main_weight.scalar_type();
+      const std::vector<at::Tensor> m{exp_avg_[i].to(dtype)}, v{exp_avg_sq_[i].to(dtype)};
+      update_shards(lr, step, {i}, m, v);
+      exp_avg_[i].copy_(m[0]);
+      exp_avg_sq_[i].copy_(v[0]);
+    }
+  }
+
+  // Updates shards `which` with moments `exp_avg[k]`, `exp_avg_sq[k]` of shard which[k]
+  // (every shard's own, or their upcast copies).
+  void update_shards(double lr, int64_t step, const std::vector<size_t>& which, const std::vector<at::Tensor>& exp_avg,
+                     const std::vector<at::Tensor>& exp_avg_sq) {
+    if (options_.fused) return update_fused(lr, step, which, exp_avg, exp_avg_sq);
     const double beta1 = options_.beta1, beta2 = options_.beta2;
     const double bias_correction1 = 1 - std::pow(beta1, step);
     const double bias_correction2 = 1 - std::pow(beta2, step);
     const double step_size = lr / bias_correction1;
     const double decay_factor = 1 - lr * options_.weight_decay;
-    for (size_t i = 0; i < shards_.size(); ++i) {
+    for (size_t k = 0; k < which.size(); ++k) {
+      const size_t i = which[k];
       const at::Tensor& weight = shards_[i].main_weight;
       const at::Tensor& grad = shards_[i].main_grad;
       for (const SegmentRun& run : runs_[i]) {
@@ -69,8 +98,8 @@ class AdamW final : public ShardOptimizer {
         }
         at::Tensor p = weight.narrow(0, run.offset, run.length);
         at::Tensor g = grad.narrow(0, run.offset, run.length);
-        at::Tensor m = exp_avg_[i].narrow(0, run.offset, run.length);
-        at::Tensor v = exp_avg_sq_[i].narrow(0, run.offset, run.length);
+        at::Tensor m = exp_avg[k].narrow(0, run.offset, run.length);
+        at::Tensor v = exp_avg_sq[k].narrow(0, run.offset, run.length);
         m.mul_(beta1).add_(g, 1 - beta1);
         v.mul_(beta2).addcmul_(g, g, 1 - beta2);
         // torch: denom = (v.sqrt() / sqrt(bc2)).add_(eps); the same ops, one temporary fewer.
@@ -94,18 +123,20 @@ class AdamW final : public ShardOptimizer {
     }
   };
 
-  void update_fused(double lr, int64_t step) {
+  void update_fused(double lr, int64_t step, const std::vector<size_t>& which, const std::vector<at::Tensor>& exp_avg,
+                    const std::vector<at::Tensor>& exp_avg_sq) {
     FusedLists decay, no_decay;
-    for (size_t i = 0; i < shards_.size(); ++i) {
-      const at::Tensor &w = shards_[i].main_weight, &g = shards_[i].main_grad;
+    for (size_t k = 0; k < which.size(); ++k) {
+      const size_t i = which[k];
+      const at::Tensor &w = shards_[i].main_weight, &g = shards_[i].main_grad, &m = exp_avg[k], &v = exp_avg_sq[k];
       for (const SegmentRun& run : runs_[i]) {
         int64_t at = run.offset;  // the decay ranges lie inside the run, ascending
         for (const ElementRange& r : run.decay) {
-          no_decay.add(w, g, exp_avg_[i], exp_avg_sq_[i], at, r.offset - at);
-          decay.add(w, g, exp_avg_[i], exp_avg_sq_[i], r.offset, r.length);
+          no_decay.add(w, g, m, v, at, r.offset - at);
+          decay.add(w, g, m, v, r.offset, r.length);
           at = r.offset + r.length;
         }
-        no_decay.add(w, g, exp_avg_[i], exp_avg_sq_[i], at, run.offset + run.length - at);
+        no_decay.add(w, g, m, v, at, run.offset + run.length - at);
       }
     }
     auto apply = [&](const FusedLists& lists, double weight_decay) {
@@ -124,6 +155,7 @@ class AdamW final : public ShardOptimizer {
   const AdamWOptions options_;
   std::vector<at::Tensor> exp_avg_;     // per shard: [n], like main_weight
   std::vector<at::Tensor> exp_avg_sq_;  // per shard: [n], like main_weight
+  bool stored_apart_ = false;           // some moment in another dtype than its main weights
 };
 
 }  // namespace

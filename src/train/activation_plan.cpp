@@ -22,10 +22,9 @@ struct LayerTerms {
 LayerTerms terms_of(const LayerActivationShape& s) {
   const double h = static_cast<double>(s.hidden) / static_cast<double>(std::max<int64_t>(s.hidden_split, 1));
   const double a = static_cast<double>(s.heads * s.head_dim), k = static_cast<double>(s.kv_heads * s.head_dim);
-  // Keys and values expanded to every query head are copies, except from a single kv head
-  // (repeat_kv's expand then reshape stays a view).
-  const double expanded = s.kv_heads > 1 ? 2 * (a - k) : 0;
-  return {4 * h + 2 * a + 2 * k, expanded + static_cast<double>(s.heads), 2 * h + 2, 4 * static_cast<double>(s.ffn)};
+  // Core attention keeps a log-sum-exp per head: SDPA matches query heads to their key/value
+  // group itself on the causal path the trainer runs (no mask), so no expanded copy of k and v.
+  return {4 * h + 2 * a + 2 * k, static_cast<double>(s.heads), 2 * h + 2, 4 * static_cast<double>(s.ffn)};
 }
 
 double mib(double bytes) { return bytes / 1048576.0; }

@@ -8,7 +8,12 @@ namespace mfsdp {
 StepShape training_step_shape(const CausalLM& model, const OptimizerSection& optimizer, int64_t micro_batches) {
   StepShape step = model.unit_schedule();
   step.micro_batches = micro_batches;
-  step.optimizer_states = optimizer.optimizer == "adam" ? 2 : (optimizer.sgd_momentum != 0 ? 1 : 0);
+  // Muon keeps three shard-sized states (its momentum, AdamW's two moments for the rest).
+  step.optimizer_states = optimizer.optimizer == "adam"   ? 2
+                          : optimizer.optimizer == "muon" ? 3
+                                                          : (optimizer.sgd_momentum != 0 ? 1 : 0);
+  if (optimizer.optimizer == "adam" && (optimizer.exp_avg_dtype == "bf16" || optimizer.exp_avg_sq_dtype == "bf16"))
+    step.optimizer_state_bytes = (optimizer.exp_avg_dtype == "bf16" ? 2 : 4) + (optimizer.exp_avg_sq_dtype == "bf16" ? 2 : 4);
   return step;
 }
 

@@ -121,6 +121,8 @@ AdamWOptions adamw_options(const OptimizerSection& args, const at::Device& devic
   o.eps = args.adam_eps;
   o.weight_decay = args.weight_decay;
   o.fused = args.optimizer_implementation == "fused" || (args.optimizer_implementation == "auto" && device.is_cuda());
+  if (args.exp_avg_dtype == "bf16") o.exp_avg_dtype = at::kBFloat16;
+  if (args.exp_avg_sq_dtype == "bf16") o.exp_avg_sq_dtype = at::kBFloat16;
   return o;
 }
 }  // namespace

@@ -243,6 +243,59 @@ TEST(AdamW, MatchesTorchAdamWWithDecayGroupsAndPadding) {
   }
 }
 
+// The precision-aware optimizer's bf16 moments (AdamWOptions::exp_avg_dtype and exp_avg_sq_dtype,
+// Megatron's --exp-avg-dtype bf16): each step is AdamW in fp32 from the stored moments, which are
+// then rounded to bf16; the reference here does that per parameter with plain tensor ops. Fused
+// and unfused kernels alike; the state is bf16 (half the bytes) and differs from fp32 moments.
+TEST(AdamW, Bf16MomentsAreTheFp32UpdateRoundedEachStep) {
+  for (const bool fused : {false, true}) {
+    SCOPED_TRACE(fused ? "fused" : "unfused");
+    Packed packed = pack(5);
+    auto comm = std::make_shared<CountingComm>();
+    mfsdp::AdamWOptions options;
+    options.beta1 = 0.8;
+    options.beta2 = 0.95;
+    options.weight_decay = 0.1;
+    options.fused = fused;
+    options.exp_avg_dtype = at::kBFloat16;
+    options.exp_avg_sq_dtype = at::kBFloat16;
+    auto opt = mfsdp::make_adamw({packed.shard}, comm, options);
+    std::vector<at::Tensor> w, m, v;
+    for (const at::Tensor& p : packed.params) {
+      w.push_back(p.detach().clone());
+      m.push_back(at::zeros_like(w.back()));
+      v.push_back(at::zeros_like(w.back()));
+    }
+    for (size_t k = 0; k < kLrs.size(); ++k) {
+      set_grads(packed, static_cast<int>(k));
+      opt->step(kLrs[k]);
+      const double step = static_cast<double>(k + 1), lr = kLrs[k];
+      for (size_t i = 0; i < kParams.size(); ++i) {
+        const at::Tensor g = packed.params[i].grad();
+        // torch::optim::AdamW's ops, in its order (the fp32 update the moments are rounded after).
+        if (kParams[i].weight_decay) w[i].mul_(1 - lr * 0.1);
+        const at::Tensor m32 = m[i].clone().mul_(0.8).add_(g, 0.2), v32 = v[i].clone().mul_(0.95).addcmul_(g, g, 0.05);
+        const at::Tensor denom = v32.sqrt().div_(std::sqrt(1 - std::pow(0.95, step))).add_(1e-8);
+        w[i].addcdiv_(m32, denom, -lr / (1 - std::pow(0.8, step)));
+        m[i] = m32.to(at::kBFloat16).to(at::kFloat);  // stored in bf16
+        v[i] = v32.to(at::kBFloat16).to(at::kFloat);
+      }
+    }
+    check_params(packed.shard.main_weight, w, "weights");
+    auto state = opt->state();
+    ASSERT_EQ(state.size(), 2u);
+    for (const auto& [name, tensors] : state) {
+      ASSERT_EQ(tensors[0].scalar_type(), at::kBFloat16) << name;
+      check_params(tensors[0].to(at::kFloat), name == "exp_avg" ? m : v, name);
+    }
+  }
+  mfsdp::AdamWOptions fp16;
+  fp16.exp_avg_dtype = at::kHalf;
+  Packed packed = pack(6);
+  EXPECT_INVALID(mfsdp::make_adamw({packed.shard}, std::make_shared<CountingComm>(), fp16),
+                 "AdamWOptions.exp_avg_dtype must be float32 or bfloat16, got Half");
+}
+
 // The fused kernel (AdamWOptions::fused) against what torch.optim.AdamW(fused=True) runs: the
 // same at::_fused_adamw_ over each parameter as its own tensor, bit for bit, and against
 // torch::optim::AdamW's separate ops within rounding.

@@ -55,6 +55,9 @@ struct StepShape {
   // Optimizer state tensors per main-weight element, each in the main weights' dtype (AdamW 2,
   // SGD with momentum 1, plain SGD 0).
   int optimizer_states = 2;
+  // Bytes of optimizer state per main-weight element when the states are not all in the main
+  // weights' dtype (bf16 moments: 4); 0: optimizer_states x the main weights' element size.
+  int optimizer_state_bytes = 0;
   // Ranks of the expert_group units' shard group (world / expert-parallel size); 0: none. Under
   // HSDP (plan_memory's `replicas`) the experts have as many replicas as the dense units.
   int expert_data_parallel = 0;

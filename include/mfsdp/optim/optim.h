@@ -14,6 +14,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,12 @@ struct AdamWOptions {
   // (one pass over weights, gradients and moments instead of nine): the same update up to the
   // rounding of its fused arithmetic, which can differ by an ulp where a shard boundary moves.
   bool fused = false;
+  // Megatron's precision-aware optimizer (--use-precision-aware-optimizer, --exp-avg-dtype,
+  // --exp-avg-sq-dtype): the first and second moments stored in this dtype (at::kBFloat16) and
+  // computed in the main weights' dtype a shard at a time (upcast, the same update, rounded back
+  // to nearest), as Transformer Engine's FusedAdam stores them; 2 + 2 bytes a parameter instead
+  // of 4 + 4. Unset: the main weights' dtype. fp16 and fp8 (which TE stores scaled) are refused.
+  std::optional<at::ScalarType> exp_avg_dtype, exp_avg_sq_dtype;
 };
 
 struct SGDOptions {

@@ -7,8 +7,8 @@
 // formula against what runs), with H hidden, A = heads x head_dim, K = kv heads x head_dim, F the
 // MLP width and n the heads:
 //   always            4H + 2A + 2K   (layer input, q/k/v projections' inputs and outputs, RoPE, o_proj's input)
-//   core attention    2(A - K) + n   (the keys and values expanded to every head, the softmax's
-//                                      log-sum-exp; 2(A - K) is 0 with one kv head: a view then)
+//   core attention    n              (the softmax's log-sum-exp; SDPA matches grouped kv heads
+//                                      itself on the trainer's causal path, so no expanded copy)
 //   the two norms     2H + 2         (each normalised row and its reciprocal RMS)
 //   the MLP           4F             (gate, up, silu(gate), their product)
 // Selective recompute drops the pieces it recomputes; full recompute keeps a checkpoint's input

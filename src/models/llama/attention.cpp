@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <tuple>
 
 #include "mfsdp/fsdp/recompute.h"
@@ -66,7 +67,6 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
       return {context_parallelism.attend(q, k_in, v_in, cp.global_positions, cp.key_padding_mask, cp.segment_ids,
                                          scale)};
     const int64_t t = q.size(2), s = k_in.size(2), past = s - t;  // keys: past positions, then the t new ones
-    const at::Tensor k = repeat_kv(k_in, n_rep), v = repeat_kv(v_in, n_rep);
     // Query i sits at position past + i and may see keys 0 .. past + i.
     auto pos = at::TensorOptions().dtype(at::kLong).device(q.device());
     if (sdpa) {
@@ -75,10 +75,19 @@ at::Tensor LlamaAttentionImpl::forward(const at::Tensor& input, const RotaryTabl
       at::Tensor allowed = allowed_in;
       if (!allowed.defined() && past > 0)
         allowed = at::arange(s, pos).unsqueeze(0) <= (at::arange(t, pos) + past).unsqueeze(1);
-      return {at::scaled_dot_product_attention(q, k, v,
-                                               allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt,
-                                               /*dropout_p=*/0.0, /*is_causal=*/!allowed.defined(), scale)};
+      const std::optional<at::Tensor> mask = allowed.defined() ? std::optional<at::Tensor>(allowed) : std::nullopt;
+      // Causal without a mask (pretraining): SDPA matches the query heads to their key/value
+      // group itself (enable_gqa: flash attention on CUDA and the CPU), so no copy of k and v per
+      // query head is made or kept for backward. With a mask CUDA's flash kernel does not apply
+      // and the memory-efficient one has no grouped heads (SDPA would fall back to its math
+      // path), so the keys and values are expanded as before.
+      if (!mask && n_rep > 1)
+        return {at::scaled_dot_product_attention(q, k_in, v_in, std::nullopt, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                                 scale, /*enable_gqa=*/true)};
+      return {at::scaled_dot_product_attention(q, repeat_kv(k_in, n_rep), repeat_kv(v_in, n_rep), mask,
+                                               /*dropout_p=*/0.0, /*is_causal=*/!mask, scale)};
     }
+    const at::Tensor k = repeat_kv(k_in, n_rep), v = repeat_kv(v_in, n_rep);
     at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
     at::Tensor future = allowed_in.defined()
                             ? allowed_in.logical_not()

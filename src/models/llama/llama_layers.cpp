@@ -38,9 +38,15 @@ LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t dim, double eps_in, bool deferred) : 
 }
 
 at::Tensor LlamaRMSNormImpl::forward(const at::Tensor& x) {
+  // ATen's RMSNorm: on CUDA one fused kernel each way (_fused_rms_norm, keeping only the input
+  // and a statistic per row for backward), elsewhere the composition transformers writes, in
+  // fp32. It rounds once, after the weight, as Transformer Engine's fused norm does; transformers
+  // rounds the normalised row to the input's dtype and again after the weight, so the two agree
+  // in fp32 and differ by a rounding in bf16 (tests/unit/fused_ops_test.cpp).
+  if (weight.scalar_type() == x.scalar_type()) return at::rms_norm(x, {weight.size(0)}, weight, eps);
+  // Mixed dtypes: transformers' promotion (ATen's would return the input's dtype).
   at::Tensor h = x.to(at::kFloat);
-  at::Tensor variance = h.pow(2).mean(-1, /*keepdim=*/true);
-  h = h * at::rsqrt(variance + eps);
+  h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return weight * h.to(x.scalar_type());
 }
 

@@ -578,6 +578,23 @@ std::vector<ToolFlag> OptimizerSection::flags() {
                   "optimizer (adam is AdamW; muon: Newton-Schulz orthogonalised momentum for the 2-D weight "
                   "matrices, AdamW for the rest)",
                   {"adam", "sgd", "muon"}),
+      bool_flag("--use-precision-aware-optimizer", use_precision_aware_optimizer,
+                "lets --exp-avg-dtype and --exp-avg-sq-dtype store AdamW's moments in bf16 (Megatron's "
+                "precision-aware optimizer; computed in fp32)"),
+      string_flag("--main-grads-dtype", main_grads_dtype,
+                  "main gradients' dtype with --use-precision-aware-optimizer (bf16 is refused here: they stay fp32)",
+                  {"fp32", "bf16"}),
+      string_flag("--main-params-dtype", main_params_dtype,
+                  "main weights' dtype with --use-precision-aware-optimizer (fp16 is refused here: they stay fp32)",
+                  {"fp32", "fp16"}),
+      string_flag("--exp-avg-dtype", exp_avg_dtype,
+                  "AdamW's first moment stored in this dtype with --use-precision-aware-optimizer (fp16 and fp8 "
+                  "are refused: Transformer Engine stores them scaled)",
+                  {"fp32", "fp16", "bf16", "fp8"}),
+      string_flag("--exp-avg-sq-dtype", exp_avg_sq_dtype,
+                  "AdamW's second moment stored in this dtype with --use-precision-aware-optimizer (as "
+                  "--exp-avg-dtype)",
+                  {"fp32", "fp16", "bf16", "fp8"}),
       double_flag("--muon-momentum", muon_momentum, "Muon's momentum"),
       bool_flag("--muon-no-split-qkv", muon_split_qkv,
                 "Muon on the fused q/k/v matrix (refused: q, k and v are separate matrices here, orthogonalised "
@@ -622,6 +639,25 @@ void OptimizerSection::validate() const {
   if (optimizer_implementation == "fused" && optimizer != "adam")
     flag_error("--optimizer-implementation", "fused is AdamW's kernel; --optimizer " + optimizer + " has none");
   if (min_lr > lr) flag_error("--min-lr", "is larger than --lr");
+  // Megatron's OptimizerConfig rules, then what this build stores.
+  const std::pair<const char*, const std::string*> dtypes[] = {{"--main-grads-dtype", &main_grads_dtype},
+                                                               {"--main-params-dtype", &main_params_dtype},
+                                                               {"--exp-avg-dtype", &exp_avg_dtype},
+                                                               {"--exp-avg-sq-dtype", &exp_avg_sq_dtype}};
+  for (const auto& [flag, value] : dtypes)
+    if (*value != "fp32" && !use_precision_aware_optimizer)
+      flag_error(flag, "can only be fp32 without --use-precision-aware-optimizer, got " + *value);
+  if (use_precision_aware_optimizer && optimizer != "adam")
+    flag_error("--use-precision-aware-optimizer", "is only supported with --optimizer adam, not " + optimizer);
+  if (main_grads_dtype != "fp32")
+    flag_error("--main-grads-dtype", main_grads_dtype + " is not supported: the main gradients stay fp32 here "
+                                     "(--grad-reduce-in-bf16 reduces them in bf16)");
+  if (main_params_dtype != "fp32")
+    flag_error("--main-params-dtype", main_params_dtype + " is not supported: the main weights stay fp32 here");
+  for (const auto& [flag, value] : {dtypes[2], dtypes[3]})
+    if (*value == "fp16" || *value == "fp8")
+      flag_error(flag, *value + " is not supported: Transformer Engine stores fp16 and fp8 moments scaled, which "
+                                "this build does not; bf16 halves them");
   if (optimizer == "muon") {
     if (!(muon_momentum >= 0 && muon_momentum < 1)) flag_error("--muon-momentum", "must be in [0, 1), got " + number(muon_momentum));
     positive("--muon-num-ns-steps", muon_num_ns_steps);

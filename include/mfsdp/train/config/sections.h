@@ -210,6 +210,9 @@ struct OptimizerSection {
   bool muon_use_syrk = false;
   double muon_extra_scale_factor = 1.0;
   std::string muon_scalar_optimizer = "adam";
+  // Megatron's precision-aware optimizer (AdamWOptions::exp_avg_dtype): the moments in bf16.
+  bool use_precision_aware_optimizer = false;
+  std::string main_grads_dtype = "fp32", main_params_dtype = "fp32", exp_avg_dtype = "fp32", exp_avg_sq_dtype = "fp32";
   void validate() const;
   std::vector<ToolFlag> flags();
 };
