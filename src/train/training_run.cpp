@@ -137,10 +137,9 @@ ModelBuildOptions model_build_options(const ModelSection& model, const MoeSectio
   if (model.recompute_granularity == "selective") {
     options.recompute = RecomputeOptions::selective(model.recompute_modules);
   } else if (model.recompute_granularity == "full") {
-    options.recompute.granularity = RecomputeOptions::Granularity::kFull;
-    options.recompute.method =
-        model.recompute_method == "block" ? RecomputeOptions::Method::kBlock : RecomputeOptions::Method::kUniform;
-    options.recompute.num_layers = model.recompute_num_layers;
+    options.recompute = RecomputeOptions::full_layers(
+        model.recompute_method == "block" ? RecomputeOptions::Method::kBlock : RecomputeOptions::Method::kUniform,
+        model.recompute_num_layers);
   }
   options.init_seed = static_cast<uint64_t>(training.seed);
   options.moe = moe_training_from_args(moe);

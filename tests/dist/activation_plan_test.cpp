@@ -45,13 +45,6 @@ int64_t kept_bytes(const Shape& s, int64_t layers, int64_t batch, int64_t seq, c
   return counter.live.load() - before;
 }
 
-RecomputeOptions full(RecomputeOptions::Method method, int64_t n) {
-  RecomputeOptions r;
-  r.granularity = RecomputeOptions::Granularity::kFull;
-  r.method = method;
-  r.num_layers = n;
-  return r;
-}
 
 TEST(ActivationPlan, EqualsWhatTheLayersKeep) {
   const std::vector<std::pair<std::string, RecomputeOptions>> modes = {
@@ -60,9 +53,9 @@ TEST(ActivationPlan, EqualsWhatTheLayersKeep) {
       {"layernorm", RecomputeOptions::selective({"layernorm"})},
       {"mlp", RecomputeOptions::selective({"mlp"})},
       {"core_attn layernorm mlp", RecomputeOptions::selective({"core_attn", "layernorm", "mlp"})},
-      {"full uniform 1", full(RecomputeOptions::Method::kUniform, 1)},
-      {"full uniform 2", full(RecomputeOptions::Method::kUniform, 2)},
-      {"full block 1", full(RecomputeOptions::Method::kBlock, 1)}};
+      {"full uniform 1", RecomputeOptions::full_layers(RecomputeOptions::Method::kUniform, 1)},
+      {"full uniform 2", RecomputeOptions::full_layers(RecomputeOptions::Method::kUniform, 2)},
+      {"full block 1", RecomputeOptions::full_layers(RecomputeOptions::Method::kBlock, 1)}};
   for (const Shape& s : {Shape{48, 80, 6, 3, 0}, Shape{40, 72, 4, 1, 12}, Shape{64, 64, 8, 8, 0}}) {
     mfsdp::LayerActivationShape shape;
     shape.hidden = s.hidden;
@@ -85,8 +78,8 @@ TEST(ActivationPlan, RecomputeKeepsLessAndHoldsOneCheckpointAgain) {
   mfsdp::LayerActivationShape shape{64, 128, 8, 2, 8};
   const int64_t tokens = 1000;
   const auto none = mfsdp::plan_activations(shape, 8, tokens, 4, {});
-  const auto uniform = mfsdp::plan_activations(shape, 8, tokens, 4, full(RecomputeOptions::Method::kUniform, 2));
-  const auto block = mfsdp::plan_activations(shape, 8, tokens, 4, full(RecomputeOptions::Method::kBlock, 3));
+  const auto uniform = mfsdp::plan_activations(shape, 8, tokens, 4, RecomputeOptions::full_layers(RecomputeOptions::Method::kUniform, 2));
+  const auto block = mfsdp::plan_activations(shape, 8, tokens, 4, RecomputeOptions::full_layers(RecomputeOptions::Method::kBlock, 3));
   // Uniform 2: 4 checkpoints of 64 elements a token; two whole layers again during a backward.
   EXPECT_EQ(uniform.kept_bytes, 4 * 64 * tokens * 4);
   EXPECT_EQ(uniform.recompute_bytes, 2 * none.kept_bytes / 8);

@@ -104,13 +104,6 @@ Outcome run(mfsdp::Communicator& comm, Kind kind, const RecomputeOptions& recomp
   return out;
 }
 
-RecomputeOptions full(RecomputeOptions::Method method, int64_t n) {
-  RecomputeOptions r;
-  r.granularity = RecomputeOptions::Granularity::kFull;
-  r.method = method;
-  r.num_layers = n;
-  return r;
-}
 
 void check_modes(mfsdp::Communicator& comm, Kind kind, const std::vector<std::vector<std::string>>& selective) {
   const Outcome none = run(comm, kind, {});
@@ -120,9 +113,9 @@ void check_modes(mfsdp::Communicator& comm, Kind kind, const std::vector<std::ve
     for (const auto& m : modules) name += " " + m;
     modes.emplace_back(name, RecomputeOptions::selective(modules));
   }
-  modes.emplace_back("full uniform 1", full(RecomputeOptions::Method::kUniform, 1));
-  modes.emplace_back("full uniform 2", full(RecomputeOptions::Method::kUniform, 2));
-  modes.emplace_back("full block 1", full(RecomputeOptions::Method::kBlock, 1));
+  modes.emplace_back("full uniform 1", RecomputeOptions::full_layers(RecomputeOptions::Method::kUniform, 1));
+  modes.emplace_back("full uniform 2", RecomputeOptions::full_layers(RecomputeOptions::Method::kUniform, 2));
+  modes.emplace_back("full block 1", RecomputeOptions::full_layers(RecomputeOptions::Method::kBlock, 1));
   for (const auto& [name, options] : modes) {
     SCOPED_TRACE(name + ", " + std::to_string(comm.size()) + " rank(s)");
     const Outcome r = run(comm, kind, options);
@@ -160,10 +153,10 @@ MFSDP_DIST_TEST(RecomputeModes, MlaLlamaMatchesNoRecompute, {1, 2}) {
 // block that recomputed the wrong count of layers fails here.
 MFSDP_DIST_TEST(RecomputeModes, BlockRecomputesOnlyTheFirstLayers, {1}) {
   const Outcome none = run(comm, Kind::kDense, {});
-  const Outcome block1 = run(comm, Kind::kDense, full(RecomputeOptions::Method::kBlock, 1));
-  const Outcome block2 = run(comm, Kind::kDense, full(RecomputeOptions::Method::kBlock, 2));
-  const Outcome block4 = run(comm, Kind::kDense, full(RecomputeOptions::Method::kBlock, 4));
-  const Outcome uniform1 = run(comm, Kind::kDense, full(RecomputeOptions::Method::kUniform, 1));
+  const Outcome block1 = run(comm, Kind::kDense, RecomputeOptions::full_layers(RecomputeOptions::Method::kBlock, 1));
+  const Outcome block2 = run(comm, Kind::kDense, RecomputeOptions::full_layers(RecomputeOptions::Method::kBlock, 2));
+  const Outcome block4 = run(comm, Kind::kDense, RecomputeOptions::full_layers(RecomputeOptions::Method::kBlock, 4));
+  const Outcome uniform1 = run(comm, Kind::kDense, RecomputeOptions::full_layers(RecomputeOptions::Method::kUniform, 1));
   // Each layer recomputed gives back the same bytes (the layers are alike): linear in N.
   const int64_t per_layer = none.kept_bytes - block1.kept_bytes;
   EXPECT_GT(per_layer, 0);

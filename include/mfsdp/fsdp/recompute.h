@@ -40,12 +40,16 @@ struct RecomputeOptions {
   bool mla_up_proj = false;     // MLA's query/key-value up projections and RoPE
   bool shared_experts = false;  // an MoE block's shared expert (with its gate)
 
-  // Full recompute of every layer, one checkpoint each (the former recompute_layers = true).
-  static RecomputeOptions every_layer() {
+  // Full recompute by `method` in groups (uniform) or of the first (block) `num_layers` layers.
+  static RecomputeOptions full_layers(Method method, int64_t num_layers) {
     RecomputeOptions o;
     o.granularity = Granularity::kFull;
+    o.method = method;
+    o.num_layers = num_layers;
     return o;
   }
+  // Full recompute of every layer, one checkpoint each (the former recompute_layers = true).
+  static RecomputeOptions every_layer() { return full_layers(Method::kUniform, 1); }
   // Selective recompute of Megatron's module names; throws std::invalid_argument naming the first
   // name that is not one of the seven above.
   static RecomputeOptions selective(const std::vector<std::string>& modules);
