@@ -126,16 +126,21 @@ struct OrthoMatrix {
   std::vector<std::array<int64_t, 3>> parts;  // owned: {recv offset, param offset, length}
 };
 
-// One rank's sharded Muon pieces: "name\trows\tcols\tparam_offset\tlength\n" per piece.
+// One rank's sharded Muon pieces: "name\trows\tcols\tparam_offset\tlength\tsplit\n" per piece.
+// The split (the holder's tensor-parallel dim, -1: none) travels with the piece: an owner may
+// hold no piece of a matrix it owns (an expert of another expert-parallel rank), so only the
+// holders know from their plan how it is split.
 struct WirePiece {
   std::string name;
   int64_t rows, cols, param_offset, length;
+  int split;
 };
 
 std::string encode_pieces(const std::vector<WirePiece>& pieces) {
   std::ostringstream s;
   for (const WirePiece& p : pieces)
-    s << p.name << '\t' << p.rows << '\t' << p.cols << '\t' << p.param_offset << '\t' << p.length << '\n';
+    s << p.name << '\t' << p.rows << '\t' << p.cols << '\t' << p.param_offset << '\t' << p.length << '\t' << p.split
+      << '\n';
   return s.str();
 }
 
@@ -148,7 +153,7 @@ std::vector<WirePiece> decode_pieces(const std::string& text) {
     WirePiece p;
     p.name = line.substr(0, tab);
     std::istringstream nums(line.substr(tab + 1));
-    nums >> p.rows >> p.cols >> p.param_offset >> p.length;
+    nums >> p.rows >> p.cols >> p.param_offset >> p.length >> p.split;
     out.push_back(p);
   }
   return out;
@@ -239,7 +244,7 @@ class Muon final : public ShardOptimizer {
           piece.matrix = static_cast<int>(matrices_.size());
           matrices_.push_back({p.name, p.shape[0], p.shape[1], split_of(p.name), {}});
         } else {
-          wire_.push_back({p.name, p.shape[0], p.shape[1], p.param_offset, p.length});
+          wire_.push_back({p.name, p.shape[0], p.shape[1], p.param_offset, p.length, split_of(p.name)});
         }
         pieces_.push_back(piece);
       }
@@ -261,6 +266,7 @@ class Muon final : public ShardOptimizer {
     struct Global {
       std::string name;
       int64_t rows, cols;
+      int split;
       std::vector<std::array<int64_t, 3>> pieces;  // {rank, param offset, length}
     };
     std::vector<Global> globals;
@@ -268,11 +274,12 @@ class Muon final : public ShardOptimizer {
     for (int r = 0; r < world; ++r)
       for (const WirePiece& p : by_rank[r]) {
         auto [it, fresh] = index.emplace(p.name, globals.size());
-        if (fresh) globals.push_back({p.name, p.rows, p.cols, {}});
+        if (fresh) globals.push_back({p.name, p.rows, p.cols, p.split, {}});
         Global& g = globals[it->second];
-        if (g.rows != p.rows || g.cols != p.cols)
+        if (g.rows != p.rows || g.cols != p.cols || g.split != p.split)
           muon_fail("matrix '" + p.name + "' is [" + std::to_string(g.rows) + ", " + std::to_string(g.cols) +
-                    "] on one rank and [" + std::to_string(p.rows) + ", " + std::to_string(p.cols) + "] on rank " +
+                    "] split along " + std::to_string(g.split) + " on one rank and [" + std::to_string(p.rows) + ", " +
+                    std::to_string(p.cols) + "] split along " + std::to_string(p.split) + " on rank " +
                     std::to_string(r));
         g.pieces.push_back({r, p.param_offset, p.length});
       }
@@ -322,7 +329,7 @@ class Muon final : public ShardOptimizer {
     for (size_t k = 0; k < globals.size(); ++k)
       if (owner(k) == rank) {
         owned[k] = matrices_.size();
-        matrices_.push_back({globals[k].name, globals[k].rows, globals[k].cols, split_of(globals[k].name), {}});
+        matrices_.push_back({globals[k].name, globals[k].rows, globals[k].cols, globals[k].split, {}});
       }
     pos = 0;
     for (int r = 0; r < world; ++r) {

@@ -164,6 +164,14 @@ TEST(Pretrain, MuonTrainsAlikeOnEveryLayout) {
   const auto blockwise = train_losses(2, fp32 + tp + " --muon-tp-mode blockwise");
   ASSERT_EQ(blockwise.size(), one.size());
   EXPECT_GT(std::abs(blockwise.back() - one.back()), 1e-4) << "blockwise gave the whole-matrix update";
+  // Experts: each expert's matrices by themselves, over expert parallelism and, under TP 2
+  // (expert-TP 2, Megatron's default), put together whole from their slices by an owner that
+  // may hold none of them (an expert of the other expert-parallel rank).
+  const std::string moe = " --num-experts 4 --moe-router-topk 2 --moe-ffn-hidden-size 16 --moe-grouped-gemm";
+  const auto moe_one = train_losses(1, fp32 + moe);
+  expect_same(train_losses(2, fp32 + moe + " --expert-model-parallel-size 2"), moe_one, "muon, expert-parallel 2");
+  expect_same(train_losses(4, fp32 + moe + tp + " --sequence-parallel --expert-model-parallel-size 2"), moe_one,
+              "muon, TP 2 x EP 2 (expert-TP 2)");
   EXPECT_NE(train_losses(1, " --optimizer adam --lr 2e-2 --min-lr 2e-3"), bf16) << "--optimizer muon did not reach the run";
   for (const auto& [flags, expected] : std::vector<std::pair<std::string, std::string>>{
            {muon + " --muon-no-split-qkv", "--muon-no-split-qkv: is not supported"},
