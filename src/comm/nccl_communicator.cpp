@@ -402,8 +402,19 @@ class NcclCommunicator : public Communicator {
     ncclComm_t child = nullptr;
     try {
       gate_.issue<CommError>([&] {
-        const ncclResult_t r = ncclCommSplit(comm_, ranks.front(), plan.my_index, &child, &config);
-        nccl_wait(r, child != nullptr ? child : comm_, Clock::now() + timeout_, context);
+        const Clock::time_point deadline = Clock::now() + timeout_;
+        // Nonblocking split, as c10d's NCCLComm::split waits for it: first the parent out of
+        // ncclInProgress; then the child's handle, which NCCL's background job writes into
+        // `child` later still (NCCL 2.23+; NVIDIA/nccl issue 1472; on one H200 with NCCL
+        // 2.28.9 it was still null after the parent's wait); then the child ready.
+        nccl_wait(ncclCommSplit(comm_, ranks.front(), plan.my_index, &child, &config), comm_, deadline, context);
+        int polls = 0;
+        while (__atomic_load_n(&child, __ATOMIC_ACQUIRE) == nullptr) {
+          if (Clock::now() > deadline)
+            throw CommError(context + ": ncclCommSplit gave no communicator by the timeout");
+          if (++polls > 100) std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        nccl_wait(ncclInProgress, child, deadline, context);
       });
     } catch (const CommError& e) {
       if (!gate_.aborted()) abort_communicator(e.what());

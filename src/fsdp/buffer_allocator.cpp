@@ -18,8 +18,12 @@ size_t aligned(size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
 
 // c10::Allocator::allocate takes no device: CUDA's caching allocator uses the thread's current
 // one. So `device` is made current around it; otherwise a rank whose thread still had cuda:0
-// current got cuda:0 memory under tensors saying cuda:<rank>. (at::empty guards itself.)
+// current got cuda:0 memory under tensors saying cuda:<rank>. (at::empty guards itself.) The
+// device type is initialised first, as at::empty does: CUDA's caching allocator has no
+// per-device state before it (an internal assert, "Allocator not initialized for device", on an
+// H200 with torch 2.11 when a buffer was the process's first CUDA memory).
 c10::DataPtr plain_allocation(size_t bytes, c10::Device device) {
+  if (device.is_cuda()) at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
   const c10::OptionalDeviceGuard guard(device.has_index() ? std::optional<c10::Device>(device) : std::nullopt);
   return c10::GetAllocator(device.type())->allocate(bytes);
 }
